@@ -1,0 +1,24 @@
+"""eqxckpt: Equinox-native, path-aware checkpoints for JAX.
+
+```python
+import eqxckpt
+eqxckpt.save("ckpt/step_100", {"model": model, "opt_state": opt_state})
+model = eqxckpt.load("ckpt/step_100", like=model_skeleton, at="model")
+```
+"""
+
+__version__ = "0.1.0"
+
+from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray, open as open
+from ._errors import (
+    CheckpointError as CheckpointError,
+    CheckpointExistsError as CheckpointExistsError,
+    CheckpointNotFoundError as CheckpointNotFoundError,
+    CorruptCheckpointError as CorruptCheckpointError,
+    IncompleteCheckpointError as IncompleteCheckpointError,
+    ManifestError as ManifestError,
+    PathError as PathError,
+    StructureMismatchError as StructureMismatchError,
+)
+from ._load import load as load
+from ._save import SaveHandle as SaveHandle, save as save

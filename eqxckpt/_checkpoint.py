@@ -1,0 +1,249 @@
+"""`open`: a read-only, lazy view of a committed checkpoint."""
+
+import difflib
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from ._errors import CorruptCheckpointError
+from ._manifest import LeafRecord, Manifest, read_manifest, scalar_from_json
+from ._paths import normalize_at, relative_to
+from ._store import Location, make_context, read_spec, resolve
+
+
+class Checkpoint:
+    """A committed checkpoint: its leaves, their shapes and dtypes, and metadata.
+
+    Nothing is read from the arrays until you ask for values.
+
+    ```python
+    ckpt = eqxckpt.open("ckpt/step_100")
+    ckpt.paths                      # ['model/layers/0/weight', ...]
+    ckpt.metadata["step"]           # 100
+    w = ckpt["model/layers/0/weight"]  # LazyArray: shape and dtype, no data yet
+    w.get()                         # numpy array
+    ```
+    """
+
+    def __init__(self, location: Location, manifest: Manifest):
+        self.location = location
+        self.manifest = manifest
+        self._records = {leaf.path: leaf for leaf in manifest.leaves}
+        self._context = make_context()
+
+    # -- description -------------------------------------------------------------
+
+    @property
+    def paths(self) -> list[str]:
+        """Every leaf path, in the order they were saved."""
+        return list(self._records)
+
+    @property
+    def metadata(self) -> dict:
+        """The user metadata passed to `save`."""
+        return self.manifest.metadata
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of all stored arrays."""
+        return sum(r.nbytes for r in self._records.values())
+
+    def leaf(self, path: str) -> LeafRecord:
+        """The manifest record of one leaf; a `KeyError` suggests near names."""
+        try:
+            return self._records[path]
+        except KeyError:
+            close = difflib.get_close_matches(path, self._records, n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise KeyError(f"No leaf {path!r} in {self.location}.{hint}") from None
+
+    def records(self, at: str | None = None) -> dict[str, LeafRecord]:
+        """``{path relative to at: record}`` for the leaves under ``at``."""
+        prefix = normalize_at(at)
+        out = {}
+        for path, record in self._records.items():
+            rel = relative_to(path, prefix)
+            if rel is not None:
+                out[rel] = record
+        return out
+
+    def __contains__(self, path: str) -> bool:
+        return path in self._records
+
+    def __iter__(self):
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.location)!r}, {len(self)} leaves, {self.nbytes} bytes)"
+
+    # -- values ------------------------------------------------------------------
+
+    def __getitem__(self, path: str) -> Any:
+        """A leaf (`LazyArray`, or the scalar itself) or, for a prefix, a subtree."""
+        if path in self._records:
+            return self._value(self._records[path])
+        if self.records(path):
+            return self.tree(at=path)
+        self.leaf(path)  # raises a KeyError with suggestions
+
+    def tree(self, at: str | None = None) -> Any:
+        """Nested dicts/lists of `LazyArray`s and scalars, rebuilt from the manifest."""
+        from ._load import build_plain_tree
+
+        records = self.records(at)
+        depth = len(normalize_at(at).split("/")) if normalize_at(at) else 0
+        return build_plain_tree([(r, self._value(r)) for r in records.values()], depth)
+
+    def _value(self, record: LeafRecord) -> Any:
+        if record.is_stored:
+            return LazyArray(self, record)
+        if record.kind == "scalar":
+            return scalar_from_json(record.type_name, record.value)
+        return None  # opaque: only its type is known; load() takes it from `like`
+
+    # -- storage -----------------------------------------------------------------
+
+    def open_array(self, record: LeafRecord) -> ts.Future:
+        """Start opening a leaf's stored array (validate it with `checked`)."""
+        return ts.open(read_spec(self.location.child(record.path)), context=self._context, read=True)
+
+    def checked(self, record: LeafRecord, opened: ts.Future) -> ts.TensorStore:
+        """The opened array, after checking it is what the manifest says."""
+        try:
+            store = opened.result()
+        except Exception as e:
+            raise corrupt(record, e) from None
+        shape, dtype = tuple(store.shape), store.dtype.numpy_dtype.name
+        if shape != record.data_shape or dtype != record.dtype:
+            raise CorruptCheckpointError(
+                f"Leaf {record.path!r} is corrupt: the manifest says {record.dtype}{list(record.data_shape)} "
+                f"but the stored array is {dtype}{list(shape)}. Restore the checkpoint from a copy or "
+                "load an earlier one."
+            )
+        return store
+
+
+def corrupt(record: LeafRecord, error: Exception) -> CorruptCheckpointError:
+    """The error for a leaf whose stored data cannot be read back intact."""
+    return CorruptCheckpointError(
+        f"Leaf {record.path!r} is corrupt or missing on disk: {error}. Restore the checkpoint "
+        "from a copy or load an earlier one; `eqxckpt inspect` still shows what it held."
+    )
+
+
+def wrap_prng(record: LeafRecord, data: Any) -> jax.Array:
+    """Typed PRNG keys are stored as key data; turn them back into keys."""
+    return jax.random.wrap_key_data(data, impl=record.impl)
+
+
+class LazyArray:
+    """One stored array: ``shape``, ``dtype`` and ``nbytes`` now, data on ``get()``.
+
+    Indexing (``lazy[0, :4]``) and ``astype`` are deferred too, so only the
+    selected elements are ever read.
+
+    ```python
+    w = eqxckpt.open("ckpt")["model/layers/0/weight"]
+    w.shape, w.dtype          # no I/O beyond the manifest
+    w[:2].astype("float32").get()
+    ```
+    """
+
+    def __init__(self, checkpoint: Checkpoint, record: LeafRecord, index: Any = (), dtype: Any = None):
+        self.checkpoint = checkpoint
+        self.record = record
+        self._index = index
+        self._dtype = None if dtype is None else np.dtype(dtype)
+
+    @property
+    def path(self) -> str:
+        return self.record.path
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = self.record.shape
+        if self._index == ():
+            return shape
+        return np.broadcast_to(np.empty((), np.int8), shape)[self._index].shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        if self._dtype is not None:
+            return self._dtype
+        return jax.random.key(0, impl=self.record.impl).dtype if self.record.kind == "prng_key" else np.dtype(self.record.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        if self.record.kind == "prng_key":
+            return int(np.prod(self.shape + self.record.key_shape)) * np.dtype(self.record.dtype).itemsize
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def __getitem__(self, index: Any) -> "LazyArray":
+        if self._index != ():
+            raise NotImplementedError("Index a LazyArray once; combine the indices into one expression.")
+        if self.record.kind == "prng_key":
+            raise NotImplementedError("Slicing lazy PRNG key arrays is not supported; get() the whole array.")
+        return LazyArray(self.checkpoint, self.record, index, self._dtype)
+
+    def astype(self, dtype: Any) -> "LazyArray":
+        """A lazy cast: the conversion happens on ``get()``."""
+        return LazyArray(self.checkpoint, self.record, self._index, dtype)
+
+    def _start(self) -> ts.Future:
+        store = self.checkpoint.checked(self.record, self.checkpoint.open_array(self.record))
+        return (store[self._index] if self._index != () else store).read()
+
+    def _finish(self, data: np.ndarray) -> Any:
+        if self.record.kind == "prng_key":
+            return wrap_prng(self.record, data)
+        if self._dtype is not None:
+            data = data.astype(self._dtype)
+        return data
+
+    def get(self) -> Any:
+        """Read the data (a numpy array; a jax key array for PRNG keys)."""
+        try:
+            data = self._start().result()
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:
+            raise corrupt(self.record, e) from None
+        return self._finish(data)
+
+    async def get_async(self) -> Any:
+        """``await lazy.get_async()``: read without blocking the event loop."""
+        try:
+            data = await self._start()
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:
+            raise corrupt(self.record, e) from None
+        return self._finish(data)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        data = np.asarray(self.get())
+        return data if dtype is None else data.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"LazyArray({self.path!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def open(path: Any) -> Checkpoint:  # noqa: A001 - public name fixed by the design
+    """Open a committed checkpoint read-only, without reading any array.
+
+    ```python
+    ckpt = eqxckpt.open("ckpt/step_100")
+    print(ckpt.paths, ckpt.metadata)
+    ```
+    """
+    location = resolve(path)
+    return Checkpoint(location, read_manifest(location))

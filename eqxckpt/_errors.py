@@ -1,0 +1,33 @@
+"""The exceptions eqxckpt raises. Every one derives from `CheckpointError`."""
+
+
+class CheckpointError(Exception):
+    """Base class of every error eqxckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """Nothing that looks like a checkpoint exists at the given path."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The directory exists but was never committed (no manifest): an interrupted save."""
+
+
+class ManifestError(CheckpointError):
+    """The manifest is unreadable, malformed, unsafe, or of an unknown format version."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A leaf's stored data is missing, truncated, or fails its checksum."""
+
+
+class PathError(CheckpointError, ValueError):
+    """A key cannot be turned into a safe, unique path (collision, bad type)."""
+
+
+class StructureMismatchError(CheckpointError, ValueError):
+    """The checkpoint and `like` disagree: missing, unexpected or mismatched leaves."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """Saving would replace an existing checkpoint and `overwrite=False`."""

@@ -1,0 +1,252 @@
+"""`load`: restore a checkpoint, or a subtree of it, into the shape of ``like``."""
+
+import functools
+import warnings
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._checkpoint import Checkpoint, corrupt, open, wrap_prng
+from ._errors import CheckpointError, CorruptCheckpointError, StructureMismatchError
+from ._manifest import LeafRecord, scalar_from_json, scalar_to_json
+from ._paths import normalize_at
+from ._tree import SCALAR_TYPES, describe_like, flatten, is_array_like, is_prng_key_dtype
+
+MAX_LISTED = 50
+
+
+def resolve_like(like: Any) -> Any:
+    """A constructor becomes its `eqx.filter_eval_shape` skeleton: no memory spent."""
+    # A bare function is a pytree leaf; modules (even callable ones) are trees.
+    if callable(like) and not isinstance(like, eqx.Module) and jax.tree_util.tree_leaves(like) == [like]:
+        return eqx.filter_eval_shape(like)
+    return like
+
+
+@functools.cache
+def _key_dtype(impl: str) -> Any:
+    return jax.random.key(0, impl=impl).dtype
+
+
+def _mismatch(record: LeafRecord, target: Any, cast: bool) -> str | None:
+    """Why ``record`` cannot restore into ``target``, or None if it can."""
+    found = f"found {record.describe()}"
+    expected = f"expected {describe_like(target)}"
+    if is_array_like(target):
+        if not record.is_stored:
+            return f"{expected}, {found}"
+        if is_prng_key_dtype(target.dtype):
+            if record.kind != "prng_key" or _key_dtype(record.impl) != target.dtype:
+                return f"{expected}, {found}"
+        elif record.kind != "array":
+            return f"{expected}, {found}"
+        elif np.dtype(target.dtype).name != record.dtype and not cast:
+            return f"{expected}, {found} (pass cast=True to convert)"
+        if tuple(np.shape(target)) != record.shape:
+            return f"{expected}, {found}"
+        return None
+    if isinstance(target, SCALAR_TYPES):
+        if record.kind != "scalar" or record.type_name != scalar_to_json(target)[0]:
+            return f"{expected}, {found}"
+        return None
+    if record.kind != "opaque":
+        return f"{expected}, {found}"
+    return None
+
+
+def _report(location: Any, at: str, missing, unexpected, mismatched) -> str:
+    where = f"{location}" + (f" (at={at!r})" if at else "")
+    lines = [f"Checkpoint {where} does not match `like`:"]
+    for title, rows in (
+        ("missing from the checkpoint", missing),
+        ("in the checkpoint but not in `like`", unexpected),
+        ("shape/dtype/kind mismatch", mismatched),
+    ):
+        if rows:
+            lines.append(f"  {title} ({len(rows)}):")
+            lines.extend(f"    {path or '<root>'}: {what}" for path, what in rows[:MAX_LISTED])
+            if len(rows) > MAX_LISTED:
+                lines.append(f"    ... and {len(rows) - MAX_LISTED} more")
+    lines.append(
+        "To restore anyway: at='prefix' selects a subtree, strict=False keeps `like`'s values for "
+        "missing leaves and ignores extra ones, cast=True converts dtypes, transforms remap paths."
+    )
+    return "\n".join(lines)
+
+
+def _to_target(record: LeafRecord, target: Any, data: np.ndarray) -> Any:
+    if record.kind == "prng_key":
+        value = wrap_prng(record, data)
+        sharding = getattr(target, "sharding", None)
+        return value if sharding is None else jax.device_put(value, sharding)
+    if target is None:  # like=None: as it was saved
+        if record.array_type == "numpy":
+            return data
+        if record.array_type == "numpy_scalar":
+            return data[()]
+        return jnp.asarray(data)
+    if data.dtype != np.dtype(target.dtype):
+        data = data.astype(target.dtype)
+    if isinstance(target, np.ndarray):
+        return data
+    if isinstance(target, np.generic):
+        return data[()]
+    sharding = getattr(target, "sharding", None)
+    return jax.device_put(data, sharding) if sharding is not None else jnp.asarray(data)
+
+
+def _sharded(target: Any) -> bool:
+    sharding = getattr(target, "sharding", None)
+    return sharding is not None and len(sharding.device_set) > 1
+
+
+def _read(checkpoint: Checkpoint, reads: list[tuple[LeafRecord, Any]]) -> list[Any]:
+    """Read every selected leaf; all opens and reads run concurrently."""
+    opens = [checkpoint.open_array(record) for record, _ in reads]
+    stores = [checkpoint.checked(record, opened) for (record, _), opened in zip(reads, opens)]
+    # Sharded targets read only each device's slice, inside the callback below.
+    pending = [
+        None if _sharded(target) and record.kind == "array" else store.read()
+        for (record, target), store in zip(reads, stores)
+    ]
+    values = []
+    for (record, target), store, future in zip(reads, stores, pending):
+        try:
+            if future is None:
+                dtype = np.dtype(target.dtype)
+                value = jax.make_array_from_callback(
+                    record.shape, target.sharding, lambda idx, s=store: s[idx].read().result().astype(dtype, copy=False)
+                )
+            else:
+                value = _to_target(record, target, future.result())
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:
+            raise corrupt(record, e) from None
+        values.append(value)
+    return values
+
+
+class _Node(dict):
+    """A container being rebuilt from key records; ``kind`` says dict or list."""
+
+    kind = "dict"
+
+
+def build_plain_tree(pairs: list[tuple[LeafRecord, Any]], depth: int) -> Any:
+    """Nested dicts and lists from manifest key records (``like=None``)."""
+    if len(pairs) == 1 and len(pairs[0][0].keys) == depth:
+        return pairs[0][1]
+    root = _Node()
+    for record, value in pairs:
+        node = root
+        keys = record.keys[depth:]
+        for i, (kind, key, *_) in enumerate(keys):
+            node.kind = "list" if kind in ("seq", "index") else "dict"
+            if i == len(keys) - 1:
+                node[key] = value
+            else:
+                node = node.setdefault(key, _Node())
+    return _freeze(root)
+
+
+def _freeze(node: Any) -> Any:
+    if not isinstance(node, _Node):
+        return node
+    if node.kind == "list":
+        out = [None] * (max(node) + 1 if node else 0)
+        for index, child in node.items():
+            out[index] = _freeze(child)
+        return out
+    return {key: _freeze(child) for key, child in node.items()}
+
+
+def load(
+    path: Any,
+    like: Any = None,
+    *,
+    at: str | None = None,
+    strict: bool = True,
+    cast: bool = False,
+) -> Any:
+    """Restore a checkpoint (or the subtree ``at``) into the structure of ``like``.
+
+    **Arguments:**
+
+    - `path`: where the checkpoint is (as for `save`).
+    - `like`: a pytree of arrays, a pytree of `jax.ShapeDtypeStruct` (e.g. from
+      `eqx.filter_eval_shape`; shardings on them are honoured), a zero-argument
+      constructor (evaluated with `eqx.filter_eval_shape`, so nothing is
+      initialised), or None to rebuild plain dicts/lists from the manifest.
+    - `at`: a path prefix such as ``"model"``: restore only that subtree, and
+      read only its bytes.
+    - `strict`: if True (default), every array/scalar leaf of ``like`` must be in
+      the checkpoint with the same shape and dtype, and every checkpoint leaf
+      under ``at`` must be in ``like``; otherwise one error lists every
+      difference. If False, missing leaves keep ``like``'s (concrete) values and
+      extra checkpoint leaves are ignored, with a warning.
+    - `cast`: convert stored dtypes to ``like``'s dtypes instead of refusing.
+
+    ```python
+    skeleton = eqx.filter_eval_shape(make_model, jax.random.key(0))
+    model = eqxckpt.load("ckpt/step_100", skeleton, at="model")
+    ```
+    """
+    checkpoint = open(path)
+    prefix = normalize_at(at)
+    available = checkpoint.records(prefix)
+    if not available:
+        tops = sorted({p.split("/")[0] for p in checkpoint.paths})
+        raise CheckpointError(
+            f"Nothing under at={at!r} in {checkpoint.location}. Its top-level entries are: {', '.join(tops) or 'none'}."
+        )
+    depth = len(prefix.split("/")) if prefix else 0
+    if like is None:
+        stored = [r for r in available.values() if r.is_stored]
+        values = dict(zip((r.path for r in stored), _read(checkpoint, [(r, None) for r in stored])))
+        pairs = [(r, values[r.path] if r.is_stored else checkpoint._value(r)) for r in available.values()]
+        return build_plain_tree(pairs, depth)
+
+    like = resolve_like(like)
+    flat, treedef = flatten(like)
+    out: list[Any] = [None] * len(flat)
+    reads: list[tuple[int, LeafRecord, Any]] = []
+    missing, mismatched, kept = [], [], []
+    used: set[str] = set()
+    for i, (rel, _, target) in enumerate(flat):
+        record = available.get(rel)
+        if record is None:
+            wanted = is_array_like(target) or isinstance(target, SCALAR_TYPES)
+            if wanted and (strict or isinstance(target, jax.ShapeDtypeStruct)):
+                missing.append((rel, f"expected {describe_like(target)}"))
+            else:
+                out[i] = target
+                if wanted:
+                    kept.append(rel)
+            continue
+        used.add(rel)
+        problem = _mismatch(record, target, cast)
+        if problem:
+            mismatched.append((rel, problem))
+        elif record.is_stored:
+            reads.append((i, record, target))
+        elif record.kind == "scalar":
+            out[i] = scalar_from_json(record.type_name, record.value)
+        else:
+            out[i] = target
+    unexpected = [(rel, f"found {r.describe()}") for rel, r in available.items() if rel not in used]
+    if missing or mismatched or (unexpected and strict):
+        raise StructureMismatchError(_report(checkpoint.location, prefix, missing, unexpected if strict else [], mismatched))
+    if kept or unexpected:
+        warnings.warn(
+            f"eqxckpt.load(strict=False) from {checkpoint.location}: kept `like`'s values for "
+            f"{len(kept)} leaves missing from the checkpoint {kept[:MAX_LISTED]}; ignored "
+            f"{len(unexpected)} checkpoint leaves {[p for p, _ in unexpected[:MAX_LISTED]]}.",
+            stacklevel=2,
+        )
+    for (i, _, _), value in zip(reads, _read(checkpoint, [(r, t) for _, r, t in reads])):
+        out[i] = value
+    return jax.tree_util.tree_unflatten(treedef, out)

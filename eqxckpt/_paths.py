@@ -1,0 +1,204 @@
+"""Key paths <-> path strings <-> directory names.
+
+A leaf's path is one segment per key entry joined by ``/``. Segments are
+percent-encoded outside a conservative alphabet so that they are always safe
+directory names, and the encoding is injective:
+
+- ``[A-Za-z0-9_.-]`` stay as they are, so ordinary identifiers are readable;
+- every other character (``%``, ``/``, ``~``, space, unicode, control) becomes
+  the ``%XX`` escapes of its UTF-8 bytes;
+- the empty key is ``%``, and ``.``/``..`` become ``%2E``/``%2E%2E``;
+- the manifest's own name is escaped so a key can never shadow it;
+- a segment longer than `MAX_SEGMENT` keeps a readable prefix and ends in
+  ``~`` plus a hash of the key (``~`` never appears unescaped otherwise).
+
+The path string is therefore also the leaf's location inside the checkpoint.
+"""
+
+import hashlib
+import re
+from typing import Any
+
+import jax.tree_util as jtu
+
+from ._errors import ManifestError, PathError
+
+MANIFEST_NAME = "eqxckpt.json"
+MAX_SEGMENT = 120
+_SAFE = re.compile(r"[A-Za-z0-9_.\-]")
+_SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-%~]+$")
+_RESERVED = {".": "%2E", "..": "%2E%2E", MANIFEST_NAME: MANIFEST_NAME.replace(".", "%2E")}
+_HASH_CHARS = 16
+
+
+def encode_segment(key: str) -> str:
+    """Escape one key into a safe, readable directory name.
+
+    ```python
+    encode_segment("weight")  # 'weight'
+    encode_segment("a/b")     # 'a%2Fb'
+    ```
+    """
+    if key == "":
+        return "%"
+    if key in _RESERVED:
+        return _RESERVED[key]
+    out = []
+    for char in key:
+        if _SAFE.fullmatch(char):
+            out.append(char)
+        else:
+            out.extend(f"%{b:02X}" for b in char.encode("utf-8", "surrogatepass"))
+    encoded = "".join(out)
+    if len(encoded) > MAX_SEGMENT:
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+        encoded = encoded[: MAX_SEGMENT - _HASH_CHARS - 1] + "~" + digest[:_HASH_CHARS]
+    return encoded
+
+
+def decode_segment(segment: str) -> str:
+    """Invert `encode_segment` (for segments that were not shortened with a hash).
+
+    ```python
+    decode_segment("a%2Fb")  # 'a/b'
+    ```
+    """
+    if segment == "%":
+        return ""
+    if "~" in segment:
+        raise PathError(
+            f"Segment {segment!r} was shortened with a hash and cannot be decoded; "
+            "the manifest records the original key."
+        )
+    raw = bytearray()
+    i = 0
+    while i < len(segment):
+        if segment[i] == "%":
+            raw.append(int(segment[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.extend(segment[i].encode())
+            i += 1
+    return raw.decode("utf-8", "surrogatepass")
+
+
+def key_entry_segment(entry: Any) -> str:
+    """The path segment of one `jax.tree_util` key entry."""
+    if isinstance(entry, jtu.GetAttrKey):
+        return encode_segment(entry.name)
+    if isinstance(entry, jtu.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, jtu.FlattenedIndexKey):
+        return str(entry.key)
+    if isinstance(entry, jtu.DictKey):
+        key = entry.key
+        if isinstance(key, (bool, int)) and not isinstance(key, bool):
+            return str(key)
+        return encode_segment(key if isinstance(key, str) else str(key))
+    return encode_segment(str(entry))
+
+
+def key_entry_record(entry: Any) -> list:
+    """The manifest's record of one key entry: ``[kind, original value]``.
+
+    Enough to rebuild nested dicts/lists without the code that made the tree.
+    """
+    if isinstance(entry, jtu.GetAttrKey):
+        return ["attr", entry.name]
+    if isinstance(entry, jtu.SequenceKey):
+        return ["seq", entry.idx]
+    if isinstance(entry, jtu.FlattenedIndexKey):
+        return ["index", entry.key]
+    if isinstance(entry, jtu.DictKey):
+        key = entry.key
+        if isinstance(key, (str, int)) and not isinstance(key, bool):
+            return ["dict", key]
+        return ["dict", str(key), "repr"]
+    return ["attr", str(entry)]
+
+
+def keypath_to_path(keypath: tuple) -> str:
+    """Join a key path into the path string (``model/layers/0/weight``).
+
+    ```python
+    import jax
+    (kp, _), = jax.tree_util.tree_flatten_with_path({"a": [1]})[0]
+    keypath_to_path(kp)  # 'a/0'
+    ```
+    """
+    return "/".join(key_entry_segment(entry) for entry in keypath)
+
+
+def check_unique(paths_and_keypaths: list[tuple[str, tuple]]) -> None:
+    """Refuse keys that would share a location, exactly or up to case.
+
+    Two distinct keys can meet after escaping (``"1"`` and ``1`` in one dict) or
+    on a case-insensitive store (``"W"`` and ``"w"``): one would overwrite the
+    other, so saving stops with both names.
+    """
+    seen: dict[str, tuple] = {}
+    prefixes: dict[str, tuple] = {}
+    for path, keypath in paths_and_keypaths:
+        folded = path.casefold()
+        other = seen.get(folded)
+        if other is None and folded in prefixes:
+            other = prefixes[folded]
+        if other is not None:
+            raise PathError(
+                f"Leaves {jtu.keystr(other)} and {jtu.keystr(keypath)} would both be "
+                f"stored at {path!r} (keys that differ only in type, such as 1 and "
+                "'1', or only in case, cannot be told apart on disk). Rename one of "
+                "the keys before saving."
+            )
+        seen[folded] = keypath
+        parts = folded.split("/")
+        for i in range(1, len(parts)):
+            prefix = "/".join(parts[:i])
+            if prefix in seen:
+                raise PathError(
+                    f"Leaf {jtu.keystr(keypath)} would be stored inside leaf "
+                    f"{jtu.keystr(seen[prefix])} (their paths differ only in case). "
+                    "Rename one of the keys before saving."
+                )
+            prefixes.setdefault(prefix, keypath)
+
+
+def validate_path(path: Any, *, what: str = "path") -> str:
+    """Check a path read from a manifest before it is used to touch storage.
+
+    Only what `encode_segment` can produce passes: relative, no empty, ``.`` or
+    ``..`` segments, no backslash, NUL or control characters.
+    """
+    if not isinstance(path, str) or not path:
+        raise ManifestError(f"Manifest {what} {path!r} is not a non-empty string.")
+    if len(path) > 4096:
+        raise ManifestError(f"Manifest {what} is {len(path)} characters long; at most 4096 allowed.")
+    for segment in path.split("/"):
+        if segment in (".", "..") or not _SAFE_SEGMENT.fullmatch(segment):
+            raise ManifestError(
+                f"Manifest {what} {path!r} has an unsafe segment {segment!r}: a checkpoint "
+                "may only name locations inside itself. The manifest is corrupt or crafted."
+            )
+        if segment == MANIFEST_NAME:
+            raise ManifestError(f"Manifest {what} {path!r} names the manifest itself.")
+    return path
+
+
+def normalize_at(at: str | None) -> str:
+    """Turn an ``at=`` selector into a path prefix ('' selects everything)."""
+    if at is None:
+        return ""
+    if not isinstance(at, str):
+        raise TypeError(f"at= must be a path string such as 'model/layers/0', got {type(at).__name__}.")
+    return at.strip("/")
+
+
+def relative_to(path: str, prefix: str) -> str | None:
+    """``path`` relative to ``prefix``, or None if it is not under it."""
+    if not prefix:
+        return path
+    if path == prefix:
+        return ""
+    if path.startswith(prefix + "/"):
+        return path[len(prefix) + 1 :]
+    return None

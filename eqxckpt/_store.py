@@ -1,0 +1,214 @@
+"""Where a checkpoint lives and how its arrays are laid out in TensorStore.
+
+The one place that builds kvstore and zarr3 specs, picks chunk shapes and
+knows which dtypes are stored natively.
+"""
+
+import dataclasses
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from ._errors import CheckpointError
+from ._paths import validate_path
+
+# Chunks are bounded so a partial or resharded read touches little more than
+# it needs, and big enough that per-file overhead stays small.
+CHUNK_BYTES = 64 * 1024 * 1024
+
+# dtypes that zarr3 in TensorStore stores natively (uint4 is not among them).
+STORED_DTYPES = frozenset(
+    "bool int2 int4 int8 int16 int32 int64 uint8 uint16 uint32 uint64 "
+    "float16 bfloat16 float32 float64 complex64 complex128 float8_e4m3fn "
+    "float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 float8_e5m2fnuz".split()
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A checkpoint's root: a TensorStore kvstore spec, plus the local path if any.
+
+    Local checkpoints are committed by an atomic directory rename; other stores
+    have no rename, so there the manifest written last is the commit marker.
+    """
+
+    kvstore: dict
+    local: pathlib.Path | None
+
+    def child(self, relpath: str) -> dict:
+        """kvstore spec of a (validated) location inside the checkpoint."""
+        relpath = validate_path(relpath)
+        spec = dict(self.kvstore)
+        spec["path"] = spec.get("path", "") + relpath + "/"
+        return spec
+
+    def with_local(self, local: pathlib.Path) -> "Location":
+        return Location({"driver": "file", "path": str(local) + "/"}, local)
+
+    def __str__(self) -> str:
+        if self.local is not None:
+            return str(self.local)
+        spec = self.kvstore
+        where = spec.get("bucket", "")
+        return f"{spec['driver']}://{where}/{spec.get('path', '')}".replace(":///", "://")
+
+
+def resolve(path: Any) -> Location:
+    """Turn a user's ``path`` argument into a `Location`.
+
+    Accepts a local path, a ``file://``, ``memory://``, ``s3://`` or ``gs://``
+    URL, or a TensorStore kvstore spec dict (for custom endpoints).
+    """
+    if isinstance(path, dict):
+        spec = dict(path)
+        if "driver" not in spec:
+            raise CheckpointError(f"A kvstore spec needs a 'driver' member, got {path!r}.")
+        spec["path"] = _as_dir(spec.get("path", ""))
+        if spec["driver"] == "file":
+            return Location(spec, pathlib.Path(spec["path"]).absolute())
+        return Location(spec, None)
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise TypeError(f"path must be a str, os.PathLike or kvstore spec dict, got {path!r}.")
+    scheme, sep, rest = path.partition("://")
+    if not sep:
+        local = pathlib.Path(path).expanduser().absolute()
+        return Location({"driver": "file", "path": str(local) + "/"}, local)
+    if scheme == "file":
+        local = pathlib.Path(rest).absolute()
+        return Location({"driver": "file", "path": str(local) + "/"}, local)
+    if scheme == "memory":
+        return Location({"driver": "memory", "path": _as_dir(rest)}, None)
+    if scheme in ("s3", "gs"):
+        bucket, _, prefix = rest.partition("/")
+        driver = "s3" if scheme == "s3" else "gcs"
+        return Location({"driver": driver, "bucket": bucket, "path": _as_dir(prefix)}, None)
+    raise CheckpointError(f"Unsupported URL scheme {scheme!r} in {path!r}: use a local path, file://, memory://, s3:// or gs://, or a kvstore spec dict.")
+
+
+def _as_dir(prefix: str) -> str:
+    prefix = prefix.strip("/") if not prefix.startswith("/") else prefix.rstrip("/")
+    return prefix + "/" if prefix else ""
+
+
+def make_context() -> ts.Context:
+    """One context per save/load: shared concurrency pools, durable writes."""
+    return ts.Context({"file_io_sync": True, "cache_pool": {"total_bytes_limit": 0}})
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int, budget: int = CHUNK_BYTES) -> list[int]:
+    """A C-contiguous chunk shape of at most ``budget`` bytes.
+
+    Trailing dimensions are kept whole while they fit, so each chunk is one
+    contiguous run of the array and a full read is a few large sequential reads.
+
+    ```python
+    chunk_shape((1024, 1024), 4, budget=1 << 20)  # [256, 1024]
+    ```
+    """
+    elements = max(1, budget // max(1, itemsize))
+    chunk: list[int] = []
+    for dim in reversed(shape):
+        dim = max(1, dim)
+        if dim <= elements:
+            chunk.append(dim)
+            elements //= dim
+        else:
+            chunk.append(max(1, elements))
+            elements = 1
+    return chunk[::-1]
+
+
+def array_spec(kvstore: dict, shape: tuple[int, ...], dtype: np.dtype) -> dict:
+    """zarr3 spec for creating one leaf's array: little-endian, crc32c-checked."""
+    return {
+        "driver": "zarr3",
+        "kvstore": kvstore,
+        "metadata": {
+            "shape": list(shape),
+            "data_type": dtype.name,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize)},
+            },
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        },
+        # Store every chunk, even all-zero ones: a missing chunk must read as an
+        # error (deleted or lost data), never as zeros.
+        "store_data_equal_to_fill_value": True,
+        "create": True,
+    }
+
+
+def read_spec(kvstore: dict) -> dict:
+    """zarr3 spec for opening a stored leaf; a missing chunk is an error."""
+    return {"driver": "zarr3", "kvstore": kvstore, "open": True, "fill_missing_data_reads": False}
+
+
+def check_dtype(dtype: np.dtype, where: str) -> None:
+    if dtype.name not in STORED_DTYPES:
+        hint = " Cast it to uint8 first." if dtype.name == "uint4" else ""
+        raise CheckpointError(
+            f"Leaf {where!r} has dtype {dtype.name}, which TensorStore's zarr3 cannot store natively.{hint}"
+        )
+
+
+# --- local filesystem commit ---------------------------------------------------------
+
+
+def fsync_path(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: pathlib.Path) -> None:
+    """fsync every directory below ``root`` so new entries survive a power cut.
+
+    TensorStore syncs the chunk files it writes (``file_io_sync``); the
+    directories that name them are ours to make durable.
+    """
+    for dirpath, _, _ in os.walk(root, topdown=False):
+        fsync_path(pathlib.Path(dirpath))
+
+
+def _load_renameat2():
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Atomically swap two directories (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False where the OS or filesystem cannot, so the caller falls back
+    to two renames.
+    """
+    import ctypes
+
+    fn = _load_renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: not supported here
+        return False
+    raise OSError(err, os.strerror(err), str(a))

@@ -1,0 +1,51 @@
+"""Flattening pytrees into path-named leaves, and telling leaf kinds apart."""
+
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from ._paths import check_unique, keypath_to_path
+
+SCALAR_TYPES = (bool, int, float, complex, str)
+
+
+def flatten(tree: Any) -> tuple[list[tuple[str, tuple, Any]], Any]:
+    """``([(path, keypath, leaf), ...], treedef)``; paths checked for collisions.
+
+    ```python
+    flatten({"a": 1, "b": [2.0]})[0]  # [('a', (DictKey('a'),), 1), ('b/0', ..., 2.0)]
+    ```
+    """
+    with_path, treedef = jtu.tree_flatten_with_path(tree)
+    flat = [(keypath_to_path(kp), kp, leaf) for kp, leaf in with_path]
+    check_unique([(path, kp) for path, kp, _ in flat])
+    return flat, treedef
+
+
+def is_prng_key_dtype(dtype: Any) -> bool:
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def is_array_like(x: Any) -> bool:
+    """Arrays and array skeletons: anything with a shape and a dtype to restore into."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) and not isinstance(
+        x, (np.str_, np.bytes_)
+    )
+
+
+def describe_like(x: Any) -> str:
+    """``float32[4,3]`` for arrays and skeletons, the type name otherwise."""
+    if is_array_like(x):
+        dtype = x.dtype
+        name = f"key<{jax.random.key_impl(x) if isinstance(x, jax.Array) else 'prng'}>" if is_prng_key_dtype(dtype) else np.dtype(dtype).name
+        return f"{name}[{','.join(map(str, np.shape(x)))}]"
+    if isinstance(x, SCALAR_TYPES) or x is None:
+        return f"{type(x).__name__} = {x!r}"
+    return f"<{type_name(x)}>"
+
+
+def type_name(x: Any) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}"
