@@ -10,7 +10,7 @@ import tensorstore as ts
 from ._errors import CorruptCheckpointError
 from ._manifest import LeafRecord, Manifest, read_manifest, scalar_from_json
 from ._paths import normalize_at, relative_to
-from ._store import Location, make_context, read_spec, resolve
+from ._store import Location, shared_context, read_spec, resolve
 
 
 class Checkpoint:
@@ -31,7 +31,7 @@ class Checkpoint:
         self.location = location
         self.manifest = manifest
         self._records = {leaf.path: leaf for leaf in manifest.leaves}
-        self._context = make_context()
+        self._context = shared_context()
 
     # -- description -------------------------------------------------------------
 
@@ -130,8 +130,9 @@ class Checkpoint:
 
 def corrupt(record: LeafRecord, error: Exception) -> CorruptCheckpointError:
     """The error for a leaf whose stored data cannot be read back intact."""
+    reason = str(error).split(" [tensorstore_spec=")[0]  # the spec dump is noise here
     return CorruptCheckpointError(
-        f"Leaf {record.path!r} is corrupt or missing on disk: {error}. Restore the checkpoint "
+        f"Leaf {record.path!r} is corrupt or missing on disk: {reason}. Restore the checkpoint "
         "from a copy or load an earlier one; `eqxckpt inspect` still shows what it held."
     )
 

@@ -82,19 +82,19 @@ def _to_target(record: LeafRecord, target: Any, data: np.ndarray) -> Any:
         value = wrap_prng(record, data)
         sharding = getattr(target, "sharding", None)
         return value if sharding is None else jax.device_put(value, sharding)
-    if target is None:  # like=None: as it was saved
-        if record.array_type == "numpy":
-            return data
-        if record.array_type == "numpy_scalar":
-            return data[()]
-        return jnp.asarray(data)
-    if data.dtype != np.dtype(target.dtype):
+    if data.dtype != np.dtype(getattr(target, "dtype", data.dtype)):
         data = data.astype(target.dtype)
+    sharding = getattr(target, "sharding", None)
     if isinstance(target, np.ndarray):
         return data
     if isinstance(target, np.generic):
         return data[()]
-    sharding = getattr(target, "sharding", None)
+    if target is None or (isinstance(target, jax.ShapeDtypeStruct) and sharding is None):
+        # No concrete type asked for (like=None or a skeleton): give back what was saved.
+        if record.array_type == "numpy":
+            return data
+        if record.array_type == "numpy_scalar":
+            return data[()]
     return jax.device_put(data, sharding) if sharding is not None else jnp.asarray(data)
 
 
@@ -198,7 +198,7 @@ def load(
     checkpoint = open(path)
     prefix = normalize_at(at)
     available = checkpoint.records(prefix)
-    if not available:
+    if not available and prefix:
         tops = sorted({p.split("/")[0] for p in checkpoint.paths})
         raise CheckpointError(
             f"Nothing under at={at!r} in {checkpoint.location}. Its top-level entries are: {', '.join(tops) or 'none'}."

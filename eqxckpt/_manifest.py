@@ -14,7 +14,7 @@ import tensorstore as ts
 
 from ._errors import CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
 from ._paths import MANIFEST_NAME, validate_path
-from ._store import STORED_DTYPES, Location
+from ._store import STORED_DTYPES, Location, shared_context
 
 FORMAT = "eqxckpt"
 VERSION = 1
@@ -289,7 +289,7 @@ def read_manifest(location: Location) -> Manifest:
                 f"(left {pending[0].name}). Load an earlier checkpoint."
             )
         raise CheckpointNotFoundError(f"No checkpoint at {local}: the path does not exist.")
-    store = ts.KvStore.open(location.kvstore).result()
+    store = ts.KvStore.open(location.kvstore, context=shared_context()).result()
     result = store.read(MANIFEST_NAME).result()
     if result.state == "value":
         return parse_manifest(bytes(result.value), str(location))

@@ -18,7 +18,7 @@ import tensorstore as ts
 from ._errors import CheckpointError, CheckpointExistsError
 from ._manifest import LeafRecord, Manifest, scalar_to_json
 from ._paths import MANIFEST_NAME, key_entry_record
-from ._store import Location, array_spec, check_dtype, exchange, fsync_path, fsync_tree, make_context, resolve
+from ._store import Location, array_spec, check_dtype, exchange, fsync_path, fsync_tree, shared_context, resolve
 from ._tree import SCALAR_TYPES, flatten, is_prng_key_dtype, type_name
 
 
@@ -159,7 +159,7 @@ def _write_local(location: Location, manifest: Manifest, arrays, overwrite: bool
     tmp = final.parent / f".{final.name}.eqxckpt-tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
-        _write_arrays(location.with_local(tmp), arrays, make_context())
+        _write_arrays(location.with_local(tmp), arrays, shared_context())
         with open(tmp / MANIFEST_NAME, "wb") as f:
             f.write(manifest.to_bytes())
             f.flush()
@@ -194,13 +194,13 @@ def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
 
 def _write_object_store(location: Location, manifest: Manifest, arrays, overwrite: bool) -> None:
     # No rename on object stores: the manifest, written last, is the commit marker.
-    store = ts.KvStore.open(location.kvstore).result()
+    store = ts.KvStore.open(location.kvstore, context=shared_context()).result()
     if store.read(MANIFEST_NAME).result().state == "value":
         if not overwrite:
             raise CheckpointExistsError(f"A checkpoint already exists at {location}. Pass overwrite=True to replace it.")
         store.delete_range(ts.KvStore.KeyRange(MANIFEST_NAME, MANIFEST_NAME + "\0")).result()  # uncommit first
     store.delete_range(ts.KvStore.KeyRange()).result()
-    _write_arrays(location, arrays, make_context())
+    _write_arrays(location, arrays, shared_context())
     store.write(MANIFEST_NAME, manifest.to_bytes()).result()
 
 

@@ -95,12 +95,22 @@ def _as_dir(prefix: str) -> str:
     return prefix + "/" if prefix else ""
 
 
-def make_context() -> ts.Context:
-    """One context per save/load: shared concurrency pools, durable writes."""
-    return ts.Context({"file_io_sync": True, "cache_pool": {"total_bytes_limit": 0}})
+_CONTEXT: ts.Context | None = None
 
 
-def chunk_shape(shape: tuple[int, ...], itemsize: int, budget: int = CHUNK_BYTES) -> list[int]:
+def shared_context() -> ts.Context:
+    """The process-wide TensorStore context: shared I/O pools, durable writes.
+
+    One context for everything, because a ``memory://`` store lives in its
+    context, and shared pools bound total concurrency across saves and loads.
+    """
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = ts.Context({"file_io_sync": True, "cache_pool": {"total_bytes_limit": 0}})
+    return _CONTEXT
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int, budget: int | None = None) -> list[int]:
     """A C-contiguous chunk shape of at most ``budget`` bytes.
 
     Trailing dimensions are kept whole while they fit, so each chunk is one
@@ -110,7 +120,7 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, budget: int = CHUNK_BYTES
     chunk_shape((1024, 1024), 4, budget=1 << 20)  # [256, 1024]
     ```
     """
-    elements = max(1, budget // max(1, itemsize))
+    elements = max(1, (CHUNK_BYTES if budget is None else budget) // max(1, itemsize))
     chunk: list[int] = []
     for dim in reversed(shape):
         dim = max(1, dim)

@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each creates
+# .venv and installs what it needs first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
+
+.PHONY: demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.test-installed: pyproject.toml | $(BIN)/python
+	$(PIP) -e ".[test]"
+	touch $@
+
+$(VENV)/.bench-installed: pyproject.toml | $(BIN)/python
+	$(PIP) -e ".[test,bench]"
+	touch $@
+
+demo: $(VENV)/.test-installed
+	$(BIN)/python examples/demo.py
+
+test: $(VENV)/.test-installed
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.bench-installed
+	$(BIN)/python benchmarks/bench_save_load.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

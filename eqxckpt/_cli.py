@@ -1,0 +1,76 @@
+"""The ``eqxckpt`` command line: look at checkpoints without the model code."""
+
+import argparse
+import json
+import sys
+
+from ._checkpoint import open as open_checkpoint
+from ._errors import CheckpointError
+from ._paths import normalize_at, relative_to
+
+
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.tree import Tree
+
+    checkpoint = open_checkpoint(args.path)
+    prefix = normalize_at(args.at)
+    records = checkpoint.records(prefix)
+    if not records:
+        raise CheckpointError(f"Nothing under at={args.at!r} in {checkpoint.location}.")
+    console = Console(highlight=False)
+    root = Tree(f"[bold]{checkpoint.location}[/bold]" + (f" [dim](at {prefix})[/dim]" if prefix else ""))
+    base = len(prefix.split("/")) if prefix else 0
+    nodes: dict[tuple, Tree] = {}  # directory prefix -> its branch; above `at` is the root
+    for rel, record in records.items():
+        parts = tuple(record.path.split("/"))
+        for i in range(base + 1, len(parts)):
+            if parts[:i] not in nodes:
+                nodes[parts[:i]] = nodes.get(parts[: i - 1], root).add(f"[bold blue]{parts[i - 1]}[/bold blue]")
+        size = f"  [dim]{human_bytes(record.nbytes)}[/dim]" if record.is_stored else ""
+        label = parts[-1] if rel else record.path
+        nodes.get(parts[:-1], root).add(f"{label}  [green]{record.describe()}[/green]{size}")
+    console.print(root)
+    arrays = [r for r in records.values() if r.is_stored]
+    console.print(
+        f"[bold]{len(records)} leaves[/bold], {len(arrays)} arrays, "
+        f"{human_bytes(sum(r.nbytes for r in arrays))} of array data"
+    )
+    if checkpoint.metadata:
+        console.print("[bold]metadata[/bold]: " + json.dumps(checkpoint.metadata, sort_keys=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``eqxckpt`` / ``python -m eqxckpt``.
+
+    ```
+    $ eqxckpt inspect ckpt/step_100 --at model
+    ```
+    """
+    parser = argparse.ArgumentParser(prog="eqxckpt", description="Inspect eqxckpt checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect = sub.add_parser("inspect", help="print the leaves with shapes, dtypes and sizes")
+    inspect.add_argument("path", help="checkpoint directory or URL")
+    inspect.add_argument("--at", default=None, help="only the subtree under this path prefix")
+    inspect.set_defaults(run=_inspect)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (CheckpointError, OSError, KeyError) as e:
+        print(f"eqxckpt {args.command}: {e}".splitlines()[0], file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

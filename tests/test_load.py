@@ -1,0 +1,174 @@
+import json
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqxckpt
+from conftest import assert_trees_equal
+
+
+def make_model(depth=2, key=jax.random.key(0)):
+    return eqx.nn.MLP(4, 3, 16, depth, key=key)
+
+
+@pytest.fixture
+def state_ckpt(tmp_path):
+    model = make_model()
+    opt_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    tree = {"model": model, "opt_state": opt_state, "step": 5}
+    eqxckpt.save(tmp_path / "c", tree, metadata={"step": 5})
+    return tmp_path / "c", tree
+
+
+def test_like_forms_give_identical_results(state_ckpt):
+    path, tree = state_ckpt
+    model = tree["model"]
+    from_arrays = eqxckpt.load(path, make_model(key=jax.random.key(9)), at="model")
+    from_skeleton = eqxckpt.load(path, eqx.filter_eval_shape(make_model), at="model")
+    from_callable = eqxckpt.load(path, make_model, at="model")
+    for restored in (from_arrays, from_skeleton, from_callable):
+        assert_trees_equal(restored, model)
+        assert restored(jnp.ones(4)).shape == (3,)
+
+
+def test_like_none_rebuilds_plain_containers(state_ckpt):
+    path, tree = state_ckpt
+    plain = eqxckpt.load(path)
+    np.testing.assert_array_equal(plain["model"]["layers"][1]["weight"], tree["model"].layers[1].weight)
+    assert plain["step"] == 5
+    assert plain["model"]["activation"] is None  # functions are not stored
+    assert isinstance(plain["opt_state"], list) and "mu" in plain["opt_state"][0]
+    sub = eqxckpt.load(path, at="model/layers/0")
+    assert set(sub) == {"weight", "bias"}
+
+
+def test_at_reads_only_the_selected_bytes(state_ckpt):
+    path, tree = state_ckpt
+    shutil.rmtree(path / "opt_state")  # if load touched it, it would fail
+    assert_trees_equal(eqxckpt.load(path, make_model, at="model"), tree["model"])
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="opt_state/0/count"):
+        eqxckpt.load(path)
+
+
+def test_strict_reports_every_difference(state_ckpt):
+    path, _ = state_ckpt
+    bigger = lambda: eqx.nn.MLP(4, 3, 32, 3, key=jax.random.key(0))  # noqa: E731
+    with pytest.raises(eqxckpt.StructureMismatchError) as info:
+        eqxckpt.load(path, bigger, at="model")
+    msg = str(info.value)
+    assert "missing from the checkpoint (2)" in msg and "layers/3/weight: expected float32[3,32]" in msg
+    assert "layers/0/weight: expected float32[32,4], found float32[16,4]" in msg
+    with pytest.raises(eqxckpt.StructureMismatchError, match=r"in the checkpoint but not in `like` \(2\)"):
+        eqxckpt.load(path, lambda: eqx.nn.MLP(4, 3, 16, 1, key=jax.random.key(0)), at="model")
+    # the whole state into just a model: opt_state and step are unexpected
+    with pytest.raises(eqxckpt.StructureMismatchError, match="opt_state/0/mu/layers/0/weight"):
+        eqxckpt.load(path, {"model": make_model()})
+
+
+def test_dtype_change_only_when_asked(state_ckpt):
+    path, tree = state_ckpt
+    bf16 = lambda: eqx.filter_eval_shape(lambda: jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if eqx.is_array(x) else x, make_model()))  # noqa: E731
+    with pytest.raises(eqxckpt.StructureMismatchError, match="cast=True"):
+        eqxckpt.load(path, bf16(), at="model")
+    cast = eqxckpt.load(path, bf16(), at="model", cast=True)
+    assert cast.layers[0].weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(cast.layers[0].weight, tree["model"].layers[0].weight.astype(jnp.bfloat16))
+
+
+def test_non_strict_fills_from_concrete_like_and_warns(state_ckpt):
+    path, tree = state_ckpt
+    like = {"model": make_model(key=jax.random.key(3)), "extra": jnp.full(2, 7.0)}
+    with pytest.warns(UserWarning, match=r"kept `like`'s values for 1 leaves missing.*extra.*ignored 14"):
+        out = eqxckpt.load(path, like, strict=False)
+    assert_trees_equal(out["model"], tree["model"])
+    np.testing.assert_array_equal(out["extra"], jnp.full(2, 7.0))
+    # a skeleton cannot supply a value: still an error
+    with pytest.raises(eqxckpt.StructureMismatchError, match="extra"):
+        eqxckpt.load(path, eqx.filter_eval_shape(lambda: like), strict=False)
+
+
+def test_numpy_like_gives_numpy(tmp_path):
+    tree = {"a": np.arange(6.0).reshape(2, 3), "b": jnp.arange(3), "c": np.float64(2.5)}
+    eqxckpt.save(tmp_path / "c", tree)
+    out = eqxckpt.load(tmp_path / "c", tree)
+    assert type(out["a"]) is np.ndarray and isinstance(out["b"], jax.Array) and type(out["c"]) is np.float64
+    assert_trees_equal(out, tree)
+
+
+def test_single_leaf_at(state_ckpt):
+    path, tree = state_ckpt
+    w = eqxckpt.load(path, jax.ShapeDtypeStruct((16, 4), jnp.float32), at="model/layers/0/weight")
+    np.testing.assert_array_equal(w, tree["model"].layers[0].weight)
+
+
+def test_at_nothing_lists_top_level(state_ckpt):
+    path, _ = state_ckpt
+    with pytest.raises(eqxckpt.CheckpointError, match="model, opt_state, step"):
+        eqxckpt.load(path, make_model, at="params")
+
+
+def test_sharded_skeleton_is_honoured(state_ckpt):
+    path, tree = state_ckpt
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    skeleton = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) if isinstance(s, jax.ShapeDtypeStruct) else s,
+        eqx.filter_eval_shape(make_model),
+    )
+    out = eqxckpt.load(path, skeleton, at="model")
+    assert out.layers[0].weight.sharding == sharding
+    assert_trees_equal(out, tree["model"])
+
+
+def test_uncommitted_directory_is_refused(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"a": np.ones(3)})
+    (tmp_path / "c" / "eqxckpt.json").unlink()
+    with pytest.raises(eqxckpt.IncompleteCheckpointError, match="never committed"):
+        eqxckpt.load(tmp_path / "c")
+    with pytest.raises(eqxckpt.IncompleteCheckpointError):
+        eqxckpt.open(tmp_path / "c")
+
+
+def test_interrupted_save_is_reported(tmp_path):
+    (tmp_path / ".c.eqxckpt-tmp-123456").mkdir()
+    with pytest.raises(eqxckpt.IncompleteCheckpointError, match="interrupted"):
+        eqxckpt.load(tmp_path / "c")
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(eqxckpt.CheckpointNotFoundError, match="does not exist"):
+        eqxckpt.load(tmp_path / "nope")
+
+
+def test_unknown_version_is_refused(state_ckpt):
+    path, _ = state_ckpt
+    doc = json.loads((path / "eqxckpt.json").read_text())
+    doc["version"] = 2
+    (path / "eqxckpt.json").write_text(json.dumps(doc))
+    with pytest.raises(eqxckpt.ManifestError, match="version 2.*Upgrade eqxckpt"):
+        eqxckpt.load(path)
+
+
+def test_corrupt_chunk_names_the_leaf(state_ckpt):
+    path, _ = state_ckpt
+    chunk = path / "model/layers/1/weight/c/0/0"
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="model/layers/1/weight"):
+        eqxckpt.load(path, make_model, at="model")
+
+
+def test_prng_keys_restore_into_skeletons(tmp_path):
+    tree = {"k": jax.random.key(7), "ks": jax.random.split(jax.random.key(1, impl="rbg"), 4)}
+    eqxckpt.save(tmp_path / "c", tree)
+    out = eqxckpt.load(tmp_path / "c", eqx.filter_eval_shape(lambda: tree))
+    assert_trees_equal(out, tree)
+    assert jax.random.uniform(out["k"]) == jax.random.uniform(tree["k"])
+    with pytest.raises(eqxckpt.StructureMismatchError, match="key"):
+        eqxckpt.load(tmp_path / "c", {"k": jax.random.key(0), "ks": jax.random.split(jax.random.key(0), 4)})

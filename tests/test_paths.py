@@ -1,0 +1,113 @@
+import re
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import eqxckpt
+from eqxckpt._errors import ManifestError, PathError
+from eqxckpt._paths import (
+    MANIFEST_NAME,
+    MAX_SEGMENT,
+    decode_segment,
+    encode_segment,
+    keypath_to_path,
+    validate_path,
+)
+from eqxckpt._tree import flatten
+
+SAFE = re.compile(r"^[A-Za-z0-9_.\-%~]+$")
+keys = st.one_of(
+    st.text(max_size=40),
+    st.text(alphabet="./ %~\\\x00\n", max_size=6),
+    st.sampled_from(["", ".", "..", "...", MANIFEST_NAME, "zarr.json", "c", "a/b", "%", "%25", "~"]),
+    st.text(min_size=100, max_size=400),
+)
+
+
+@given(keys)
+@settings(max_examples=500)
+def test_segment_is_safe(key):
+    segment = encode_segment(key)
+    assert SAFE.fullmatch(segment)
+    assert segment not in (".", "..", MANIFEST_NAME)
+    assert len(segment) <= MAX_SEGMENT
+    validate_path(segment)  # what we write, we accept back
+
+
+@given(keys)
+@settings(max_examples=500)
+def test_segment_round_trips(key):
+    segment = encode_segment(key)
+    if "~" not in segment:  # not shortened
+        assert decode_segment(segment) == key
+
+
+@given(keys, keys)
+@settings(max_examples=500)
+def test_segment_is_injective(a, b):
+    if a != b:
+        assert encode_segment(a) != encode_segment(b)
+
+
+def test_readable_identifiers_stay_as_they_are():
+    for name in ["weight", "layers", "Dense_0", "conv1.bias", "0", "mu"]:
+        assert encode_segment(name) == name
+
+
+def test_keypath_strings():
+    tree = {"model": {"layers": [{"w": 1}]}, "ints": {3: 2}, "a/b": 3}
+    paths = [keypath_to_path(kp) for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
+    assert sorted(paths) == ["a%2Fb", "ints/3", "model/layers/0/w"]
+
+
+@given(st.one_of(st.dictionaries(keys, st.integers(), max_size=8), st.dictionaries(st.integers(-5, 5), st.integers(), max_size=8)))
+@settings(max_examples=200)
+def test_flatten_either_unique_or_collision_error(tree):
+    segments = {}
+    collides = False
+    for k in tree:
+        seg = (str(k) if isinstance(k, int) else encode_segment(k)).casefold()
+        collides |= seg in segments
+        segments[seg] = k
+    if collides:
+        with pytest.raises(PathError):
+            flatten(tree)
+    else:
+        paths = [p for p, _, _ in flatten(tree)[0]]
+        assert len(set(paths)) == len(paths)
+
+
+def test_case_only_collision_is_an_error():
+    with pytest.raises(PathError, match="case"):
+        flatten({"W": 0, "w": 1})
+
+
+@given(st.dictionaries(keys, st.integers(0, 1000), min_size=1, max_size=6))
+@settings(max_examples=40, deadline=None)
+def test_arbitrary_keys_round_trip_through_disk(tmp_path_factory, tree):
+    try:
+        flatten(tree)
+    except PathError:
+        return  # case-only collisions are refused, tested above
+    path = tmp_path_factory.mktemp("ckpt") / "c"
+    tree = {k: np.full((2,), v, np.int32) for k, v in tree.items()}
+    eqxckpt.save(path, tree)
+    assert eqxckpt.load(path) .keys() == tree.keys()
+    restored = eqxckpt.load(path, tree)
+    for k in tree:
+        np.testing.assert_array_equal(restored[k], tree[k])
+    # and every stored directory stays inside the checkpoint
+    for p in path.rglob("*"):
+        assert path in p.resolve().parents
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "..", "a/../b", "/etc/passwd", "a//b", "a\\b", "a\x00b", "a/./b", "a b", MANIFEST_NAME, "x/\n", 3, None],
+)
+def test_validate_path_rejects_hostile(bad):
+    with pytest.raises(ManifestError):
+        validate_path(bad)

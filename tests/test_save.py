@@ -1,0 +1,286 @@
+import collections
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+import tensorstore as ts
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import eqxckpt
+from eqxckpt._errors import CheckpointError, CheckpointExistsError
+from conftest import assert_trees_equal
+
+NUMPY_DTYPES = [
+    np.float16, np.float32, np.float64, ml_dtypes.bfloat16, np.int8, np.int16, np.int32, np.int64,
+    np.uint8, np.uint16, np.uint32, np.uint64, np.bool_, np.complex64, np.complex128,
+    ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.int4,
+]
+
+
+def _sample(dtype, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    if dtype.name == "int4":
+        return rng.integers(-8, 7, shape, endpoint=True).astype(dtype)
+    if dtype.kind in "iu":
+        return rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, shape, dtype=dtype, endpoint=True)
+    return (rng.standard_normal(shape) * 10).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_every_dtype_round_trips_bit_exact(tmp_path, dtype):
+    tree = {"x": _sample(dtype, (3, 5)), "scalar0d": _sample(dtype, ()), "empty": _sample(dtype, (0, 4))}
+    if jnp.asarray(tree["x"]).dtype == tree["x"].dtype:  # jax holds it without x64
+        tree["jax"] = jnp.asarray(tree["x"])
+    eqxckpt.save(tmp_path / "c", tree)
+    assert_trees_equal(eqxckpt.load(tmp_path / "c", tree), tree)
+    zarr = json.loads((tmp_path / "c" / "x" / "zarr.json").read_text())
+    assert zarr["data_type"] == np.dtype(dtype).name
+    assert {"name": "crc32c"} in zarr["codecs"]
+
+
+def test_nan_and_special_floats_are_bit_exact(tmp_path):
+    x = np.array([np.nan, -0.0, np.inf, -np.inf, 1e-45], np.float32)
+    x.view(np.uint32)[0] = 0x7FC00001  # a NaN with a payload
+    eqxckpt.save(tmp_path / "c", {"x": x, "py": [float("nan"), float("-inf"), -0.0, 1e308, 2**70, 1 + 2j, True, None, "ünï"]})
+    out = eqxckpt.load(tmp_path / "c", {"x": x, "py": [0.0, 0.0, 0.0, 0.0, 0, 0j, False, None, ""]})
+    assert out["x"].tobytes() == x.tobytes()
+    py = out["py"]
+    assert py[0] != py[0] and py[1] == float("-inf") and str(py[2]) == "-0.0"
+    assert py[3:] == [1e308, 2**70, 1 + 2j, True, None, "ünï"] and type(py[4]) is int
+
+
+class Opt(collections.namedtuple("Opt", "a b")):
+    pass
+
+
+def _training_state():
+    model, state = eqx.nn.make_with_state(
+        lambda key: eqx.nn.Sequential([eqx.nn.Linear(3, 4, key=key), eqx.nn.BatchNorm(4, "batch", mode="ema"), eqx.nn.Lambda(jax.nn.relu)])
+    )(jax.random.key(0))
+    mlp = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(1))
+    params = eqx.filter(mlp, eqx.is_array)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    return {
+        "model": mlp,
+        "seq": model,
+        "bn_state": state,
+        "opt_state": opt.init(params),
+        "sgd": optax.sgd(0.1).init(params),  # EmptyState-bearing
+        "named": Opt(jnp.arange(3), np.ones(2, np.float32)),
+        "key": jax.random.key(42),
+        "rbg_keys": jax.random.split(jax.random.key(1, impl="rbg"), 3),
+        "raw_key": jax.random.PRNGKey(5),
+        "step": 17,
+        "lr": 3e-4,
+        "name": "run-1",
+        "empty": {"l": [], "t": (), "d": {}},
+        "none": None,
+        "fn": jax.nn.gelu,
+    }
+
+
+def test_equinox_and_optax_state_round_trips(tmp_path):
+    tree = _training_state()
+    eqxckpt.save(tmp_path / "c", tree, metadata={"step": 17, "config": {"width": 8}})
+    assert_trees_equal(eqxckpt.load(tmp_path / "c", tree), tree)
+    skeleton = eqx.filter_eval_shape(_training_state)
+    assert_trees_equal(eqxckpt.load(tmp_path / "c", skeleton), tree)
+    restored = eqxckpt.load(tmp_path / "c", _training_state)
+    assert_trees_equal(restored, tree)
+    assert restored["fn"] is jax.nn.gelu  # functions come from `like`
+    # the restored model runs and the BatchNorm state is usable
+    run = jax.vmap(restored["seq"], axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+    out, new_state = run(jnp.ones((5, 3)), restored["bn_state"])
+    assert out.shape == (5, 4) and jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(tree["bn_state"])
+
+
+def test_directory_tree_is_readable(tmp_path):
+    eqxckpt.save(tmp_path / "c", _training_state())
+    stored = sorted(str(p.parent.relative_to(tmp_path / "c")) for p in (tmp_path / "c").rglob("zarr.json"))
+    assert "model/layers/0/weight" in stored and "model/layers/1/bias" in stored
+    assert "opt_state/1/0/mu/layers/0/weight" in stored  # chain -> adamw -> ScaleByAdamState.mu
+    assert "key" in stored and "bn_state/0" in stored
+    manifest = json.loads((tmp_path / "c" / "eqxckpt.json").read_text())
+    assert manifest["format"] == "eqxckpt" and manifest["version"] == 1
+    kinds = {leaf["path"]: leaf["kind"] for leaf in manifest["leaves"]}
+    assert kinds["step"] == "scalar" and kinds["fn"] == "opaque" and kinds["key"] == "prng_key"
+    assert kinds["model/activation"] == "opaque"
+    # the raw uint32 key is an ordinary array
+    assert kinds["raw_key"] == "array"
+    assert len(stored) == sum(k in ("array", "prng_key") for k in kinds.values())
+
+
+def test_no_temporary_directories_left(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"a": np.ones(3)})
+    eqxckpt.save(tmp_path / "c", {"a": np.zeros(3)}, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_overwrite_false_refuses_and_keeps_old(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"a": np.ones(3)})
+    with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+        eqxckpt.save(tmp_path / "c", {"a": np.zeros(3)})
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "c")["a"], np.ones(3))
+
+
+def test_overwrite_replaces(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"a": np.ones(3), "gone": np.ones(2)})
+    eqxckpt.save(tmp_path / "c", {"a": np.zeros(3)}, overwrite=True)
+    assert eqxckpt.open(tmp_path / "c").paths == ["a"]
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "c")["a"], np.zeros(3))
+    assert not (tmp_path / "c" / "gone").exists()
+
+
+def test_overwrite_never_deletes_a_foreign_directory(tmp_path):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "thesis.tex").write_text("precious")
+    with pytest.raises(CheckpointExistsError, match="not an eqxckpt checkpoint"):
+        eqxckpt.save(tmp_path / "c", {"a": np.ones(3)}, overwrite=True)
+    assert (tmp_path / "c" / "thesis.tex").read_text() == "precious"
+
+
+def test_failed_save_leaves_previous_intact(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"a": np.ones(3)})
+
+    class Boom:
+        def __array__(self, *a, **k):
+            raise RuntimeError("device lost")
+
+    bad = {"a": np.zeros(3), "b": jnp.ones(2)}
+    # a leaf that fails while being written: an unsupported dtype is refused up front...
+    with pytest.raises(CheckpointError, match="uint4"):
+        eqxckpt.save(tmp_path / "c", {"a": np.zeros(3, ml_dtypes.uint4)}, overwrite=True)
+    # ...and a failure in the middle of writing removes the temporary directory
+    import eqxckpt._save as save_module
+
+    real = save_module._write_arrays
+
+    def failing(location, arrays, context):
+        real(location, arrays[:1], context)
+        raise OSError(28, "No space left on device")
+
+    save_module._write_arrays = failing
+    try:
+        with pytest.raises(OSError, match="No space"):
+            eqxckpt.save(tmp_path / "c", bad, overwrite=True)
+    finally:
+        save_module._write_arrays = real
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "c")["a"], np.ones(3))
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_all_writes_are_issued_before_any_is_awaited(tmp_path, monkeypatch):
+    """Writes run concurrently: no leaf's write is awaited before all are started."""
+    import eqxckpt._save as save_module
+
+    events = []
+    real_open = ts.open
+
+    class Write:
+        def __init__(self, future):
+            self.future = future
+
+        def result(self):
+            events.append("await")
+            return self.future.result()
+
+    class Store:
+        def __init__(self, store):
+            self.store = store
+
+        def write(self, data):
+            events.append("issue")
+            return Write(self.store.write(data))
+
+    class Opened:
+        def __init__(self, future):
+            self.future = future
+
+        def result(self):
+            return Store(self.future.result())
+
+    monkeypatch.setattr(save_module.ts, "open", lambda *a, **k: Opened(real_open(*a, **k)))
+    eqxckpt.save(tmp_path / "c", {f"w{i}": np.full((64,), i) for i in range(10)})
+    assert events == ["issue"] * 10 + ["await"] * 10
+    monkeypatch.undo()
+    assert eqxckpt.load(tmp_path / "c")["w7"][0] == 7
+
+
+def test_metadata_must_be_json(tmp_path):
+    with pytest.raises(CheckpointError, match="JSON"):
+        eqxckpt.save(tmp_path / "c", {"a": 1}, metadata={"f": object()})
+    assert not (tmp_path / "c").exists()
+
+
+def test_bare_leaf_needs_a_container(tmp_path):
+    with pytest.raises(CheckpointError, match="container"):
+        eqxckpt.save(tmp_path / "c", np.ones(3))
+
+
+def test_large_array_is_chunked(tmp_path, monkeypatch):
+    import eqxckpt._store as store
+
+    monkeypatch.setattr(store, "CHUNK_BYTES", 1024)
+    x = np.arange(64 * 40, dtype=np.float32).reshape(64, 40)
+    eqxckpt.save(tmp_path / "c", {"x": x})
+    zarr = json.loads((tmp_path / "c/x/zarr.json").read_text())
+    assert zarr["chunk_grid"]["configuration"]["chunk_shape"] == [6, 40]  # 6*40*4 <= 1024
+    assert len(list((tmp_path / "c/x/c").rglob("*"))) > 10
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "c", {"x": x})["x"], x)
+
+
+def test_async_save_snapshots_before_returning(tmp_path):
+    x = np.arange(1000.0)
+    handle = eqxckpt.save(tmp_path / "c", {"x": x}, blocking=False)
+    x[:] = -1  # the caller reuses its buffer right away
+    handle.wait()
+    assert handle.done()
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "c")["x"], np.arange(1000.0))
+
+
+def test_memory_store(tmp_path):
+    tree = {"a": jnp.arange(4), "b": {"c": np.ones((2, 2), np.float16)}, "s": 3}
+    eqxckpt.save("memory://run/ckpt", tree)
+    assert_trees_equal(eqxckpt.load("memory://run/ckpt", tree), tree)
+    with pytest.raises(CheckpointExistsError):
+        eqxckpt.save("memory://run/ckpt", tree)
+
+
+leaf_arrays = st.builds(
+    lambda dtype, shape, seed: _sample(dtype, shape, seed),
+    st.sampled_from([np.float32, np.int64, np.uint8, np.bool_, ml_dtypes.bfloat16, np.complex64]),
+    st.lists(st.integers(0, 4), max_size=3).map(tuple),
+    st.integers(0, 1000),
+)
+trees = st.recursive(
+    st.one_of(leaf_arrays, st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=8), st.booleans()),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.dictionaries(st.text(max_size=6).filter(lambda k: k == k.lower()), children, max_size=3),
+    ),
+    max_leaves=8,
+)
+
+
+@given(st.dictionaries(st.sampled_from(["a", "b", "model", "x/y", ""]), trees, min_size=1))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_round_trip_property(tmp_path_factory, tree):
+    path = tmp_path_factory.mktemp("prop") / "c"
+    eqxckpt.save(path, tree)
+    assert_trees_equal(eqxckpt.load(path, tree), tree)
+    plain = eqxckpt.load(path)
+    # like=None rebuilds the same nested dicts/lists where nothing is empty
+    for key in tree:
+        if jax.tree_util.tree_leaves(tree[key]):
+            assert key in plain
