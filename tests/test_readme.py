@@ -1,0 +1,22 @@
+"""The README's examples are part of the test suite: they must run as written."""
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).parent.parent / "README.md"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    blocks = python_blocks()
+    assert len(blocks) >= 5
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - our own README
+    out = capsys.readouterr().out
+    assert "missing from the checkpoint" in out and "(32, 2) float32 256" in out
+    assert (tmp_path / "ckpt/step_10/eqxckpt.json").exists()
