@@ -13,7 +13,7 @@ from typing import Any
 import tensorstore as ts
 
 from ._errors import CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
-from ._paths import MANIFEST_NAME, validate_path
+from ._paths import MANIFEST_NAME, record_segment, validate_path
 from ._store import STORED_DTYPES, Location, shared_context
 
 FORMAT = "eqxckpt"
@@ -196,7 +196,10 @@ def _keys(value: Any, path: str) -> tuple:
         if not ok or (len(entry) == 3 and entry[2] != "repr"):
             raise ManifestError(f"Leaf {path!r}: key entry {entry!r} is not [kind, key] with kind in {KEY_KINDS}.")
         keys.append(tuple(entry))
+    if "/".join(map(record_segment, keys)) != path:
+        raise ManifestError(f"Leaf {path!r}: its keys {value!r} do not spell its path.")
     return tuple(keys)
+
 
 
 def _leaf(doc: Any) -> LeafRecord:

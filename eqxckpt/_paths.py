@@ -84,18 +84,13 @@ def decode_segment(segment: str) -> str:
 
 def key_entry_segment(entry: Any) -> str:
     """The path segment of one `jax.tree_util` key entry."""
-    if isinstance(entry, jtu.GetAttrKey):
-        return encode_segment(entry.name)
-    if isinstance(entry, jtu.SequenceKey):
-        return str(entry.idx)
-    if isinstance(entry, jtu.FlattenedIndexKey):
-        return str(entry.key)
-    if isinstance(entry, jtu.DictKey):
-        key = entry.key
-        if isinstance(key, (bool, int)) and not isinstance(key, bool):
-            return str(key)
-        return encode_segment(key if isinstance(key, str) else str(key))
-    return encode_segment(str(entry))
+    return record_segment(key_entry_record(entry))
+
+
+def record_segment(record: list | tuple) -> str:
+    """The path segment of a manifest key record (``["attr", "weight"]`` -> ``weight``)."""
+    key = record[1]
+    return str(key) if isinstance(key, int) else encode_segment(key)
 
 
 def key_entry_record(entry: Any) -> list:

@@ -192,14 +192,27 @@ def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def _is_array_key(key: bytes) -> bool:
+    """Whether a key is what a zarr3 array leaves behind (metadata or a chunk)."""
+    parts = key.decode("utf-8", "replace").split("/")
+    return parts[-1] == "zarr.json" or "c" in parts[:-1] or parts[-1] == "c"
+
+
 def _write_object_store(location: Location, manifest: Manifest, arrays, overwrite: bool) -> None:
     # No rename on object stores: the manifest, written last, is the commit marker.
     store = ts.KvStore.open(location.kvstore, context=shared_context()).result()
-    if store.read(MANIFEST_NAME).result().state == "value":
-        if not overwrite:
-            raise CheckpointExistsError(f"A checkpoint already exists at {location}. Pass overwrite=True to replace it.")
-        store.delete_range(ts.KvStore.KeyRange(MANIFEST_NAME, MANIFEST_NAME + "\0")).result()  # uncommit first
-    store.delete_range(ts.KvStore.KeyRange()).result()
+    committed = store.read(MANIFEST_NAME).result().state == "value"
+    if committed and not overwrite:
+        raise CheckpointExistsError(f"A checkpoint already exists at {location}. Pass overwrite=True to replace it.")
+    existing = store.list().result()
+    if existing and not committed and not all(_is_array_key(k) for k in existing):
+        raise CheckpointExistsError(
+            f"{location} holds data that is not an eqxckpt checkpoint; refusing to replace it. Choose another path."
+        )
+    if committed:  # uncommit first, so a reader never sees the old manifest over new arrays
+        store.delete_range(ts.KvStore.KeyRange(MANIFEST_NAME, MANIFEST_NAME + "\0")).result()
+    if existing:  # the old checkpoint's arrays, or an interrupted save's
+        store.delete_range(ts.KvStore.KeyRange()).result()
     _write_arrays(location, arrays, shared_context())
     store.write(MANIFEST_NAME, manifest.to_bytes()).result()
 

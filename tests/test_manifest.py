@@ -1,0 +1,58 @@
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from eqxckpt._errors import ManifestError
+from eqxckpt._manifest import LeafRecord, Manifest, parse_manifest, scalar_from_json, scalar_to_json
+
+GOOD = {"path": "model/w", "keys": [["attr", "model"], ["attr", "w"]], "kind": "array", "shape": [2, 3],
+        "dtype": "float32", "location": "model/w", "array_type": "jax"}
+
+
+def doc(*leaves, **extra):
+    return json.dumps({"format": "eqxckpt", "version": 1, "metadata": {}, "leaves": list(leaves), **extra}).encode()
+
+
+def test_round_trip():
+    records = (LeafRecord("a/0", (("dict", "a"), ("seq", 0)), "array", (2,), "bfloat16", array_type="numpy"),
+               LeafRecord("s", (("dict", "s"),), "scalar", value="nan", type_name="float"))
+    parsed = parse_manifest(Manifest(records, {"step": 3}).to_bytes())
+    assert parsed.leaves == records and parsed.metadata == {"step": 3}
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"path": "../x", "location": "../x"}, "unsafe"),
+    ({"location": "other"}, "location"),
+    ({"shape": [-1, 3]}, "negative"),
+    ({"shape": [2**40, 2**40]}, "absurd"),
+    ({"dtype": "object"}, "dtype"),
+    ({"kind": "pickle"}, "kind"),
+    ({"keys": [["attr", "model"], ["attr", "v"]]}, "spell"),
+    ({"keys": [["attr", "model"]]}, "one"),
+    ({"array_type": "torch"}, "array_type"),
+])
+def test_bad_leaves_are_refused(change, match):
+    with pytest.raises(ManifestError, match=match):
+        parse_manifest(doc({**GOOD, **change}))
+
+
+def test_document_level_errors():
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        parse_manifest(b"{\"format\": ")
+    with pytest.raises(ManifestError, match="not hold an eqxckpt manifest"):
+        parse_manifest(b"[]")
+    with pytest.raises(ManifestError, match="twice"):
+        parse_manifest(doc(GOOD, GOOD))
+    with pytest.raises(ManifestError, match="integer format version"):
+        parse_manifest(json.dumps({"format": "eqxckpt", "version": "1"}).encode())
+    with pytest.raises(ManifestError):
+        parse_manifest(b"[" * 100000)
+
+
+@given(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.complex_numbers(), st.text()))
+def test_scalars_round_trip(value):
+    kind, encoded = scalar_to_json(value)
+    back = scalar_from_json(kind, json.loads(json.dumps(encoded, allow_nan=False)))
+    assert type(back) is type(value)
+    assert repr(back) == repr(value)

@@ -1,0 +1,64 @@
+import pathlib
+
+import numpy as np
+import pytest
+
+import eqxckpt
+from eqxckpt._store import chunk_shape, exchange, resolve
+
+
+def test_resolve_forms(tmp_path):
+    local = resolve(tmp_path / "c")
+    assert local.local == tmp_path / "c" and local.kvstore == {"driver": "file", "path": f"{tmp_path}/c/"}
+    assert resolve(f"file://{tmp_path}/c").local == tmp_path / "c"
+    s3 = resolve("s3://bucket/run/step_1")
+    assert s3.local is None and s3.kvstore == {"driver": "s3", "bucket": "bucket", "path": "run/step_1/"}
+    assert resolve("gs://b/x").kvstore == {"driver": "gcs", "bucket": "b", "path": "x/"}
+    assert resolve("memory://a/b").kvstore == {"driver": "memory", "path": "a/b/"}
+    spec = resolve({"driver": "s3", "bucket": "b", "path": "p", "endpoint": "http://127.0.0.1:9"})
+    assert spec.kvstore["endpoint"] == "http://127.0.0.1:9" and spec.kvstore["path"] == "p/"
+    assert s3.child("model/w") == {"driver": "s3", "bucket": "bucket", "path": "run/step_1/model/w/"}
+    with pytest.raises(eqxckpt.ManifestError):
+        s3.child("../other")
+    with pytest.raises(eqxckpt.CheckpointError, match="scheme"):
+        resolve("ftp://x/y")
+
+
+@pytest.mark.parametrize(
+    "shape,itemsize,budget,expected",
+    [((), 4, 64, []), ((0, 5), 4, 64, [1, 5]), ((10,), 4, 64, [10]), ((100,), 4, 64, [16]),
+     ((8, 8), 4, 64, [2, 8]), ((4, 100), 4, 64, [1, 16]), ((3, 4, 5), 8, 10**9, [3, 4, 5])],
+)
+def test_chunk_shape_is_contiguous_and_bounded(shape, itemsize, budget, expected):
+    chunk = chunk_shape(shape, itemsize, budget)
+    assert chunk == expected
+    assert np.prod(chunk, dtype=int) * itemsize <= max(budget, itemsize)
+
+
+def test_exchange_swaps_atomically(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "x").write_text("old")
+    (b / "y").write_text("new")
+    if not exchange(a, b):
+        pytest.skip("renameat2(RENAME_EXCHANGE) unsupported on this filesystem")
+    assert (a / "y").read_text() == "new" and (b / "x").read_text() == "old"
+
+
+def test_object_store_overwrite_never_clears_foreign_data():
+    import tensorstore as ts
+    from eqxckpt._store import shared_context
+
+    store = ts.KvStore.open({"driver": "memory", "path": "foreign/"}, context=shared_context()).result()
+    store.write("notes.txt", b"precious").result()
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="not an eqxckpt checkpoint"):
+        eqxckpt.save("memory://foreign", {"a": np.ones(2)}, overwrite=True)
+    assert store.read("notes.txt").result().value == b"precious"
+    # an interrupted save (arrays, no manifest) is refused on load and replaced on save
+    eqxckpt.save("memory://half", {"a": np.ones(2), "b": np.ones(3)})
+    ts.KvStore.open({"driver": "memory", "path": "half/"}, context=shared_context()).result().delete_range(
+        ts.KvStore.KeyRange("eqxckpt.json", "eqxckpt.json\0")).result()
+    with pytest.raises(eqxckpt.IncompleteCheckpointError):
+        eqxckpt.load("memory://half")
+    eqxckpt.save("memory://half", {"a": np.zeros(2)})
+    assert eqxckpt.open("memory://half").paths == ["a"]
