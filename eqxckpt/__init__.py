@@ -22,3 +22,5 @@ from ._errors import (
 )
 from ._load import load as load
 from ._save import SaveHandle as SaveHandle, save as save
+from ._transform import Transform as Transform, TransformError as TransformError, apply_transformations as apply_transformations
+from ._translate import CheckpointTranslator as CheckpointTranslator

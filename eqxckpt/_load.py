@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checkpoint import Checkpoint, corrupt, open, wrap_prng
+from ._checkpoint import Checkpoint, LazyArray, corrupt, open, wrap_prng
 from ._errors import CheckpointError, CorruptCheckpointError, StructureMismatchError
 from ._manifest import LeafRecord, scalar_from_json, scalar_to_json
 from ._paths import normalize_at
+from ._transform import keypath_string, missing_originals, plan, readable_path
 from ._tree import SCALAR_TYPES, describe_like, flatten, is_array_like, is_prng_key_dtype
 
 MAX_LISTED = 50
@@ -172,6 +173,8 @@ def load(
     at: str | None = None,
     strict: bool = True,
     cast: bool = False,
+    transforms: Any = None,
+    default_to_original: bool = True,
 ) -> Any:
     """Restore a checkpoint (or the subtree ``at``) into the structure of ``like``.
 
@@ -190,6 +193,10 @@ def load(
       difference. If False, missing leaves keep ``like``'s (concrete) values and
       extra checkpoint leaves are ignored, with a warning.
     - `cast`: convert stored dtypes to ``like``'s dtypes instead of refusing.
+    - `transforms`: `Transform` rules (see `apply_transformations`) mapping
+      ``like``'s paths to checkpoint paths. Only the leaves the result needs
+      are read; ``transforms={}`` restores just the leaves ``like`` has.
+    - `default_to_original`: as in `apply_transformations`.
 
     ```python
     skeleton = eqx.filter_eval_shape(make_model, jax.random.key(0))
@@ -212,6 +219,8 @@ def load(
         return build_plain_tree(pairs, depth)
 
     like = resolve_like(like)
+    if transforms is not None:
+        return _load_transformed(checkpoint, prefix, available, like, transforms, default_to_original, cast)
     flat, treedef = flatten(like)
     out: list[Any] = [None] * len(flat)
     reads: list[tuple[int, LeafRecord, Any]] = []
@@ -250,4 +259,70 @@ def load(
         )
     for (i, _, _), value in zip(reads, _read(checkpoint, [(r, t) for _, r, t in reads])):
         out[i] = value
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _place(path: str, value: Any, target: Any) -> Any:
+    """Put a computed value (from value_fn / multi_value_fn) where ``target`` wants it."""
+    if isinstance(value, LazyArray):
+        value = value.get()
+    if not is_array_like(target):
+        return value
+    if tuple(np.shape(value)) != tuple(target.shape):
+        raise StructureMismatchError(
+            f"Transform for {path!r} produced shape {tuple(np.shape(value))}, but `like` expects "
+            f"{describe_like(target)}. Fix the value_fn/multi_value_fn or the model."
+        )
+    if isinstance(target, np.ndarray):
+        return np.asarray(value, dtype=target.dtype)
+    if isinstance(target, np.generic):
+        return np.asarray(value, dtype=target.dtype)[()]
+    return jax.device_put(jnp.asarray(value, dtype=target.dtype), getattr(target, "sharding", None))
+
+
+def _load_transformed(checkpoint, prefix, available, like, transforms, default_to_original, cast) -> Any:
+    """`load` with `Transform` rules: plan on paths first, then read only what is used."""
+    depth = len(prefix.split("/")) if prefix else 0
+    by_key = {readable_path(r.keys[depth:]): r for r in available.values()}
+    flat, treedef = flatten(like)
+    new_paths = [keypath_string(kp) for _, kp, _ in flat]
+    sources = plan(new_paths, set(by_key), transforms, default_to_original)
+    problems = [(p, f"rule points at {k!r}, which is not in the checkpoint") for p, k in missing_originals(new_paths, sources, set(by_key))]
+    out: list[Any] = [None] * len(flat)
+    reads, computed = [], []
+    for i, ((_, _, target), path, source) in enumerate(zip(flat, new_paths, sources)):
+        if source.kind == "new":
+            if isinstance(target, jax.ShapeDtypeStruct):
+                problems.append((path, f"expected {describe_like(target)}; no rule, checkpoint leaf or concrete value supplies it"))
+            out[i] = target
+        elif source.kind == "multi":
+            computed.append((i, path, source, None, target))
+        elif source.key in by_key:
+            record = by_key[source.key]
+            value_fn = source.transform.value_fn if source.transform else None
+            if value_fn is not None:
+                computed.append((i, path, source, record, target))
+            elif (problem := _mismatch(record, target, cast)) is not None:
+                problems.append((path, f"{problem} (from {source.key!r})"))
+            elif record.is_stored:
+                reads.append((i, record, target))
+            else:
+                out[i] = checkpoint._value(record) if record.kind == "scalar" else target
+    if problems:
+        raise StructureMismatchError(_report(checkpoint.location, prefix, [], [], problems))
+    # One concurrent read for every stored leaf used, including value_fn inputs.
+    stored_inputs = [(r, None) for _, _, _, r, _ in computed if r is not None and r.is_stored]
+    values = _read(checkpoint, [(r, t) for _, r, t in reads] + stored_inputs)
+    for (i, _, _), value in zip(reads, values):
+        out[i] = value
+    inputs = dict(zip((r.path for r, _ in stored_inputs), values[len(reads):]))
+    lazy_original = None
+    for i, path, source, record, target in computed:
+        if record is None:
+            if lazy_original is None:
+                lazy_original = checkpoint.tree(at=prefix or None)
+            value = source.transform.multi_value_fn(source.key, lazy_original)
+        else:
+            value = source.transform.value_fn(inputs[record.path] if record.is_stored else checkpoint._value(record))
+        out[i] = _place(path, value, target)
     return jax.tree_util.tree_unflatten(treedef, out)

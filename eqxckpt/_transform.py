@@ -1,0 +1,163 @@
+"""Model surgery: `Transform` rules that map a new tree's leaves to an original's.
+
+The rules are planned on paths alone (`plan`), so `load(..., transforms=...)`
+decides which checkpoint leaves it needs before it reads any of them.
+
+Keys are matched as the leaves' keys joined by ``/`` (``layers/0/weight``,
+``dense_1/kernel``): exactly what `eqxckpt inspect` prints for ordinary names.
+"""
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import jax.tree_util as jtu
+
+from ._errors import CheckpointError
+from ._paths import key_entry_record
+
+
+class TransformError(CheckpointError, ValueError):
+    """A transformation rule is malformed or cannot be applied."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """How one leaf (or every leaf matching a regex) of the new tree is obtained.
+
+    - `original_key`: the leaf's path in the original tree (``/`` for nesting);
+      backreferences (``\\1``, ``\\g<name>``) refer to the rule's regex groups.
+      Default: the same path as in the new tree.
+    - `use_fallback`: take the value from the fallback tree instead (``new_tree``
+      when ``default_to_original=True``, else the original).
+    - `value_fn`: ``value -> value``, applied to the original value.
+    - `multi_value_fn`: ``(key, original_tree) -> value``, for values built
+      from several original leaves.
+
+    ```python
+    transforms = {r"layers/(\\d+)/w": eqxckpt.Transform(original_key=r"blocks/\\1/weight")}
+    ```
+    """
+
+    original_key: str | None = None
+    use_fallback: bool = False
+    value_fn: Callable[[Any], Any] | None = None
+    multi_value_fn: Callable[[str, Any], Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one new leaf's value comes from: ``original`` (at ``key``), ``new``, or ``multi``."""
+
+    kind: str
+    key: str | None = None
+    transform: Transform | None = None
+
+
+def readable_path(keypath_records) -> str:
+    """Keys joined by ``/`` as the user wrote them (unescaped), for matching rules."""
+    return "/".join(str(record[1]) for record in keypath_records)
+
+
+def keypath_string(keypath: tuple) -> str:
+    return readable_path([key_entry_record(entry) for entry in keypath])
+
+
+def flatten_transformations(transformations: Any) -> list[tuple[str, re.Pattern, Transform]]:
+    """``{"a": {"b_(\\d)": T}}`` -> ``[("a/b_(\\d)", regex, T)]``, in insertion order."""
+    if transformations is None:
+        return []
+    if not isinstance(transformations, dict):
+        raise TransformError(f"transformations must be a (nested) dict of Transform, got {type(transformations).__name__}.")
+    rules = []
+    for key, value in transformations.items():
+        if not isinstance(key, str):
+            raise TransformError(f"Transformation key {key!r} must be a string (a path or regex).")
+        if isinstance(value, dict):
+            rules.extend((f"{key}/{sub}", None, t) for sub, _, t in flatten_transformations(value))
+        elif isinstance(value, Transform):
+            rules.append((key, None, value))
+        else:
+            raise TransformError(f"Transformation {key!r} must be a Transform or a dict of them, got {type(value).__name__}.")
+    compiled = []
+    for key, _, transform in rules:
+        try:
+            compiled.append((key, re.compile(key), transform))
+        except re.error as e:
+            raise TransformError(f"Transformation key {key!r} is not a valid regex: {e}.") from None
+    return compiled
+
+
+def plan(new_paths: list[str], original_paths: set[str], transformations: Any, default_to_original: bool) -> list[Source]:
+    """Decide, for each new path, where its value comes from (no values touched)."""
+    rules = flatten_transformations(transformations)
+    sources = []
+    for path in new_paths:
+        for key, regex, transform in rules:
+            match = regex.fullmatch(path)
+            if match is None:
+                continue
+            if transform.multi_value_fn is not None:
+                sources.append(Source("multi", path, transform))
+            elif transform.use_fallback:
+                sources.append(Source("new") if default_to_original else Source("original", path, transform))
+            else:
+                original = path
+                if transform.original_key is not None:
+                    try:
+                        original = match.expand(transform.original_key)
+                    except (re.error, IndexError) as e:
+                        raise TransformError(
+                            f"Transformation {key!r} -> original_key {transform.original_key!r} cannot be "
+                            f"applied to {path!r}: {e}. Check the backreferences against the regex's groups."
+                        ) from None
+                sources.append(Source("original", original, transform))
+            break
+        else:
+            in_both = path in original_paths
+            sources.append(Source("original", path) if in_both and default_to_original else Source("new"))
+    return sources
+
+
+def missing_originals(new_paths: list[str], sources: list[Source], original_paths: set[str]) -> list[tuple[str, str]]:
+    """(new path, original key) for rules that point at nothing."""
+    return [(p, s.key) for p, s in zip(new_paths, sources) if s.kind == "original" and s.key not in original_paths]
+
+
+def apply_transformations(
+    original_tree: Any, transformations: Any, new_tree: Any, default_to_original: bool = True
+) -> Any:
+    """Build ``new_tree``'s structure from ``original_tree``'s values by the rules.
+
+    A key in ``new_tree`` but not the original comes from ``new_tree``; a key
+    only in the original is dropped; a key in both that no rule mentions comes
+    from the original if ``default_to_original`` else from ``new_tree``.
+
+    ```python
+    original = {"a": 1, "dense_1": {"kernel": 2}}
+    rules = {r"([a-z]+)_([0-9])_([a-z]+)": eqxckpt.Transform(original_key=r"\\1_\\2/\\3")}
+    eqxckpt.apply_transformations(original, rules, {"a": ..., "dense_1_kernel": ...})
+    # {'a': 1, 'dense_1_kernel': 2}
+    ```
+    """
+    original = {keypath_string(kp): leaf for kp, leaf in jtu.tree_flatten_with_path(original_tree)[0]}
+    with_path, treedef = jtu.tree_flatten_with_path(new_tree)
+    new_paths = [keypath_string(kp) for kp, _ in with_path]
+    sources = plan(new_paths, set(original), transformations, default_to_original)
+    missing = missing_originals(new_paths, sources, set(original))
+    if missing:
+        raise TransformError(
+            "Transformations point at keys the original tree does not have: "
+            + ", ".join(f"{p!r} <- {k!r}" for p, k in missing)
+        )
+    values = []
+    for (_, new_value), source in zip(with_path, sources):
+        if source.kind == "new":
+            values.append(new_value)
+        elif source.kind == "multi":
+            values.append(source.transform.multi_value_fn(source.key, original_tree))
+        else:
+            value = original[source.key]
+            fn = source.transform.value_fn if source.transform else None
+            values.append(fn(value) if fn is not None else value)
+    return jtu.tree_unflatten(treedef, values)
