@@ -67,7 +67,7 @@ class Model(eqx.Module):
 def training_state(mib: float, layers: int = 8):
     """A model + adam state of about ``mib`` MiB; returns (arrays-only state, constructor)."""
     # params ~ layers * 9 d^2 floats; adam adds mu and nu: total ~ 3x params.
-    d = max(64, int((mib * 2**20 / 3 / 4 / (9 * layers)) ** 0.5) // 64 * 64)
+    d = max(32, round((mib * 2**20 / 3 / 4 / (9 * layers + 4)) ** 0.5 / 32) * 32)
 
     def make():
         model = Model(d, layers, vocab=4 * d, key=jax.random.key(0))
