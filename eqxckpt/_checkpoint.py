@@ -1,6 +1,7 @@
 """`open`: a read-only, lazy view of a committed checkpoint."""
 
 import difflib
+import functools
 from typing import Any
 
 import jax
@@ -137,6 +138,12 @@ def corrupt(record: LeafRecord, error: Exception) -> CorruptCheckpointError:
     )
 
 
+@functools.cache
+def key_dtype(impl: str) -> Any:
+    """The dtype of typed PRNG keys of ``impl`` (``key<fry>`` for threefry2x32)."""
+    return jax.random.key(0, impl=impl).dtype
+
+
 def wrap_prng(record: LeafRecord, data: Any) -> jax.Array:
     """Typed PRNG keys are stored as key data; turn them back into keys."""
     return jax.random.wrap_key_data(data, impl=record.impl)
@@ -180,7 +187,7 @@ class LazyArray:
     def dtype(self) -> np.dtype:
         if self._dtype is not None:
             return self._dtype
-        return jax.random.key(0, impl=self.record.impl).dtype if self.record.kind == "prng_key" else np.dtype(self.record.dtype)
+        return key_dtype(self.record.impl) if self.record.kind == "prng_key" else np.dtype(self.record.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,5 @@
 """`load`: restore a checkpoint, or a subtree of it, into the shape of ``like``."""
 
-import functools
 import warnings
 from typing import Any
 
@@ -9,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checkpoint import Checkpoint, LazyArray, corrupt, open, wrap_prng
+from ._checkpoint import Checkpoint, LazyArray, corrupt, key_dtype, open, wrap_prng
 from ._errors import CheckpointError, CorruptCheckpointError, StructureMismatchError
 from ._manifest import LeafRecord, scalar_from_json, scalar_to_json
 from ._paths import normalize_at
@@ -27,11 +26,6 @@ def resolve_like(like: Any) -> Any:
     return like
 
 
-@functools.cache
-def _key_dtype(impl: str) -> Any:
-    return jax.random.key(0, impl=impl).dtype
-
-
 def _mismatch(record: LeafRecord, target: Any, cast: bool) -> str | None:
     """Why ``record`` cannot restore into ``target``, or None if it can."""
     found = f"found {record.describe()}"
@@ -40,7 +34,7 @@ def _mismatch(record: LeafRecord, target: Any, cast: bool) -> str | None:
         if not record.is_stored:
             return f"{expected}, {found}"
         if is_prng_key_dtype(target.dtype):
-            if record.kind != "prng_key" or _key_dtype(record.impl) != target.dtype:
+            if record.kind != "prng_key" or key_dtype(record.impl) != target.dtype:
                 return f"{expected}, {found}"
         elif record.kind != "array":
             return f"{expected}, {found}"

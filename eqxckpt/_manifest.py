@@ -10,6 +10,7 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 import tensorstore as ts
 
 from ._errors import CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
@@ -65,9 +66,7 @@ class LeafRecord:
     def nbytes(self) -> int:
         if not self.is_stored:
             return 0
-        import numpy as np
-
-        return math.prod(self.data_shape) * np.dtype(_np_dtype(self.dtype)).itemsize
+        return math.prod(self.data_shape) * np.dtype(self.dtype).itemsize
 
     def describe(self) -> str:
         """``float32[4,3]``-style summary used in errors and listings."""
@@ -92,12 +91,6 @@ class LeafRecord:
         if self.kind == "opaque":
             out["type"] = self.type_name
         return out
-
-
-def _np_dtype(name: str):
-    import numpy as np
-
-    return np.dtype(name)
 
 
 @dataclasses.dataclass(frozen=True)
