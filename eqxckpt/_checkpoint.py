@@ -1,5 +1,6 @@
 """`open`: a read-only, lazy view of a committed checkpoint."""
 
+import contextlib
 import difflib
 import functools
 from typing import Any
@@ -10,7 +11,7 @@ import tensorstore as ts
 
 from ._errors import CorruptCheckpointError
 from ._manifest import LeafRecord, Manifest, read_manifest, scalar_from_json
-from ._paths import normalize_at, relative_to
+from ._paths import depth, normalize_at, relative_to
 from ._store import Location, shared_context, read_spec, resolve
 
 
@@ -87,7 +88,7 @@ class Checkpoint:
     def __getitem__(self, path: str) -> Any:
         """A leaf (`LazyArray`, or the scalar itself) or, for a prefix, a subtree."""
         if path in self._records:
-            return self._value(self._records[path])
+            return self.value(self._records[path])
         if self.records(path):
             return self.tree(at=path)
         self.leaf(path)  # raises a KeyError with suggestions
@@ -97,10 +98,10 @@ class Checkpoint:
         from ._load import build_plain_tree
 
         records = self.records(at)
-        depth = len(normalize_at(at).split("/")) if normalize_at(at) else 0
-        return build_plain_tree([(r, self._value(r)) for r in records.values()], depth)
+        return build_plain_tree([(r, self.value(r)) for r in records.values()], depth(normalize_at(at)))
 
-    def _value(self, record: LeafRecord) -> Any:
+    def value(self, record: LeafRecord) -> Any:
+        """A leaf's value as far as the manifest knows it: a `LazyArray`, a scalar, or None (opaque)."""
         if record.is_stored:
             return LazyArray(self, record)
         if record.kind == "scalar":
@@ -115,10 +116,8 @@ class Checkpoint:
 
     def checked(self, record: LeafRecord, opened: ts.Future) -> ts.TensorStore:
         """The opened array, after checking it is what the manifest says."""
-        try:
+        with reading(record):
             store = opened.result()
-        except Exception as e:
-            raise corrupt(record, e) from None
         shape, dtype = tuple(store.shape), store.dtype.numpy_dtype.name
         if shape != record.data_shape or dtype != record.dtype:
             raise CorruptCheckpointError(
@@ -127,6 +126,17 @@ class Checkpoint:
                 "load an earlier one."
             )
         return store
+
+
+@contextlib.contextmanager
+def reading(record: LeafRecord):
+    """Any failure while reading ``record`` becomes a `CorruptCheckpointError` naming it."""
+    try:
+        yield
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:
+        raise corrupt(record, e) from None
 
 
 def corrupt(record: LeafRecord, error: Exception) -> CorruptCheckpointError:
@@ -219,22 +229,14 @@ class LazyArray:
 
     def get(self) -> Any:
         """Read the data (a numpy array; a jax key array for PRNG keys)."""
-        try:
+        with reading(self.record):
             data = self._start().result()
-        except CorruptCheckpointError:
-            raise
-        except Exception as e:
-            raise corrupt(self.record, e) from None
         return self._finish(data)
 
     async def get_async(self) -> Any:
         """``await lazy.get_async()``: read without blocking the event loop."""
-        try:
+        with reading(self.record):
             data = await self._start()
-        except CorruptCheckpointError:
-            raise
-        except Exception as e:
-            raise corrupt(self.record, e) from None
         return self._finish(data)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:

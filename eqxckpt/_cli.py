@@ -6,7 +6,7 @@ import sys
 
 from ._checkpoint import open as open_checkpoint
 from ._errors import CheckpointError
-from ._paths import normalize_at, relative_to
+from ._paths import depth, normalize_at
 
 
 def human_bytes(n: int) -> str:
@@ -30,7 +30,7 @@ def _inspect(args: argparse.Namespace) -> int:
         raise CheckpointError(f"Nothing under at={args.at!r} in {checkpoint.location}.")
     console = Console(highlight=False)
     root = Tree(f"[bold]{checkpoint.location}[/bold]" + (f" [dim](at {prefix})[/dim]" if prefix else ""))
-    base = len(prefix.split("/")) if prefix else 0
+    base = depth(prefix)
     nodes: dict[tuple, Tree] = {}  # directory prefix -> its branch; above `at` is the root
     for rel, record in records.items():
         parts = tuple(record.path.split("/"))

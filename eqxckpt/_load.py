@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checkpoint import Checkpoint, LazyArray, corrupt, key_dtype, open, wrap_prng
-from ._errors import CheckpointError, CorruptCheckpointError, StructureMismatchError
-from ._manifest import LeafRecord, scalar_from_json, scalar_to_json
-from ._paths import normalize_at
+from ._checkpoint import Checkpoint, LazyArray, key_dtype, open, reading, wrap_prng
+from ._errors import CheckpointError, StructureMismatchError
+from ._manifest import LeafRecord, scalar_to_json
+from ._paths import depth, normalize_at
 from ._transform import keypath_string, missing_originals, plan, readable_path
 from ._tree import SCALAR_TYPES, describe_like, flatten, is_array_like, is_prng_key_dtype
 
@@ -110,7 +110,7 @@ def _read(checkpoint: Checkpoint, reads: list[tuple[LeafRecord, Any]]) -> list[A
     ]
     values = []
     for (record, target), store, future in zip(reads, stores, pending):
-        try:
+        with reading(record):
             if future is None:
                 dtype = np.dtype(target.dtype)
                 value = jax.make_array_from_callback(
@@ -118,10 +118,6 @@ def _read(checkpoint: Checkpoint, reads: list[tuple[LeafRecord, Any]]) -> list[A
                 )
             else:
                 value = _to_target(record, target, future.result())
-        except CorruptCheckpointError:
-            raise
-        except Exception as e:
-            raise corrupt(record, e) from None
         values.append(value)
     return values
 
@@ -205,12 +201,11 @@ def load(
         raise CheckpointError(
             f"Nothing under at={at!r} in {checkpoint.location}. Its top-level entries are: {', '.join(tops) or 'none'}."
         )
-    depth = len(prefix.split("/")) if prefix else 0
     if like is None:
         stored = [r for r in available.values() if r.is_stored]
         values = dict(zip((r.path for r in stored), _read(checkpoint, [(r, None) for r in stored])))
-        pairs = [(r, values[r.path] if r.is_stored else checkpoint._value(r)) for r in available.values()]
-        return build_plain_tree(pairs, depth)
+        pairs = [(r, values[r.path] if r.is_stored else checkpoint.value(r)) for r in available.values()]
+        return build_plain_tree(pairs, depth(prefix))
 
     like = resolve_like(like)
     if transforms is not None:
@@ -237,10 +232,8 @@ def load(
             mismatched.append((rel, problem))
         elif record.is_stored:
             reads.append((i, record, target))
-        elif record.kind == "scalar":
-            out[i] = scalar_from_json(record.type_name, record.value)
         else:
-            out[i] = target
+            out[i] = _unstored(checkpoint, record, target)
     unexpected = [(rel, f"found {r.describe()}") for rel, r in available.items() if rel not in used]
     if missing or mismatched or (unexpected and strict):
         raise StructureMismatchError(_report(checkpoint.location, prefix, missing, unexpected if strict else [], mismatched))
@@ -254,6 +247,11 @@ def load(
     for (i, _, _), value in zip(reads, _read(checkpoint, [(r, t) for _, r, t in reads])):
         out[i] = value
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _unstored(checkpoint: Checkpoint, record: LeafRecord, target: Any) -> Any:
+    """Scalars come from the manifest; opaque leaves (functions...) from ``like``."""
+    return checkpoint.value(record) if record.kind == "scalar" else target
 
 
 def _place(path: str, value: Any, target: Any) -> Any:
@@ -276,8 +274,7 @@ def _place(path: str, value: Any, target: Any) -> Any:
 
 def _load_transformed(checkpoint, prefix, available, like, transforms, default_to_original, cast) -> Any:
     """`load` with `Transform` rules: plan on paths first, then read only what is used."""
-    depth = len(prefix.split("/")) if prefix else 0
-    by_key = {readable_path(r.keys[depth:]): r for r in available.values()}
+    by_key = {readable_path(r.keys[depth(prefix):]): r for r in available.values()}
     flat, treedef = flatten(like)
     new_paths = [keypath_string(kp) for _, kp, _ in flat]
     sources = plan(new_paths, set(by_key), transforms, default_to_original)
@@ -301,7 +298,7 @@ def _load_transformed(checkpoint, prefix, available, like, transforms, default_t
             elif record.is_stored:
                 reads.append((i, record, target))
             else:
-                out[i] = checkpoint._value(record) if record.kind == "scalar" else target
+                out[i] = _unstored(checkpoint, record, target)
     if problems:
         raise StructureMismatchError(_report(checkpoint.location, prefix, [], [], problems))
     # One concurrent read for every stored leaf used, including value_fn inputs.
@@ -317,6 +314,6 @@ def _load_transformed(checkpoint, prefix, available, like, transforms, default_t
                 lazy_original = checkpoint.tree(at=prefix or None)
             value = source.transform.multi_value_fn(source.key, lazy_original)
         else:
-            value = source.transform.value_fn(inputs[record.path] if record.is_stored else checkpoint._value(record))
+            value = source.transform.value_fn(inputs[record.path] if record.is_stored else checkpoint.value(record))
         out[i] = _place(path, value, target)
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -188,6 +188,11 @@ def normalize_at(at: str | None) -> str:
     return at.strip("/")
 
 
+def depth(prefix: str) -> int:
+    """Number of segments in a normalised prefix ('' has none)."""
+    return len(prefix.split("/")) if prefix else 0
+
+
 def relative_to(path: str, prefix: str) -> str | None:
     """``path`` relative to ``prefix``, or None if it is not under it."""
     if not prefix:

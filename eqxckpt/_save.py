@@ -19,7 +19,7 @@ from ._errors import CheckpointError, CheckpointExistsError
 from ._manifest import LeafRecord, Manifest, scalar_to_json
 from ._paths import MANIFEST_NAME, key_entry_record
 from ._store import Location, array_spec, check_dtype, exchange, fsync_path, fsync_tree, shared_context, resolve
-from ._tree import SCALAR_TYPES, flatten, is_prng_key_dtype, type_name
+from ._tree import SCALAR_TYPES, flatten, is_array_like, is_prng_key_dtype, type_name
 
 
 class SaveHandle:
@@ -86,7 +86,7 @@ def _plan(tree: Any) -> tuple[list[LeafRecord], list[tuple[LeafRecord, Any]]]:
                 "wrap a single array, e.g. save(path, {'x': array})."
             )
         keys = tuple(tuple(key_entry_record(e)) for e in keypath)
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and not isinstance(leaf, (np.str_, np.bytes_)):
+        if is_array_like(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct):
             if isinstance(leaf, jax.Array) and is_prng_key_dtype(leaf.dtype):
                 data = jax.random.key_data(leaf)
                 impl = str(jax.random.key_impl(leaf))
