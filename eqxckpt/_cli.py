@@ -19,11 +19,29 @@ def human_bytes(n: int) -> str:
     raise AssertionError
 
 
+def checkpoint_path(text: str) -> str | dict:
+    """A command-line PATH: a path or URL, or a TensorStore kvstore spec as JSON.
+
+    ```
+    $ eqxckpt inspect '{"driver": "s3", "bucket": "b", "path": "run/1/", "endpoint": "http://127.0.0.1:9000"}'
+    ```
+    """
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"PATH looks like a JSON kvstore spec but is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise CheckpointError("A JSON PATH must be a kvstore spec object.")
+        return spec
+    return text
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.tree import Tree
 
-    checkpoint = open_checkpoint(args.path)
+    checkpoint = open_checkpoint(checkpoint_path(args.path))
     prefix = normalize_at(args.at)
     records = checkpoint.records(prefix)
     if not records:
@@ -61,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eqxckpt", description="Inspect eqxckpt checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = sub.add_parser("inspect", help="print the leaves with shapes, dtypes and sizes")
-    inspect.add_argument("path", help="checkpoint directory or URL")
+    inspect.add_argument("path", help="checkpoint directory, URL (s3://bucket/prefix) or kvstore spec as JSON")
     inspect.add_argument("--at", default=None, help="only the subtree under this path prefix")
     inspect.set_defaults(run=_inspect)
     args = parser.parse_args(argv)

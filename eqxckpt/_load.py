@@ -94,31 +94,61 @@ def _to_target(record: LeafRecord, target: Any, data: np.ndarray) -> Any:
     return jax.device_put(data, sharding)
 
 
-def _sharded(target: Any) -> bool:
+def _sharded(record: LeafRecord, target: Any) -> bool:
+    """Whether to read ``target`` slice by slice: each device's slice, on its process."""
     sharding = getattr(target, "sharding", None)
-    return sharding is not None and len(sharding.device_set) > 1
+    if sharding is None or (len(sharding.device_set) == 1 and sharding.is_fully_addressable):
+        return False
+    # Key data has trailing dimensions; only a NamedSharding says how to lay those out.
+    return record.kind == "array" or isinstance(sharding, jax.sharding.NamedSharding)
+
+
+def _slice_key(index: tuple, shape: tuple[int, ...]) -> tuple:
+    """A hashable, normalised form of an index into ``shape``."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _start_slices(record: LeafRecord, target: Any, store: Any) -> dict:
+    """Start reading every distinct slice this process's devices hold (once each,
+    however many local devices hold a replica of it)."""
+    reads = {}
+    for index in target.sharding.addressable_devices_indices_map(record.shape).values():
+        key = _slice_key(index, record.shape)
+        if key not in reads:
+            reads[key] = store[index].read()
+    return reads
+
+
+def _assemble(record: LeafRecord, target: Any, reads: dict) -> jax.Array:
+    """A global array from this process's slices; other processes supply theirs."""
+    slices = {key: future.result() for key, future in reads.items()}
+    ndim = len(record.shape)
+    if record.kind == "prng_key":
+        data = jax.make_array_from_callback(
+            record.data_shape, target.sharding, lambda idx: slices[_slice_key(idx[:ndim], record.shape)]
+        )
+        return jax.random.wrap_key_data(data, impl=record.impl)
+    dtype = np.dtype(target.dtype)
+    return jax.make_array_from_callback(
+        record.shape, target.sharding, lambda idx: slices[_slice_key(idx, record.shape)].astype(dtype, copy=False)
+    )
 
 
 def _read(checkpoint: Checkpoint, reads: list[tuple[LeafRecord, Any]]) -> list[Any]:
     """Read every selected leaf; all opens and reads run concurrently."""
     opens = [checkpoint.open_array(record) for record, _ in reads]
     stores = [checkpoint.checked(record, opened) for (record, _), opened in zip(reads, opens)]
-    # Sharded targets read only each device's slice, inside the callback below.
     pending = [
-        None if _sharded(target) and record.kind == "array" else store.read()
+        _start_slices(record, target, store) if _sharded(record, target) else store.read()
         for (record, target), store in zip(reads, stores)
     ]
     values = []
-    for (record, target), store, future in zip(reads, stores, pending):
+    for (record, target), future in zip(reads, pending):
         with reading(record):
-            if future is None:
-                dtype = np.dtype(target.dtype)
-                value = jax.make_array_from_callback(
-                    record.shape, target.sharding, lambda idx, s=store: s[idx].read().result().astype(dtype, copy=False)
-                )
+            if isinstance(future, dict):
+                values.append(_assemble(record, target, future))
             else:
-                value = _to_target(record, target, future.result())
-        values.append(value)
+                values.append(_to_target(record, target, future.result()))
     return values
 
 

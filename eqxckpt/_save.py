@@ -2,6 +2,7 @@
 
 import atexit
 import concurrent.futures
+import dataclasses
 import json
 import os
 import pathlib
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointError, CheckpointExistsError
 from ._manifest import LeafRecord, Manifest, scalar_to_json
 from ._paths import MANIFEST_NAME, key_entry_record
@@ -52,7 +54,7 @@ class SaveHandle:
 
 
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
-_in_flight: dict[str, SaveHandle] = {}
+_in_flight: dict[str, SaveHandle] = {}  # latest background save per location, until it succeeds or its error is seen
 _lock = threading.Lock()
 
 
@@ -60,10 +62,13 @@ def _background() -> concurrent.futures.ThreadPoolExecutor:
     global _executor
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-save")
+        # Registered now, after jax.distributed.initialize registered its own
+        # shutdown, so this runs first (atexit is last-in, first-out) and a
+        # multi-process save can still reach its barriers.
+        atexit.register(_finish_pending_saves)
     return _executor
 
 
-@atexit.register
 def _finish_pending_saves() -> None:
     # A background save must not vanish with the interpreter, nor its error.
     for handle in list(_in_flight.values()):
@@ -72,6 +77,32 @@ def _finish_pending_saves() -> None:
         except Exception as e:  # noqa: BLE001 - reported, interpreter is exiting
             if not handle._observed:
                 print(f"eqxckpt: background save to {handle.path} failed: {e!r}", file=sys.stderr)
+
+
+def _raise_unseen_failure() -> None:
+    """A background save that failed unseen fails the next save, before it starts."""
+    with _lock:
+        failed = [h for h in _in_flight.values() if h.done() and h._future.exception() is not None]
+        for handle in failed:
+            del _in_flight[handle.path]
+    for handle in failed:
+        if not handle._observed:
+            handle._observed = True
+            error = handle._future.exception()
+            raise CheckpointError(
+                f"An earlier background save to {handle.path} failed, so this save was not started: "
+                f"{error}. That checkpoint was not written; fix the cause and save again."
+            ) from error
+
+
+@dataclasses.dataclass
+class _Leaf:
+    """One array leaf to write: its record, the shard shape its chunks must tile,
+    and the pieces this process writes as (index or None for whole, data)."""
+
+    record: LeafRecord
+    shard: tuple[int, ...] | None
+    pieces: list[tuple[tuple[slice, ...] | None, Any]]
 
 
 def _plan(tree: Any) -> tuple[list[LeafRecord], list[tuple[LeafRecord, Any]]]:
@@ -96,11 +127,6 @@ def _plan(tree: Any) -> tuple[list[LeafRecord], list[tuple[LeafRecord, Any]]]:
             else:
                 dtype = np.dtype(leaf.dtype)
                 check_dtype(dtype, path)
-                if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-                    raise CheckpointError(
-                        f"Leaf {path!r} is a multi-process array; saving from several processes "
-                        "is not supported by this version of eqxckpt."
-                    )
                 array_type = "jax" if isinstance(leaf, jax.Array) else "numpy" if isinstance(leaf, np.ndarray) else "numpy_scalar"
                 record = LeafRecord(path, keys, "array", tuple(np.shape(leaf)), dtype.name, array_type=array_type)
                 arrays.append((record, leaf))
@@ -113,8 +139,46 @@ def _plan(tree: Any) -> tuple[list[LeafRecord], list[tuple[LeafRecord, Any]]]:
     return records, arrays
 
 
+def _snapshot(arrays: list[tuple[LeafRecord, Any]], copy: bool, leader: bool) -> list[_Leaf]:
+    """The bytes this process must write, in host memory it owns.
+
+    Only shards with ``replica_id == 0`` are taken, so every element is written
+    by exactly one process; host-local leaves (numpy, fully addressable arrays
+    in a multi-process run) are written by process 0 alone. ``copy``: take a
+    private copy where the host buffer aliases the caller's (CPU arrays, numpy),
+    so donating or mutating them afterwards cannot change the checkpoint.
+    """
+    multiprocess = jax.process_count() > 1
+    leaves: list[_Leaf] = []
+    for record, value in arrays:
+        if isinstance(value, jax.Array):
+            if multiprocess and value.is_fully_addressable and not leader:
+                shards = []
+            else:
+                shards = [s for s in value.addressable_shards if s.replica_id == 0]
+            whole = len(value.sharding.device_set) == 1
+            shard = None if whole else tuple(value.sharding.shard_shape(value.shape))
+            leaves.append(_Leaf(record, shard, [(None if whole else s.index, s.data) for s in shards]))
+        else:
+            leaves.append(_Leaf(record, None, [(None, value)] if leader or not multiprocess else []))
+    # Start every device-to-host transfer before waiting on any (a no-op on CPU).
+    for leaf in leaves:
+        for _, data in leaf.pieces:
+            if isinstance(data, jax.Array) and not _on_cpu(data):
+                data.copy_to_host_async()
+    for leaf in leaves:
+        leaf.pieces = [(index, _host(data, copy)) for index, data in leaf.pieces]
+    return leaves
+
+
+def _on_cpu(array: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in array.sharding.device_set)
+
+
 def _host(value: Any, copy: bool) -> np.ndarray:
-    """The array as host memory; ``copy`` when the caller may reuse the buffer."""
+    """``value`` in host memory; copied only if that memory could be the caller's."""
+    if isinstance(value, jax.Array) and not _on_cpu(value):
+        return np.asarray(value)  # the device-to-host transfer is already a fresh copy
     return np.array(value, copy=True) if copy else np.asarray(value)
 
 
@@ -138,38 +202,48 @@ def _check_target(final: pathlib.Path | None, overwrite: bool) -> None:
         )
 
 
-def _write_arrays(location: Location, arrays: list[tuple[LeafRecord, np.ndarray]], context: ts.Context) -> None:
-    # Every open and every write is issued before any is awaited, so TensorStore
-    # runs them all concurrently on its own thread pools.
+def _check_target(final: pathlib.Path | None, overwrite: bool) -> None:
+    """Refuse to replace a checkpoint without ``overwrite``, or anything else ever."""
+    if final is None:
+        return
+    if final.exists() and not final.is_dir():
+        raise CheckpointError(f"Cannot save to {final}: it is a file, not a directory.")
+    if not final.is_dir():
+        return
+    is_checkpoint = (final / MANIFEST_NAME).exists()
+    if is_checkpoint and not overwrite:
+        raise CheckpointExistsError(
+            f"A checkpoint already exists at {final}. Pass overwrite=True to replace it, or save to a new path."
+        )
+    if not is_checkpoint and any(final.iterdir()):
+        raise CheckpointExistsError(
+            f"{final} exists and is not an eqxckpt checkpoint (no {MANIFEST_NAME}); refusing to "
+            "replace it. Choose another path or remove it yourself."
+        )
+
+
+def _open_arrays(target: Location, leaves: list[_Leaf], create: bool) -> list[ts.TensorStore]:
+    # Every open is issued before any is awaited: TensorStore runs them concurrently.
     opens = [
-        ts.open(array_spec(location.child(rec.path), rec.data_shape, np.dtype(rec.dtype)), context=context)
-        for rec, _ in arrays
+        ts.open(array_spec(target.child(leaf.record.path), leaf.record.data_shape, np.dtype(leaf.record.dtype),
+                           leaf.shard, create=create), context=shared_context())
+        for leaf in leaves
     ]
-    writes = [opened.result().write(data) for opened, (_, data) in zip(opens, arrays)]
-    for (rec, _), write in zip(arrays, writes):
+    return [opened.result() for opened in opens]
+
+
+def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
+    # All writes are issued before any is awaited, so they run concurrently.
+    writes = [
+        (leaf.record, (store if index is None else store[index]).write(data))
+        for store, leaf in zip(stores, leaves)
+        for index, data in leaf.pieces
+    ]
+    for record, write in writes:
         try:
             write.result()
         except Exception as e:
-            raise CheckpointError(f"Writing leaf {rec.path!r} failed: {e}") from e
-
-
-def _write_local(location: Location, manifest: Manifest, arrays, overwrite: bool) -> None:
-    final = location.local
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.eqxckpt-tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    try:
-        _write_arrays(location.with_local(tmp), arrays, shared_context())
-        with open(tmp / MANIFEST_NAME, "wb") as f:
-            f.write(manifest.to_bytes())
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_tree(tmp)
-        _commit(tmp, final, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_path(final.parent)
+            raise CheckpointError(f"Writing leaf {record.path!r} failed: {e}") from e
 
 
 def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
@@ -198,8 +272,8 @@ def _is_array_key(key: bytes) -> bool:
     return parts[-1] == "zarr.json" or "c" in parts[:-1] or parts[-1] == "c"
 
 
-def _write_object_store(location: Location, manifest: Manifest, arrays, overwrite: bool) -> None:
-    # No rename on object stores: the manifest, written last, is the commit marker.
+def _clear_object_store(location: Location, overwrite: bool) -> None:
+    """Make an object-store prefix empty for a new save, if that is allowed."""
     store = ts.KvStore.open(location.kvstore, context=shared_context()).result()
     committed = store.read(MANIFEST_NAME).result().state == "value"
     if committed and not overwrite:
@@ -213,15 +287,63 @@ def _write_object_store(location: Location, manifest: Manifest, arrays, overwrit
         store.delete_range(ts.KvStore.KeyRange(MANIFEST_NAME, MANIFEST_NAME + "\0")).result()
     if existing:  # the old checkpoint's arrays, or an interrupted save's
         store.delete_range(ts.KvStore.KeyRange()).result()
-    _write_arrays(location, arrays, shared_context())
-    store.write(MANIFEST_NAME, manifest.to_bytes()).result()
 
 
-def _write(location: Location, manifest: Manifest, arrays, overwrite: bool) -> None:
-    if location.local is not None:
-        _write_local(location, manifest, arrays, overwrite)
-    else:
-        _write_object_store(location, manifest, arrays, overwrite)
+def _publish(location: Location, staging: Location, manifest: Manifest, overwrite: bool) -> None:
+    """Write the manifest, then make the checkpoint visible at ``location``."""
+    if location.local is None:
+        # No rename on object stores: the manifest, written last, is the commit marker.
+        store = ts.KvStore.open(location.kvstore, context=shared_context()).result()
+        store.write(MANIFEST_NAME, manifest.to_bytes()).result()
+        return
+    tmp = staging.local
+    with open(tmp / MANIFEST_NAME, "wb") as f:
+        f.write(manifest.to_bytes())
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_tree(tmp)
+    _commit(tmp, location.local, overwrite)
+    fsync_path(location.local.parent)
+
+
+def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite: bool, phases: Phases | None) -> None:
+    """Prepare, write, commit. With several processes each phase ends at a barrier,
+    and process 0 alone prepares the layout and commits."""
+    leader = phases is None or phases.rank == 0
+    run = phases.run if phases is not None else (lambda _, work: [work()])
+    created: list[ts.TensorStore] | None = None
+    tmp: pathlib.Path | None = None
+
+    def prepare() -> str | None:
+        nonlocal created, tmp
+        if not leader:
+            return None
+        if location.local is None:
+            _clear_object_store(location, overwrite)
+            staging = location
+        else:
+            _check_target(location.local, overwrite)
+            location.local.parent.mkdir(parents=True, exist_ok=True)
+            tmp = location.local.parent / f".{location.local.name}.eqxckpt-tmp-{uuid.uuid4().hex[:12]}"
+            tmp.mkdir()
+            staging = location.with_local(tmp)
+        created = _open_arrays(staging, leaves, create=True)
+        return "" if tmp is None else str(tmp)
+
+    try:
+        [where, *_] = run("prepare", prepare)
+        staging = location if location.local is None else location.with_local(pathlib.Path(where))
+
+        def write() -> None:
+            mine = leaves if created is not None else [leaf for leaf in leaves if leaf.pieces]
+            _write_pieces(created if created is not None else _open_arrays(staging, mine, create=False), mine)
+
+        run("write", write)
+        run("commit", lambda: _publish(location, staging, manifest, overwrite) if leader else None)
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def save(
@@ -237,21 +359,30 @@ def save(
     **Arguments:**
 
     - `path`: a local directory, a ``file://``/``memory://``/``s3://``/``gs://`` URL,
-      or a TensorStore kvstore spec dict.
+      or a TensorStore kvstore spec dict (e.g. an S3 endpoint and credentials).
     - `tree`: any pytree (Equinox modules, optax states, dicts, lists...). Array
       leaves are stored at their key path (``model/layers/0/weight``); Python
       scalars and strings go into the manifest; other leaves (functions) are
       recorded by type and restored from ``like`` on load.
     - `metadata`: a JSON-serialisable dict stored with the checkpoint.
     - `overwrite`: replace an existing checkpoint (atomically on local disks).
-    - `blocking`: if False, return once the arrays are copied to host memory
-      and write in the background; call ``.wait()`` on the handle.
+    - `blocking`: if False, return as soon as the arrays are copied to host
+      memory, and write, sync and commit in the background. The copy makes the
+      checkpoint independent of what the caller does next (donating or
+      deleting the arrays included). Errors surface on ``handle.wait()``, on
+      the next `save`, or at interpreter exit.
+
+    With several JAX processes (``jax.process_count() > 1``) every process
+    calls `save` with the same tree of global arrays; each writes only its own
+    shards, and process 0 commits once all have finished.
 
     **Returns:** a `SaveHandle` (already finished when ``blocking=True``).
 
     ```python
     model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
     eqxckpt.save("ckpt/step_0", {"model": model}, metadata={"step": 0})
+    handle = eqxckpt.save("ckpt/step_1", {"model": model}, blocking=False)
+    handle.wait()
     ```
     """
     location = resolve(path)
@@ -264,21 +395,26 @@ def save(
         raise CheckpointError(f"metadata must be a dict, got {type(metadata).__name__}.")
     records, arrays = _plan(tree)
     manifest = Manifest(tuple(records), metadata)
-    _check_target(location.local, overwrite)
     key = str(location)
+    # One save in flight at a time: wait for the previous one, so at most one
+    # snapshot is held in memory and its error, if any, is raised right here.
     with _lock:
-        previous = _in_flight.get(key)
-    if previous is not None:
-        previous._future.exception()  # wait; its error stays on its own handle
-    # Async: snapshot to host now (a copy, since the caller may donate or
-    # overwrite its buffers after we return); write later.
-    host = [(rec, _host(value, copy=not blocking)) for rec, value in arrays]
+        previous = list(_in_flight.values())
+    for handle in previous:
+        handle._future.exception()
+    _raise_unseen_failure()
+    if not is_multiprocess():
+        _check_target(location.local, overwrite)  # fail fast, on the caller's thread
+    # Several processes: process 0 checks inside the first phase, so that all
+    # of them see the same verdict and none waits at a barrier for nothing.
+    phases = Phases() if is_multiprocess() else None
+    leaves = _snapshot(arrays, copy=not blocking, leader=phases is None or phases.rank == 0)
     if blocking:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        _write(location, manifest, host, overwrite)
+        _run(location, manifest, leaves, overwrite, phases)
         future.set_result(None)
         return SaveHandle(key, future)
-    handle = SaveHandle(key, _background().submit(_write, location, manifest, host, overwrite))
+    handle = SaveHandle(key, _background().submit(_run, location, manifest, leaves, overwrite, phases))
     with _lock:
         _in_flight[key] = handle
     handle._future.add_done_callback(lambda _: _forget(key, handle))

@@ -85,9 +85,30 @@ def resolve(path: Any) -> Location:
         return Location({"driver": "memory", "path": _as_dir(rest)}, None)
     if scheme in ("s3", "gs"):
         bucket, _, prefix = rest.partition("/")
-        driver = "s3" if scheme == "s3" else "gcs"
-        return Location({"driver": driver, "bucket": bucket, "path": _as_dir(prefix)}, None)
+        spec = {"driver": "s3" if scheme == "s3" else "gcs", "bucket": bucket, "path": _as_dir(prefix)}
+        if scheme == "s3":
+            spec.update(_s3_environment())
+        return Location(spec, None)
     raise CheckpointError(f"Unsupported URL scheme {scheme!r} in {path!r}: use a local path, file://, memory://, s3:// or gs://, or a kvstore spec dict.")
+
+
+def _s3_environment() -> dict:
+    """The S3 settings AWS tools take from the environment, for ``s3://`` URLs.
+
+    ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` point at an S3-compatible
+    server; with ``AWS_ACCESS_KEY_ID`` set, credentials come from the
+    environment only (never from a cloud metadata service).
+    """
+    spec: dict = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        spec["endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        spec["aws_region"] = region
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        spec["aws_credentials"] = {"type": "environment"}
+    return spec
 
 
 def _as_dir(prefix: str) -> str:
@@ -110,31 +131,53 @@ def shared_context() -> ts.Context:
     return _CONTEXT
 
 
-def chunk_shape(shape: tuple[int, ...], itemsize: int, budget: int | None = None) -> list[int]:
-    """A C-contiguous chunk shape of at most ``budget`` bytes.
+def chunk_shape(
+    shape: tuple[int, ...], itemsize: int, shard: tuple[int, ...] | None = None, budget: int | None = None
+) -> list[int]:
+    """A C-contiguous chunk shape of at most ``budget`` bytes that tiles ``shard``.
 
     Trailing dimensions are kept whole while they fit, so each chunk is one
     contiguous run of the array and a full read is a few large sequential reads.
+    Along a sharded dimension the chunk divides the shard exactly, so no chunk
+    straddles two writers' shards (two writers on one chunk would lose data).
 
     ```python
-    chunk_shape((1024, 1024), 4, budget=1 << 20)  # [256, 1024]
+    chunk_shape((1024, 1024), 4, budget=1 << 20)                    # [256, 1024]
+    chunk_shape((1024, 1024), 4, shard=(512, 1024), budget=3 << 20)  # [512, 1024]
     ```
     """
+    shard = tuple(shape) if shard is None else tuple(shard)
     elements = max(1, (CHUNK_BYTES if budget is None else budget) // max(1, itemsize))
     chunk: list[int] = []
-    for dim in reversed(shape):
-        dim = max(1, dim)
-        if dim <= elements:
-            chunk.append(dim)
-            elements //= dim
+    for dim, part in zip(reversed(shape), reversed(shard)):
+        part = max(1, part)
+        if part <= elements:
+            chunk.append(part)
+            elements //= part
         else:
-            chunk.append(max(1, elements))
+            size = max(1, elements)
+            chunk.append(_largest_divisor(part, size) if part < dim else size)
             elements = 1
     return chunk[::-1]
 
 
-def array_spec(kvstore: dict, shape: tuple[int, ...], dtype: np.dtype) -> dict:
-    """zarr3 spec for creating one leaf's array: little-endian, crc32c-checked."""
+def _largest_divisor(n: int, at_most: int) -> int:
+    best = 1
+    for d in range(1, int(n**0.5) + 1):
+        if n % d == 0:
+            for candidate in (d, n // d):
+                if best < candidate <= at_most:
+                    best = candidate
+    return best
+
+
+def array_spec(
+    kvstore: dict, shape: tuple[int, ...], dtype: np.dtype, shard: tuple[int, ...] | None = None, create: bool = True
+) -> dict:
+    """zarr3 spec for one leaf's array: little-endian, crc32c-checked.
+
+    ``create=False`` opens the array another process created (same metadata).
+    """
     return {
         "driver": "zarr3",
         "kvstore": kvstore,
@@ -143,7 +186,7 @@ def array_spec(kvstore: dict, shape: tuple[int, ...], dtype: np.dtype) -> dict:
             "data_type": dtype.name,
             "chunk_grid": {
                 "name": "regular",
-                "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize)},
+                "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize, shard)},
             },
             "chunk_key_encoding": {"name": "default"},
             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
@@ -151,7 +194,7 @@ def array_spec(kvstore: dict, shape: tuple[int, ...], dtype: np.dtype) -> dict:
         # Store every chunk, even all-zero ones: a missing chunk must read as an
         # error (deleted or lost data), never as zeros.
         "store_data_equal_to_fill_value": True,
-        "create": True,
+        "create" if create else "open": True,
     }
 
 

@@ -1,6 +1,8 @@
 import collections
 import json
 import os
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -153,10 +155,6 @@ def test_overwrite_never_deletes_a_foreign_directory(tmp_path):
 def test_failed_save_leaves_previous_intact(tmp_path):
     eqxckpt.save(tmp_path / "c", {"a": np.ones(3)})
 
-    class Boom:
-        def __array__(self, *a, **k):
-            raise RuntimeError("device lost")
-
     bad = {"a": np.zeros(3), "b": jnp.ones(2)}
     # a leaf that fails while being written: an unsupported dtype is refused up front...
     with pytest.raises(CheckpointError, match="uint4"):
@@ -164,18 +162,18 @@ def test_failed_save_leaves_previous_intact(tmp_path):
     # ...and a failure in the middle of writing removes the temporary directory
     import eqxckpt._save as save_module
 
-    real = save_module._write_arrays
+    real = save_module._write_pieces
 
-    def failing(location, arrays, context):
-        real(location, arrays[:1], context)
+    def failing(stores, leaves):
+        real(stores[:1], leaves[:1])
         raise OSError(28, "No space left on device")
 
-    save_module._write_arrays = failing
+    save_module._write_pieces = failing
     try:
         with pytest.raises(OSError, match="No space"):
             eqxckpt.save(tmp_path / "c", bad, overwrite=True)
     finally:
-        save_module._write_arrays = real
+        save_module._write_pieces = real
     np.testing.assert_array_equal(eqxckpt.load(tmp_path / "c")["a"], np.ones(3))
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
@@ -247,6 +245,75 @@ def test_async_save_snapshots_before_returning(tmp_path):
     handle.wait()
     assert handle.done()
     np.testing.assert_array_equal(eqxckpt.load(tmp_path / "c")["x"], np.arange(1000.0))
+
+
+def test_async_save_keeps_values_of_donated_and_deleted_buffers(tmp_path):
+    model = eqx.nn.MLP(64, 64, 1024, 3, key=jax.random.key(0))
+    params = eqx.filter(model, eqx.is_array)
+    expected = jax.tree_util.tree_map(np.array, params)
+    big = jnp.full((2048, 2048), 3.0)  # 16 MiB, so the background write outlasts the next step
+    step = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: -x - 1, p), donate_argnums=0)
+
+    handle = eqxckpt.save(tmp_path / "c", {"params": params, "big": big}, blocking=False)
+    new_params = step(params)  # the training step reuses the saved buffers
+    big.delete()
+    assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(params))  # donation did happen
+    handle.wait()
+
+    restored = eqxckpt.load(tmp_path / "c", {"params": expected, "big": np.zeros((2048, 2048), np.float32)})
+    assert_trees_equal(restored["params"], expected)
+    np.testing.assert_array_equal(restored["big"], np.full((2048, 2048), 3.0, np.float32))
+    assert not np.array_equal(jax.tree_util.tree_leaves(new_params)[0], jax.tree_util.tree_leaves(expected)[0])
+
+
+def test_async_snapshot_costs_one_copy_and_blocking_none(tmp_path):
+    import tracemalloc
+
+    x = jnp.ones((2048, 2048), jnp.float32)  # 16 MiB
+    tracemalloc.start()
+    try:
+        eqxckpt.save(tmp_path / "a", {"x": x}, blocking=False).wait()
+        async_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        eqxckpt.save(tmp_path / "b", {"x": x})
+        blocking_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert x.nbytes <= async_peak < 1.1 * x.nbytes
+    assert blocking_peak < 0.1 * x.nbytes
+
+
+def test_background_failure_surfaces_on_wait_next_save_and_exit(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    # The target's parent is a file: only the background write discovers that.
+    handle = eqxckpt.save(tmp_path / "file" / "ckpt", {"x": np.ones(3)}, blocking=False)
+    with pytest.raises(OSError):
+        handle.wait()
+    eqxckpt.save(tmp_path / "ok", {"x": np.ones(3)})  # an observed failure is not raised again
+
+    eqxckpt.save(tmp_path / "file" / "ckpt2", {"x": np.ones(3)}, blocking=False)  # fails, never waited on
+    with pytest.raises(CheckpointError, match="earlier background save to .*ckpt2 failed"):
+        eqxckpt.save(tmp_path / "next", {"x": np.ones(3)}, blocking=False)
+    assert not (tmp_path / "next").exists()
+    eqxckpt.save(tmp_path / "next", {"x": np.ones(3)})  # reported once, then saving goes on
+
+    script = f"""
+import numpy as np, eqxckpt
+eqxckpt.save({str(tmp_path / "file" / "ckpt3")!r}, {{"x": np.ones(3)}}, blocking=False)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "eqxckpt: background save to" in result.stderr and "ckpt3 failed" in result.stderr, result.stderr
+
+
+def test_saves_to_one_place_run_in_order(tmp_path):
+    handles = [
+        eqxckpt.save(tmp_path / "c", {"x": np.full(1000, float(i))}, blocking=False, overwrite=True, metadata={"i": i})
+        for i in range(4)
+    ]
+    handles[-1].wait()
+    assert all(h.done() for h in handles)
+    assert eqxckpt.open(tmp_path / "c").metadata == {"i": 3}
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "c")["x"], np.full(1000, 3.0))
 
 
 def test_memory_store(tmp_path):

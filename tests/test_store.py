@@ -1,13 +1,16 @@
 import pathlib
 
 import numpy as np
+from hypothesis import given, settings, strategies as st
 import pytest
 
 import eqxckpt
 from eqxckpt._store import chunk_shape, exchange, resolve
 
 
-def test_resolve_forms(tmp_path):
+def test_resolve_forms(tmp_path, monkeypatch):
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID"):
+        monkeypatch.delenv(name, raising=False)
     local = resolve(tmp_path / "c")
     assert local.local == tmp_path / "c" and local.kvstore == {"driver": "file", "path": f"{tmp_path}/c/"}
     assert resolve(f"file://{tmp_path}/c").local == tmp_path / "c"
@@ -15,6 +18,10 @@ def test_resolve_forms(tmp_path):
     assert s3.local is None and s3.kvstore == {"driver": "s3", "bucket": "bucket", "path": "run/step_1/"}
     assert resolve("gs://b/x").kvstore == {"driver": "gcs", "bucket": "b", "path": "x/"}
     assert resolve("memory://a/b").kvstore == {"driver": "memory", "path": "a/b/"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    assert resolve("s3://b/p").kvstore == {"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "http://127.0.0.1:9",
+                                           "aws_credentials": {"type": "environment"}}
     spec = resolve({"driver": "s3", "bucket": "b", "path": "p", "endpoint": "http://127.0.0.1:9"})
     assert spec.kvstore["endpoint"] == "http://127.0.0.1:9" and spec.kvstore["path"] == "p/"
     assert s3.child("model/w") == {"driver": "s3", "bucket": "bucket", "path": "run/step_1/model/w/"}
@@ -30,9 +37,27 @@ def test_resolve_forms(tmp_path):
      ((8, 8), 4, 64, [2, 8]), ((4, 100), 4, 64, [1, 16]), ((3, 4, 5), 8, 10**9, [3, 4, 5])],
 )
 def test_chunk_shape_is_contiguous_and_bounded(shape, itemsize, budget, expected):
-    chunk = chunk_shape(shape, itemsize, budget)
+    chunk = chunk_shape(shape, itemsize, budget=budget)
     assert chunk == expected
     assert np.prod(chunk, dtype=int) * itemsize <= max(budget, itemsize)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 6), st.integers(1, 40)), min_size=1, max_size=3),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(1, 4096),
+)
+def test_chunks_never_straddle_shards(dims, itemsize, budget):
+    # dims: (shards along the dimension, shard length); the global length is their product.
+    shard = tuple(length for _, length in dims)
+    shape = tuple(count * length for count, length in dims)
+    chunk = chunk_shape(shape, itemsize, shard, budget=budget)
+    assert np.prod(chunk, dtype=int) * itemsize <= max(budget, itemsize)
+    for dim, part, size in zip(shape, shard, chunk):
+        assert 1 <= size <= part
+        if part < dim:  # sharded: every chunk boundary falls inside one shard
+            assert part % size == 0
 
 
 def test_exchange_swaps_atomically(tmp_path):

@@ -1,0 +1,96 @@
+"""Several JAX processes writing one checkpoint: phases separated by barriers.
+
+The barriers use the coordination service that `jax.distributed.initialize`
+starts (a key-value store plus barriers), not a device collective, so they can
+run on a background thread while the caller's thread keeps training.
+"""
+
+import itertools
+import json
+import os
+from typing import Callable
+
+import jax
+
+from . import _errors
+from ._errors import CheckpointError
+
+# How long a process waits for the others at each phase of a save. A crashed
+# process makes the others fail after this long instead of hanging forever.
+BARRIER_TIMEOUT_S = float(os.environ.get("EQXCKPT_BARRIER_TIMEOUT_S", "600"))
+
+# Every process calls save() in the same order, so this count names the same
+# save on every process without any communication.
+_save_counter = itertools.count()
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def _client():
+    from jax._src.distributed import global_state  # the only handle on the coordination service
+
+    if global_state.client is None:
+        raise CheckpointError(
+            "jax.process_count() > 1 but jax.distributed was not initialised in this process; "
+            "call jax.distributed.initialize() before saving."
+        )
+    return global_state.client
+
+
+class Phases:
+    """The phases of one multi-process save, run in the same order on every process.
+
+    ```python
+    phases = Phases()                        # on the caller's thread, in every process
+    [tmp] = phases.run("prepare", make_tmp)  # every process gets process 0's result
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._client = _client()
+        self.rank = jax.process_index()
+        self.size = jax.process_count()
+        self.name = f"eqxckpt/save/{next(_save_counter)}"
+
+    def run(self, phase: str, work: Callable[[], str | None]) -> list[str]:
+        """Run ``work`` here, wait for every process, and return each one's result.
+
+        If any process failed, every process raises: the failing one its own
+        exception, the others a `CheckpointError` of the same class naming it.
+        """
+        own_error: BaseException | None = None
+        try:
+            status = {"ok": work() or ""}
+        except Exception as e:  # noqa: BLE001 - shared with the other processes, then re-raised
+            own_error = e
+            status = {"error": str(e), "type": type(e).__name__}
+        timeout_ms = int(BARRIER_TIMEOUT_S * 1000)
+        self._client.key_value_set(f"{self.name}/{phase}/{self.rank}", json.dumps(status))
+        try:
+            self._client.wait_at_barrier(f"{self.name}/{phase}", timeout_ms)
+            statuses = [
+                json.loads(self._client.blocking_key_value_get(f"{self.name}/{phase}/{rank}", timeout_ms))
+                for rank in range(self.size)
+            ]
+        except Exception as e:
+            if own_error is not None:
+                raise own_error
+            raise CheckpointError(
+                f"Saving from {self.size} processes: not every process reached the {phase!r} phase within "
+                f"{BARRIER_TIMEOUT_S:.0f}s (one may have crashed or not called save). Nothing was committed. "
+                f"Coordination service said: {e}"
+            ) from e
+        if own_error is not None:
+            raise own_error
+        for rank, status in enumerate(statuses):
+            if "error" in status:
+                cls = getattr(_errors, status["type"], None)
+                cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
+                raise cls(f"Process {rank} failed during the {phase!r} phase of the save: {status['error']}")
+        return [status["ok"] for status in statuses]

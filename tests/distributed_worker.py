@@ -1,0 +1,179 @@
+"""One process of a multi-process JAX job, started by tests/test_distributed.py.
+
+    python distributed_worker.py SCENARIO PORT NUM_PROCESSES PROCESS_ID DIRECTORY
+
+Every process builds the same global state from fixed numbers, so each can
+check the slices it holds against the numpy values exactly. Importing this
+module (as the test does, for `expected` and `make_state`) starts nothing.
+"""
+
+import os
+import sys
+import time
+import traceback
+import zlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DEVICES_PER_PROCESS = 2
+
+
+def make_model() -> eqx.nn.MLP:
+    return eqx.nn.MLP(in_size=8, out_size=4, width_size=16, depth=1, key=jax.random.key(0))
+
+
+def make_state() -> dict:
+    """The saved tree's structure: an Equinox model, its optax state, and host-local leaves."""
+    model = make_model()
+    opt_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    return {"model": model, "opt_state": opt_state, "step": 7, "host": np.arange(5, dtype=np.int64)}
+
+
+def expected(path: str, shape: tuple, dtype) -> np.ndarray:
+    """The value every process agrees a leaf holds (seeded by its path)."""
+    rng = np.random.default_rng(zlib.crc32(path.encode()))
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(0, 1000, size=shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def save_spec(path: str) -> P:
+    """How leaves are laid out when saving, on the (processes, 2) mesh ("data", "model")."""
+    if path.endswith("layers/0/weight"):  # (16, 8): sharded both ways
+        return P("data", "model")
+    if path.endswith("layers/0/bias"):  # (16,)
+        return P("model")
+    if path.endswith("layers/1/weight"):  # (4, 16): one axis across every device
+        return P(None, ("data", "model"))
+    return P()  # replicated everywhere (layers/1/bias)
+
+
+def load_spec(path: str) -> P:
+    """A different layout on a different mesh, (2, processes) ("a", "b"), devices reversed."""
+    if path.endswith("layers/0/weight"):
+        return P("b", None)
+    if path.endswith("layers/0/bias"):
+        return P()  # sharded -> replicated
+    if path.endswith("layers/1/weight"):
+        return P(None, "a")
+    return P("a")  # replicated -> sharded (layers/1/bias, (4,))
+
+
+def global_state(mesh: Mesh | None) -> dict:
+    """The state as global arrays laid out by `save_spec` (plain arrays if ``mesh`` is
+    None); ``count`` stays host-local."""
+    from eqxckpt._tree import flatten
+
+    flat, treedef = flatten(make_state())
+    leaves = []
+    for path, _, leaf in flat:
+        if mesh is not None and isinstance(leaf, jax.Array) and path.startswith(("model", "opt_state/0/mu", "opt_state/0/nu")):
+            value = expected(path, leaf.shape, leaf.dtype)
+            leaf = jax.make_array_from_callback(value.shape, NamedSharding(mesh, save_spec(path)), lambda i, v=value: v[i])
+        elif isinstance(leaf, (jax.Array, np.ndarray)):
+            value = expected(path, leaf.shape, leaf.dtype)
+            leaf = value if isinstance(leaf, np.ndarray) else jnp.asarray(value)
+        leaves.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def skeleton(mesh: Mesh) -> dict:
+    """`like` for restoring onto ``mesh`` with `load_spec` shardings."""
+    from eqxckpt._tree import flatten
+
+    flat, treedef = flatten(eqx.filter_eval_shape(make_state))
+    leaves = []
+    for path, _, leaf in flat:
+        if isinstance(leaf, jax.ShapeDtypeStruct) and path.startswith(("model", "opt_state/0/mu", "opt_state/0/nu")):
+            leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, load_spec(path)))
+        elif path == "host":  # filter_eval_shape would turn the int64 numpy leaf into int32
+            leaf = np.zeros(leaf.shape, np.int64)
+        leaves.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def check(tree: dict, mesh: Mesh | None = None) -> int:
+    """Assert every value (every slice this process holds) equals `expected`; count elements checked."""
+    from eqxckpt._tree import flatten
+
+    checked = 0
+    for path, _, leaf in flatten(tree)[0]:
+        if path == "step":
+            assert leaf == 7, leaf
+            continue
+        if not hasattr(leaf, "shape"):
+            continue
+        want = expected(path, leaf.shape, leaf.dtype)
+        if isinstance(leaf, jax.Array):
+            if mesh is not None and path.startswith(("model", "opt_state/0/mu", "opt_state/0/nu")):
+                assert leaf.sharding == NamedSharding(mesh, load_spec(path)), (path, leaf.sharding)
+            for shard in leaf.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], err_msg=path)
+                checked += shard.data.size
+        else:
+            np.testing.assert_array_equal(leaf, want, err_msg=path)
+            checked += leaf.size
+    return checked
+
+
+def main(scenario: str, port: int, num_processes: int, process_id: int, directory: str) -> None:
+    jax.config.update("jax_num_cpu_devices", DEVICES_PER_PROCESS)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        coordinator_bind_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=60,
+        heartbeat_timeout_seconds=10,
+    )
+    import eqxckpt
+
+    devices = np.array(jax.devices())
+    save_mesh = Mesh(devices.reshape(num_processes, DEVICES_PER_PROCESS), ("data", "model"))
+    load_mesh = Mesh(devices[::-1].reshape(DEVICES_PER_PROCESS, num_processes), ("a", "b"))
+
+    if scenario == "save":
+        state = global_state(save_mesh)
+        eqxckpt.save(f"{directory}/blocking", state, metadata={"processes": num_processes})
+        handle = eqxckpt.save(f"{directory}/async", state, blocking=False)
+        # The caller keeps computing on the saved arrays while the save runs.
+        doubled = jax.tree_util.tree_map(lambda x: x * 2, eqx.filter(state["model"], eqx.is_array))
+        handle.wait()
+        jax.block_until_ready(doubled)
+        for name in ("blocking", "async"):
+            restored = eqxckpt.load(f"{directory}/{name}", skeleton(load_mesh))
+            print(f"process {process_id}: {name} restored, {check(restored, load_mesh)} elements checked")
+        # Replacing needs overwrite=True, and every process gets process 0's verdict.
+        try:
+            eqxckpt.save(f"{directory}/blocking", state)
+        except eqxckpt.CheckpointExistsError as e:
+            assert "Process 0" in str(e) or process_id == 0, e
+        else:
+            raise AssertionError("saving over a checkpoint without overwrite=True succeeded")
+        eqxckpt.save(f"{directory}/blocking", state, overwrite=True, metadata={"overwritten": True})
+        assert eqxckpt.open(f"{directory}/blocking").metadata == {"overwritten": True}
+    elif scenario == "load":  # a checkpoint written by one process, restored across all of them
+        restored = eqxckpt.load(f"{directory}/single", skeleton(load_mesh))
+        print(f"process {process_id}: single restored, {check(restored, load_mesh)} elements checked")
+    elif scenario == "crash":  # process 1 dies before saving: the others must not hang
+        if process_id == 1:
+            raise RuntimeError("worker 1 crashed on purpose")
+        time.sleep(60)
+    else:
+        raise ValueError(scenario)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    except BaseException:  # noqa: BLE001 - any failure must end this process at once
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    jax.distributed.shutdown()

@@ -1,0 +1,148 @@
+"""save / load / open / inspect against a real S3 API: moto's server on 127.0.0.1."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+
+import eqxckpt
+from eqxckpt._cli import main as cli
+from conftest import assert_trees_equal
+
+BUCKET = "eqxckpt-test"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on a free loopback port, with one bucket; stopped afterwards."""
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)  # the default would bind every interface
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    assert host == "127.0.0.1"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    try:
+        yield endpoint, client
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def spec(endpoint: str, prefix: str) -> dict:
+    return {"driver": "s3", "bucket": BUCKET, "path": prefix, "endpoint": endpoint,
+            "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}
+
+
+def keys(client, prefix: str) -> list[str]:
+    listing = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+    return sorted(obj["Key"] for obj in listing.get("Contents", []))
+
+
+def make_state(seed: int) -> dict:
+    model = eqx.nn.MLP(4, 3, 16, 2, key=jax.random.key(seed))
+    opt_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    return {"model": model, "opt_state": opt_state, "step": seed, "rng": jax.random.key(seed)}
+
+
+def test_save_load_open_round_trip(s3):
+    endpoint, client = s3
+    state = make_state(1)
+    eqxckpt.save(spec(endpoint, "runs/a/1"), state, metadata={"step": 1})
+    stored = keys(client, "runs/a/1/")
+    assert "runs/a/1/eqxckpt.json" in stored and "runs/a/1/model/layers/0/weight/zarr.json" in stored
+
+    assert_trees_equal(eqxckpt.load(spec(endpoint, "runs/a/1"), state), state)
+    model = eqxckpt.load(spec(endpoint, "runs/a/1"), lambda: make_state(9)["model"], at="model")
+    assert_trees_equal(model, state["model"])
+    ckpt = eqxckpt.open(spec(endpoint, "runs/a/1/"))
+    assert ckpt.metadata == {"step": 1} and ckpt["step"] == 1
+    np.testing.assert_array_equal(ckpt["model/layers/0/weight"][:2].get(), np.asarray(state["model"].layers[0].weight[:2]))
+
+
+def test_s3_url_with_endpoint_from_environment(s3, monkeypatch):
+    endpoint, _ = s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    state = make_state(2)
+    handle = eqxckpt.save(f"s3://{BUCKET}/runs/url/2", state, blocking=False)
+    handle.wait()
+    assert_trees_equal(eqxckpt.load(spec(endpoint, "runs/url/2"), state), state)
+    assert_trees_equal(eqxckpt.load(f"s3://{BUCKET}/runs/url/2", state), state)
+
+
+def test_inspect_on_s3(s3, capsys, monkeypatch):
+    endpoint, _ = s3
+    eqxckpt.save(spec(endpoint, "runs/cli/1"), {"w": np.zeros((8, 4), np.float32), "step": 5}, metadata={"who": "cli"})
+    assert cli(["inspect", json.dumps(spec(endpoint, "runs/cli/1"))]) == 0
+    out = capsys.readouterr().out
+    assert "w  float32[8,4]  128 B" in out and "step  int = 5" in out and '"who": "cli"' in out
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    assert cli(["inspect", f"s3://{BUCKET}/runs/cli/1"]) == 0
+    assert "w  float32[8,4]" in capsys.readouterr().out
+
+
+def test_overwrite_replaces_every_old_key(s3):
+    endpoint, client = s3
+    where = spec(endpoint, "runs/over")
+    eqxckpt.save(where, {"old": np.ones(3), "kept": np.ones(2)})
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="overwrite=True"):
+        eqxckpt.save(where, {"kept": np.zeros(2)})
+    eqxckpt.save(where, {"kept": np.zeros(2)}, overwrite=True)
+    assert not [k for k in keys(client, "runs/over/") if k.startswith("runs/over/old")]
+    np.testing.assert_array_equal(eqxckpt.load(where)["kept"], np.zeros(2))
+
+
+KILLED_WRITER = """
+import sys, numpy as np, eqxckpt
+where = {spec!r}
+eqxckpt.save(where, {{f"leaf{{i}}": np.full((512, 1024), i, np.float32) for i in range({leaves})}})
+"""
+
+
+def test_save_killed_before_its_manifest_is_refused_as_incomplete(s3):
+    endpoint, client = s3
+    for attempt, leaves in enumerate((48, 128, 256)):
+        prefix = f"runs/killed{attempt}/"
+        where = spec(endpoint, prefix)
+        writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER.format(spec=where, leaves=leaves)],
+                                  env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        try:  # kill it once its arrays exist on the server, before it commits
+            deadline = time.monotonic() + 120
+            while not any(k.endswith("zarr.json") for k in keys(client, prefix)):
+                assert writer.poll() is None and time.monotonic() < deadline, "writer ended before writing"
+                time.sleep(0.01)
+            writer.send_signal(signal.SIGKILL)
+        finally:
+            writer.wait()
+        if prefix + "eqxckpt.json" not in keys(client, prefix):
+            break
+    else:
+        pytest.fail("the writer always committed before it could be killed")
+
+    with pytest.raises(eqxckpt.IncompleteCheckpointError, match="never committed"):
+        eqxckpt.load(where)
+    with pytest.raises(eqxckpt.IncompleteCheckpointError):
+        eqxckpt.open(where)
+    assert cli(["inspect", json.dumps(where)]) == 1
+    # The leftovers never block a new save to the same place.
+    eqxckpt.save(where, {"x": np.arange(3)})
+    np.testing.assert_array_equal(eqxckpt.load(where)["x"], np.arange(3))
+    assert not [k for k in keys(client, prefix) if "leaf" in k]
