@@ -15,6 +15,11 @@ Peers on the same state, same disk, same run:
 Loads read from a warm page cache for every peer alike. Prints medians with
 min-max and the ratio to raw; ``--json`` writes the figures to a file.
 
+Async line: how long ``eqxckpt.save(..., blocking=False)`` blocks the caller
+(the host snapshot) and how long until the checkpoint is committed, next to a
+blocking eqxckpt save and to Orbax's async ``StandardCheckpointer.save`` (time
+until it returns, then until ``wait_until_finished``), same state, same run.
+
     python benchmarks/bench_save_load.py --mib 256 --repeats 3
 """
 
@@ -170,6 +175,38 @@ def measure(name, save_fn, load_fn, state, skeleton, root: pathlib.Path, repeats
     return {"save": saves, "load": loads}
 
 
+def measure_async(state, root: pathlib.Path, repeats: int) -> dict:
+    """Seconds the caller is blocked, and seconds until committed, per async saver."""
+    import orbax.checkpoint as ocp
+
+    out = {"eqxckpt save(blocking=True)": ([], []), "eqxckpt save(blocking=False)": ([], []),
+           "orbax StandardCheckpointer (async)": ([], [])}
+    ckptr = ocp.StandardCheckpointer()  # built outside the timing, as a training loop would
+    for i in range(repeats):
+        for name, (blocked, committed) in out.items():
+            path = root / f"async-{name.split()[0]}-{name.count('False')}-{i}"
+            t0 = time.perf_counter()
+            if name.startswith("orbax"):
+                ckptr.save(path, state)
+                blocked.append(time.perf_counter() - t0)
+                ckptr.wait_until_finished()
+            else:
+                handle = eqxckpt.save(path, state, blocking="True" in name)
+                blocked.append(time.perf_counter() - t0)
+                handle.wait()
+            committed.append(time.perf_counter() - t0)
+            shutil.rmtree(path)
+    return out
+
+
+def report_async(results: dict) -> str:
+    lines = [f"async: caller blocked vs until committed, medians of {len(next(iter(results.values()))[0])}",
+             f"{'':36} {'blocked s':>9} {'committed s':>11}"]
+    for name, (blocked, committed) in results.items():
+        lines.append(f"{name:36} {statistics.median(blocked):9.3f} {statistics.median(committed):11.3f}")
+    return "\n".join(lines)
+
+
 def report(results: dict, state_bytes: int) -> str:
     raw = {op: statistics.median(results[next(iter(PEERS))][op]) for op in ("save", "load")}
     lines = [f"state: {state_bytes / 2**20:.0f} MiB in {results['_leaves']} leaves; medians of {results['_repeats']} (min-max); ratio to raw",
@@ -201,9 +238,13 @@ def main(argv=None) -> int:
         for name, (save_fn, load_fn) in PEERS.items():
             print(f"measuring {name} ...", file=sys.stderr, flush=True)
             results[name] = measure(name, save_fn, load_fn, state, skeleton, root, args.repeats)
+        print("measuring async saves ...", file=sys.stderr, flush=True)
+        async_results = measure_async(state, root, args.repeats)
+        results["_async"] = {name: {"blocked": b, "committed": c} for name, (b, c) in async_results.items()}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(report(results, nbytes(state)))
+    print(report_async(async_results))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -202,26 +202,6 @@ def _check_target(final: pathlib.Path | None, overwrite: bool) -> None:
         )
 
 
-def _check_target(final: pathlib.Path | None, overwrite: bool) -> None:
-    """Refuse to replace a checkpoint without ``overwrite``, or anything else ever."""
-    if final is None:
-        return
-    if final.exists() and not final.is_dir():
-        raise CheckpointError(f"Cannot save to {final}: it is a file, not a directory.")
-    if not final.is_dir():
-        return
-    is_checkpoint = (final / MANIFEST_NAME).exists()
-    if is_checkpoint and not overwrite:
-        raise CheckpointExistsError(
-            f"A checkpoint already exists at {final}. Pass overwrite=True to replace it, or save to a new path."
-        )
-    if not is_checkpoint and any(final.iterdir()):
-        raise CheckpointExistsError(
-            f"{final} exists and is not an eqxckpt checkpoint (no {MANIFEST_NAME}); refusing to "
-            "replace it. Choose another path or remove it yourself."
-        )
-
-
 def _open_arrays(target: Location, leaves: list[_Leaf], create: bool) -> list[ts.TensorStore]:
     # Every open is issued before any is awaited: TensorStore runs them concurrently.
     opens = [

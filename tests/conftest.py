@@ -1,5 +1,8 @@
+import os
+
 import jax
 import numpy as np
+import pytest
 
 from eqxckpt._tree import is_prng_key_dtype
 
@@ -29,3 +32,33 @@ def assert_trees_equal(a, b):
             assert y != y
         else:
             assert type(x) is type(y) and (x == y or x is y), (x, y)
+
+
+BUCKET = "eqxckpt-test"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A moto S3 server on a free loopback port, with one bucket; stopped afterwards."""
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)  # the default would bind every interface
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    assert host == "127.0.0.1"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    try:
+        yield endpoint, client
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

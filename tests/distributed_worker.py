@@ -121,8 +121,17 @@ def check(tree: dict, mesh: Mesh | None = None) -> int:
     return checked
 
 
+def _pin_gloo_to_loopback() -> None:
+    """Gloo binds to whatever the hostname resolves to; these tests use 127.0.0.1 only."""
+    from jax._src.lib import _jax
+
+    make = _jax.make_gloo_tcp_collectives
+    _jax.make_gloo_tcp_collectives = lambda distributed_client, **_: make(distributed_client, hostname="127.0.0.1")
+
+
 def main(scenario: str, port: int, num_processes: int, process_id: int, directory: str) -> None:
     jax.config.update("jax_num_cpu_devices", DEVICES_PER_PROCESS)
+    _pin_gloo_to_loopback()
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
         coordinator_bind_address=f"127.0.0.1:{port}",
@@ -157,6 +166,13 @@ def main(scenario: str, port: int, num_processes: int, process_id: int, director
             raise AssertionError("saving over a checkpoint without overwrite=True succeeded")
         eqxckpt.save(f"{directory}/blocking", state, overwrite=True, metadata={"overwritten": True})
         assert eqxckpt.open(f"{directory}/blocking").metadata == {"overwritten": True}
+        if os.environ.get("S3_TEST_ENDPOINT"):  # the same, to an S3 server (moto, on 127.0.0.1)
+            where = {"driver": "s3", "bucket": os.environ["S3_TEST_BUCKET"], "path": f"mp{num_processes}/",
+                     "endpoint": os.environ["S3_TEST_ENDPOINT"], "aws_region": "us-east-1",
+                     "aws_credentials": {"type": "environment"}}
+            eqxckpt.save(where, state, blocking=False).wait()
+            restored = eqxckpt.load(where, skeleton(load_mesh))
+            print(f"process {process_id}: s3 restored, {check(restored, load_mesh)} elements checked")
     elif scenario == "load":  # a checkpoint written by one process, restored across all of them
         restored = eqxckpt.load(f"{directory}/single", skeleton(load_mesh))
         print(f"process {process_id}: single restored, {check(restored, load_mesh)} elements checked")

@@ -7,11 +7,11 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import eqxckpt
-from distributed_worker import check, global_state
+from conftest import BUCKET
+from distributed_worker import global_state
 
 WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
 
@@ -26,10 +26,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, processes: int, directory: pathlib.Path, timeout: float = 240) -> list[str]:
+def launch(scenario: str, processes: int, directory: pathlib.Path, timeout: float = 240, **env_vars: str) -> list[str]:
     """Run ``processes`` workers to completion; the first failure kills the rest at once."""
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", EQXCKPT_BARRIER_TIMEOUT_S="60", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", EQXCKPT_BARRIER_TIMEOUT_S="60", PYTHONUNBUFFERED="1", **env_vars)
     logs = [directory / f"worker{i}.log" for i in range(processes)]
     workers = []
     for i, log in enumerate(logs):
@@ -55,18 +55,24 @@ def launch(scenario: str, processes: int, directory: pathlib.Path, timeout: floa
 
 
 @pytest.mark.parametrize("processes", [2, 4])
-def test_many_processes_save_and_restore_onto_another_mesh(tmp_path, processes):
-    # Workers save (blocking and async), restore onto a different mesh and check
-    # every slice they hold; then this single process reads the result whole.
-    logs = launch("save", processes, tmp_path)
-    assert all("blocking restored" in log and "async restored" in log for log in logs)
-    for name in ("blocking", "async"):
-        restored = eqxckpt.load(tmp_path / name)
-        assert check(restored) > 0
-    # process 0 wrote the replicated and host-local leaves, each process its shards:
-    # every chunk file exists once and the arrays are complete (checked above).
-    ckpt = eqxckpt.open(tmp_path / "async")
-    assert ckpt["step"] == 7
+def test_many_processes_save_and_restore_onto_another_mesh(tmp_path, processes, s3):
+    # Workers save (blocking and async, to disk and to S3), restore onto a
+    # different mesh and check every slice they hold...
+    endpoint, _ = s3
+    logs = launch("save", processes, tmp_path, S3_TEST_ENDPOINT=endpoint, S3_TEST_BUCKET=BUCKET)
+    assert all(f"{name} restored" in log for log in logs for name in ("blocking", "async", "s3"))
+    # ...then a fresh single process, with one device, reads everything back whole.
+    verify = f"""
+import eqxckpt
+from distributed_worker import check
+for where in ({str(tmp_path / "blocking")!r}, {str(tmp_path / "async")!r}):
+    assert check(eqxckpt.load(where)) > 0
+assert eqxckpt.open({str(tmp_path / "async")!r})["step"] == 7
+print("verified")
+"""
+    result = subprocess.run([sys.executable, "-c", verify], capture_output=True, text=True, timeout=120,
+                            cwd=WORKER.parent, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert result.returncode == 0 and "verified" in result.stdout, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["async", "blocking"] + [f"worker{i}.log" for i in range(processes)]
 
 

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from eqxckpt._errors import ManifestError
 from eqxckpt._manifest import LeafRecord, Manifest, parse_manifest, scalar_from_json, scalar_to_json

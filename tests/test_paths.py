@@ -1,6 +1,5 @@
 import re
 
-import jax
 import jax.tree_util as jtu
 import numpy as np
 import pytest

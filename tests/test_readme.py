@@ -10,8 +10,11 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys):
+def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys, s3):
     monkeypatch.chdir(tmp_path)
+    endpoint, client = s3
+    client.create_bucket(Bucket="my-bucket")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)  # the README's s3:// example goes to moto
     blocks = python_blocks()
     assert len(blocks) >= 5
     namespace: dict = {}
@@ -20,3 +23,6 @@ def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "missing from the checkpoint" in out and "(32, 2) float32 256" in out
     assert (tmp_path / "ckpt/step_10/eqxckpt.json").exists()
+    assert (tmp_path / "ckpt/step_20/eqxckpt.json").exists()
+    assert "NamedSharding" in out and "['model/layers/0/weight', 'model/layers/0/bias']" in out
+    assert client.get_object(Bucket="my-bucket", Key="run/step_20/eqxckpt.json")["ContentLength"] > 0

@@ -1,5 +1,3 @@
-import pathlib
-
 import numpy as np
 from hypothesis import given, settings, strategies as st
 import pytest
