@@ -31,7 +31,12 @@ def make_state() -> dict:
     """The saved tree's structure: an Equinox model, its optax state, and host-local leaves."""
     model = make_model()
     opt_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
-    return {"model": model, "opt_state": opt_state, "step": 7, "host": np.arange(5, dtype=np.int64)}
+    keys = jax.random.split(jax.random.key(0), 8)  # typed PRNG keys, sharded when saved
+    return {"model": model, "opt_state": opt_state, "step": 7, "host": np.arange(5, dtype=np.int64), "keys": keys}
+
+
+def expected_key_data() -> np.ndarray:
+    return np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 8)))
 
 
 def expected(path: str, shape: tuple, dtype) -> np.ndarray:
@@ -72,7 +77,11 @@ def global_state(mesh: Mesh | None) -> dict:
     flat, treedef = flatten(make_state())
     leaves = []
     for path, _, leaf in flat:
-        if mesh is not None and isinstance(leaf, jax.Array) and path.startswith(("model", "opt_state/0/mu", "opt_state/0/nu")):
+        if path == "keys":
+            if mesh is not None:
+                split = jax.jit(lambda: jax.random.split(jax.random.key(0), 8), out_shardings=NamedSharding(mesh, P("data")))
+                leaf = split()
+        elif mesh is not None and isinstance(leaf, jax.Array) and path.startswith(("model", "opt_state/0/mu", "opt_state/0/nu")):
             value = expected(path, leaf.shape, leaf.dtype)
             leaf = jax.make_array_from_callback(value.shape, NamedSharding(mesh, save_spec(path)), lambda i, v=value: v[i])
         elif isinstance(leaf, (jax.Array, np.ndarray)):
@@ -91,6 +100,8 @@ def skeleton(mesh: Mesh) -> dict:
     for path, _, leaf in flat:
         if isinstance(leaf, jax.ShapeDtypeStruct) and path.startswith(("model", "opt_state/0/mu", "opt_state/0/nu")):
             leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, load_spec(path)))
+        elif path == "keys":  # sharded one way when saved, another way here
+            leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, P("b")))
         elif path == "host":  # filter_eval_shape would turn the int64 numpy leaf into int32
             leaf = np.zeros(leaf.shape, np.int64)
         leaves.append(leaf)
@@ -105,6 +116,14 @@ def check(tree: dict, mesh: Mesh | None = None) -> int:
     for path, _, leaf in flatten(tree)[0]:
         if path == "step":
             assert leaf == 7, leaf
+            continue
+        if path == "keys":
+            want = expected_key_data()
+            if mesh is not None:
+                assert leaf.sharding == NamedSharding(mesh, P("b")), leaf.sharding
+            for shard in leaf.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(jax.random.key_data(shard.data)), want[shard.index])
+                checked += shard.data.size
             continue
         if not hasattr(leaf, "shape"):
             continue
