@@ -21,6 +21,7 @@ from ._errors import (
     StructureMismatchError as StructureMismatchError,
 )
 from ._load import load as load
+from ._manager import CheckpointManager as CheckpointManager
 from ._save import SaveHandle as SaveHandle, save as save
 from ._transform import Transform as Transform, TransformError as TransformError, apply_transformations as apply_transformations
 from ._translate import CheckpointTranslator as CheckpointTranslator

@@ -118,7 +118,7 @@ class Manifest:
 # --- scalars --------------------------------------------------------------------------
 
 
-def _float_to_json(x: float) -> float | str:
+def float_to_json(x: float) -> float | str:
     return x if math.isfinite(x) else repr(x)  # 'nan', 'inf', '-inf'
 
 
@@ -131,15 +131,15 @@ def scalar_to_json(value: Any) -> tuple[str, Any]:
     if isinstance(value, int):
         return "int", value
     if isinstance(value, float):
-        return "float", _float_to_json(value)
+        return "float", float_to_json(value)
     if isinstance(value, complex):
-        return "complex", [_float_to_json(value.real), _float_to_json(value.imag)]
+        return "complex", [float_to_json(value.real), float_to_json(value.imag)]
     if isinstance(value, str):
         return "str", value
     raise TypeError(type(value))
 
 
-def _float_from_json(x: Any) -> float:
+def float_from_json(x: Any) -> float:
     if isinstance(x, str) and x in ("nan", "inf", "-inf"):
         return float(x)
     if isinstance(x, (int, float)) and not isinstance(x, bool):
@@ -155,9 +155,9 @@ def scalar_from_json(type_name: str, value: Any) -> Any:
     if type_name == "int" and isinstance(value, int) and not isinstance(value, bool):
         return value
     if type_name == "float":
-        return _float_from_json(value)
+        return float_from_json(value)
     if type_name == "complex" and isinstance(value, list) and len(value) == 2:
-        return complex(_float_from_json(value[0]), _float_from_json(value[1]))
+        return complex(float_from_json(value[0]), float_from_json(value[1]))
     if type_name == "str" and isinstance(value, str):
         return value
     raise ManifestError(f"Scalar of type {type_name!r} has an invalid value {value!r}.")

@@ -394,10 +394,16 @@ def save(
         _run(location, manifest, leaves, overwrite, phases)
         future.set_result(None)
         return SaveHandle(key, future)
-    handle = SaveHandle(key, _background().submit(_run, location, manifest, leaves, overwrite, phases))
+    return track(key, _background().submit(_run, location, manifest, leaves, overwrite, phases))
+
+
+def track(key: str, future: concurrent.futures.Future) -> SaveHandle:
+    """A handle on background work for ``key``: later saves wait for it, and its
+    error is raised by ``wait()``, else by the next save, else printed at exit."""
+    handle = SaveHandle(key, future)
     with _lock:
         _in_flight[key] = handle
-    handle._future.add_done_callback(lambda _: _forget(key, handle))
+    future.add_done_callback(lambda _: _forget(key, handle))
     return handle
 
 

@@ -192,6 +192,14 @@ def main(scenario: str, port: int, num_processes: int, process_id: int, director
             eqxckpt.save(where, state, blocking=False).wait()
             restored = eqxckpt.load(where, skeleton(load_mesh))
             print(f"process {process_id}: s3 restored, {check(restored, load_mesh)} elements checked")
+    elif scenario == "manager":  # every process drives the same manager; process 0 alone deletes
+        state = global_state(save_mesh)
+        with eqxckpt.CheckpointManager(f"{directory}/run", max_to_keep=2, keep_every=3) as manager:
+            for step in range(7):
+                manager.save(step, state, metrics={"loss": float(step)})
+        assert manager.all_steps() == [0, 3, 5, 6], manager.all_steps()
+        restored = manager.load(skeleton(load_mesh))
+        print(f"process {process_id}: manager steps {manager.all_steps()}, {check(restored, load_mesh)} elements checked")
     elif scenario == "load":  # a checkpoint written by one process, restored across all of them
         restored = eqxckpt.load(f"{directory}/single", skeleton(load_mesh))
         print(f"process {process_id}: single restored, {check(restored, load_mesh)} elements checked")

@@ -91,6 +91,13 @@ def test_a_single_process_checkpoint_restores_across_four_processes(tmp_path):
     assert all("single restored" in log for log in logs)
 
 
+def test_checkpoint_manager_in_two_processes(tmp_path):
+    logs = launch("manager", 2, tmp_path)
+    assert all("manager steps [0, 3, 5, 6]" in log for log in logs)
+    assert sorted(os.listdir(tmp_path / "run")) == ["0", "3", "5", "6"]
+    assert eqxckpt.CheckpointManager(tmp_path / "run").all_steps() == [0, 3, 5, 6]
+
+
 def test_a_crashed_worker_fails_the_launch_within_seconds(tmp_path):
     start = time.monotonic()
     with pytest.raises(WorkerFailed, match="worker 1 crashed on purpose"):

@@ -24,5 +24,6 @@ def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys, s3):
     assert "missing from the checkpoint" in out and "(32, 2) float32 256" in out
     assert (tmp_path / "ckpt/step_10/eqxckpt.json").exists()
     assert (tmp_path / "ckpt/step_20/eqxckpt.json").exists()
+    assert "[0, 10, 15, 20] best: 20" in out and sorted(p.name for p in (tmp_path / "run").iterdir()) == ["0", "10", "15", "20"]
     assert "NamedSharding" in out and "['model/layers/0/weight', 'model/layers/0/bias']" in out
     assert client.get_object(Bucket="my-bucket", Key="run/step_20/eqxckpt.json")["ContentLength"] > 0

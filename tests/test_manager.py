@@ -1,0 +1,183 @@
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import eqxckpt
+from conftest import BUCKET, assert_trees_equal
+
+TESTS = os.path.dirname(__file__)
+
+
+def tree(step: int) -> dict:
+    return {"w": np.full((4, 3), float(step), np.float32), "step": step}
+
+
+def test_retention_newest_every_and_best(tmp_path):
+    losses = {s: abs(s - 7) + 0.5 for s in range(20)}  # best (lowest) at step 7
+    with eqxckpt.CheckpointManager(tmp_path, max_to_keep=2, keep_every=5, best_metric="loss", keep_best=1) as manager:
+        for step in range(20):
+            assert manager.save(step, tree(step), metrics={"loss": losses[step]})
+    expected = [0, 5, 7, 10, 15, 18, 19]
+    assert manager.all_steps() == expected
+    assert sorted(int(p) for p in os.listdir(tmp_path)) == expected  # deleted for real, nothing left over
+    assert manager.latest_step() == 19 and manager.best_step() == 7
+    np.testing.assert_array_equal(manager.load()["w"], np.full((4, 3), 19.0))
+    np.testing.assert_array_equal(manager.load(tree(0), step=7)["w"], np.full((4, 3), 7.0))
+    # A new manager on the same directory sees the same steps and metrics.
+    again = eqxckpt.CheckpointManager(tmp_path, max_to_keep=2, keep_every=5, best_metric="loss", keep_best=1)
+    assert again.all_steps() == expected and again.best_step() == 7 and again.metrics(7) == {"loss": 0.5}
+
+
+@pytest.mark.parametrize("mode,best", [("min", 3), ("max", 6)])
+def test_best_metric_in_both_modes(tmp_path, mode, best):
+    accuracy = {0: 0.5, 1: 0.2, 2: 0.7, 3: 0.1, 4: 0.6, 5: 0.3, 6: 0.9, 7: float("nan")}
+    manager = eqxckpt.CheckpointManager(tmp_path, max_to_keep=1, best_metric="acc", best_mode=mode, keep_best=2)
+    for step, value in accuracy.items():
+        manager.save(step, tree(step), metrics={"acc": value})
+    manager.wait()
+    second = {"min": 1, "max": 2}[mode]
+    assert manager.best_step() == best
+    assert manager.all_steps() == sorted({best, second, 7})  # NaN never ranks best; 7 is the newest
+
+
+def test_interval_force_and_metadata(tmp_path):
+    manager = eqxckpt.CheckpointManager(tmp_path, save_interval_steps=3, blocking=True)
+    saved = [step for step in range(10) if manager.save(step, tree(step), metadata={"lr": 0.1 * step})]
+    assert saved == [0, 3, 6, 9]
+    assert manager.save(4, tree(4), force=True)
+    assert manager.all_steps() == [0, 3, 4, 6, 9]
+    assert manager.metadata(6) == {"lr": pytest.approx(0.6)} and manager.metadata()["lr"] == pytest.approx(0.9)
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="Step 6 is already saved"):
+        manager.save(6, tree(6))
+    with pytest.raises(eqxckpt.CheckpointNotFoundError, match="No committed step 5"):
+        manager.load(step=5)
+    with pytest.raises(eqxckpt.CheckpointError, match="reserved"):
+        manager.save(12, tree(12), metadata={"eqxckpt.manager": 1})
+    with pytest.raises(ValueError, match="keep_best needs best_metric"):
+        eqxckpt.CheckpointManager(tmp_path, keep_best=1)
+
+
+def test_background_failure_is_raised_by_the_next_save(tmp_path):
+    run = tmp_path / "run"
+    manager = eqxckpt.CheckpointManager(run)
+    manager.save(0, tree(0))
+    manager.wait()
+    run.rename(tmp_path / "moved")
+    run.write_text("a file where the run directory was")  # only the background write finds out
+    manager.save(1, tree(1))
+    with pytest.raises(OSError):
+        manager.save(2, tree(2))
+    run.unlink()
+    (tmp_path / "moved").rename(run)
+    assert manager.all_steps() == [0]
+    manager.save(2, tree(2))
+    manager.wait()
+    assert manager.all_steps() == [0, 2] and sorted(os.listdir(run)) == ["0", "2"]
+
+
+KILLED_SAVER = """
+import numpy as np, eqxckpt
+manager = eqxckpt.CheckpointManager({directory!r})
+manager.save(0, {{"w": np.zeros(3)}})
+manager.wait()
+print("committed 0", flush=True)
+manager.save(1, {{f"leaf{{i}}": np.full((1024, 1024), i, np.float32) for i in range({leaves})}})
+manager.wait()
+"""
+
+
+def test_restart_after_a_killed_save(tmp_path):
+    for attempt, leaves in enumerate((64, 160, 320)):
+        directory = tmp_path / f"run{attempt}"
+        writer = subprocess.Popen([sys.executable, "-c", KILLED_SAVER.format(directory=str(directory), leaves=leaves)],
+                                  env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        try:  # kill it while step 1 is half written
+            deadline = time.monotonic() + 120
+            while not (directory.is_dir() and any(p.name.startswith(".1.eqxckpt-tmp-") for p in directory.iterdir())):
+                assert writer.poll() is None and time.monotonic() < deadline, "writer ended early"
+                time.sleep(0.005)
+            writer.send_signal(signal.SIGKILL)
+        finally:
+            writer.wait()
+        if not (directory / "1").exists():
+            break
+    else:
+        pytest.fail("the writer always committed step 1 before it could be killed")
+    leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
+    assert leftovers  # a real half-written step
+
+    with pytest.raises(eqxckpt.IncompleteCheckpointError):
+        eqxckpt.load(directory / "1")
+    manager = eqxckpt.CheckpointManager(directory)
+    assert manager.all_steps() == [0] and manager.latest_step() == 0
+    assert sorted(os.listdir(directory)) == ["0"]  # cleaned up on open
+    manager.save(1, {"w": np.ones(3)})  # the interrupted step saves again
+    manager.wait()
+    np.testing.assert_array_equal(manager.load()["w"], np.ones(3))
+
+
+def test_resumed_training_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    worker = os.path.join(TESTS, "training_worker.py")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    steps = 30
+    reference = subprocess.run([sys.executable, worker, str(tmp_path / "ref"), str(steps), "--keep-all"],
+                               capture_output=True, text=True, env=env, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+
+    kill_at = random.Random().randint(2, steps - 3)
+    run = subprocess.Popen([sys.executable, worker, str(tmp_path / "run"), str(steps)], stdout=subprocess.PIPE,
+                           text=True, env=env)
+    try:
+        for line in run.stdout:
+            if line.strip() == f"saving {kill_at}":  # step kill_at's save is in flight
+                run.send_signal(signal.SIGKILL)
+                break
+    finally:
+        run.kill()
+        run.wait()
+    assert run.returncode == -signal.SIGKILL, f"not killed (kill_at={kill_at})"
+
+    sys.path.insert(0, TESTS)
+    try:
+        from training_worker import make_state
+    finally:
+        sys.path.remove(TESTS)
+    interrupted = eqxckpt.CheckpointManager(tmp_path / "run")
+    latest = interrupted.latest_step()
+    assert latest is not None and kill_at - 2 <= latest <= kill_at, (kill_at, latest)
+    reference_manager = eqxckpt.CheckpointManager(tmp_path / "ref")
+    like = make_state()
+    assert_trees_equal(interrupted.load(like), reference_manager.load(like, step=latest))
+
+    resumed = subprocess.run([sys.executable, worker, str(tmp_path / "run"), str(steps)],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0 and f"resumed from {latest}" in resumed.stdout, resumed.stderr
+    final = eqxckpt.CheckpointManager(tmp_path / "run")
+    assert final.all_steps() == [steps - 2, steps - 1]
+    assert_trees_equal(final.load(like), reference_manager.load(like, step=steps - 1))
+
+
+def test_manager_on_s3(s3):
+    endpoint, client = s3
+    spec = {"driver": "s3", "bucket": BUCKET, "path": "managed/", "endpoint": endpoint,
+            "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}
+    with eqxckpt.CheckpointManager(spec, max_to_keep=2) as manager:
+        for step in range(4):
+            manager.save(step, tree(step))
+    assert manager.all_steps() == [2, 3]
+    listing = client.list_objects_v2(Bucket=BUCKET, Prefix="managed/")
+    assert {obj["Key"].split("/")[1] for obj in listing["Contents"]} == {"2", "3"}
+    # Leftovers of an unfinished save (array data, no manifest) are cleaned on open.
+    eqxckpt.save({**spec, "path": "managed/9/"}, tree(9))
+    client.delete_object(Bucket=BUCKET, Key="managed/9/eqxckpt.json")
+    again = eqxckpt.CheckpointManager(spec, max_to_keep=2)
+    assert again.all_steps() == [2, 3]
+    listing = client.list_objects_v2(Bucket=BUCKET, Prefix="managed/9/")
+    assert listing["KeyCount"] == 0
+    np.testing.assert_array_equal(again.load(tree(0))["w"], np.full((4, 3), 3.0))
