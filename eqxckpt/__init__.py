@@ -14,6 +14,7 @@ from ._errors import (
     CheckpointError as CheckpointError,
     CheckpointExistsError as CheckpointExistsError,
     CheckpointNotFoundError as CheckpointNotFoundError,
+    CheckpointWriteError as CheckpointWriteError,
     CorruptCheckpointError as CorruptCheckpointError,
     IncompleteCheckpointError as IncompleteCheckpointError,
     ManifestError as ManifestError,
@@ -25,3 +26,4 @@ from ._manager import CheckpointManager as CheckpointManager
 from ._save import SaveHandle as SaveHandle, save as save
 from ._transform import Transform as Transform, TransformError as TransformError, apply_transformations as apply_transformations
 from ._translate import CheckpointTranslator as CheckpointTranslator
+from ._verify import VerifyReport as VerifyReport, verify as verify

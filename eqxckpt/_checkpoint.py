@@ -3,6 +3,9 @@
 import contextlib
 import difflib
 import functools
+import os
+import pathlib
+import stat
 from typing import Any
 
 import jax
@@ -112,6 +115,8 @@ class Checkpoint:
 
     def open_array(self, record: LeafRecord) -> ts.Future:
         """Start opening a leaf's stored array (validate it with `checked`)."""
+        if self.location.local is not None:
+            stored_bytes(self.location.local, record)
         return ts.open(read_spec(self.location.child(record.path)), context=self._context, read=True)
 
     def checked(self, record: LeafRecord, opened: ts.Future) -> ts.TensorStore:
@@ -126,6 +131,54 @@ class Checkpoint:
                 "load an earlier one."
             )
         return store
+
+
+def stored_bytes(root: pathlib.Path, record: LeafRecord) -> int:
+    """Check a local leaf's files before TensorStore touches them; return their size.
+
+    A checkpoint may come from anywhere: no component of the leaf's directory
+    may be a symlink (it could lead out of the checkpoint), nothing below it
+    may be anything but plain files and directories, and the files must hold
+    at least the bytes the manifest declares, so a crafted shape cannot make
+    the reader allocate memory that no data backs.
+    """
+    where = root
+    for part in record.path.split("/"):
+        where = where / part
+        try:
+            mode = os.lstat(where).st_mode
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"Leaf {record.path!r} is missing on disk ({where} does not exist). Restore the checkpoint "
+                "from a copy or load an earlier one."
+            ) from None
+        if not stat.S_ISDIR(mode):
+            raise _unsafe(record, where)
+    total = 0
+    pending = [where]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+                else:
+                    raise _unsafe(record, pathlib.Path(entry.path))
+    if total < record.nbytes:
+        raise CorruptCheckpointError(
+            f"Leaf {record.path!r} is corrupt or missing on disk: the manifest declares {record.nbytes} bytes "
+            f"({record.dtype}{list(record.data_shape)}) but its files hold only {total}. Restore the checkpoint "
+            "from a copy or load an earlier one."
+        )
+    return total
+
+
+def _unsafe(record: LeafRecord, where: pathlib.Path) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"Leaf {record.path!r}: {where} is a symlink or special file, not the plain files eqxckpt writes. "
+        "Refusing to read it (it could point outside the checkpoint). Do not trust this checkpoint."
+    )
 
 
 @contextlib.contextmanager

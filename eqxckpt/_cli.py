@@ -69,6 +69,24 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ._verify import verify
+
+    console = Console(highlight=False)
+    report = verify(checkpoint_path(args.path))
+    for path, message in report.problems:
+        console.print(f"[bold red]{path}[/bold red]: {message}")
+    colour = "green" if report.ok else "red"
+    console.print(
+        f"[bold {colour}]{'OK' if report.ok else 'DAMAGED'}[/bold {colour}] {report.location}: "
+        f"{report.arrays_checked} arrays, {human_bytes(report.bytes_checked)} read and checked, "
+        f"{len(report.problems)} problems"
+    )
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``eqxckpt`` / ``python -m eqxckpt``.
 
@@ -76,12 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     $ eqxckpt inspect ckpt/step_100 --at model
     ```
     """
-    parser = argparse.ArgumentParser(prog="eqxckpt", description="Inspect eqxckpt checkpoints.")
+    parser = argparse.ArgumentParser(prog="eqxckpt", description="Inspect and verify eqxckpt checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = sub.add_parser("inspect", help="print the leaves with shapes, dtypes and sizes")
     inspect.add_argument("path", help="checkpoint directory, URL (s3://bucket/prefix) or kvstore spec as JSON")
     inspect.add_argument("--at", default=None, help="only the subtree under this path prefix")
     inspect.set_defaults(run=_inspect)
+    check = sub.add_parser("verify", help="read every chunk and check it against the manifest; exit 1 if damaged")
+    check.add_argument("path", help="checkpoint directory, URL or kvstore spec as JSON")
+    check.set_defaults(run=_verify)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -31,3 +31,10 @@ class StructureMismatchError(CheckpointError, ValueError):
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """Saving would replace an existing checkpoint and `overwrite=False`."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a checkpoint failed (disk full, file too large, read-only, ...).
+
+    Nothing was committed; a previous checkpoint at the same place is intact.
+    """

@@ -5,8 +5,11 @@ use: types, paths (never outside the checkpoint), dtypes, shapes and sizes.
 """
 
 import dataclasses
+import errno
 import json
 import math
+import os
+import stat
 import time
 from typing import Any
 
@@ -207,7 +210,7 @@ def _leaf(doc: Any) -> LeafRecord:
         if doc.get("location") != path:
             raise ManifestError(f"Leaf {path!r}: its location {doc.get('location')!r} must equal its path.")
         dtype = doc.get("dtype")
-        if dtype not in STORED_DTYPES:
+        if not isinstance(dtype, str) or dtype not in STORED_DTYPES:
             raise ManifestError(f"Leaf {path!r}: unknown dtype {dtype!r}.")
         shape = _shape(doc.get("shape"), path)
         if kind == "array":
@@ -228,6 +231,23 @@ def _leaf(doc: Any) -> LeafRecord:
         scalar_from_json(type_name, doc.get("value"))  # validates
         return LeafRecord(path, keys, kind, value=doc.get("value"), type_name=type_name)
     return LeafRecord(path, keys, kind, type_name=type_name)
+
+
+def _check_containers(records: tuple[LeafRecord, ...], where: str) -> None:
+    """Leaves must describe one tree: each container is of one kind, and no leaf is
+    also a container of others."""
+    kinds: dict[str, str] = {}
+    leaves = {r.path for r in records}
+    for record in records:
+        parent = ""
+        for kind, key, *_ in record.keys:
+            family = "list" if kind in ("seq", "index") else "mapping"
+            if kinds.setdefault(parent, family) != family or parent in leaves:
+                raise ManifestError(
+                    f"The manifest of {where} is inconsistent at {parent or '<root>'!r}: leaf {record.path!r} "
+                    "disagrees with another leaf about what kind of container it is in."
+                )
+            parent = f"{parent}/{record_segment((kind, key, *_))}" if parent else record_segment((kind, key, *_))
 
 
 def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
@@ -259,6 +279,7 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
     paths = [r.path for r in records]
     if len(set(paths)) != len(paths):
         raise ManifestError(f"The manifest of {where} lists a leaf path twice.")
+    _check_containers(records, where)
     created = doc.get("created_unix", 0.0)
     return Manifest(records, metadata, created if isinstance(created, (int, float)) else 0.0)
 
@@ -269,9 +290,18 @@ def read_manifest(location: Location) -> Manifest:
         local = location.local
         if local.is_dir():
             try:
-                with open(local / MANIFEST_NAME, "rb") as f:
+                # O_NOFOLLOW: a manifest that is a symlink could point anywhere.
+                fd = os.open(local / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                with os.fdopen(fd, "rb") as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        raise ManifestError(f"{local / MANIFEST_NAME} is not a regular file; refusing to read it.")
                     raw = f.read(MAX_MANIFEST_BYTES + 1)
-            except FileNotFoundError:
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise ManifestError(
+                        f"Cannot read the manifest of {local}: {e.strerror or e} (a symlink or special file "
+                        "in place of eqxckpt.json is refused). The checkpoint is damaged or not trustworthy."
+                    ) from None
                 raise IncompleteCheckpointError(
                     f"{local} has no {MANIFEST_NAME}: the save that made it never committed "
                     "(it was interrupted, or this is not an eqxckpt checkpoint). Load an earlier "

@@ -17,7 +17,7 @@ import numpy as np
 import tensorstore as ts
 
 from ._distributed import Phases, is_multiprocess
-from ._errors import CheckpointError, CheckpointExistsError
+from ._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from ._manifest import LeafRecord, Manifest, scalar_to_json
 from ._paths import MANIFEST_NAME, key_entry_record
 from ._store import Location, array_spec, check_dtype, exchange, fsync_path, fsync_tree, shared_context, resolve
@@ -223,7 +223,8 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         try:
             write.result()
         except Exception as e:
-            raise CheckpointError(f"Writing leaf {record.path!r} failed: {e}") from e
+            reason = str(e).split(" [tensorstore_spec=")[0]  # the spec dump is noise here
+            raise CheckpointWriteError(f"Writing leaf {record.path!r} failed: {reason}") from e
 
 
 def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
@@ -320,9 +321,16 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
 
         run("write", write)
         run("commit", lambda: _publish(location, staging, manifest, overwrite) if leader else None)
-    except BaseException:
+    except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+            error = CheckpointWriteError(
+                f"Saving to {location} failed: {e}. Nothing was committed and any previous checkpoint there "
+                "is intact; free space or fix permissions, then save again."
+            )
+            error.errno = e.errno
+            raise error from e
         raise
 
 

@@ -71,7 +71,7 @@ def test_background_failure_is_raised_by_the_next_save(tmp_path):
     run.rename(tmp_path / "moved")
     run.write_text("a file where the run directory was")  # only the background write finds out
     manager.save(1, tree(1))
-    with pytest.raises(OSError):
+    with pytest.raises(eqxckpt.CheckpointWriteError):
         manager.save(2, tree(2))
     run.unlink()
     (tmp_path / "moved").rename(run)

@@ -170,7 +170,7 @@ def test_failed_save_leaves_previous_intact(tmp_path):
 
     save_module._write_pieces = failing
     try:
-        with pytest.raises(OSError, match="No space"):
+        with pytest.raises(eqxckpt.CheckpointWriteError, match="No space"):
             eqxckpt.save(tmp_path / "c", bad, overwrite=True)
     finally:
         save_module._write_pieces = real
@@ -287,7 +287,7 @@ def test_background_failure_surfaces_on_wait_next_save_and_exit(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     # The target's parent is a file: only the background write discovers that.
     handle = eqxckpt.save(tmp_path / "file" / "ckpt", {"x": np.ones(3)}, blocking=False)
-    with pytest.raises(OSError):
+    with pytest.raises(eqxckpt.CheckpointWriteError):
         handle.wait()
     eqxckpt.save(tmp_path / "ok", {"x": np.ones(3)})  # an observed failure is not raised again
 

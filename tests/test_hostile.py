@@ -1,0 +1,233 @@
+"""Checkpoints from anywhere: crafted ones never make eqxckpt read or write outside
+them, run code, or allocate memory that no data backs. Only documented errors come out."""
+
+import copy
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import eqxckpt
+from eqxckpt._cli import main as cli
+from eqxckpt._manifest import parse_manifest
+
+DOCUMENTED = (eqxckpt.CheckpointError,)  # every error eqxckpt raises on purpose derives from it
+
+
+def snapshot(root):
+    """Every entry below ``root`` with its size and mtime: to prove nothing was written."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            st_ = os.lstat(os.path.join(dirpath, name))
+            out[os.path.join(dirpath, name)] = (st_.st_size, st_.st_mtime_ns, stat.S_IFMT(st_.st_mode))
+    return out
+
+
+def every_reader(path):
+    """Run load, open, inspect and verify on ``path``; return what each raised or returned."""
+    outcomes = {}
+    for name, run in {
+        "load": lambda: eqxckpt.load(path),
+        "open": lambda: [eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths],
+        "lazy get": lambda: [v.get() for v in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths) if hasattr(v, "get")],
+        "inspect": lambda: cli(["inspect", str(path)]),
+        "verify": lambda: eqxckpt.verify(path),
+    }.items():
+        try:
+            outcomes[name] = run()
+        except DOCUMENTED as e:
+            outcomes[name] = e
+    return outcomes
+
+
+@pytest.fixture
+def world(tmp_path):
+    """A checkpoint, and a secret outside it that a hostile checkpoint might reach for."""
+    secret = tmp_path / "outside"
+    eqxckpt.save(secret, {"w": np.full((6, 8), 7.0, np.float32)})
+    ckpt = tmp_path / "c"
+    eqxckpt.save(ckpt, {"w": np.zeros((6, 8), np.float32), "step": 1})
+    return tmp_path, ckpt, secret
+
+
+def rewrite_manifest(ckpt, edit):
+    doc = json.loads((ckpt / "eqxckpt.json").read_text())
+    edit(doc)
+    (ckpt / "eqxckpt.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("bad_path", ["../outside/w", "/etc/passwd", "w/../../outside/w", "a\x00b", "a\\b", "", ".", "w/./x"])
+def test_manifest_paths_cannot_leave_the_checkpoint(world, bad_path, capsys):
+    root, ckpt, _ = world
+
+    def edit(doc):
+        leaf = next(leaf for leaf in doc["leaves"] if leaf["path"] == "w")
+        leaf["path"] = leaf["location"] = bad_path
+
+    rewrite_manifest(ckpt, edit)
+    before = snapshot(root)
+    outcomes = every_reader(ckpt)
+    assert snapshot(root) == before
+    assert isinstance(outcomes["load"], eqxckpt.ManifestError) and isinstance(outcomes["open"], eqxckpt.ManifestError)
+    assert outcomes["inspect"] == 1 and not outcomes["verify"].ok
+
+
+def test_symlinks_out_of_the_checkpoint_are_refused(world):
+    root, ckpt, secret = world
+    cases = {
+        "leaf directory": (ckpt / "w", secret / "w"),
+        "chunk file": (ckpt / "w/c/0/0", secret / "w/c/0/0"),
+        "metadata": (ckpt / "w/zarr.json", secret / "w/zarr.json"),
+    }
+    for what, (link, target) in cases.items():
+        backup = link.with_name(link.name + ".bak")
+        link.rename(backup)
+        link.symlink_to(target, target_is_directory=target.is_dir())
+        try:
+            before = snapshot(root)
+            outcomes = every_reader(ckpt)
+            assert snapshot(root) == before
+            assert isinstance(outcomes["load"], eqxckpt.CorruptCheckpointError), what
+            assert "symlink" in str(outcomes["load"]) and "'w'" in str(outcomes["load"]), what
+            assert isinstance(outcomes["lazy get"], eqxckpt.CorruptCheckpointError), what
+            assert not outcomes["verify"].ok and outcomes["inspect"] == 0  # inspect reads only the manifest
+        finally:
+            link.unlink()
+            backup.rename(link)
+    assert eqxckpt.verify(ckpt).ok
+
+
+def test_symlinked_or_special_manifest_is_refused(world):
+    root, ckpt, secret = world
+    (ckpt / "eqxckpt.json").unlink()
+    (ckpt / "eqxckpt.json").symlink_to(secret / "eqxckpt.json")
+    with pytest.raises(eqxckpt.ManifestError, match="symlink"):
+        eqxckpt.load(ckpt)
+    (ckpt / "eqxckpt.json").unlink()
+    os.mkfifo(ckpt / "eqxckpt.json")  # would block a naive reader forever
+    with pytest.raises(eqxckpt.ManifestError, match="not a regular file"):
+        eqxckpt.open(ckpt)
+
+
+def test_fifo_inside_a_leaf_is_refused(world):
+    _, ckpt, _ = world
+    os.mkfifo(ckpt / "w/c/0/fifo")
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="special file"):
+        eqxckpt.load(ckpt)
+
+
+def test_declared_shape_must_be_backed_by_data(world):
+    """A crafted 4 TiB shape fails before anything is allocated for it."""
+    _, ckpt, _ = world
+    huge = [1 << 40]
+
+    def edit(doc):
+        leaf = next(leaf for leaf in doc["leaves"] if leaf["path"] == "w")
+        leaf["shape"] = huge
+
+    rewrite_manifest(ckpt, edit)
+    meta = json.loads((ckpt / "w/zarr.json").read_text())
+    meta["shape"], meta["chunk_grid"]["configuration"]["chunk_shape"] = huge, huge
+    (ckpt / "w/zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="declares 4398046511104 bytes"):
+        eqxckpt.load(ckpt)
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="declares"):
+        eqxckpt.open(ckpt)["w"].get()
+    assert not eqxckpt.verify(ckpt).ok
+
+
+def test_enormous_and_deeply_nested_manifests(world):
+    _, ckpt, _ = world
+    os.truncate(ckpt / "eqxckpt.json", 300 * 2**20)  # sparse: costs no disk
+    with pytest.raises(eqxckpt.ManifestError, match="limit"):
+        eqxckpt.open(ckpt)
+    (ckpt / "eqxckpt.json").write_text('{"format": "eqxckpt", "version": 1, "metadata": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    with pytest.raises(eqxckpt.ManifestError):
+        eqxckpt.open(ckpt)
+
+
+# --- fuzzing the manifest parser ------------------------------------------------------
+
+GOOD_DOC = None
+
+
+def good_doc(tmp_path_factory):
+    global GOOD_DOC
+    if GOOD_DOC is None:
+        path = tmp_path_factory.mktemp("fuzz") / "c"
+        key = __import__("jax").random.key(0)
+        eqxckpt.save(path, {"model": {"w": np.ones((2, 3)), "layers": [np.int8(3), 2.5]}, "k": key, "f": print, "s": "x"})
+        GOOD_DOC = json.loads((path / "eqxckpt.json").read_text())
+    return copy.deepcopy(GOOD_DOC)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)
+
+
+def parses_or_refuses(raw: bytes):
+    try:
+        parse_manifest(raw)
+    except eqxckpt.ManifestError:
+        pass  # the one documented outcome besides success
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.binary(max_size=400))
+def test_fuzz_arbitrary_bytes(raw):
+    parses_or_refuses(raw)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(json_values)
+def test_fuzz_arbitrary_json(doc):
+    parses_or_refuses(json.dumps(doc).encode())
+    parses_or_refuses(json.dumps({"format": "eqxckpt", "version": 1, "metadata": {}, "leaves": [doc]}).encode())
+
+
+LEAF_FIELDS = ["path", "location", "keys", "kind", "shape", "dtype", "array_type", "impl", "key_shape", "type", "value"]
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 50), st.sampled_from(LEAF_FIELDS + ["<delete>"]), st.sampled_from(LEAF_FIELDS), json_values)
+def test_fuzz_mutated_manifests(tmp_path_factory, leaf_index, action, field, value):
+    doc = good_doc(tmp_path_factory)
+    leaf = doc["leaves"][leaf_index % len(doc["leaves"])]
+    if action == "<delete>":
+        leaf.pop(field, None)
+    else:
+        leaf[action] = value
+    parses_or_refuses(json.dumps(doc).encode())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 50), st.sampled_from(LEAF_FIELDS), json_values | st.sampled_from(
+    [[["dict", "model"], ["seq", 0]], [["seq", 0]], [["attr", "k"]], [["dict", 3]], [2, 3], [[]], "w", "k", "model/w"]))
+def test_fuzz_crafted_checkpoints_end_to_end(tmp_path_factory, leaf_index, field, value):
+    """Mutated manifests in a real checkpoint: every reader succeeds or raises a documented error."""
+    doc = good_doc(tmp_path_factory)
+    leaf = doc["leaves"][leaf_index % len(doc["leaves"])]
+    leaf[field] = value
+    if field == "path":
+        leaf["location"] = value
+    path = tmp_path_factory.mktemp("crafted") / "c"
+    eqxckpt.save(path, {"model": {"w": np.ones((2, 3)), "layers": [np.int8(3), 2.5]}, "k": __import__("jax").random.key(0), "f": print, "s": "x"})
+    (path / "eqxckpt.json").write_text(json.dumps(doc))
+    every_reader(path)  # raises if anything but a CheckpointError escapes
+
+
+def test_leaves_must_describe_one_tree(world):
+    _, ckpt, _ = world
+    eqxckpt.save(ckpt, {"a": {"0": np.ones(2), "x": np.zeros(2)}}, overwrite=True)
+    doc = json.loads((ckpt / "eqxckpt.json").read_text())
+    doc["leaves"][0]["keys"][1] = ["seq", 0]  # "a" is now both a list and a dict
+    (ckpt / "eqxckpt.json").write_text(json.dumps(doc))
+    with pytest.raises(eqxckpt.ManifestError, match="inconsistent at 'a'"):
+        eqxckpt.load(ckpt)

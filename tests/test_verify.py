@@ -1,0 +1,129 @@
+"""Damaged checkpoints: load refuses them naming the leaf, verify reports every problem."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import eqxckpt
+from eqxckpt._cli import main as cli
+
+W = np.arange(48, dtype=np.float32).reshape(6, 8)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = tmp_path / "c"
+    eqxckpt.save(path, {"model": {"w": W, "b": np.ones(8, np.float32)}, "step": 3})
+    return path
+
+
+def chunk(path):
+    return path / "model/w/c/0/0"
+
+
+def flip_byte(path):
+    data = bytearray(chunk(path).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk(path).write_bytes(bytes(data))
+
+
+def truncate_chunk(path):
+    os.truncate(chunk(path), 10)
+
+
+def delete_chunk(path):
+    chunk(path).unlink()
+
+
+def other_leaf_metadata(path):
+    shutil.copy(path / "model/b/zarr.json", path / "model/w/zarr.json")
+
+
+def metadata_without_checksum(path):
+    meta = json.loads((path / "model/w/zarr.json").read_text())
+    meta["codecs"] = [c for c in meta["codecs"] if c["name"] != "crc32c"]
+    (path / "model/w/zarr.json").write_text(json.dumps(meta))
+
+
+def metadata_other_dtype(path):
+    meta = json.loads((path / "model/w/zarr.json").read_text())
+    meta["data_type"] = "int32"
+    (path / "model/w/zarr.json").write_text(json.dumps(meta))
+
+
+LEAF_DAMAGE = [flip_byte, truncate_chunk, delete_chunk, other_leaf_metadata, metadata_without_checksum, metadata_other_dtype]
+
+
+@pytest.mark.parametrize("damage", LEAF_DAMAGE, ids=lambda f: f.__name__)
+def test_damaged_leaf_is_refused_and_reported(ckpt, damage, capsys):
+    assert eqxckpt.verify(ckpt).ok
+    damage(ckpt)
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match=r"Leaf 'model/w' is corrupt|Leaf 'model/w'"):
+        eqxckpt.load(ckpt)
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="model/w"):
+        eqxckpt.open(ckpt)["model/w"].get()
+    # other leaves still load, and a partial restore that skips the damage works
+    np.testing.assert_array_equal(eqxckpt.load(ckpt, at="model/b"), np.ones(8, np.float32))
+    report = eqxckpt.verify(ckpt)
+    assert not report.ok and [p for p, _ in report.problems] == ["model/w"]
+    assert report.arrays_checked == 1
+    assert cli(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr().out
+    assert "model/w" in out and "DAMAGED" in out
+
+
+def truncate_manifest(path):
+    os.truncate(path / "eqxckpt.json", 40)
+
+
+def garble_manifest(path):
+    raw = bytearray((path / "eqxckpt.json").read_bytes())
+    raw[5:25] = b"\xff" * 20
+    (path / "eqxckpt.json").write_bytes(bytes(raw))
+
+
+def empty_manifest(path):
+    (path / "eqxckpt.json").write_bytes(b"")
+
+
+@pytest.mark.parametrize("damage", [truncate_manifest, garble_manifest, empty_manifest], ids=lambda f: f.__name__)
+def test_damaged_manifest_is_refused_and_reported(ckpt, damage):
+    damage(ckpt)
+    with pytest.raises(eqxckpt.ManifestError, match="not valid JSON|corrupt"):
+        eqxckpt.load(ckpt)
+    report = eqxckpt.verify(ckpt)
+    assert report.problems[0][0] == "eqxckpt.json" and not report.ok
+    assert cli(["verify", str(ckpt)]) == 1
+
+
+def test_verify_healthy_and_extra_files(ckpt, capsys):
+    report = eqxckpt.verify(ckpt)
+    assert report.ok and report.leaves == 3 and report.arrays_checked == 2 and report.bytes_checked == W.nbytes + 32
+    assert cli(["verify", str(ckpt)]) == 0 and "OK" in capsys.readouterr().out
+    (ckpt / "model" / "notes.txt").write_text("added later")
+    report = eqxckpt.verify(ckpt)
+    assert report.problems == [("model/notes.txt", "not named in the manifest (left over, or added after the save)")]
+
+
+def test_verify_reads_large_leaves_in_slabs(tmp_path, monkeypatch):
+    import eqxckpt._store as store
+    import eqxckpt._verify as verify_module
+
+    monkeypatch.setattr(store, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(verify_module, "SLAB_BYTES", 4096)
+    x = np.arange(100 * 64, dtype=np.float32).reshape(100, 64)
+    eqxckpt.save(tmp_path / "c", {"x": x})
+    assert eqxckpt.verify(tmp_path / "c").ok
+    last = sorted((tmp_path / "c/x/c").iterdir(), key=lambda p: int(p.name))[-1] / "0"
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF  # damage the last chunk's checksum
+    last.write_bytes(bytes(data))
+    assert [p for p, _ in eqxckpt.verify(tmp_path / "c").problems] == ["x"]
+
+
+def test_verify_missing_checkpoint():
+    report = eqxckpt.verify("/nonexistent/ckpt")
+    assert not report.ok and "does not exist" in report.problems[0][1]
