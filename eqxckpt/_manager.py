@@ -1,5 +1,6 @@
 """`CheckpointManager`: a directory of numbered steps, retention, and resume."""
 
+import collections
 import math
 import os
 import re
@@ -82,7 +83,11 @@ class CheckpointManager:
         self.best_mode = best_mode
         self.keep_best = keep_best
         self.blocking = blocking
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        # Steps being loaded in this process, and doomed steps whose deletion
+        # waits for those loads: retention never pulls data from under a reader.
+        self._readers: collections.Counter[int] = collections.Counter()
+        self._deferred: set[int] = set()
         self._pending: SaveHandle | None = None
         if jax.process_index() == 0:
             self._clean_leftovers()
@@ -190,6 +195,8 @@ class CheckpointManager:
             doomed = sorted(set(self._steps) - self._kept())
             for old in doomed:
                 del self._steps[old]
+            self._deferred.update(old for old in doomed if self._readers[old])
+            doomed = [old for old in doomed if not self._readers[old]]
         if jax.process_index() == 0:
             for old in doomed:
                 self._delete(old)
@@ -283,7 +290,19 @@ class CheckpointManager:
         state = manager.load(eqx.filter_eval_shape(make_state))
         ```
         """
-        return load(self._step_location(self._resolve_step(step)), like, at=at, **load_kwargs)
+        with self._lock:  # pick the step and register as its reader in one go
+            step = self._resolve_step(step)
+            self._readers[step] += 1
+        try:
+            return load(self._step_location(step), like, at=at, **load_kwargs)
+        finally:
+            with self._lock:
+                self._readers[step] -= 1
+                delete_now = step in self._deferred and not self._readers[step]
+                if delete_now:
+                    self._deferred.discard(step)
+            if delete_now and jax.process_index() == 0:
+                self._delete(step)
 
     def path(self, step: int) -> Any:
         """Where ``step`` is stored (a path, or a kvstore spec for object stores)."""

@@ -224,7 +224,10 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
             write.result()
         except Exception as e:
             reason = str(e).split(" [tensorstore_spec=")[0]  # the spec dump is noise here
-            raise CheckpointWriteError(f"Writing leaf {record.path!r} failed: {reason}") from e
+            raise CheckpointWriteError(
+                f"Writing leaf {record.path!r} failed: {reason}. Nothing was committed and any previous "
+                "checkpoint at this place is intact; free space or fix permissions, then save again."
+            ) from e
 
 
 def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
@@ -233,9 +236,11 @@ def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
     if not final.exists():
         try:
             os.rename(tmp, final)
+            return
         except OSError as e:  # another save committed first (ENOTEMPTY/EEXIST)
-            raise CheckpointExistsError(f"Another save committed {final} first; this one was discarded.") from e
-        return
+            if not overwrite:
+                raise CheckpointExistsError(f"Another save committed {final} first; this one was discarded.") from e
+            _check_target(final, overwrite)  # with overwrite=True, replace it below
     # Replace: swap atomically where the OS can, so a reader always sees a
     # complete checkpoint; else move the old one aside first (it stays complete).
     if exchange(tmp, final):

@@ -7,6 +7,10 @@ import pytest
 from eqxckpt._tree import is_prng_key_dtype
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="run the long fault-injection and fuzz loops")
+
+
 def _bits(x):
     if isinstance(x, jax.Array) and is_prng_key_dtype(x.dtype):
         return ("key", str(jax.random.key_impl(x)), np.asarray(jax.random.key_data(x)))

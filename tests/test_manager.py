@@ -181,3 +181,44 @@ def test_manager_on_s3(s3):
     listing = client.list_objects_v2(Bucket=BUCKET, Prefix="managed/9/")
     assert listing["KeyCount"] == 0
     np.testing.assert_array_equal(again.load(tree(0))["w"], np.full((4, 3), 3.0))
+
+
+def test_loads_never_fail_while_saves_and_deletions_run(tmp_path, monkeypatch):
+    """A reader thread loads the latest step again and again while the manager
+    saves new steps in the background and deletes old ones."""
+    import threading
+
+    import eqxckpt._load as load_module
+
+    real_read = load_module._read
+
+    def slow_read(*args):  # hold each load open long enough for several saves to commit
+        time.sleep(0.02)
+        return real_read(*args)
+
+    monkeypatch.setattr(load_module, "_read", slow_read)
+    big = lambda step: {"w": np.full((256, 1024), float(step), np.float32), "step": step}  # noqa: E731
+    manager = eqxckpt.CheckpointManager(tmp_path, max_to_keep=1)
+    manager.save(0, big(0))
+    manager.wait()
+    stop, results, errors = threading.Event(), [], []
+
+    def reader():
+        while not stop.is_set():
+            try:
+                got = manager.load(big(0))
+                assert (got["w"] == got["step"]).all()  # never a mix of two steps
+                results.append(got["step"])
+            except Exception as e:  # noqa: BLE001 - collected and reported below
+                errors.append(e)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for step in range(1, 40):
+        manager.save(step, big(step))
+    manager.wait()
+    stop.set()
+    thread.join()
+    assert not errors, errors[:3]
+    assert len(results) >= 5 and len(set(results)) > 3
+    assert manager.all_steps() == [39] and sorted(os.listdir(tmp_path)) == ["39"]  # deferred deletions happened

@@ -1,0 +1,109 @@
+"""Fault injection: real writer processes killed with SIGKILL at random moments.
+
+After every kill the previous checkpoint loads bit-exact, the interrupted one is
+complete and exact or refused as incomplete (never partly loaded), and a new save
+to the same place succeeds. ``pytest --slow`` runs ten times more trials.
+"""
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import threading
+
+
+import eqxckpt
+from conftest import assert_trees_equal
+from crash_writer import state
+
+WRITER = pathlib.Path(__file__).with_name("crash_writer.py")
+MODES = ["sync", "async", "manager", "fresh"]
+
+
+def run_and_kill(directory: pathlib.Path, mode: str, delay: float) -> int:
+    """Start a writer, SIGKILL it ``delay`` seconds after its first commit; return the last step it reported."""
+    writer = subprocess.Popen([sys.executable, str(WRITER), str(directory), mode], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    committed = []
+    timer = None
+    try:
+        for line in writer.stdout:
+            committed.append(int(line.split()[1]))
+            if timer is None:
+                timer = threading.Timer(delay, writer.send_signal, (signal.SIGKILL,))
+                timer.start()
+    finally:
+        if timer is not None:
+            timer.join()
+        writer.kill()
+        writer.wait()
+    assert writer.returncode == -signal.SIGKILL and committed, f"{mode}: writer ended on its own"
+    return committed[-1]
+
+
+def expect_step(tree, step):
+    assert tree["step"] == step
+    assert_trees_equal(tree, state(step))
+
+
+def check_after_kill(directory: pathlib.Path, mode: str, last: int) -> str:
+    """The invariants; returns what the kill interrupted, for the tally."""
+    if mode in ("sync", "async"):
+        # Replaced atomically: always one complete checkpoint, the last or the one in flight.
+        mid_save = any(name.startswith(".ckpt.eqxckpt-tmp-") for name in os.listdir(directory))
+        found = eqxckpt.load(directory / "ckpt", state(0))["step"]
+        assert found in (last, last + 1), (found, last)
+        expect_step(eqxckpt.load(directory / "ckpt", state(0)), found)
+        eqxckpt.save(directory / "ckpt", state(10**5), overwrite=True)
+        expect_step(eqxckpt.load(directory / "ckpt", state(0)), 10**5)
+        return ("in-flight save committed" if found == last + 1 else "previous kept") + (" (killed mid-write)" if mid_save else "")
+    if mode == "manager":
+        manager = eqxckpt.CheckpointManager(directory / "run", max_to_keep=2)
+        steps = manager.all_steps()
+        assert steps and steps[-1] in (last, last + 1) and set(steps) <= {last - 1, last, last + 1}, (steps, last)
+        for step in steps:
+            expect_step(manager.load(state(0), step=step), step)
+        assert all(name.isdigit() for name in os.listdir(directory / "run"))  # leftovers cleaned on open
+        manager.save(steps[-1] + 1, state(steps[-1] + 1))
+        manager.wait()
+        expect_step(manager.load(state(0)), steps[-1] + 1)
+        return "in-flight save committed" if steps[-1] == last + 1 else "previous kept"
+    # fresh paths: every reported one is complete; the interrupted one is all or nothing
+    for step in range(1, last + 1):
+        expect_step(eqxckpt.load(directory / f"ckpt_{step}", state(0)), step)
+    interrupted = directory / f"ckpt_{last + 1}"
+    try:
+        expect_step(eqxckpt.load(interrupted, state(0)), last + 1)
+        outcome = "in-flight save committed"
+    except (eqxckpt.IncompleteCheckpointError, eqxckpt.CheckpointNotFoundError):
+        outcome = "interrupted save refused"
+    eqxckpt.save(interrupted, state(last + 1), overwrite=True)
+    expect_step(eqxckpt.load(interrupted, state(0)), last + 1)
+    return outcome
+
+
+def test_kill_writers_at_random_moments(tmp_path, request):
+    trials = 500 if request.config.getoption("--slow") else 52
+    rng = random.Random()
+    seed = rng.randrange(10**9)
+    rng.seed(seed)
+    plan = [(i, MODES[i % len(MODES)], rng.uniform(0.0, 0.6)) for i in range(trials)]
+
+    def trial(args):
+        i, mode, delay = args
+        directory = tmp_path / f"trial{i}"
+        last = run_and_kill(directory, mode, delay)
+        return mode, check_after_kill(directory, mode, last)
+
+    tally: dict = {}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for mode, outcome in pool.map(trial, plan):
+            tally.setdefault(mode, {}).setdefault(outcome, 0)
+            tally[mode][outcome] += 1
+    summary = {"seed": seed, "trials": trials, "all correct": True, "outcomes": tally}
+    print("crash trials:", json.dumps(summary))
+    assert sum(sum(v.values()) for v in tally.values()) == trials
