@@ -11,11 +11,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
-	$(PIP) -e ".[test]"
+	$(PIP) -e ".[test,tf]"
 	touch $@
 
 $(VENV)/.bench-installed: pyproject.toml | $(BIN)/python
-	$(PIP) -e ".[test,bench]"
+	$(PIP) -e ".[test,tf,bench]"
 	touch $@
 
 demo: $(VENV)/.test-installed

@@ -1,0 +1,17 @@
+"""T5 in Equinox, and an importer for Mesh TensorFlow checkpoints.
+
+The model needs only JAX and Equinox; reading TensorFlow checkpoints needs
+TensorFlow (``pip install 'eqxckpt[tf]'``), imported only when you do.
+
+```python
+import eqxckpt.t5
+model = eqxckpt.t5.load_tf("t5_v1_1_tiny", dtype=jnp.float32)
+logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=attention_mask)
+```
+"""
+
+from ._config import T5Config as T5Config
+from ._model import T5 as T5, relative_position_bucket as relative_position_bucket
+from ._tf import convert_tf as convert_tf, load_tf as load_tf
+
+__all__ = ["T5", "T5Config", "convert_tf", "load_tf", "relative_position_bucket"]

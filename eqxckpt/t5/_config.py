@@ -1,0 +1,145 @@
+"""`T5Config`: T5 hyperparameters under HuggingFace's names, from JSON or gin."""
+
+import dataclasses
+import json
+import pathlib
+import re
+from typing import Any
+
+from .._errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+    """T5 hyperparameters, named as in HuggingFace's ``config.json``.
+
+    ```python
+    config = T5Config.from_dict(json.load(open("config.json")))
+    config = T5Config.from_gin("operative_config.gin")
+    ```
+    """
+
+    vocab_size: int = 32128
+    d_model: int = 512
+    d_kv: int = 64
+    d_ff: int = 2048
+    num_layers: int = 6
+    num_decoder_layers: int | None = None
+    num_heads: int = 8
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    layer_norm_epsilon: float = 1e-6
+    feed_forward_proj: str = "relu"
+    tie_word_embeddings: bool = True
+    # Not a HuggingFace field: some Mesh TensorFlow runs give every block its own
+    # relative attention bias instead of sharing block 0's.
+    relative_attention_per_layer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.feed_forward_proj not in ("relu", "gated-gelu"):
+            raise CheckpointError(f"feed_forward_proj must be 'relu' or 'gated-gelu', got {self.feed_forward_proj!r}.")
+        if self.num_decoder_layers is None:
+            object.__setattr__(self, "num_decoder_layers", self.num_layers)
+
+    @property
+    def gated(self) -> bool:
+        return self.feed_forward_proj == "gated-gelu"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "T5Config":
+        """From a HuggingFace ``config.json`` dict; keys it does not use are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in d.items() if k in names}
+        if values.get("feed_forward_proj") == "gated-gelu" or d.get("is_gated_act") and "gelu" in str(d.get("dense_act_fn")):
+            values["feed_forward_proj"] = "gated-gelu"
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: Any) -> "T5Config":
+        """From a ``config.json`` file (the dict itself, or under ``hf_t5_config``)."""
+        d = json.loads(pathlib.Path(path).read_text())
+        return cls.from_dict(d.get("hf_t5_config", d))
+
+    @classmethod
+    def from_gin(cls, path: Any, **overrides: Any) -> "T5Config":
+        """From a Mesh TensorFlow ``operative_config.gin`` (parsed, never executed).
+
+        The vocabulary size is not in gin files: pass ``vocab_size=`` or let
+        `load_tf` read it from the embedding's shape.
+        """
+        bindings = parse_gin(pathlib.Path(path).read_text())
+
+        values: dict[str, Any] = {}
+        for field, keys in {
+            "d_model": ("d_model", "Unitransformer.d_model"),
+            "d_kv": ("d_kv", "SelfAttention.key_value_size"),
+            "d_ff": ("d_ff", "DenseReluDense.hidden_size"),
+            "num_heads": ("num_heads", "SelfAttention.num_heads"),
+            "num_layers": ("num_layers", "encoder/make_layer_stack.num_layers"),
+            "num_decoder_layers": ("decoder/make_layer_stack.num_layers",),
+            "relative_attention_num_buckets": ("SelfAttention.relative_attention_num_buckets",),
+            "relative_attention_max_distance": ("SelfAttention.relative_attention_max_distance",),
+            "layer_norm_epsilon": ("sublayer_rms_norm.epsilon", "layer_norm.epsilon"),
+        }.items():
+            value = _lookup(bindings, keys)
+            if value is not None:
+                values[field] = value
+        activation = _lookup(bindings, ("DenseReluDense.activation",))
+        if activation is not None:
+            values["feed_forward_proj"] = "gated-gelu" if "gelu" in str(activation) else "relu"
+        tied = _lookup(bindings, ("Unitransformer.shared_embedding_and_softmax_weights",))
+        if tied is not None:
+            values["tie_word_embeddings"] = bool(tied)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _lookup(bindings: dict, keys: tuple[str, ...]) -> Any:
+    """The first binding whose name is one of ``keys`` or ends with ``/key``."""
+    for key in keys:
+        for name, value in bindings.items():
+            if name == key or name.endswith("/" + key):
+                return value
+    return None
+
+
+_LITERAL = re.compile(r"^-?\d+$|^-?\d*\.\d*(e-?\d+)?$|^-?\d+e-?\d+$")
+
+
+def parse_gin(text: str) -> dict[str, Any]:
+    """``name = value`` bindings of a gin file, values as Python literals; ``%macro``
+    references resolved. Only literals are understood (no code is run)."""
+    raw: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        stripped = line.split("#", 1)[0].rstrip()
+        if not stripped.strip() or stripped.startswith(("import ", "from ")):
+            continue
+        if line[:1].isspace() and current is not None:
+            raw[current] += " " + stripped.strip()  # continuation of a multi-line value
+            continue
+        name, sep, value = stripped.partition("=")
+        if sep:
+            current = name.strip()
+            raw[current] = value.strip()
+    values = {name: _literal(value) for name, value in raw.items()}
+    for name, value in values.items():
+        if isinstance(value, str) and value.startswith("%"):
+            values[name] = values.get(value[1:])
+    return values
+
+
+def _literal(text: str) -> Any:
+    text = text.strip()
+    if text in ("True", "False", "None"):
+        return {"True": True, "False": False, "None": None}[text]
+    if _LITERAL.match(text):
+        return float(text) if any(c in text for c in ".e") else int(text)
+    if text[:1] in "'\"" and text[-1:] == text[:1]:
+        return text[1:-1]
+    if text.startswith("[") and text.endswith("]"):
+        return [_literal(part) for part in text[1:-1].split(",") if part.strip()]
+    return text  # a reference (@fn, %macro) or something this parser does not need

@@ -1,0 +1,202 @@
+"""An Equinox T5 encoder-decoder (v1.0 and v1.1), one example at a time.
+
+Weights keep Mesh TensorFlow's layout (``x @ kernel``), so a checkpoint maps
+onto the modules without transposes.
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._config import T5Config
+
+
+def relative_position_bucket(
+    relative_position: Int[Array, "..."], *, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128
+) -> Int[Array, "..."]:
+    """T5's bucket of each ``key_position - query_position``.
+
+    ```python
+    relative_position_bucket(jnp.arange(-3, 4), bidirectional=True)
+    ```
+    """
+    relative_position = jnp.asarray(relative_position, jnp.int32)
+    bucket = jnp.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (relative_position > 0).astype(jnp.int32) * num_buckets
+        n = jnp.abs(relative_position)
+    else:
+        n = jnp.maximum(-relative_position, 0)
+    max_exact = num_buckets // 2
+    # The log is taken in float32, as in the original, so buckets match exactly.
+    scaled = jnp.log(jnp.maximum(n, 1).astype(jnp.float32) / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (scaled * (num_buckets - max_exact)).astype(jnp.int32)
+    large = jnp.minimum(large, num_buckets - 1)
+    return bucket + jnp.where(n < max_exact, n, large)
+
+
+class RMSNorm(eqx.Module):
+    scale: Float[Array, " d_model"]
+    eps: float = eqx.field(static=True)
+
+    def __call__(self, x: Float[Array, "... d_model"]) -> Float[Array, "... d_model"]:
+        # As the reference does: the variance and its rsqrt in float32 whatever
+        # the activations' dtype, applied in the wider of the two dtypes.
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        variance = jnp.mean(jnp.square(x.astype(wide)), axis=-1, keepdims=True)
+        normed = x.astype(wide) * jax.lax.rsqrt(variance + self.eps).astype(wide)
+        return normed.astype(self.scale.dtype) * self.scale
+
+
+class Attention(eqx.Module):
+    q: Float[Array, "d_model inner"]
+    k: Float[Array, "d_model inner"]
+    v: Float[Array, "d_model inner"]
+    o: Float[Array, "inner d_model"]
+    num_heads: int = eqx.field(static=True)
+
+    def __call__(self, x: Array, memory: Array, bias: Float[Array, "heads q k"]) -> Array:
+        heads = self.num_heads
+        q = (x @ self.q).reshape(x.shape[0], heads, -1)
+        k = (memory @ self.k).reshape(memory.shape[0], heads, -1)
+        v = (memory @ self.v).reshape(memory.shape[0], heads, -1)
+        scores = jnp.einsum("qhd,khd->hqk", q, k) + bias  # T5 does not scale by 1/sqrt(d_kv)
+        weights = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), axis=-1).astype(v.dtype)
+        return jnp.einsum("hqk,khd->qhd", weights, v).reshape(x.shape[0], -1) @ self.o
+
+
+class FeedForward(eqx.Module):
+    wi_0: Float[Array, "d_model d_ff"]
+    wi_1: Float[Array, "d_model d_ff"] | None  # the gate of v1.1's gated GELU; None in v1.0
+    wo: Float[Array, "d_ff d_model"]
+
+    def __call__(self, x: Array) -> Array:
+        if self.wi_1 is None:
+            return jax.nn.relu(x @ self.wi_0) @ self.wo
+        return (jax.nn.gelu(x @ self.wi_0, approximate=True) * (x @ self.wi_1)) @ self.wo
+
+
+class Block(eqx.Module):
+    relative_attention_bias: Float[Array, "heads buckets"] | None  # only with per-layer biases
+    self_attention_norm: RMSNorm
+    self_attention: Attention
+    cross_attention_norm: RMSNorm | None  # decoder blocks only
+    cross_attention: Attention | None
+    feed_forward_norm: RMSNorm
+    feed_forward: FeedForward
+
+    def __call__(self, x, self_bias, memory=None, cross_bias=None):
+        h = self.self_attention_norm(x)
+        x = x + self.self_attention(h, h, self_bias)
+        if self.cross_attention is not None:
+            x = x + self.cross_attention(self.cross_attention_norm(x), memory, cross_bias)
+        return x + self.feed_forward(self.feed_forward_norm(x))
+
+
+class Stack(eqx.Module):
+    blocks: list[Block]
+    relative_attention_bias: Float[Array, "heads buckets"] | None  # shared by every block (None: per block)
+    final_norm: RMSNorm
+    causal: bool = eqx.field(static=True)
+    max_distance: int = eqx.field(static=True)
+
+    def position_bias(self, table: Array, length: int) -> Array:
+        """``[heads, q, k]`` biases of ``table`` for a sequence attending to itself."""
+        relative = jnp.arange(length)[None, :] - jnp.arange(length)[:, None]  # key - query
+        buckets = relative_position_bucket(relative, bidirectional=not self.causal, num_buckets=table.shape[1],
+                                           max_distance=self.max_distance)
+        return table[:, buckets]
+
+    def __call__(self, x, self_mask, memory=None, cross_mask=None):
+        mask = _mask_bias(self_mask, x.dtype)
+        shared = None if self.relative_attention_bias is None else self.position_bias(self.relative_attention_bias, x.shape[0]) + mask
+        cross_bias = None if memory is None else _mask_bias(cross_mask, x.dtype)
+        for block in self.blocks:
+            own = block.relative_attention_bias
+            self_bias = shared if own is None else self.position_bias(own, x.shape[0]) + mask
+            x = block(x, self_bias, memory, cross_bias)
+        return self.final_norm(x)
+
+
+def _mask_bias(mask: Array, dtype) -> Array:
+    """0 where attention is allowed, the most negative number where it is not."""
+    return jnp.where(mask, 0.0, jnp.finfo(jnp.promote_types(dtype, jnp.float32)).min).astype(
+        jnp.promote_types(dtype, jnp.float32))
+
+
+class T5(eqx.Module):
+    """T5 encoder-decoder on one example; `jax.vmap` it over a batch.
+
+    ```python
+    model = T5(T5Config(vocab_size=512, d_model=32, num_heads=2, d_ff=64, num_layers=2), key=jax.random.key(0))
+    logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=mask)
+    ```
+    """
+
+    shared: Float[Array, "vocab d_model"]
+    encoder: Stack
+    decoder: Stack
+    logits_kernel: Float[Array, "d_model vocab"] | None  # None: tied to `shared` (v1.0)
+    config: T5Config = eqx.field(static=True)
+
+    def __init__(self, config: T5Config, *, key: jax.Array, dtype=jnp.float32):
+        keys = iter(jax.random.split(key, 64 + 16 * (config.num_layers + config.num_decoder_layers)))
+        inner = config.num_heads * config.d_kv
+
+        def normal(shape, scale=1.0):
+            return (jax.random.normal(next(keys), shape) * scale).astype(dtype)
+
+        def norm():
+            return RMSNorm(jnp.ones(config.d_model, dtype), config.layer_norm_epsilon)
+
+        def attention():
+            d = config.d_model
+            return Attention(normal((d, inner), d**-0.5), normal((d, inner), d**-0.5), normal((d, inner), d**-0.5),
+                             normal((inner, d), inner**-0.5), config.num_heads)
+
+        def block(cross: bool) -> Block:
+            d, f = config.d_model, config.d_ff
+            ffn = FeedForward(normal((d, f), d**-0.5), normal((d, f), d**-0.5) if config.gated else None, normal((f, d), f**-0.5))
+            own = bias() if config.relative_attention_per_layer else None
+            return Block(own, norm(), attention(), norm() if cross else None, attention() if cross else None, norm(), ffn)
+
+        def bias():
+            return normal((config.num_heads, config.relative_attention_num_buckets), 0.1)
+
+        def stack(layers: int, causal: bool) -> Stack:
+            shared = None if config.relative_attention_per_layer else bias()
+            return Stack([block(causal) for _ in range(layers)], shared, norm(), causal, config.relative_attention_max_distance)
+
+        self.config = config
+        self.shared = normal((config.vocab_size, config.d_model))
+        self.encoder = stack(config.num_layers, causal=False)
+        self.decoder = stack(config.num_decoder_layers, causal=True)
+        self.logits_kernel = None if config.tie_word_embeddings else normal((config.d_model, config.vocab_size), config.d_model**-0.5)
+
+    def encode(self, input_ids: Int[Array, " seq"], *, attention_mask: Int[Array, " seq"] | None = None) -> Array:
+        """Encoder output after its final norm: ``[seq, d_model]``."""
+        mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
+        return self.encoder(self.shared[input_ids], mask[None, :])
+
+    def decode(self, decoder_input_ids: Int[Array, " dec"], memory: Array, attention_mask: Array | None = None) -> Array:
+        """Logits ``[dec, vocab]`` given the encoder output ``memory``."""
+        length = decoder_input_ids.shape[0]
+        causal = jnp.tril(jnp.ones((length, length), bool))
+        cross = jnp.ones((1, memory.shape[0]), bool) if attention_mask is None else attention_mask.astype(bool)[None, :]
+        h = self.decoder(self.shared[decoder_input_ids], causal, memory, cross)
+        if self.logits_kernel is None:
+            return (h * self.config.d_model**-0.5) @ self.shared.T
+        return h @ self.logits_kernel
+
+    def __call__(
+        self,
+        input_ids: Int[Array, " seq"],
+        decoder_input_ids: Int[Array, " dec"],
+        *,
+        attention_mask: Int[Array, " seq"] | None = None,
+    ) -> Float[Array, "dec vocab"]:
+        return self.decode(decoder_input_ids, self.encode(input_ids, attention_mask=attention_mask), attention_mask)
