@@ -45,7 +45,7 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 @pytest.fixture(scope="session")
 def s3():
     """A moto S3 server on a free loopback port, with one bucket; stopped afterwards."""
-    boto3 = pytest.importorskip("boto3")
+    import boto3
     from moto.server import ThreadedMotoServer
 
     saved = {k: os.environ.get(k) for k in CREDENTIALS}
