@@ -87,6 +87,23 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _import_t5(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+    from rich.progress import Progress
+
+    from .t5 import convert_tf
+    from .t5._tf import open_tf
+
+    total = len(open_tf(args.src))  # each variable is read once
+    with Progress(transient=True) as progress:
+        task = progress.add_task("importing T5", total=total)
+        config = convert_tf(args.src, args.out, args.config, dtype=getattr(jnp, args.dtype) if args.dtype else None,
+                            overwrite=args.overwrite, progress=lambda name: progress.update(task, advance=1, description=name))
+    print(f"wrote {args.out}: T5 {config.num_layers}+{config.num_decoder_layers} layers, d_model {config.d_model}, "
+          f"vocab {config.vocab_size}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``eqxckpt`` / ``python -m eqxckpt``.
 
@@ -103,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("verify", help="read every chunk and check it against the manifest; exit 1 if damaged")
     check.add_argument("path", help="checkpoint directory, URL or kvstore spec as JSON")
     check.set_defaults(run=_verify)
+    t5 = sub.add_parser("import-t5", help="convert a Mesh TensorFlow T5 checkpoint to an eqxckpt checkpoint")
+    t5.add_argument("src", help="TF checkpoint directory or prefix")
+    t5.add_argument("out", help="where to write the eqxckpt checkpoint")
+    t5.add_argument("--config", default=None, help="config.json or operative_config.gin (default: inferred)")
+    t5.add_argument("--dtype", default=None, help="cast floating weights, e.g. float32")
+    t5.add_argument("--overwrite", action="store_true")
+    t5.set_defaults(run=_import_t5)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -89,3 +89,13 @@ except Exception as e:
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "CheckpointError" in result.stdout and "pip install 'eqxckpt[tf]'" in result.stdout, result.stdout + result.stderr
+
+
+def test_import_t5_command_round_trip(tmp_path, model32):
+    result = subprocess.run([sys.executable, "-m", "eqxckpt", "import-t5", str(FIXTURE), str(tmp_path / "t5"),
+                             "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wrote" in result.stdout and "vocab 512" in result.stdout
+    config = t5.T5Config(**eqxckpt.open(tmp_path / "t5").metadata["t5_config"])
+    loaded = eqxckpt.load(tmp_path / "t5", lambda: t5.T5(config, key=jax.random.key(0)), at="params")
+    np.testing.assert_array_equal(run(loaded)[1], run(model32)[1])

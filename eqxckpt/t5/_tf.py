@@ -278,7 +278,11 @@ def convert_tf(path: Any, out: Any, config: T5Config | dict | str | None = None,
             if progress is not None:
                 progress(variable.name)
             slots[key[len("adafactor/"):]] = variable.get()
-    step = int(translated["step"].get()) if "step" in translated else 0
+    step = 0
+    if "step" in translated:
+        if progress is not None:
+            progress(translated["step"].name)
+        step = int(translated["step"].get())
     tree = {"params": model, "step": step, "adafactor": _nest(slots)}
     save(out, tree, metadata={"t5_config": config.to_dict(), "source": str(path)}, overwrite=overwrite)
     return config
