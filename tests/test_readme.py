@@ -2,6 +2,7 @@
 
 import pathlib
 import re
+import shutil
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
@@ -15,6 +16,7 @@ def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys, s3):
     endpoint, client = s3
     client.create_bucket(Bucket="my-bucket")
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)  # the README's s3:// example goes to moto
+    shutil.copytree(README.parent / "tests" / "fixtures" / "t5_v1_1_tiny", tmp_path / "t5_v1_1_tiny")
     blocks = python_blocks()
     assert len(blocks) >= 5
     namespace: dict = {}
@@ -24,6 +26,7 @@ def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys, s3):
     assert "missing from the checkpoint" in out and "(32, 2) float32 256" in out
     assert (tmp_path / "ckpt/step_10/eqxckpt.json").exists()
     assert (tmp_path / "ckpt/step_20/eqxckpt.json").exists()
+    assert "(2, 3, 512)" in out and (tmp_path / "t5_eqx/eqxckpt.json").exists()
     assert "[0, 10, 15, 20] best: 20" in out and sorted(p.name for p in (tmp_path / "run").iterdir()) == ["0", "10", "15", "20"]
     assert "NamedSharding" in out and "['model/layers/0/weight', 'model/layers/0/bias']" in out
     assert client.get_object(Bucket="my-bucket", Key="run/step_20/eqxckpt.json")["ContentLength"] > 0
