@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ._errors import CorruptCheckpointError
+from ._errors import CheckpointError, CorruptCheckpointError, ManifestError
 from ._manifest import LeafRecord, Manifest, read_manifest, scalar_from_json
 from ._paths import depth, normalize_at, relative_to
 from ._store import Location, shared_context, read_spec, resolve
@@ -186,7 +186,7 @@ def reading(record: LeafRecord):
     """Any failure while reading ``record`` becomes a `CorruptCheckpointError` naming it."""
     try:
         yield
-    except CorruptCheckpointError:
+    except CheckpointError:  # already says what is wrong
         raise
     except Exception as e:
         raise corrupt(record, e) from None
@@ -204,12 +204,22 @@ def corrupt(record: LeafRecord, error: Exception) -> CorruptCheckpointError:
 @functools.cache
 def key_dtype(impl: str) -> Any:
     """The dtype of typed PRNG keys of ``impl`` (``key<fry>`` for threefry2x32)."""
-    return jax.random.key(0, impl=impl).dtype
+    try:
+        return jax.random.key(0, impl=impl).dtype
+    except ValueError:
+        raise ManifestError(f"The manifest names a PRNG implementation this JAX does not know: {impl!r}.") from None
 
 
 def wrap_prng(record: LeafRecord, data: Any) -> jax.Array:
     """Typed PRNG keys are stored as key data; turn them back into keys."""
-    return jax.random.wrap_key_data(data, impl=record.impl)
+    key_dtype(record.impl)  # a clear error for an unknown implementation
+    try:
+        return jax.random.wrap_key_data(data, impl=record.impl)
+    except (ValueError, TypeError) as e:
+        raise CorruptCheckpointError(
+            f"Leaf {record.path!r}: its stored key data {data.shape} does not fit PRNG implementation "
+            f"{record.impl!r} ({e}). The checkpoint is damaged or was edited."
+        ) from None
 
 
 class LazyArray:

@@ -4,7 +4,7 @@ import dataclasses
 import os
 from typing import Any
 
-from ._checkpoint import Checkpoint, open as open_checkpoint, reading
+from ._checkpoint import Checkpoint, key_dtype, open as open_checkpoint, reading
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._manifest import LeafRecord
 from ._paths import MANIFEST_NAME
@@ -69,6 +69,8 @@ def verify(path: Any) -> VerifyReport:
 
 
 def _check_leaf(checkpoint: Checkpoint, record: LeafRecord) -> None:
+    if record.kind == "prng_key":
+        key_dtype(record.impl)  # an implementation this JAX knows
     with reading(record):
         store = checkpoint.checked(record, checkpoint.open_array(record))
         codecs = [c.get("name") for c in store.spec().to_json()["metadata"].get("codecs", [])]

@@ -231,3 +231,13 @@ def test_leaves_must_describe_one_tree(world):
     (ckpt / "eqxckpt.json").write_text(json.dumps(doc))
     with pytest.raises(eqxckpt.ManifestError, match="inconsistent at 'a'"):
         eqxckpt.load(ckpt)
+
+
+def test_unknown_prng_implementation_is_a_manifest_error(world):
+    """Found by the end-to-end fuzz: an unknown impl name used to escape as a ValueError."""
+    _, ckpt, _ = world
+    eqxckpt.save(ckpt, {"k": __import__("jax").random.key(0)}, overwrite=True)
+    rewrite_manifest(ckpt, lambda doc: doc["leaves"][0].update(impl="w"))
+    outcomes = every_reader(ckpt)
+    assert isinstance(outcomes["load"], eqxckpt.ManifestError) and "'w'" in str(outcomes["load"])
+    assert not outcomes["verify"].ok
