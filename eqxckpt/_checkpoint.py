@@ -15,7 +15,7 @@ import tensorstore as ts
 from ._errors import CheckpointError, CorruptCheckpointError, ManifestError
 from ._manifest import LeafRecord, Manifest, read_manifest, scalar_from_json
 from ._paths import depth, normalize_at, relative_to
-from ._store import Location, shared_context, read_spec, resolve
+from ._store import Location, read_spec, reason, resolve, shared_context
 
 
 class Checkpoint:
@@ -148,10 +148,7 @@ def stored_bytes(root: pathlib.Path, record: LeafRecord) -> int:
         try:
             mode = os.lstat(where).st_mode
         except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"Leaf {record.path!r} is missing on disk ({where} does not exist). Restore the checkpoint "
-                "from a copy or load an earlier one."
-            ) from None
+            raise corrupt(record, f"{where} does not exist") from None
         if not stat.S_ISDIR(mode):
             raise _unsafe(record, where)
     total = 0
@@ -166,11 +163,8 @@ def stored_bytes(root: pathlib.Path, record: LeafRecord) -> int:
                 else:
                     raise _unsafe(record, pathlib.Path(entry.path))
     if total < record.nbytes:
-        raise CorruptCheckpointError(
-            f"Leaf {record.path!r} is corrupt or missing on disk: the manifest declares {record.nbytes} bytes "
-            f"({record.dtype}{list(record.data_shape)}) but its files hold only {total}. Restore the checkpoint "
-            "from a copy or load an earlier one."
-        )
+        raise corrupt(record, f"the manifest declares {record.nbytes} bytes ({record.dtype}"
+                              f"{list(record.data_shape)}) but its files hold only {total}")
     return total
 
 
@@ -192,11 +186,10 @@ def reading(record: LeafRecord):
         raise corrupt(record, e) from None
 
 
-def corrupt(record: LeafRecord, error: Exception) -> CorruptCheckpointError:
+def corrupt(record: LeafRecord, error: BaseException | str) -> CorruptCheckpointError:
     """The error for a leaf whose stored data cannot be read back intact."""
-    reason = str(error).split(" [tensorstore_spec=")[0]  # the spec dump is noise here
     return CorruptCheckpointError(
-        f"Leaf {record.path!r} is corrupt or missing on disk: {reason}. Restore the checkpoint "
+        f"Leaf {record.path!r} is corrupt or missing on disk: {reason(error)}. Restore the checkpoint "
         "from a copy or load an earlier one; `eqxckpt inspect` still shows what it held."
     )
 

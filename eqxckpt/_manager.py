@@ -6,24 +6,21 @@ import os
 import re
 import shutil
 import threading
-import uuid
 from typing import Any
 
 import jax
-import tensorstore as ts
 
 from ._checkpoint import open as open_checkpoint
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from ._load import load
 from ._manifest import float_from_json, float_to_json
 from ._paths import MANIFEST_NAME
-from ._save import SaveHandle, _background, _is_array_key, save, track
-from ._store import fsync_path, resolve, shared_context
+from ._save import SaveHandle, _background, save, track
+from ._store import delete_checkpoint, fsync_path, hidden_owner, hidden_sibling, is_array_key, resolve
 
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
 MANAGER_KEY = "eqxckpt.manager"
 
-_LEFTOVER = re.compile(r"^\.(\d+)\.eqxckpt-(tmp|old|deleting)-[0-9a-f]+$")
 _STEP_MANIFEST = re.compile(r"^(\d+)/" + re.escape(MANIFEST_NAME) + "$")
 
 
@@ -102,16 +99,13 @@ class CheckpointManager:
             return self.location.local / str(step)
         return self.location.child(str(step))
 
-    def _kvstore(self) -> ts.KvStore:
-        return ts.KvStore.open(self.location.kvstore, context=shared_context()).result()
-
     def _list_committed(self) -> list[int]:
         local = self.location.local
         if local is not None:
             if not local.is_dir():
                 return []
             return sorted(int(p.name) for p in local.iterdir() if p.name.isdigit() and (p / MANIFEST_NAME).is_file())
-        keys = (k.decode("utf-8", "replace") for k in self._kvstore().list().result())
+        keys = (k.decode("utf-8", "replace") for k in self.location.open_kvstore().list().result())
         return sorted(int(m.group(1)) for k in keys if (m := _STEP_MANIFEST.match(k)))
 
     def _clean_leftovers(self) -> None:
@@ -120,10 +114,11 @@ class CheckpointManager:
         if local is not None:
             if local.is_dir():
                 for entry in local.iterdir():
-                    if _LEFTOVER.match(entry.name) and entry.is_dir():
+                    owner = hidden_owner(entry.name)
+                    if owner is not None and owner.isdigit() and entry.is_dir():
                         shutil.rmtree(entry, ignore_errors=True)
             return
-        store = self._kvstore()
+        store = self.location.open_kvstore()
         by_step: dict[str, list[bytes]] = {}
         for key in store.list().result():
             head, sep, rest = key.decode("utf-8", "replace").partition("/")
@@ -131,8 +126,8 @@ class CheckpointManager:
                 by_step.setdefault(head, []).append(rest.encode())
         for head, keys in by_step.items():
             uncommitted = MANIFEST_NAME.encode() not in keys
-            if uncommitted and all(_is_array_key(k) for k in keys):
-                store.delete_range(ts.KvStore.KeyRange(head + "/", head + "0")).result()  # "0" follows "/"
+            if uncommitted and all(is_array_key(k) for k in keys):
+                delete_checkpoint(store, head + "/")
 
     def _read_metrics(self, step: int) -> dict:
         record = open_checkpoint(self._step_location(step)).metadata.get(MANAGER_KEY, {})
@@ -226,14 +221,12 @@ class CheckpointManager:
         """Uncommit first (rename away / drop the manifest), then remove the data."""
         local = self.location.local
         if local is not None:
-            aside = local / f".{step}.eqxckpt-deleting-{uuid.uuid4().hex[:12]}"
+            aside = hidden_sibling(local / str(step), "deleting")
             os.rename(local / str(step), aside)
             fsync_path(local)
             shutil.rmtree(aside, ignore_errors=True)
             return
-        store = self._kvstore()
-        store.delete_range(ts.KvStore.KeyRange(f"{step}/{MANIFEST_NAME}", f"{step}/{MANIFEST_NAME}\0")).result()
-        store.delete_range(ts.KvStore.KeyRange(f"{step}/", f"{step}0")).result()
+        delete_checkpoint(self.location.open_kvstore(), f"{step}/")
 
     def wait(self) -> None:
         """Block until the save in flight (and its retention) is done; raise its error."""

@@ -14,11 +14,10 @@ import time
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from ._errors import CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
 from ._paths import MANIFEST_NAME, record_segment, validate_path
-from ._store import STORED_DTYPES, Location, shared_context
+from ._store import STORED_DTYPES, Location, hidden_owner
 
 FORMAT = "eqxckpt"
 VERSION = 1
@@ -308,14 +307,15 @@ def read_manifest(location: Location) -> Manifest:
                     "checkpoint, or save again to this path with overwrite=True."
                 ) from None
             return parse_manifest(raw, str(local))
-        pending = sorted(local.parent.glob(f".{local.name}.eqxckpt-tmp-*")) if local.parent.is_dir() else []
+        siblings = sorted(local.parent.iterdir()) if local.parent.is_dir() else []
+        pending = [p for p in siblings if hidden_owner(p.name, "tmp") == local.name]
         if pending:
             raise IncompleteCheckpointError(
                 f"No checkpoint at {local}: a save to it was interrupted before it committed "
                 f"(left {pending[0].name}). Load an earlier checkpoint."
             )
         raise CheckpointNotFoundError(f"No checkpoint at {local}: the path does not exist.")
-    store = ts.KvStore.open(location.kvstore, context=shared_context()).result()
+    store = location.open_kvstore()
     result = store.read(MANIFEST_NAME).result()
     if result.state == "value":
         return parse_manifest(bytes(result.value), str(location))

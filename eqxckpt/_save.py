@@ -9,7 +9,6 @@ import pathlib
 import shutil
 import sys
 import threading
-import uuid
 from typing import Any
 
 import jax
@@ -20,7 +19,10 @@ from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from ._manifest import LeafRecord, Manifest, scalar_to_json
 from ._paths import MANIFEST_NAME, key_entry_record
-from ._store import Location, array_spec, check_dtype, exchange, fsync_path, fsync_tree, shared_context, resolve
+from ._store import (
+    Location, array_spec, check_dtype, delete_checkpoint, exchange, fsync_path, fsync_tree, hidden_sibling,
+    is_array_key, reason, resolve, shared_context,
+)
 from ._tree import SCALAR_TYPES, flatten, is_array_like, is_prng_key_dtype, type_name
 
 
@@ -148,7 +150,7 @@ def _snapshot(arrays: list[tuple[LeafRecord, Any]], copy: bool, leader: bool) ->
     private copy where the host buffer aliases the caller's (CPU arrays, numpy),
     so donating or mutating them afterwards cannot change the checkpoint.
     """
-    multiprocess = jax.process_count() > 1
+    multiprocess = is_multiprocess()
     leaves: list[_Leaf] = []
     for record, value in arrays:
         if isinstance(value, jax.Array):
@@ -202,6 +204,12 @@ def _check_target(final: pathlib.Path | None, overwrite: bool) -> None:
         )
 
 
+NOTHING_COMMITTED = (
+    "Nothing was committed and any previous checkpoint at this place is intact; free space or fix "
+    "permissions, then save again."
+)
+
+
 def _open_arrays(target: Location, leaves: list[_Leaf], create: bool) -> list[ts.TensorStore]:
     # Every open is issued before any is awaited: TensorStore runs them concurrently.
     opens = [
@@ -223,11 +231,7 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         try:
             write.result()
         except Exception as e:
-            reason = str(e).split(" [tensorstore_spec=")[0]  # the spec dump is noise here
-            raise CheckpointWriteError(
-                f"Writing leaf {record.path!r} failed: {reason}. Nothing was committed and any previous "
-                "checkpoint at this place is intact; free space or fix permissions, then save again."
-            ) from e
+            raise CheckpointWriteError(f"Writing leaf {record.path!r} failed: {reason(e)}. {NOTHING_COMMITTED}") from e
 
 
 def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
@@ -246,41 +250,32 @@ def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
     if exchange(tmp, final):
         shutil.rmtree(tmp, ignore_errors=True)
         return
-    aside = final.parent / f".{final.name}.eqxckpt-old-{uuid.uuid4().hex[:12]}"
+    aside = hidden_sibling(final, "old")
     os.rename(final, aside)
     os.rename(tmp, final)
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _is_array_key(key: bytes) -> bool:
-    """Whether a key is what a zarr3 array leaves behind (metadata or a chunk)."""
-    parts = key.decode("utf-8", "replace").split("/")
-    return parts[-1] == "zarr.json" or "c" in parts[:-1] or parts[-1] == "c"
-
-
 def _clear_object_store(location: Location, overwrite: bool) -> None:
     """Make an object-store prefix empty for a new save, if that is allowed."""
-    store = ts.KvStore.open(location.kvstore, context=shared_context()).result()
+    store = location.open_kvstore()
     committed = store.read(MANIFEST_NAME).result().state == "value"
     if committed and not overwrite:
         raise CheckpointExistsError(f"A checkpoint already exists at {location}. Pass overwrite=True to replace it.")
     existing = store.list().result()
-    if existing and not committed and not all(_is_array_key(k) for k in existing):
+    if existing and not committed and not all(is_array_key(k) for k in existing):
         raise CheckpointExistsError(
             f"{location} holds data that is not an eqxckpt checkpoint; refusing to replace it. Choose another path."
         )
-    if committed:  # uncommit first, so a reader never sees the old manifest over new arrays
-        store.delete_range(ts.KvStore.KeyRange(MANIFEST_NAME, MANIFEST_NAME + "\0")).result()
-    if existing:  # the old checkpoint's arrays, or an interrupted save's
-        store.delete_range(ts.KvStore.KeyRange()).result()
+    if existing:  # the old checkpoint, or an interrupted save's arrays
+        delete_checkpoint(store)
 
 
 def _publish(location: Location, staging: Location, manifest: Manifest, overwrite: bool) -> None:
     """Write the manifest, then make the checkpoint visible at ``location``."""
     if location.local is None:
         # No rename on object stores: the manifest, written last, is the commit marker.
-        store = ts.KvStore.open(location.kvstore, context=shared_context()).result()
-        store.write(MANIFEST_NAME, manifest.to_bytes()).result()
+        location.open_kvstore().write(MANIFEST_NAME, manifest.to_bytes()).result()
         return
     tmp = staging.local
     with open(tmp / MANIFEST_NAME, "wb") as f:
@@ -310,7 +305,7 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
         else:
             _check_target(location.local, overwrite)
             location.local.parent.mkdir(parents=True, exist_ok=True)
-            tmp = location.local.parent / f".{location.local.name}.eqxckpt-tmp-{uuid.uuid4().hex[:12]}"
+            tmp = hidden_sibling(location.local, "tmp")
             tmp.mkdir()
             staging = location.with_local(tmp)
         created = _open_arrays(staging, leaves, create=True)
@@ -330,10 +325,7 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
-            error = CheckpointWriteError(
-                f"Saving to {location} failed: {e}. Nothing was committed and any previous checkpoint there "
-                "is intact; free space or fix permissions, then save again."
-            )
+            error = CheckpointWriteError(f"Saving to {location} failed: {e}. {NOTHING_COMMITTED}")
             error.errno = e.errno
             raise error from e
         raise

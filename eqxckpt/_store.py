@@ -7,13 +7,15 @@ knows which dtypes are stored natively.
 import dataclasses
 import os
 import pathlib
+import re
+import uuid
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
 from ._errors import CheckpointError
-from ._paths import validate_path
+from ._paths import MANIFEST_NAME, validate_path
 
 # Chunks are bounded so a partial or resharded read touches little more than
 # it needs, and big enough that per-file overhead stays small.
@@ -44,6 +46,10 @@ class Location:
         spec = dict(self.kvstore)
         spec["path"] = spec.get("path", "") + relpath + "/"
         return spec
+
+    def open_kvstore(self) -> ts.KvStore:
+        """The checkpoint's root as an open TensorStore key-value store."""
+        return ts.KvStore.open(self.kvstore, context=shared_context()).result()
 
     def with_local(self, local: pathlib.Path) -> "Location":
         return Location({"driver": "file", "path": str(local) + "/"}, local)
@@ -203,6 +209,11 @@ def read_spec(kvstore: dict) -> dict:
     return {"driver": "zarr3", "kvstore": kvstore, "open": True, "fill_missing_data_reads": False}
 
 
+def reason(error: BaseException | str) -> str:
+    """A TensorStore error's message without the spec dump that follows it."""
+    return str(error).split(" [tensorstore_spec=")[0]
+
+
 def check_dtype(dtype: np.dtype, where: str) -> None:
     if dtype.name not in STORED_DTYPES:
         hint = " Cast it to uint8 first." if dtype.name == "uint4" else ""
@@ -211,7 +222,47 @@ def check_dtype(dtype: np.dtype, where: str) -> None:
         )
 
 
+# --- object stores: no rename, the manifest is the commit marker ----------------------
+
+
+def is_array_key(key: bytes) -> bool:
+    """Whether a key is what a zarr3 array leaves behind (metadata or a chunk)."""
+    parts = key.decode("utf-8", "replace").split("/")
+    return parts[-1] == "zarr.json" or "c" in parts[:-1] or parts[-1] == "c"
+
+
+def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+    # Every key starting with ``prefix`` ("" is every key): "/" + 1 is "0".
+    return ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()
+
+
+def delete_checkpoint(store: ts.KvStore, prefix: str = "") -> None:
+    """Delete an object-store checkpoint under ``prefix`` (``"7/"``, or "" for all):
+    the manifest first, so no reader ever sees it over missing arrays."""
+    manifest = prefix + MANIFEST_NAME
+    store.delete_range(ts.KvStore.KeyRange(manifest, manifest + "\0")).result()
+    store.delete_range(_prefix_range(prefix)).result()
+
+
 # --- local filesystem commit ---------------------------------------------------------
+
+# Hidden siblings of a checkpoint directory: a save being written ("tmp"), an
+# old checkpoint being replaced ("old") or deleted ("deleting"). None is ever
+# loaded; after a crash they are leftovers.
+_HIDDEN_SIBLING = re.compile(r"^\.(.+)\.eqxckpt-(tmp|old|deleting)-[0-9a-f]+$")
+
+
+def hidden_sibling(final: pathlib.Path, purpose: str) -> pathlib.Path:
+    """A fresh hidden name beside ``final`` for ``purpose`` (tmp, old, deleting)."""
+    return final.parent / f".{final.name}.eqxckpt-{purpose}-{uuid.uuid4().hex[:12]}"
+
+
+def hidden_owner(name: str, purpose: str | None = None) -> str | None:
+    """The checkpoint name a hidden sibling belongs to, or None if ``name`` is not one."""
+    match = _HIDDEN_SIBLING.match(name)
+    if match is None or (purpose is not None and match.group(2) != purpose):
+        return None
+    return match.group(1)
 
 
 def fsync_path(path: pathlib.Path) -> None:
