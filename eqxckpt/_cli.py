@@ -92,13 +92,14 @@ def _import_t5(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from .t5 import convert_tf
-    from .t5._tf import open_tf
 
-    total = len(open_tf(args.src))  # each variable is read once
     with Progress(transient=True) as progress:
-        task = progress.add_task("importing T5", total=total)
-        config = convert_tf(args.src, args.out, args.config, dtype=getattr(jnp, args.dtype) if args.dtype else None,
-                            overwrite=args.overwrite, progress=lambda name: progress.update(task, advance=1, description=name))
+        task = progress.add_task("importing T5", total=None)
+        config = convert_tf(
+            args.src, args.out, args.config, dtype=getattr(jnp, args.dtype) if args.dtype else None,
+            overwrite=args.overwrite,
+            progress=lambda name, total: progress.update(task, total=total, advance=1, description=name),
+        )
     print(f"wrote {args.out}: T5 {config.num_layers}+{config.num_decoder_layers} layers, d_model {config.d_model}, "
           f"vocab {config.vocab_size}")
     return 0

@@ -212,34 +212,44 @@ def _cast(value: np.ndarray, dtype: Any) -> np.ndarray:
     return value.astype(dtype) if dtype is not None and floating else value
 
 
+def _read_model(translated: dict[str, TFVariable], config: T5Config, dtype: Any, report: Callable[[str], None]) -> T5:
+    """Check the variables fit ``config``, then read each weight once into the model."""
+    treedef, flat, params = _check_fits(translated, config)
+    leaves = []
+    for leaf_path, _, leaf in flat:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            variable = params[leaf_path]
+            report(variable.name)
+            leaf = jnp.asarray(_cast(variable.get(), dtype))
+        leaves.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _open(path: Any, config: Any, progress: Callable[[str, int], None] | None):
+    """The translated variables, the config, and a per-variable progress reporter."""
+    variables = open_tf(path)
+    config = infer_config(variables, path, config)
+    total = len(variables)
+    return translate(variables, config), config, (lambda name: progress(name, total)) if progress else (lambda name: None)
+
+
 def load_tf(path: Any, config: T5Config | dict | str | None = None, *, dtype: Any = None,
-            progress: Callable[[str], None] | None = None) -> T5:
+            progress: Callable[[str, int], None] | None = None) -> T5:
     """A `T5` from a Mesh TensorFlow checkpoint (directory or prefix).
 
     `config`: a `T5Config`, a HuggingFace config dict, or a path to a
     ``config.json`` / ``operative_config.gin``; None reads the gin file beside
     the checkpoint, else infers the config from the shapes. `dtype` casts the
     floating weights (e.g. ``jnp.float32``; bfloat16 checkpoints stay bfloat16
-    otherwise).
+    otherwise). `progress(name, total)` is called as each variable is read.
 
     ```python
     model = eqxckpt.t5.load_tf("gs-mirror/t5_v1_1_small/model.ckpt-1000000", dtype=jnp.float32)
     logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=mask)
     ```
     """
-    variables = open_tf(path)
-    config = infer_config(variables, path, config)
-    translated = translate(variables, config)
-    treedef, flat, params = _check_fits(translated, config)
-    leaves = []
-    for leaf_path, _, leaf in flat:
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            variable = params[leaf_path]
-            if progress is not None:
-                progress(variable.name)
-            leaf = jnp.asarray(_cast(variable.get(), dtype))
-        leaves.append(leaf)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    translated, config, report = _open(path, config, progress)
+    return _read_model(translated, config, dtype, report)
 
 
 def _nest(flat: dict[str, Any]) -> dict:
@@ -255,7 +265,7 @@ def _nest(flat: dict[str, Any]) -> dict:
 
 
 def convert_tf(path: Any, out: Any, config: T5Config | dict | str | None = None, *, dtype: Any = None,
-               overwrite: bool = False, progress: Callable[[str], None] | None = None) -> T5Config:
+               overwrite: bool = False, progress: Callable[[str, int], None] | None = None) -> T5Config:
     """Write a Mesh TensorFlow T5 checkpoint as an eqxckpt checkpoint.
 
     It holds ``params`` (the `T5` module), ``step`` (``global_step``) and
@@ -267,21 +277,16 @@ def convert_tf(path: Any, out: Any, config: T5Config | dict | str | None = None,
     model = eqxckpt.load("t5_eqx", lambda: T5(config, key=jax.random.key(0)), at="params")
     ```
     """
-    variables = open_tf(path)
-    config = infer_config(variables, path, config)
-    translated = translate(variables, config)
-    _check_fits(translated, config)
-    model = load_tf(path, config, dtype=dtype, progress=progress)
+    translated, config, report = _open(path, config, progress)
+    model = _read_model(translated, config, dtype, report)
     slots = {}
     for key, variable in translated.items():
         if key.startswith("adafactor/"):
-            if progress is not None:
-                progress(variable.name)
+            report(variable.name)
             slots[key[len("adafactor/"):]] = variable.get()
     step = 0
     if "step" in translated:
-        if progress is not None:
-            progress(translated["step"].name)
+        report(translated["step"].name)
         step = int(translated["step"].get())
     tree = {"params": model, "step": step, "adafactor": _nest(slots)}
     save(out, tree, metadata={"t5_config": config.to_dict(), "source": str(path)}, overwrite=overwrite)
