@@ -1,4 +1,8 @@
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -66,3 +70,17 @@ def s3():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def kill_when(script: str, ready, timeout: float = 120) -> None:
+    """Run ``script`` in a fresh interpreter and SIGKILL it as soon as ``ready()``
+    is true: a real writer interrupted at a chosen moment."""
+    writer = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert writer.poll() is None and time.monotonic() < deadline, "the writer ended before it could be killed"
+            time.sleep(0.005)
+        writer.send_signal(signal.SIGKILL)
+    finally:
+        writer.wait()

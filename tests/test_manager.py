@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import eqxckpt
-from conftest import BUCKET, assert_trees_equal
+from conftest import BUCKET, assert_trees_equal, kill_when
 
 TESTS = os.path.dirname(__file__)
 
@@ -95,16 +95,9 @@ manager.wait()
 def test_restart_after_a_killed_save(tmp_path):
     for attempt, leaves in enumerate((64, 160, 320)):
         directory = tmp_path / f"run{attempt}"
-        writer = subprocess.Popen([sys.executable, "-c", KILLED_SAVER.format(directory=str(directory), leaves=leaves)],
-                                  env=dict(os.environ, JAX_PLATFORMS="cpu"))
-        try:  # kill it while step 1 is half written
-            deadline = time.monotonic() + 120
-            while not (directory.is_dir() and any(p.name.startswith(".1.eqxckpt-tmp-") for p in directory.iterdir())):
-                assert writer.poll() is None and time.monotonic() < deadline, "writer ended early"
-                time.sleep(0.005)
-            writer.send_signal(signal.SIGKILL)
-        finally:
-            writer.wait()
+        # killed while step 1 is half written
+        kill_when(KILLED_SAVER.format(directory=str(directory), leaves=leaves),
+                  lambda d=directory: d.is_dir() and any(p.name.startswith(".1.eqxckpt-tmp-") for p in d.iterdir()))
         if not (directory / "1").exists():
             break
     else:

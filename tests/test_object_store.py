@@ -1,11 +1,6 @@
 """save / load / open / inspect against a real S3 API: moto's server on 127.0.0.1."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import equinox as eqx
 import jax
@@ -17,7 +12,7 @@ import eqxckpt
 from eqxckpt._cli import main as cli
 from conftest import assert_trees_equal
 
-from conftest import BUCKET
+from conftest import BUCKET, kill_when
 
 
 def spec(endpoint: str, prefix: str) -> dict:
@@ -95,16 +90,9 @@ def test_save_killed_before_its_manifest_is_refused_as_incomplete(s3):
     for attempt, leaves in enumerate((48, 128, 256)):
         prefix = f"runs/killed{attempt}/"
         where = spec(endpoint, prefix)
-        writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER.format(spec=where, leaves=leaves)],
-                                  env=dict(os.environ, JAX_PLATFORMS="cpu"))
-        try:  # kill it once its arrays exist on the server, before it commits
-            deadline = time.monotonic() + 120
-            while not any(k.endswith("zarr.json") for k in keys(client, prefix)):
-                assert writer.poll() is None and time.monotonic() < deadline, "writer ended before writing"
-                time.sleep(0.01)
-            writer.send_signal(signal.SIGKILL)
-        finally:
-            writer.wait()
+        # killed once its arrays exist on the server, before it commits
+        kill_when(KILLED_WRITER.format(spec=where, leaves=leaves),
+                  lambda: any(k.endswith("zarr.json") for k in keys(client, prefix)))
         if prefix + "eqxckpt.json" not in keys(client, prefix):
             break
     else:
