@@ -25,7 +25,7 @@ test: $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.bench-installed
-	$(BIN)/python benchmarks/bench_save_load.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

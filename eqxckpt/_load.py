@@ -1,5 +1,7 @@
 """`load`: restore a checkpoint, or a subtree of it, into the shape of ``like``."""
 
+import collections
+import math
 import warnings
 from typing import Any
 
@@ -7,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 
 from ._checkpoint import Checkpoint, LazyArray, key_dtype, open, reading, wrap_prng
 from ._errors import CheckpointError, StructureMismatchError
@@ -90,8 +93,44 @@ def _to_target(record: LeafRecord, target: Any, data: np.ndarray) -> Any:
             return data
         if record.array_type == "numpy_scalar":
             return data[()]
-    # device_put, not jnp.asarray: the same one copy, measured ~25% faster on CPU.
+    return adopt(data, sharding)
+
+
+def adopt(data: np.ndarray, sharding: Any = None) -> jax.Array:
+    """``data`` as a jax array; on a CPU device without a copy where possible.
+
+    XLA's CPU client can take over a 64-byte aligned buffer through DLPack, so
+    a restore does not hold every leaf twice; ``data`` must not be used after.
+    Other devices, and dtypes DLPack lacks (bfloat16, float8, int4), take one
+    copy with ``jax.device_put`` (not ``jnp.asarray``: measured ~25% faster).
+    """
+    if sharding is None:
+        device = jax.local_devices()[0] if jax.config.jax_default_device is None else None
+    else:
+        device = next(iter(sharding.device_set)) if len(sharding.device_set) == 1 else None
+    if device is not None and device.platform == "cpu" and data.ctypes.data % 64 == 0 and data.flags.c_contiguous:
+        try:
+            adopted = jax.dlpack.from_dlpack(data, device=device)
+            # Same device: device_put only relabels the sharding, it does not copy.
+            return adopted if sharding is None else jax.device_put(adopted, sharding)
+        except BufferError:  # a dtype DLPack cannot describe
+            pass
     return jax.device_put(data, sharding)
+
+
+# Reads in flight at once are bounded so that a restore peaks near the bytes
+# it restores: TensorStore decodes each chunk in a buffer of its own before
+# copying it into ours. Measured on 512 MiB in 64 leaves: every read at once
+# peaks at +70% of the data, a 64 MiB window at +18%, and is as fast.
+READ_WINDOW_BYTES = 64 << 20
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialised C-order array whose data starts on an ``alignment`` boundary."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _sharded(record: LeafRecord, target: Any) -> bool:
@@ -135,20 +174,39 @@ def _assemble(record: LeafRecord, target: Any, reads: dict) -> jax.Array:
 
 
 def _read(checkpoint: Checkpoint, reads: list[tuple[LeafRecord, Any]]) -> list[Any]:
-    """Read every selected leaf; all opens and reads run concurrently."""
+    """Read every selected leaf: all opens at once, then reads straight into the
+    final buffers, concurrently within `READ_WINDOW_BYTES`."""
     opens = [checkpoint.open_array(record) for record, _ in reads]
     stores = [checkpoint.checked(record, opened) for (record, _), opened in zip(reads, opens)]
-    pending = [
-        _start_slices(record, target, store) if _sharded(record, target) else store.read()
-        for (record, target), store in zip(reads, stores)
-    ]
-    values = []
-    for (record, target), future in zip(reads, pending):
+    values: list[Any] = [None] * len(reads)
+    sharded = {i: _start_slices(record, target, store) for i, ((record, target), store) in enumerate(zip(reads, stores))
+               if _sharded(record, target)}
+    pending: collections.deque = collections.deque()
+    in_flight = 0
+
+    def finish_oldest() -> None:
+        nonlocal in_flight
+        i, buffer, copied = pending.popleft()
+        record, target = reads[i]
         with reading(record):
-            if isinstance(future, dict):
-                values.append(_assemble(record, target, future))
-            else:
-                values.append(_to_target(record, target, future.result()))
+            copied.result()
+            values[i] = _to_target(record, target, buffer)
+        in_flight -= buffer.nbytes
+
+    for i, ((record, _), store) in enumerate(zip(reads, stores)):
+        if i in sharded:
+            continue
+        while pending and in_flight + record.nbytes > READ_WINDOW_BYTES:
+            finish_oldest()
+        # TensorStore copies the leaf into our aligned buffer, which the jax array then adopts.
+        buffer = aligned_empty(record.data_shape, np.dtype(record.dtype))
+        pending.append((i, buffer, ts.array(buffer, copy=False, write=True).write(store)))
+        in_flight += buffer.nbytes
+    while pending:
+        finish_oldest()
+    for i, slices in sharded.items():
+        with reading(reads[i][0]):
+            values[i] = _assemble(reads[i][0], reads[i][1], slices)
     return values
 
 

@@ -20,8 +20,8 @@ from ._errors import CheckpointError, CheckpointExistsError, CheckpointWriteErro
 from ._manifest import LeafRecord, Manifest, scalar_to_json
 from ._paths import MANIFEST_NAME, key_entry_record
 from ._store import (
-    Location, array_spec, check_dtype, delete_checkpoint, exchange, fsync_path, fsync_tree, hidden_sibling,
-    is_array_key, reason, resolve, shared_context,
+    Location, array_spec, check_dtype, delete_checkpoint, exchange, fsync_path, hidden_sibling,
+    is_array_key, reason, resolve, shared_context, sync_filesystem,
 )
 from ._tree import SCALAR_TYPES, flatten, is_array_like, is_prng_key_dtype, type_name
 
@@ -222,8 +222,12 @@ def _open_arrays(target: Location, leaves: list[_Leaf], create: bool) -> list[ts
 
 def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
     # All writes are issued before any is awaited, so they run concurrently.
+    # TensorStore may reference the source buffers instead of copying them
+    # (a blocking save then adds almost nothing to peak memory): nothing
+    # changes them while we wait, since jax arrays are immutable, async saves
+    # write their own snapshot, and a blocking save returns only afterwards.
     writes = [
-        (leaf.record, (store if index is None else store[index]).write(data))
+        (leaf.record, (store if index is None else store[index]).write(data, can_reference_source_data_indefinitely=True))
         for store, leaf in zip(stores, leaves)
         for index, data in leaf.pieces
     ]
@@ -282,7 +286,7 @@ def _publish(location: Location, staging: Location, manifest: Manifest, overwrit
         f.write(manifest.to_bytes())
         f.flush()
         os.fsync(f.fileno())
-    fsync_tree(tmp)
+    fsync_path(tmp)  # the arrays below were synced in the write phase
     _commit(tmp, location.local, overwrite)
     fsync_path(location.local.parent)
 
@@ -318,6 +322,9 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
         def write() -> None:
             mine = leaves if created is not None else [leaf for leaf in leaves if leaf.pieces]
             _write_pieces(created if created is not None else _open_arrays(staging, mine, create=False), mine)
+            if staging.local is not None:
+                # Durable before the commit phase: every process syncs what it wrote.
+                sync_filesystem(staging.local)
 
         run("write", write)
         run("commit", lambda: _publish(location, staging, manifest, overwrite) if leader else None)

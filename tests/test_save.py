@@ -197,9 +197,9 @@ def test_all_writes_are_issued_before_any_is_awaited(tmp_path, monkeypatch):
         def __init__(self, store):
             self.store = store
 
-        def write(self, data):
+        def write(self, data, **options):
             events.append("issue")
-            return Write(self.store.write(data))
+            return Write(self.store.write(data, **options))
 
     class Opened:
         def __init__(self, future):
