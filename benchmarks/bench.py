@@ -8,8 +8,8 @@ same run:
 
 - raw: every leaf's bytes in one file with plain writes and one fsync; read
   back with ``readinto`` into numpy buffers (params-only: just those bytes);
-- eqxckpt: durable ``save``; ``load`` into an ``eqx.filter_eval_shape``
-  skeleton; ``load(at="model")``; ``save(blocking=False)``;
+- eqxckpt: durable ``save``; ``load`` into a skeleton of
+  ``jax.ShapeDtypeStruct`` (what ``eqx.filter_eval_shape`` gives); ``load(at="model")``; ``save(blocking=False)``;
 - orbax default (``StandardCheckpointer``: OCDBT, zstd), orbax uncompressed
   (``PyTreeCheckpointer(use_compression=False)``), orbax partial restore
   (``partial_restore=True``) and orbax async save;
@@ -44,11 +44,11 @@ HERE = pathlib.Path(__file__).resolve()
 # --- the workload (built identically in every worker) -----------------------------------
 
 
-def transformer_state(mib: float):
-    """(state, params-only skeleton maker): a model plus adam state, ~``mib`` MiB."""
+def transformer_state(mib: float, abstract: bool = False):
+    """A model plus adam state, ~``mib`` MiB: arrays, or with ``abstract`` only
+    their shapes (so a restore starts from an untouched heap)."""
     import equinox as eqx
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
 
@@ -58,8 +58,10 @@ def transformer_state(mib: float):
     d = max(64, round((mib * 2**20 / 3 / (48 * layers + 16)) ** 0.5 / 64) * 64)
     rng = np.random.default_rng(0)
 
-    def normal(shape, dtype=np.float32):
-        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+    def fill(shape, dtype=np.float32):
+        if abstract:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.device_put(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
 
     class Layer(eqx.Module):
         attn_norm: jax.Array
@@ -77,36 +79,36 @@ def transformer_state(mib: float):
         final_norm: jax.Array
         positions: jax.Array  # an int32 buffer, not trained
 
-    def make(init: bool):
-        fill = normal if init else (lambda shape, dtype=np.float32: jax.ShapeDtypeStruct(shape, dtype))
-        layer = lambda: Layer(fill((d,)), fill((d, d)), fill((d, d)), fill((d, d)), fill((d, d)), fill((d,)),
-                              fill((d, 4 * d)), fill((4 * d, d)))
-        positions = jnp.arange(4096, dtype=jnp.int32) if init else jax.ShapeDtypeStruct((4096,), jnp.int32)
-        return Model(fill((8 * d, d), jnp.bfloat16), [layer() for _ in range(layers)], fill((d,)), positions)
-
-    model = make(True)
-    params = eqx.filter(model, eqx.is_inexact_array)
-    opt_state = optax.adam(1e-3).init(params)
+    layer = lambda: Layer(fill((d,)), fill((d, d)), fill((d, d)), fill((d, d)), fill((d, d)), fill((d,)),
+                          fill((d, 4 * d)), fill((4 * d, d)))
+    positions = jax.ShapeDtypeStruct((4096,), np.int32) if abstract else jax.device_put(np.arange(4096, dtype=np.int32))
+    model = Model(fill((8 * d, d), jax.numpy.bfloat16), [layer() for _ in range(layers)], fill((d,)), positions)
+    params = eqx.filter(model, lambda x: jax.numpy.issubdtype(x.dtype, np.inexact))
+    opt_state = jax.eval_shape(optax.adam(1e-3).init, params)
     # Non-zero moments, as after some steps (and so nothing compresses for free).
-    opt_state = jax.tree_util.tree_map(
-        lambda x: normal(x.shape, x.dtype) if eqx.is_inexact_array(x) else x, opt_state)
-    state = {"model": model, "opt_state": opt_state}
-    return state, lambda: make(False)
+    opt_state = jax.tree_util.tree_map(lambda x: fill(x.shape, x.dtype) if jax.numpy.issubdtype(x.dtype, np.inexact)
+                                       else (x if abstract else jax.device_put(np.zeros(x.shape, x.dtype))), opt_state)
+    return {"model": model, "opt_state": opt_state}
 
 
-def many_leaf_state(count: int):
+def many_leaf_state(count: int, abstract: bool = False):
     """``count`` f32 arrays of 1-64 KiB, nested as blocks of norms and biases."""
-    import jax.numpy as jnp
+    import jax
     import numpy as np
 
     rng = np.random.default_rng(1)
     sizes = rng.integers(256, 16 * 1024, size=count)  # 1-64 KiB of float32
+
+    def fill(size):
+        if abstract:
+            return jax.ShapeDtypeStruct((size,), np.float32)
+        return jax.device_put(rng.standard_normal(size, dtype=np.float32))
+
     per_block = 100
     return {
-        f"block_{b}": {f"p{i}": jnp.asarray(rng.standard_normal(int(sizes[b * per_block + i]), dtype=np.float32))
-                       for i in range(min(per_block, count - b * per_block))}
+        f"block_{b}": {f"p{i}": fill(int(sizes[b * per_block + i])) for i in range(min(per_block, count - b * per_block))}
         for b in range((count + per_block - 1) // per_block)
-    }, None
+    }
 
 
 # --- the peers' operations ---------------------------------------------------------------
@@ -163,7 +165,7 @@ def _restore_args(skeleton):
     return ocp.checkpoint_utils.construct_restore_args(skeleton)
 
 
-def op_save(peer, path, state, skeleton):
+def op_save(peer, path, state, _=None):
     import equinox as eqx
 
     import eqxckpt
@@ -192,9 +194,8 @@ def op_restore(peer, path, skeleton, params_only):
 
     target = {"model": skeleton["model"]} if params_only else skeleton
     if peer == "raw":
-        leaves = jax.tree_util.tree_leaves(skeleton)
         wanted = set(range(len(jax.tree_util.tree_leaves(skeleton["model"])))) if params_only else None
-        return [x for x in _raw_restore(path, skeleton, wanted) if x is not None], leaves
+        return [x for x in _raw_restore(path, skeleton, wanted) if x is not None], None
     if peer == "eqxckpt":
         out = eqxckpt.load(path, skeleton["model"], at="model") if params_only else eqxckpt.load(path, skeleton)
     elif peer == "orbax":
@@ -212,7 +213,7 @@ def op_restore(peer, path, skeleton, params_only):
             path, args=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target)))
     elif peer == "serialise":
         out = eqx.tree_deserialise_leaves(path, skeleton)
-    return jax.block_until_ready(jax.tree_util.tree_leaves(out)), jax.tree_util.tree_leaves(target)
+    return jax.block_until_ready(jax.tree_util.tree_leaves(out)), None
 
 
 def op_async(peer, path, state):
@@ -258,40 +259,39 @@ def _reset_peak() -> int:
 
 
 def worker(args) -> dict:
-    import equinox as eqx
     import jax
     import numpy as np
 
     warnings.filterwarnings("ignore")
-    if args.workload == "many":
-        state, _ = many_leaf_state(args.many_leaves)
-        skeleton = jax.eval_shape(lambda: state)
-    else:
-        state, make_skeleton = transformer_state(args.mib)
-        skeleton = {"model": eqx.filter_eval_shape(make_skeleton),
-                    "opt_state": jax.eval_shape(lambda: state["opt_state"])}
-    nbytes = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
-    result = {"state_bytes": nbytes(state), "leaves": len(jax.tree_util.tree_leaves(state))}
+    build = (lambda abstract: many_leaf_state(args.many_leaves, abstract)) if args.workload == "many" else (
+        lambda abstract: transformer_state(args.mib, abstract))
+    nbytes = lambda tree: sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree))
     if args.op in ("restore", "params"):
-        expected = [np.asarray(x) for x in jax.tree_util.tree_leaves(state["model"] if args.op == "params" else state)]
-        del state
+        skeleton = build(abstract=True)
         before = _reset_peak()
         t0 = time.perf_counter()
         values, _ = op_restore(args.peer, args.path, skeleton, args.op == "params")
-        result["seconds"] = time.perf_counter() - t0
-        result["restored_bytes"] = sum(np.asarray(v).nbytes for v in values)
+        result = {"seconds": time.perf_counter() - t0, "peak_delta": _proc_kib("VmHWM") * 1024 - before,
+                  "restored_bytes": nbytes(values)}
+        # Built only now, so that its freed memory cannot hide the restore's.
+        state = build(abstract=False)
+        expected = jax.tree_util.tree_leaves(state["model"] if args.op == "params" else state)
         # A benchmark of wrong answers is worthless.
-        assert len(values) == len(expected) and all(np.array_equal(np.asarray(a), b) for a, b in zip(values, expected)), \
-            f"{args.peer} restored wrong values"
+        assert len(values) == len(expected) and all(np.array_equal(np.asarray(a), np.asarray(b))
+                                                    for a, b in zip(values, expected)), f"{args.peer} restored wrong values"
     else:
+        state = build(abstract=False)
+        skeleton = None
         before = _reset_peak()
+        result = {}
         if args.op == "save":
             t0 = time.perf_counter()
             op_save(args.peer, args.path, state, skeleton)
             result["seconds"] = time.perf_counter() - t0
         else:
             result["blocked"], result["seconds"] = op_async(args.peer, args.path, state)
-    result["peak_delta"] = _proc_kib("VmHWM") * 1024 - before
+        result["peak_delta"] = _proc_kib("VmHWM") * 1024 - before
+    result.update(state_bytes=nbytes(state), leaves=len(jax.tree_util.tree_leaves(state)))
     return result
 
 
