@@ -147,8 +147,7 @@ def _snapshot(arrays: list[tuple[LeafRecord, Any]], copy: bool, leader: bool) ->
     Only shards with ``replica_id == 0`` are taken, so every element is written
     by exactly one process; host-local leaves (numpy, fully addressable arrays
     in a multi-process run) are written by process 0 alone. ``copy``: take a
-    private copy where the host buffer aliases the caller's (CPU arrays, numpy),
-    so donating or mutating them afterwards cannot change the checkpoint.
+    private copy of numpy leaves, which the caller may mutate afterwards.
     """
     multiprocess = is_multiprocess()
     leaves: list[_Leaf] = []
@@ -178,9 +177,18 @@ def _on_cpu(array: jax.Array) -> bool:
 
 
 def _host(value: Any, copy: bool) -> np.ndarray:
-    """``value`` in host memory; copied only if that memory could be the caller's."""
-    if isinstance(value, jax.Array) and not _on_cpu(value):
-        return np.asarray(value)  # the device-to-host transfer is already a fresh copy
+    """``value`` in host memory that nothing else will change.
+
+    A device array's host copy is fresh. A CPU jax array needs no copy: the
+    numpy view holds an external reference to its buffer, which keeps the
+    buffer alive and unchanged if the caller deletes the array or donates it
+    to a jitted step (XLA then writes the step's output elsewhere). This is
+    what lets an async save return in 0.03 s instead of 0.8 s for 792 MiB
+    (`tests/test_save.py` checks donation and deletion). Numpy arrays are
+    mutable, so an async save copies them.
+    """
+    if isinstance(value, jax.Array):
+        return np.asarray(value)
     return np.array(value, copy=True) if copy else np.asarray(value)
 
 
@@ -358,11 +366,12 @@ def save(
       recorded by type and restored from ``like`` on load.
     - `metadata`: a JSON-serialisable dict stored with the checkpoint.
     - `overwrite`: replace an existing checkpoint (atomically on local disks).
-    - `blocking`: if False, return as soon as the arrays are copied to host
-      memory, and write, sync and commit in the background. The copy makes the
-      checkpoint independent of what the caller does next (donating or
-      deleting the arrays included). Errors surface on ``handle.wait()``, on
-      the next `save`, or at interpreter exit.
+    - `blocking`: if False, return as soon as the arrays are in host memory
+      (device arrays copied, CPU arrays held, numpy arrays copied), and write,
+      sync and commit in the background. The checkpoint is independent of
+      what the caller does next (donating, deleting or mutating the arrays
+      included). Errors surface on ``handle.wait()``, on the next `save`, or
+      at interpreter exit.
 
     With several JAX processes (``jax.process_count() > 1``) every process
     calls `save` with the same tree of global arrays; each writes only its own

@@ -134,11 +134,19 @@ def shared_context() -> ts.Context:
     TensorStore does not fsync each chunk file (``file_io_sync``): a save makes
     its files durable at once with `sync_filesystem`, one journal commit
     instead of one per file (measured: 0.38 s -> 0.32 s for 512 MiB in 64
-    leaves, and the gap grows with the number of files).
+    leaves, and the gap grows with the number of files). Local files are read
+    through memory maps, so a chunk goes from the page cache straight into the
+    restored array, with no intermediate buffer (792 MiB: 0.61 s at a 1.14x
+    peak -> 0.40 s at 1.06x). Checkpoint files are never modified in place
+    (saves write new directories), so a mapping never sees a file shrink.
     """
     global _CONTEXT
     if _CONTEXT is None:
-        _CONTEXT = ts.Context({"file_io_sync": False, "cache_pool": {"total_bytes_limit": 0}})
+        _CONTEXT = ts.Context({
+            "file_io_sync": False,
+            "file_io_mode": {"mode": "memmap"},
+            "cache_pool": {"total_bytes_limit": 0},
+        })
     return _CONTEXT
 
 

@@ -1,7 +1,7 @@
 """Peak memory of saves and restores, measured in fresh processes.
 
 The limits are the performance issue's: a blocking save adds at most 10% of
-the state, an async save at most one copy, a restore peaks at most 1.15x the
+the state, an async save at most one copy (here: none), a restore peaks at most 1.15x the
 bytes it restores; plus a fixed 16 MiB for what any first save or load sets
 up (TensorStore's context and threads, the manifest), which at this test's
 192 MiB would otherwise be 8% by itself. Memory, unlike time, is
@@ -47,9 +47,10 @@ def test_blocking_save_adds_at_most_a_tenth_of_the_state(saved):
     assert growth <= 0.10 * size + FIXED, f"a blocking save grew peak RSS by {growth / size:.1%} of the state"
 
 
-def test_async_save_holds_at_most_one_copy(tmp_path):
+def test_async_save_of_jax_arrays_holds_no_copy(tmp_path):
+    # The issue allows one copy; CPU jax arrays are held, not copied.
     growth, size = probe("save_async", tmp_path / "ckpt")
-    assert 0.5 * size <= growth <= 1.0 * size + FIXED, f"an async save grew peak RSS by {growth / size:.2f}x the state"
+    assert growth <= 0.10 * size + FIXED, f"an async save grew peak RSS by {growth / size:.2f}x the state"
 
 
 @pytest.mark.parametrize("op", ["load", "load_params"])
