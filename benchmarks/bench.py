@@ -165,7 +165,7 @@ def _restore_args(skeleton):
     return ocp.checkpoint_utils.construct_restore_args(skeleton)
 
 
-def op_save(peer, path, state, _=None):
+def op_save(peer, path, state):
     import equinox as eqx
 
     import eqxckpt
@@ -195,7 +195,7 @@ def op_restore(peer, path, skeleton, params_only):
     target = {"model": skeleton["model"]} if params_only else skeleton
     if peer == "raw":
         wanted = set(range(len(jax.tree_util.tree_leaves(skeleton["model"])))) if params_only else None
-        return [x for x in _raw_restore(path, skeleton, wanted) if x is not None], None
+        return [x for x in _raw_restore(path, skeleton, wanted) if x is not None]
     if peer == "eqxckpt":
         out = eqxckpt.load(path, skeleton["model"], at="model") if params_only else eqxckpt.load(path, skeleton)
     elif peer == "orbax":
@@ -213,7 +213,7 @@ def op_restore(peer, path, skeleton, params_only):
             path, args=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target)))
     elif peer == "serialise":
         out = eqx.tree_deserialise_leaves(path, skeleton)
-    return jax.block_until_ready(jax.tree_util.tree_leaves(out)), None
+    return jax.block_until_ready(jax.tree_util.tree_leaves(out))
 
 
 def op_async(peer, path, state):
@@ -270,7 +270,7 @@ def worker(args) -> dict:
         skeleton = build(abstract=True)
         before = _reset_peak()
         t0 = time.perf_counter()
-        values, _ = op_restore(args.peer, args.path, skeleton, args.op == "params")
+        values = op_restore(args.peer, args.path, skeleton, args.op == "params")
         result = {"seconds": time.perf_counter() - t0, "peak_delta": _proc_kib("VmHWM") * 1024 - before,
                   "restored_bytes": nbytes(values)}
         # Built only now, so that its freed memory cannot hide the restore's.
@@ -281,12 +281,11 @@ def worker(args) -> dict:
                                                     for a, b in zip(values, expected)), f"{args.peer} restored wrong values"
     else:
         state = build(abstract=False)
-        skeleton = None
         before = _reset_peak()
         result = {}
         if args.op == "save":
             t0 = time.perf_counter()
-            op_save(args.peer, args.path, state, skeleton)
+            op_save(args.peer, args.path, state)
             result["seconds"] = time.perf_counter() - t0
         else:
             result["blocked"], result["seconds"] = op_async(args.peer, args.path, state)

@@ -294,19 +294,19 @@ def sync_filesystem(root: pathlib.Path) -> None:
     journal once. Elsewhere, every file and directory below ``root`` is fsync'd.
     """
     syncfs = _libc_function("syncfs", [ctypes.c_int])
+    if syncfs is None:
+        for dirpath, _, filenames in os.walk(root, topdown=False):
+            for name in filenames:
+                fsync_path(pathlib.Path(dirpath, name))
+            fsync_path(pathlib.Path(dirpath))
+        return
     fd = os.open(root, os.O_RDONLY)
     try:
-        if syncfs is not None:
-            if syncfs(fd) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err), str(root))
-            return
+        if syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(root))
     finally:
         os.close(fd)
-    for dirpath, _, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            fsync_path(pathlib.Path(dirpath, name))
-        fsync_path(pathlib.Path(dirpath))
 
 
 def _libc_function(name: str, argtypes: list):
