@@ -6,13 +6,15 @@ import functools
 import os
 import pathlib
 import stat
-from typing import Any
+import weakref
+from typing import Any, Iterator
 
 import jax
 import numpy as np
 import tensorstore as ts
 
-from ._errors import CheckpointError, CorruptCheckpointError, ManifestError
+from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError, ManifestError
+from ._lease import LocalPin, StorePin
 from ._manifest import LeafRecord, Manifest, read_manifest, scalar_from_json
 from ._paths import depth, normalize_at, relative_to
 from ._store import Location, read_spec, reason, resolve, shared_context
@@ -32,11 +34,46 @@ class Checkpoint:
     ```
     """
 
-    def __init__(self, location: Location, manifest: Manifest):
+    def __init__(self, location: Location, manifest: Manifest, pin: "LocalPin | StorePin | None" = None):
         self.location = location
         self.manifest = manifest
         self._records = {leaf.path: leaf for leaf in manifest.leaves}
         self._context = shared_context()
+        self._pin = pin
+        if pin is not None:
+            weakref.finalize(self, pin.close)
+
+    @contextlib.contextmanager
+    def consistent(self) -> Iterator[None]:
+        """Reads inside come from this checkpoint alone, or raise `CheckpointChangedError`.
+
+        On a local disk, a shared lock keeps retention from deleting it meanwhile;
+        afterwards (or when a read fails) the checkpoint must still be the one
+        whose manifest was read: not replaced by a save, not being deleted.
+        """
+        lock = self._pin.hold() if isinstance(self._pin, LocalPin) else None
+        if isinstance(self._pin, LocalPin) and lock is None:
+            raise self._changed()
+        try:
+            try:
+                yield
+            except CheckpointChangedError:
+                raise
+            except Exception as e:
+                if self._pin is not None and self._pin.changed():
+                    raise self._changed() from e
+                raise
+            if self._pin is not None and self._pin.changed():
+                raise self._changed()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _changed(self) -> CheckpointChangedError:
+        return CheckpointChangedError(
+            f"The checkpoint at {self.location} was replaced or deleted by another process while it was being "
+            "read, so what was read may mix two checkpoints and is discarded. Open or load it again."
+        )
 
     # -- description -------------------------------------------------------------
 
@@ -153,15 +190,18 @@ def stored_bytes(root: pathlib.Path, record: LeafRecord) -> int:
             raise _unsafe(record, where)
     total = 0
     pending = [where]
-    while pending:
-        with os.scandir(pending.pop()) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(entry.path)
-                elif entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
-                else:
-                    raise _unsafe(record, pathlib.Path(entry.path))
+    try:
+        while pending:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+                    else:
+                        raise _unsafe(record, pathlib.Path(entry.path))
+    except OSError as e:  # vanished while listed: deleted under us
+        raise corrupt(record, f"{e.filename}: {e.strerror}") from None
     if total < record.nbytes:
         raise corrupt(record, f"the manifest declares {record.nbytes} bytes ({record.dtype}"
                               f"{list(record.data_shape)}) but its files hold only {total}")
@@ -285,13 +325,13 @@ class LazyArray:
 
     def get(self) -> Any:
         """Read the data (a numpy array; a jax key array for PRNG keys)."""
-        with reading(self.record):
+        with self.checkpoint.consistent(), reading(self.record):
             data = self._start().result()
         return self._finish(data)
 
     async def get_async(self) -> Any:
         """``await lazy.get_async()``: read without blocking the event loop."""
-        with reading(self.record):
+        with self.checkpoint.consistent(), reading(self.record):
             data = await self._start()
         return self._finish(data)
 
@@ -312,4 +352,5 @@ def open(path: Any) -> Checkpoint:  # noqa: A001 - public name fixed by the desi
     ```
     """
     location = resolve(path)
-    return Checkpoint(location, read_manifest(location))
+    manifest, pin = read_manifest(location)
+    return Checkpoint(location, manifest, pin)

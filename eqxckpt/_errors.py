@@ -38,3 +38,14 @@ class CheckpointWriteError(CheckpointError, OSError):
 
     Nothing was committed; a previous checkpoint at the same place is intact.
     """
+
+
+class CheckpointChangedError(CheckpointError):
+    """The checkpoint was replaced or deleted while it was being read.
+
+    What was read may mix two checkpoints, so nothing of it is returned.
+    """
+
+
+class CheckpointBusyError(CheckpointExistsError):
+    """Another process is writing or deleting the checkpoint at this place right now."""

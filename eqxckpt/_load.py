@@ -12,7 +12,7 @@ import numpy as np
 import tensorstore as ts
 
 from ._checkpoint import Checkpoint, LazyArray, key_dtype, open, reading, wrap_prng
-from ._errors import CheckpointError, StructureMismatchError
+from ._errors import CheckpointChangedError, CheckpointError, StructureMismatchError
 from ._manifest import LeafRecord, scalar_to_json
 from ._paths import depth, normalize_at
 from ._transform import keypath_string, missing_originals, plan, readable_path
@@ -283,7 +283,26 @@ def load(
     model = eqxckpt.load("ckpt/step_100", skeleton, at="model")
     ```
     """
-    checkpoint = open(path)
+    # A checkpoint replaced while it is read is read again (a few times); in a
+    # multi-process load the processes would have to agree on a retry, so there
+    # the change is raised instead.
+    attempts = 1 if jax.process_count() > 1 else READ_ATTEMPTS
+    for attempt in range(attempts):
+        checkpoint = open(path)
+        try:
+            with checkpoint.consistent():
+                return _load_from(checkpoint, like, at, strict, cast, transforms, default_to_original)
+        except CheckpointChangedError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+READ_ATTEMPTS = 3
+
+
+def _load_from(checkpoint: Checkpoint, like: Any, at: str | None, strict: bool, cast: bool, transforms: Any,
+               default_to_original: bool) -> Any:
     prefix = normalize_at(at)
     available = checkpoint.records(prefix)
     if not available and prefix:
@@ -332,7 +351,7 @@ def load(
             f"eqxckpt.load(strict=False) from {checkpoint.location}: kept `like`'s values for "
             f"{len(kept)} leaves missing from the checkpoint {kept[:MAX_LISTED]}; ignored "
             f"{len(unexpected)} checkpoint leaves {[p for p, _ in unexpected[:MAX_LISTED]]}.",
-            stacklevel=2,
+            stacklevel=3,
         )
     for (i, _, _), value in zip(reads, _read(checkpoint, [(r, t) for _, r, t in reads])):
         out[i] = value

@@ -4,24 +4,30 @@ import collections
 import math
 import os
 import re
-import shutil
+import stat
 import threading
+import warnings
 from typing import Any
 
 import jax
 
 from ._checkpoint import open as open_checkpoint
-from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
-from ._load import load
-from ._manifest import float_from_json, float_to_json
-from ._paths import MANIFEST_NAME
+from ._errors import (
+    CheckpointBusyError, CheckpointChangedError, CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
+    IncompleteCheckpointError, ManifestError,
+)
+from ._lease import Lease, delete_leaf_keys, read_lease, reclaim, remove_abandoned, delete_local
+from ._load import READ_ATTEMPTS, load
+from ._manifest import float_from_json, float_to_json, parse_manifest
+from ._paths import LEASE_NAME, MANIFEST_NAME
 from ._save import SaveHandle, _background, save, track
-from ._store import delete_checkpoint, fsync_path, hidden_owner, hidden_sibling, is_array_key, resolve
+from ._store import Location, resolve
 
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
 MANAGER_KEY = "eqxckpt.manager"
 
-_STEP_MANIFEST = re.compile(r"^(\d+)/" + re.escape(MANIFEST_NAME) + "$")
+# A step is named by its number, written the one way str(int) writes it.
+_STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
 
 
 class CheckpointManager:
@@ -37,8 +43,11 @@ class CheckpointManager:
     - `save_interval_steps`: `save` skips steps not divisible by this (unless forced).
     - `blocking`: if False (default), saves run in the background, one at a time.
 
-    Opening a directory cleans up what interrupted saves left behind (process 0
-    only); such leftovers are never listed or loaded.
+    Several managers and processes may use one directory (a trainer saving, an
+    evaluator polling `latest_step` and loading); see the concurrency protocol
+    in the docs. Opening a directory removes what interrupted saves left behind,
+    but only what is provably abandoned and eqxckpt's (process 0 only). Entries
+    that are not committed steps are skipped with a warning.
 
     ```python
     with eqxckpt.CheckpointManager("run", max_to_keep=3, save_interval_steps=100) as manager:
@@ -81,16 +90,17 @@ class CheckpointManager:
         self.keep_best = keep_best
         self.blocking = blocking
         self._lock = threading.RLock()
-        # Steps being loaded in this process, and doomed steps whose deletion
-        # waits for those loads: retention never pulls data from under a reader.
+        # Steps being loaded in this process, and steps retention dropped that
+        # are not deleted yet: a step being read (here, or on a local disk by
+        # any process) is deleted later, never from under its reader.
         self._readers: collections.Counter[int] = collections.Counter()
-        self._deferred: set[int] = set()
+        self._doomed: set[int] = set()
         self._pending: SaveHandle | None = None
         if jax.process_index() == 0:
             self._clean_leftovers()
         # Committed steps -> metrics. Kept in memory and updated by the same
         # rule in every process, so step lists agree without communication.
-        self._steps: dict[int, dict] = {step: self._read_metrics(step) for step in self._list_committed()}
+        self._steps: dict[int, dict] = self._scan()
 
     # -- where things are -------------------------------------------------------------
 
@@ -99,40 +109,91 @@ class CheckpointManager:
             return self.location.local / str(step)
         return self.location.child(str(step))
 
-    def _list_committed(self) -> list[int]:
+    def _scan(self, warn: bool = True) -> dict[int, dict]:
+        """Committed steps and their metrics, as stored now.
+
+        Entries that are not committed steps (a copy named ``007``, a damaged
+        manifest, someone else's files) are skipped with one warning naming
+        them; a step that disappears while it is read (another process's
+        retention) is skipped silently.
+        """
+        steps: dict[int, dict] = {}
+        skipped: list[str] = []
+        for name, problem in self._entries():
+            if problem is not None:
+                skipped.append(f"{name} ({problem})")
+                continue
+            try:
+                steps[int(name)] = self._read_metrics(int(name))
+            except (CheckpointNotFoundError, IncompleteCheckpointError, CheckpointChangedError):
+                continue  # deleted meanwhile
+            except CheckpointError as e:
+                skipped.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        if skipped and warn:
+            warnings.warn(
+                f"CheckpointManager({str(self.location)!r}): skipped {len(skipped)} entries that are not committed "
+                f"steps: {'; '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}. Steps are directories "
+                "named by their number (7, not 007) that hold a committed checkpoint.",
+                stacklevel=3,
+            )
+        return steps
+
+    def _entries(self) -> list[tuple[str, str | None]]:
+        """(name, None) for each candidate step, (name, why not) for other entries."""
         local = self.location.local
+        out: list[tuple[str, str | None]] = []
         if local is not None:
-            if not local.is_dir():
-                return []
-            return sorted(int(p.name) for p in local.iterdir() if p.name.isdigit() and (p / MANIFEST_NAME).is_file())
-        keys = (k.decode("utf-8", "replace") for k in self.location.open_kvstore().list().result())
-        return sorted(int(m.group(1)) for k in keys if (m := _STEP_MANIFEST.match(k)))
+            try:
+                entries = list(os.scandir(local))
+            except (FileNotFoundError, NotADirectoryError):
+                return out
+            for entry in sorted(entries, key=lambda e: e.name):
+                if entry.name.startswith("."):
+                    continue  # hidden: saves in progress, leftovers, the user's own
+                if not _STEP_NAME.match(entry.name):
+                    out.append((entry.name, "not a step number"))
+                    continue
+                try:
+                    is_dir = stat.S_ISDIR(os.stat(entry.path, follow_symlinks=False).st_mode)
+                    has_manifest = is_dir and os.path.lexists(os.path.join(entry.path, MANIFEST_NAME))
+                except OSError:
+                    continue
+                out.append((entry.name, None if has_manifest else "no committed checkpoint in it"))
+            return out
+        groups: dict[str, set[str]] = {}
+        for key in self.location.open_kvstore().list().result():
+            head, sep, rest = key.decode("utf-8", "replace").partition("/")
+            groups.setdefault(head if sep else key.decode("utf-8", "replace"), set()).add(rest if sep else "")
+        for head, rests in sorted(groups.items()):
+            if not _STEP_NAME.match(head):
+                out.append((head, "not a step number"))
+            elif MANIFEST_NAME in rests:
+                out.append((head, None))
+            elif LEASE_NAME not in rests:  # with a lease: a save or deletion in progress, or cleanup's
+                out.append((head, "no committed checkpoint in it"))
+        return out
 
     def _clean_leftovers(self) -> None:
-        """Remove what interrupted saves and deletions left; never anything else."""
+        """Remove what interrupted saves and deletions left, if provably abandoned and ours."""
         local = self.location.local
         if local is not None:
-            if local.is_dir():
-                for entry in local.iterdir():
-                    owner = hidden_owner(entry.name)
-                    if owner is not None and owner.isdigit() and entry.is_dir():
-                        shutil.rmtree(entry, ignore_errors=True)
+            remove_abandoned(local)
             return
-        store = self.location.open_kvstore()
-        by_step: dict[str, list[bytes]] = {}
-        for key in store.list().result():
-            head, sep, rest = key.decode("utf-8", "replace").partition("/")
-            if sep and head.isdigit():
-                by_step.setdefault(head, []).append(rest.encode())
-        for head, keys in by_step.items():
-            uncommitted = MANIFEST_NAME.encode() not in keys
-            if uncommitted and all(is_array_key(k) for k in keys):
-                delete_checkpoint(store, head + "/")
+        for name, _ in self._entries_with_leases():
+            reclaim(self._step_store(int(name)))
+
+    def _entries_with_leases(self) -> list[tuple[str, str]]:
+        keys = (k.decode("utf-8", "replace") for k in self.location.open_kvstore().list().result())
+        return [(head, rest) for head, _, rest in (k.partition("/") for k in keys)
+                if rest == LEASE_NAME and _STEP_NAME.match(head)]
 
     def _read_metrics(self, step: int) -> dict:
         record = open_checkpoint(self._step_location(step)).metadata.get(MANAGER_KEY, {})
         metrics = record.get("metrics", {}) if isinstance(record, dict) else {}
         return {k: float_from_json(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+
+    def _step_store(self, step: int) -> Any:
+        return Location(self.location.child(str(step)), None).open_kvstore()
 
     # -- saving ------------------------------------------------------------------------
 
@@ -168,9 +229,9 @@ class CheckpointManager:
             raise CheckpointError(f"metadata key {MANAGER_KEY!r} is reserved for the manager's own record.")
         metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
         metadata[MANAGER_KEY] = {"step": step, "metrics": {k: float_to_json(v) for k, v in metrics.items()}}
-        # overwrite=True only ever meets leftovers of an interrupted save of this
-        # step: committed steps are refused above.
-        handle = save(self._step_location(step), tree, metadata=metadata, blocking=self.blocking, overwrite=True)
+        # Never overwrite: a committed step is never replaced (another manager
+        # that committed this step first makes this save fail instead).
+        handle = save(self._step_location(step), tree, metadata=metadata, blocking=self.blocking)
         if self.blocking:
             self._committed(step, metrics)
             return True
@@ -187,14 +248,22 @@ class CheckpointManager:
     def _committed(self, step: int, metrics: dict) -> None:
         with self._lock:
             self._steps[step] = metrics
-            doomed = sorted(set(self._steps) - self._kept())
+            doomed = set(self._steps) - self._kept()
             for old in doomed:
                 del self._steps[old]
-            self._deferred.update(old for old in doomed if self._readers[old])
-            doomed = [old for old in doomed if not self._readers[old]]
-        if jax.process_index() == 0:
-            for old in doomed:
-                self._delete(old)
+            self._doomed |= doomed
+        self._delete_doomed()
+
+    def _delete_doomed(self) -> None:
+        """Delete the steps retention dropped, except those being read (later, then)."""
+        if jax.process_index() != 0:
+            return
+        with self._lock:
+            ready = sorted(s for s in self._doomed if not self._readers[s])
+        for old in ready:
+            if self._delete(old):
+                with self._lock:
+                    self._doomed.discard(old)
 
     def _kept(self) -> set[int]:
         steps = sorted(self._steps)
@@ -217,22 +286,35 @@ class CheckpointManager:
 
         return sorted((s for s, m in self._steps.items() if self.best_metric in m), key=rank)
 
-    def _delete(self, step: int) -> None:
-        """Uncommit first (rename away / drop the manifest), then remove the data."""
+    def _delete(self, step: int) -> bool:
+        """Uncommit, then remove, a step; False if it is being read (try again later)."""
         local = self.location.local
         if local is not None:
-            aside = hidden_sibling(local / str(step), "deleting")
-            os.rename(local / str(step), aside)
-            fsync_path(local)
-            shutil.rmtree(aside, ignore_errors=True)
-            return
-        delete_checkpoint(self.location.open_kvstore(), f"{step}/")
+            return delete_local(local / str(step))
+        store = self._step_store(step)
+        committed = store.read(MANIFEST_NAME).result()
+        if committed.state != "value":
+            return True
+        try:
+            paths = [r.path for r in parse_manifest(bytes(committed.value), str(step)).leaves if r.is_stored]
+        except ManifestError:
+            return True  # damaged: eqxckpt cannot tell which keys are its, so it leaves them
+        try:
+            lease = Lease(store, "delete", paths, read_lease(store)[0].stamp.generation)
+        except CheckpointBusyError:
+            return False
+        store.write(MANIFEST_NAME, None).result()  # uncommitted first
+        delete_leaf_keys(store, paths)
+        lease.release()
+        return True
 
     def wait(self) -> None:
         """Block until the save in flight (and its retention) is done; raise its error."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()
+        if self._doomed:
+            self._delete_doomed()
 
     # -- reading -----------------------------------------------------------------------
 
@@ -283,19 +365,24 @@ class CheckpointManager:
         state = manager.load(eqx.filter_eval_shape(make_state))
         ```
         """
-        with self._lock:  # pick the step and register as its reader in one go
-            step = self._resolve_step(step)
-            self._readers[step] += 1
-        try:
-            return load(self._step_location(step), like, at=at, **load_kwargs)
-        finally:
-            with self._lock:
-                self._readers[step] -= 1
-                delete_now = step in self._deferred and not self._readers[step]
-                if delete_now:
-                    self._deferred.discard(step)
-            if delete_now and jax.process_index() == 0:
-                self._delete(step)
+        for attempt in range(READ_ATTEMPTS):
+            with self._lock:  # pick the step and register as its reader in one go
+                chosen = self._resolve_step(step)
+                self._readers[chosen] += 1
+            try:
+                return load(self._step_location(chosen), like, at=at, **load_kwargs)
+            except (CheckpointChangedError, CheckpointNotFoundError, IncompleteCheckpointError):
+                # Deleted by another process (its retention) after this manager listed it.
+                if step is not None or jax.process_count() > 1 or attempt == READ_ATTEMPTS - 1:
+                    raise
+                with self._lock:
+                    self._steps = self._scan(warn=False)
+            finally:
+                with self._lock:
+                    self._readers[chosen] -= 1
+                if chosen in self._doomed:
+                    self._delete_doomed()
+        raise AssertionError("unreachable")
 
     def path(self, step: int) -> Any:
         """Where ``step`` is stored (a path, or a kvstore spec for object stores)."""

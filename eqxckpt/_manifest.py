@@ -11,12 +11,14 @@ import math
 import os
 import stat
 import time
+import uuid
 from typing import Any
 
 import numpy as np
 
 from ._errors import CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
 from ._paths import MANIFEST_NAME, record_segment, validate_path
+from ._lease import LocalPin, StorePin
 from ._store import STORED_DTYPES, Location, hidden_owner
 
 FORMAT = "eqxckpt"
@@ -100,6 +102,8 @@ class Manifest:
     leaves: tuple[LeafRecord, ...]
     metadata: dict
     created: float = dataclasses.field(default_factory=time.time)
+    # Unique per save: two checkpoints written at one place never share a manifest's bytes.
+    save_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
     def to_bytes(self) -> bytes:
         from . import __version__
@@ -109,6 +113,7 @@ class Manifest:
             "version": VERSION,
             "eqxckpt_version": __version__,
             "created_unix": self.created,
+            "save_id": self.save_id,
             "metadata": self.metadata,
         }
         # One leaf per line: easy to read, grep and diff.
@@ -280,48 +285,67 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
         raise ManifestError(f"The manifest of {where} lists a leaf path twice.")
     _check_containers(records, where)
     created = doc.get("created_unix", 0.0)
-    return Manifest(records, metadata, created if isinstance(created, (int, float)) else 0.0)
+    save_id = doc.get("save_id", "")
+    return Manifest(records, metadata, created if isinstance(created, (int, float)) else 0.0,
+                    save_id if isinstance(save_id, str) else "")
 
 
-def read_manifest(location: Location) -> Manifest:
-    """Read a committed checkpoint's manifest, or say exactly why there is none."""
+def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:
+    """Read a committed checkpoint's manifest, or say exactly why there is none.
+
+    Also returns what pins the checkpoint that manifest belongs to (see `_lease`),
+    so a reader can tell afterwards whether it was replaced meanwhile.
+    """
     if location.local is not None:
         local = location.local
-        if local.is_dir():
-            try:
-                # O_NOFOLLOW: a manifest that is a symlink could point anywhere.
-                fd = os.open(local / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-                with os.fdopen(fd, "rb") as f:
-                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                        raise ManifestError(f"{local / MANIFEST_NAME} is not a regular file; refusing to read it.")
-                    raw = f.read(MAX_MANIFEST_BYTES + 1)
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    raise ManifestError(
-                        f"Cannot read the manifest of {local}: {e.strerror or e} (a symlink or special file "
-                        "in place of eqxckpt.json is refused). The checkpoint is damaged or not trustworthy."
-                    ) from None
+        try:
+            dir_fd = os.open(local, os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            siblings = sorted(local.parent.iterdir()) if local.parent.is_dir() else []
+            pending = [p for p in siblings if hidden_owner(p.name, "tmp") == local.name]
+            if pending:
                 raise IncompleteCheckpointError(
-                    f"{local} has no {MANIFEST_NAME}: the save that made it never committed "
-                    "(it was interrupted, or this is not an eqxckpt checkpoint). Load an earlier "
-                    "checkpoint, or save again to this path with overwrite=True."
+                    f"No checkpoint at {local}: a save to it is running or was interrupted before it committed "
+                    f"(left {pending[0].name}). Load an earlier checkpoint."
                 ) from None
-            return parse_manifest(raw, str(local))
-        siblings = sorted(local.parent.iterdir()) if local.parent.is_dir() else []
-        pending = [p for p in siblings if hidden_owner(p.name, "tmp") == local.name]
-        if pending:
-            raise IncompleteCheckpointError(
-                f"No checkpoint at {local}: a save to it was interrupted before it committed "
-                f"(left {pending[0].name}). Load an earlier checkpoint."
-            )
-        raise CheckpointNotFoundError(f"No checkpoint at {local}: the path does not exist.")
+            raise CheckpointNotFoundError(f"No checkpoint at {local}: the path does not exist.") from None
+        except OSError as e:
+            raise CheckpointNotFoundError(f"Cannot open {local}: {e.strerror or e}.") from None
+        pin = LocalPin(local, dir_fd)
+        try:
+            return _read_local_manifest(local, dir_fd), pin
+        except BaseException:
+            pin.close()
+            raise
     store = location.open_kvstore()
     result = store.read(MANIFEST_NAME).result()
     if result.state == "value":
-        return parse_manifest(bytes(result.value), str(location))
+        return parse_manifest(bytes(result.value), str(location)), StorePin(location, result.stamp.generation)
     if store.list().result():
         raise IncompleteCheckpointError(
-            f"{location} has data but no {MANIFEST_NAME}: the save that wrote it never "
-            "committed. Load an earlier checkpoint, or save again with overwrite=True."
+            f"{location} has data but no {MANIFEST_NAME}: no save committed a checkpoint there (one may be "
+            "running, or was interrupted). Load an earlier checkpoint, or save again with overwrite=True."
         )
     raise CheckpointNotFoundError(f"No checkpoint at {location}.")
+
+
+def _read_local_manifest(local: Any, dir_fd: int) -> Manifest:
+    try:
+        # O_NOFOLLOW: a manifest that is a symlink could point anywhere.
+        fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ManifestError(f"{local / MANIFEST_NAME} is not a regular file; refusing to read it.")
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            raise ManifestError(
+                f"Cannot read the manifest of {local}: {e.strerror or e} (a symlink or special file "
+                "in place of eqxckpt.json is refused). The checkpoint is damaged or not trustworthy."
+            ) from None
+        raise IncompleteCheckpointError(
+            f"{local} has no {MANIFEST_NAME}: the save that made it never committed "
+            "(it was interrupted, or this is not an eqxckpt checkpoint). Load an earlier "
+            "checkpoint, or save again to this path with overwrite=True."
+        ) from None
+    return parse_manifest(raw, str(local))

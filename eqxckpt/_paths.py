@@ -24,10 +24,12 @@ import jax.tree_util as jtu
 from ._errors import ManifestError, PathError
 
 MANIFEST_NAME = "eqxckpt.json"
+# An object-store save's lease (see `_lease`): reserved like the manifest's name.
+LEASE_NAME = "eqxckpt.lease.json"
 MAX_SEGMENT = 120
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
 _SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-%~]+$")
-_RESERVED = {".": "%2E", "..": "%2E%2E", MANIFEST_NAME: MANIFEST_NAME.replace(".", "%2E")}
+_RESERVED = {".": "%2E", "..": "%2E%2E", **{name: name.replace(".", "%2E") for name in (MANIFEST_NAME, LEASE_NAME)}}
 _HASH_CHARS = 16
 
 
@@ -174,8 +176,8 @@ def validate_path(path: Any, *, what: str = "path") -> str:
                 f"Manifest {what} {path!r} has an unsafe segment {segment!r}: a checkpoint "
                 "may only name locations inside itself. The manifest is corrupt or crafted."
             )
-        if segment == MANIFEST_NAME:
-            raise ManifestError(f"Manifest {what} {path!r} names the manifest itself.")
+        if segment in (MANIFEST_NAME, LEASE_NAME):
+            raise ManifestError(f"Manifest {what} {path!r} names eqxckpt's own file {segment!r}.")
     return path
 
 

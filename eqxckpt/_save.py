@@ -1,12 +1,14 @@
 """`save`: write a pytree as per-leaf zarr3 arrays plus a manifest, atomically."""
 
 import atexit
+import bisect
 import concurrent.futures
+import itertools
 import dataclasses
 import json
+import math
 import os
 import pathlib
-import shutil
 import sys
 import threading
 from typing import Any
@@ -16,12 +18,16 @@ import numpy as np
 import tensorstore as ts
 
 from ._distributed import Phases, is_multiprocess
-from ._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
-from ._manifest import LeafRecord, Manifest, scalar_to_json
-from ._paths import MANIFEST_NAME, key_entry_record
+from ._errors import CheckpointBusyError, CheckpointError, CheckpointExistsError, CheckpointWriteError, ManifestError
+from ._lease import (
+    DirLock, Lease, create_staging, delete_leaf_keys, describe_lease, join_staging, read_lease, reclaim,
+    remove_abandoned, remove_tree,
+)
+from ._manifest import LeafRecord, Manifest, parse_manifest, scalar_to_json
+from ._paths import LEASE_NAME, MANIFEST_NAME, key_entry_record
 from ._store import (
-    Location, array_spec, check_dtype, delete_checkpoint, exchange, fsync_path, hidden_sibling,
-    is_array_key, reason, resolve, shared_context, sync_filesystem,
+    Location, array_spec, check_dtype, chunk_shape, exchange, fsync_path, hidden_sibling, reason, resolve,
+    shared_context, sync_filesystem,
 )
 from ._tree import SCALAR_TYPES, flatten, is_array_like, is_prng_key_dtype, type_name
 
@@ -218,14 +224,32 @@ NOTHING_COMMITTED = (
 )
 
 
+def _settle(futures: list[tuple[LeafRecord, Any]], action: str) -> list[Any]:
+    """Every future's result. On failure, raise only once all have finished, so
+    nothing is still writing into a directory that the caller then removes."""
+    results, failure = [], None
+    for record, future in futures:
+        try:
+            results.append(future.result())
+        except Exception as e:  # noqa: BLE001 - the first is raised below, after the rest settle
+            results.append(None)
+            if failure is None:
+                failure = CheckpointWriteError(f"{action} leaf {record.path!r} failed: {reason(e)}. {NOTHING_COMMITTED}")
+                failure.__cause__ = e
+    if failure is not None:
+        raise failure
+    return results
+
+
 def _open_arrays(target: Location, leaves: list[_Leaf], create: bool) -> list[ts.TensorStore]:
     # Every open is issued before any is awaited: TensorStore runs them concurrently.
     opens = [
-        ts.open(array_spec(target.child(leaf.record.path), leaf.record.data_shape, np.dtype(leaf.record.dtype),
-                           leaf.shard, create=create), context=shared_context())
+        (leaf.record, ts.open(array_spec(target.child(leaf.record.path), leaf.record.data_shape,
+                                         np.dtype(leaf.record.dtype), leaf.shard, create=create),
+                              context=shared_context()))
         for leaf in leaves
     ]
-    return [opened.result() for opened in opens]
+    return _settle(opens, "Creating the array of" if create else "Opening the array of")
 
 
 def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
@@ -239,11 +263,59 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         for store, leaf in zip(stores, leaves)
         for index, data in leaf.pieces
     ]
-    for record, write in writes:
-        try:
-            write.result()
-        except Exception as e:
-            raise CheckpointWriteError(f"Writing leaf {record.path!r} failed: {reason(e)}. {NOTHING_COMMITTED}") from e
+    _settle(writes, "Writing")
+
+
+def _expected_files(leaves: list[_Leaf]) -> dict[str, int]:
+    """``{key: size}`` of every file the arrays must consist of: each leaf's
+    ``zarr.json`` (size -1: any) and every chunk (the chunk's bytes + a crc32c)."""
+    expected: dict[str, int] = {}
+    for leaf in leaves:
+        record = leaf.record
+        shape, itemsize = record.data_shape, np.dtype(record.dtype).itemsize
+        chunk = chunk_shape(shape, itemsize, leaf.shard)
+        expected[f"{record.path}/zarr.json"] = -1
+        if 0 in shape:
+            continue
+        size = math.prod(chunk) * itemsize + 4
+        if not shape:
+            expected[f"{record.path}/c"] = size
+            continue
+        grid = [range(-(-n // c)) for n, c in zip(shape, chunk)]
+        for index in itertools.product(*grid):
+            expected[f"{record.path}/c/" + "/".join(map(str, index))] = size
+    return expected
+
+
+def _local_files(root: pathlib.Path) -> dict[str, int]:
+    found: dict[str, int] = {}
+    pending = [("", str(root))]
+    while pending:
+        rel, where = pending.pop()
+        with os.scandir(where) as entries:
+            for entry in entries:
+                key = f"{rel}{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((key + "/", entry.path))
+                else:
+                    found[key] = entry.stat(follow_symlinks=False).st_size
+    return found
+
+
+def _check_complete(staging: Location, leaves: list[_Leaf]) -> None:
+    """Refuse to commit unless every leaf's metadata and chunks are there, whole."""
+    if staging.local is not None:
+        found = _local_files(staging.local)
+    else:
+        found = {k.decode("utf-8", "replace"): -1 for k in staging.open_kvstore().list().result()}
+    for key, size in _expected_files(leaves).items():
+        have = found.get(key)
+        if have is None or (size >= 0 and have >= 0 and have != size):
+            what = "is missing" if have is None else f"holds {have} bytes, not {size}"
+            raise CheckpointWriteError(
+                f"Before committing, {key} {what}: the save's files were damaged or removed while it ran "
+                f"(another process, or the disk). {NOTHING_COMMITTED}"
+            )
 
 
 def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
@@ -260,36 +332,103 @@ def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
     # Replace: swap atomically where the OS can, so a reader always sees a
     # complete checkpoint; else move the old one aside first (it stays complete).
     if exchange(tmp, final):
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)  # now the old checkpoint; a reader of it notices and reads again
         return
     aside = hidden_sibling(final, "old")
     os.rename(final, aside)
     os.rename(tmp, final)
-    shutil.rmtree(aside, ignore_errors=True)
+    remove_tree(aside)
 
 
-def _clear_object_store(location: Location, overwrite: bool) -> None:
-    """Make an object-store prefix empty for a new save, if that is allowed."""
+def _owned_keys(keys: list[str], paths: set[str]) -> set[str]:
+    """The keys eqxckpt wrote for the leaves at ``paths`` (their zarr.json and chunks)."""
+    owned = set()
+    for key in keys:
+        parts = key.split("/")
+        for i, part in enumerate(parts):
+            if (part == "c" or (part == "zarr.json" and i == len(parts) - 1)) and "/".join(parts[:i]) in paths:
+                owned.add(key)
+                break
+    return owned
+
+
+def _take_object_store(location: Location, leaves: list[_Leaf], overwrite: bool) -> Lease:
+    """Take the lease on an object-store checkpoint and clear what the new save replaces.
+
+    Only what eqxckpt can prove it wrote is ever deleted: the keys of the
+    leaves a committed manifest lists (and those of an abandoned save's lease).
+    """
     store = location.open_kvstore()
-    committed = store.read(MANIFEST_NAME).result().state == "value"
-    if committed and not overwrite:
-        raise CheckpointExistsError(f"A checkpoint already exists at {location}. Pass overwrite=True to replace it.")
-    existing = store.list().result()
-    if existing and not committed and not all(is_array_key(k) for k in existing):
-        raise CheckpointExistsError(
-            f"{location} holds data that is not an eqxckpt checkpoint; refusing to replace it. Choose another path."
+    if reclaim(store) == "alive":
+        _, doc = read_lease(store)
+        if doc is None:
+            raise CheckpointExistsError(
+                f"{location} holds an object named {LEASE_NAME} that eqxckpt did not write; refusing to save there."
+            )
+        raise CheckpointBusyError(
+            f"Another save or deletion holds {location} ({describe_lease(doc)}). Nothing was changed; wait for it, "
+            "or save elsewhere. If that process died, the place frees itself once the lease times out."
         )
-    if existing:  # the old checkpoint, or an interrupted save's arrays
-        delete_checkpoint(store)
+    committed = store.read(MANIFEST_NAME).result()
+    old_paths: list[str] = []
+    if committed.state == "value":
+        if not overwrite:
+            raise CheckpointExistsError(f"A checkpoint already exists at {location}. Pass overwrite=True to replace it.")
+        try:
+            old = parse_manifest(bytes(committed.value), str(location))
+        except ManifestError as e:
+            raise CheckpointExistsError(
+                f"The checkpoint at {location} has a damaged manifest, so eqxckpt cannot tell which keys are its; "
+                f"refusing to replace it ({e}). Remove it yourself or save elsewhere."
+            ) from None
+        old_paths = [r.path for r in old.leaves if r.is_stored]
+    keys = [k.decode("utf-8", "replace") for k in store.list().result()]
+    foreign = sorted(set(keys) - _owned_keys(keys, set(old_paths)) - {MANIFEST_NAME, LEASE_NAME})
+    if foreign and committed.state != "value":
+        raise CheckpointExistsError(
+            f"{location} holds data that eqxckpt did not write (e.g. {foreign[0]!r}, {len(foreign)} keys) and no "
+            "checkpoint; refusing to save there. Choose another path."
+        )
+    new_paths = [leaf.record.path for leaf in leaves]
+    for path in set(new_paths) - set(old_paths):
+        at = bisect.bisect_left(foreign, path + "/")
+        if at < len(foreign) and foreign[at].startswith(path + "/"):
+            raise CheckpointExistsError(
+                f"{location} holds data that eqxckpt did not write at leaf {path!r} ({foreign[at]!r}); refusing "
+                "to save over it. Choose another path."
+            )
+    lease = Lease(store, "save", old_paths + new_paths, read_lease(store)[0].stamp.generation)
+    try:
+        if committed.state == "value":
+            # Uncommit first: no reader may see the old manifest over changing arrays.
+            store.write(MANIFEST_NAME, None).result()
+            delete_leaf_keys(store, old_paths)
+    except BaseException:
+        lease.release()
+        raise
+    lease.start_heartbeat()
+    return lease
 
 
-def _publish(location: Location, staging: Location, manifest: Manifest, overwrite: bool) -> None:
-    """Write the manifest, then make the checkpoint visible at ``location``."""
-    if location.local is None:
+def _publish(location: Location, staging: Location, manifest: Manifest, leaves: list[_Leaf], overwrite: bool,
+             lease: Lease | None) -> None:
+    """Check what was written, write the manifest, then make it visible at ``location``."""
+    if lease is not None:
         # No rename on object stores: the manifest, written last, is the commit marker.
-        location.open_kvstore().write(MANIFEST_NAME, manifest.to_bytes()).result()
+        lease.check()
+        _check_complete(staging, leaves)
+        store = location.open_kvstore()
+        absent = store.read(MANIFEST_NAME).result()
+        if absent.state == "value" or not store.write(
+            MANIFEST_NAME, manifest.to_bytes(), if_equal=absent.stamp.generation
+        ).result().generation:
+            raise CheckpointBusyError(f"Another process committed a checkpoint at {location} during this save. "
+                                      f"{NOTHING_COMMITTED}")
+        lease.release()
         return
     tmp = staging.local
+    assert tmp is not None and location.local is not None
+    _check_complete(staging, leaves)
     with open(tmp / MANIFEST_NAME, "wb") as f:
         f.write(manifest.to_bytes())
         f.flush()
@@ -299,6 +438,21 @@ def _publish(location: Location, staging: Location, manifest: Manifest, overwrit
     fsync_path(location.local.parent)
 
 
+def _abort_object_store(lease: Lease, leaves: list[_Leaf]) -> None:
+    """Remove what a failed save wrote, but only while it still holds the lease:
+    a save that lost it may no longer touch what another process now owns."""
+    lease.stop_heartbeat()
+    try:
+        lease.check()
+    except CheckpointError:
+        return
+    try:
+        delete_leaf_keys(lease.store, [leaf.record.path for leaf in leaves])
+        lease.release()
+    except Exception:  # noqa: BLE001 - the lease stays and times out; cleanup then finishes this
+        pass
+
+
 def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite: bool, phases: Phases | None) -> None:
     """Prepare, write, commit. With several processes each phase ends at a barrier,
     and process 0 alone prepares the layout and commits."""
@@ -306,19 +460,20 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
     run = phases.run if phases is not None else (lambda _, work: [work()])
     created: list[ts.TensorStore] | None = None
     tmp: pathlib.Path | None = None
+    lock: DirLock | None = None
+    lease: Lease | None = None
 
     def prepare() -> str | None:
-        nonlocal created, tmp
+        nonlocal created, tmp, lock, lease
         if not leader:
             return None
         if location.local is None:
-            _clear_object_store(location, overwrite)
+            lease = _take_object_store(location, leaves, overwrite)
             staging = location
         else:
             _check_target(location.local, overwrite)
-            location.local.parent.mkdir(parents=True, exist_ok=True)
-            tmp = hidden_sibling(location.local, "tmp")
-            tmp.mkdir()
+            remove_abandoned(location.local.parent, owner=location.local.name)
+            tmp, lock = create_staging(location.local)
             staging = location.with_local(tmp)
         created = _open_arrays(staging, leaves, create=True)
         return "" if tmp is None else str(tmp)
@@ -328,22 +483,30 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
         staging = location if location.local is None else location.with_local(pathlib.Path(where))
 
         def write() -> None:
+            nonlocal lock
             mine = leaves if created is not None else [leaf for leaf in leaves if leaf.pieces]
+            if staging.local is not None and lock is None:
+                lock = join_staging(staging.local)  # a cleaner must see this process as alive
             _write_pieces(created if created is not None else _open_arrays(staging, mine, create=False), mine)
             if staging.local is not None:
                 # Durable before the commit phase: every process syncs what it wrote.
                 sync_filesystem(staging.local)
 
         run("write", write)
-        run("commit", lambda: _publish(location, staging, manifest, overwrite) if leader else None)
+        run("commit", lambda: _publish(location, staging, manifest, leaves, overwrite, lease) if leader else None)
     except BaseException as e:
         if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
+        if lease is not None:
+            _abort_object_store(lease, leaves)
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             error = CheckpointWriteError(f"Saving to {location} failed: {e}. {NOTHING_COMMITTED}")
             error.errno = e.errno
             raise error from e
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def save(

@@ -16,7 +16,7 @@ import numpy as np
 import tensorstore as ts
 
 from ._errors import CheckpointError
-from ._paths import MANIFEST_NAME, validate_path
+from ._paths import validate_path
 
 # Chunks are bounded so a partial or resharded read touches little more than
 # it needs, and big enough that per-file overhead stays small.
@@ -233,28 +233,6 @@ def check_dtype(dtype: np.dtype, where: str) -> None:
         raise CheckpointError(
             f"Leaf {where!r} has dtype {dtype.name}, which TensorStore's zarr3 cannot store natively.{hint}"
         )
-
-
-# --- object stores: no rename, the manifest is the commit marker ----------------------
-
-
-def is_array_key(key: bytes) -> bool:
-    """Whether a key is what a zarr3 array leaves behind (metadata or a chunk)."""
-    parts = key.decode("utf-8", "replace").split("/")
-    return parts[-1] == "zarr.json" or "c" in parts[:-1] or parts[-1] == "c"
-
-
-def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
-    # Every key starting with ``prefix`` ("" is every key): "/" + 1 is "0".
-    return ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()
-
-
-def delete_checkpoint(store: ts.KvStore, prefix: str = "") -> None:
-    """Delete an object-store checkpoint under ``prefix`` (``"7/"``, or "" for all):
-    the manifest first, so no reader ever sees it over missing arrays."""
-    manifest = prefix + MANIFEST_NAME
-    store.delete_range(ts.KvStore.KeyRange(manifest, manifest + "\0")).result()
-    store.delete_range(_prefix_range(prefix)).result()
 
 
 # --- local filesystem commit ---------------------------------------------------------

@@ -5,7 +5,7 @@ import os
 from typing import Any
 
 from ._checkpoint import Checkpoint, key_dtype, open as open_checkpoint, reading
-from ._errors import CheckpointError, CorruptCheckpointError
+from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
 from ._manifest import LeafRecord
 from ._paths import MANIFEST_NAME
 from ._store import resolve
@@ -53,18 +53,23 @@ def verify(path: Any) -> VerifyReport:
         report.problems.append((MANIFEST_NAME, str(e)))
         return report
     report.leaves = len(checkpoint)
-    for record in checkpoint.records().values():
-        if not record.is_stored:
-            continue
-        try:
-            _check_leaf(checkpoint, record)
-        except CheckpointError as e:
-            report.problems.append((record.path, str(e)))
-            continue
-        report.arrays_checked += 1
-        report.bytes_checked += record.nbytes
-    if location.local is not None:
-        report.problems.extend(_unlisted(checkpoint))
+    try:
+        with checkpoint.consistent():
+            for record in checkpoint.records().values():
+                if not record.is_stored:
+                    continue
+                try:
+                    _check_leaf(checkpoint, record)
+                except CheckpointError as e:
+                    report.problems.append((record.path, str(e)))
+                    continue
+                report.arrays_checked += 1
+                report.bytes_checked += record.nbytes
+            if location.local is not None:
+                report.problems.extend(_unlisted(checkpoint))
+    except CheckpointChangedError as e:
+        # What was checked may belong to another checkpoint: say so, and nothing else.
+        report.problems[:] = [(MANIFEST_NAME, str(e))]
     return report
 
 

@@ -1,0 +1,407 @@
+"""Who may create, commit, clean up and delete what, with many processes on one place.
+
+Several processes may use one directory at once: a trainer saving, an
+evaluator polling a `CheckpointManager` and loading, a second manager, a
+process overwriting a checkpoint that another one is loading. The protocol:
+
+**Local filesystems.** Ownership and liveness are advisory locks (``flock``)
+on directories, which the kernel releases when the holder dies, so a lock
+that can be taken proves that nobody holds it: no clocks, no guessing.
+
+- A save writes into a hidden sibling ``.NAME.eqxckpt-tmp-<hex>``. Its writer
+  holds a shared lock on that directory from the moment it is created until
+  the commit (in a multi-process save, every process holds one while it
+  writes). Before it commits, the writer checks that every leaf's
+  ``zarr.json`` and every chunk file is present with the size it must have;
+  then it writes the manifest and renames the directory into place (or swaps
+  it with the checkpoint it replaces, atomically).
+- Cleanup (a `CheckpointManager` opening a directory, a `save` to a path)
+  removes a hidden sibling only if its name is one eqxckpt makes (a reserved
+  pattern; nothing else is ever touched) and it can take an exclusive lock
+  on it without waiting: then no live process is writing or deleting it.
+- A load holds a shared lock on the checkpoint directory while it reads, and
+  deleting a committed checkpoint (retention) takes an exclusive lock first:
+  a checkpoint being read is not deleted (the manager retries later). A
+  deleter renames the directory to ``.NAME.eqxckpt-deleting-<hex>`` before
+  removing anything, so a half-deleted checkpoint is never visible.
+- A load also checks, after reading, that the path still names the directory
+  it read the manifest from (it holds that directory open, so the identity
+  cannot be reused): if a save replaced it meanwhile, it reads again (or
+  raises `CheckpointChangedError`), so it never returns a mix.
+
+Where ``flock`` is unavailable, saves still work, and cleanup removes nothing.
+
+**Object stores** (S3, GCS, memory) have neither rename nor locks. There:
+
+- A save first creates a lease object, ``eqxckpt.lease.json``, with a
+  conditional write that fails if another lease exists. The lease names its
+  owner (host, pid, start time), a heartbeat time the writer renews, its
+  timeout, and every leaf path the save (and the checkpoint it replaces)
+  writes or deletes: the exact list of keys eqxckpt may remove there.
+- A prefix that holds anything but a committed checkpoint or a lease is not
+  eqxckpt's: `save` refuses to write there. A live lease makes another save
+  to the same place fail with `CheckpointBusyError`.
+- Replacing a checkpoint deletes its manifest first (so no reader sees it
+  over missing arrays), then only its leaves' ``zarr.json`` and chunk keys.
+- Commit: the writer checks that it still holds the lease and that every
+  leaf's metadata and chunks exist, writes the manifest (the commit marker),
+  then deletes the lease.
+- A lease whose heartbeat is older than its timeout is abandoned (this
+  assumes clocks agree to well within the timeout, ``EQXCKPT_LEASE_TIMEOUT_S``,
+  10 minutes by default). Cleanup then deletes exactly the keys it lists
+  (unless a manifest shows the save committed), then the lease.
+- A load remembers the manifest's generation (its ETag) and checks it after
+  reading; each manifest holds a unique ``save_id``, so generations differ.
+
+Nothing else is ever deleted, on any backend.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import tensorstore as ts
+
+from ._errors import CheckpointBusyError, CheckpointWriteError, ManifestError
+from ._paths import LEASE_NAME, MANIFEST_NAME, validate_path
+from ._store import fsync_path, hidden_owner, hidden_sibling
+
+# --- local filesystems: advisory locks on directories --------------------------------
+
+
+class DirLock:
+    """A ``flock`` held on an open directory; released by `release` or when the
+    process dies. ``supported`` is False where the filesystem has no locks."""
+
+    def __init__(self, fd: int, supported: bool = True):
+        self.fd = fd
+        self.supported = supported
+
+    @classmethod
+    def take(cls, path: pathlib.Path | str, *, exclusive: bool, follow_symlinks: bool = False,
+             dir_fd: int | None = None) -> "DirLock | None":
+        """Lock the directory at ``path`` without waiting.
+
+        Returns None if a conflicting lock is held, or if ``path`` does not name
+        a directory (any more): the name is checked again once the lock is held,
+        since it may have been removed or replaced in between.
+        """
+        flags = os.O_RDONLY | os.O_DIRECTORY | (0 if follow_symlinks else os.O_NOFOLLOW)
+        try:
+            fd = os.open(path, flags, dir_fd=dir_fd)
+        except OSError:
+            return None
+        supported = True
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) or exclusive:
+                # Busy; or no locks here, and then nothing may be taken as abandoned.
+                os.close(fd)
+                return None
+            supported = False
+        lock = cls(fd, supported)
+        if not lock.names(path, follow_symlinks=follow_symlinks, dir_fd=dir_fd):
+            lock.release()
+            return None
+        return lock
+
+    def names(self, path: pathlib.Path | str, *, follow_symlinks: bool = True, dir_fd: int | None = None) -> bool:
+        """Whether ``path`` still names the locked directory."""
+        try:
+            now = os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+        except OSError:
+            return False
+        held = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing drops the lock
+            self.fd = -1
+
+    def __enter__(self) -> "DirLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def create_staging(final: pathlib.Path) -> tuple[pathlib.Path, DirLock]:
+    """A new hidden directory beside ``final`` for a save, locked by this process."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(8):
+        tmp = hidden_sibling(final, "tmp")
+        tmp.mkdir()
+        # A cleaner may have removed it between mkdir and flock (it was unlocked
+        # then); take() sees that, and we start over with a new name.
+        lock = DirLock.take(tmp, exclusive=False)
+        if lock is not None:
+            return tmp, lock
+    raise CheckpointWriteError(f"Could not create a staging directory beside {final} that stays ours; is another "
+                               "process removing directories there?")
+
+
+def join_staging(tmp: pathlib.Path) -> DirLock:
+    """Lock a staging directory another process of the same save created."""
+    lock = DirLock.take(tmp, exclusive=False)
+    if lock is None:
+        raise CheckpointWriteError(f"The save's staging directory {tmp} is gone: process 0 of the save failed or "
+                                   "was killed. Nothing was committed.")
+    return lock
+
+
+def remove_tree(path: pathlib.Path) -> bool:
+    """Remove a directory tree we own; True if it is gone (errors are not fatal:
+    what remains is unlocked and a later cleanup removes it)."""
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
+
+
+def remove_abandoned(parent: pathlib.Path, owner: str | None = None) -> list[str]:
+    """Remove hidden siblings in ``parent`` (of checkpoint ``owner``, or of any)
+    that no live process holds. Returns the names removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        name = hidden_owner(entry.name)
+        if name is None or (owner is not None and name != owner) or not entry.is_dir(follow_symlinks=False):
+            continue
+        lock = DirLock.take(entry.path, exclusive=True)
+        if lock is None:
+            continue  # alive: a writer, reader or deleter holds it
+        with lock:
+            if remove_tree(pathlib.Path(entry.path)):
+                removed.append(entry.name)
+    return removed
+
+
+def delete_local(final: pathlib.Path) -> bool:
+    """Delete a committed checkpoint, unless a reader holds it.
+
+    Returns False (nothing done) while it is being read; True once it is gone.
+    """
+    lock = DirLock.take(final, exclusive=True)
+    if lock is None:
+        return not os.path.lexists(final)
+    with lock:
+        aside = hidden_sibling(final, "deleting")
+        try:
+            os.rename(final, aside)
+        except FileNotFoundError:
+            return True
+        fsync_path(final.parent)
+        try:  # uncommitted first, so what remains of a crash is never loaded
+            os.unlink(aside / MANIFEST_NAME)
+        except FileNotFoundError:
+            pass
+        remove_tree(aside)
+    return True
+
+
+# --- object stores: a lease object ------------------------------------------------------
+
+LEASE_FORMAT = "eqxckpt-lease"
+
+
+def lease_timeout() -> float:
+    return float(os.environ.get("EQXCKPT_LEASE_TIMEOUT_S", "600"))
+
+
+def parse_lease(raw: bytes) -> dict | None:
+    """A lease document, or None if ``raw`` is not one eqxckpt wrote."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != LEASE_FORMAT:
+        return None
+    paths, heartbeat, timeout = doc.get("paths"), doc.get("heartbeat_unix"), doc.get("timeout_s")
+    if not (isinstance(paths, list) and all(isinstance(p, str) for p in paths)):
+        return None
+    if not (isinstance(heartbeat, (int, float)) and isinstance(timeout, (int, float))):
+        return None
+    try:
+        for path in paths:
+            validate_path(path, what="lease path")
+    except ManifestError:
+        return None
+    return doc
+
+
+def is_stale(doc: dict, now: float | None = None) -> bool:
+    return (time.time() if now is None else now) > doc["heartbeat_unix"] + doc["timeout_s"]
+
+
+def describe_lease(doc: dict) -> str:
+    age = time.time() - doc["heartbeat_unix"]
+    return (f"{doc.get('purpose', 'save')} by {doc.get('host', '?')} pid {doc.get('pid', '?')}, "
+            f"last heartbeat {age:.0f} s ago, abandoned after {doc['timeout_s']:.0f} s")
+
+
+def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
+    """Delete what eqxckpt writes for each leaf (its ``zarr.json`` and chunk keys), nothing else."""
+    futures = []
+    for path in paths:
+        futures.append(store.delete_range(ts.KvStore.KeyRange(f"{path}/zarr.json", f"{path}/zarr.json\0")))
+        futures.append(store.delete_range(ts.KvStore.KeyRange(f"{path}/c", f"{path}/c\0")))  # a 0-d array's chunk
+        futures.append(store.delete_range(ts.KvStore.KeyRange(f"{path}/c/", f"{path}/c0")))
+    for future in futures:
+        future.result()
+
+
+class Lease:
+    """This process's lease on an object-store checkpoint: taken, renewed, released."""
+
+    def __init__(self, store: ts.KvStore, purpose: str, paths: list[str], seen: bytes):
+        self.store = store
+        self.save_id = uuid.uuid4().hex
+        self.timeout = lease_timeout()
+        self.doc = {
+            "format": LEASE_FORMAT, "purpose": purpose, "save_id": self.save_id,
+            "host": socket.gethostname(), "pid": os.getpid(), "started_unix": time.time(),
+            "heartbeat_unix": time.time(), "timeout_s": self.timeout, "paths": sorted(set(paths)),
+        }
+        self.generation = self._write(seen)
+        if self.generation is None:
+            raise CheckpointBusyError("Another process took the lease on this checkpoint first; it is saving or "
+                                      "deleting there now. Nothing was changed.")
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _write(self, if_equal: bytes) -> bytes | None:
+        self.doc["heartbeat_unix"] = time.time()
+        stamp = self.store.write(LEASE_NAME, json.dumps(self.doc).encode(), if_equal=if_equal).result()
+        return stamp.generation or None  # empty: the condition failed
+
+    def start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(self.timeout / 4):
+                try:
+                    generation = self._write(self.generation)
+                except Exception:  # noqa: BLE001 - a transient error: try again at the next beat
+                    continue
+                if generation is None:
+                    self.lost = True
+                    return
+                self.generation = generation
+
+        self._thread = threading.Thread(target=beat, name="eqxckpt-lease", daemon=True)
+        self._thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def check(self) -> None:
+        """Raise unless this process still holds the lease (just before a commit)."""
+        current = self.store.read(LEASE_NAME).result()
+        doc = parse_lease(bytes(current.value)) if current.state == "value" else None
+        if self.lost or doc is None or doc.get("save_id") != self.save_id:
+            raise CheckpointBusyError(
+                "This save lost its lease (its heartbeat stopped for longer than the lease timeout, and another "
+                "process took over the place). Nothing was committed; save again."
+            )
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease, if it is still ours."""
+        self.stop_heartbeat()
+        if not self.lost:
+            self.store.write(LEASE_NAME, None, if_equal=self.generation).result()
+
+
+def read_lease(store: ts.KvStore) -> tuple[Any, dict | None]:
+    """The lease at a checkpoint's root: (read result, its document or None)."""
+    current = store.read(LEASE_NAME).result()
+    return current, (parse_lease(bytes(current.value)) if current.state == "value" else None)
+
+
+def reclaim(store: ts.KvStore) -> str:
+    """Clear an abandoned lease at an object-store checkpoint's root.
+
+    Returns ``"none"`` (no lease), ``"alive"`` (a live lease, or an object by
+    that name eqxckpt did not write: left alone), or ``"reclaimed"``.
+
+    The abandoned lease is first taken over with a conditional write, so its
+    writer, should it wake up, can no longer renew it or commit. Then, unless
+    its save committed (the manifest is removed before anything else, so its
+    presence alone says so), exactly the keys it listed are deleted.
+    """
+    current, doc = read_lease(store)
+    if current.state != "value":
+        return "none"
+    if doc is None or not is_stale(doc):
+        return "alive"
+    try:
+        lease = Lease(store, "reclaim", doc["paths"], current.stamp.generation)
+    except CheckpointBusyError:
+        return "alive"  # another process renewed or reclaimed it first
+    if store.read(MANIFEST_NAME).result().state != "value":
+        delete_leaf_keys(store, doc["paths"])
+    lease.release()
+    return "reclaimed"
+
+
+# --- readers: one checkpoint, never a mix -------------------------------------------------
+
+
+class LocalPin:
+    """A committed local checkpoint's directory, held open since its manifest was
+    read (so its identity cannot be reused), and whether its path still names it."""
+
+    def __init__(self, path: pathlib.Path, fd: int):
+        self.path = path
+        self.fd = fd
+
+    def changed(self) -> bool:
+        try:
+            now = os.stat(self.path)
+            os.stat(MANIFEST_NAME, dir_fd=self.fd, follow_symlinks=False)  # a deleter removes it first
+        except OSError:
+            return True
+        held = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+    def hold(self) -> DirLock | None:
+        """A shared lock for the duration of a read, so retention cannot delete it
+        meanwhile; None if a deleter holds it already."""
+        return DirLock.take(".", exclusive=False, dir_fd=self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class StorePin:
+    """An object-store checkpoint's manifest generation (its ETag), to compare after reading."""
+
+    def __init__(self, location: Any, generation: bytes):
+        self.location = location
+        self.generation = generation
+
+    def changed(self) -> bool:
+        try:
+            current = self.location.open_kvstore().read(MANIFEST_NAME, if_not_equal=self.generation).result()
+        except Exception:  # noqa: BLE001 - unreachable now: nothing proves it is unchanged
+            return True
+        return current.state != "unspecified"
+
+    def hold(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
