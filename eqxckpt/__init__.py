@@ -11,6 +11,8 @@ __version__ = "0.1.0"
 
 from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray, open as open
 from ._errors import (
+    CheckpointBusyError as CheckpointBusyError,
+    CheckpointChangedError as CheckpointChangedError,
     CheckpointError as CheckpointError,
     CheckpointExistsError as CheckpointExistsError,
     CheckpointNotFoundError as CheckpointNotFoundError,

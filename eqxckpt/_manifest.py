@@ -18,7 +18,7 @@ import numpy as np
 
 from ._errors import CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
 from ._paths import MANIFEST_NAME, record_segment, validate_path
-from ._lease import LocalPin, StorePin
+from ._lease import LocalPin, StorePin, describe_lease, is_stale, read_lease
 from ._store import STORED_DTYPES, Location, hidden_owner
 
 FORMAT = "eqxckpt"
@@ -321,10 +321,18 @@ def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:
     result = store.read(MANIFEST_NAME).result()
     if result.state == "value":
         return parse_manifest(bytes(result.value), str(location)), StorePin(location, result.stamp.generation)
+    _, lease = read_lease(store)
+    if lease is not None and not is_stale(lease) and lease.get("purpose") != "save":
+        raise CheckpointNotFoundError(f"No checkpoint at {location}: it is being deleted ({describe_lease(lease)}).")
+    if lease is not None and not is_stale(lease):
+        raise IncompleteCheckpointError(
+            f"No committed checkpoint at {location} right now: a save is writing it ({describe_lease(lease)}). "
+            "Load it again once that save has finished, or load an earlier checkpoint."
+        )
     if store.list().result():
         raise IncompleteCheckpointError(
-            f"{location} has data but no {MANIFEST_NAME}: no save committed a checkpoint there (one may be "
-            "running, or was interrupted). Load an earlier checkpoint, or save again with overwrite=True."
+            f"{location} has data but no {MANIFEST_NAME}: no save committed a checkpoint there (one was "
+            "interrupted, or this is not an eqxckpt checkpoint). Load an earlier checkpoint, or save elsewhere."
         )
     raise CheckpointNotFoundError(f"No checkpoint at {location}.")
 

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import eqxckpt
+from eqxckpt._lease import Lease, read_lease
+from eqxckpt._store import Location
 from conftest import BUCKET, assert_trees_equal, kill_when
 
 TESTS = os.path.dirname(__file__)
@@ -156,7 +158,7 @@ def test_resumed_training_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     assert_trees_equal(final.load(like), reference_manager.load(like, step=steps - 1))
 
 
-def test_manager_on_s3(s3):
+def test_manager_on_s3(s3, monkeypatch):
     endpoint, client = s3
     spec = {"driver": "s3", "bucket": BUCKET, "path": "managed/", "endpoint": endpoint,
             "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}
@@ -166,14 +168,28 @@ def test_manager_on_s3(s3):
     assert manager.all_steps() == [2, 3]
     listing = client.list_objects_v2(Bucket=BUCKET, Prefix="managed/")
     assert {obj["Key"].split("/")[1] for obj in listing["Contents"]} == {"2", "3"}
-    # Leftovers of an unfinished save (array data, no manifest) are cleaned on open.
+    # Array data with neither a manifest nor a lease is not provably eqxckpt's:
+    # it is skipped with a warning naming it, and never deleted.
     eqxckpt.save({**spec, "path": "managed/9/"}, tree(9))
     client.delete_object(Bucket=BUCKET, Key="managed/9/eqxckpt.json")
-    again = eqxckpt.CheckpointManager(spec, max_to_keep=2)
+    with pytest.warns(UserWarning, match=r"9 \(no committed checkpoint in it\)"):
+        again = eqxckpt.CheckpointManager(spec, max_to_keep=2)
     assert again.all_steps() == [2, 3]
-    listing = client.list_objects_v2(Bucket=BUCKET, Prefix="managed/9/")
-    assert listing["KeyCount"] == 0
+    assert client.list_objects_v2(Bucket=BUCKET, Prefix="managed/9/")["KeyCount"] == 2
     np.testing.assert_array_equal(again.load(tree(0))["w"], np.full((4, 3), 3.0))
+    # An abandoned save (its lease's heartbeat older than its timeout) is reclaimed
+    # on open: exactly the keys its lease lists, then the lease.
+    monkeypatch.setenv("EQXCKPT_LEASE_TIMEOUT_S", "0.01")
+    store = Location(again.location.child("8"), None).open_kvstore()
+    Lease(store, "save", ["w"], read_lease(store)[0].stamp.generation)  # never renewed nor released
+    client.put_object(Bucket=BUCKET, Key="managed/8/w/zarr.json", Body=b"{}")
+    client.put_object(Bucket=BUCKET, Key="managed/8/w/c/0/0", Body=b"half")
+    client.put_object(Bucket=BUCKET, Key="managed/8/mine.txt", Body=b"not listed")
+    time.sleep(0.05)
+    with pytest.warns(UserWarning, match="9 "):
+        eqxckpt.CheckpointManager(spec, max_to_keep=2)
+    listing = client.list_objects_v2(Bucket=BUCKET, Prefix="managed/8/")
+    assert [obj["Key"] for obj in listing["Contents"]] == ["managed/8/mine.txt"]
 
 
 def test_loads_never_fail_while_saves_and_deletions_run(tmp_path, monkeypatch):

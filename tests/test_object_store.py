@@ -1,6 +1,7 @@
 """save / load / open / inspect against a real S3 API: moto's server on 127.0.0.1."""
 
 import json
+import time
 
 import equinox as eqx
 import jax
@@ -9,6 +10,8 @@ import optax
 import pytest
 
 import eqxckpt
+import eqxckpt._store
+from eqxckpt._lease import Lease, read_lease
 from eqxckpt._cli import main as cli
 from conftest import assert_trees_equal
 
@@ -85,8 +88,9 @@ eqxckpt.save(where, {{f"leaf{{i}}": np.full((512, 1024), i, np.float32) for i in
 """
 
 
-def test_save_killed_before_its_manifest_is_refused_as_incomplete(s3):
+def test_save_killed_before_its_manifest_is_refused_as_incomplete(s3, monkeypatch):
     endpoint, client = s3
+    monkeypatch.setenv("EQXCKPT_LEASE_TIMEOUT_S", "2")  # the killed writer's lease is abandoned after 2 s
     for attempt, leaves in enumerate((48, 128, 256)):
         prefix = f"runs/killed{attempt}/"
         where = spec(endpoint, prefix)
@@ -98,12 +102,72 @@ def test_save_killed_before_its_manifest_is_refused_as_incomplete(s3):
     else:
         pytest.fail("the writer always committed before it could be killed")
 
-    with pytest.raises(eqxckpt.IncompleteCheckpointError, match="never committed"):
+    with pytest.raises(eqxckpt.IncompleteCheckpointError, match="no save committed"):
         eqxckpt.load(where)
     with pytest.raises(eqxckpt.IncompleteCheckpointError):
         eqxckpt.open(where)
     assert cli(["inspect", json.dumps(where)]) == 1
-    # The leftovers never block a new save to the same place.
+    assert prefix + "eqxckpt.lease.json" in keys(client, prefix)  # the writer's lease names what it wrote
+    lease = json.loads(client.get_object(Bucket=BUCKET, Key=prefix + "eqxckpt.lease.json")["Body"].read())
+    assert lease["paths"] == sorted(f"leaf{i}" for i in range(leaves)) and lease["timeout_s"] == 2.0
+    # Once the lease is abandoned, a new save reclaims exactly what it lists, then writes.
+    time.sleep(max(0.0, lease["heartbeat_unix"] + lease["timeout_s"] - time.time()) + 0.1)
     eqxckpt.save(where, {"x": np.arange(3)})
     np.testing.assert_array_equal(eqxckpt.load(where)["x"], np.arange(3))
-    assert not [k for k in keys(client, prefix) if "leaf" in k]
+    assert not [k for k in keys(client, prefix) if "leaf" in k or "lease" in k]
+
+
+def test_a_live_lease_makes_other_saves_wait_their_turn(s3):
+    endpoint, client = s3
+    where = spec(endpoint, "runs/busy/")
+    eqxckpt.save(where, {"x": np.zeros(3)})
+    store = eqxckpt._store.resolve(where).open_kvstore()
+    lease = Lease(store, "save", ["x"], read_lease(store)[0].stamp.generation)  # another writer, alive
+    with pytest.raises(eqxckpt.CheckpointBusyError, match="Another save or deletion holds .*pid"):
+        eqxckpt.save(where, {"x": np.ones(3)}, overwrite=True)
+    absent = store.read("no-such-key").result().stamp.generation
+    with pytest.raises(eqxckpt.CheckpointBusyError):  # a racer who saw no lease cannot take one either
+        Lease(store, "save", ["x"], absent)
+    np.testing.assert_array_equal(eqxckpt.load(where)["x"], np.zeros(3))  # untouched
+    lease.release()
+    eqxckpt.save(where, {"x": np.ones(3)}, overwrite=True)
+    np.testing.assert_array_equal(eqxckpt.load(where)["x"], np.ones(3))
+    assert "runs/busy/eqxckpt.lease.json" not in keys(client, "runs/busy/")
+
+
+FOREIGN = {
+    "data/zarr.json": b'{"zarr_format": 3, "node_type": "array"}',  # a user's own zarr v3 array
+    "data/c/0/0": b"\x00" * 16,
+    "notes/c/todo.txt": b"buy milk",
+    "README": b"mine",
+}
+
+
+def test_save_never_deletes_what_it_did_not_write(s3):
+    endpoint, client = s3
+    prefix = "runs/foreign/"
+    for key, body in FOREIGN.items():
+        client.put_object(Bucket=BUCKET, Key=prefix + key, Body=body)
+    where = spec(endpoint, prefix)
+    for overwrite in (False, True):
+        with pytest.raises(eqxckpt.CheckpointExistsError, match="did not write"):
+            eqxckpt.save(where, {"w": np.ones(3)}, overwrite=overwrite)
+    assert keys(client, prefix) == sorted(prefix + k for k in FOREIGN)
+
+    # Beside a committed checkpoint, foreign keys survive an overwrite, and the
+    # new save refuses to write over a foreign key at one of its leaf paths.
+    where = spec(endpoint, "runs/mixed/")
+    eqxckpt.save(where, {"w": np.ones(3), "v": np.ones(2)})
+    for key, body in FOREIGN.items():
+        client.put_object(Bucket=BUCKET, Key="runs/mixed/" + key, Body=body)
+    client.put_object(Bucket=BUCKET, Key="runs/mixed/w/notes.txt", Body=b"inside a leaf's directory")
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="at leaf 'data'"):
+        eqxckpt.save(where, {"data": np.zeros(2)}, overwrite=True)
+    np.testing.assert_array_equal(eqxckpt.load(where)["w"], np.ones(3))  # the refusal changed nothing
+    eqxckpt.save(where, {"w": np.zeros(5)}, overwrite=True)
+    assert_trees_equal(eqxckpt.load(where), {"w": np.zeros(5)})
+    stored = keys(client, "runs/mixed/")
+    assert all("runs/mixed/" + k in stored for k in FOREIGN) and "runs/mixed/w/notes.txt" in stored
+    assert not [k for k in stored if k.startswith("runs/mixed/v/")]  # the old leaf went, being ours
+    for key in FOREIGN:
+        assert client.get_object(Bucket=BUCKET, Key="runs/mixed/" + key)["Body"].read() == FOREIGN[key]
