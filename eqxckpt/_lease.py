@@ -66,6 +66,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from typing import Any
 
 import tensorstore as ts
@@ -103,11 +104,10 @@ class DirLock:
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) or exclusive:
-                # Busy; or no locks here, and then nothing may be taken as abandoned.
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 os.close(fd)
                 return None
-            supported = False
+            supported = False  # no locks on this filesystem: the caller decides what that allows
         lock = cls(fd, supported)
         if not lock.names(path, follow_symlinks=follow_symlinks, dir_fd=dir_fd):
             lock.release()
@@ -179,8 +179,10 @@ def remove_abandoned(parent: pathlib.Path, owner: str | None = None) -> list[str
         if name is None or (owner is not None and name != owner) or not entry.is_dir(follow_symlinks=False):
             continue
         lock = DirLock.take(entry.path, exclusive=True)
-        if lock is None:
-            continue  # alive: a writer, reader or deleter holds it
+        if lock is None or not lock.supported:
+            if lock is not None:
+                lock.release()
+            continue  # alive (a writer, reader or deleter holds it), or no way to tell
         with lock:
             if remove_tree(pathlib.Path(entry.path)):
                 removed.append(entry.name)
@@ -195,7 +197,7 @@ def delete_local(final: pathlib.Path) -> bool:
     lock = DirLock.take(final, exclusive=True)
     if lock is None:
         return not os.path.lexists(final)
-    with lock:
+    with lock:  # (without flock support, readers cannot be waited for: they notice and read again)
         aside = hidden_sibling(final, "deleting")
         try:
             os.rename(final, aside)
@@ -261,10 +263,37 @@ def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
         future.result()
 
 
+_warned_endpoints: set[str] = set()
+
+
+def warn_if_not_atomic(kvstore: dict) -> None:
+    """Leases rely on the store's conditional writes. TensorStore sends real ones
+    (``If-None-Match``/``If-Match``) to AWS S3; for other S3 endpoints it
+    emulates them with a check then a write, which two writers can both pass,
+    unless ``TENSORSTORE_S3_USE_CONDITIONAL_WRITE=1`` is set."""
+    if kvstore.get("driver") != "s3":
+        return
+    endpoint = str(kvstore.get("endpoint", ""))
+    host = endpoint.split("://")[-1].split("/")[0]
+    atomic = not endpoint or host.endswith("amazonaws.com") or os.environ.get(
+        "TENSORSTORE_S3_USE_CONDITIONAL_WRITE", "").lower() in ("1", "true", "yes")
+    if not atomic and endpoint not in _warned_endpoints:
+        _warned_endpoints.add(endpoint)
+        warnings.warn(
+            f"Saving to the S3-compatible endpoint {endpoint} without atomic conditional writes: two processes "
+            "saving to one place at the same moment could both proceed. If the server supports If-Match and "
+            "If-None-Match (MinIO, Ceph, moto do), set TENSORSTORE_S3_USE_CONDITIONAL_WRITE=1.",
+            stacklevel=4,
+        )
+
+
 class Lease:
     """This process's lease on an object-store checkpoint: taken, renewed, released."""
 
     def __init__(self, store: ts.KvStore, purpose: str, paths: list[str], seen: bytes):
+        """Take the lease, on condition that the lease object is still what was
+        read (``seen``: the generation of a read that found none, or of the
+        abandoned lease being taken over)."""
         self.store = store
         self.save_id = uuid.uuid4().hex
         self.timeout = lease_timeout()
@@ -278,6 +307,7 @@ class Lease:
             raise CheckpointBusyError("Another process took the lease on this checkpoint first; it is saving or "
                                       "deleting there now. Nothing was changed.")
         self.lost = False
+        self.replaces = False  # set by a save that removes a committed checkpoint under this lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -285,6 +315,15 @@ class Lease:
         self.doc["heartbeat_unix"] = time.time()
         stamp = self.store.write(LEASE_NAME, json.dumps(self.doc).encode(), if_equal=if_equal).result()
         return stamp.generation or None  # empty: the condition failed
+
+    def extend(self, paths: list[str]) -> None:
+        """List more paths in the lease (before touching them)."""
+        self.doc["paths"] = sorted(set(self.doc["paths"]) | set(paths))
+        generation = self._write(self.generation)
+        if generation is None:
+            self.lost = True
+            raise CheckpointBusyError("Another process took over this save's lease; nothing was changed.")
+        self.generation = generation
 
     def start_heartbeat(self) -> None:
         def beat() -> None:

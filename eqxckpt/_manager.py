@@ -14,7 +14,7 @@ import jax
 from ._checkpoint import open as open_checkpoint
 from ._errors import (
     CheckpointBusyError, CheckpointChangedError, CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
-    IncompleteCheckpointError, ManifestError,
+    CheckpointWriteError, IncompleteCheckpointError, ManifestError,
 )
 from ._lease import Lease, delete_leaf_keys, read_lease, reclaim, remove_abandoned, delete_local
 from ._load import READ_ATTEMPTS, load
@@ -117,18 +117,24 @@ class CheckpointManager:
         them; a step that disappears while it is read (another process's
         retention) is skipped silently.
         """
-        steps: dict[int, dict] = {}
-        skipped: list[str] = []
-        for name, problem in self._entries():
-            if problem is not None:
-                skipped.append(f"{name} ({problem})")
-                continue
-            try:
-                steps[int(name)] = self._read_metrics(int(name))
-            except (CheckpointNotFoundError, IncompleteCheckpointError, CheckpointChangedError):
-                continue  # deleted meanwhile
-            except CheckpointError as e:
-                skipped.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        for _ in range(3):
+            steps: dict[int, dict] = {}
+            skipped: list[str] = []
+            vanished = False
+            for name, problem in self._entries():
+                if problem is not None:
+                    skipped.append(f"{name} ({problem})")
+                    continue
+                try:
+                    steps[int(name)] = self._read_metrics(int(name))
+                except (CheckpointNotFoundError, IncompleteCheckpointError, CheckpointChangedError):
+                    vanished = True  # deleted meanwhile
+                except CheckpointError as e:
+                    skipped.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            # A listing is no snapshot: a step committed and its predecessor deleted
+            # while it ran can both be missed. Look again if anything moved.
+            if steps and not vanished:
+                break
         if skipped and warn:
             warnings.warn(
                 f"CheckpointManager({str(self.location)!r}): skipped {len(skipped)} entries that are not committed "
@@ -261,7 +267,14 @@ class CheckpointManager:
         with self._lock:
             ready = sorted(s for s in self._doomed if not self._readers[s])
         for old in ready:
-            if self._delete(old):
+            try:
+                deleted = self._delete(old)
+            except (OSError, ValueError) as e:  # ValueError: TensorStore's error for a failed request
+                raise CheckpointWriteError(
+                    f"Deleting step {old} of {self.location} (retention) failed: {e}. The step is no longer "
+                    "listed; the manager tries again after its next save. Fix the cause (permissions, the store)."
+                ) from e
+            if deleted:
                 with self._lock:
                     self._doomed.discard(old)
 
@@ -299,8 +312,11 @@ class CheckpointManager:
             paths = [r.path for r in parse_manifest(bytes(committed.value), str(step)).leaves if r.is_stored]
         except ManifestError:
             return True  # damaged: eqxckpt cannot tell which keys are its, so it leaves them
+        current, _ = read_lease(store)
+        if current.state == "value":
+            return False  # another process is deleting it or saving there: try later
         try:
-            lease = Lease(store, "delete", paths, read_lease(store)[0].stamp.generation)
+            lease = Lease(store, "delete", paths, current.stamp.generation)  # only if still absent
         except CheckpointBusyError:
             return False
         store.write(MANIFEST_NAME, None).result()  # uncommitted first

@@ -300,7 +300,9 @@ def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:
         local = location.local
         try:
             dir_fd = os.open(local, os.O_RDONLY | os.O_DIRECTORY)
-        except (FileNotFoundError, NotADirectoryError):
+        except NotADirectoryError:
+            raise CheckpointNotFoundError(f"No checkpoint at {local}: it is a file, not a checkpoint directory.") from None
+        except FileNotFoundError:
             siblings = sorted(local.parent.iterdir()) if local.parent.is_dir() else []
             pending = [p for p in siblings if hidden_owner(p.name, "tmp") == local.name]
             if pending:
@@ -326,8 +328,9 @@ def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:
         raise CheckpointNotFoundError(f"No checkpoint at {location}: it is being deleted ({describe_lease(lease)}).")
     if lease is not None and not is_stale(lease):
         raise IncompleteCheckpointError(
-            f"No committed checkpoint at {location} right now: a save is writing it ({describe_lease(lease)}). "
-            "Load it again once that save has finished, or load an earlier checkpoint."
+            f"No committed checkpoint at {location} right now: a save is writing it, or was killed less than "
+            f"its lease's timeout ago ({describe_lease(lease)}). Load it again once that save has finished, or "
+            "load an earlier checkpoint."
         )
     if store.list().result():
         raise IncompleteCheckpointError(

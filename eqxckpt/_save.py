@@ -21,7 +21,7 @@ from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointBusyError, CheckpointError, CheckpointExistsError, CheckpointWriteError, ManifestError
 from ._lease import (
     DirLock, Lease, create_staging, delete_leaf_keys, describe_lease, join_staging, read_lease, reclaim,
-    remove_abandoned, remove_tree,
+    remove_abandoned, remove_tree, warn_if_not_atomic,
 )
 from ._manifest import LeafRecord, Manifest, parse_manifest, scalar_to_json
 from ._paths import LEASE_NAME, MANIFEST_NAME, key_entry_record
@@ -352,23 +352,14 @@ def _owned_keys(keys: list[str], paths: set[str]) -> set[str]:
     return owned
 
 
-def _take_object_store(location: Location, leaves: list[_Leaf], overwrite: bool) -> Lease:
-    """Take the lease on an object-store checkpoint and clear what the new save replaces.
+def _check_place(location: Location, store: ts.KvStore, leaves: list[_Leaf], overwrite: bool) -> list[str] | None:
+    """Whether a save may write at an object-store place; the leaf paths of the
+    committed checkpoint it replaces (None if there is none).
 
-    Only what eqxckpt can prove it wrote is ever deleted: the keys of the
-    leaves a committed manifest lists (and those of an abandoned save's lease).
+    Refused: a committed checkpoint without ``overwrite``, one whose manifest is
+    damaged (which keys are its cannot be told), a place without a checkpoint
+    that holds anything else, and foreign keys under one of the new leaf paths.
     """
-    store = location.open_kvstore()
-    if reclaim(store) == "alive":
-        _, doc = read_lease(store)
-        if doc is None:
-            raise CheckpointExistsError(
-                f"{location} holds an object named {LEASE_NAME} that eqxckpt did not write; refusing to save there."
-            )
-        raise CheckpointBusyError(
-            f"Another save or deletion holds {location} ({describe_lease(doc)}). Nothing was changed; wait for it, "
-            "or save elsewhere. If that process died, the place frees itself once the lease times out."
-        )
     committed = store.read(MANIFEST_NAME).result()
     old_paths: list[str] = []
     if committed.state == "value":
@@ -386,20 +377,47 @@ def _take_object_store(location: Location, leaves: list[_Leaf], overwrite: bool)
     foreign = sorted(set(keys) - _owned_keys(keys, set(old_paths)) - {MANIFEST_NAME, LEASE_NAME})
     if foreign and committed.state != "value":
         raise CheckpointExistsError(
-            f"{location} holds data that eqxckpt did not write (e.g. {foreign[0]!r}, {len(foreign)} keys) and no "
-            "checkpoint; refusing to save there. Choose another path."
+            f"{location} is not an eqxckpt checkpoint: it holds data that eqxckpt did not write (e.g. "
+            f"{foreign[0]!r}, {len(foreign)} keys); refusing to save there. Choose another path."
         )
-    new_paths = [leaf.record.path for leaf in leaves]
-    for path in set(new_paths) - set(old_paths):
+    for path in {leaf.record.path for leaf in leaves} - set(old_paths):
         at = bisect.bisect_left(foreign, path + "/")
         if at < len(foreign) and foreign[at].startswith(path + "/"):
             raise CheckpointExistsError(
-                f"{location} holds data that eqxckpt did not write at leaf {path!r} ({foreign[at]!r}); refusing "
-                "to save over it. Choose another path."
+                f"{location} holds data that eqxckpt did not write at leaf {path!r} ({foreign[at]!r}); "
+                "refusing to save over it. Choose another path."
             )
-    lease = Lease(store, "save", old_paths + new_paths, read_lease(store)[0].stamp.generation)
+    return old_paths if committed.state == "value" else None
+
+
+def _take_object_store(location: Location, leaves: list[_Leaf], overwrite: bool) -> Lease:
+    """Take the lease on an object-store checkpoint and clear what the new save replaces.
+
+    Only what eqxckpt can prove it wrote is ever deleted: the keys of the
+    leaves a committed manifest lists (and those of an abandoned save's lease).
+    """
+    warn_if_not_atomic(location.kvstore)
+    store = location.open_kvstore()
+    reclaim(store)
+    _check_place(location, store, leaves, overwrite)  # refuse before writing anything, if it must be refused
+    current, doc = read_lease(store)
+    if current.state == "value":
+        if doc is None:
+            raise CheckpointExistsError(
+                f"{location} holds an object named {LEASE_NAME} that eqxckpt did not write; refusing to save there."
+            )
+        raise CheckpointBusyError(
+            f"Another save or deletion holds {location} ({describe_lease(doc)}). Nothing was changed; wait for it, "
+            "or save elsewhere. If that process died, the place frees itself once the lease times out."
+        )
+    # Created only if still absent; then everything is decided again under the
+    # lease: no other eqxckpt process can commit, replace or delete here meanwhile.
+    lease = Lease(store, "save", [leaf.record.path for leaf in leaves], current.stamp.generation)
     try:
-        if committed.state == "value":
+        old_paths = _check_place(location, store, leaves, overwrite)
+        if old_paths is not None:
+            lease.extend(old_paths)  # so that a crash from here on leaves them to cleanup, listed
+            lease.replaces = True
             # Uncommit first: no reader may see the old manifest over changing arrays.
             store.write(MANIFEST_NAME, None).result()
             delete_leaf_keys(store, old_paths)
@@ -499,6 +517,9 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
             remove_tree(tmp)
         if lease is not None:
             _abort_object_store(lease, leaves)
+            if lease.replaces:
+                e.add_note(f"The checkpoint this save was replacing at {location} had already been removed: object "
+                           "stores cannot replace a checkpoint atomically. Save it again.")
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             error = CheckpointWriteError(f"Saving to {location} failed: {e}. {NOTHING_COMMITTED}")
             error.errno = e.errno

@@ -240,7 +240,7 @@ def check_dtype(dtype: np.dtype, where: str) -> None:
 # Hidden siblings of a checkpoint directory: a save being written ("tmp"), an
 # old checkpoint being replaced ("old") or deleted ("deleting"). None is ever
 # loaded; after a crash they are leftovers.
-_HIDDEN_SIBLING = re.compile(r"^\.(.+)\.eqxckpt-(tmp|old|deleting)-[0-9a-f]{12}$")
+_HIDDEN_SIBLING = re.compile(r"^\.(.+)\.eqxckpt-(tmp|old|deleting)-[0-9a-f]+$")
 
 
 def hidden_sibling(final: pathlib.Path, purpose: str) -> pathlib.Path:

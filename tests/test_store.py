@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 from hypothesis import given, settings, strategies as st
 import pytest
@@ -78,11 +80,20 @@ def test_object_store_overwrite_never_clears_foreign_data():
     with pytest.raises(eqxckpt.CheckpointExistsError, match="not an eqxckpt checkpoint"):
         eqxckpt.save("memory://foreign", {"a": np.ones(2)}, overwrite=True)
     assert store.read("notes.txt").result().value == b"precious"
-    # an interrupted save (arrays, no manifest) is refused on load and replaced on save
+    # arrays without a manifest or a lease: refused on load, and on save too,
+    # since nothing proves that eqxckpt wrote them (only a lease would)
     eqxckpt.save("memory://half", {"a": np.ones(2), "b": np.ones(3)})
-    ts.KvStore.open({"driver": "memory", "path": "half/"}, context=shared_context()).result().delete_range(
-        ts.KvStore.KeyRange("eqxckpt.json", "eqxckpt.json\0")).result()
+    half = ts.KvStore.open({"driver": "memory", "path": "half/"}, context=shared_context()).result()
+    half.delete_range(ts.KvStore.KeyRange("eqxckpt.json", "eqxckpt.json\0")).result()
     with pytest.raises(eqxckpt.IncompleteCheckpointError):
         eqxckpt.load("memory://half")
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="did not write"):
+        eqxckpt.save("memory://half", {"a": np.zeros(2)})
+    assert len(half.list().result()) == 4
+    # an abandoned save's lease proves them eqxckpt's: a save reclaims them
+    half.write("eqxckpt.lease.json", json.dumps({
+        "format": "eqxckpt-lease", "purpose": "save", "heartbeat_unix": 0.0, "timeout_s": 1.0, "paths": ["a", "b"],
+    })).result()
     eqxckpt.save("memory://half", {"a": np.zeros(2)})
     assert eqxckpt.open("memory://half").paths == ["a"]
+    assert sorted(half.list().result()) == [b"a/c/0", b"a/zarr.json", b"eqxckpt.json"]
