@@ -26,7 +26,8 @@ from ._lease import (
 from ._manifest import LeafRecord, Manifest, parse_manifest, scalar_to_json
 from ._paths import LEASE_NAME, MANIFEST_NAME, key_entry_record
 from ._store import (
-    Location, array_spec, check_dtype, chunk_shape, exchange, fsync_path, hidden_sibling, reason, resolve,
+    Location, array_spec, check_dtype, chunk_shape, exchange, fsync_path, hidden_sibling, is_storage_error, reason,
+    resolve,
     shared_context, sync_filesystem,
 )
 from ._tree import SCALAR_TYPES, flatten, is_array_like, is_prng_key_dtype, type_name
@@ -524,6 +525,8 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
             error = CheckpointWriteError(f"Saving to {location} failed: {e}. {NOTHING_COMMITTED}")
             error.errno = e.errno
             raise error from e
+        if is_storage_error(e):
+            raise CheckpointWriteError(f"Saving to {location} failed: {reason(e)}. {NOTHING_COMMITTED}") from e
         raise
     finally:
         if lock is not None:

@@ -222,6 +222,15 @@ def read_spec(kvstore: dict) -> dict:
     return {"driver": "zarr3", "kvstore": kvstore, "open": True, "fill_missing_data_reads": False}
 
 
+_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
+
+
+def is_storage_error(error: BaseException) -> bool:
+    """Whether ``error`` is TensorStore reporting a failed storage operation
+    (a ``ValueError`` whose message starts with a status such as ``NOT_FOUND:``)."""
+    return isinstance(error, ValueError) and bool(_STATUS.match(str(error)))
+
+
 def reason(error: BaseException | str) -> str:
     """A TensorStore error's message without the spec dump that follows it."""
     return str(error).split(" [tensorstore_spec=")[0]
