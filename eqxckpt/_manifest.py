@@ -30,6 +30,9 @@ SCALAR_TYPES = ("int", "float", "bool", "complex", "str", "none")
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_RANK = 64
 MAX_ELEMENTS = 1 << 53
+# A sequence's largest index may exceed its number of leaves (empty subtrees
+# leave gaps), by at most this much.
+MAX_GAP_FACTOR, MAX_GAP = 2, 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +244,7 @@ def _check_containers(records: tuple[LeafRecord, ...], where: str) -> None:
     """Leaves must describe one tree: each container is of one kind, and no leaf is
     also a container of others."""
     kinds: dict[str, str] = {}
+    indices: dict[str, set[int]] = {}
     leaves = {r.path for r in records}
     for record in records:
         parent = ""
@@ -251,7 +255,19 @@ def _check_containers(records: tuple[LeafRecord, ...], where: str) -> None:
                     f"The manifest of {where} is inconsistent at {parent or '<root>'!r}: leaf {record.path!r} "
                     "disagrees with another leaf about what kind of container it is in."
                 )
+            if family == "list":
+                indices.setdefault(parent, set()).add(key)
             parent = f"{parent}/{record_segment((kind, key, *_))}" if parent else record_segment((kind, key, *_))
+    for parent, found in indices.items():
+        # A sequence is rebuilt (like=None) with one slot per index. Gaps are
+        # legitimate (an empty subtree: None, (), optax's EmptyState() has no
+        # leaf), but only a few per leaf, so a crafted index cannot allocate a
+        # huge list.
+        if max(found) >= MAX_GAP_FACTOR * len(found) + MAX_GAP:
+            raise ManifestError(
+                f"The manifest of {where} is inconsistent at {parent or '<root>'!r}: a sequence with "
+                f"{len(found)} leaves claims index {max(found)}. The manifest is corrupt or crafted."
+            )
 
 
 def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:

@@ -135,8 +135,14 @@ def check_unique(paths_and_keypaths: list[tuple[str, tuple]]) -> None:
     """
     seen: dict[str, tuple] = {}
     prefixes: dict[str, tuple] = {}
+    reserved = {MANIFEST_NAME.casefold(), LEASE_NAME.casefold()}
     for path, keypath in paths_and_keypaths:
         folded = path.casefold()
+        if folded.split("/")[0] in reserved:
+            raise PathError(
+                f"Leaf {jtu.keystr(keypath)} would be stored at {path!r}, which on a case-insensitive store is "
+                f"eqxckpt's own {folded.split('/')[0]!r}. Rename the key before saving."
+            )
         other = seen.get(folded)
         if other is None and folded in prefixes:
             other = prefixes[folded]
