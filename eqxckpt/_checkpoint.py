@@ -1,8 +1,11 @@
 """`open`: a read-only, lazy view of a committed checkpoint."""
 
+import builtins
 import contextlib
 import difflib
 import functools
+import json
+import math
 import os
 import pathlib
 import stat
@@ -17,7 +20,7 @@ from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointE
 from ._lease import LocalPin, StorePin
 from ._manifest import LeafRecord, Manifest, read_manifest, scalar_from_json
 from ._paths import depth, normalize_at, relative_to
-from ._store import Location, read_spec, reason, resolve, shared_context
+from ._store import CHUNK_BYTES, Location, read_spec, reason, resolve, shared_context
 
 
 class Checkpoint:
@@ -39,6 +42,7 @@ class Checkpoint:
         self.manifest = manifest
         self._records = {leaf.path: leaf for leaf in manifest.leaves}
         self._context = shared_context()
+        self._kvstore: ts.KvStore | None = None
         self._pin = pin
         if pin is not None:
             weakref.finalize(self, pin.close)
@@ -151,23 +155,63 @@ class Checkpoint:
     # -- storage -----------------------------------------------------------------
 
     def open_array(self, record: LeafRecord) -> ts.Future:
-        """Start opening a leaf's stored array (validate it with `checked`)."""
+        """Start opening a leaf's stored array: reads its ``zarr.json`` (at most
+        `MAX_ZARR_JSON_BYTES`); `checked` validates it and opens the array."""
         if self.location.local is not None:
             stored_bytes(self.location.local, record)
-        return ts.open(read_spec(self.location.child(record.path)), context=self._context, read=True)
+            promise, future = ts.Promise.new()
+            try:
+                promise.set_result(_read_capped(self.location.local / record.path / "zarr.json"))
+            except OSError as e:
+                promise.set_exception(e)
+            return future
+        if self._kvstore is None:
+            self._kvstore = self.location.open_kvstore()
+        # Object stores cannot cap a read without a second request: the size is
+        # checked before parsing, so memory stays bounded by the file's size.
+        return self._kvstore.read(f"{record.path}/zarr.json")
 
     def checked(self, record: LeafRecord, opened: ts.Future) -> ts.TensorStore:
-        """The opened array, after checking it is what the manifest says."""
+        """The opened array, after checking its ``zarr.json`` is what eqxckpt writes
+        for what the manifest says.
+
+        TensorStore then opens it from that validated metadata alone, without
+        reading ``zarr.json`` again: what was checked is what is used.
+        """
         with reading(record):
-            store = opened.result()
-        shape, dtype = tuple(store.shape), store.dtype.numpy_dtype.name
-        if shape != record.data_shape or dtype != record.dtype:
-            raise CorruptCheckpointError(
-                f"Leaf {record.path!r} is corrupt: the manifest says {record.dtype}{list(record.data_shape)} "
-                f"but the stored array is {dtype}{list(shape)}. Restore the checkpoint from a copy or "
-                "load an earlier one."
-            )
-        return store
+            result = opened.result()
+        raw = result if isinstance(result, bytes) else bytes(result.value) if result.state == "value" else None
+        if raw is None:
+            raise corrupt(record, "its zarr.json is missing")
+        metadata = validate_array_metadata(raw, record)
+        with reading(record):
+            return ts.open(read_spec(self.location.child(record.path), metadata), context=self._context,
+                           read=True).result()
+
+
+# Compressing filesystems (ZFS, btrfs) may allocate fewer blocks than a file's
+# size for data that is genuinely there (zeros): this trusts apparent sizes.
+TRUST_SPARSE = os.environ.get("EQXCKPT_TRUST_SPARSE", "") == "1"
+
+
+def check_allocation(nbytes: int, what: str) -> None:
+    """Refuse, before allocating, to hold more than this machine has available."""
+    available = available_memory()
+    if available is not None and nbytes > available:
+        raise CheckpointError(
+            f"{what} needs {nbytes / 2**30:.2f} GiB of host memory, but only {available / 2**30:.2f} GiB is "
+            "available. Restore a part (at=, transforms=), restore onto sharded devices, or free memory."
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can still be allocated (MemAvailable + SwapFree), if known."""
+    try:
+        with builtins.open("/proc/meminfo", "rb") as f:
+            fields = {line.split(b":")[0]: int(line.split()[1]) * 1024 for line in f}
+    except (OSError, ValueError, IndexError):
+        return None
+    return fields.get(b"MemAvailable", 0) + fields.get(b"SwapFree", 0) or None
 
 
 def stored_bytes(root: pathlib.Path, record: LeafRecord) -> int:
@@ -197,15 +241,85 @@ def stored_bytes(root: pathlib.Path, record: LeafRecord) -> int:
                     if entry.is_dir(follow_symlinks=False):
                         pending.append(entry.path)
                     elif entry.is_file(follow_symlinks=False):
-                        total += entry.stat(follow_symlinks=False).st_size
+                        info = entry.stat(follow_symlinks=False)
+                        # Blocks really allocated: a sparse file's apparent size is no data.
+                        total += info.st_size if TRUST_SPARSE else min(info.st_size, info.st_blocks * 512)
                     else:
                         raise _unsafe(record, pathlib.Path(entry.path))
     except OSError as e:  # vanished while listed: deleted under us
         raise corrupt(record, f"{e.filename}: {e.strerror}") from None
     if total < record.nbytes:
         raise corrupt(record, f"the manifest declares {record.nbytes} bytes ({record.dtype}"
-                              f"{list(record.data_shape)}) but its files hold only {total}")
+                              f"{list(record.data_shape)}) but its files hold only {total} on disk (sparse or "
+                              "truncated files are refused; on a compressing filesystem set "
+                              "EQXCKPT_TRUST_SPARSE=1 for checkpoints you trust)")
     return total
+
+
+MAX_ZARR_JSON_BYTES = 64 * 1024
+
+
+def _read_capped(path: pathlib.Path, cap: int = MAX_ZARR_JSON_BYTES) -> bytes:
+    """A small local file's bytes; past ``cap`` only ``cap + 1`` are read (the caller refuses it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(cap + 1)
+_ZARR_KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value",
+              "codecs", "attributes", "dimension_names", "storage_transformers"}
+
+
+def validate_array_metadata(raw: bytes, record: LeafRecord) -> dict:
+    """A leaf's ``zarr.json``, checked against what eqxckpt writes for ``record``.
+
+    Only the codec chain eqxckpt writes (raw little-endian bytes plus a crc32c
+    checksum) and a regular grid of chunks of at most `CHUNK_BYTES` are
+    accepted, so a crafted file can neither skip the checksum nor make a read
+    allocate more than the array's own size plus one chunk.
+    """
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"Leaf {record.path!r}: its zarr.json {why}. eqxckpt never writes that: the checkpoint is damaged or "
+            "crafted; do not trust it."
+        )
+
+    if len(raw) > MAX_ZARR_JSON_BYTES:
+        raise bad(f"is over {MAX_ZARR_JSON_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise bad("is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise bad("is not a JSON object")
+    if extra := sorted(set(doc) - _ZARR_KEYS):
+        raise bad(f"has fields {extra}")
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
+        raise bad("does not describe a zarr v3 array")
+    shape = record.data_shape
+    if doc.get("shape") != list(shape) or doc.get("data_type") != record.dtype:
+        raise CorruptCheckpointError(
+            f"Leaf {record.path!r} is corrupt: the manifest says {record.dtype}{list(shape)} but its zarr.json says "
+            f"{doc.get('data_type')}{doc.get('shape')}. Restore the checkpoint from a copy or load an earlier one."
+        )
+    grid = doc.get("chunk_grid")
+    chunk = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) else None
+    if not (isinstance(grid, dict) and grid.get("name") == "regular" and isinstance(chunk, list)
+            and len(chunk) == len(shape)
+            and all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= max(1, n) for c, n in zip(chunk, shape))):
+        raise bad(f"has a chunk grid {grid!r} that does not fit the shape {list(shape)}")
+    if math.prod(chunk) * np.dtype(record.dtype).itemsize > CHUNK_BYTES:
+        raise bad(f"has chunks of {chunk} (over {CHUNK_BYTES} bytes)")
+    encoding = doc.get("chunk_key_encoding")
+    if encoding not in ({"name": "default"}, {"name": "default", "configuration": {"separator": "/"}}):
+        raise bad(f"has a chunk key encoding {encoding!r}")
+    codecs = doc.get("codecs")
+    little = {"name": "bytes", "configuration": {"endian": "little"}}
+    if not (isinstance(codecs, list) and len(codecs) == 2 and codecs[1] == {"name": "crc32c"}
+            and (codecs[0] == little or (codecs[0] == {"name": "bytes"} and np.dtype(record.dtype).itemsize == 1))):
+        raise bad(f"has codecs {codecs!r}, not raw bytes with a crc32c checksum")
+    if doc.get("storage_transformers", []) != []:
+        raise bad("has storage transformers")
+    return {key: doc[key] for key in ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs", "fill_value")
+            if key in doc}
 
 
 def _unsafe(record: LeafRecord, where: pathlib.Path) -> CorruptCheckpointError:
@@ -314,6 +428,7 @@ class LazyArray:
 
     def _start(self) -> ts.Future:
         store = self.checkpoint.checked(self.record, self.checkpoint.open_array(self.record))
+        check_allocation(self.nbytes, f"Reading leaf {self.path!r}")
         return (store[self._index] if self._index != () else store).read()
 
     def _finish(self, data: np.ndarray) -> Any:

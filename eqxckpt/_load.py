@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from ._checkpoint import Checkpoint, LazyArray, key_dtype, open, reading, wrap_prng
+from ._checkpoint import Checkpoint, LazyArray, check_allocation, key_dtype, open, reading, wrap_prng
 from ._errors import CheckpointChangedError, CheckpointError, StructureMismatchError
 from ._manifest import LeafRecord, scalar_to_json
 from ._paths import depth, normalize_at
@@ -179,6 +179,8 @@ def _read(checkpoint: Checkpoint, reads: list[tuple[LeafRecord, Any]]) -> list[A
     final buffers, concurrently within a `read_window`."""
     opens = [checkpoint.open_array(record) for record, _ in reads]
     stores = [checkpoint.checked(record, opened) for (record, _), opened in zip(reads, opens)]
+    check_allocation(sum(record.nbytes for (record, target) in reads if not _sharded(record, target)),
+                     f"Restoring {len(reads)} leaves from {checkpoint.location}")
     values: list[Any] = [None] * len(reads)
     sharded = {i: _start_slices(record, target, store) for i, ((record, target), store) in enumerate(zip(reads, stores))
                if _sharded(record, target)}

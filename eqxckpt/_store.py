@@ -217,9 +217,16 @@ def array_spec(
     }
 
 
-def read_spec(kvstore: dict) -> dict:
-    """zarr3 spec for opening a stored leaf; a missing chunk is an error."""
-    return {"driver": "zarr3", "kvstore": kvstore, "open": True, "fill_missing_data_reads": False}
+def read_spec(kvstore: dict, metadata: dict | None = None) -> dict:
+    """zarr3 spec for opening a stored leaf; a missing chunk is an error.
+
+    With ``metadata`` (already read and validated), TensorStore uses it as it
+    is instead of reading ``zarr.json`` itself.
+    """
+    spec: dict = {"driver": "zarr3", "kvstore": kvstore, "open": True, "fill_missing_data_reads": False}
+    if metadata is not None:
+        spec.update(metadata=metadata, assume_metadata=True)
+    return spec
 
 
 _STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
