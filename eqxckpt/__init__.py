@@ -13,6 +13,7 @@ from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray, open 
 from ._errors import (
     CheckpointBusyError as CheckpointBusyError,
     CheckpointChangedError as CheckpointChangedError,
+    CastError as CastError,
     CheckpointError as CheckpointError,
     CheckpointExistsError as CheckpointExistsError,
     CheckpointNotFoundError as CheckpointNotFoundError,
@@ -22,6 +23,7 @@ from ._errors import (
     ManifestError as ManifestError,
     PathError as PathError,
     StructureMismatchError as StructureMismatchError,
+    UnsupportedLeafError as UnsupportedLeafError,
 )
 from ._load import load as load
 from ._manager import CheckpointManager as CheckpointManager

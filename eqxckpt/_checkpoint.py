@@ -426,6 +426,14 @@ class LazyArray:
         """A lazy cast: the conversion happens on ``get()``."""
         return LazyArray(self.checkpoint, self.record, self._index, dtype)
 
+    def source(self) -> ts.TensorStore:
+        """The stored array as a TensorStore view (indexed and cast as this
+        LazyArray is), to copy from without reading it all into memory."""
+        store = self.checkpoint.checked(self.record, self.checkpoint.open_array(self.record))
+        if self._index != ():
+            store = store[self._index]
+        return store if self._dtype is None else ts.cast(store, self._dtype)
+
     def _start(self) -> ts.Future:
         store = self.checkpoint.checked(self.record, self.checkpoint.open_array(self.record))
         check_allocation(self.nbytes, f"Reading leaf {self.path!r}")

@@ -49,3 +49,11 @@ class CheckpointChangedError(CheckpointError):
 
 class CheckpointBusyError(CheckpointExistsError):
     """Another process is writing or deleting the checkpoint at this place right now."""
+
+
+class UnsupportedLeafError(CheckpointError, TypeError):
+    """A leaf `save` cannot store faithfully (an object JAX does not flatten, a masked array...)."""
+
+
+class CastError(CheckpointError, ValueError):
+    """A stored value cannot be restored into the requested dtype without changing it."""

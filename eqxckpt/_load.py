@@ -12,11 +12,11 @@ import numpy as np
 import tensorstore as ts
 
 from ._checkpoint import Checkpoint, LazyArray, check_allocation, key_dtype, open, reading, wrap_prng
-from ._errors import CheckpointChangedError, CheckpointError, StructureMismatchError
+from ._errors import CastError, CheckpointChangedError, CheckpointError, StructureMismatchError
 from ._manifest import LeafRecord, scalar_to_json
 from ._paths import depth, normalize_at
 from ._transform import keypath_string, missing_originals, plan, readable_path
-from ._tree import SCALAR_TYPES, describe_like, flatten, is_array_like, is_prng_key_dtype
+from ._tree import SCALAR_TYPES, describe_like, flatten, is_array_like, is_prng_key_dtype, read_window
 
 MAX_LISTED = 50
 
@@ -45,6 +45,8 @@ def _mismatch(record: LeafRecord, target: Any, cast: bool) -> str | None:
             return f"{expected}, {found} (pass cast=True to convert)"
         if tuple(np.shape(target)) != record.shape:
             return f"{expected}, {found}"
+        if (narrowed := _narrowed(record, target)) is not None:
+            return f"{expected}, {found}: {narrowed}"
         return None
     if isinstance(target, SCALAR_TYPES):
         if record.kind != "scalar" or record.type_name != scalar_to_json(target)[0]:
@@ -53,6 +55,54 @@ def _mismatch(record: LeafRecord, target: Any, cast: bool) -> str | None:
     if record.kind != "opaque":
         return f"{expected}, {found}"
     return None
+
+
+def _narrowed(record: LeafRecord, target: Any) -> str | None:
+    """Why JAX would silently narrow what is restored (64-bit data with x64 off), or None."""
+    if jax.config.read("jax_enable_x64") or record.kind != "array":
+        return None
+    dtype = np.dtype(getattr(target, "dtype", None) or record.dtype)
+    into_jax = isinstance(target, jax.Array) or (
+        (target is None or isinstance(target, jax.ShapeDtypeStruct))
+        and (record.array_type == "jax" or getattr(target, "sharding", None) is not None))
+    if not into_jax or dtype.itemsize < 8 or dtype.kind not in "iufc" or dtype.name == "complex64":
+        return None
+    return (f"{dtype.name} would become {jax.dtypes.canonicalize_dtype(dtype).name} in JAX, since this process has "
+            "jax_enable_x64 off. Enable it (jax.config.update('jax_enable_x64', True)), restore into numpy "
+            "leaves, or pass cast=True with a 32-bit `like` (the values are checked to fit)")
+
+
+def checked_astype(data: np.ndarray, dtype: Any, path: str) -> np.ndarray:
+    """``data`` cast to ``dtype`` (an explicit ``cast=True``), refusing values that would change
+    beyond rounding: integers out of range, NaN or infinities into integers, finite floats
+    that overflow. Floats that underflow to zero are cast with a warning."""
+    dtype = np.dtype(dtype)
+    if data.dtype == dtype:
+        return data
+    out = data.astype(dtype)
+    if dtype.kind in "iub" or data.dtype.kind not in "iufc":
+        if dtype.kind in "iu" and data.dtype.kind in "iufc" and data.size:
+            info = np.iinfo(dtype)
+            parts = [data.real, data.imag] if data.dtype.kind == "c" else [data]
+            for part in parts:
+                if data.dtype.kind in "fc" and not np.isfinite(part).all():
+                    raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} met NaN or infinity, which "
+                                    f"{dtype.name} cannot hold. Restore into a float `like`.")
+                if part.min() < info.min or part.max() > info.max:
+                    raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} met values from {part.min()} to "
+                                    f"{part.max()}, outside [{info.min}, {info.max}]. Restore into a wider `like` "
+                                    "(with jax_enable_x64 on, or numpy leaves).")
+        return out
+    if dtype.kind in "fc" and data.dtype.kind in "fc":
+        pairs = [(data.real, out.real), (data.imag, out.imag)] if data.dtype.kind == "c" else [(data, out)]
+        for before, after in pairs:
+            if (np.isfinite(before) & ~np.isfinite(after)).any():
+                raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} would turn finite values into "
+                                "infinities (they are beyond its range). Restore into a wider `like`.")
+            if ((before != 0) & (after == 0)).any():
+                warnings.warn(f"Leaf {path!r}: cast=True to {dtype.name} flushed tiny nonzero values to zero.",
+                              stacklevel=6)
+    return out
 
 
 def _report(location: Any, at: str, missing, unexpected, mismatched) -> str:
@@ -81,7 +131,7 @@ def _to_target(record: LeafRecord, target: Any, data: np.ndarray) -> Any:
         sharding = getattr(target, "sharding", None)
         return value if sharding is None else jax.device_put(value, sharding)
     if data.dtype != np.dtype(getattr(target, "dtype", data.dtype)):
-        data = data.astype(target.dtype)
+        data = checked_astype(data, target.dtype, record.path)
     sharding = getattr(target, "sharding", None)
     if isinstance(target, np.ndarray):
         return data
@@ -116,14 +166,6 @@ def adopt(data: np.ndarray, sharding: Any = None) -> jax.Array:
         except BufferError:  # a dtype DLPack cannot describe
             pass
     return jax.device_put(data, sharding)
-
-
-# Reads in flight at once are bounded so that a restore peaks near the bytes
-# it restores: a local read maps its chunk files while it copies them into our
-# buffer, an object-store read holds the fetched chunks. A quarter of the restore, between 16 and 256 MiB: on 792 MiB in 200
-# leaves, 0.38-0.43 s at a peak of 1.06x; 16 MiB windows are ~30% slower.
-def read_window(total_bytes: int) -> int:
-    return min(256 << 20, max(16 << 20, total_bytes // 4))
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
@@ -170,7 +212,7 @@ def _assemble(record: LeafRecord, target: Any, reads: dict) -> jax.Array:
         return jax.random.wrap_key_data(data, impl=record.impl)
     dtype = np.dtype(target.dtype)
     return jax.make_array_from_callback(
-        record.shape, target.sharding, lambda idx: slices[_slice_key(idx, record.shape)].astype(dtype, copy=False)
+        record.shape, target.sharding, lambda idx: checked_astype(slices[_slice_key(idx, record.shape)], dtype, record.path)
     )
 
 
@@ -314,6 +356,10 @@ def _load_from(checkpoint: Checkpoint, like: Any, at: str | None, strict: bool, 
         )
     if like is None:
         stored = [r for r in available.values() if r.is_stored]
+        narrowed = [(r.path, why) for r in stored if (why := _narrowed(r, None)) is not None]
+        if narrowed:
+            raise CastError(f"Cannot restore {len(narrowed)} leaves of {checkpoint.location} without changing them: "
+                            + "; ".join(f"{path}: {why}" for path, why in narrowed[:MAX_LISTED]) + ".")
         values = dict(zip((r.path for r in stored), _read(checkpoint, [(r, None) for r in stored])))
         pairs = [(r, values[r.path] if r.is_stored else checkpoint.value(r)) for r in available.values()]
         return build_plain_tree(pairs, depth(prefix))

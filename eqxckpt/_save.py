@@ -3,6 +3,7 @@
 import atexit
 import bisect
 import concurrent.futures
+import contextlib
 import itertools
 import dataclasses
 import json
@@ -17,8 +18,12 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from ._checkpoint import LazyArray
 from ._distributed import Phases, is_multiprocess
-from ._errors import CheckpointBusyError, CheckpointError, CheckpointExistsError, CheckpointWriteError, ManifestError
+from ._errors import (
+    CheckpointBusyError, CheckpointError, CheckpointExistsError, CheckpointWriteError, ManifestError,
+    UnsupportedLeafError,
+)
 from ._lease import (
     DirLock, Lease, create_staging, delete_leaf_keys, describe_lease, join_staging, read_lease, reclaim,
     remove_abandoned, remove_tree, warn_if_not_atomic,
@@ -30,7 +35,7 @@ from ._store import (
     resolve,
     shared_context, sync_filesystem,
 )
-from ._tree import SCALAR_TYPES, flatten, is_array_like, is_prng_key_dtype, type_name
+from ._tree import SCALAR_TYPES, flatten, is_array_like, is_code, is_prng_key_dtype, read_window, type_name
 
 
 class SaveHandle:
@@ -126,7 +131,10 @@ def _plan(tree: Any) -> tuple[list[LeafRecord], list[tuple[LeafRecord, Any]]]:
                 "wrap a single array, e.g. save(path, {'x': array})."
             )
         keys = tuple(tuple(key_entry_record(e)) for e in keypath)
-        if is_array_like(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct):
+        if isinstance(leaf, LazyArray):
+            record = _lazy_record(path, keys, leaf)
+            arrays.append((record, leaf))
+        elif is_array_like(leaf) and not isinstance(leaf, (jax.ShapeDtypeStruct, np.ma.MaskedArray)):
             if isinstance(leaf, jax.Array) and is_prng_key_dtype(leaf.dtype):
                 data = jax.random.key_data(leaf)
                 impl = str(jax.random.key_impl(leaf))
@@ -142,10 +150,43 @@ def _plan(tree: Any) -> tuple[list[LeafRecord], list[tuple[LeafRecord, Any]]]:
         elif isinstance(leaf, SCALAR_TYPES) or leaf is None:
             kind, value = scalar_to_json(str(leaf) if isinstance(leaf, (np.str_,)) else leaf)
             record = LeafRecord(path, keys, "scalar", value=value, type_name=kind)
-        else:
+        elif is_code(leaf):
             record = LeafRecord(path, keys, "opaque", type_name=type_name(leaf))
+        else:
+            raise UnsupportedLeafError(_refusal(path, leaf))
         records.append(record)
     return records, arrays
+
+
+def _lazy_record(path: str, keys: tuple, lazy: LazyArray) -> LeafRecord:
+    """The record of a leaf saved from another checkpoint's `LazyArray`."""
+    source = lazy.record
+    if source.kind == "prng_key":
+        if lazy._index != () or lazy._dtype is not None:
+            raise UnsupportedLeafError(f"Leaf {path!r}: a sliced or cast lazy PRNG key array cannot be saved; get() it.")
+        return LeafRecord(path, keys, "prng_key", source.shape, source.dtype, impl=source.impl, value=source.value)
+    dtype = np.dtype(lazy.dtype)
+    check_dtype(dtype, path)
+    return LeafRecord(path, keys, "array", tuple(lazy.shape), dtype.name, array_type=source.array_type or "numpy")
+
+
+def _refusal(path: str, leaf: Any) -> str:
+    """Why a leaf cannot be saved, and what to do instead."""
+    kind = type_name(leaf)
+    if isinstance(leaf, np.ma.MaskedArray):
+        return (f"Leaf {path!r} is a numpy masked array: saving it as an array would lose its mask. Save "
+                f"{{'data': x.data, 'mask': np.ma.getmaskarray(x)}} instead, or np.ma.filled(x) if the mask is not needed.")
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return (f"Leaf {path!r} is a jax.ShapeDtypeStruct: a shape and dtype with no data (from eval_shape or "
+                "filter_eval_shape?). Save the real arrays.")
+    if isinstance(leaf, dict):
+        hint = "a dict subclass, which JAX does not flatten: convert it with dict(x), or register it as a pytree"
+    else:
+        hint = "an object JAX treats as a single leaf, so eqxckpt cannot see what it holds (it may hold arrays)"
+    return (f"Leaf {path!r} is {hint} ({kind}). Make it a pytree (an eqx.Module, a registered class "
+            "(jax.tree_util.register_pytree_node / register_dataclass), or plain dicts and lists), convert it to "
+            "arrays and scalars, or keep it out of the saved tree (an eqx.field(static=True), or "
+            "eqx.filter(tree, eqx.is_array)). Only arrays, scalars, strings, None, functions and classes can be leaves.")
 
 
 def _snapshot(arrays: list[tuple[LeafRecord, Any]], copy: bool, leader: bool) -> list[_Leaf]:
@@ -170,12 +211,13 @@ def _snapshot(arrays: list[tuple[LeafRecord, Any]], copy: bool, leader: bool) ->
         else:
             leaves.append(_Leaf(record, None, [(None, value)] if leader or not multiprocess else []))
     # Start every device-to-host transfer before waiting on any (a no-op on CPU).
+    # A LazyArray stays as it is: it is copied from its checkpoint piece by piece.
     for leaf in leaves:
         for _, data in leaf.pieces:
             if isinstance(data, jax.Array) and not _on_cpu(data):
                 data.copy_to_host_async()
     for leaf in leaves:
-        leaf.pieces = [(index, _host(data, copy)) for index, data in leaf.pieces]
+        leaf.pieces = [(index, data if isinstance(data, LazyArray) else _host(data, copy)) for index, data in leaf.pieces]
     return leaves
 
 
@@ -263,8 +305,20 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         (leaf.record, (store if index is None else store[index]).write(data, can_reference_source_data_indefinitely=True))
         for store, leaf in zip(stores, leaves)
         for index, data in leaf.pieces
+        if not isinstance(data, LazyArray)
     ]
     _settle(writes, "Writing")
+    # Leaves from another checkpoint are streamed, a window of bytes at a time,
+    # so copying a checkpoint never holds the whole of it in memory.
+    copies = [(store, leaf.record, data) for store, leaf in zip(stores, leaves) for _, data in leaf.pieces
+              if isinstance(data, LazyArray)]
+    window = read_window(sum(data.nbytes for _, _, data in copies))
+    while copies:
+        batch, size = [], 0
+        while copies and (not batch or size + copies[0][2].nbytes <= window):
+            batch.append(copies.pop(0))
+            size += batch[-1][2].nbytes
+        _settle([(record, store.write(data.source())) for store, record, data in batch], "Copying")
 
 
 def _expected_files(leaves: list[_Leaf]) -> dict[str, int]:
@@ -506,7 +560,12 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
             mine = leaves if created is not None else [leaf for leaf in leaves if leaf.pieces]
             if staging.local is not None and lock is None:
                 lock = join_staging(staging.local)  # a cleaner must see this process as alive
-            _write_pieces(created if created is not None else _open_arrays(staging, mine, create=False), mine)
+            with contextlib.ExitStack() as sources:
+                # Leaves copied from other checkpoints: those must stay the same until written.
+                for source in {id(d.checkpoint): d.checkpoint for leaf in mine for _, d in leaf.pieces
+                               if isinstance(d, LazyArray)}.values():
+                    sources.enter_context(source.consistent())
+                _write_pieces(created if created is not None else _open_arrays(staging, mine, create=False), mine)
             if staging.local is not None:
                 # Durable before the commit phase: every process syncs what it wrote.
                 sync_filesystem(staging.local)

@@ -1,5 +1,7 @@
 """Flattening pytrees into path-named leaves, and telling leaf kinds apart."""
 
+import functools
+import inspect
 from typing import Any
 
 import jax
@@ -49,3 +51,31 @@ def describe_like(x: Any) -> str:
 def type_name(x: Any) -> str:
     t = type(x)
     return f"{t.__module__}.{t.__qualname__}"
+
+
+def is_code(x: Any) -> bool:
+    """Functions and classes: leaves a checkpoint records by type only, taking
+    their value from `like` on load. Everything else that is not an array, a
+    scalar, a string or None is refused by `save` (it may hold data).
+
+    The set: classes (``type`` instances, including ``jnp.float32``), numpy
+    dtypes, Python functions, builtins and methods, ``functools.partial`` of
+    such without array arguments, and callables defined by JAX or Equinox
+    (``jax.nn.relu``, ``jax.jit(f)``).
+    """
+    if isinstance(x, (type, np.dtype)) or inspect.isroutine(x):
+        return True
+    if isinstance(x, functools.partial):
+        arguments = jax.tree_util.tree_leaves((x.args, x.keywords))
+        return is_code(x.func) and not any(is_array_like(a) for a in arguments)
+    module = type(x).__module__.split(".")[0]
+    return callable(x) and module in ("jax", "jaxlib", "equinox")
+
+
+def read_window(total_bytes: int) -> int:
+    """Bytes of reads in flight at once, so that a restore (or a copy) peaks near
+    the bytes it moves: a local read maps its chunk files while it copies them,
+    an object-store read holds the fetched chunks. A quarter of the total,
+    between 16 and 256 MiB: on 792 MiB in 200 leaves, 0.38-0.43 s at a peak of
+    1.06x; 16 MiB windows are ~30% slower."""
+    return min(256 << 20, max(16 << 20, total_bytes // 4))
