@@ -79,7 +79,8 @@ def checked_astype(data: np.ndarray, dtype: Any, path: str) -> np.ndarray:
     dtype = np.dtype(dtype)
     if data.dtype == dtype:
         return data
-    out = data.astype(dtype)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):  # checked below
+        out = data.astype(dtype)
     if dtype.kind in "iub" or data.dtype.kind not in "iufc":
         if dtype.kind in "iu" and data.dtype.kind in "iufc" and data.size:
             info = np.iinfo(dtype)

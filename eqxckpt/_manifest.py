@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
+from ._errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
 from ._paths import MANIFEST_NAME, record_segment, validate_path
 from ._lease import LocalPin, StorePin, describe_lease, is_stale, read_lease
-from ._store import STORED_DTYPES, Location, hidden_owner
+from ._store import STORED_DTYPES, Location, hidden_owner, is_storage_error, reason
 
 FORMAT = "eqxckpt"
 VERSION = 1
@@ -27,7 +27,9 @@ LEAF_KINDS = ("array", "prng_key", "scalar", "opaque")
 KEY_KINDS = ("attr", "dict", "seq", "index")
 ARRAY_TYPES = ("jax", "numpy", "numpy_scalar")
 SCALAR_TYPES = ("int", "float", "bool", "complex", "str", "none")
-MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+# 64 MiB hold the manifest of about 250,000 leaves (about 250 bytes each).
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_PARSE_FACTOR = 16
 MAX_RANK = 64
 MAX_ELEMENTS = 1 << 53
 # A sequence's largest index may exceed its number of leaves (empty subtrees
@@ -270,10 +272,33 @@ def _check_containers(records: tuple[LeafRecord, ...], where: str) -> None:
             )
 
 
+def parse_cost(raw: bytes) -> int:
+    """An upper estimate of the memory Python's JSON parser takes for ``raw``.
+
+    Counted on the raw bytes (fast; brackets and commas inside strings only
+    make it larger): about 100 bytes per object or array, 60 per string and
+    32 per other value. An eqxckpt manifest costs about 7-10x its size;
+    ``[{},{},...]`` costs 25x, which is how a few MiB become GiB.
+    """
+    containers = raw.count(b"{") + raw.count(b"[")
+    strings = raw.count(b'"') // 2
+    values = raw.count(b",") + containers
+    return 100 * containers + 60 * strings + 32 * max(0, values - strings) + len(raw)
+
+
 def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
-    """Parse and validate manifest bytes; raises `ManifestError` on anything off."""
+    """Parse and validate manifest bytes; raises `ManifestError` on anything off.
+
+    Memory stays within `MAX_PARSE_FACTOR` times the manifest's size (plus
+    16 MiB): a denser document is refused before it is parsed.
+    """
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"The manifest of {where} is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit.")
+    if parse_cost(raw) > MAX_PARSE_FACTOR * len(raw) + (16 << 20):
+        raise ManifestError(
+            f"The manifest of {where} is {len(raw)} bytes of densely packed JSON values (parsing it would take about "
+            f"{parse_cost(raw) >> 20} MiB). eqxckpt never writes that: the manifest is corrupt or crafted."
+        )
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -335,11 +360,22 @@ def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:
         except BaseException:
             pin.close()
             raise
-    store = location.open_kvstore()
-    result = store.read(MANIFEST_NAME).result()
-    if result.state == "value":
-        return parse_manifest(bytes(result.value), str(location)), StorePin(location, result.stamp.generation)
-    _, lease = read_lease(store)
+    try:
+        store = location.open_kvstore()
+        result = _read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        if result.state == "value":
+            return parse_manifest(bytes(result.value), str(location)), StorePin(location, result.stamp.generation)
+        _, lease = read_lease(store)
+        listed = store.list().result()
+    except ValueError as e:
+        if not is_storage_error(e):
+            raise
+        if str(e).startswith("NOT_FOUND"):
+            raise CheckpointNotFoundError(f"No checkpoint at {location}: {reason(e)} (is the bucket's name right?)") from None
+        raise CheckpointError(
+            f"Cannot read {location}: {reason(e)}. Check the endpoint (AWS_ENDPOINT_URL), the network and the "
+            "credentials."
+        ) from None
     if lease is not None and not is_stale(lease) and lease.get("purpose") != "save":
         raise CheckpointNotFoundError(f"No checkpoint at {location}: it is being deleted ({describe_lease(lease)}).")
     if lease is not None and not is_stale(lease):
@@ -348,12 +384,26 @@ def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:
             f"its lease's timeout ago ({describe_lease(lease)}). Load it again once that save has finished, or "
             "load an earlier checkpoint."
         )
-    if store.list().result():
+    if listed:
         raise IncompleteCheckpointError(
             f"{location} has data but no {MANIFEST_NAME}: no save committed a checkpoint there (one was "
             "interrupted, or this is not an eqxckpt checkpoint). Load an earlier checkpoint, or save elsewhere."
         )
     raise CheckpointNotFoundError(f"No checkpoint at {location}.")
+
+
+def _read_bounded(store: Any, key: str, cap: int) -> Any:
+    """Read ``key``, downloading at most ``cap + 1`` bytes of it (then the caller refuses it).
+
+    A ranged read past the end of a smaller value fails, so a small value
+    (the usual case) is read again whole; a huge one is never downloaded.
+    """
+    try:
+        return store.read(key, byte_range=slice(0, cap + 1)).result()
+    except ValueError as e:
+        if not str(e).startswith("OUT_OF_RANGE"):
+            raise
+    return store.read(key).result()
 
 
 def _read_local_manifest(local: Any, dir_fd: int) -> Manifest:

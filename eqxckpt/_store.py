@@ -124,6 +124,7 @@ def _as_dir(prefix: str) -> str:
 
 
 _CONTEXT: ts.Context | None = None
+S3_RETRIES = int(os.environ.get("EQXCKPT_S3_RETRIES", "6"))
 
 
 def shared_context() -> ts.Context:
@@ -146,6 +147,8 @@ def shared_context() -> ts.Context:
             "file_io_sync": False,
             "file_io_mode": {"mode": "memmap"},
             "cache_pool": {"total_bytes_limit": 0},
+            # An unreachable endpoint fails within about 20 s, not after many minutes of retries.
+            "s3_request_retries": {"max_retries": S3_RETRIES, "initial_delay": "0.5s", "max_delay": "4s"},
         })
     return _CONTEXT
 
@@ -240,7 +243,7 @@ def is_storage_error(error: BaseException) -> bool:
 
 def reason(error: BaseException | str) -> str:
     """A TensorStore error's message without the spec dump that follows it."""
-    return str(error).split(" [tensorstore_spec=")[0]
+    return str(error).split(" [tensorstore_spec=")[0].split(" [http_response_body=")[0]
 
 
 def check_dtype(dtype: np.dtype, where: str) -> None:

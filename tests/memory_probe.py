@@ -1,6 +1,6 @@
 """Peak memory of one eqxckpt operation, measured in a fresh process (Linux).
 
-    python memory_probe.py save|save_async|load|load_params PATH
+    python memory_probe.py save|save_async|load|load_params|copy PATH
 
 Prints JSON: the peak RSS above the level just before the operation, and the
 bytes saved or restored.
@@ -33,6 +33,14 @@ def kib(field):
 
 def main(op, path):
     nbytes = lambda t: sum(x.nbytes for x in jax.tree_util.tree_leaves(t))
+    if op == "copy":  # PATH is the source; the copy goes beside it
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = kib("VmRSS")
+        source = eqxckpt.open(path)
+        eqxckpt.save(path + "-copy", source.tree())
+        print(json.dumps({"peak": (kib("VmHWM") - before) * 1024, "bytes": source.nbytes}))
+        return
     if op.startswith("load"):
         # The state is built only after the load, to check it: memory it
         # freed would otherwise be reused and hide the load's own growth.

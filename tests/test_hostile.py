@@ -241,3 +241,151 @@ def test_unknown_prng_implementation_is_a_manifest_error(world):
     outcomes = every_reader(ckpt)
     assert isinstance(outcomes["load"], eqxckpt.ManifestError) and "'w'" in str(outcomes["load"])
     assert not outcomes["verify"].ok
+
+
+# --- the hostile-input issue: crafted zarr.json, sparse files, bombs (peak memory in fresh processes) ---
+
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import tensorstore as ts  # noqa: E402
+
+PROBE = os.path.join(os.path.dirname(__file__), "bomb_probe.py")
+
+
+def probe(op, path):
+    """Run one reader in a fresh process: (error class name, message, peak MiB)."""
+    out = subprocess.run([sys.executable, PROBE, op, str(path)], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-3000:]  # never a crash (SIGABRT, OOM kill)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["error"], result["message"], result["peak_mib"]
+
+
+def replace_leaf_array(ckpt, leaf, metadata, data):
+    """Put an array TensorStore writes with ``metadata`` where leaf ``leaf`` was."""
+    shutil.rmtree(ckpt / leaf)
+    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(ckpt / leaf) + "/"},
+                     "metadata": metadata, "create": True}).result()
+    store.write(data).result()
+
+
+CRAFTED_ARRAYS = {
+    # eqxckpt writes raw bytes + crc32c only: anything else is refused before it is opened
+    "zstd": ({"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}]}, "codecs"),
+    "gzip without checksum": ({"codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                                          {"name": "gzip"}]}, "codecs"),
+    "sharding": ({"codecs": [{"name": "sharding_indexed", "configuration": {
+        "chunk_shape": [1 << 20], "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}],
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1 << 20]}}}, "chunk grid"),
+    "huge chunk": ({"chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1 << 30]}}}, "chunk grid"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED_ARRAYS))
+def test_zarr_json_is_validated_before_any_array_is_opened(tmp_path, case):
+    extra, expected = CRAFTED_ARRAYS[case]
+    ckpt = tmp_path / "c"
+    eqxckpt.save(ckpt, {"w": np.arange(4096, dtype=np.float32)})
+    metadata = {"shape": [4096], "data_type": "float32", **extra}
+    noise = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint32).view(np.float32)  # incompressible
+    replace_leaf_array(ckpt, "w", metadata, noise)
+    for op in ("load", "get", "verify"):
+        error, message, peak = probe(op, ckpt)
+        assert error in ("CorruptCheckpointError", "VerifyReport") and "zarr.json" in message and expected in message, (op, message)
+        assert peak < 64, (op, peak)  # MiB: nothing near the crafted chunk's size is allocated
+
+
+def test_zarr_json_fields_eqxckpt_never_writes_are_refused(world):
+    _, ckpt, _ = world
+    meta = json.loads((ckpt / "w/zarr.json").read_text())
+    for key, value in [("storage_transformers", [{"name": "x"}]), ("unknown", 1), ("zarr_format", 2),
+                       ("chunk_key_encoding", {"name": "v2"})]:
+        (ckpt / "w/zarr.json").write_text(json.dumps({**meta, key: value}))
+        with pytest.raises(eqxckpt.CorruptCheckpointError, match="zarr.json"):
+            eqxckpt.load(ckpt)
+        assert not eqxckpt.verify(ckpt).ok
+    (ckpt / "w/zarr.json").write_text(json.dumps(meta))
+    np.testing.assert_array_equal(eqxckpt.load(ckpt)["w"], np.zeros((6, 8), np.float32))
+
+
+def test_huge_zarr_json_is_refused_without_reading_it(world):
+    """120 MB of attributes: refused after reading 64 KiB of it, at no memory cost."""
+    _, ckpt, _ = world
+    meta = json.loads((ckpt / "w/zarr.json").read_text())
+    meta["attributes"] = {"pad": "x" * (120 << 20)}
+    (ckpt / "w/zarr.json").write_text(json.dumps(meta))
+    error, message, peak = probe("load", ckpt)
+    assert error == "CorruptCheckpointError" and "over 65536 bytes" in message and peak < 32, (message, peak)
+
+
+def test_sparse_chunk_files_do_not_count_as_data(tmp_path):
+    """2 GiB declared over a few KiB on disk: refused before any allocation."""
+    ckpt = tmp_path / "c"
+    eqxckpt.save(ckpt, {"w": np.zeros(16, np.float32)})
+    doc = json.loads((ckpt / "eqxckpt.json").read_text())
+    doc["leaves"][0]["shape"] = [1 << 29]
+    (ckpt / "eqxckpt.json").write_text(json.dumps(doc))
+    shutil.rmtree(ckpt / "w")
+    chunk = 1 << 24  # 64 MiB chunks: a chunk grid eqxckpt could have written
+    ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(ckpt / "w") + "/"}, "create": True,
+             "metadata": {"shape": [1 << 29], "data_type": "float32",
+                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
+                          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}
+            ).result()
+    (ckpt / "w/c").mkdir()
+    for i in range(32):  # every chunk file present with the right size, but sparse
+        with open(ckpt / f"w/c/{i}", "wb") as f:
+            f.truncate(chunk * 4 + 4)
+    for op in ("load", "get", "verify"):
+        error, message, peak = probe(op, ckpt)
+        assert error in ("CorruptCheckpointError", "VerifyReport") and "on disk" in message, (op, message)
+        assert peak < 64, (op, peak)
+
+
+def test_dense_manifests_are_refused_before_parsing(world):
+    """A 32 MiB manifest of empty objects would take ~800 MiB to parse: refused, at
+    a cost near its own size."""
+    _, ckpt, _ = world
+    body = b'{"format": "eqxckpt", "version": 1, "metadata": {"x": [' + b"{}," * (11 << 20) + b'{}]}, "leaves": []}'
+    (ckpt / "eqxckpt.json").write_bytes(body)
+    error, message, peak = probe("open", ckpt)
+    assert error == "ManifestError" and "densely packed" in message, message
+    assert peak < 3 * len(body) / 2**20, peak
+
+
+@pytest.mark.parametrize("index", [5, 400_000_000, 1 << 40])
+def test_sequence_indices_cannot_allocate_huge_lists(world, index):
+    _, ckpt, _ = world
+
+    def edit(doc):
+        for i, leaf in enumerate(doc["leaves"]):
+            leaf["path"] = leaf["location"] = f"s/{i * index}" if leaf["kind"] == "array" else f"s/{i * index}"
+            leaf["keys"] = [["dict", "s"], ["seq", i * index]]
+        doc["leaves"] = [leaf for leaf in doc["leaves"]]
+
+    eqxckpt.save(ckpt, {"s": [np.zeros(2), np.ones(2)]}, overwrite=True)
+    rewrite_manifest(ckpt, edit)
+    for i in (0, 1):
+        os.rename(ckpt / "s" / str(i), ckpt / "s" / f".{i}")
+    for i in (0, 1):
+        os.rename(ckpt / "s" / f".{i}", ckpt / "s" / str(i * index))
+    if index == 5:  # a gap an empty subtree leaves (None, (), optax.EmptyState()) is legitimate
+        assert eqxckpt.load(ckpt)["s"][5].tolist() == [1.0, 1.0]
+        return
+    with pytest.raises(eqxckpt.ManifestError, match="claims index"):
+        eqxckpt.open(ckpt)
+
+
+def test_object_store_manifest_is_read_only_up_to_the_limit(monkeypatch):
+    """A huge manifest on an object store is refused after MAX_MANIFEST_BYTES + 1 bytes."""
+    import eqxckpt._manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 1000)
+    store = ts.KvStore.open({"driver": "memory", "path": "big-manifest/"},
+                            context=eqxckpt._store.shared_context()).result()
+    store.write("eqxckpt.json", b" " * 5000).result()
+    with pytest.raises(eqxckpt.ManifestError, match="over the 1000-byte limit"):
+        eqxckpt.open("memory://big-manifest")

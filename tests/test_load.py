@@ -172,3 +172,38 @@ def test_prng_keys_restore_into_skeletons(tmp_path):
     assert jax.random.uniform(out["k"]) == jax.random.uniform(tree["k"])
     with pytest.raises(eqxckpt.StructureMismatchError, match="key"):
         eqxckpt.load(tmp_path / "c", {"k": jax.random.key(0), "ks": jax.random.split(jax.random.key(0), 4)})
+
+
+def test_64_bit_data_never_narrows_silently(tmp_path):
+    """Saved with jax_enable_x64, loaded without: an error that says what to do, not
+    int32 [0, -1] for int64 [-2**63, 2**63-1]."""
+    with jax.enable_x64(True):
+        tree = {"i": jnp.array([-2**63, 2**63 - 1], jnp.int64), "u": jnp.array([2**64 - 1], jnp.uint64),
+                "f": jnp.array([1e-310, 1.0], jnp.float64), "c": jnp.array([1 + 1e-300j], jnp.complex128),
+                "small": jnp.array([1, -7], jnp.int64)}
+        eqxckpt.save(tmp_path / "c", tree)
+        exact = eqxckpt.load(tmp_path / "c")
+        assert exact["i"].dtype == jnp.int64 and int(exact["i"][0]) == -2**63
+    assert not jax.config.read("jax_enable_x64")
+    with pytest.raises(eqxckpt.CastError, match="jax_enable_x64") as caught:
+        eqxckpt.load(tmp_path / "c")
+    assert all(f"{leaf}:" in str(caught.value) for leaf in ("i", "u", "f", "c", "small"))
+    skeleton = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}  # 64-bit skeletons
+    with pytest.raises(eqxckpt.StructureMismatchError, match="jax_enable_x64"):
+        eqxckpt.load(tmp_path / "c", skeleton)
+    # numpy leaves hold 64 bits with or without x64
+    as_numpy = eqxckpt.load(tmp_path / "c", {k: np.zeros(v.shape, v.dtype) for k, v in tree.items()})
+    assert as_numpy["i"].tolist() == [-2**63, 2**63 - 1] and as_numpy["f"][0] == 1e-310
+    # an explicit cast checks that the values fit
+    narrow = {"small": jnp.zeros(2, jnp.int32)}
+    assert eqxckpt.load(tmp_path / "c", narrow, cast=True, strict=False)["small"].tolist() == [1, -7]
+    with pytest.raises(eqxckpt.CastError, match="outside"):
+        eqxckpt.load(tmp_path / "c", {"i": jnp.zeros(2, jnp.int32)}, cast=True, strict=False)
+    with pytest.raises(eqxckpt.CastError, match="outside"):
+        eqxckpt.load(tmp_path / "c", {"u": jnp.zeros(1, jnp.uint32)}, cast=True, strict=False)
+    with pytest.warns(UserWarning, match="flushed tiny nonzero values to zero"):
+        flushed = eqxckpt.load(tmp_path / "c", {"f": jnp.zeros(2, jnp.float32)}, cast=True, strict=False)
+    assert flushed["f"].tolist() == [0.0, 1.0]
+    eqxckpt.save(tmp_path / "big", {"f": np.array([1e300])})
+    with pytest.raises(eqxckpt.CastError, match="infinities"):
+        eqxckpt.load(tmp_path / "big", {"f": np.zeros(1, np.float32)}, cast=True)

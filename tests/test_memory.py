@@ -59,3 +59,10 @@ def test_restore_peaks_near_the_restored_bytes(saved, op):
     peak, restored = probe(op, path)
     assert restored == (192 * 2**20 + 3 * 8 * 2048 * 4 if op == "load" else 64 * 2**20 + 8 * 2048 * 4)
     assert peak <= 1.15 * restored + FIXED, f"{op} peaked at {peak / restored:.2f}x the {restored} bytes it restored"
+
+
+def test_copying_a_checkpoint_streams_it(saved):
+    """save(dst, open(src).tree()) holds a window of the state, never all of it."""
+    path, _ = saved
+    peak, size = probe("copy", path)
+    assert peak <= 0.5 * size + FIXED, f"copying peaked at {peak / size:.2f}x the {size} bytes copied"

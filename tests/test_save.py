@@ -1,4 +1,5 @@
 import collections
+import functools
 import json
 import os
 import subprocess
@@ -367,3 +368,69 @@ def test_round_trip_property(tmp_path_factory, tree):
     for key in tree:
         if jax.tree_util.tree_leaves(tree[key]):
             assert key in plain
+
+
+class Config(dict):
+    """A dict subclass: JAX does not flatten it, so to JAX it is one opaque leaf."""
+
+
+class Holder:
+    def __init__(self, w):
+        self.w = w
+
+
+@pytest.mark.parametrize("leaf, words", [
+    (Config(w=np.ones(3)), "dict subclass"),
+    (Holder(np.ones(3)), "single leaf"),
+    (np.ma.masked_array([1.0, 2.0], mask=[False, True]), "masked array"),
+    (jax.ShapeDtypeStruct((3,), jnp.float32), "ShapeDtypeStruct"),
+    (b"raw bytes", "single leaf"),
+    (functools.partial(np.add, np.ones(3)), "single leaf"),
+])
+def test_leaves_that_may_hold_data_are_refused_not_lost(tmp_path, leaf, words):
+    with pytest.raises(eqxckpt.UnsupportedLeafError, match=words) as caught:
+        eqxckpt.save(tmp_path / "c", {"model": {"part": leaf}})
+    assert "'model/part'" in str(caught.value)
+    assert not (tmp_path / "c").exists() and not os.listdir(tmp_path)  # nothing written
+
+
+def test_functions_and_classes_are_recorded_by_type(tmp_path):
+    tree = {"relu": jax.nn.relu, "fn": lambda x: x, "jitted": jax.jit(jnp.sin), "cls": jnp.float32,
+            "dtype": np.dtype("int8"), "partial": functools.partial(jnp.add, 1), "method": "abc".upper}
+    eqxckpt.save(tmp_path / "c", tree)
+    ckpt = eqxckpt.open(tmp_path / "c")
+    assert {p: ckpt.leaf(p).kind for p in ckpt.paths} == {p: "opaque" for p in tree}
+    assert eqxckpt.load(tmp_path / "c", tree)["relu"] is jax.nn.relu
+
+
+def test_saving_a_lazy_tree_copies_the_checkpoint(tmp_path):
+    model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+    state = {"model": model, "opt": optax.adam(1e-3).init(eqx.filter(model, eqx.is_array)), "step": 4,
+             "key": jax.random.key(3), "np": np.arange(6, dtype=np.int16).reshape(2, 3)}
+    eqxckpt.save(tmp_path / "src", state, metadata={"m": 1})
+    source = eqxckpt.open(tmp_path / "src")
+    eqxckpt.save(tmp_path / "dst", source.tree())
+    assert eqxckpt.verify(tmp_path / "dst").ok
+    assert_trees_equal(eqxckpt.load(tmp_path / "dst", state), state)
+    # a part, sliced and cast lazily: only that is read and written
+    eqxckpt.save(tmp_path / "part", {"w": source["model/layers/0/weight"][:2].astype(np.float16),
+                                     "np": source["np"]})
+    part = eqxckpt.load(tmp_path / "part")
+    np.testing.assert_array_equal(part["w"], np.asarray(model.layers[0].weight[:2]).astype(np.float16))
+    assert part["np"].dtype == np.int16 and isinstance(part["np"], np.ndarray)
+
+
+def test_a_lazy_copy_whose_source_is_replaced_commits_nothing(tmp_path, monkeypatch):
+    eqxckpt.save(tmp_path / "src", {"w": np.zeros(1000), "v": np.ones(10)})
+    tree = eqxckpt.open(tmp_path / "src").tree()
+    real = eqxckpt._save._write_pieces
+
+    def replace_source_midway(stores, leaves):
+        real(stores, leaves)
+        monkeypatch.setattr(eqxckpt._save, "_write_pieces", real)
+        eqxckpt.save(tmp_path / "src", {"w": np.ones(1000), "v": np.ones(10)}, overwrite=True)  # another process
+
+    monkeypatch.setattr(eqxckpt._save, "_write_pieces", replace_source_midway)
+    with pytest.raises(eqxckpt.CheckpointChangedError):
+        eqxckpt.save(tmp_path / "dst", tree)
+    assert not (tmp_path / "dst").exists()
