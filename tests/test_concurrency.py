@@ -217,12 +217,12 @@ def test_retention_waits_for_a_reader_in_another_process(tmp_path):
     assert sorted(os.listdir(run)) == ["3"]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 6 MiB tmpfs (needs root); skipped, saying why, where it cannot be mounted."""
+@pytest.fixture(params=["size=6m", "nr_inodes=60"], ids=["bytes", "inodes"])
+def small_disk(tmp_path, request):
+    """A tmpfs with 6 MiB or 60 inodes (needs root); skipped, saying why, where it cannot be mounted."""
     mount = tmp_path / "small"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True,
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", request.param, "tmpfs", str(mount)], capture_output=True,
                             text=True)
     if result.returncode != 0:
         pytest.skip(f"could not mount a tmpfs for the disk-full test (needs root): {result.stderr.strip()}")
@@ -233,8 +233,8 @@ def small_disk(tmp_path):
 
 
 def test_disk_full_leaves_no_temporary_directory(small_disk, request):
-    """Item 4: a save that fills the disk fails with CheckpointWriteError, and
-    removes its temporary directory once every write in flight has settled."""
+    """A save that fills the disk (its bytes or its inodes) fails with CheckpointWriteError,
+    and removes its temporary directory once every write in flight has settled."""
     previous = {"w": np.arange(1000, dtype=np.float32)}
     eqxckpt.save(small_disk / "ckpt", previous)
     big = {f"leaf{i}": np.full((256, 256), i, np.float32) for i in range(64)}  # 16 MiB > 6 MiB

@@ -389,3 +389,78 @@ def test_object_store_manifest_is_read_only_up_to_the_limit(monkeypatch):
     store.write("eqxckpt.json", b" " * 5000).result()
     with pytest.raises(eqxckpt.ManifestError, match="over the 1000-byte limit"):
         eqxckpt.open("memory://big-manifest")
+
+
+ZARR_FIELDS = ["zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value",
+               "codecs", "attributes", "dimension_names", "storage_transformers", "extra"]
+zarr_values = json_values | st.sampled_from([
+    [1 << 40], [0], [-1], [2, 3], [3, 2], {"name": "regular", "configuration": {"chunk_shape": [1 << 31, 1]}},
+    {"name": "regular", "configuration": {"chunk_shape": [1, 1]}}, {"name": "rectilinear"},
+    [{"name": "bytes"}, {"name": "crc32c"}], [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}],
+    [{"name": "sharding_indexed", "configuration": {"chunk_shape": [1 << 30]}}], [{"name": "zstd"}],
+    "float64", "int4", "bool", {"name": "default", "configuration": {"separator": "."}}, "NaN", "Infinity",
+])
+
+
+def fuzz_rounds(request, fast, slow):
+    return slow if request.config.getoption("--slow") else fast
+
+
+def test_fuzz_zarr_json(tmp_path, request):
+    """Mutated zarr.json files in a real checkpoint: every reader succeeds with the
+    right values or raises a CheckpointError; nothing crashes the process."""
+    path = tmp_path / "c"
+    eqxckpt.save(path, {"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    original = json.loads((path / "w/zarr.json").read_text())
+
+    @settings(max_examples=fuzz_rounds(request, 150, 3000), deadline=None)
+    @given(st.sampled_from(ZARR_FIELDS), st.booleans(), zarr_values)
+    def run(field, delete, value):
+        doc = copy.deepcopy(original)
+        if delete:
+            doc.pop(field, None)
+        else:
+            doc[field] = value
+        (path / "w/zarr.json").write_text(json.dumps(doc))
+        outcomes = every_reader(path)
+        if not isinstance(outcomes["load"], eqxckpt.CheckpointError):
+            np.testing.assert_array_equal(outcomes["load"]["w"], np.arange(6, dtype=np.float32).reshape(2, 3))
+
+    run()
+
+
+def test_fuzz_chunk_files(tmp_path, request):
+    """Flipped, cut, replaced and extended chunk files: the crc32c catches every change to the data."""
+    path = tmp_path / "c"
+    expected = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+    eqxckpt.save(path, {"w": expected})
+    chunk = path / "w/c/0/0"
+    original = chunk.read_bytes()
+
+    @settings(max_examples=fuzz_rounds(request, 150, 3000), deadline=None)
+    @given(st.integers(0, len(original) - 1), st.integers(1, 255), st.sampled_from(["flip", "cut", "extend", "junk"]),
+           st.binary(max_size=64))
+    def run(at, xor, how, junk):
+        raw = bytearray(original)
+        if how == "flip":
+            raw[at] ^= xor
+        elif how == "cut":
+            raw = raw[:at]
+        elif how == "extend":
+            raw += junk or b"\0"
+        else:
+            raw = bytearray(junk)
+        chunk.write_bytes(bytes(raw))
+        outcomes = every_reader(path)
+        # The data read is exactly what was saved (TensorStore reads a chunk's known size, so
+        # bytes appended after it change nothing), or the damage is reported.
+        for name, got in (("load", outcomes["load"]), ("lazy get", outcomes["lazy get"])):
+            if not isinstance(got, eqxckpt.CheckpointError):
+                np.testing.assert_array_equal(got["w"] if name == "load" else got[0], expected, err_msg=name)
+        assert outcomes["verify"].ok == (not isinstance(outcomes["load"], eqxckpt.CheckpointError))
+        if how != "extend":
+            assert isinstance(outcomes["load"], eqxckpt.CheckpointError)
+
+    run()
+    chunk.write_bytes(original)
+    np.testing.assert_array_equal(eqxckpt.load(path)["w"], expected)

@@ -1,6 +1,9 @@
 """save / load / open / inspect against a real S3 API: moto's server on 127.0.0.1."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import equinox as eqx
@@ -171,3 +174,20 @@ def test_save_never_deletes_what_it_did_not_write(s3):
     assert not [k for k in stored if k.startswith("runs/mixed/v/")]  # the old leaf went, being ours
     for key in FOREIGN:
         assert client.get_object(Bucket=BUCKET, Key="runs/mixed/" + key)["Body"].read() == FOREIGN[key]
+
+
+def test_missing_bucket_and_unreachable_endpoint_are_clear_errors(s3, capsys):
+    endpoint, _ = s3
+    missing = {**spec(endpoint, "x/"), "bucket": "no-such-bucket"}
+    for read in (eqxckpt.load, eqxckpt.open):
+        with pytest.raises(eqxckpt.CheckpointNotFoundError, match="NoSuchBucket"):
+            read(missing)
+    assert cli(["inspect", json.dumps(missing)]) == 1
+    assert "NoSuchBucket" in capsys.readouterr().err
+    # Nothing listens on port 9: a bounded number of retries, then an error that says what to check.
+    unreachable = {**spec("http://127.0.0.1:9", "x/")}
+    script = f"import eqxckpt; eqxckpt.load({unreachable!r})"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, EQXCKPT_S3_RETRIES="1", JAX_PLATFORMS="cpu"))
+    assert done.returncode == 1 and "eqxckpt._errors.CheckpointError: Cannot read s3://" in done.stderr
+    assert "Check the endpoint" in done.stderr

@@ -110,3 +110,13 @@ def test_arbitrary_keys_round_trip_through_disk(tmp_path_factory, tree):
 def test_validate_path_rejects_hostile(bad):
     with pytest.raises(ManifestError):
         validate_path(bad)
+
+
+@pytest.mark.parametrize("key", ["EQXCKPT.JSON", "Eqxckpt.Json", "EQXCKPT.LEASE.JSON"])
+def test_keys_that_fold_to_eqxckpt_files_are_refused(tmp_path, key):
+    """On a case-insensitive store such a key would clash with the manifest (or the lease)."""
+    with pytest.raises(eqxckpt.PathError, match="case-insensitive"):
+        eqxckpt.save(tmp_path / "c", {key: np.ones(2)})
+    assert not (tmp_path / "c").exists()
+    eqxckpt.save(tmp_path / "ok", {"eqxckpt.json": np.ones(2)})  # the exact name is escaped, as before
+    assert eqxckpt.open(tmp_path / "ok").paths == ["eqxckpt%2Ejson"]
