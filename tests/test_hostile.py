@@ -260,6 +260,7 @@ def probe(op, path):
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stderr[-3000:]  # never a crash (SIGABRT, OOM kill)
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{op} {path}: {result['error']}, peak {result['peak_mib']:.1f} MiB")  # the figures, for the record (-s)
     return result["error"], result["message"], result["peak_mib"]
 
 
