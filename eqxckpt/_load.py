@@ -392,7 +392,9 @@ def _load_from(checkpoint: Checkpoint, like: Any, at: str | None, strict: bool, 
             reads.append((i, record, target))
         else:
             out[i] = _unstored(checkpoint, record, target)
-    unexpected = [(rel, f"found {r.describe()}") for rel, r in available.items() if rel not in used]
+    # A None the checkpoint records where `like` has an empty subtree is no difference.
+    unexpected = [(rel, f"found {r.describe()}") for rel, r in available.items()
+                  if rel not in used and not (r.kind == "scalar" and r.type_name == "none")]
     if missing or mismatched or (unexpected and strict):
         raise StructureMismatchError(_report(checkpoint.location, prefix, missing, unexpected if strict else [], mismatched))
     if kept or unexpected:

@@ -109,6 +109,9 @@ class Manifest:
     created: float = dataclasses.field(default_factory=time.time)
     # Unique per save: two checkpoints written at one place never share a manifest's bytes.
     save_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    # Every sequence's empty subtrees are recorded (as None), so its indices are
+    # exactly 0..n-1. False only for manifests written before that was so.
+    sequences_complete: bool = True
 
     def to_bytes(self) -> bytes:
         from . import __version__
@@ -119,6 +122,7 @@ class Manifest:
             "eqxckpt_version": __version__,
             "created_unix": self.created,
             "save_id": self.save_id,
+            "sequences_complete": self.sequences_complete,
             "metadata": self.metadata,
         }
         # One leaf per line: easy to read, grep and diff.
@@ -242,7 +246,7 @@ def _leaf(doc: Any) -> LeafRecord:
     return LeafRecord(path, keys, kind, type_name=type_name)
 
 
-def _check_containers(records: tuple[LeafRecord, ...], where: str) -> None:
+def _check_containers(records: tuple[LeafRecord, ...], where: str, sequences_complete: bool) -> None:
     """Leaves must describe one tree: each container is of one kind, and no leaf is
     also a container of others."""
     kinds: dict[str, str] = {}
@@ -261,10 +265,17 @@ def _check_containers(records: tuple[LeafRecord, ...], where: str) -> None:
                 indices.setdefault(parent, set()).add(key)
             parent = f"{parent}/{record_segment((kind, key, *_))}" if parent else record_segment((kind, key, *_))
     for parent, found in indices.items():
-        # A sequence is rebuilt (like=None) with one slot per index. Gaps are
-        # legitimate (an empty subtree: None, (), optax's EmptyState() has no
-        # leaf), but only a few per leaf, so a crafted index cannot allocate a
-        # huge list.
+        # A sequence is rebuilt (like=None) with one slot per index, so its
+        # indices must be exactly 0..n-1: no crafted index allocates a huge
+        # list, and no lost leaf becomes a silent None. Manifests written before
+        # empty subtrees were recorded have gaps there (None, (), optax's
+        # EmptyState()), but only a few per leaf.
+        if sequences_complete and max(found) != len(found) - 1:
+            raise ManifestError(
+                f"The manifest of {where} is inconsistent at {parent or '<root>'!r}: the sequence holds indices "
+                f"{sorted(found)[:5]}{' ...' if len(found) > 5 else ''} (largest {max(found)}), not exactly "
+                f"0..{len(found) - 1}: a leaf is missing from the manifest. The checkpoint is damaged or crafted."
+            )
         if max(found) >= MAX_GAP_FACTOR * len(found) + MAX_GAP:
             raise ManifestError(
                 f"The manifest of {where} is inconsistent at {parent or '<root>'!r}: a sequence with "
@@ -324,11 +335,14 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
     paths = [r.path for r in records]
     if len(set(paths)) != len(paths):
         raise ManifestError(f"The manifest of {where} lists a leaf path twice.")
-    _check_containers(records, where)
+    complete = doc.get("sequences_complete", False)
+    if not isinstance(complete, bool):
+        raise ManifestError(f"The manifest of {where} has a non-boolean 'sequences_complete'.")
+    _check_containers(records, where, complete)
     created = doc.get("created_unix", 0.0)
     save_id = doc.get("save_id", "")
     return Manifest(records, metadata, created if isinstance(created, (int, float)) else 0.0,
-                    save_id if isinstance(save_id, str) else "")
+                    save_id if isinstance(save_id, str) else "", complete)
 
 
 def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:

@@ -35,7 +35,9 @@ from ._store import (
     resolve,
     shared_context, sync_filesystem,
 )
-from ._tree import SCALAR_TYPES, flatten, is_array_like, is_code, is_prng_key_dtype, read_window, type_name
+from ._tree import (
+    SCALAR_TYPES, flatten, is_array_like, is_code, is_empty_subtree, is_prng_key_dtype, read_window, type_name,
+)
 
 
 class SaveHandle:
@@ -121,7 +123,7 @@ class _Leaf:
 
 def _plan(tree: Any) -> tuple[list[LeafRecord], list[tuple[LeafRecord, Any]]]:
     """Classify every leaf: manifest records, and the arrays to write."""
-    flat, _ = flatten(tree)
+    flat, _ = flatten(tree, empty_in_sequences=True)
     records: list[LeafRecord] = []
     arrays: list[tuple[LeafRecord, Any]] = []
     for path, keypath, leaf in flat:
@@ -147,8 +149,9 @@ def _plan(tree: Any) -> tuple[list[LeafRecord], list[tuple[LeafRecord, Any]]]:
                 array_type = "jax" if isinstance(leaf, jax.Array) else "numpy" if isinstance(leaf, np.ndarray) else "numpy_scalar"
                 record = LeafRecord(path, keys, "array", tuple(np.shape(leaf)), dtype.name, array_type=array_type)
                 arrays.append((record, leaf))
-        elif isinstance(leaf, SCALAR_TYPES) or leaf is None:
-            kind, value = scalar_to_json(str(leaf) if isinstance(leaf, (np.str_,)) else leaf)
+        elif isinstance(leaf, SCALAR_TYPES) or is_empty_subtree(leaf):
+            # An empty subtree in a sequence is recorded as None: it keeps the indices whole.
+            kind, value = scalar_to_json(None if is_empty_subtree(leaf) else str(leaf) if isinstance(leaf, np.str_) else leaf)
             record = LeafRecord(path, keys, "scalar", value=value, type_name=kind)
         elif is_code(leaf):
             record = LeafRecord(path, keys, "opaque", type_name=type_name(leaf))

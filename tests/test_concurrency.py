@@ -26,11 +26,27 @@ def rounds(request, fast: int, slow: int) -> int:
     return slow if request.config.getoption("--slow") else fast
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_worker_outlives_its_test():
+    """A failing test must not leave workers behind (on S3 they would retry a stopped server)."""
+    yield
+    while STARTED:
+        worker = STARTED.pop()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
 def start(role: str, where, *args, leaves: int = 100) -> subprocess.Popen:
     target = json.dumps(where) if isinstance(where, dict) else str(where)
     env = dict(os.environ, JAX_PLATFORMS="cpu", EQXCKPT_TEST_LEAVES=str(leaves))
-    return subprocess.Popen([sys.executable, WORKER, role, target, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    worker = subprocess.Popen([sys.executable, WORKER, role, target, *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env)
+    STARTED.append(worker)
+    return worker
 
 
 def finish(worker: subprocess.Popen, timeout: float = 300) -> dict:
