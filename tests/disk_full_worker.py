@@ -1,0 +1,38 @@
+"""Saves onto a full disk; started by tests/test_concurrency.py inside its own mount namespace.
+
+    unshare [--user --map-root-user] --mount python disk_full_worker.py OPTION DIRECTORY ROUNDS
+
+Mounts a tmpfs with OPTION (``size=6m``, ``nr_inodes=60``) on DIRECTORY (the
+namespace's own mount: it disappears with this process, and needs root only
+inside the namespace), then checks ROUNDS saves that fill it. Exits non-zero
+on the first failed check; prints ``rounds N`` at the end.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+import eqxckpt
+
+
+def main(option: str, directory: str, rounds: int) -> None:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", option, "tmpfs", directory], check=True)
+    previous = {"w": np.arange(1000, dtype=np.float32)}
+    eqxckpt.save(f"{directory}/ckpt", previous)
+    big = {f"leaf{i}": np.full((256, 256), i, np.float32) for i in range(64)}  # 16 MiB > 6 MiB, 64 leaves > 60 inodes
+    for _ in range(rounds):
+        try:
+            eqxckpt.save(f"{directory}/ckpt", big, overwrite=True)
+            raise AssertionError("a save onto a full disk succeeded")
+        except eqxckpt.CheckpointWriteError as e:
+            assert "Nothing was committed" in str(e), e
+        assert sorted(os.listdir(directory)) == ["ckpt"], os.listdir(directory)  # no temporary directory left
+        np.testing.assert_array_equal(eqxckpt.load(f"{directory}/ckpt")["w"], previous["w"])
+    eqxckpt.save(f"{directory}/ckpt", {"w": np.zeros(3)}, overwrite=True)  # the space came back
+    print(f"rounds {rounds}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
