@@ -20,7 +20,7 @@ from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointE
 from ._lease import LocalPin, StorePin
 from ._manifest import LeafRecord, Manifest, read_manifest, scalar_from_json
 from ._paths import depth, normalize_at, relative_to
-from ._store import CHUNK_BYTES, Location, read_spec, reason, resolve, shared_context
+from ._store import CHUNK_BYTES, Location, read_capped, read_spec, reason, resolve, shared_context
 
 
 class Checkpoint:
@@ -161,7 +161,7 @@ class Checkpoint:
             stored_bytes(self.location.local, record)
             promise, future = ts.Promise.new()
             try:
-                promise.set_result(_read_capped(self.location.local / record.path / "zarr.json"))
+                promise.set_result(read_capped(self.location.local / record.path / "zarr.json", MAX_ZARR_JSON_BYTES))
             except OSError as e:
                 promise.set_exception(e)
             return future
@@ -259,11 +259,6 @@ def stored_bytes(root: pathlib.Path, record: LeafRecord) -> int:
 MAX_ZARR_JSON_BYTES = 64 * 1024
 
 
-def _read_capped(path: pathlib.Path, cap: int = MAX_ZARR_JSON_BYTES) -> bytes:
-    """A small local file's bytes; past ``cap`` only ``cap + 1`` are read (the caller refuses it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        return f.read(cap + 1)
 _ZARR_KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value",
               "codecs", "attributes", "dimension_names", "storage_transformers"}
 
@@ -426,18 +421,20 @@ class LazyArray:
         """A lazy cast: the conversion happens on ``get()``."""
         return LazyArray(self.checkpoint, self.record, self._index, dtype)
 
+    def _view(self) -> ts.TensorStore:
+        store = self.checkpoint.checked(self.record, self.checkpoint.open_array(self.record))
+        return store[self._index] if self._index != () else store
+
     def source(self) -> ts.TensorStore:
         """The stored array as a TensorStore view (indexed and cast as this
         LazyArray is), to copy from without reading it all into memory."""
-        store = self.checkpoint.checked(self.record, self.checkpoint.open_array(self.record))
-        if self._index != ():
-            store = store[self._index]
-        return store if self._dtype is None else ts.cast(store, self._dtype)
+        view = self._view()
+        return view if self._dtype is None else ts.cast(view, self._dtype)
 
     def _start(self) -> ts.Future:
-        store = self.checkpoint.checked(self.record, self.checkpoint.open_array(self.record))
+        view = self._view()
         check_allocation(self.nbytes, f"Reading leaf {self.path!r}")
-        return (store[self._index] if self._index != () else store).read()
+        return view.read()
 
     def _finish(self, data: np.ndarray) -> Any:
         if self.record.kind == "prng_key":

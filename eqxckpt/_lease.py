@@ -287,6 +287,13 @@ def warn_if_not_atomic(kvstore: dict) -> None:
         )
 
 
+def uncommit(store: ts.KvStore, paths: list[str]) -> None:
+    """Delete an object-store checkpoint held under a lease: the manifest first, so
+    no reader sees it over changing arrays, then exactly its leaves' keys."""
+    store.write(MANIFEST_NAME, None).result()
+    delete_leaf_keys(store, paths)
+
+
 class Lease:
     """This process's lease on an object-store checkpoint: taken, renewed, released."""
 

@@ -16,9 +16,12 @@ from ._errors import CastError, CheckpointChangedError, CheckpointError, Structu
 from ._manifest import LeafRecord, scalar_to_json
 from ._paths import depth, normalize_at
 from ._transform import keypath_string, missing_originals, plan, readable_path
-from ._tree import SCALAR_TYPES, describe_like, flatten, is_array_like, is_prng_key_dtype, read_window
+from ._store import read_window
+from ._tree import SCALAR_TYPES, describe_like, flatten, is_array_like, is_prng_key_dtype
 
 MAX_LISTED = 50
+# How often a load reads a checkpoint that another process replaced while it read it.
+READ_ATTEMPTS = 3
 
 
 def resolve_like(like: Any) -> Any:
@@ -81,22 +84,21 @@ def checked_astype(data: np.ndarray, dtype: Any, path: str) -> np.ndarray:
         return data
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):  # checked below
         out = data.astype(dtype)
-    if dtype.kind in "iub" or data.dtype.kind not in "iufc":
-        if dtype.kind in "iu" and data.dtype.kind in "iufc" and data.size:
-            info = np.iinfo(dtype)
-            parts = [data.real, data.imag] if data.dtype.kind == "c" else [data]
-            for part in parts:
-                if data.dtype.kind in "fc" and not np.isfinite(part).all():
-                    raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} met NaN or infinity, which "
-                                    f"{dtype.name} cannot hold. Restore into a float `like`.")
-                if part.min() < info.min or part.max() > info.max:
-                    raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} met values from {part.min()} to "
-                                    f"{part.max()}, outside [{info.min}, {info.max}]. Restore into a wider `like` "
-                                    "(with jax_enable_x64 on, or numpy leaves).")
+    if data.dtype.kind not in "iufc" or not data.size:
         return out
-    if dtype.kind in "fc" and data.dtype.kind in "fc":
-        pairs = [(data.real, out.real), (data.imag, out.imag)] if data.dtype.kind == "c" else [(data, out)]
-        for before, after in pairs:
+    parts = [data.real, data.imag] if data.dtype.kind == "c" else [data]
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        for part in parts:
+            if not np.isfinite(part).all():
+                raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} met NaN or infinity, which "
+                                f"{dtype.name} cannot hold. Restore into a float `like`.")
+            if part.min() < info.min or part.max() > info.max:
+                raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} met values from {part.min()} to "
+                                f"{part.max()}, outside [{info.min}, {info.max}]. Restore into a wider `like` "
+                                "(with jax_enable_x64 on, or numpy leaves).")
+    elif dtype.kind in "fc":
+        for before, after in zip(parts, [out.real, out.imag] if dtype.kind == "c" else [out]):
             if (np.isfinite(before) & ~np.isfinite(after)).any():
                 raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} would turn finite values into "
                                 "infinities (they are beyond its range). Restore into a wider `like`.")
@@ -331,19 +333,18 @@ def load(
     # A checkpoint replaced while it is read is read again (a few times); in a
     # multi-process load the processes would have to agree on a retry, so there
     # the change is raised instead.
-    attempts = 1 if jax.process_count() > 1 else READ_ATTEMPTS
-    for attempt in range(attempts):
+    def attempt() -> Any:
         checkpoint = open(path)
+        with checkpoint.consistent():
+            return _load_from(checkpoint, like, at, strict, cast, transforms, default_to_original)
+
+    for _ in range(0 if jax.process_count() > 1 else READ_ATTEMPTS - 1):
         try:
-            with checkpoint.consistent():
-                return _load_from(checkpoint, like, at, strict, cast, transforms, default_to_original)
+            return attempt()
         except CheckpointChangedError:
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
+            pass
+    return attempt()
 
-
-READ_ATTEMPTS = 3
 
 
 def _load_from(checkpoint: Checkpoint, like: Any, at: str | None, strict: bool, cast: bool, transforms: Any,

@@ -4,7 +4,6 @@ import collections
 import math
 import os
 import re
-import stat
 import threading
 import warnings
 from typing import Any
@@ -16,12 +15,12 @@ from ._errors import (
     CheckpointBusyError, CheckpointChangedError, CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
     CheckpointWriteError, IncompleteCheckpointError, ManifestError,
 )
-from ._lease import Lease, delete_leaf_keys, read_lease, reclaim, remove_abandoned, delete_local
+from ._lease import Lease, delete_local, read_lease, reclaim, remove_abandoned, uncommit
 from ._load import READ_ATTEMPTS, load
 from ._manifest import float_from_json, float_to_json, parse_manifest
 from ._paths import LEASE_NAME, MANIFEST_NAME
 from ._save import SaveHandle, _background, save, track
-from ._store import Location, resolve
+from ._store import Location, is_storage_error, resolve
 
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
 MANAGER_KEY = "eqxckpt.manager"
@@ -159,17 +158,13 @@ class CheckpointManager:
                 if not _STEP_NAME.match(entry.name):
                     out.append((entry.name, "not a step number"))
                     continue
-                try:
-                    is_dir = stat.S_ISDIR(os.stat(entry.path, follow_symlinks=False).st_mode)
-                    has_manifest = is_dir and os.path.lexists(os.path.join(entry.path, MANIFEST_NAME))
-                except OSError:
-                    continue
-                out.append((entry.name, None if has_manifest else "no committed checkpoint in it"))
+                committed = entry.is_dir(follow_symlinks=False) and os.path.lexists(os.path.join(entry.path, MANIFEST_NAME))
+                out.append((entry.name, None if committed else "no committed checkpoint in it"))
             return out
         groups: dict[str, set[str]] = {}
         for key in self.location.open_kvstore().list().result():
-            head, sep, rest = key.decode("utf-8", "replace").partition("/")
-            groups.setdefault(head if sep else key.decode("utf-8", "replace"), set()).add(rest if sep else "")
+            head, _, rest = key.decode("utf-8", "replace").partition("/")
+            groups.setdefault(head, set()).add(rest)
         for head, rests in sorted(groups.items()):
             if not _STEP_NAME.match(head):
                 out.append((head, "not a step number"))
@@ -269,7 +264,9 @@ class CheckpointManager:
         for old in ready:
             try:
                 deleted = self._delete(old)
-            except (OSError, ValueError) as e:  # ValueError: TensorStore's error for a failed request
+            except (OSError, ValueError) as e:
+                if isinstance(e, ValueError) and not is_storage_error(e):
+                    raise
                 raise CheckpointWriteError(
                     f"Deleting step {old} of {self.location} (retention) failed: {e}. The step is no longer "
                     "listed; the manager tries again after its next save. Fix the cause (permissions, the store)."
@@ -319,8 +316,7 @@ class CheckpointManager:
             lease = Lease(store, "delete", paths, current.stamp.generation)  # only if still absent
         except CheckpointBusyError:
             return False
-        store.write(MANIFEST_NAME, None).result()  # uncommitted first
-        delete_leaf_keys(store, paths)
+        uncommit(store, paths)
         lease.release()
         return True
 
@@ -381,24 +377,29 @@ class CheckpointManager:
         state = manager.load(eqx.filter_eval_shape(make_state))
         ```
         """
-        for attempt in range(READ_ATTEMPTS):
-            with self._lock:  # pick the step and register as its reader in one go
-                chosen = self._resolve_step(step)
-                self._readers[chosen] += 1
+        # The latest step may be deleted by another process (its retention) after
+        # this manager listed it: then look again (one process only: several
+        # must keep agreeing on their step lists).
+        retries = 0 if step is not None or jax.process_count() > 1 else READ_ATTEMPTS - 1
+        for _ in range(retries):
             try:
-                return load(self._step_location(chosen), like, at=at, **load_kwargs)
+                return self._load_step(step, like, at, load_kwargs)
             except (CheckpointChangedError, CheckpointNotFoundError, IncompleteCheckpointError):
-                # Deleted by another process (its retention) after this manager listed it.
-                if step is not None or jax.process_count() > 1 or attempt == READ_ATTEMPTS - 1:
-                    raise
                 with self._lock:
                     self._steps = self._scan(warn=False)
-            finally:
-                with self._lock:
-                    self._readers[chosen] -= 1
-                if chosen in self._doomed:
-                    self._delete_doomed()
-        raise AssertionError("unreachable")
+        return self._load_step(step, like, at, load_kwargs)
+
+    def _load_step(self, step: int | None, like: Any, at: str | None, load_kwargs: dict) -> Any:
+        with self._lock:  # pick the step and register as its reader in one go
+            chosen = self._resolve_step(step)
+            self._readers[chosen] += 1
+        try:
+            return load(self._step_location(chosen), like, at=at, **load_kwargs)
+        finally:
+            with self._lock:
+                self._readers[chosen] -= 1
+            if chosen in self._doomed:
+                self._delete_doomed()
 
     def path(self, step: int) -> Any:
         """Where ``step`` is stored (a path, or a kvstore spec for object stores)."""

@@ -9,7 +9,6 @@ import errno
 import json
 import math
 import os
-import stat
 import time
 import uuid
 from typing import Any
@@ -19,7 +18,7 @@ import numpy as np
 from ._errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
 from ._paths import MANIFEST_NAME, record_segment, validate_path
 from ._lease import LocalPin, StorePin, describe_lease, is_stale, read_lease
-from ._store import STORED_DTYPES, Location, hidden_owner, is_storage_error, reason
+from ._store import STORED_DTYPES, Location, is_storage_error, read_capped, reason
 
 FORMAT = "eqxckpt"
 VERSION = 1
@@ -359,7 +358,7 @@ def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:
             raise CheckpointNotFoundError(f"No checkpoint at {local}: it is a file, not a checkpoint directory.") from None
         except FileNotFoundError:
             siblings = sorted(local.parent.iterdir()) if local.parent.is_dir() else []
-            pending = [p for p in siblings if hidden_owner(p.name, "tmp") == local.name]
+            pending = [p for p in siblings if p.name.startswith(f".{local.name}.eqxckpt-tmp-")]
             if pending:
                 raise IncompleteCheckpointError(
                     f"No checkpoint at {local}: a save to it is running or was interrupted before it committed "
@@ -422,12 +421,7 @@ def _read_bounded(store: Any, key: str, cap: int) -> Any:
 
 def _read_local_manifest(local: Any, dir_fd: int) -> Manifest:
     try:
-        # O_NOFOLLOW: a manifest that is a symlink could point anywhere.
-        fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ManifestError(f"{local / MANIFEST_NAME} is not a regular file; refusing to read it.")
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        raw = read_capped(MANIFEST_NAME, MAX_MANIFEST_BYTES, dir_fd=dir_fd)  # a symlink could point anywhere
     except OSError as e:
         if e.errno != errno.ENOENT:
             raise ManifestError(

@@ -26,17 +26,17 @@ from ._errors import (
 )
 from ._lease import (
     DirLock, Lease, create_staging, delete_leaf_keys, describe_lease, join_staging, read_lease, reclaim,
-    remove_abandoned, remove_tree, warn_if_not_atomic,
+    remove_abandoned, remove_tree, uncommit, warn_if_not_atomic,
 )
 from ._manifest import LeafRecord, Manifest, parse_manifest, scalar_to_json
 from ._paths import LEASE_NAME, MANIFEST_NAME, key_entry_record
 from ._store import (
-    Location, array_spec, check_dtype, chunk_shape, exchange, fsync_path, hidden_sibling, is_storage_error, reason,
-    resolve,
+    Location, array_spec, check_dtype, chunk_shape, exchange, fsync_path, hidden_sibling, is_storage_error, read_window,
+    reason, resolve,
     shared_context, sync_filesystem,
 )
 from ._tree import (
-    SCALAR_TYPES, flatten, is_array_like, is_code, is_empty_subtree, is_prng_key_dtype, read_window, type_name,
+    SCALAR_TYPES, flatten, is_array_like, is_code, is_empty_subtree, is_prng_key_dtype, type_name,
 )
 
 
@@ -316,11 +316,15 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
     copies = [(store, leaf.record, data) for store, leaf in zip(stores, leaves) for _, data in leaf.pieces
               if isinstance(data, LazyArray)]
     window = read_window(sum(data.nbytes for _, _, data in copies))
-    while copies:
-        batch, size = [], 0
-        while copies and (not batch or size + copies[0][2].nbytes <= window):
-            batch.append(copies.pop(0))
-            size += batch[-1][2].nbytes
+    batches: list[list] = [[]]
+    size = 0
+    for copy in copies:
+        if batches[-1] and size + copy[2].nbytes > window:
+            batches.append([])
+            size = 0
+        batches[-1].append(copy)
+        size += copy[2].nbytes
+    for batch in batches:
         _settle([(record, store.write(data.source())) for store, record, data in batch], "Copying")
 
 
@@ -392,9 +396,16 @@ def _commit(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
     if exchange(tmp, final):
         remove_tree(tmp)  # now the old checkpoint; a reader of it notices and reads again
         return
-    aside = hidden_sibling(final, "old")
-    os.rename(final, aside)
-    os.rename(tmp, final)
+    # The old one is held (a shared lock moves with the directory), so no cleaner
+    # removes it while it is aside, and it goes back if the second rename fails.
+    with DirLock.take(final, exclusive=False) or contextlib.nullcontext():
+        aside = hidden_sibling(final, "old")
+        os.rename(final, aside)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(aside, final)
+            raise
     remove_tree(aside)
 
 
@@ -476,9 +487,7 @@ def _take_object_store(location: Location, leaves: list[_Leaf], overwrite: bool)
         if old_paths is not None:
             lease.extend(old_paths)  # so that a crash from here on leaves them to cleanup, listed
             lease.replaces = True
-            # Uncommit first: no reader may see the old manifest over changing arrays.
-            store.write(MANIFEST_NAME, None).result()
-            delete_leaf_keys(store, old_paths)
+            uncommit(store, old_paths)
     except BaseException:
         lease.release()
         raise

@@ -6,9 +6,11 @@ knows which dtypes are stored natively.
 
 import ctypes
 import dataclasses
+import errno
 import os
 import pathlib
 import re
+import stat
 import uuid
 from typing import Any
 
@@ -153,6 +155,15 @@ def shared_context() -> ts.Context:
     return _CONTEXT
 
 
+def read_window(total_bytes: int) -> int:
+    """Bytes of reads in flight at once, so that a restore (or a copy) peaks near
+    the bytes it moves: a local read maps its chunk files while it copies them,
+    an object-store read holds the fetched chunks. A quarter of the total,
+    between 16 and 256 MiB: on 792 MiB in 200 leaves, 0.38-0.43 s at a peak of
+    1.06x; 16 MiB windows are ~30% slower."""
+    return min(256 << 20, max(16 << 20, total_bytes // 4))
+
+
 def chunk_shape(
     shape: tuple[int, ...], itemsize: int, shard: tuple[int, ...] | None = None, budget: int | None = None
 ) -> list[int]:
@@ -259,7 +270,8 @@ def check_dtype(dtype: np.dtype, where: str) -> None:
 # Hidden siblings of a checkpoint directory: a save being written ("tmp"), an
 # old checkpoint being replaced ("old") or deleted ("deleting"). None is ever
 # loaded; after a crash they are leftovers.
-_HIDDEN_SIBLING = re.compile(r"^\.(.+)\.eqxckpt-(tmp|old|deleting)-[0-9a-f]+$")
+# Exactly the names `hidden_sibling` makes: cleanup deletes only these.
+_HIDDEN_SIBLING = re.compile(r"^\.(.+)\.eqxckpt-(tmp|old|deleting)-[0-9a-f]{12}$")
 
 
 def hidden_sibling(final: pathlib.Path, purpose: str) -> pathlib.Path:
@@ -267,12 +279,21 @@ def hidden_sibling(final: pathlib.Path, purpose: str) -> pathlib.Path:
     return final.parent / f".{final.name}.eqxckpt-{purpose}-{uuid.uuid4().hex[:12]}"
 
 
-def hidden_owner(name: str, purpose: str | None = None) -> str | None:
+def hidden_owner(name: str) -> str | None:
     """The checkpoint name a hidden sibling belongs to, or None if ``name`` is not one."""
     match = _HIDDEN_SIBLING.match(name)
-    if match is None or (purpose is not None and match.group(2) != purpose):
-        return None
-    return match.group(1)
+    return None if match is None else match.group(1)
+
+
+def read_capped(path: pathlib.Path | str, cap: int, dir_fd: int | None = None) -> bytes:
+    """A small local file's bytes, read without following a symlink; past ``cap``
+    only ``cap + 1`` bytes are read (the caller refuses it). ``OSError`` if it is
+    missing or not a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read(cap + 1)
 
 
 def fsync_path(path: pathlib.Path) -> None:

@@ -82,15 +82,6 @@ def is_code(x: Any) -> bool:
     return callable(x) and module in ("jax", "jaxlib", "equinox")
 
 
-def read_window(total_bytes: int) -> int:
-    """Bytes of reads in flight at once, so that a restore (or a copy) peaks near
-    the bytes it moves: a local read maps its chunk files while it copies them,
-    an object-store read holds the fetched chunks. A quarter of the total,
-    between 16 and 256 MiB: on 792 MiB in 200 leaves, 0.38-0.43 s at a peak of
-    1.06x; 16 MiB windows are ~30% slower."""
-    return min(256 << 20, max(16 << 20, total_bytes // 4))
-
-
 def is_empty_subtree(x: Any) -> bool:
     """None, or a container with no leaves at all (``()``, ``{}``, optax's ``EmptyState()``)."""
     return x is None or (not jtu.all_leaves([x]) and not jtu.tree_leaves(x))
