@@ -79,15 +79,31 @@ def transformer_state(mib: float, abstract: bool = False):
         final_norm: jax.Array
         positions: jax.Array  # an int32 buffer, not trained
 
-    layer = lambda: Layer(fill((d,)), fill((d, d)), fill((d, d)), fill((d, d)), fill((d, d)), fill((d,)),
-                          fill((d, 4 * d)), fill((4 * d, d)))
+    def layer():
+        return Layer(
+            fill((d,)),
+            fill((d, d)),
+            fill((d, d)),
+            fill((d, d)),
+            fill((d, d)),
+            fill((d,)),
+            fill((d, 4 * d)),
+            fill((4 * d, d)),
+        )
+
     positions = jax.ShapeDtypeStruct((4096,), np.int32) if abstract else jax.device_put(np.arange(4096, dtype=np.int32))
     model = Model(fill((8 * d, d), jax.numpy.bfloat16), [layer() for _ in range(layers)], fill((d,)), positions)
     params = eqx.filter(model, lambda x: jax.numpy.issubdtype(x.dtype, np.inexact))
     opt_state = jax.eval_shape(optax.adam(1e-3).init, params)
     # Non-zero moments, as after some steps (and so nothing compresses for free).
-    opt_state = jax.tree_util.tree_map(lambda x: fill(x.shape, x.dtype) if jax.numpy.issubdtype(x.dtype, np.inexact)
-                                       else (x if abstract else jax.device_put(np.zeros(x.shape, x.dtype))), opt_state)
+    opt_state = jax.tree_util.tree_map(
+        lambda x: (
+            fill(x.shape, x.dtype)
+            if jax.numpy.issubdtype(x.dtype, np.inexact)
+            else (x if abstract else jax.device_put(np.zeros(x.shape, x.dtype)))
+        ),
+        opt_state,
+    )
     return {"model": model, "opt_state": opt_state}
 
 
@@ -106,7 +122,9 @@ def many_leaf_state(count: int, abstract: bool = False):
 
     per_block = 100
     return {
-        f"block_{b}": {f"p{i}": fill(int(sizes[b * per_block + i])) for i in range(min(per_block, count - b * per_block))}
+        f"block_{b}": {
+            f"p{i}": fill(int(sizes[b * per_block + i])) for i in range(min(per_block, count - b * per_block))
+        }
         for b in range((count + per_block - 1) // per_block)
     }
 
@@ -203,14 +221,16 @@ def op_restore(peer, path, skeleton, params_only):
             import orbax.checkpoint as ocp
 
             out = ocp.PyTreeCheckpointer().restore(
-                path, args=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target), partial_restore=True))
+                path, args=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target), partial_restore=True)
+            )
         else:
             out = _orbax_standard().restore(path, skeleton)
     elif peer == "orbax-uncompressed":
         import orbax.checkpoint as ocp
 
         out = _orbax_uncompressed().restore(
-            path, args=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target)))
+            path, args=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target))
+        )
     elif peer == "serialise":
         out = eqx.tree_deserialise_leaves(path, skeleton)
     return jax.block_until_ready(jax.tree_util.tree_leaves(out))
@@ -263,22 +283,32 @@ def worker(args) -> dict:
     import numpy as np
 
     warnings.filterwarnings("ignore")
-    build = (lambda abstract: many_leaf_state(args.many_leaves, abstract)) if args.workload == "many" else (
-        lambda abstract: transformer_state(args.mib, abstract))
-    nbytes = lambda tree: sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree))
+    build = (
+        (lambda abstract: many_leaf_state(args.many_leaves, abstract))
+        if args.workload == "many"
+        else (lambda abstract: transformer_state(args.mib, abstract))
+    )
+
+    def nbytes(tree):
+        return sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree))
+
     if args.op in ("restore", "params"):
         skeleton = build(abstract=True)
         before = _reset_peak()
         t0 = time.perf_counter()
         values = op_restore(args.peer, args.path, skeleton, args.op == "params")
-        result = {"seconds": time.perf_counter() - t0, "peak_delta": _proc_kib("VmHWM") * 1024 - before,
-                  "restored_bytes": nbytes(values)}
+        result = {
+            "seconds": time.perf_counter() - t0,
+            "peak_delta": _proc_kib("VmHWM") * 1024 - before,
+            "restored_bytes": nbytes(values),
+        }
         # Built only now, so that its freed memory cannot hide the restore's.
         state = build(abstract=False)
         expected = jax.tree_util.tree_leaves(state["model"] if args.op == "params" else state)
         # A benchmark of wrong answers is worthless.
-        assert len(values) == len(expected) and all(np.array_equal(np.asarray(a), np.asarray(b))
-                                                    for a, b in zip(values, expected)), f"{args.peer} restored wrong values"
+        assert len(values) == len(expected) and all(
+            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(values, expected)
+        ), f"{args.peer} restored wrong values"
     else:
         state = build(abstract=False)
         before = _reset_peak()
@@ -298,8 +328,20 @@ def worker(args) -> dict:
 
 
 def run_worker(args, peer, op, path, workload) -> dict:
-    cmd = [sys.executable, str(HERE), "--worker", peer, op, str(path), "--workload", workload,
-           "--mib", str(args.mib), "--many-leaves", str(args.many_leaves)]
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--worker",
+        peer,
+        op,
+        str(path),
+        "--workload",
+        workload,
+        "--mib",
+        str(args.mib),
+        "--many-leaves",
+        str(args.many_leaves),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{peer} {op} failed:\n{done.stderr[-3000:]}")
@@ -386,12 +428,19 @@ def report(results: dict, args) -> tuple[str, list[tuple[str, bool, str]]]:
         "",
         f"{'':20} {'save (durable)':>24} {'restore':>24} {'params-only restore':>24} {'files':>6} {'MiB on disk':>11}",
     ]
-    names = {"raw": "raw", "eqxckpt": "eqxckpt", "orbax": "orbax default", "orbax-uncompressed": "orbax uncompressed",
-             "serialise": "tree_serialise_leaves"}
+    names = {
+        "raw": "raw",
+        "eqxckpt": "eqxckpt",
+        "orbax": "orbax default",
+        "orbax-uncompressed": "orbax uncompressed",
+        "serialise": "tree_serialise_leaves",
+    }
     for peer in SAVE_PEERS:
         row = t[peer]
-        lines.append(f"{names[peer]:20} {cell(row['save']):>24} {cell(row['restore']):>24} {cell(row['params']):>24} "
-                     f"{row['files']:>6} {row['disk_bytes'] / 2**20:>11.0f}")
+        lines.append(
+            f"{names[peer]:20} {cell(row['save']):>24} {cell(row['restore']):>24} {cell(row['params']):>24} "
+            f"{row['files']:>6} {row['disk_bytes'] / 2**20:>11.0f}"
+        )
     lines += ["", f"{'ratios':20} {'save':>24} {'restore':>24} {'params-only restore':>24}"]
     for peer in SAVE_PEERS[1:]:
         row = t[peer]
@@ -403,8 +452,11 @@ def report(results: dict, args) -> tuple[str, list[tuple[str, bool, str]]]:
             m = med(row[op])
             cells.append(f"{ratio(m, med(t['raw'][op]))} raw, {ratio(m, med(t['orbax'][op]))} orbax")
         lines.append(f"{names[peer]:20} {cells[0]:>24} {cells[1]:>24} {cells[2]:>24}")
-    lines += ["", "peak RSS above the level before the operation (MiB; x = of the bytes saved or restored)",
-              f"{'':20} {'save':>16} {'restore':>16} {'params-only':>16}"]
+    lines += [
+        "",
+        "peak RSS above the level before the operation (MiB; x = of the bytes saved or restored)",
+        f"{'':20} {'save':>16} {'restore':>16} {'params-only':>16}",
+    ]
     for peer in SAVE_PEERS:
         row = t[peer]
         cells = []
@@ -427,15 +479,23 @@ def report(results: dict, args) -> tuple[str, list[tuple[str, bool, str]]]:
 
     e, raw, orbax = t["eqxckpt"], t["raw"], t["orbax"]
     s = med(e["save"])
-    check("durable save <= 1.2x raw and <= 0.5x orbax", s <= 1.2 * med(raw["save"]) and s <= 0.5 * med(orbax["save"]),
-          f"{ratio(s, med(raw['save']))} raw, {ratio(s, med(orbax['save']))} orbax")
+    check(
+        "durable save <= 1.2x raw and <= 0.5x orbax",
+        s <= 1.2 * med(raw["save"]) and s <= 0.5 * med(orbax["save"]),
+        f"{ratio(s, med(raw['save']))} raw, {ratio(s, med(orbax['save']))} orbax",
+    )
     r = med(e["restore"])
-    check("restore <= 1.2x raw and <= 0.4x orbax", r <= 1.2 * med(raw["restore"]) and r <= 0.4 * med(orbax["restore"]),
-          f"{ratio(r, med(raw['restore']))} raw, {ratio(r, med(orbax['restore']))} orbax")
+    check(
+        "restore <= 1.2x raw and <= 0.4x orbax",
+        r <= 1.2 * med(raw["restore"]) and r <= 0.4 * med(orbax["restore"]),
+        f"{ratio(r, med(raw['restore']))} raw, {ratio(r, med(orbax['restore']))} orbax",
+    )
     p = med(e["params"])
-    check("params-only restore <= 1.3x raw and <= 1/3 orbax",
-          p <= 1.3 * med(raw["params"]) and p <= med(orbax["params"]) / 3,
-          f"{ratio(p, med(raw['params']))} raw, {ratio(p, med(orbax['params']))} orbax")
+    check(
+        "params-only restore <= 1.3x raw and <= 1/3 orbax",
+        p <= 1.3 * med(raw["params"]) and p <= med(orbax["params"]) / 3,
+        f"{ratio(p, med(raw['params']))} raw, {ratio(p, med(orbax['params']))} orbax",
+    )
     b, ob = med(t["eqxckpt async"]["async"], "blocked"), med(t["orbax async"]["async"], "blocked")
     check("async block <= 1.5x orbax", b <= 1.5 * ob, f"{b:.3f} s vs {ob:.3f} s ({ratio(b, ob)})")
     state_bytes = e["save"][0]["state_bytes"]
@@ -449,9 +509,11 @@ def report(results: dict, args) -> tuple[str, list[tuple[str, bool, str]]]:
     many = results.get("many")
     if many:
         n = many["eqxckpt"]["save"][0]["leaves"]
-        lines += ["", f"many small leaves: {n} arrays of 1-64 KiB, "
-                  f"{many['eqxckpt']['save'][0]['state_bytes'] / 2**20:.0f} MiB",
-                  f"{'':20} {'save':>24} {'restore':>24} {'files':>6}"]
+        lines += [
+            "",
+            f"many small leaves: {n} arrays of 1-64 KiB, {many['eqxckpt']['save'][0]['state_bytes'] / 2**20:.0f} MiB",
+            f"{'':20} {'save':>24} {'restore':>24} {'files':>6}",
+        ]
         for peer in many:
             row = many[peer]
             lines.append(f"{names[peer]:20} {cell(row['save']):>24} {cell(row['restore']):>24} {row['files']:>6}")
@@ -460,8 +522,11 @@ def report(results: dict, args) -> tuple[str, list[tuple[str, bool, str]]]:
             check(f"{n} leaves: {op} no slower than orbax", a <= o, f"{a:.3f} s vs {o:.3f} s ({ratio(a, o)})")
     imp = results.get("import")
     if imp:
-        check("import eqxckpt no slower than orbax.checkpoint", imp["eqxckpt"] <= imp["orbax.checkpoint"],
-              f"{imp['eqxckpt']:.2f} s vs {imp['orbax.checkpoint']:.2f} s")
+        check(
+            "import eqxckpt no slower than orbax.checkpoint",
+            imp["eqxckpt"] <= imp["orbax.checkpoint"],
+            f"{imp['eqxckpt']:.2f} s vs {imp['orbax.checkpoint']:.2f} s",
+        )
     lines += ["", "targets"] + [f"  {'PASS' if ok else 'MISS'}  {name}: {detail}" for name, ok, detail in checks]
     return "\n".join(lines), checks
 
@@ -498,8 +563,9 @@ def main(argv=None) -> int:
     root = pathlib.Path(tempfile.mkdtemp(prefix="eqxckpt-bench-", dir=args.dir or os.getcwd()))
     results: dict = {"machine": machine(), "args": vars(args)}
     try:
-        results["transformer"] = measure(args, root, "transformer", SAVE_PEERS, ["raw", "eqxckpt", "orbax"],
-                                         ["eqxckpt", "orbax"])
+        results["transformer"] = measure(
+            args, root, "transformer", SAVE_PEERS, ["raw", "eqxckpt", "orbax"], ["eqxckpt", "orbax"]
+        )
         if args.many_leaves:
             results["many"] = measure(args, root, "many", ["raw", "eqxckpt", "orbax"], [], [])
         results["import"] = {m: import_time(m) for m in ("eqxckpt", "orbax.checkpoint")}

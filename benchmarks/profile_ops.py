@@ -30,13 +30,18 @@ def main() -> int:
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     if args.many_leaves:
-        state, skeleton = bench.many_leaf_state(args.many_leaves), bench.many_leaf_state(args.many_leaves, abstract=True)
+        state, skeleton = (
+            bench.many_leaf_state(args.many_leaves),
+            bench.many_leaf_state(args.many_leaves, abstract=True),
+        )
     else:
         state, skeleton = bench.transformer_state(args.mib), bench.transformer_state(args.mib, abstract=True)
     root = pathlib.Path(tempfile.mkdtemp(prefix="eqxckpt-profile-", dir=args.dir))
     try:
-        for name, call in (("save", lambda: eqxckpt.save(root / "ckpt", state)),
-                           ("restore", lambda: eqxckpt.load(root / "ckpt", skeleton))):
+        for name, call in (
+            ("save", lambda: eqxckpt.save(root / "ckpt", state)),
+            ("restore", lambda: eqxckpt.load(root / "ckpt", skeleton)),
+        ):
             profile = cProfile.Profile()
             profile.runcall(call)
             print(f"=== {name} ===")

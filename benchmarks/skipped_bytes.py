@@ -38,8 +38,10 @@ def main() -> None:
                 t0 = time.perf_counter()
                 eqxckpt.load(path, like, at="model")
                 times.append(time.perf_counter() - t0)
-            print(f"optimizer state {factor}x the params ({32 * factor * 4} MiB in {32 * factor} leaves skipped): "
-                  f"params-only restore of 128 MiB {statistics.median(times):.3f} s (min {min(times):.3f})")
+            print(
+                f"optimizer state {factor}x the params ({32 * factor * 4} MiB in {32 * factor} leaves skipped): "
+                f"params-only restore of 128 MiB {statistics.median(times):.3f} s (min {min(times):.3f})"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -10,7 +10,8 @@ import os
 import pathlib
 import stat
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -185,8 +186,9 @@ class Checkpoint:
             raise corrupt(record, "its zarr.json is missing")
         metadata = validate_array_metadata(raw, record)
         with reading(record):
-            return ts.open(read_spec(self.location.child(record.path), metadata), context=self._context,
-                           read=True).result()
+            return ts.open(
+                read_spec(self.location.child(record.path), metadata), context=self._context, read=True
+            ).result()
 
 
 # Compressing filesystems (ZFS, btrfs) may allocate fewer blocks than a file's
@@ -249,18 +251,32 @@ def stored_bytes(root: pathlib.Path, record: LeafRecord) -> int:
     except OSError as e:  # vanished while listed: deleted under us
         raise corrupt(record, f"{e.filename}: {e.strerror}") from None
     if total < record.nbytes:
-        raise corrupt(record, f"the manifest declares {record.nbytes} bytes ({record.dtype}"
-                              f"{list(record.data_shape)}) but its files hold only {total} on disk (sparse or "
-                              "truncated files are refused; on a compressing filesystem set "
-                              "EQXCKPT_TRUST_SPARSE=1 for checkpoints you trust)")
+        raise corrupt(
+            record,
+            f"the manifest declares {record.nbytes} bytes ({record.dtype}"
+            f"{list(record.data_shape)}) but its files hold only {total} on disk (sparse or "
+            "truncated files are refused; on a compressing filesystem set "
+            "EQXCKPT_TRUST_SPARSE=1 for checkpoints you trust)",
+        )
     return total
 
 
 MAX_ZARR_JSON_BYTES = 64 * 1024
 
 
-_ZARR_KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value",
-              "codecs", "attributes", "dimension_names", "storage_transformers"}
+_ZARR_KEYS = {
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "fill_value",
+    "codecs",
+    "attributes",
+    "dimension_names",
+    "storage_transformers",
+}
 
 
 def validate_array_metadata(raw: bytes, record: LeafRecord) -> dict:
@@ -271,6 +287,7 @@ def validate_array_metadata(raw: bytes, record: LeafRecord) -> dict:
     accepted, so a crafted file can neither skip the checksum nor make a read
     allocate more than the array's own size plus one chunk.
     """
+
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"Leaf {record.path!r}: its zarr.json {why}. eqxckpt never writes that: the checkpoint is damaged or "
@@ -297,9 +314,13 @@ def validate_array_metadata(raw: bytes, record: LeafRecord) -> dict:
         )
     grid = doc.get("chunk_grid")
     chunk = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) else None
-    if not (isinstance(grid, dict) and grid.get("name") == "regular" and isinstance(chunk, list)
-            and len(chunk) == len(shape)
-            and all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= max(1, n) for c, n in zip(chunk, shape))):
+    if not (
+        isinstance(grid, dict)
+        and grid.get("name") == "regular"
+        and isinstance(chunk, list)
+        and len(chunk) == len(shape)
+        and all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= max(1, n) for c, n in zip(chunk, shape))
+    ):
         raise bad(f"has a chunk grid {grid!r} that does not fit the shape {list(shape)}")
     if math.prod(chunk) * np.dtype(record.dtype).itemsize > CHUNK_BYTES:
         raise bad(f"has chunks of {chunk} (over {CHUNK_BYTES} bytes)")
@@ -308,13 +329,20 @@ def validate_array_metadata(raw: bytes, record: LeafRecord) -> dict:
         raise bad(f"has a chunk key encoding {encoding!r}")
     codecs = doc.get("codecs")
     little = {"name": "bytes", "configuration": {"endian": "little"}}
-    if not (isinstance(codecs, list) and len(codecs) == 2 and codecs[1] == {"name": "crc32c"}
-            and (codecs[0] == little or (codecs[0] == {"name": "bytes"} and np.dtype(record.dtype).itemsize == 1))):
+    if not (
+        isinstance(codecs, list)
+        and len(codecs) == 2
+        and codecs[1] == {"name": "crc32c"}
+        and (codecs[0] == little or (codecs[0] == {"name": "bytes"} and np.dtype(record.dtype).itemsize == 1))
+    ):
         raise bad(f"has codecs {codecs!r}, not raw bytes with a crc32c checksum")
     if doc.get("storage_transformers", []) != []:
         raise bad("has storage transformers")
-    return {key: doc[key] for key in ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs", "fill_value")
-            if key in doc}
+    return {
+        key: doc[key]
+        for key in ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs", "fill_value")
+        if key in doc
+    }
 
 
 def _unsafe(record: LeafRecord, where: pathlib.Path) -> CorruptCheckpointError:

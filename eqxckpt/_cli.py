@@ -96,12 +96,17 @@ def _import_t5(args: argparse.Namespace) -> int:
     with Progress(transient=True) as progress:
         task = progress.add_task("importing T5", total=None)
         config = convert_tf(
-            args.src, args.out, args.config, dtype=getattr(jnp, args.dtype) if args.dtype else None,
+            args.src,
+            args.out,
+            args.config,
+            dtype=getattr(jnp, args.dtype) if args.dtype else None,
             overwrite=args.overwrite,
             progress=lambda name, total: progress.update(task, total=total, advance=1, description=name),
         )
-    print(f"wrote {args.out}: T5 {config.num_layers}+{config.num_decoder_layers} layers, d_model {config.d_model}, "
-          f"vocab {config.vocab_size}")
+    print(
+        f"wrote {args.out}: T5 {config.num_layers}+{config.num_decoder_layers} layers, d_model {config.d_model}, "
+        f"vocab {config.vocab_size}"
+    )
     return 0
 
 

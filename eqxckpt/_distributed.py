@@ -8,7 +8,7 @@ run on a background thread while the caller's thread keeps training.
 import itertools
 import json
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -80,7 +80,7 @@ class Phases:
             ]
         except Exception as e:
             if own_error is not None:
-                raise own_error
+                raise own_error from e
             raise CheckpointError(
                 f"Saving from {self.size} processes: not every process reached the {phase!r} phase within "
                 f"{BARRIER_TIMEOUT_S:.0f}s (one may have crashed or not called save). Nothing was committed. "

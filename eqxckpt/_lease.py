@@ -87,8 +87,9 @@ class DirLock:
         self.supported = supported
 
     @classmethod
-    def take(cls, path: pathlib.Path | str, *, exclusive: bool, follow_symlinks: bool = False,
-             dir_fd: int | None = None) -> "DirLock | None":
+    def take(
+        cls, path: pathlib.Path | str, *, exclusive: bool, follow_symlinks: bool = False, dir_fd: int | None = None
+    ) -> "DirLock | None":
         """Lock the directory at ``path`` without waiting.
 
         Returns None if a conflicting lock is held, or if ``path`` does not name
@@ -146,16 +147,20 @@ def create_staging(final: pathlib.Path) -> tuple[pathlib.Path, DirLock]:
         lock = DirLock.take(tmp, exclusive=False)
         if lock is not None:
             return tmp, lock
-    raise CheckpointWriteError(f"Could not create a staging directory beside {final} that stays ours; is another "
-                               "process removing directories there?")
+    raise CheckpointWriteError(
+        f"Could not create a staging directory beside {final} that stays ours; is another "
+        "process removing directories there?"
+    )
 
 
 def join_staging(tmp: pathlib.Path) -> DirLock:
     """Lock a staging directory another process of the same save created."""
     lock = DirLock.take(tmp, exclusive=False)
     if lock is None:
-        raise CheckpointWriteError(f"The save's staging directory {tmp} is gone: process 0 of the save failed or "
-                                   "was killed. Nothing was committed.")
+        raise CheckpointWriteError(
+            f"The save's staging directory {tmp} is gone: process 0 of the save failed or "
+            "was killed. Nothing was committed."
+        )
     return lock
 
 
@@ -248,8 +253,10 @@ def is_stale(doc: dict, now: float | None = None) -> bool:
 
 def describe_lease(doc: dict) -> str:
     age = time.time() - doc["heartbeat_unix"]
-    return (f"{doc.get('purpose', 'save')} by {doc.get('host', '?')} pid {doc.get('pid', '?')}, "
-            f"last heartbeat {age:.0f} s ago, abandoned after {doc['timeout_s']:.0f} s")
+    return (
+        f"{doc.get('purpose', 'save')} by {doc.get('host', '?')} pid {doc.get('pid', '?')}, "
+        f"last heartbeat {age:.0f} s ago, abandoned after {doc['timeout_s']:.0f} s"
+    )
 
 
 def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
@@ -275,8 +282,11 @@ def warn_if_not_atomic(kvstore: dict) -> None:
         return
     endpoint = str(kvstore.get("endpoint", ""))
     host = endpoint.split("://")[-1].split("/")[0]
-    atomic = not endpoint or host.endswith("amazonaws.com") or os.environ.get(
-        "TENSORSTORE_S3_USE_CONDITIONAL_WRITE", "").lower() in ("1", "true", "yes")
+    atomic = (
+        not endpoint
+        or host.endswith("amazonaws.com")
+        or os.environ.get("TENSORSTORE_S3_USE_CONDITIONAL_WRITE", "").lower() in ("1", "true", "yes")
+    )
     if not atomic and endpoint not in _warned_endpoints:
         _warned_endpoints.add(endpoint)
         warnings.warn(
@@ -305,14 +315,22 @@ class Lease:
         self.save_id = uuid.uuid4().hex
         self.timeout = lease_timeout()
         self.doc = {
-            "format": LEASE_FORMAT, "purpose": purpose, "save_id": self.save_id,
-            "host": socket.gethostname(), "pid": os.getpid(), "started_unix": time.time(),
-            "heartbeat_unix": time.time(), "timeout_s": self.timeout, "paths": sorted(set(paths)),
+            "format": LEASE_FORMAT,
+            "purpose": purpose,
+            "save_id": self.save_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_unix": time.time(),
+            "heartbeat_unix": time.time(),
+            "timeout_s": self.timeout,
+            "paths": sorted(set(paths)),
         }
         self.generation = self._write(seen)
         if self.generation is None:
-            raise CheckpointBusyError("Another process took the lease on this checkpoint first; it is saving or "
-                                      "deleting there now. Nothing was changed.")
+            raise CheckpointBusyError(
+                "Another process took the lease on this checkpoint first; it is saving or "
+                "deleting there now. Nothing was changed."
+            )
         self.lost = False
         self.replaces = False  # set by a save that removes a committed checkpoint under this lease
         self._stop = threading.Event()

@@ -15,8 +15,8 @@ from ._checkpoint import Checkpoint, LazyArray, check_allocation, key_dtype, ope
 from ._errors import CastError, CheckpointChangedError, CheckpointError, StructureMismatchError
 from ._manifest import LeafRecord, scalar_to_json
 from ._paths import depth, normalize_at
-from ._transform import keypath_string, missing_originals, plan, readable_path
 from ._store import read_window
+from ._transform import keypath_string, missing_originals, plan, readable_path
 from ._tree import SCALAR_TYPES, describe_like, flatten, is_array_like, is_prng_key_dtype
 
 MAX_LISTED = 50
@@ -67,12 +67,15 @@ def _narrowed(record: LeafRecord, target: Any) -> str | None:
     dtype = np.dtype(getattr(target, "dtype", None) or record.dtype)
     into_jax = isinstance(target, jax.Array) or (
         (target is None or isinstance(target, jax.ShapeDtypeStruct))
-        and (record.array_type == "jax" or getattr(target, "sharding", None) is not None))
+        and (record.array_type == "jax" or getattr(target, "sharding", None) is not None)
+    )
     if not into_jax or dtype.itemsize < 8 or dtype.kind not in "iufc" or dtype.name == "complex64":
         return None
-    return (f"{dtype.name} would become {jax.dtypes.canonicalize_dtype(dtype).name} in JAX, since this process has "
-            "jax_enable_x64 off. Enable it (jax.config.update('jax_enable_x64', True)), restore into numpy "
-            "leaves, or pass cast=True with a 32-bit `like` (the values are checked to fit)")
+    return (
+        f"{dtype.name} would become {jax.dtypes.canonicalize_dtype(dtype).name} in JAX, since this process has "
+        "jax_enable_x64 off. Enable it (jax.config.update('jax_enable_x64', True)), restore into numpy "
+        "leaves, or pass cast=True with a 32-bit `like` (the values are checked to fit)"
+    )
 
 
 def checked_astype(data: np.ndarray, dtype: Any, path: str) -> np.ndarray:
@@ -91,20 +94,27 @@ def checked_astype(data: np.ndarray, dtype: Any, path: str) -> np.ndarray:
         info = np.iinfo(dtype)
         for part in parts:
             if not np.isfinite(part).all():
-                raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} met NaN or infinity, which "
-                                f"{dtype.name} cannot hold. Restore into a float `like`.")
+                raise CastError(
+                    f"Leaf {path!r}: cast=True to {dtype.name} met NaN or infinity, which "
+                    f"{dtype.name} cannot hold. Restore into a float `like`."
+                )
             if part.min() < info.min or part.max() > info.max:
-                raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} met values from {part.min()} to "
-                                f"{part.max()}, outside [{info.min}, {info.max}]. Restore into a wider `like` "
-                                "(with jax_enable_x64 on, or numpy leaves).")
+                raise CastError(
+                    f"Leaf {path!r}: cast=True to {dtype.name} met values from {part.min()} to "
+                    f"{part.max()}, outside [{info.min}, {info.max}]. Restore into a wider `like` "
+                    "(with jax_enable_x64 on, or numpy leaves)."
+                )
     elif dtype.kind in "fc":
         for before, after in zip(parts, [out.real, out.imag] if dtype.kind == "c" else [out]):
             if (np.isfinite(before) & ~np.isfinite(after)).any():
-                raise CastError(f"Leaf {path!r}: cast=True to {dtype.name} would turn finite values into "
-                                "infinities (they are beyond its range). Restore into a wider `like`.")
+                raise CastError(
+                    f"Leaf {path!r}: cast=True to {dtype.name} would turn finite values into "
+                    "infinities (they are beyond its range). Restore into a wider `like`."
+                )
             if ((before != 0) & (after == 0)).any():
-                warnings.warn(f"Leaf {path!r}: cast=True to {dtype.name} flushed tiny nonzero values to zero.",
-                              stacklevel=6)
+                warnings.warn(
+                    f"Leaf {path!r}: cast=True to {dtype.name} flushed tiny nonzero values to zero.", stacklevel=6
+                )
     return out
 
 
@@ -176,7 +186,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) 
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + alignment, np.uint8)
     start = -raw.ctypes.data % alignment
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _sharded(record: LeafRecord, target: Any) -> bool:
@@ -215,7 +225,9 @@ def _assemble(record: LeafRecord, target: Any, reads: dict) -> jax.Array:
         return jax.random.wrap_key_data(data, impl=record.impl)
     dtype = np.dtype(target.dtype)
     return jax.make_array_from_callback(
-        record.shape, target.sharding, lambda idx: checked_astype(slices[_slice_key(idx, record.shape)], dtype, record.path)
+        record.shape,
+        target.sharding,
+        lambda idx: checked_astype(slices[_slice_key(idx, record.shape)], dtype, record.path),
     )
 
 
@@ -224,11 +236,16 @@ def _read(checkpoint: Checkpoint, reads: list[tuple[LeafRecord, Any]]) -> list[A
     final buffers, concurrently within a `read_window`."""
     opens = [checkpoint.open_array(record) for record, _ in reads]
     stores = [checkpoint.checked(record, opened) for (record, _), opened in zip(reads, opens)]
-    check_allocation(sum(record.nbytes for (record, target) in reads if not _sharded(record, target)),
-                     f"Restoring {len(reads)} leaves from {checkpoint.location}")
+    check_allocation(
+        sum(record.nbytes for (record, target) in reads if not _sharded(record, target)),
+        f"Restoring {len(reads)} leaves from {checkpoint.location}",
+    )
     values: list[Any] = [None] * len(reads)
-    sharded = {i: _start_slices(record, target, store) for i, ((record, target), store) in enumerate(zip(reads, stores))
-               if _sharded(record, target)}
+    sharded = {
+        i: _start_slices(record, target, store)
+        for i, ((record, target), store) in enumerate(zip(reads, stores))
+        if _sharded(record, target)
+    }
     pending: collections.deque = collections.deque()
     in_flight = 0
     window = read_window(sum(record.nbytes for record, _ in reads))
@@ -330,6 +347,7 @@ def load(
     model = eqxckpt.load("ckpt/step_100", skeleton, at="model")
     ```
     """
+
     # A checkpoint replaced while it is read is read again (a few times); in a
     # multi-process load the processes would have to agree on a retry, so there
     # the change is raised instead.
@@ -346,9 +364,15 @@ def load(
     return attempt()
 
 
-
-def _load_from(checkpoint: Checkpoint, like: Any, at: str | None, strict: bool, cast: bool, transforms: Any,
-               default_to_original: bool) -> Any:
+def _load_from(
+    checkpoint: Checkpoint,
+    like: Any,
+    at: str | None,
+    strict: bool,
+    cast: bool,
+    transforms: Any,
+    default_to_original: bool,
+) -> Any:
     prefix = normalize_at(at)
     available = checkpoint.records(prefix)
     if not available and prefix:
@@ -360,8 +384,11 @@ def _load_from(checkpoint: Checkpoint, like: Any, at: str | None, strict: bool, 
         stored = [r for r in available.values() if r.is_stored]
         narrowed = [(r.path, why) for r in stored if (why := _narrowed(r, None)) is not None]
         if narrowed:
-            raise CastError(f"Cannot restore {len(narrowed)} leaves of {checkpoint.location} without changing them: "
-                            + "; ".join(f"{path}: {why}" for path, why in narrowed[:MAX_LISTED]) + ".")
+            raise CastError(
+                f"Cannot restore {len(narrowed)} leaves of {checkpoint.location} without changing them: "
+                + "; ".join(f"{path}: {why}" for path, why in narrowed[:MAX_LISTED])
+                + "."
+            )
         values = dict(zip((r.path for r in stored), _read(checkpoint, [(r, None) for r in stored])))
         pairs = [(r, values[r.path] if r.is_stored else checkpoint.value(r)) for r in available.values()]
         return build_plain_tree(pairs, depth(prefix))
@@ -394,10 +421,15 @@ def _load_from(checkpoint: Checkpoint, like: Any, at: str | None, strict: bool, 
         else:
             out[i] = _unstored(checkpoint, record, target)
     # A None the checkpoint records where `like` has an empty subtree is no difference.
-    unexpected = [(rel, f"found {r.describe()}") for rel, r in available.items()
-                  if rel not in used and not (r.kind == "scalar" and r.type_name == "none")]
+    unexpected = [
+        (rel, f"found {r.describe()}")
+        for rel, r in available.items()
+        if rel not in used and not (r.kind == "scalar" and r.type_name == "none")
+    ]
     if missing or mismatched or (unexpected and strict):
-        raise StructureMismatchError(_report(checkpoint.location, prefix, missing, unexpected if strict else [], mismatched))
+        raise StructureMismatchError(
+            _report(checkpoint.location, prefix, missing, unexpected if strict else [], mismatched)
+        )
     if kept or unexpected:
         warnings.warn(
             f"eqxckpt.load(strict=False) from {checkpoint.location}: kept `like`'s values for "
@@ -435,17 +467,22 @@ def _place(path: str, value: Any, target: Any) -> Any:
 
 def _load_transformed(checkpoint, prefix, available, like, transforms, default_to_original, cast) -> Any:
     """`load` with `Transform` rules: plan on paths first, then read only what is used."""
-    by_key = {readable_path(r.keys[depth(prefix):]): r for r in available.values()}
+    by_key = {readable_path(r.keys[depth(prefix) :]): r for r in available.values()}
     flat, treedef = flatten(like)
     new_paths = [keypath_string(kp) for _, kp, _ in flat]
     sources = plan(new_paths, set(by_key), transforms, default_to_original)
-    problems = [(p, f"rule points at {k!r}, which is not in the checkpoint") for p, k in missing_originals(new_paths, sources, set(by_key))]
+    problems = [
+        (p, f"rule points at {k!r}, which is not in the checkpoint")
+        for p, k in missing_originals(new_paths, sources, set(by_key))
+    ]
     out: list[Any] = [None] * len(flat)
     reads, computed = [], []
     for i, ((_, _, target), path, source) in enumerate(zip(flat, new_paths, sources)):
         if source.kind == "new":
             if isinstance(target, jax.ShapeDtypeStruct):
-                problems.append((path, f"expected {describe_like(target)}; no rule, checkpoint leaf or concrete value supplies it"))
+                problems.append(
+                    (path, f"expected {describe_like(target)}; no rule, checkpoint leaf or concrete value supplies it")
+                )
             out[i] = target
         elif source.kind == "multi":
             computed.append((i, path, source, None, target))
@@ -467,7 +504,7 @@ def _load_transformed(checkpoint, prefix, available, like, transforms, default_t
     values = _read(checkpoint, [(r, t) for _, r, t in reads] + stored_inputs)
     for (i, _, _), value in zip(reads, values):
         out[i] = value
-    inputs = dict(zip((r.path for r, _ in stored_inputs), values[len(reads):]))
+    inputs = dict(zip((r.path for r, _ in stored_inputs), values[len(reads) :]))
     lazy_original = None
     for i, path, source, record, target in computed:
         if record is None:

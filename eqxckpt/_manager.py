@@ -12,8 +12,14 @@ import jax
 
 from ._checkpoint import open as open_checkpoint
 from ._errors import (
-    CheckpointBusyError, CheckpointChangedError, CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
-    CheckpointWriteError, IncompleteCheckpointError, ManifestError,
+    CheckpointBusyError,
+    CheckpointChangedError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    IncompleteCheckpointError,
+    ManifestError,
 )
 from ._lease import Lease, delete_local, read_lease, reclaim, remove_abandoned, uncommit
 from ._load import READ_ATTEMPTS, load
@@ -158,7 +164,9 @@ class CheckpointManager:
                 if not _STEP_NAME.match(entry.name):
                     out.append((entry.name, "not a step number"))
                     continue
-                committed = entry.is_dir(follow_symlinks=False) and os.path.lexists(os.path.join(entry.path, MANIFEST_NAME))
+                committed = entry.is_dir(follow_symlinks=False) and os.path.lexists(
+                    os.path.join(entry.path, MANIFEST_NAME)
+                )
                 out.append((entry.name, None if committed else "no committed checkpoint in it"))
             return out
         groups: dict[str, set[str]] = {}
@@ -185,8 +193,11 @@ class CheckpointManager:
 
     def _entries_with_leases(self) -> list[tuple[str, str]]:
         keys = (k.decode("utf-8", "replace") for k in self.location.open_kvstore().list().result())
-        return [(head, rest) for head, _, rest in (k.partition("/") for k in keys)
-                if rest == LEASE_NAME and _STEP_NAME.match(head)]
+        return [
+            (head, rest)
+            for head, _, rest in (k.partition("/") for k in keys)
+            if rest == LEASE_NAME and _STEP_NAME.match(head)
+        ]
 
     def _read_metrics(self, step: int) -> dict:
         record = open_checkpoint(self._step_location(step)).metadata.get(MANAGER_KEY, {})
@@ -352,7 +363,9 @@ class CheckpointManager:
         """The metrics saved with ``step``."""
         with self._lock:
             if step not in self._steps:
-                raise CheckpointNotFoundError(f"No committed step {step} in {self.location}; steps: {sorted(self._steps)}.")
+                raise CheckpointNotFoundError(
+                    f"No committed step {step} in {self.location}; steps: {sorted(self._steps)}."
+                )
             return dict(self._steps[step])
 
     def metadata(self, step: int | None = None) -> dict:

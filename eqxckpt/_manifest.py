@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from ._errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
-from ._paths import MANIFEST_NAME, record_segment, validate_path
 from ._lease import LocalPin, StorePin, describe_lease, is_stale, read_lease
+from ._paths import MANIFEST_NAME, record_segment, validate_path
 from ._store import STORED_DTYPES, Location, is_storage_error, read_capped, reason
 
 FORMAT = "eqxckpt"
@@ -200,14 +200,15 @@ def _keys(value: Any, path: str) -> tuple:
         if ok and entry[0] in ("seq", "index"):
             ok = isinstance(entry[1], int) and not isinstance(entry[1], bool) and entry[1] >= 0
         elif ok:
-            ok = isinstance(entry[1], str) or (entry[0] == "dict" and isinstance(entry[1], int) and not isinstance(entry[1], bool))
+            ok = isinstance(entry[1], str) or (
+                entry[0] == "dict" and isinstance(entry[1], int) and not isinstance(entry[1], bool)
+            )
         if not ok or (len(entry) == 3 and entry[2] != "repr"):
             raise ManifestError(f"Leaf {path!r}: key entry {entry!r} is not [kind, key] with kind in {KEY_KINDS}.")
         keys.append(tuple(entry))
     if "/".join(map(record_segment, keys)) != path:
         raise ManifestError(f"Leaf {path!r}: its keys {value!r} do not spell its path.")
     return tuple(keys)
-
 
 
 def _leaf(doc: Any) -> LeafRecord:
@@ -317,7 +318,7 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
             "Load an earlier checkpoint or restore this one from a copy."
         ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ManifestError(f"{where} does not hold an eqxckpt manifest (no \"format\": \"{FORMAT}\").")
+        raise ManifestError(f'{where} does not hold an eqxckpt manifest (no "format": "{FORMAT}").')
     version = doc.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise ManifestError(f"The manifest of {where} has no integer format version.")
@@ -340,8 +341,13 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
     _check_containers(records, where, complete)
     created = doc.get("created_unix", 0.0)
     save_id = doc.get("save_id", "")
-    return Manifest(records, metadata, created if isinstance(created, (int, float)) else 0.0,
-                    save_id if isinstance(save_id, str) else "", complete)
+    return Manifest(
+        records,
+        metadata,
+        created if isinstance(created, (int, float)) else 0.0,
+        save_id if isinstance(save_id, str) else "",
+        complete,
+    )
 
 
 def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:
@@ -355,7 +361,9 @@ def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:
         try:
             dir_fd = os.open(local, os.O_RDONLY | os.O_DIRECTORY)
         except NotADirectoryError:
-            raise CheckpointNotFoundError(f"No checkpoint at {local}: it is a file, not a checkpoint directory.") from None
+            raise CheckpointNotFoundError(
+                f"No checkpoint at {local}: it is a file, not a checkpoint directory."
+            ) from None
         except FileNotFoundError:
             siblings = sorted(local.parent.iterdir()) if local.parent.is_dir() else []
             pending = [p for p in siblings if p.name.startswith(f".{local.name}.eqxckpt-tmp-")]
@@ -384,7 +392,9 @@ def read_manifest(location: Location) -> tuple[Manifest, "LocalPin | StorePin"]:
         if not is_storage_error(e):
             raise
         if str(e).startswith("NOT_FOUND"):
-            raise CheckpointNotFoundError(f"No checkpoint at {location}: {reason(e)} (is the bucket's name right?)") from None
+            raise CheckpointNotFoundError(
+                f"No checkpoint at {location}: {reason(e)} (is the bucket's name right?)"
+            ) from None
         raise CheckpointError(
             f"Cannot read {location}: {reason(e)}. Check the endpoint (AWS_ENDPOINT_URL), the network and the "
             "credentials."

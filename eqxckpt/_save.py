@@ -4,8 +4,8 @@ import atexit
 import bisect
 import concurrent.futures
 import contextlib
-import itertools
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -21,22 +21,52 @@ import tensorstore as ts
 from ._checkpoint import LazyArray
 from ._distributed import Phases, is_multiprocess
 from ._errors import (
-    CheckpointBusyError, CheckpointError, CheckpointExistsError, CheckpointWriteError, ManifestError,
+    CheckpointBusyError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointWriteError,
+    ManifestError,
     UnsupportedLeafError,
 )
 from ._lease import (
-    DirLock, Lease, create_staging, delete_leaf_keys, describe_lease, join_staging, read_lease, reclaim,
-    remove_abandoned, remove_tree, uncommit, warn_if_not_atomic,
+    DirLock,
+    Lease,
+    create_staging,
+    delete_leaf_keys,
+    describe_lease,
+    join_staging,
+    read_lease,
+    reclaim,
+    remove_abandoned,
+    remove_tree,
+    uncommit,
+    warn_if_not_atomic,
 )
 from ._manifest import LeafRecord, Manifest, parse_manifest, scalar_to_json
 from ._paths import LEASE_NAME, MANIFEST_NAME, key_entry_record
 from ._store import (
-    Location, array_spec, check_dtype, chunk_shape, exchange, fsync_path, hidden_sibling, is_storage_error, read_window,
-    reason, resolve,
-    shared_context, sync_filesystem,
+    Location,
+    array_spec,
+    check_dtype,
+    chunk_shape,
+    exchange,
+    fsync_path,
+    hidden_sibling,
+    is_storage_error,
+    read_window,
+    reason,
+    resolve,
+    shared_context,
+    sync_filesystem,
 )
 from ._tree import (
-    SCALAR_TYPES, flatten, is_array_like, is_code, is_empty_subtree, is_prng_key_dtype, type_name,
+    SCALAR_TYPES,
+    flatten,
+    is_array_like,
+    is_code,
+    is_empty_subtree,
+    is_prng_key_dtype,
+    type_name,
 )
 
 
@@ -140,18 +170,33 @@ def _plan(tree: Any) -> tuple[list[LeafRecord], list[tuple[LeafRecord, Any]]]:
             if isinstance(leaf, jax.Array) and is_prng_key_dtype(leaf.dtype):
                 data = jax.random.key_data(leaf)
                 impl = str(jax.random.key_impl(leaf))
-                record = LeafRecord(path, keys, "prng_key", tuple(leaf.shape), np.dtype(data.dtype).name,
-                                    impl=impl, value=tuple(data.shape[leaf.ndim:]))
+                record = LeafRecord(
+                    path,
+                    keys,
+                    "prng_key",
+                    tuple(leaf.shape),
+                    np.dtype(data.dtype).name,
+                    impl=impl,
+                    value=tuple(data.shape[leaf.ndim :]),
+                )
                 arrays.append((record, data))
             else:
                 dtype = np.dtype(leaf.dtype)
                 check_dtype(dtype, path)
-                array_type = "jax" if isinstance(leaf, jax.Array) else "numpy" if isinstance(leaf, np.ndarray) else "numpy_scalar"
+                array_type = (
+                    "jax"
+                    if isinstance(leaf, jax.Array)
+                    else "numpy"
+                    if isinstance(leaf, np.ndarray)
+                    else "numpy_scalar"
+                )
                 record = LeafRecord(path, keys, "array", tuple(np.shape(leaf)), dtype.name, array_type=array_type)
                 arrays.append((record, leaf))
         elif isinstance(leaf, SCALAR_TYPES) or is_empty_subtree(leaf):
             # An empty subtree in a sequence is recorded as None: it keeps the indices whole.
-            kind, value = scalar_to_json(None if is_empty_subtree(leaf) else str(leaf) if isinstance(leaf, np.str_) else leaf)
+            kind, value = scalar_to_json(
+                None if is_empty_subtree(leaf) else str(leaf) if isinstance(leaf, np.str_) else leaf
+            )
             record = LeafRecord(path, keys, "scalar", value=value, type_name=kind)
         elif is_code(leaf):
             record = LeafRecord(path, keys, "opaque", type_name=type_name(leaf))
@@ -166,7 +211,9 @@ def _lazy_record(path: str, keys: tuple, lazy: LazyArray) -> LeafRecord:
     source = lazy.record
     if source.kind == "prng_key":
         if lazy._index != () or lazy._dtype is not None:
-            raise UnsupportedLeafError(f"Leaf {path!r}: a sliced or cast lazy PRNG key array cannot be saved; get() it.")
+            raise UnsupportedLeafError(
+                f"Leaf {path!r}: a sliced or cast lazy PRNG key array cannot be saved; get() it."
+            )
         return LeafRecord(path, keys, "prng_key", source.shape, source.dtype, impl=source.impl, value=source.value)
     dtype = np.dtype(lazy.dtype)
     check_dtype(dtype, path)
@@ -177,19 +224,25 @@ def _refusal(path: str, leaf: Any) -> str:
     """Why a leaf cannot be saved, and what to do instead."""
     kind = type_name(leaf)
     if isinstance(leaf, np.ma.MaskedArray):
-        return (f"Leaf {path!r} is a numpy masked array: saving it as an array would lose its mask. Save "
-                f"{{'data': x.data, 'mask': np.ma.getmaskarray(x)}} instead, or np.ma.filled(x) if the mask is not needed.")
+        return (
+            f"Leaf {path!r} is a numpy masked array: saving it as an array would lose its mask. Save "
+            f"{{'data': x.data, 'mask': np.ma.getmaskarray(x)}} instead, or np.ma.filled(x) if the mask is not needed."
+        )
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        return (f"Leaf {path!r} is a jax.ShapeDtypeStruct: a shape and dtype with no data (from eval_shape or "
-                "filter_eval_shape?). Save the real arrays.")
+        return (
+            f"Leaf {path!r} is a jax.ShapeDtypeStruct: a shape and dtype with no data (from eval_shape or "
+            "filter_eval_shape?). Save the real arrays."
+        )
     if isinstance(leaf, dict):
         hint = "a dict subclass, which JAX does not flatten: convert it with dict(x), or register it as a pytree"
     else:
         hint = "an object JAX treats as a single leaf, so eqxckpt cannot see what it holds (it may hold arrays)"
-    return (f"Leaf {path!r} is {hint} ({kind}). Make it a pytree (an eqx.Module, a registered class "
-            "(jax.tree_util.register_pytree_node / register_dataclass), or plain dicts and lists), convert it to "
-            "arrays and scalars, or keep it out of the saved tree (an eqx.field(static=True), or "
-            "eqx.filter(tree, eqx.is_array)). Only arrays, scalars, strings, None, functions and classes can be leaves.")
+    return (
+        f"Leaf {path!r} is {hint} ({kind}). Make it a pytree (an eqx.Module, a registered class "
+        "(jax.tree_util.register_pytree_node / register_dataclass), or plain dicts and lists), convert it to "
+        "arrays and scalars, or keep it out of the saved tree (an eqx.field(static=True), or "
+        "eqx.filter(tree, eqx.is_array)). Only arrays, scalars, strings, None, functions and classes can be leaves."
+    )
 
 
 def _snapshot(arrays: list[tuple[LeafRecord, Any]], copy: bool, leader: bool) -> list[_Leaf]:
@@ -220,7 +273,9 @@ def _snapshot(arrays: list[tuple[LeafRecord, Any]], copy: bool, leader: bool) ->
             if isinstance(data, jax.Array) and not _on_cpu(data):
                 data.copy_to_host_async()
     for leaf in leaves:
-        leaf.pieces = [(index, data if isinstance(data, LazyArray) else _host(data, copy)) for index, data in leaf.pieces]
+        leaf.pieces = [
+            (index, data if isinstance(data, LazyArray) else _host(data, copy)) for index, data in leaf.pieces
+        ]
     return leaves
 
 
@@ -280,7 +335,9 @@ def _settle(futures: list[tuple[LeafRecord, Any]], action: str) -> list[Any]:
         except Exception as e:  # noqa: BLE001 - the first is raised below, after the rest settle
             results.append(None)
             if failure is None:
-                failure = CheckpointWriteError(f"{action} leaf {record.path!r} failed: {reason(e)}. {NOTHING_COMMITTED}")
+                failure = CheckpointWriteError(
+                    f"{action} leaf {record.path!r} failed: {reason(e)}. {NOTHING_COMMITTED}"
+                )
                 failure.__cause__ = e
     if failure is not None:
         raise failure
@@ -290,9 +347,19 @@ def _settle(futures: list[tuple[LeafRecord, Any]], action: str) -> list[Any]:
 def _open_arrays(target: Location, leaves: list[_Leaf], create: bool) -> list[ts.TensorStore]:
     # Every open is issued before any is awaited: TensorStore runs them concurrently.
     opens = [
-        (leaf.record, ts.open(array_spec(target.child(leaf.record.path), leaf.record.data_shape,
-                                         np.dtype(leaf.record.dtype), leaf.shard, create=create),
-                              context=shared_context()))
+        (
+            leaf.record,
+            ts.open(
+                array_spec(
+                    target.child(leaf.record.path),
+                    leaf.record.data_shape,
+                    np.dtype(leaf.record.dtype),
+                    leaf.shard,
+                    create=create,
+                ),
+                context=shared_context(),
+            ),
+        )
         for leaf in leaves
     ]
     return _settle(opens, "Creating the array of" if create else "Opening the array of")
@@ -305,7 +372,10 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
     # changes them while we wait, since jax arrays are immutable, an async
     # save copied its numpy leaves, and a blocking save returns only afterwards.
     writes = [
-        (leaf.record, (store if index is None else store[index]).write(data, can_reference_source_data_indefinitely=True))
+        (
+            leaf.record,
+            (store if index is None else store[index]).write(data, can_reference_source_data_indefinitely=True),
+        )
         for store, leaf in zip(stores, leaves)
         for index, data in leaf.pieces
         if not isinstance(data, LazyArray)
@@ -313,8 +383,12 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
     _settle(writes, "Writing")
     # Leaves from another checkpoint are streamed, a window of bytes at a time,
     # so copying a checkpoint never holds the whole of it in memory.
-    copies = [(store, leaf.record, data) for store, leaf in zip(stores, leaves) for _, data in leaf.pieces
-              if isinstance(data, LazyArray)]
+    copies = [
+        (store, leaf.record, data)
+        for store, leaf in zip(stores, leaves)
+        for _, data in leaf.pieces
+        if isinstance(data, LazyArray)
+    ]
     window = read_window(sum(data.nbytes for _, _, data in copies))
     batches: list[list] = [[]]
     size = 0
@@ -433,7 +507,9 @@ def _check_place(location: Location, store: ts.KvStore, leaves: list[_Leaf], ove
     old_paths: list[str] = []
     if committed.state == "value":
         if not overwrite:
-            raise CheckpointExistsError(f"A checkpoint already exists at {location}. Pass overwrite=True to replace it.")
+            raise CheckpointExistsError(
+                f"A checkpoint already exists at {location}. Pass overwrite=True to replace it."
+            )
         try:
             old = parse_manifest(bytes(committed.value), str(location))
         except ManifestError as e:
@@ -495,8 +571,9 @@ def _take_object_store(location: Location, leaves: list[_Leaf], overwrite: bool)
     return lease
 
 
-def _publish(location: Location, staging: Location, manifest: Manifest, leaves: list[_Leaf], overwrite: bool,
-             lease: Lease | None) -> None:
+def _publish(
+    location: Location, staging: Location, manifest: Manifest, leaves: list[_Leaf], overwrite: bool, lease: Lease | None
+) -> None:
     """Check what was written, write the manifest, then make it visible at ``location``."""
     if lease is not None:
         # No rename on object stores: the manifest, written last, is the commit marker.
@@ -504,11 +581,13 @@ def _publish(location: Location, staging: Location, manifest: Manifest, leaves: 
         _check_complete(staging, leaves)
         store = location.open_kvstore()
         absent = store.read(MANIFEST_NAME).result()
-        if absent.state == "value" or not store.write(
-            MANIFEST_NAME, manifest.to_bytes(), if_equal=absent.stamp.generation
-        ).result().generation:
-            raise CheckpointBusyError(f"Another process committed a checkpoint at {location} during this save. "
-                                      f"{NOTHING_COMMITTED}")
+        if (
+            absent.state == "value"
+            or not store.write(MANIFEST_NAME, manifest.to_bytes(), if_equal=absent.stamp.generation).result().generation
+        ):
+            raise CheckpointBusyError(
+                f"Another process committed a checkpoint at {location} during this save. {NOTHING_COMMITTED}"
+            )
         lease.release()
         return
     tmp = staging.local
@@ -574,8 +653,9 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
                 lock = join_staging(staging.local)  # a cleaner must see this process as alive
             with contextlib.ExitStack() as sources:
                 # Leaves copied from other checkpoints: those must stay the same until written.
-                for source in {id(d.checkpoint): d.checkpoint for leaf in mine for _, d in leaf.pieces
-                               if isinstance(d, LazyArray)}.values():
+                for source in {
+                    id(d.checkpoint): d.checkpoint for leaf in mine for _, d in leaf.pieces if isinstance(d, LazyArray)
+                }.values():
                     sources.enter_context(source.consistent())
                 _write_pieces(created if created is not None else _open_arrays(staging, mine, create=False), mine)
             if staging.local is not None:
@@ -590,8 +670,10 @@ def _run(location: Location, manifest: Manifest, leaves: list[_Leaf], overwrite:
         if lease is not None:
             _abort_object_store(lease, leaves)
             if lease.replaces:
-                e.add_note(f"The checkpoint this save was replacing at {location} had already been removed: object "
-                           "stores cannot replace a checkpoint atomically. Save it again.")
+                e.add_note(
+                    f"The checkpoint this save was replacing at {location} had already been removed: object "
+                    "stores cannot replace a checkpoint atomically. Save it again."
+                )
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             error = CheckpointWriteError(f"Saving to {location} failed: {e}. {NOTHING_COMMITTED}")
             error.errno = e.errno

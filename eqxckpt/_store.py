@@ -98,7 +98,9 @@ def resolve(path: Any) -> Location:
         if scheme == "s3":
             spec.update(_s3_environment())
         return Location(spec, None)
-    raise CheckpointError(f"Unsupported URL scheme {scheme!r} in {path!r}: use a local path, file://, memory://, s3:// or gs://, or a kvstore spec dict.")
+    raise CheckpointError(
+        f"Unsupported URL scheme {scheme!r} in {path!r}: use a local path, file://, memory://, s3:// or gs://, or a kvstore spec dict."
+    )
 
 
 def _s3_environment() -> dict:
@@ -145,13 +147,15 @@ def shared_context() -> ts.Context:
     """
     global _CONTEXT
     if _CONTEXT is None:
-        _CONTEXT = ts.Context({
-            "file_io_sync": False,
-            "file_io_mode": {"mode": "memmap"},
-            "cache_pool": {"total_bytes_limit": 0},
-            # An unreachable endpoint fails within about 20 s, not after many minutes of retries.
-            "s3_request_retries": {"max_retries": S3_RETRIES, "initial_delay": "0.5s", "max_delay": "4s"},
-        })
+        _CONTEXT = ts.Context(
+            {
+                "file_io_sync": False,
+                "file_io_mode": {"mode": "memmap"},
+                "cache_pool": {"total_bytes_limit": 0},
+                # An unreachable endpoint fails within about 20 s, not after many minutes of retries.
+                "s3_request_retries": {"max_retries": S3_RETRIES, "initial_delay": "0.5s", "max_delay": "4s"},
+            }
+        )
     return _CONTEXT
 
 

@@ -9,7 +9,8 @@ Keys are matched as the leaves' keys joined by ``/`` (``layers/0/weight``,
 
 import dataclasses
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.tree_util as jtu
 
@@ -68,7 +69,9 @@ def flatten_transformations(transformations: Any) -> list[tuple[str, re.Pattern,
     if transformations is None:
         return []
     if not isinstance(transformations, dict):
-        raise TransformError(f"transformations must be a (nested) dict of Transform, got {type(transformations).__name__}.")
+        raise TransformError(
+            f"transformations must be a (nested) dict of Transform, got {type(transformations).__name__}."
+        )
     rules = []
     for key, value in transformations.items():
         if not isinstance(key, str):
@@ -78,7 +81,9 @@ def flatten_transformations(transformations: Any) -> list[tuple[str, re.Pattern,
         elif isinstance(value, Transform):
             rules.append((key, None, value))
         else:
-            raise TransformError(f"Transformation {key!r} must be a Transform or a dict of them, got {type(value).__name__}.")
+            raise TransformError(
+                f"Transformation {key!r} must be a Transform or a dict of them, got {type(value).__name__}."
+            )
     compiled = []
     for key, _, transform in rules:
         try:
@@ -88,7 +93,9 @@ def flatten_transformations(transformations: Any) -> list[tuple[str, re.Pattern,
     return compiled
 
 
-def plan(new_paths: list[str], original_paths: set[str], transformations: Any, default_to_original: bool) -> list[Source]:
+def plan(
+    new_paths: list[str], original_paths: set[str], transformations: Any, default_to_original: bool
+) -> list[Source]:
     """Decide, for each new path, where its value comes from (no values touched)."""
     rules = flatten_transformations(transformations)
     sources = []

@@ -1,7 +1,8 @@
 """`CheckpointTranslator`: regex rules from a foreign checkpoint's flat names to ours."""
 
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ._transform import TransformError
 
@@ -67,6 +68,10 @@ class CheckpointTranslator:
             else:
                 unmatched.append(key)
         if unmatched:
-            listed = "\n  ".join(unmatched[:100]) + (f"\n  ... and {len(unmatched) - 100} more" if len(unmatched) > 100 else "")
-            raise TransformError(f"{len(unmatched)} keys match no translation rule:\n  {listed}\nAdd a rule for them (return a None key to drop one).")
+            listed = "\n  ".join(unmatched[:100]) + (
+                f"\n  ... and {len(unmatched) - 100} more" if len(unmatched) > 100 else ""
+            )
+            raise TransformError(
+                f"{len(unmatched)} keys match no translation rule:\n  {listed}\nAdd a rule for them (return a None key to drop one)."
+            )
         return out

@@ -26,8 +26,9 @@ def flatten(tree: Any, empty_in_sequences: bool = False) -> tuple[list[tuple[str
     """
     if empty_in_sequences:
         with_path, _ = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree and is_empty_subtree(x))
-        with_path = [(kp, leaf) for kp, leaf in with_path
-                     if not is_empty_subtree(leaf) or isinstance(kp[-1], jtu.SequenceKey)]
+        with_path = [
+            (kp, leaf) for kp, leaf in with_path if not is_empty_subtree(leaf) or isinstance(kp[-1], jtu.SequenceKey)
+        ]
         treedef = jtu.tree_structure(tree)
     else:
         with_path, treedef = jtu.tree_flatten_with_path(tree)
@@ -51,7 +52,11 @@ def describe_like(x: Any) -> str:
     """``float32[4,3]`` for arrays and skeletons, the type name otherwise."""
     if is_array_like(x):
         dtype = x.dtype
-        name = f"key<{jax.random.key_impl(x) if isinstance(x, jax.Array) else 'prng'}>" if is_prng_key_dtype(dtype) else np.dtype(dtype).name
+        name = (
+            f"key<{jax.random.key_impl(x) if isinstance(x, jax.Array) else 'prng'}>"
+            if is_prng_key_dtype(dtype)
+            else np.dtype(dtype).name
+        )
         return f"{name}[{','.join(map(str, np.shape(x)))}]"
     if isinstance(x, SCALAR_TYPES) or x is None:
         return f"{type(x).__name__} = {x!r}"

@@ -4,7 +4,8 @@ import dataclasses
 import os
 from typing import Any
 
-from ._checkpoint import Checkpoint, key_dtype, open as open_checkpoint, reading
+from ._checkpoint import Checkpoint, key_dtype, reading
+from ._checkpoint import open as open_checkpoint
 from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
 from ._manifest import LeafRecord
 from ._paths import MANIFEST_NAME
@@ -29,8 +30,10 @@ class VerifyReport:
         return not self.problems
 
     def __str__(self) -> str:
-        head = (f"{self.location}: {self.leaves} leaves, {self.arrays_checked} arrays, "
-                f"{self.bytes_checked} bytes checked, {len(self.problems)} problems")
+        head = (
+            f"{self.location}: {self.leaves} leaves, {self.arrays_checked} arrays, "
+            f"{self.bytes_checked} bytes checked, {len(self.problems)} problems"
+        )
         return "\n".join([head] + [f"  {path}: {message}" for path, message in self.problems])
 
 

@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import optax
 
 import eqxckpt
-from eqxckpt._cli import human_bytes, main as cli
+from eqxckpt._cli import human_bytes
+from eqxckpt._cli import main as cli
 
 
-def make_model(key=jax.random.key(0)):
+def make_model(key=None):
+    key = jax.random.key(0) if key is None else key
     return eqx.nn.MLP(in_size=8, out_size=1, width_size=256, depth=3, key=key)
 
 
@@ -31,7 +33,7 @@ def train(steps: int):
         updates, opt_state = optim.update(grads, opt_state, model)
         return eqx.apply_updates(model, updates), opt_state, loss
 
-    for i in range(steps):
+    for _i in range(steps):
         model, opt_state, loss = step(model, opt_state)
     return model, opt_state, float(loss)
 
@@ -44,12 +46,17 @@ def main() -> None:
 
         path = root / "run" / "step_50"
         t0 = time.perf_counter()
-        eqxckpt.save(path, {"model": model, "opt_state": opt_state, "step": 50},
-                     metadata={"step": 50, "loss": loss, "width": 256})
+        eqxckpt.save(
+            path,
+            {"model": model, "opt_state": opt_state, "step": 50},
+            metadata={"step": 50, "loss": loss, "width": 256},
+        )
         took = time.perf_counter() - t0
         ckpt = eqxckpt.open(path)
         files = sum(1 for p in path.rglob("*") if p.is_file())
-        print(f"\nsaved {len(ckpt)} leaves ({human_bytes(ckpt.nbytes)}, {files} files) to {path} in {took * 1000:.0f} ms")
+        print(
+            f"\nsaved {len(ckpt)} leaves ({human_bytes(ckpt.nbytes)}, {files} files) to {path} in {took * 1000:.0f} ms"
+        )
 
         print("\n$ eqxckpt inspect", path, "--at model")
         cli(["inspect", str(path), "--at", "model"])
@@ -58,10 +65,17 @@ def main() -> None:
         restored = eqxckpt.load(path, eqx.filter_eval_shape(make_model), at="model")
         took = time.perf_counter() - t0
         model_bytes = sum(r.nbytes for r in ckpt.records("model").values())
-        print(f"\nrestored the params alone ({human_bytes(model_bytes)} of {human_bytes(ckpt.nbytes)}) "
-              f"into a filter_eval_shape skeleton in {took * 1000:.0f} ms")
-        same = all(jnp.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(eqx.filter(restored, eqx.is_array)),
-                                                         jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))))
+        print(
+            f"\nrestored the params alone ({human_bytes(model_bytes)} of {human_bytes(ckpt.nbytes)}) "
+            f"into a filter_eval_shape skeleton in {took * 1000:.0f} ms"
+        )
+        same = all(
+            jnp.array_equal(a, b)
+            for a, b in zip(
+                jax.tree_util.tree_leaves(eqx.filter(restored, eqx.is_array)),
+                jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)),
+            )
+        )
         x = jnp.ones(8)
         print(f"bit-exact: {same}; model(ones) = {float(restored(x)[0]):.6f} (trained: {float(model(x)[0]):.6f})")
         assert same

@@ -20,8 +20,9 @@ def rss_kib(field: str) -> int:
 def main(op: str, path: str) -> None:
     ops = {
         "load": lambda: eqxckpt.load(path),
-        "get": lambda: [leaf.get() for leaf in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths)
-                        if hasattr(leaf, "get")],
+        "get": lambda: [
+            leaf.get() for leaf in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths) if hasattr(leaf, "get")
+        ],
         "verify": lambda: eqxckpt.verify(path),
         "open": lambda: eqxckpt.open(path),
     }

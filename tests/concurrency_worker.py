@@ -32,8 +32,12 @@ LEAVES = int(os.environ.get("EQXCKPT_TEST_LEAVES", "100"))
 
 
 def state(step: int, leaves: int = LEAVES) -> dict:
-    return {"layers": [{"w": np.full((32, 64), step, np.float32), "b": np.full(64, step, np.int64)}
-                       for _ in range(leaves // 2)], "step": step}
+    return {
+        "layers": [
+            {"w": np.full((32, 64), step, np.float32), "b": np.full(64, step, np.int64)} for _ in range(leaves // 2)
+        ],
+        "step": step,
+    }
 
 
 def where(arg: str):
@@ -77,8 +81,10 @@ def evaluate(run, stopfile: str) -> dict:
         report = eqxckpt.verify(manager.path(loaded[-1]))
         if report.ok:
             counts["verified"] += 1
-        elif any(isinstance(p, str) and ("replaced or deleted" in m or "No checkpoint" in m or "being deleted" in m)
-                 for p, m in report.problems):
+        elif any(
+            isinstance(p, str) and ("replaced or deleted" in m or "No checkpoint" in m or "being deleted" in m)
+            for p, m in report.problems
+        ):
             counts["deleted before verify"] += 1
         else:
             raise AssertionError(f"step {loaded[-1]} does not verify: {report}")
@@ -86,8 +92,11 @@ def evaluate(run, stopfile: str) -> dict:
             try:
                 one_save(eqxckpt.load(manager.path(loaded[-1] - 1)))
                 counts["older loads"] += 1
-            except (eqxckpt.CheckpointNotFoundError, eqxckpt.CheckpointChangedError,
-                    eqxckpt.IncompleteCheckpointError) as e:
+            except (
+                eqxckpt.CheckpointNotFoundError,
+                eqxckpt.CheckpointChangedError,
+                eqxckpt.IncompleteCheckpointError,
+            ) as e:
                 counts[f"older: {type(e).__name__}"] += 1
     return {"counts": dict(counts), "first": loaded[:1], "last": loaded[-1:]}
 

@@ -43,9 +43,13 @@ def assert_trees_equal(a, b):
 
 
 BUCKET = "eqxckpt-test"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-               # moto honours If-Match/If-None-Match: let TensorStore send them (as it does to AWS S3)
-               "TENSORSTORE_S3_USE_CONDITIONAL_WRITE": "1"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+    # moto honours If-Match/If-None-Match: let TensorStore send them (as it does to AWS S3)
+    "TENSORSTORE_S3_USE_CONDITIONAL_WRITE": "1",
+}
 
 
 @pytest.fixture(scope="session")

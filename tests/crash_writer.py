@@ -18,8 +18,9 @@ def state(step: int) -> dict:
     rng = np.random.default_rng(step)
     return {
         "big": np.full((512, 1024), step, np.float32),  # 2 MiB: saves take long enough to be hit
-        "layers": [{"w": rng.standard_normal((64, 64)).astype(np.float32), "b": np.full(64, step, np.int32)}
-                   for _ in range(6)],
+        "layers": [
+            {"w": rng.standard_normal((64, 64)).astype(np.float32), "b": np.full(64, step, np.int32)} for _ in range(6)
+        ],
         "noise": rng.standard_normal(200_000),
         "step": step,
     }

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DEVICES_PER_PROCESS = 2
 
@@ -79,11 +80,19 @@ def global_state(mesh: Mesh | None) -> dict:
     for path, _, leaf in flat:
         if path == "keys":
             if mesh is not None:
-                split = jax.jit(lambda: jax.random.split(jax.random.key(0), 8), out_shardings=NamedSharding(mesh, P("data")))
+                split = jax.jit(
+                    lambda: jax.random.split(jax.random.key(0), 8), out_shardings=NamedSharding(mesh, P("data"))
+                )
                 leaf = split()
-        elif mesh is not None and isinstance(leaf, jax.Array) and path.startswith(("model", "opt_state/0/mu", "opt_state/0/nu")):
+        elif (
+            mesh is not None
+            and isinstance(leaf, jax.Array)
+            and path.startswith(("model", "opt_state/0/mu", "opt_state/0/nu"))
+        ):
             value = expected(path, leaf.shape, leaf.dtype)
-            leaf = jax.make_array_from_callback(value.shape, NamedSharding(mesh, save_spec(path)), lambda i, v=value: v[i])
+            leaf = jax.make_array_from_callback(
+                value.shape, NamedSharding(mesh, save_spec(path)), lambda i, v=value: v[i]
+            )
         elif isinstance(leaf, (jax.Array, np.ndarray)):
             value = expected(path, leaf.shape, leaf.dtype)
             leaf = value if isinstance(leaf, np.ndarray) else jnp.asarray(value)
@@ -186,9 +195,14 @@ def main(scenario: str, port: int, num_processes: int, process_id: int, director
         eqxckpt.save(f"{directory}/blocking", state, overwrite=True, metadata={"overwritten": True})
         assert eqxckpt.open(f"{directory}/blocking").metadata == {"overwritten": True}
         if os.environ.get("S3_TEST_ENDPOINT"):  # the same, to an S3 server (moto, on 127.0.0.1)
-            where = {"driver": "s3", "bucket": os.environ["S3_TEST_BUCKET"], "path": f"mp{num_processes}/",
-                     "endpoint": os.environ["S3_TEST_ENDPOINT"], "aws_region": "us-east-1",
-                     "aws_credentials": {"type": "environment"}}
+            where = {
+                "driver": "s3",
+                "bucket": os.environ["S3_TEST_BUCKET"],
+                "path": f"mp{num_processes}/",
+                "endpoint": os.environ["S3_TEST_ENDPOINT"],
+                "aws_region": "us-east-1",
+                "aws_credentials": {"type": "environment"},
+            }
             eqxckpt.save(where, state, blocking=False).wait()
             restored = eqxckpt.load(where, skeleton(load_mesh))
             print(f"process {process_id}: s3 restored, {check(restored, load_mesh)} elements checked")
@@ -199,7 +213,9 @@ def main(scenario: str, port: int, num_processes: int, process_id: int, director
                 manager.save(step, state, metrics={"loss": float(step)})
         assert manager.all_steps() == [0, 3, 5, 6], manager.all_steps()
         restored = manager.load(skeleton(load_mesh))
-        print(f"process {process_id}: manager steps {manager.all_steps()}, {check(restored, load_mesh)} elements checked")
+        print(
+            f"process {process_id}: manager steps {manager.all_steps()}, {check(restored, load_mesh)} elements checked"
+        )
     elif scenario == "load":  # a checkpoint written by one process, restored across all of them
         restored = eqxckpt.load(f"{directory}/single", skeleton(load_mesh))
         print(f"process {process_id}: single restored, {check(restored, load_mesh)} elements checked")

@@ -19,10 +19,18 @@ import eqxckpt
 def state():
     """~192 MiB: params of 64 MiB and two moments of the same size, 24 leaves."""
     rng = np.random.default_rng(0)
-    layer = lambda: {"w": jnp.asarray(rng.standard_normal((1024, 2048), np.float32)),
-                     "b": jnp.asarray(rng.standard_normal(2048, np.float32))}
+
+    def layer():
+        return {
+            "w": jnp.asarray(rng.standard_normal((1024, 2048), np.float32)),
+            "b": jnp.asarray(rng.standard_normal(2048, np.float32)),
+        }
+
     params = {"layers": [layer() for _ in range(8)]}
-    moment = lambda: jax.tree_util.tree_map(lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32)), params)
+
+    def moment():
+        return jax.tree_util.tree_map(lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32)), params)
+
     return {"model": params, "opt": {"mu": moment(), "nu": moment()}}
 
 
@@ -32,7 +40,9 @@ def kib(field):
 
 
 def main(op, path):
-    nbytes = lambda t: sum(x.nbytes for x in jax.tree_util.tree_leaves(t))
+    def nbytes(t):
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(t))
+
     if op == "copy":  # PATH is the source; the copy goes beside it
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -63,7 +73,9 @@ def main(op, path):
     peak = (kib("VmHWM") - before) * 1024
     if op.startswith("load"):
         expected = state()["model"] if op == "load_params" else state()
-        assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(expected)))
+        assert all(
+            np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(expected))
+        )
     print(json.dumps({"peak": peak, "bytes": size}))
 
 

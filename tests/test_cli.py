@@ -9,8 +9,11 @@ from eqxckpt._cli import human_bytes, main
 
 
 def test_inspect_prints_tree_totals_and_metadata(tmp_path, capsys):
-    eqxckpt.save(tmp_path / "c", {"model": {"w": np.zeros((1024, 256), np.float32), "b": jnp.ones(3)}, "step": 3},
-                 metadata={"run": "abc"})
+    eqxckpt.save(
+        tmp_path / "c",
+        {"model": {"w": np.zeros((1024, 256), np.float32), "b": jnp.ones(3)}, "step": 3},
+        metadata={"run": "abc"},
+    )
     assert main(["inspect", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
     assert "model" in out and "w  float32[1024,256]  1.0 MiB" in out and "b  float32[3]  12 B" in out
@@ -23,14 +26,16 @@ def test_inspect_prints_tree_totals_and_metadata(tmp_path, capsys):
 
 
 def test_inspect_bad_path_exits_nonzero_with_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "eqxckpt", "inspect", str(tmp_path / "missing")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "eqxckpt", "inspect", str(tmp_path / "missing")], capture_output=True, text=True
+    )
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "does not exist" in result.stderr
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "x").write_text("")
-    result = subprocess.run([sys.executable, "-m", "eqxckpt", "inspect", str(tmp_path / "half")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "eqxckpt", "inspect", str(tmp_path / "half")], capture_output=True, text=True
+    )
     assert result.returncode == 1 and "never committed" in result.stderr
 
 

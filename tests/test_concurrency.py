@@ -10,11 +10,10 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+from conftest import BUCKET
 
 import eqxckpt
-from conftest import BUCKET
 
 TESTS = os.path.dirname(__file__)
 WORKER = os.path.join(TESTS, "concurrency_worker.py")
@@ -43,8 +42,13 @@ def no_worker_outlives_its_test():
 def start(role: str, where, *args, leaves: int = 100) -> subprocess.Popen:
     target = json.dumps(where) if isinstance(where, dict) else str(where)
     env = dict(os.environ, JAX_PLATFORMS="cpu", EQXCKPT_TEST_LEAVES=str(leaves))
-    worker = subprocess.Popen([sys.executable, WORKER, role, target, *map(str, args)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env)
+    worker = subprocess.Popen(
+        [sys.executable, WORKER, role, target, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     STARTED.append(worker)
     return worker
 
@@ -53,12 +57,18 @@ def finish(worker: subprocess.Popen, timeout: float = 300) -> dict:
     out, _ = worker.communicate(timeout=timeout)
     assert worker.returncode == 0, out[-4000:]
     [line] = [line for line in out.splitlines() if line.startswith("summary ")]
-    return json.loads(line[len("summary "):])
+    return json.loads(line[len("summary ") :])
 
 
 def s3_spec(endpoint: str, prefix: str) -> dict:
-    return {"driver": "s3", "bucket": BUCKET, "path": prefix, "endpoint": endpoint,
-            "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}
+    return {
+        "driver": "s3",
+        "bucket": BUCKET,
+        "path": prefix,
+        "endpoint": endpoint,
+        "aws_region": "us-east-1",
+        "aws_credentials": {"type": "environment"},
+    }
 
 
 def check_run(run, expected_latest: int) -> list[int]:
@@ -181,7 +191,13 @@ def test_odd_entries_never_stop_a_run_from_opening(tmp_path):
     with pytest.warns(UserWarning) as caught:
         manager = eqxckpt.CheckpointManager(run, max_to_keep=2, blocking=True)
     [warning] = [w for w in caught if "skipped" in str(w.message)]
-    for name in ("007 (not a step number)", "² (not a step number)", "3 (ManifestError", "notes.txt", "9 (no committed"):
+    for name in (
+        "007 (not a step number)",
+        "² (not a step number)",
+        "3 (ManifestError",
+        "notes.txt",
+        "9 (no committed",
+    ):
         assert name in str(warning.message), warning.message
     assert manager.all_steps() == [1, 2] and manager.latest_step() == 2
     assert one_save(manager.load(state(0))) == 2
@@ -218,10 +234,13 @@ def test_retention_waits_for_a_reader_in_another_process(tmp_path):
     run = tmp_path / "run"
     manager = eqxckpt.CheckpointManager(run, max_to_keep=1, blocking=True)
     manager.save(1, state(1))
-    hold = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
-            "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.readline()")
-    reader = subprocess.Popen([sys.executable, "-c", hold, str(run / "1")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    hold = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
+        "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.readline()"
+    )
+    reader = subprocess.Popen(
+        [sys.executable, "-c", hold, str(run / "1")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert reader.stdout.readline().strip() == "held"
         manager.save(2, state(2))
@@ -244,9 +263,13 @@ def test_disk_full_leaves_no_temporary_directory(tmp_path, request, option):
     mount.mkdir()
     namespace = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
     rounds_ = rounds(request, 4, 40)
-    done = subprocess.run([*namespace, sys.executable, os.path.join(TESTS, "disk_full_worker.py"), option, str(mount),
-                           str(rounds_)], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    done = subprocess.run(
+        [*namespace, sys.executable, os.path.join(TESTS, "disk_full_worker.py"), option, str(mount), str(rounds_)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[-1] == f"rounds {rounds_}"
     assert os.listdir(mount) == []  # the tmpfs was the worker's alone

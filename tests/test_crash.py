@@ -15,10 +15,10 @@ import subprocess
 import sys
 import threading
 
-
-import eqxckpt
 from conftest import assert_trees_equal
 from crash_writer import state
+
+import eqxckpt
 
 WRITER = pathlib.Path(__file__).with_name("crash_writer.py")
 MODES = ["sync", "async", "manager", "fresh"]
@@ -26,8 +26,12 @@ MODES = ["sync", "async", "manager", "fresh"]
 
 def run_and_kill(directory: pathlib.Path, mode: str, delay: float) -> int:
     """Start a writer, SIGKILL it ``delay`` seconds after its first commit; return the last step it reported."""
-    writer = subprocess.Popen([sys.executable, str(WRITER), str(directory), mode], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    writer = subprocess.Popen(
+        [sys.executable, str(WRITER), str(directory), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     committed = []
     timer = None
     try:
@@ -60,7 +64,9 @@ def check_after_kill(directory: pathlib.Path, mode: str, last: int) -> str:
         expect_step(eqxckpt.load(directory / "ckpt", state(0)), found)
         eqxckpt.save(directory / "ckpt", state(10**5), overwrite=True)
         expect_step(eqxckpt.load(directory / "ckpt", state(0)), 10**5)
-        return ("in-flight save committed" if found == last + 1 else "previous kept") + (" (killed mid-write)" if mid_save else "")
+        return ("in-flight save committed" if found == last + 1 else "previous kept") + (
+            " (killed mid-write)" if mid_save else ""
+        )
     if mode == "manager":
         manager = eqxckpt.CheckpointManager(directory / "run", max_to_keep=2)
         steps = manager.all_steps()

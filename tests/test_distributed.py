@@ -8,10 +8,10 @@ import sys
 import time
 
 import pytest
-
-import eqxckpt
 from conftest import BUCKET
 from distributed_worker import global_state
+
+import eqxckpt
 
 WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
 
@@ -42,8 +42,12 @@ def launch(scenario: str, processes: int, directory: pathlib.Path, timeout: floa
             codes = [w.poll() for w in workers]
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
             if failed or time.monotonic() > deadline:
-                reason = f"worker {failed[0]} exited with {codes[failed[0]]}" if failed else f"timed out after {timeout}s"
-                raise WorkerFailed(f"{reason}:\n" + "\n".join(f"--- worker {i}\n{log.read_text()}" for i, log in enumerate(logs)))
+                reason = (
+                    f"worker {failed[0]} exited with {codes[failed[0]]}" if failed else f"timed out after {timeout}s"
+                )
+                raise WorkerFailed(
+                    f"{reason}:\n" + "\n".join(f"--- worker {i}\n{log.read_text()}" for i, log in enumerate(logs))
+                )
             if all(code == 0 for code in codes):
                 return [log.read_text() for log in logs]
             time.sleep(0.05)
@@ -70,8 +74,14 @@ for where in ({str(tmp_path / "blocking")!r}, {str(tmp_path / "async")!r}):
 assert eqxckpt.open({str(tmp_path / "async")!r})["step"] == 7
 print("verified")
 """
-    result = subprocess.run([sys.executable, "-c", verify], capture_output=True, text=True, timeout=120,
-                            cwd=WORKER.parent, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    result = subprocess.run(
+        [sys.executable, "-c", verify],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=WORKER.parent,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert result.returncode == 0 and "verified" in result.stdout, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["async", "blocking"] + [f"worker{i}.log" for i in range(processes)]
 

@@ -19,8 +19,14 @@ SMALL = {"w": np.arange(10, dtype=np.float32), "step": 1}
 
 def run_child(script: str, **kwargs) -> dict:
     """Run ``script`` in a fresh interpreter; it prints one JSON line as its result."""
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"), **kwargs)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        **kwargs,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -68,7 +74,8 @@ def test_read_only_target_fails_cleanly(tmp_path):
     for path in (target, target / "ckpt"):
         path.chmod(0o555)
     try:
-        outcome = run_child(f"""
+        outcome = run_child(
+            f"""
             import json
             import numpy as np, eqxckpt
             out = {{}}
@@ -80,7 +87,9 @@ def test_read_only_target_fails_cleanly(tmp_path):
                     out[name] = str(e)
             out["load"] = eqxckpt.load({str(target / "ckpt")!r})["w"].tolist()  # reading needs no write access
             print(json.dumps(out))
-        """, preexec_fn=_drop_privilege_to_ignore_permissions)
+        """,
+            preexec_fn=_drop_privilege_to_ignore_permissions,
+        )
     finally:
         for path in (target, target / "ckpt"):
             path.chmod(0o755)
@@ -109,9 +118,15 @@ def test_two_processes_saving_to_one_place_give_one_complete_checkpoint(tmp_path
     for round_, overwrite in enumerate([True, True, True, False, False]):
         directory = tmp_path / f"round{round_}"
         directory.mkdir()
-        racers = [subprocess.Popen([sys.executable, "-c", RACER.format(), str(directory), "ckpt", str(v), str(int(overwrite))],
-                                   stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-                  for v in (1.0, 2.0)]
+        racers = [
+            subprocess.Popen(
+                [sys.executable, "-c", RACER.format(), str(directory), "ckpt", str(v), str(int(overwrite))],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, JAX_PLATFORMS="cpu"),
+            )
+            for v in (1.0, 2.0)
+        ]
         time.sleep(1.5)  # let both import and wait for the start signal
         (directory / "go").touch()
         outcomes = [json.loads(r.communicate(timeout=120)[0].strip().splitlines()[-1]) for r in racers]

@@ -8,7 +8,8 @@ import stat
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import eqxckpt
 from eqxckpt._cli import main as cli
@@ -33,7 +34,9 @@ def every_reader(path):
     for name, run in {
         "load": lambda: eqxckpt.load(path),
         "open": lambda: [eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths],
-        "lazy get": lambda: [v.get() for v in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths) if hasattr(v, "get")],
+        "lazy get": lambda: [
+            v.get() for v in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths) if hasattr(v, "get")
+        ],
         "inspect": lambda: cli(["inspect", str(path)]),
         "verify": lambda: eqxckpt.verify(path),
     }.items():
@@ -60,7 +63,9 @@ def rewrite_manifest(ckpt, edit):
     (ckpt / "eqxckpt.json").write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize("bad_path", ["../outside/w", "/etc/passwd", "w/../../outside/w", "a\x00b", "a\\b", "", ".", "w/./x"])
+@pytest.mark.parametrize(
+    "bad_path", ["../outside/w", "/etc/passwd", "w/../../outside/w", "a\x00b", "a\\b", "", ".", "w/./x"]
+)
 def test_manifest_paths_cannot_leave_the_checkpoint(world, bad_path, capsys):
     root, ckpt, _ = world
 
@@ -145,7 +150,9 @@ def test_enormous_and_deeply_nested_manifests(world):
     os.truncate(ckpt / "eqxckpt.json", 300 * 2**20)  # sparse: costs no disk
     with pytest.raises(eqxckpt.ManifestError, match="limit"):
         eqxckpt.open(ckpt)
-    (ckpt / "eqxckpt.json").write_text('{"format": "eqxckpt", "version": 1, "metadata": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    (ckpt / "eqxckpt.json").write_text(
+        '{"format": "eqxckpt", "version": 1, "metadata": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    )
     with pytest.raises(eqxckpt.ManifestError):
         eqxckpt.open(ckpt)
 
@@ -160,7 +167,9 @@ def good_doc(tmp_path_factory):
     if GOOD_DOC is None:
         path = tmp_path_factory.mktemp("fuzz") / "c"
         key = __import__("jax").random.key(0)
-        eqxckpt.save(path, {"model": {"w": np.ones((2, 3)), "layers": [np.int8(3), 2.5]}, "k": key, "f": print, "s": "x"})
+        eqxckpt.save(
+            path, {"model": {"w": np.ones((2, 3)), "layers": [np.int8(3), 2.5]}, "k": key, "f": print, "s": "x"}
+        )
         GOOD_DOC = json.loads((path / "eqxckpt.json").read_text())
     return copy.deepcopy(GOOD_DOC)
 
@@ -208,8 +217,24 @@ def test_fuzz_mutated_manifests(tmp_path_factory, leaf_index, action, field, val
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.integers(0, 50), st.sampled_from(LEAF_FIELDS), json_values | st.sampled_from(
-    [[["dict", "model"], ["seq", 0]], [["seq", 0]], [["attr", "k"]], [["dict", 3]], [2, 3], [[]], "w", "k", "model/w"]))
+@given(
+    st.integers(0, 50),
+    st.sampled_from(LEAF_FIELDS),
+    json_values
+    | st.sampled_from(
+        [
+            [["dict", "model"], ["seq", 0]],
+            [["seq", 0]],
+            [["attr", "k"]],
+            [["dict", 3]],
+            [2, 3],
+            [[]],
+            "w",
+            "k",
+            "model/w",
+        ]
+    ),
+)
 def test_fuzz_crafted_checkpoints_end_to_end(tmp_path_factory, leaf_index, field, value):
     """Mutated manifests in a real checkpoint: every reader succeeds or raises a documented error."""
     doc = good_doc(tmp_path_factory)
@@ -218,7 +243,15 @@ def test_fuzz_crafted_checkpoints_end_to_end(tmp_path_factory, leaf_index, field
     if field == "path":
         leaf["location"] = value
     path = tmp_path_factory.mktemp("crafted") / "c"
-    eqxckpt.save(path, {"model": {"w": np.ones((2, 3)), "layers": [np.int8(3), 2.5]}, "k": __import__("jax").random.key(0), "f": print, "s": "x"})
+    eqxckpt.save(
+        path,
+        {
+            "model": {"w": np.ones((2, 3)), "layers": [np.int8(3), 2.5]},
+            "k": __import__("jax").random.key(0),
+            "f": print,
+            "s": "x",
+        },
+    )
     (path / "eqxckpt.json").write_text(json.dumps(doc))
     every_reader(path)  # raises if anything but a CheckpointError escapes
 
@@ -256,8 +289,13 @@ PROBE = os.path.join(os.path.dirname(__file__), "bomb_probe.py")
 
 def probe(op, path):
     """Run one reader in a fresh process: (error class name, message, peak MiB)."""
-    out = subprocess.run([sys.executable, PROBE, op, str(path)], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    out = subprocess.run(
+        [sys.executable, PROBE, op, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]  # never a crash (SIGABRT, OOM kill)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{op} {path}: {result['error']}, peak {result['peak_mib']:.1f} MiB")  # the figures, for the record (-s)
@@ -267,20 +305,40 @@ def probe(op, path):
 def replace_leaf_array(ckpt, leaf, metadata, data):
     """Put an array TensorStore writes with ``metadata`` where leaf ``leaf`` was."""
     shutil.rmtree(ckpt / leaf)
-    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(ckpt / leaf) + "/"},
-                     "metadata": metadata, "create": True}).result()
+    store = ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(ckpt / leaf) + "/"},
+            "metadata": metadata,
+            "create": True,
+        }
+    ).result()
     store.write(data).result()
 
 
 CRAFTED_ARRAYS = {
     # eqxckpt writes raw bytes + crc32c only: anything else is refused before it is opened
     "zstd": ({"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}]}, "codecs"),
-    "gzip without checksum": ({"codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                                          {"name": "gzip"}]}, "codecs"),
-    "sharding": ({"codecs": [{"name": "sharding_indexed", "configuration": {
-        "chunk_shape": [1 << 20], "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
-        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}],
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1 << 20]}}}, "chunk grid"),
+    "gzip without checksum": (
+        {"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "gzip"}]},
+        "codecs",
+    ),
+    "sharding": (
+        {
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": [1 << 20],
+                        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                    },
+                }
+            ],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1 << 20]}},
+        },
+        "chunk grid",
+    ),
     "huge chunk": ({"chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1 << 30]}}}, "chunk grid"),
 }
 
@@ -295,15 +353,22 @@ def test_zarr_json_is_validated_before_any_array_is_opened(tmp_path, case):
     replace_leaf_array(ckpt, "w", metadata, noise)
     for op in ("load", "get", "verify"):
         error, message, peak = probe(op, ckpt)
-        assert error in ("CorruptCheckpointError", "VerifyReport") and "zarr.json" in message and expected in message, (op, message)
+        assert error in ("CorruptCheckpointError", "VerifyReport") and "zarr.json" in message and expected in message, (
+            op,
+            message,
+        )
         assert peak < 64, (op, peak)  # MiB: nothing near the crafted chunk's size is allocated
 
 
 def test_zarr_json_fields_eqxckpt_never_writes_are_refused(world):
     _, ckpt, _ = world
     meta = json.loads((ckpt / "w/zarr.json").read_text())
-    for key, value in [("storage_transformers", [{"name": "x"}]), ("unknown", 1), ("zarr_format", 2),
-                       ("chunk_key_encoding", {"name": "v2"})]:
+    for key, value in [
+        ("storage_transformers", [{"name": "x"}]),
+        ("unknown", 1),
+        ("zarr_format", 2),
+        ("chunk_key_encoding", {"name": "v2"}),
+    ]:
         (ckpt / "w/zarr.json").write_text(json.dumps({**meta, key: value}))
         with pytest.raises(eqxckpt.CorruptCheckpointError, match="zarr.json"):
             eqxckpt.load(ckpt)
@@ -331,11 +396,19 @@ def test_sparse_chunk_files_do_not_count_as_data(tmp_path):
     (ckpt / "eqxckpt.json").write_text(json.dumps(doc))
     shutil.rmtree(ckpt / "w")
     chunk = 1 << 24  # 64 MiB chunks: a chunk grid eqxckpt could have written
-    ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(ckpt / "w") + "/"}, "create": True,
-             "metadata": {"shape": [1 << 29], "data_type": "float32",
-                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
-                          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}
-            ).result()
+    ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(ckpt / "w") + "/"},
+            "create": True,
+            "metadata": {
+                "shape": [1 << 29],
+                "data_type": "float32",
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+            },
+        }
+    ).result()
     (ckpt / "w/c").mkdir()
     for i in range(32):  # every chunk file present with the right size, but sparse
         with open(ckpt / f"w/c/{i}", "wb") as f:
@@ -404,22 +477,50 @@ def test_object_store_manifest_is_read_only_up_to_the_limit(monkeypatch):
     import eqxckpt._manifest as manifest_module
 
     monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 1000)
-    store = ts.KvStore.open({"driver": "memory", "path": "big-manifest/"},
-                            context=eqxckpt._store.shared_context()).result()
+    store = ts.KvStore.open(
+        {"driver": "memory", "path": "big-manifest/"}, context=eqxckpt._store.shared_context()
+    ).result()
     store.write("eqxckpt.json", b" " * 5000).result()
     with pytest.raises(eqxckpt.ManifestError, match="over the 1000-byte limit"):
         eqxckpt.open("memory://big-manifest")
 
 
-ZARR_FIELDS = ["zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value",
-               "codecs", "attributes", "dimension_names", "storage_transformers", "extra"]
-zarr_values = json_values | st.sampled_from([
-    [1 << 40], [0], [-1], [2, 3], [3, 2], {"name": "regular", "configuration": {"chunk_shape": [1 << 31, 1]}},
-    {"name": "regular", "configuration": {"chunk_shape": [1, 1]}}, {"name": "rectilinear"},
-    [{"name": "bytes"}, {"name": "crc32c"}], [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}],
-    [{"name": "sharding_indexed", "configuration": {"chunk_shape": [1 << 30]}}], [{"name": "zstd"}],
-    "float64", "int4", "bool", {"name": "default", "configuration": {"separator": "."}}, "NaN", "Infinity",
-])
+ZARR_FIELDS = [
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "fill_value",
+    "codecs",
+    "attributes",
+    "dimension_names",
+    "storage_transformers",
+    "extra",
+]
+zarr_values = json_values | st.sampled_from(
+    [
+        [1 << 40],
+        [0],
+        [-1],
+        [2, 3],
+        [3, 2],
+        {"name": "regular", "configuration": {"chunk_shape": [1 << 31, 1]}},
+        {"name": "regular", "configuration": {"chunk_shape": [1, 1]}},
+        {"name": "rectilinear"},
+        [{"name": "bytes"}, {"name": "crc32c"}],
+        [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}],
+        [{"name": "sharding_indexed", "configuration": {"chunk_shape": [1 << 30]}}],
+        [{"name": "zstd"}],
+        "float64",
+        "int4",
+        "bool",
+        {"name": "default", "configuration": {"separator": "."}},
+        "NaN",
+        "Infinity",
+    ]
+)
 
 
 def fuzz_rounds(request, fast, slow):
@@ -458,8 +559,12 @@ def test_fuzz_chunk_files(tmp_path, request):
     original = chunk.read_bytes()
 
     @settings(max_examples=fuzz_rounds(request, 150, 3000), deadline=None)
-    @given(st.integers(0, len(original) - 1), st.integers(1, 255), st.sampled_from(["flip", "cut", "extend", "junk"]),
-           st.binary(max_size=64))
+    @given(
+        st.integers(0, len(original) - 1),
+        st.integers(1, 255),
+        st.sampled_from(["flip", "cut", "extend", "junk"]),
+        st.binary(max_size=64),
+    )
     def run(at, xor, how, junk):
         raw = bytearray(original)
         if how == "flip":

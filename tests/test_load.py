@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import eqxckpt
 from conftest import assert_trees_equal
 
+import eqxckpt
 
-def make_model(depth=2, key=jax.random.key(0)):
-    return eqx.nn.MLP(4, 3, 16, depth, key=key)
+
+def make_model(depth=2, key=None):
+    return eqx.nn.MLP(4, 3, 16, depth, key=jax.random.key(0) if key is None else key)
 
 
 @pytest.fixture
@@ -72,7 +72,12 @@ def test_strict_reports_every_difference(state_ckpt):
 
 def test_dtype_change_only_when_asked(state_ckpt):
     path, tree = state_ckpt
-    bf16 = lambda: eqx.filter_eval_shape(lambda: jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if eqx.is_array(x) else x, make_model()))  # noqa: E731
+
+    def bf16():
+        return eqx.filter_eval_shape(
+            lambda: jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if eqx.is_array(x) else x, make_model())
+        )  # noqa: E731
+
     with pytest.raises(eqxckpt.StructureMismatchError, match="cast=True"):
         eqxckpt.load(path, bf16(), at="model")
     cast = eqxckpt.load(path, bf16(), at="model", cast=True)
@@ -117,7 +122,9 @@ def test_sharded_skeleton_is_honoured(state_ckpt):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     skeleton = jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) if isinstance(s, jax.ShapeDtypeStruct) else s,
+        lambda s: (
+            jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) if isinstance(s, jax.ShapeDtypeStruct) else s
+        ),
         eqx.filter_eval_shape(make_model),
     )
     out = eqxckpt.load(path, skeleton, at="model")
@@ -178,12 +185,16 @@ def test_64_bit_data_never_narrows_silently(tmp_path):
     """Saved with jax_enable_x64, loaded without: an error that says what to do, not
     int32 [0, -1] for int64 [-2**63, 2**63-1]."""
     with jax.enable_x64(True):
-        tree = {"i": jnp.array([-2**63, 2**63 - 1], jnp.int64), "u": jnp.array([2**64 - 1], jnp.uint64),
-                "f": jnp.array([1e-310, 1.0], jnp.float64), "c": jnp.array([1 + 1e-300j], jnp.complex128),
-                "small": jnp.array([1, -7], jnp.int64)}
+        tree = {
+            "i": jnp.array([-(2**63), 2**63 - 1], jnp.int64),
+            "u": jnp.array([2**64 - 1], jnp.uint64),
+            "f": jnp.array([1e-310, 1.0], jnp.float64),
+            "c": jnp.array([1 + 1e-300j], jnp.complex128),
+            "small": jnp.array([1, -7], jnp.int64),
+        }
         eqxckpt.save(tmp_path / "c", tree)
         exact = eqxckpt.load(tmp_path / "c")
-        assert exact["i"].dtype == jnp.int64 and int(exact["i"][0]) == -2**63
+        assert exact["i"].dtype == jnp.int64 and int(exact["i"][0]) == -(2**63)
     assert not jax.config.read("jax_enable_x64")
     with pytest.raises(eqxckpt.CastError, match="jax_enable_x64") as caught:
         eqxckpt.load(tmp_path / "c")
@@ -193,7 +204,7 @@ def test_64_bit_data_never_narrows_silently(tmp_path):
         eqxckpt.load(tmp_path / "c", skeleton)
     # numpy leaves hold 64 bits with or without x64
     as_numpy = eqxckpt.load(tmp_path / "c", {k: np.zeros(v.shape, v.dtype) for k, v in tree.items()})
-    assert as_numpy["i"].tolist() == [-2**63, 2**63 - 1] and as_numpy["f"][0] == 1e-310
+    assert as_numpy["i"].tolist() == [-(2**63), 2**63 - 1] and as_numpy["f"][0] == 1e-310
     # an explicit cast checks that the values fit
     narrow = {"small": jnp.zeros(2, jnp.int32)}
     assert eqxckpt.load(tmp_path / "c", narrow, cast=True, strict=False)["small"].tolist() == [1, -7]

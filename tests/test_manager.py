@@ -7,11 +7,11 @@ import time
 
 import numpy as np
 import pytest
+from conftest import BUCKET, assert_trees_equal, kill_when
 
 import eqxckpt
 from eqxckpt._lease import Lease, read_lease
 from eqxckpt._store import Location
-from conftest import BUCKET, assert_trees_equal, kill_when
 
 TESTS = os.path.dirname(__file__)
 
@@ -98,8 +98,10 @@ def test_restart_after_a_killed_save(tmp_path):
     for attempt, leaves in enumerate((64, 160, 320)):
         directory = tmp_path / f"run{attempt}"
         # killed while step 1 is half written
-        kill_when(KILLED_SAVER.format(directory=str(directory), leaves=leaves),
-                  lambda d=directory: d.is_dir() and any(p.name.startswith(".1.eqxckpt-tmp-") for p in d.iterdir()))
+        kill_when(
+            KILLED_SAVER.format(directory=str(directory), leaves=leaves),
+            lambda d=directory: d.is_dir() and any(p.name.startswith(".1.eqxckpt-tmp-") for p in d.iterdir()),
+        )
         if not (directory / "1").exists():
             break
     else:
@@ -121,13 +123,19 @@ def test_resumed_training_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     worker = os.path.join(TESTS, "training_worker.py")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     steps = 30
-    reference = subprocess.run([sys.executable, worker, str(tmp_path / "ref"), str(steps), "--keep-all"],
-                               capture_output=True, text=True, env=env, timeout=300)
+    reference = subprocess.run(
+        [sys.executable, worker, str(tmp_path / "ref"), str(steps), "--keep-all"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert reference.returncode == 0, reference.stderr
 
     kill_at = random.Random().randint(2, steps - 3)
-    run = subprocess.Popen([sys.executable, worker, str(tmp_path / "run"), str(steps)], stdout=subprocess.PIPE,
-                           text=True, env=env)
+    run = subprocess.Popen(
+        [sys.executable, worker, str(tmp_path / "run"), str(steps)], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         for line in run.stdout:
             if line.strip() == f"saving {kill_at}":  # step kill_at's save is in flight
@@ -150,8 +158,13 @@ def test_resumed_training_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     like = make_state()
     assert_trees_equal(interrupted.load(like), reference_manager.load(like, step=latest))
 
-    resumed = subprocess.run([sys.executable, worker, str(tmp_path / "run"), str(steps)],
-                             capture_output=True, text=True, env=env, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, worker, str(tmp_path / "run"), str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert resumed.returncode == 0 and f"resumed from {latest}" in resumed.stdout, resumed.stderr
     final = eqxckpt.CheckpointManager(tmp_path / "run")
     assert final.all_steps() == [steps - 2, steps - 1]
@@ -160,8 +173,14 @@ def test_resumed_training_is_bit_identical_to_an_uninterrupted_run(tmp_path):
 
 def test_manager_on_s3(s3, monkeypatch):
     endpoint, client = s3
-    spec = {"driver": "s3", "bucket": BUCKET, "path": "managed/", "endpoint": endpoint,
-            "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}
+    spec = {
+        "driver": "s3",
+        "bucket": BUCKET,
+        "path": "managed/",
+        "endpoint": endpoint,
+        "aws_region": "us-east-1",
+        "aws_credentials": {"type": "environment"},
+    }
     with eqxckpt.CheckpointManager(spec, max_to_keep=2) as manager:
         for step in range(4):
             manager.save(step, tree(step))

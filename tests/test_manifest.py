@@ -1,13 +1,21 @@
 import json
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from eqxckpt._errors import ManifestError
 from eqxckpt._manifest import LeafRecord, Manifest, parse_manifest, scalar_from_json, scalar_to_json
 
-GOOD = {"path": "model/w", "keys": [["attr", "model"], ["attr", "w"]], "kind": "array", "shape": [2, 3],
-        "dtype": "float32", "location": "model/w", "array_type": "jax"}
+GOOD = {
+    "path": "model/w",
+    "keys": [["attr", "model"], ["attr", "w"]],
+    "kind": "array",
+    "shape": [2, 3],
+    "dtype": "float32",
+    "location": "model/w",
+    "array_type": "jax",
+}
 
 
 def doc(*leaves, **extra):
@@ -15,23 +23,28 @@ def doc(*leaves, **extra):
 
 
 def test_round_trip():
-    records = (LeafRecord("a/0", (("dict", "a"), ("seq", 0)), "array", (2,), "bfloat16", array_type="numpy"),
-               LeafRecord("s", (("dict", "s"),), "scalar", value="nan", type_name="float"))
+    records = (
+        LeafRecord("a/0", (("dict", "a"), ("seq", 0)), "array", (2,), "bfloat16", array_type="numpy"),
+        LeafRecord("s", (("dict", "s"),), "scalar", value="nan", type_name="float"),
+    )
     parsed = parse_manifest(Manifest(records, {"step": 3}).to_bytes())
     assert parsed.leaves == records and parsed.metadata == {"step": 3}
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"path": "../x", "location": "../x"}, "unsafe"),
-    ({"location": "other"}, "location"),
-    ({"shape": [-1, 3]}, "negative"),
-    ({"shape": [2**40, 2**40]}, "absurd"),
-    ({"dtype": "object"}, "dtype"),
-    ({"kind": "pickle"}, "kind"),
-    ({"keys": [["attr", "model"], ["attr", "v"]]}, "spell"),
-    ({"keys": [["attr", "model"]]}, "one"),
-    ({"array_type": "torch"}, "array_type"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"path": "../x", "location": "../x"}, "unsafe"),
+        ({"location": "other"}, "location"),
+        ({"shape": [-1, 3]}, "negative"),
+        ({"shape": [2**40, 2**40]}, "absurd"),
+        ({"dtype": "object"}, "dtype"),
+        ({"kind": "pickle"}, "kind"),
+        ({"keys": [["attr", "model"], ["attr", "v"]]}, "spell"),
+        ({"keys": [["attr", "model"]]}, "one"),
+        ({"array_type": "torch"}, "array_type"),
+    ],
+)
 def test_bad_leaves_are_refused(change, match):
     with pytest.raises(ManifestError, match=match):
         parse_manifest(doc({**GOOD, **change}))
@@ -39,7 +52,7 @@ def test_bad_leaves_are_refused(change, match):
 
 def test_document_level_errors():
     with pytest.raises(ManifestError, match="not valid JSON"):
-        parse_manifest(b"{\"format\": ")
+        parse_manifest(b'{"format": ')
     with pytest.raises(ManifestError, match="not hold an eqxckpt manifest"):
         parse_manifest(b"[]")
     with pytest.raises(ManifestError, match="twice"):

@@ -31,7 +31,9 @@ pytestmark = pytest.mark.skipif(not pathlib.Path("/proc/self/clear_refs").exists
 def probe(op: str, path: pathlib.Path) -> tuple[int, int]:
     """(peak RSS growth, bytes saved or restored) of ``op`` in a fresh process."""
     env = dict(os.environ, MALLOC_TRIM_THRESHOLD_=str(128 * 1024))
-    done = subprocess.run([sys.executable, str(PROBE), op, str(path)], capture_output=True, text=True, check=True, env=env)
+    done = subprocess.run(
+        [sys.executable, str(PROBE), op, str(path)], capture_output=True, text=True, check=True, env=env
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return result["peak"], result["bytes"]
 

@@ -11,19 +11,23 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import BUCKET, assert_trees_equal, kill_when
 
 import eqxckpt
 import eqxckpt._store
-from eqxckpt._lease import Lease, read_lease
 from eqxckpt._cli import main as cli
-from conftest import assert_trees_equal
-
-from conftest import BUCKET, kill_when
+from eqxckpt._lease import Lease, read_lease
 
 
 def spec(endpoint: str, prefix: str) -> dict:
-    return {"driver": "s3", "bucket": BUCKET, "path": prefix, "endpoint": endpoint,
-            "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}
+    return {
+        "driver": "s3",
+        "bucket": BUCKET,
+        "path": prefix,
+        "endpoint": endpoint,
+        "aws_region": "us-east-1",
+        "aws_credentials": {"type": "environment"},
+    }
 
 
 def keys(client, prefix: str) -> list[str]:
@@ -49,7 +53,9 @@ def test_save_load_open_round_trip(s3):
     assert_trees_equal(model, state["model"])
     ckpt = eqxckpt.open(spec(endpoint, "runs/a/1/"))
     assert ckpt.metadata == {"step": 1} and ckpt["step"] == 1
-    np.testing.assert_array_equal(ckpt["model/layers/0/weight"][:2].get(), np.asarray(state["model"].layers[0].weight[:2]))
+    np.testing.assert_array_equal(
+        ckpt["model/layers/0/weight"][:2].get(), np.asarray(state["model"].layers[0].weight[:2])
+    )
 
 
 def test_s3_url_with_endpoint_from_environment(s3, monkeypatch):
@@ -98,8 +104,10 @@ def test_save_killed_before_its_manifest_is_refused_as_incomplete(s3, monkeypatc
         prefix = f"runs/killed{attempt}/"
         where = spec(endpoint, prefix)
         # killed once its arrays exist on the server, before it commits
-        kill_when(KILLED_WRITER.format(spec=where, leaves=leaves),
-                  lambda: any(k.endswith("zarr.json") for k in keys(client, prefix)))
+        kill_when(
+            KILLED_WRITER.format(spec=where, leaves=leaves),
+            lambda prefix=prefix: any(k.endswith("zarr.json") for k in keys(client, prefix)),
+        )
         if prefix + "eqxckpt.json" not in keys(client, prefix):
             break
     else:
@@ -187,7 +195,12 @@ def test_missing_bucket_and_unreachable_endpoint_are_clear_errors(s3, capsys):
     # Nothing listens on port 9: a bounded number of retries, then an error that says what to check.
     unreachable = {**spec("http://127.0.0.1:9", "x/")}
     script = f"import eqxckpt; eqxckpt.load({unreachable!r})"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, EQXCKPT_S3_RETRIES="1", JAX_PLATFORMS="cpu"))
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, EQXCKPT_S3_RETRIES="1", JAX_PLATFORMS="cpu"),
+    )
     assert done.returncode == 1 and "eqxckpt._errors.CheckpointError: Cannot read s3://" in done.stderr
     assert "Check the endpoint" in done.stderr

@@ -3,7 +3,8 @@ import re
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import eqxckpt
 from eqxckpt._errors import ManifestError, PathError
@@ -62,7 +63,11 @@ def test_keypath_strings():
     assert sorted(paths) == ["a%2Fb", "ints/3", "model/layers/0/w"]
 
 
-@given(st.one_of(st.dictionaries(keys, st.integers(), max_size=8), st.dictionaries(st.integers(-5, 5), st.integers(), max_size=8)))
+@given(
+    st.one_of(
+        st.dictionaries(keys, st.integers(), max_size=8), st.dictionaries(st.integers(-5, 5), st.integers(), max_size=8)
+    )
+)
 @settings(max_examples=200)
 def test_flatten_either_unique_or_collision_error(tree):
     segments = {}
@@ -94,7 +99,7 @@ def test_arbitrary_keys_round_trip_through_disk(tmp_path_factory, tree):
     path = tmp_path_factory.mktemp("ckpt") / "c"
     tree = {k: np.full((2,), v, np.int32) for k, v in tree.items()}
     eqxckpt.save(path, tree)
-    assert eqxckpt.load(path) .keys() == tree.keys()
+    assert eqxckpt.load(path).keys() == tree.keys()
     restored = eqxckpt.load(path, tree)
     for k in tree:
         np.testing.assert_array_equal(restored[k], tree[k])

@@ -27,6 +27,11 @@ def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys, s3):
     assert (tmp_path / "ckpt/step_10/eqxckpt.json").exists()
     assert (tmp_path / "ckpt/step_20/eqxckpt.json").exists()
     assert "(2, 3, 512)" in out and (tmp_path / "t5_eqx/eqxckpt.json").exists()
-    assert "[0, 10, 15, 20] best: 20" in out and sorted(p.name for p in (tmp_path / "run").iterdir()) == ["0", "10", "15", "20"]
+    assert "[0, 10, 15, 20] best: 20" in out and sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "0",
+        "10",
+        "15",
+        "20",
+    ]
     assert "NamedSharding" in out and "['model/layers/0/weight', 'model/layers/0/bias']" in out
     assert client.get_object(Bucket="my-bucket", Key="run/step_20/eqxckpt.json")["ContentLength"] > 0

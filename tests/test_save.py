@@ -14,16 +14,32 @@ import numpy as np
 import optax
 import pytest
 import tensorstore as ts
-from hypothesis import HealthCheck, given, settings, strategies as st
+from conftest import assert_trees_equal
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import eqxckpt
 from eqxckpt._errors import CheckpointError, CheckpointExistsError
-from conftest import assert_trees_equal
 
 NUMPY_DTYPES = [
-    np.float16, np.float32, np.float64, ml_dtypes.bfloat16, np.int8, np.int16, np.int32, np.int64,
-    np.uint8, np.uint16, np.uint32, np.uint64, np.bool_, np.complex64, np.complex128,
-    ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.int4,
+    np.float16,
+    np.float32,
+    np.float64,
+    ml_dtypes.bfloat16,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.bool_,
+    np.complex64,
+    np.complex128,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.int4,
 ]
 
 
@@ -56,7 +72,9 @@ def test_every_dtype_round_trips_bit_exact(tmp_path, dtype):
 def test_nan_and_special_floats_are_bit_exact(tmp_path):
     x = np.array([np.nan, -0.0, np.inf, -np.inf, 1e-45], np.float32)
     x.view(np.uint32)[0] = 0x7FC00001  # a NaN with a payload
-    eqxckpt.save(tmp_path / "c", {"x": x, "py": [float("nan"), float("-inf"), -0.0, 1e308, 2**70, 1 + 2j, True, None, "ünï"]})
+    eqxckpt.save(
+        tmp_path / "c", {"x": x, "py": [float("nan"), float("-inf"), -0.0, 1e308, 2**70, 1 + 2j, True, None, "ünï"]}
+    )
     out = eqxckpt.load(tmp_path / "c", {"x": x, "py": [0.0, 0.0, 0.0, 0.0, 0, 0j, False, None, ""]})
     assert out["x"].tobytes() == x.tobytes()
     py = out["py"]
@@ -70,7 +88,9 @@ class Opt(collections.namedtuple("Opt", "a b")):
 
 def _training_state():
     model, state = eqx.nn.make_with_state(
-        lambda key: eqx.nn.Sequential([eqx.nn.Linear(3, 4, key=key), eqx.nn.BatchNorm(4, "batch", mode="ema"), eqx.nn.Lambda(jax.nn.relu)])
+        lambda key: eqx.nn.Sequential(
+            [eqx.nn.Linear(3, 4, key=key), eqx.nn.BatchNorm(4, "batch", mode="ema"), eqx.nn.Lambda(jax.nn.relu)]
+        )
     )(jax.random.key(0))
     mlp = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(1))
     params = eqx.filter(mlp, eqx.is_array)
@@ -106,7 +126,9 @@ def test_equinox_and_optax_state_round_trips(tmp_path):
     # the restored model runs and the BatchNorm state is usable
     run = jax.vmap(restored["seq"], axis_name="batch", in_axes=(0, None), out_axes=(0, None))
     out, new_state = run(jnp.ones((5, 3)), restored["bn_state"])
-    assert out.shape == (5, 4) and jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(tree["bn_state"])
+    assert out.shape == (5, 4) and jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(
+        tree["bn_state"]
+    )
 
 
 def test_directory_tree_is_readable(tmp_path):
@@ -379,14 +401,17 @@ class Holder:
         self.w = w
 
 
-@pytest.mark.parametrize("leaf, words", [
-    (Config(w=np.ones(3)), "dict subclass"),
-    (Holder(np.ones(3)), "single leaf"),
-    (np.ma.masked_array([1.0, 2.0], mask=[False, True]), "masked array"),
-    (jax.ShapeDtypeStruct((3,), jnp.float32), "ShapeDtypeStruct"),
-    (b"raw bytes", "single leaf"),
-    (functools.partial(np.add, np.ones(3)), "single leaf"),
-])
+@pytest.mark.parametrize(
+    "leaf, words",
+    [
+        (Config(w=np.ones(3)), "dict subclass"),
+        (Holder(np.ones(3)), "single leaf"),
+        (np.ma.masked_array([1.0, 2.0], mask=[False, True]), "masked array"),
+        (jax.ShapeDtypeStruct((3,), jnp.float32), "ShapeDtypeStruct"),
+        (b"raw bytes", "single leaf"),
+        (functools.partial(np.add, np.ones(3)), "single leaf"),
+    ],
+)
 def test_leaves_that_may_hold_data_are_refused_not_lost(tmp_path, leaf, words):
     with pytest.raises(eqxckpt.UnsupportedLeafError, match=words) as caught:
         eqxckpt.save(tmp_path / "c", {"model": {"part": leaf}})
@@ -395,8 +420,15 @@ def test_leaves_that_may_hold_data_are_refused_not_lost(tmp_path, leaf, words):
 
 
 def test_functions_and_classes_are_recorded_by_type(tmp_path):
-    tree = {"relu": jax.nn.relu, "fn": lambda x: x, "jitted": jax.jit(jnp.sin), "cls": jnp.float32,
-            "dtype": np.dtype("int8"), "partial": functools.partial(jnp.add, 1), "method": "abc".upper}
+    tree = {
+        "relu": jax.nn.relu,
+        "fn": lambda x: x,
+        "jitted": jax.jit(jnp.sin),
+        "cls": jnp.float32,
+        "dtype": np.dtype("int8"),
+        "partial": functools.partial(jnp.add, 1),
+        "method": "abc".upper,
+    }
     eqxckpt.save(tmp_path / "c", tree)
     ckpt = eqxckpt.open(tmp_path / "c")
     assert {p: ckpt.leaf(p).kind for p in ckpt.paths} == {p: "opaque" for p in tree}
@@ -405,16 +437,20 @@ def test_functions_and_classes_are_recorded_by_type(tmp_path):
 
 def test_saving_a_lazy_tree_copies_the_checkpoint(tmp_path):
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
-    state = {"model": model, "opt": optax.adam(1e-3).init(eqx.filter(model, eqx.is_array)), "step": 4,
-             "key": jax.random.key(3), "np": np.arange(6, dtype=np.int16).reshape(2, 3)}
+    state = {
+        "model": model,
+        "opt": optax.adam(1e-3).init(eqx.filter(model, eqx.is_array)),
+        "step": 4,
+        "key": jax.random.key(3),
+        "np": np.arange(6, dtype=np.int16).reshape(2, 3),
+    }
     eqxckpt.save(tmp_path / "src", state, metadata={"m": 1})
     source = eqxckpt.open(tmp_path / "src")
     eqxckpt.save(tmp_path / "dst", source.tree())
     assert eqxckpt.verify(tmp_path / "dst").ok
     assert_trees_equal(eqxckpt.load(tmp_path / "dst", state), state)
     # a part, sliced and cast lazily: only that is read and written
-    eqxckpt.save(tmp_path / "part", {"w": source["model/layers/0/weight"][:2].astype(np.float16),
-                                     "np": source["np"]})
+    eqxckpt.save(tmp_path / "part", {"w": source["model/layers/0/weight"][:2].astype(np.float16), "np": source["np"]})
     part = eqxckpt.load(tmp_path / "part")
     np.testing.assert_array_equal(part["w"], np.asarray(model.layers[0].weight[:2]).astype(np.float16))
     assert part["np"].dtype == np.int16 and isinstance(part["np"], np.ndarray)

@@ -1,8 +1,9 @@
 import json
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import eqxckpt
 from eqxckpt._store import chunk_shape, exchange, resolve
@@ -20,8 +21,13 @@ def test_resolve_forms(tmp_path, monkeypatch):
     assert resolve("memory://a/b").kvstore == {"driver": "memory", "path": "a/b/"}
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
-    assert resolve("s3://b/p").kvstore == {"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "http://127.0.0.1:9",
-                                           "aws_credentials": {"type": "environment"}}
+    assert resolve("s3://b/p").kvstore == {
+        "driver": "s3",
+        "bucket": "b",
+        "path": "p/",
+        "endpoint": "http://127.0.0.1:9",
+        "aws_credentials": {"type": "environment"},
+    }
     spec = resolve({"driver": "s3", "bucket": "b", "path": "p", "endpoint": "http://127.0.0.1:9"})
     assert spec.kvstore["endpoint"] == "http://127.0.0.1:9" and spec.kvstore["path"] == "p/"
     assert s3.child("model/w") == {"driver": "s3", "bucket": "bucket", "path": "run/step_1/model/w/"}
@@ -33,8 +39,15 @@ def test_resolve_forms(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "shape,itemsize,budget,expected",
-    [((), 4, 64, []), ((0, 5), 4, 64, [1, 5]), ((10,), 4, 64, [10]), ((100,), 4, 64, [16]),
-     ((8, 8), 4, 64, [2, 8]), ((4, 100), 4, 64, [1, 16]), ((3, 4, 5), 8, 10**9, [3, 4, 5])],
+    [
+        ((), 4, 64, []),
+        ((0, 5), 4, 64, [1, 5]),
+        ((10,), 4, 64, [10]),
+        ((100,), 4, 64, [16]),
+        ((8, 8), 4, 64, [2, 8]),
+        ((4, 100), 4, 64, [1, 16]),
+        ((3, 4, 5), 8, 10**9, [3, 4, 5]),
+    ],
 )
 def test_chunk_shape_is_contiguous_and_bounded(shape, itemsize, budget, expected):
     chunk = chunk_shape(shape, itemsize, budget=budget)
@@ -73,6 +86,7 @@ def test_exchange_swaps_atomically(tmp_path):
 
 def test_object_store_overwrite_never_clears_foreign_data():
     import tensorstore as ts
+
     from eqxckpt._store import shared_context
 
     store = ts.KvStore.open({"driver": "memory", "path": "foreign/"}, context=shared_context()).result()
@@ -91,9 +105,18 @@ def test_object_store_overwrite_never_clears_foreign_data():
         eqxckpt.save("memory://half", {"a": np.zeros(2)})
     assert len(half.list().result()) == 4
     # an abandoned save's lease proves them eqxckpt's: a save reclaims them
-    half.write("eqxckpt.lease.json", json.dumps({
-        "format": "eqxckpt-lease", "purpose": "save", "heartbeat_unix": 0.0, "timeout_s": 1.0, "paths": ["a", "b"],
-    })).result()
+    half.write(
+        "eqxckpt.lease.json",
+        json.dumps(
+            {
+                "format": "eqxckpt-lease",
+                "purpose": "save",
+                "heartbeat_unix": 0.0,
+                "timeout_s": 1.0,
+                "paths": ["a", "b"],
+            }
+        ),
+    ).result()
     eqxckpt.save("memory://half", {"a": np.zeros(2)})
     assert eqxckpt.open("memory://half").paths == ["a"]
     assert sorted(half.list().result()) == [b"a/c/0", b"a/zarr.json", b"eqxckpt.json"]

@@ -21,8 +21,10 @@ REF = np.load(FIXTURE / "reference.npz")
 def run(model, prefix=""):
     encode = jax.vmap(lambda i, m: model.encode(i, attention_mask=m))
     logits = jax.vmap(lambda i, d, m: model(i, d, attention_mask=m))
-    return (np.asarray(encode(REF[prefix + "input_ids"], REF[prefix + "attention_mask"])),
-            np.asarray(logits(REF["input_ids"], REF["decoder_input_ids"], REF["attention_mask"])))
+    return (
+        np.asarray(encode(REF[prefix + "input_ids"], REF[prefix + "attention_mask"])),
+        np.asarray(logits(REF["input_ids"], REF["decoder_input_ids"], REF["attention_mask"])),
+    )
 
 
 def test_relative_position_buckets_match_exactly():
@@ -45,7 +47,10 @@ def test_float32_matches_the_reference(model32):
     encoded, logits = run(model32)
     np.testing.assert_allclose(encoded, REF["encoder_last_hidden_state"], atol=2e-5, rtol=0)
     np.testing.assert_allclose(logits, REF["logits"], atol=2e-5, rtol=0)
-    for stack, length, name in (("encoder", 7, "short_encoder_position_bias"), ("decoder", 5, "short_decoder_position_bias")):
+    for stack, length, name in (
+        ("encoder", 7, "short_encoder_position_bias"),
+        ("decoder", 5, "short_decoder_position_bias"),
+    ):
         module = getattr(model32, stack)
         np.testing.assert_array_equal(module.position_bias(module.relative_attention_bias, length), REF[name])
 
@@ -89,12 +94,18 @@ except Exception as e:
     print(type(e).__name__, e)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert "CheckpointError" in result.stdout and "pip install 'eqxckpt[tf]'" in result.stdout, result.stdout + result.stderr
+    assert "CheckpointError" in result.stdout and "pip install 'eqxckpt[tf]'" in result.stdout, (
+        result.stdout + result.stderr
+    )
 
 
 def test_import_t5_command_round_trip(tmp_path, model32):
-    result = subprocess.run([sys.executable, "-m", "eqxckpt", "import-t5", str(FIXTURE), str(tmp_path / "t5"),
-                             "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "eqxckpt", "import-t5", str(FIXTURE), str(tmp_path / "t5"), "--dtype", "float32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "wrote" in result.stdout and "vocab 512" in result.stdout
     config = t5.T5Config(**eqxckpt.open(tmp_path / "t5").metadata["t5_config"])
@@ -104,8 +115,16 @@ def test_import_t5_command_round_trip(tmp_path, model32):
 
 # --- v1.0 checkpoints written here with TensorFlow ------------------------------------
 
-V10 = t5.T5Config(vocab_size=256, d_model=128, d_kv=16, d_ff=256, num_layers=2, num_heads=2,
-                  feed_forward_proj="relu", tie_word_embeddings=True)
+V10 = t5.T5Config(
+    vocab_size=256,
+    d_model=128,
+    d_kv=16,
+    d_ff=256,
+    num_layers=2,
+    num_heads=2,
+    feed_forward_proj="relu",
+    tie_word_embeddings=True,
+)
 SUBLAYER_INDEX = {"self_attention": 0, "cross_attention": 1}
 
 
@@ -154,8 +173,12 @@ def write_tf_checkpoint(directory: pathlib.Path, model, *, drop=(), extra=()) ->
     tensors.update(extra)
     directory.mkdir(parents=True, exist_ok=True)
     names = sorted(tensors)
-    tf.raw_ops.SaveV2(prefix=str(directory / "model.ckpt-7"), tensor_names=names, shape_and_slices=[""] * len(names),
-                      tensors=[tf.constant(tensors[n]) for n in names])
+    tf.raw_ops.SaveV2(
+        prefix=str(directory / "model.ckpt-7"),
+        tensor_names=names,
+        shape_and_slices=[""] * len(names),
+        tensors=[tf.constant(tensors[n]) for n in names],
+    )
     (directory / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-7"\n')
     return tensors
 
@@ -170,31 +193,47 @@ def v10(tmp_path_factory):
 def test_v10_checkpoint_imports_end_to_end(v10, tmp_path):
     model, directory, tensors = v10
     imported = t5.load_tf(directory)  # config inferred: tied, ReLU, layer_norm names
-    assert imported.config == V10 and imported.logits_kernel is None and imported.encoder.blocks[0].feed_forward.wi_1 is None
+    assert (
+        imported.config == V10
+        and imported.logits_kernel is None
+        and imported.encoder.blocks[0].feed_forward.wi_1 is None
+    )
     from conftest import assert_trees_equal
 
     assert_trees_equal(imported, model)
     ids, dec = jnp.arange(1, 12) % 256, jnp.array([0, 5, 9, 2])
-    hidden = imported.decoder(imported.shared[dec], jnp.tril(jnp.ones((4, 4), bool)), imported.encode(ids), jnp.ones((1, 11), bool))
-    np.testing.assert_allclose(imported(ids, dec), (hidden * 128**-0.5) @ imported.shared.T, rtol=1e-6, atol=1e-6)  # tied, scaled
+    hidden = imported.decoder(
+        imported.shared[dec], jnp.tril(jnp.ones((4, 4), bool)), imported.encode(ids), jnp.ones((1, 11), bool)
+    )
+    np.testing.assert_allclose(
+        imported(ids, dec), (hidden * 128**-0.5) @ imported.shared.T, rtol=1e-6, atol=1e-6
+    )  # tied, scaled
     t5.convert_tf(directory, tmp_path / "eqx")
     ckpt = eqxckpt.open(tmp_path / "eqx")
     assert ckpt["step"] == 7
     np.testing.assert_array_equal(ckpt["adafactor/v_row/shared"].get(), tensors["shared/embedding_slot_vr"])  # factored
     np.testing.assert_array_equal(ckpt["adafactor/v_col/shared"].get(), tensors["shared/embedding_slot_vc"])
-    np.testing.assert_array_equal(ckpt["adafactor/v/encoder/blocks/0/self_attention/q"].get(),
-                                  tensors["encoder/block_000/layer_000/SelfAttention/q_slot_v"])
+    np.testing.assert_array_equal(
+        ckpt["adafactor/v/encoder/blocks/0/self_attention/q"].get(),
+        tensors["encoder/block_000/layer_000/SelfAttention/q_slot_v"],
+    )
 
 
 def test_unknown_missing_and_misfit_variables_are_named(v10, tmp_path):
     model, directory, _ = v10
-    write_tf_checkpoint(tmp_path / "unknown", model, extra={"encoder/block_000/layer_000/SelfAttention/extra": np.zeros(3)})
+    write_tf_checkpoint(
+        tmp_path / "unknown", model, extra={"encoder/block_000/layer_000/SelfAttention/extra": np.zeros(3)}
+    )
     with pytest.raises(eqxckpt.TransformError, match="encoder/block_000/layer_000/SelfAttention/extra"):
         t5.load_tf(tmp_path / "unknown")
     gone = "decoder/block_001/layer_002/DenseReluDense/wo/kernel"
     write_tf_checkpoint(tmp_path / "missing", model, drop=[gone])
-    with pytest.raises(eqxckpt.StructureMismatchError, match="missing from the checkpoint .*decoder/blocks/1/feed_forward/wo"):
+    with pytest.raises(
+        eqxckpt.StructureMismatchError, match="missing from the checkpoint .*decoder/blocks/1/feed_forward/wo"
+    ):
         t5.load_tf(tmp_path / "missing")
     wrong = dataclasses.replace(V10, num_heads=4)  # 4 heads x 16 = 64, but the kernels are 128 x 32
-    with pytest.raises(eqxckpt.StructureMismatchError, match=r"encoder/block_000/layer_000/SelfAttention/q: shape \[128, 32\]"):
+    with pytest.raises(
+        eqxckpt.StructureMismatchError, match=r"encoder/block_000/layer_000/SelfAttention/q: shape \[128, 32\]"
+    ):
         t5.load_tf(directory, wrong)

@@ -6,41 +6,60 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_trees_equal
 
 import eqxckpt
 from eqxckpt import Transform, apply_transformations
-from conftest import assert_trees_equal
 
 NESTED = {"a": 1, "dense_1": {"kernel": 2, "bias": 3}, "dense_2": {"kernel": 4, "bias": 5}}
 
 
 def test_rename():
-    out = apply_transformations({"a": 1, "b": 2}, {"a2": Transform(original_key="a"), "b2": Transform(original_key="b")},
-                                {"a2": ..., "b2": ...})
+    out = apply_transformations(
+        {"a": 1, "b": 2}, {"a2": Transform(original_key="a"), "b2": Transform(original_key="b")}, {"a2": ..., "b2": ...}
+    )
     assert out == {"a2": 1, "b2": 2}
 
 
 def test_regex_rename_with_backreferences():
-    out = apply_transformations({"a1": 1, "b5": 2}, {r"([a-z])_([0-9])": Transform(original_key=r"\1\2")},
-                                {"a_1": ..., "b_5": ...})
+    out = apply_transformations(
+        {"a1": 1, "b5": 2}, {r"([a-z])_([0-9])": Transform(original_key=r"\1\2")}, {"a_1": ..., "b_5": ...}
+    )
     assert out == {"a_1": 1, "b_5": 2}
 
 
 def test_named_groups():
-    out = apply_transformations({"a1": 1}, {r"(?P<l>[a-z])_(?P<n>[0-9])": Transform(original_key=r"\g<l>\g<n>")}, {"a_1": ...})
+    out = apply_transformations(
+        {"a1": 1}, {r"(?P<l>[a-z])_(?P<n>[0-9])": Transform(original_key=r"\g<l>\g<n>")}, {"a_1": ...}
+    )
     assert out == {"a_1": 1}
 
 
-@pytest.mark.parametrize("rules", [
-    {r"([a-z]+)_NEW": Transform(original_key=r"\1"),
-     r"([a-z]+)_([0-9])_NEW/([a-z]+)_1": Transform(original_key=r"\1_\2/\3")},
-    {r"([a-z]+)_NEW": Transform(original_key=r"\1"),
-     r"([a-z]+)_([0-9])_NEW": {"([a-z]+)_1": Transform(original_key=r"\1_\2/\3")}},
-], ids=["flat", "nested"])
+@pytest.mark.parametrize(
+    "rules",
+    [
+        {
+            r"([a-z]+)_NEW": Transform(original_key=r"\1"),
+            r"([a-z]+)_([0-9])_NEW/([a-z]+)_1": Transform(original_key=r"\1_\2/\3"),
+        },
+        {
+            r"([a-z]+)_NEW": Transform(original_key=r"\1"),
+            r"([a-z]+)_([0-9])_NEW": {"([a-z]+)_1": Transform(original_key=r"\1_\2/\3")},
+        },
+    ],
+    ids=["flat", "nested"],
+)
 def test_nested_rename(rules):
-    new = {"a_NEW": ..., "dense_1_NEW": {"kernel_1": ..., "bias_1": ...}, "dense_2_NEW": {"kernel_1": ..., "bias_1": ...}}
+    new = {
+        "a_NEW": ...,
+        "dense_1_NEW": {"kernel_1": ..., "bias_1": ...},
+        "dense_2_NEW": {"kernel_1": ..., "bias_1": ...},
+    }
     assert apply_transformations(NESTED, rules, new) == {
-        "a_NEW": 1, "dense_1_NEW": {"kernel_1": 2, "bias_1": 3}, "dense_2_NEW": {"kernel_1": 4, "bias_1": 5}}
+        "a_NEW": 1,
+        "dense_1_NEW": {"kernel_1": 2, "bias_1": 3},
+        "dense_2_NEW": {"kernel_1": 4, "bias_1": 5},
+    }
 
 
 def test_value_change():
@@ -49,24 +68,35 @@ def test_value_change():
 
 
 def test_regex_value_change():
-    rules = {r"a([0-9]?)\*2": Transform(value_fn=lambda v: v * 2, original_key=r"a\1"),
-             r"b([0-9]?)\*3": Transform(value_fn=lambda v: v * 3, original_key=r"b\1")}
+    rules = {
+        r"a([0-9]?)\*2": Transform(value_fn=lambda v: v * 2, original_key=r"a\1"),
+        r"b([0-9]?)\*3": Transform(value_fn=lambda v: v * 3, original_key=r"b\1"),
+    }
     out = apply_transformations({"a1": 1, "a2": 2, "b": 3}, rules, {"a1*2": ..., "a2*2": ..., "b*3": ...})
     assert out == {"a1*2": 2, "a2*2": 4, "b*3": 9}
 
 
 def test_flatten_nested_structure():
-    rules = {r"([a-z]+)": Transform(original_key=r"\1"),
-             r"([a-z]+)_([0-9])_([a-z]+)": Transform(original_key=r"\1_\2/\3")}
+    rules = {
+        r"([a-z]+)": Transform(original_key=r"\1"),
+        r"([a-z]+)_([0-9])_([a-z]+)": Transform(original_key=r"\1_\2/\3"),
+    }
     new = dict.fromkeys(["a", "dense_1_kernel", "dense_1_bias", "dense_2_kernel", "dense_2_bias"], ...)
     assert apply_transformations(NESTED, rules, new) == {
-        "a": 1, "dense_1_kernel": 2, "dense_1_bias": 3, "dense_2_kernel": 4, "dense_2_bias": 5}
+        "a": 1,
+        "dense_1_kernel": 2,
+        "dense_1_bias": 3,
+        "dense_2_kernel": 4,
+        "dense_2_bias": 5,
+    }
 
 
 def test_multi_value_combine():
     original = {"a": np.array([1, 2, 3, 4]), "b": {"c": np.array([5, 6, 7, 8])}}
-    rules = {"a": Transform(multi_value_fn=lambda _, kv: kv["a"][-1]),
-             "b": {"c": Transform(multi_value_fn=lambda _, kv: kv["a"] + kv["b"]["c"])}}
+    rules = {
+        "a": Transform(multi_value_fn=lambda _, kv: kv["a"][-1]),
+        "b": {"c": Transform(multi_value_fn=lambda _, kv: kv["a"] + kv["b"]["c"])},
+    }
     out = apply_transformations(original, rules, {"a": ..., "b": {"c": ...}})
     assert out["a"] == 4 and out["b"]["c"].tolist() == [6, 8, 10, 12]
 
@@ -81,12 +111,16 @@ def test_insert_new_layer_0_and_shift():
     dense = lambda v: {"kernel": v, "bias": -v}  # noqa: E731
     original = {"params": {"Dense_0": dense(10), "Dense_1": dense(11)}, "step": 7}
     new = {"params": {f"Dense_{i}": dense(100 + i) for i in range(4)}, "step": 0}
-    rules = {r"(.*)Dense_0(.*)": Transform(use_fallback=True),
-             r"(.*)Dense_1(.*)": Transform(original_key=r"\1Dense_0\2"),
-             r"(.*)Dense_2(.*)": Transform(original_key=r"\1Dense_1\2")}
+    rules = {
+        r"(.*)Dense_0(.*)": Transform(use_fallback=True),
+        r"(.*)Dense_1(.*)": Transform(original_key=r"\1Dense_0\2"),
+        r"(.*)Dense_2(.*)": Transform(original_key=r"\1Dense_1\2"),
+    }
     out = apply_transformations(original, rules, new)
-    assert out == {"params": {"Dense_0": dense(100), "Dense_1": dense(10), "Dense_2": dense(11), "Dense_3": dense(103)},
-                   "step": 7}
+    assert out == {
+        "params": {"Dense_0": dense(100), "Dense_1": dense(10), "Dense_2": dense(11), "Dense_3": dense(103)},
+        "step": 7,
+    }
 
 
 def test_default_to_original_false():
@@ -172,8 +206,10 @@ def test_value_fn_and_lazy_multi_value_fn(saved_state):
         return tree["model"]["layers"][0]["bias"].get() + tree["old_head"].get()[0]
 
     like = {"w_half": jax.ShapeDtypeStruct((16, 4), jnp.bfloat16), "b_plus": jax.ShapeDtypeStruct((16,), jnp.float32)}
-    rules = {"w_half": Transform(original_key="model/layers/0/weight", value_fn=lambda w: w.astype(jnp.bfloat16) / 2),
-             "b_plus": Transform(multi_value_fn=combine)}
+    rules = {
+        "w_half": Transform(original_key="model/layers/0/weight", value_fn=lambda w: w.astype(jnp.bfloat16) / 2),
+        "b_plus": Transform(multi_value_fn=combine),
+    }
     out = eqxckpt.load(path, like, transforms=rules)
     assert seen == [eqxckpt.LazyArray]
     assert out["w_half"].dtype == jnp.bfloat16
@@ -184,9 +220,13 @@ def test_value_fn_and_lazy_multi_value_fn(saved_state):
 def test_unsupplied_like_leaf_is_an_error(saved_state):
     path, _ = saved_state
     like = {"model": eqx.filter_eval_shape(lambda: eqx.nn.MLP(4, 3, 16, 3, key=jax.random.key(0)))}
-    with pytest.raises(eqxckpt.StructureMismatchError, match=r"model/layers/3/weight: expected float32\[3,16\]; no rule"):
+    with pytest.raises(
+        eqxckpt.StructureMismatchError, match=r"model/layers/3/weight: expected float32\[3,16\]; no rule"
+    ):
         eqxckpt.load(path, like, transforms={})
     with pytest.raises(eqxckpt.StructureMismatchError, match="not in the checkpoint"):
         eqxckpt.load(path, {"x": jnp.ones(2)}, transforms={"x": Transform(original_key="model/nope")})
     with pytest.raises(eqxckpt.StructureMismatchError, match="produced shape"):
-        eqxckpt.load(path, {"x": jnp.ones(2)}, transforms={"x": Transform(original_key="old_head", value_fn=lambda v: v)})
+        eqxckpt.load(
+            path, {"x": jnp.ones(2)}, transforms={"x": Transform(original_key="old_head", value_fn=lambda v: v)}
+        )

@@ -25,7 +25,10 @@ def make_translator():
 def test_rules_rename_drop_and_pass_opts():
     flat = {"encoder/block_000/q": 1, "encoder/block_001/v": 2, "encoder/block_001/v_slot_v": 3, "encoder/final": 4}
     assert make_translator().apply(flat, scale=10) == {
-        "encoder/layers/0/attn/q": 10, "encoder/layers/1/attn/v": 20, "enc/final": 4}
+        "encoder/layers/0/attn/q": 10,
+        "encoder/layers/1/attn/v": 20,
+        "enc/final": 4,
+    }
 
 
 def test_unmatched_keys_are_listed_all_at_once():

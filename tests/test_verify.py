@@ -54,7 +54,14 @@ def metadata_other_dtype(path):
     (path / "model/w/zarr.json").write_text(json.dumps(meta))
 
 
-LEAF_DAMAGE = [flip_byte, truncate_chunk, delete_chunk, other_leaf_metadata, metadata_without_checksum, metadata_other_dtype]
+LEAF_DAMAGE = [
+    flip_byte,
+    truncate_chunk,
+    delete_chunk,
+    other_leaf_metadata,
+    metadata_without_checksum,
+    metadata_other_dtype,
+]
 
 
 @pytest.mark.parametrize("damage", LEAF_DAMAGE, ids=lambda f: f.__name__)

@@ -53,7 +53,11 @@ class T5Config:
         """From a HuggingFace ``config.json`` dict; keys it does not use are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in d.items() if k in names}
-        if values.get("feed_forward_proj") == "gated-gelu" or d.get("is_gated_act") and "gelu" in str(d.get("dense_act_fn")):
+        if (
+            values.get("feed_forward_proj") == "gated-gelu"
+            or d.get("is_gated_act")
+            and "gelu" in str(d.get("dense_act_fn"))
+        ):
             values["feed_forward_proj"] = "gated-gelu"
         return cls(**values)
 

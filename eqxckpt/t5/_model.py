@@ -107,13 +107,18 @@ class Stack(eqx.Module):
     def position_bias(self, table: Array, length: int) -> Array:
         """``[heads, q, k]`` biases of ``table`` for a sequence attending to itself."""
         relative = jnp.arange(length)[None, :] - jnp.arange(length)[:, None]  # key - query
-        buckets = relative_position_bucket(relative, bidirectional=not self.causal, num_buckets=table.shape[1],
-                                           max_distance=self.max_distance)
+        buckets = relative_position_bucket(
+            relative, bidirectional=not self.causal, num_buckets=table.shape[1], max_distance=self.max_distance
+        )
         return table[:, buckets]
 
     def __call__(self, x, self_mask, memory=None, cross_mask=None):
         mask = _mask_bias(self_mask, x.dtype)
-        shared = None if self.relative_attention_bias is None else self.position_bias(self.relative_attention_bias, x.shape[0]) + mask
+        shared = (
+            None
+            if self.relative_attention_bias is None
+            else self.position_bias(self.relative_attention_bias, x.shape[0]) + mask
+        )
         cross_bias = None if memory is None else _mask_bias(cross_mask, x.dtype)
         for block in self.blocks:
             own = block.relative_attention_bias
@@ -125,7 +130,8 @@ class Stack(eqx.Module):
 def _mask_bias(mask: Array, dtype) -> Array:
     """0 where attention is allowed, the most negative number where it is not."""
     return jnp.where(mask, 0.0, jnp.finfo(jnp.promote_types(dtype, jnp.float32)).min).astype(
-        jnp.promote_types(dtype, jnp.float32))
+        jnp.promote_types(dtype, jnp.float32)
+    )
 
 
 class T5(eqx.Module):
@@ -155,34 +161,49 @@ class T5(eqx.Module):
 
         def attention():
             d = config.d_model
-            return Attention(normal((d, inner), d**-0.5), normal((d, inner), d**-0.5), normal((d, inner), d**-0.5),
-                             normal((inner, d), inner**-0.5), config.num_heads)
+            return Attention(
+                normal((d, inner), d**-0.5),
+                normal((d, inner), d**-0.5),
+                normal((d, inner), d**-0.5),
+                normal((inner, d), inner**-0.5),
+                config.num_heads,
+            )
 
         def block(cross: bool) -> Block:
             d, f = config.d_model, config.d_ff
-            ffn = FeedForward(normal((d, f), d**-0.5), normal((d, f), d**-0.5) if config.gated else None, normal((f, d), f**-0.5))
+            ffn = FeedForward(
+                normal((d, f), d**-0.5), normal((d, f), d**-0.5) if config.gated else None, normal((f, d), f**-0.5)
+            )
             own = bias() if config.relative_attention_per_layer else None
-            return Block(own, norm(), attention(), norm() if cross else None, attention() if cross else None, norm(), ffn)
+            return Block(
+                own, norm(), attention(), norm() if cross else None, attention() if cross else None, norm(), ffn
+            )
 
         def bias():
             return normal((config.num_heads, config.relative_attention_num_buckets), 0.1)
 
         def stack(layers: int, causal: bool) -> Stack:
             shared = None if config.relative_attention_per_layer else bias()
-            return Stack([block(causal) for _ in range(layers)], shared, norm(), causal, config.relative_attention_max_distance)
+            return Stack(
+                [block(causal) for _ in range(layers)], shared, norm(), causal, config.relative_attention_max_distance
+            )
 
         self.config = config
         self.shared = normal((config.vocab_size, config.d_model))
         self.encoder = stack(config.num_layers, causal=False)
         self.decoder = stack(config.num_decoder_layers, causal=True)
-        self.logits_kernel = None if config.tie_word_embeddings else normal((config.d_model, config.vocab_size), config.d_model**-0.5)
+        self.logits_kernel = (
+            None if config.tie_word_embeddings else normal((config.d_model, config.vocab_size), config.d_model**-0.5)
+        )
 
     def encode(self, input_ids: Int[Array, " seq"], *, attention_mask: Int[Array, " seq"] | None = None) -> Array:
         """Encoder output after its final norm: ``[seq, d_model]``."""
         mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
         return self.encoder(self.shared[input_ids], mask[None, :])
 
-    def decode(self, decoder_input_ids: Int[Array, " dec"], memory: Array, attention_mask: Array | None = None) -> Array:
+    def decode(
+        self, decoder_input_ids: Int[Array, " dec"], memory: Array, attention_mask: Array | None = None
+    ) -> Array:
         """Logits ``[dec, vocab]`` given the encoder output ``memory``."""
         length = decoder_input_ids.shape[0]
         causal = jnp.tril(jnp.ones((length, length), bool))

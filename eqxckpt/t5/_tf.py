@@ -7,7 +7,8 @@ what is being built.
 
 import os
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -55,7 +56,10 @@ def open_tf(path: Any) -> dict[str, TFVariable]:
 # --- names: Mesh TensorFlow -> the T5 module's paths -----------------------------------
 
 WEIGHTS = CheckpointTranslator()
-SUBLAYERS = {"encoder": ("self_attention", "feed_forward"), "decoder": ("self_attention", "cross_attention", "feed_forward")}
+SUBLAYERS = {
+    "encoder": ("self_attention", "feed_forward"),
+    "decoder": ("self_attention", "cross_attention", "feed_forward"),
+}
 
 
 @WEIGHTS.add(r"shared/embedding")
@@ -73,8 +77,10 @@ def _(opts, key, value, stack, block):
     if opts.get("per_layer"):
         return f"{stack}/blocks/{int(block)}/relative_attention_bias", value
     if int(block) != 0:
-        raise CheckpointError(f"{key}: a relative attention bias outside block 0 means per-layer biases; "
-                              "pass a config with relative_attention_per_layer=True.")
+        raise CheckpointError(
+            f"{key}: a relative attention bias outside block 0 means per-layer biases; "
+            "pass a config with relative_attention_per_layer=True."
+        )
     return f"{stack}/relative_attention_bias", value
 
 
@@ -170,9 +176,16 @@ def _from_shapes(shapes: dict[str, tuple]) -> dict:
         return len({n.split("/")[1] for n in shapes if n.startswith(f"{stack}/block_")})
 
     return dict(
-        vocab_size=vocab, d_model=d_model, d_kv=inner // heads, d_ff=d_ff, num_heads=heads,
-        num_layers=count("encoder"), num_decoder_layers=count("decoder"), relative_attention_num_buckets=buckets,
-        feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings="decoder/logits/kernel" not in shapes,
+        vocab_size=vocab,
+        d_model=d_model,
+        d_kv=inner // heads,
+        d_ff=d_ff,
+        num_heads=heads,
+        num_layers=count("encoder"),
+        num_decoder_layers=count("decoder"),
+        relative_attention_num_buckets=buckets,
+        feed_forward_proj="gated-gelu" if gated else "relu",
+        tie_word_embeddings="decoder/logits/kernel" not in shapes,
         relative_attention_per_layer=len(bias) > 2,
     )
 
@@ -188,11 +201,14 @@ def _check_fits(translated: dict[str, TFVariable], config: T5Config) -> tuple[An
     """Every model leaf has exactly one variable of the right shape, and every variable a place."""
     flat, treedef = flatten(_skeleton(config))
     expected = {path: leaf for path, _, leaf in flat if isinstance(leaf, jax.ShapeDtypeStruct)}
-    params = {k[len("params/"):]: v for k, v in translated.items() if k.startswith("params/")}
+    params = {k[len("params/") :]: v for k, v in translated.items() if k.startswith("params/")}
     missing = [p for p in expected if p not in params]
     unplaced = [v.name for p, v in params.items() if p not in expected]
-    wrong = [f"{v.name}: shape {list(v.shape)}, but {config} needs {list(expected[p].shape)} at {p!r}"
-             for p, v in params.items() if p in expected and tuple(expected[p].shape) != v.shape]
+    wrong = [
+        f"{v.name}: shape {list(v.shape)}, but {config} needs {list(expected[p].shape)} at {p!r}"
+        for p, v in params.items()
+        if p in expected and tuple(expected[p].shape) != v.shape
+    ]
     problems = []
     if missing:
         problems.append(f"missing from the checkpoint ({len(missing)}): " + ", ".join(missing))
@@ -201,7 +217,9 @@ def _check_fits(translated: dict[str, TFVariable], config: T5Config) -> tuple[An
     if wrong:
         problems.append("variables whose shape does not fit the config:\n    " + "\n    ".join(wrong))
     if problems:
-        raise StructureMismatchError("The TensorFlow checkpoint does not match the T5 config:\n  " + "\n  ".join(problems))
+        raise StructureMismatchError(
+            "The TensorFlow checkpoint does not match the T5 config:\n  " + "\n  ".join(problems)
+        )
     return treedef, flat, params
 
 
@@ -230,11 +248,20 @@ def _open(path: Any, config: Any, progress: Callable[[str, int], None] | None):
     variables = open_tf(path)
     config = infer_config(variables, path, config)
     total = len(variables)
-    return translate(variables, config), config, (lambda name: progress(name, total)) if progress else (lambda name: None)
+    return (
+        translate(variables, config),
+        config,
+        (lambda name: progress(name, total)) if progress else (lambda name: None),
+    )
 
 
-def load_tf(path: Any, config: T5Config | dict | str | None = None, *, dtype: Any = None,
-            progress: Callable[[str, int], None] | None = None) -> T5:
+def load_tf(
+    path: Any,
+    config: T5Config | dict | str | None = None,
+    *,
+    dtype: Any = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> T5:
     """A `T5` from a Mesh TensorFlow checkpoint (directory or prefix).
 
     `config`: a `T5Config`, a HuggingFace config dict, or a path to a
@@ -264,8 +291,15 @@ def _nest(flat: dict[str, Any]) -> dict:
     return out
 
 
-def convert_tf(path: Any, out: Any, config: T5Config | dict | str | None = None, *, dtype: Any = None,
-               overwrite: bool = False, progress: Callable[[str, int], None] | None = None) -> T5Config:
+def convert_tf(
+    path: Any,
+    out: Any,
+    config: T5Config | dict | str | None = None,
+    *,
+    dtype: Any = None,
+    overwrite: bool = False,
+    progress: Callable[[str, int], None] | None = None,
+) -> T5Config:
     """Write a Mesh TensorFlow T5 checkpoint as an eqxckpt checkpoint.
 
     It holds ``params`` (the `T5` module), ``step`` (``global_step``) and
@@ -283,7 +317,7 @@ def convert_tf(path: Any, out: Any, config: T5Config | dict | str | None = None,
     for key, variable in translated.items():
         if key.startswith("adafactor/"):
             report(variable.name)
-            slots[key[len("adafactor/"):]] = variable.get()
+            slots[key[len("adafactor/") :]] = variable.get()
     step = 0
     if "step" in translated:
         report(translated["step"].name)
