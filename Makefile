@@ -22,6 +22,9 @@ demo: $(VENV)/.test-installed
 	$(BIN)/python examples/demo.py
 
 test: $(VENV)/.test-installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pyright
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.bench-installed

@@ -1,30 +1,28 @@
-"""`open`: a read-only, lazy view of a committed checkpoint."""
+"""`open` and `Checkpoint`: a read-only, lazy view of a committed eqxckpt checkpoint."""
 
 import builtins
+import collections
 import contextlib
-import difflib
-import functools
 import json
 import math
-import os
-import pathlib
-import stat
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 import tensorstore as ts
 
-from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError, ManifestError
-from ._lease import LocalPin, StorePin
-from ._manifest import LeafRecord, Manifest, read_manifest, scalar_from_json
-from ._paths import depth, normalize_at, relative_to
-from ._store import CHUNK_BYTES, Location, read_capped, read_spec, reason, resolve, shared_context
+from ._convert import aligned_empty
+from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError, UnsupportedLeafError
+from ._leaf import ArrayLeaf, KeyLeaf, KeyRecord, Leaf, StoredLeaf
+from ._lease import LocalPin
+from ._manifest import Manifest
+from ._source import LazyEntry, Source
+from ._storage import MAX_ZARR_JSON_BYTES, Pin, Storage, corrupt, resolve
+from ._store import CHUNK_BYTES, check_dtype, read_spec, read_window, shared_context
 
 
-class Checkpoint:
+class Checkpoint(Source):
     """A committed checkpoint: its leaves, their shapes and dtypes, and metadata.
 
     Nothing is read from the arrays until you ask for values.
@@ -38,12 +36,12 @@ class Checkpoint:
     ```
     """
 
-    def __init__(self, location: Location, manifest: Manifest, pin: "LocalPin | StorePin | None" = None):
+    def __init__(self, location: Storage, manifest: Manifest, pin: Pin | None = None):
         self.location = location
         self.manifest = manifest
-        self._records = {leaf.path: leaf for leaf in manifest.leaves}
+        self.metadata = manifest.metadata
+        self._leaves = {leaf.path: leaf for leaf in manifest.leaves}
         self._context = shared_context()
-        self._kvstore: ts.KvStore | None = None
         self._pin = pin
         if pin is not None:
             weakref.finalize(self, pin.close)
@@ -80,120 +78,109 @@ class Checkpoint:
             "read, so what was read may mix two checkpoints and is discarded. Open or load it again."
         )
 
-    # -- description -------------------------------------------------------------
+    def lazy(self, leaf: StoredLeaf) -> "LazyArray":
+        return LazyArray(self, leaf)
 
-    @property
-    def paths(self) -> list[str]:
-        """Every leaf path, in the order they were saved."""
-        return list(self._records)
+    # -- reading -----------------------------------------------------------------
 
-    @property
-    def metadata(self) -> dict:
-        """The user metadata passed to `save`."""
-        return self.manifest.metadata
-
-    @property
-    def nbytes(self) -> int:
-        """Total bytes of all stored arrays."""
-        return sum(r.nbytes for r in self._records.values())
-
-    def leaf(self, path: str) -> LeafRecord:
-        """The manifest record of one leaf; a `KeyError` suggests near names."""
-        try:
-            return self._records[path]
-        except KeyError:
-            close = difflib.get_close_matches(path, self._records, n=3)
-            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise KeyError(f"No leaf {path!r} in {self.location}.{hint}") from None
-
-    def records(self, at: str | None = None) -> dict[str, LeafRecord]:
-        """``{path relative to at: record}`` for the leaves under ``at``."""
-        prefix = normalize_at(at)
-        out = {}
-        for path, record in self._records.items():
-            rel = relative_to(path, prefix)
-            if rel is not None:
-                out[rel] = record
-        return out
-
-    def __contains__(self, path: str) -> bool:
-        return path in self._records
-
-    def __iter__(self):
-        return iter(self._records)
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __repr__(self) -> str:
-        return f"Checkpoint({str(self.location)!r}, {len(self)} leaves, {self.nbytes} bytes)"
-
-    # -- values ------------------------------------------------------------------
-
-    def __getitem__(self, path: str) -> Any:
-        """A leaf (`LazyArray`, or the scalar itself) or, for a prefix, a subtree."""
-        if path in self._records:
-            return self.value(self._records[path])
-        if self.records(path):
-            return self.tree(at=path)
-        self.leaf(path)  # raises a KeyError with suggestions
-
-    def tree(self, at: str | None = None) -> Any:
-        """Nested dicts/lists of `LazyArray`s and scalars, rebuilt from the manifest."""
-        from ._load import build_plain_tree
-
-        records = self.records(at)
-        return build_plain_tree([(r, self.value(r)) for r in records.values()], depth(normalize_at(at)))
-
-    def value(self, record: LeafRecord) -> Any:
-        """A leaf's value as far as the manifest knows it: a `LazyArray`, a scalar, or None (opaque)."""
-        if record.is_stored:
-            return LazyArray(self, record)
-        if record.kind == "scalar":
-            return scalar_from_json(record.type_name, record.value)
-        return None  # opaque: only its type is known; load() takes it from `like`
-
-    # -- storage -----------------------------------------------------------------
-
-    def open_array(self, record: LeafRecord) -> ts.Future:
+    def _open_array(self, leaf: StoredLeaf) -> ts.Future:
         """Start opening a leaf's stored array: reads its ``zarr.json`` (at most
-        `MAX_ZARR_JSON_BYTES`); `checked` validates it and opens the array."""
-        if self.location.local is not None:
-            stored_bytes(self.location.local, record)
-            promise, future = ts.Promise.new()
-            try:
-                promise.set_result(read_capped(self.location.local / record.path / "zarr.json", MAX_ZARR_JSON_BYTES))
-            except OSError as e:
-                promise.set_exception(e)
-            return future
-        if self._kvstore is None:
-            self._kvstore = self.location.open_kvstore()
-        # Object stores cannot cap a read without a second request: the size is
-        # checked before parsing, so memory stays bounded by the file's size.
-        return self._kvstore.read(f"{record.path}/zarr.json")
+        `MAX_ZARR_JSON_BYTES`); `_checked` validates it and opens the array."""
+        return self.location.read_leaf_metadata(leaf)
 
-    def checked(self, record: LeafRecord, opened: ts.Future) -> ts.TensorStore:
+    def _checked(self, leaf: StoredLeaf, opened: ts.Future) -> ts.TensorStore:
         """The opened array, after checking its ``zarr.json`` is what eqxckpt writes
         for what the manifest says.
 
         TensorStore then opens it from that validated metadata alone, without
         reading ``zarr.json`` again: what was checked is what is used.
         """
-        with reading(record):
+        with reading(leaf):
             result = opened.result()
         raw = result if isinstance(result, bytes) else bytes(result.value) if result.state == "value" else None
         if raw is None:
-            raise corrupt(record, "its zarr.json is missing")
-        metadata = validate_array_metadata(raw, record)
-        with reading(record):
-            return ts.open(
-                read_spec(self.location.child(record.path), metadata), context=self._context, read=True
-            ).result()
+            raise corrupt(leaf, "its zarr.json is missing")
+        metadata = validate_array_metadata(raw, leaf)
+        with reading(leaf):
+            spec = read_spec(self.location.child(leaf.path), metadata)
+            return ts.open(spec, context=self._context, read=True).result()
+
+    def _store(self, leaf: StoredLeaf) -> ts.TensorStore:
+        return self._checked(leaf, self._open_array(leaf))
+
+    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+        """Read every selected leaf: all opens at once, then reads straight into the
+        final buffers, concurrently within a `read_window`. A target whose sharding
+        spans several devices is read slice by slice, each on its own process."""
+        opens = [self._open_array(leaf) for leaf, _ in wanted]
+        stores = [self._checked(leaf, opened) for (leaf, _), opened in zip(wanted, opens)]
+        check_allocation(
+            sum(leaf.nbytes for leaf, target in wanted if not _sharded(leaf, target)),
+            f"Restoring {len(wanted)} leaves from {self.location}",
+        )
+        values: list[Any] = [None] * len(wanted)
+        sharded = {
+            i: _start_slices(leaf, target, store)
+            for i, ((leaf, target), store) in enumerate(zip(wanted, stores))
+            if _sharded(leaf, target)
+        }
+        pending: collections.deque = collections.deque()
+        in_flight = 0
+        window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
+
+        def finish_oldest() -> None:
+            nonlocal in_flight
+            i, buffer, copied = pending.popleft()
+            leaf, target = wanted[i]
+            with reading(leaf):
+                copied.result()
+                values[i] = leaf.finish(buffer, target)
+            in_flight -= buffer.nbytes
+
+        for i, ((leaf, _), store) in enumerate(zip(wanted, stores)):
+            if i in sharded:
+                continue
+            while pending and in_flight + leaf.nbytes > window:
+                finish_oldest()
+            # TensorStore copies the leaf into our aligned buffer, which the jax array then adopts.
+            buffer = aligned_empty(leaf.data_shape, np.dtype(leaf.dtype))
+            pending.append((i, buffer, ts.array(buffer, copy=False, write=True).write(store)))
+            in_flight += buffer.nbytes
+        while pending:
+            finish_oldest()
+        for i, slices in sharded.items():
+            leaf, target = wanted[i]
+            with reading(leaf):
+                values[i] = leaf.assemble(
+                    target,
+                    {key: f.result() for key, f in slices.items()},
+                    lambda index, shape=leaf.shape: _slice_key(index, shape),
+                )
+        return values
 
 
-# Compressing filesystems (ZFS, btrfs) may allocate fewer blocks than a file's
-# size for data that is genuinely there (zeros): this trusts apparent sizes.
-TRUST_SPARSE = os.environ.get("EQXCKPT_TRUST_SPARSE", "") == "1"
+def _sharded(leaf: StoredLeaf, target: Any) -> bool:
+    """Whether to read ``target`` slice by slice: each device's slice, on its process."""
+    sharding = getattr(target, "sharding", None)
+    if sharding is None or (len(sharding.device_set) == 1 and sharding.is_fully_addressable):
+        return False
+    return leaf.can_shard(sharding)
+
+
+def _slice_key(index: tuple, shape: tuple[int, ...]) -> tuple:
+    """A hashable, normalised form of an index into ``shape``."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _start_slices(leaf: StoredLeaf, target: Any, store: ts.TensorStore) -> dict[tuple, ts.Future]:
+    """Start reading every distinct slice this process's devices hold (once each,
+    however many local devices hold a replica of it)."""
+    reads = {}
+    for index in target.sharding.addressable_devices_indices_map(leaf.shape).values():
+        key = _slice_key(index, leaf.shape)
+        if key not in reads:
+            reads[key] = store[index].read()
+    return reads
 
 
 def check_allocation(nbytes: int, what: str) -> None:
@@ -216,54 +203,6 @@ def available_memory() -> int | None:
     return fields.get(b"MemAvailable", 0) + fields.get(b"SwapFree", 0) or None
 
 
-def stored_bytes(root: pathlib.Path, record: LeafRecord) -> int:
-    """Check a local leaf's files before TensorStore touches them; return their size.
-
-    A checkpoint may come from anywhere: no component of the leaf's directory
-    may be a symlink (it could lead out of the checkpoint), nothing below it
-    may be anything but plain files and directories, and the files must hold
-    at least the bytes the manifest declares, so a crafted shape cannot make
-    the reader allocate memory that no data backs.
-    """
-    where = root
-    for part in record.path.split("/"):
-        where = where / part
-        try:
-            mode = os.lstat(where).st_mode
-        except FileNotFoundError:
-            raise corrupt(record, f"{where} does not exist") from None
-        if not stat.S_ISDIR(mode):
-            raise _unsafe(record, where)
-    total = 0
-    pending = [where]
-    try:
-        while pending:
-            with os.scandir(pending.pop()) as entries:
-                for entry in entries:
-                    if entry.is_dir(follow_symlinks=False):
-                        pending.append(entry.path)
-                    elif entry.is_file(follow_symlinks=False):
-                        info = entry.stat(follow_symlinks=False)
-                        # Blocks really allocated: a sparse file's apparent size is no data.
-                        total += info.st_size if TRUST_SPARSE else min(info.st_size, info.st_blocks * 512)
-                    else:
-                        raise _unsafe(record, pathlib.Path(entry.path))
-    except OSError as e:  # vanished while listed: deleted under us
-        raise corrupt(record, f"{e.filename}: {e.strerror}") from None
-    if total < record.nbytes:
-        raise corrupt(
-            record,
-            f"the manifest declares {record.nbytes} bytes ({record.dtype}"
-            f"{list(record.data_shape)}) but its files hold only {total} on disk (sparse or "
-            "truncated files are refused; on a compressing filesystem set "
-            "EQXCKPT_TRUST_SPARSE=1 for checkpoints you trust)",
-        )
-    return total
-
-
-MAX_ZARR_JSON_BYTES = 64 * 1024
-
-
 _ZARR_KEYS = {
     "zarr_format",
     "node_type",
@@ -279,7 +218,7 @@ _ZARR_KEYS = {
 }
 
 
-def validate_array_metadata(raw: bytes, record: LeafRecord) -> dict:
+def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
     """A leaf's ``zarr.json``, checked against what eqxckpt writes for ``record``.
 
     Only the codec chain eqxckpt writes (raw little-endian bytes plus a crc32c
@@ -291,7 +230,8 @@ def validate_array_metadata(raw: bytes, record: LeafRecord) -> dict:
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"Leaf {record.path!r}: its zarr.json {why}. eqxckpt never writes that: the checkpoint is damaged or "
-            "crafted; do not trust it."
+            "crafted; do not trust it.",
+            path=record.path,
         )
 
     if len(raw) > MAX_ZARR_JSON_BYTES:
@@ -310,7 +250,8 @@ def validate_array_metadata(raw: bytes, record: LeafRecord) -> dict:
     if doc.get("shape") != list(shape) or doc.get("data_type") != record.dtype:
         raise CorruptCheckpointError(
             f"Leaf {record.path!r} is corrupt: the manifest says {record.dtype}{list(shape)} but its zarr.json says "
-            f"{doc.get('data_type')}{doc.get('shape')}. Restore the checkpoint from a copy or load an earlier one."
+            f"{doc.get('data_type')}{doc.get('shape')}. Restore the checkpoint from a copy or load an earlier one.",
+            path=record.path,
         )
     grid = doc.get("chunk_grid")
     chunk = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) else None
@@ -345,15 +286,8 @@ def validate_array_metadata(raw: bytes, record: LeafRecord) -> dict:
     }
 
 
-def _unsafe(record: LeafRecord, where: pathlib.Path) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"Leaf {record.path!r}: {where} is a symlink or special file, not the plain files eqxckpt writes. "
-        "Refusing to read it (it could point outside the checkpoint). Do not trust this checkpoint."
-    )
-
-
 @contextlib.contextmanager
-def reading(record: LeafRecord):
+def reading(record: Leaf) -> Iterator[None]:
     """Any failure while reading ``record`` becomes a `CorruptCheckpointError` naming it."""
     try:
         yield
@@ -363,36 +297,7 @@ def reading(record: LeafRecord):
         raise corrupt(record, e) from None
 
 
-def corrupt(record: LeafRecord, error: BaseException | str) -> CorruptCheckpointError:
-    """The error for a leaf whose stored data cannot be read back intact."""
-    return CorruptCheckpointError(
-        f"Leaf {record.path!r} is corrupt or missing on disk: {reason(error)}. Restore the checkpoint "
-        "from a copy or load an earlier one; `eqxckpt inspect` still shows what it held."
-    )
-
-
-@functools.cache
-def key_dtype(impl: str) -> Any:
-    """The dtype of typed PRNG keys of ``impl`` (``key<fry>`` for threefry2x32)."""
-    try:
-        return jax.random.key(0, impl=impl).dtype
-    except ValueError:
-        raise ManifestError(f"The manifest names a PRNG implementation this JAX does not know: {impl!r}.") from None
-
-
-def wrap_prng(record: LeafRecord, data: Any) -> jax.Array:
-    """Typed PRNG keys are stored as key data; turn them back into keys."""
-    key_dtype(record.impl)  # a clear error for an unknown implementation
-    try:
-        return jax.random.wrap_key_data(data, impl=record.impl)
-    except (ValueError, TypeError) as e:
-        raise CorruptCheckpointError(
-            f"Leaf {record.path!r}: its stored key data {data.shape} does not fit PRNG implementation "
-            f"{record.impl!r} ({e}). The checkpoint is damaged or was edited."
-        ) from None
-
-
-class LazyArray:
+class LazyArray(LazyEntry):
     """One stored array: ``shape``, ``dtype`` and ``nbytes`` now, data on ``get()``.
 
     Indexing (``lazy[0, :4]``) and ``astype`` are deferred too, so only the
@@ -405,59 +310,67 @@ class LazyArray:
     ```
     """
 
-    def __init__(self, checkpoint: Checkpoint, record: LeafRecord, index: Any = (), dtype: Any = None):
-        self.checkpoint = checkpoint
-        self.record = record
+    source: Checkpoint
+
+    def __init__(self, checkpoint: Checkpoint, leaf: StoredLeaf, index: Any = (), dtype: Any = None):
+        super().__init__(checkpoint, leaf)
         self._index = index
         self._dtype = None if dtype is None else np.dtype(dtype)
 
     @property
-    def path(self) -> str:
-        return self.record.path
+    def checkpoint(self) -> Checkpoint:
+        """The checkpoint this array belongs to."""
+        return self.source
 
     @property
     def shape(self) -> tuple[int, ...]:
-        shape = self.record.shape
+        shape = self.leaf.shape
         if self._index == ():
             return shape
         return np.broadcast_to(np.empty((), np.int8), shape)[self._index].shape
 
     @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
     def dtype(self) -> np.dtype:
-        if self._dtype is not None:
-            return self._dtype
-        return key_dtype(self.record.impl) if self.record.kind == "prng_key" else np.dtype(self.record.dtype)
+        return self._dtype if self._dtype is not None else self.leaf.value_dtype
 
     @property
     def nbytes(self) -> int:
-        if self.record.kind == "prng_key":
-            return int(np.prod(self.shape + self.record.key_shape)) * np.dtype(self.record.dtype).itemsize
-        return int(np.prod(self.shape)) * self.dtype.itemsize
+        if isinstance(self.leaf, KeyLeaf):
+            return self.leaf.nbytes
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def __getitem__(self, index: Any) -> "LazyArray":
         if self._index != ():
             raise NotImplementedError("Index a LazyArray once; combine the indices into one expression.")
-        if self.record.kind == "prng_key":
+        if isinstance(self.leaf, KeyLeaf):
             raise NotImplementedError("Slicing lazy PRNG key arrays is not supported; get() the whole array.")
-        return LazyArray(self.checkpoint, self.record, index, self._dtype)
+        return LazyArray(self.source, self.leaf, index, self._dtype)
 
     def astype(self, dtype: Any) -> "LazyArray":
         """A lazy cast: the conversion happens on ``get()``."""
-        return LazyArray(self.checkpoint, self.record, self._index, dtype)
+        return LazyArray(self.source, self.leaf, self._index, dtype)
 
     def _view(self) -> ts.TensorStore:
-        store = self.checkpoint.checked(self.record, self.checkpoint.open_array(self.record))
+        store = self.source._store(self.leaf)
         return store[self._index] if self._index != () else store
 
-    def source(self) -> ts.TensorStore:
+    def stream(self) -> ts.TensorStore:
         """The stored array as a TensorStore view (indexed and cast as this
         LazyArray is), to copy from without reading it all into memory."""
         view = self._view()
         return view if self._dtype is None else ts.cast(view, self._dtype)
+
+    def saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
+        """The leaf this array becomes when it is saved at ``path`` (copied from its checkpoint)."""
+        if isinstance(self.leaf, KeyLeaf):
+            if self._index != () or self._dtype is not None:
+                raise UnsupportedLeafError(
+                    f"Leaf {path!r}: a sliced or cast lazy PRNG key array cannot be saved; get() it."
+                )
+            return KeyLeaf(path, keys, self.leaf.shape, self.leaf.dtype, self.leaf.impl, self.leaf.key_shape)
+        check_dtype(self.dtype, path)
+        array_type = self.leaf.array_type if isinstance(self.leaf, ArrayLeaf) else "numpy"
+        return ArrayLeaf(path, keys, tuple(self.shape), self.dtype.name, array_type)
 
     def _start(self) -> ts.Future:
         view = self._view()
@@ -465,34 +378,34 @@ class LazyArray:
         return view.read()
 
     def _finish(self, data: np.ndarray) -> Any:
-        if self.record.kind == "prng_key":
-            return wrap_prng(self.record, data)
+        if isinstance(self.leaf, KeyLeaf):
+            return self.leaf.wrap(data)
         if self._dtype is not None:
             data = data.astype(self._dtype)
         return data
 
     def get(self) -> Any:
         """Read the data (a numpy array; a jax key array for PRNG keys)."""
-        with self.checkpoint.consistent(), reading(self.record):
+        with self.source.consistent(), reading(self.leaf):
             data = self._start().result()
         return self._finish(data)
 
     async def get_async(self) -> Any:
         """``await lazy.get_async()``: read without blocking the event loop."""
-        with self.checkpoint.consistent(), reading(self.record):
+        with self.source.consistent(), reading(self.leaf):
             data = await self._start()
         return self._finish(data)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        data = np.asarray(self.get())
-        return data if dtype is None else data.astype(dtype)
-
-    def __repr__(self) -> str:
-        return f"LazyArray({self.path!r}, shape={self.shape}, dtype={self.dtype})"
 
 
 def open(path: Any) -> Checkpoint:  # noqa: A001 - public name fixed by the design
     """Open a committed checkpoint read-only, without reading any array.
+
+    **Arguments:**
+
+    - `path`: where the checkpoint is: a local directory, a ``file://``,
+      ``memory://``, ``s3://`` or ``gs://`` URL, or a TensorStore kvstore spec dict.
+
+    **Returns:** a `Checkpoint`: its paths, metadata, and lazy leaves.
 
     ```python
     ckpt = eqxckpt.open("ckpt/step_100")
@@ -500,5 +413,5 @@ def open(path: Any) -> Checkpoint:  # noqa: A001 - public name fixed by the desi
     ```
     """
     location = resolve(path)
-    manifest, pin = read_manifest(location)
+    manifest, pin = location.read_manifest()
     return Checkpoint(location, manifest, pin)

@@ -55,11 +55,11 @@ def _inspect(args: argparse.Namespace) -> int:
         for i in range(base + 1, len(parts)):
             if parts[:i] not in nodes:
                 nodes[parts[:i]] = nodes.get(parts[: i - 1], root).add(f"[bold blue]{parts[i - 1]}[/bold blue]")
-        size = f"  [dim]{human_bytes(record.nbytes)}[/dim]" if record.is_stored else ""
+        size = f"  [dim]{human_bytes(record.nbytes)}[/dim]" if record.stored else ""
         label = parts[-1] if rel else record.path
         nodes.get(parts[:-1], root).add(f"{label}  [green]{record.describe()}[/green]{size}")
     console.print(root)
-    arrays = [r for r in records.values() if r.is_stored]
+    arrays = [r for r in records.values() if r.stored]
     console.print(
         f"[bold]{len(records)} leaves[/bold], {len(arrays)} arrays, "
         f"{human_bytes(sum(r.nbytes for r in arrays))} of array data"

@@ -1,4 +1,8 @@
-"""The exceptions eqxckpt raises. Every one derives from `CheckpointError`."""
+"""The exceptions eqxckpt raises. Every one derives from `CheckpointError`.
+
+All of them live here, and their structured fields are plain attributes, so an
+error pickles with them (it can cross from a worker process to its parent).
+"""
 
 
 class CheckpointError(Exception):
@@ -18,7 +22,14 @@ class ManifestError(CheckpointError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A leaf's stored data is missing, truncated, or fails its checksum."""
+    """A leaf's stored data is missing, truncated, or fails its checksum.
+
+    **Attributes:** `path`, the leaf's path when one leaf is at fault (else None).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
 
 
 class PathError(CheckpointError, ValueError):
@@ -26,7 +37,31 @@ class PathError(CheckpointError, ValueError):
 
 
 class StructureMismatchError(CheckpointError, ValueError):
-    """The checkpoint and `like` disagree: missing, unexpected or mismatched leaves."""
+    """The checkpoint and `like` disagree: missing, unexpected or mismatched leaves.
+
+    **Attributes:** `missing`, `unexpected` and `mismatched`: lists of
+    ``(path, what)`` pairs, paths relative to ``at``.
+
+    ```python
+    try:
+        eqxckpt.load("ckpt", like)
+    except eqxckpt.StructureMismatchError as e:
+        print([path for path, _ in e.missing])
+    ```
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: list[tuple[str, str]] | None = None,
+        unexpected: list[tuple[str, str]] | None = None,
+        mismatched: list[tuple[str, str]] | None = None,
+    ):
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.unexpected = list(unexpected or [])
+        self.mismatched = list(mismatched or [])
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
@@ -57,3 +92,7 @@ class UnsupportedLeafError(CheckpointError, TypeError):
 
 class CastError(CheckpointError, ValueError):
     """A stored value cannot be restored into the requested dtype without changing it."""
+
+
+class TransformError(CheckpointError, ValueError):
+    """A `Transform` or `CheckpointTranslator` rule is malformed or cannot be applied."""

@@ -325,12 +325,13 @@ class Lease:
             "timeout_s": self.timeout,
             "paths": sorted(set(paths)),
         }
-        self.generation = self._write(seen)
-        if self.generation is None:
+        generation = self._write(seen)
+        if generation is None:
             raise CheckpointBusyError(
                 "Another process took the lease on this checkpoint first; it is saving or "
                 "deleting there now. Nothing was changed."
             )
+        self.generation: bytes = generation
         self.lost = False
         self.replaces = False  # set by a save that removes a committed checkpoint under this lease
         self._stop = threading.Event()

@@ -2,7 +2,6 @@
 
 import collections
 import math
-import os
 import re
 import threading
 import warnings
@@ -10,23 +9,21 @@ from typing import Any
 
 import jax
 
+from ._background import SAVES, SaveHandle
 from ._checkpoint import open as open_checkpoint
 from ._errors import (
-    CheckpointBusyError,
     CheckpointChangedError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     IncompleteCheckpointError,
-    ManifestError,
 )
-from ._lease import Lease, delete_local, read_lease, reclaim, remove_abandoned, uncommit
+from ._leaf import float_from_json, float_to_json
 from ._load import READ_ATTEMPTS, load
-from ._manifest import float_from_json, float_to_json, parse_manifest
-from ._paths import LEASE_NAME, MANIFEST_NAME
-from ._save import SaveHandle, _background, save, track
-from ._store import Location, is_storage_error, resolve
+from ._save import save
+from ._storage import Storage, resolve
+from ._store import is_storage_error
 
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
 MANAGER_KEY = "eqxckpt.manager"
@@ -109,10 +106,8 @@ class CheckpointManager:
 
     # -- where things are -------------------------------------------------------------
 
-    def _step_location(self, step: int) -> Any:
-        if self.location.local is not None:
-            return self.location.local / str(step)
-        return self.location.child(str(step))
+    def _step_location(self, step: int) -> Storage:
+        return self.location.sub(str(step))
 
     def _scan(self, warn: bool = True) -> dict[int, dict]:
         """Committed steps and their metrics, as stored now.
@@ -122,9 +117,10 @@ class CheckpointManager:
         them; a step that disappears while it is read (another process's
         retention) is skipped silently.
         """
+        steps: dict[int, dict] = {}
+        skipped: list[str] = []
         for _ in range(3):
-            steps: dict[int, dict] = {}
-            skipped: list[str] = []
+            steps, skipped = {}, []
             vanished = False
             for name, problem in self._entries():
                 if problem is not None:
@@ -151,61 +147,24 @@ class CheckpointManager:
 
     def _entries(self) -> list[tuple[str, str | None]]:
         """(name, None) for each candidate step, (name, why not) for other entries."""
-        local = self.location.local
         out: list[tuple[str, str | None]] = []
-        if local is not None:
-            try:
-                entries = list(os.scandir(local))
-            except (FileNotFoundError, NotADirectoryError):
-                return out
-            for entry in sorted(entries, key=lambda e: e.name):
-                if entry.name.startswith("."):
-                    continue  # hidden: saves in progress, leftovers, the user's own
-                if not _STEP_NAME.match(entry.name):
-                    out.append((entry.name, "not a step number"))
-                    continue
-                committed = entry.is_dir(follow_symlinks=False) and os.path.lexists(
-                    os.path.join(entry.path, MANIFEST_NAME)
-                )
-                out.append((entry.name, None if committed else "no committed checkpoint in it"))
-            return out
-        groups: dict[str, set[str]] = {}
-        for key in self.location.open_kvstore().list().result():
-            head, _, rest = key.decode("utf-8", "replace").partition("/")
-            groups.setdefault(head, set()).add(rest)
-        for head, rests in sorted(groups.items()):
-            if not _STEP_NAME.match(head):
-                out.append((head, "not a step number"))
-            elif MANIFEST_NAME in rests:
-                out.append((head, None))
-            elif LEASE_NAME not in rests:  # with a lease: a save or deletion in progress, or cleanup's
-                out.append((head, "no committed checkpoint in it"))
+        for name, state in self.location.entries():
+            if state == "busy" and _STEP_NAME.match(name):
+                continue  # a save or deletion in progress, or cleanup's to finish
+            if not _STEP_NAME.match(name):
+                out.append((name, "not a step number"))
+            else:
+                out.append((name, None if state == "committed" else "no committed checkpoint in it"))
         return out
 
     def _clean_leftovers(self) -> None:
         """Remove what interrupted saves and deletions left, if provably abandoned and ours."""
-        local = self.location.local
-        if local is not None:
-            remove_abandoned(local)
-            return
-        for name, _ in self._entries_with_leases():
-            reclaim(self._step_store(int(name)))
-
-    def _entries_with_leases(self) -> list[tuple[str, str]]:
-        keys = (k.decode("utf-8", "replace") for k in self.location.open_kvstore().list().result())
-        return [
-            (head, rest)
-            for head, _, rest in (k.partition("/") for k in keys)
-            if rest == LEASE_NAME and _STEP_NAME.match(head)
-        ]
+        self.location.clean_leftovers()
 
     def _read_metrics(self, step: int) -> dict:
         record = open_checkpoint(self._step_location(step)).metadata.get(MANAGER_KEY, {})
         metrics = record.get("metrics", {}) if isinstance(record, dict) else {}
         return {k: float_from_json(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
-
-    def _step_store(self, step: int) -> Any:
-        return Location(self.location.child(str(step)), None).open_kvstore()
 
     # -- saving ------------------------------------------------------------------------
 
@@ -250,10 +209,10 @@ class CheckpointManager:
         # Queued behind the save on the same single background thread, and
         # tracked like a save: the next save waits for it, its error is raised
         # by wait(), by the next save, or printed at exit.
-        self._pending = track(handle.path, _background().submit(self._after_save, handle, step, metrics))
+        self._pending = SAVES.submit(handle.path, self._after_save, handle, step, metrics)
         return True
 
-    def _after_save(self, handle, step: int, metrics: dict) -> None:
+    def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, float]) -> None:
         handle.wait()
         self._committed(step, metrics)
 
@@ -309,27 +268,7 @@ class CheckpointManager:
 
     def _delete(self, step: int) -> bool:
         """Uncommit, then remove, a step; False if it is being read (try again later)."""
-        local = self.location.local
-        if local is not None:
-            return delete_local(local / str(step))
-        store = self._step_store(step)
-        committed = store.read(MANIFEST_NAME).result()
-        if committed.state != "value":
-            return True
-        try:
-            paths = [r.path for r in parse_manifest(bytes(committed.value), str(step)).leaves if r.is_stored]
-        except ManifestError:
-            return True  # damaged: eqxckpt cannot tell which keys are its, so it leaves them
-        current, _ = read_lease(store)
-        if current.state == "value":
-            return False  # another process is deleting it or saving there: try later
-        try:
-            lease = Lease(store, "delete", paths, current.stamp.generation)  # only if still absent
-        except CheckpointBusyError:
-            return False
-        uncommit(store, paths)
-        lease.release()
-        return True
+        return self._step_location(step).delete()
 
     def wait(self) -> None:
         """Block until the save in flight (and its retention) is done; raise its error."""
@@ -415,8 +354,15 @@ class CheckpointManager:
                 self._delete_doomed()
 
     def path(self, step: int) -> Any:
-        """Where ``step`` is stored (a path, or a kvstore spec for object stores)."""
-        return self._step_location(step)
+        """Where ``step`` is stored (a path, or a kvstore spec for object stores).
+
+        **Arguments:**
+
+        - `step`: a step number.
+
+        **Returns:** what `eqxckpt.open`, `load` and `save` accept for it.
+        """
+        return self._step_location(step).argument()
 
     def __enter__(self) -> "CheckpointManager":
         return self

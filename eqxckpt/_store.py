@@ -1,24 +1,21 @@
-"""Where a checkpoint lives and how its arrays are laid out in TensorStore.
+"""How a checkpoint's arrays are laid out in TensorStore, and the filesystem calls saves need.
 
-The one place that builds kvstore and zarr3 specs, picks chunk shapes and
+The one place that builds zarr3 specs, picks chunk shapes and
 knows which dtypes are stored natively.
 """
 
 import ctypes
-import dataclasses
 import errno
 import os
 import pathlib
 import re
 import stat
 import uuid
-from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
 from ._errors import CheckpointError
-from ._paths import validate_path
 
 # Chunks are bounded so a partial or resharded read touches little more than
 # it needs, and big enough that per-file overhead stays small.
@@ -30,101 +27,6 @@ STORED_DTYPES = frozenset(
     "float16 bfloat16 float32 float64 complex64 complex128 float8_e4m3fn "
     "float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 float8_e5m2fnuz".split()
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Location:
-    """A checkpoint's root: a TensorStore kvstore spec, plus the local path if any.
-
-    Local checkpoints are committed by an atomic directory rename; other stores
-    have no rename, so there the manifest written last is the commit marker.
-    """
-
-    kvstore: dict
-    local: pathlib.Path | None
-
-    def child(self, relpath: str) -> dict:
-        """kvstore spec of a (validated) location inside the checkpoint."""
-        relpath = validate_path(relpath)
-        spec = dict(self.kvstore)
-        spec["path"] = spec.get("path", "") + relpath + "/"
-        return spec
-
-    def open_kvstore(self) -> ts.KvStore:
-        """The checkpoint's root as an open TensorStore key-value store."""
-        return ts.KvStore.open(self.kvstore, context=shared_context()).result()
-
-    def with_local(self, local: pathlib.Path) -> "Location":
-        return Location({"driver": "file", "path": str(local) + "/"}, local)
-
-    def __str__(self) -> str:
-        if self.local is not None:
-            return str(self.local)
-        spec = self.kvstore
-        where = spec.get("bucket", "")
-        return f"{spec['driver']}://{where}/{spec.get('path', '')}".replace(":///", "://")
-
-
-def resolve(path: Any) -> Location:
-    """Turn a user's ``path`` argument into a `Location`.
-
-    Accepts a local path, a ``file://``, ``memory://``, ``s3://`` or ``gs://``
-    URL, or a TensorStore kvstore spec dict (for custom endpoints).
-    """
-    if isinstance(path, dict):
-        spec = dict(path)
-        if "driver" not in spec:
-            raise CheckpointError(f"A kvstore spec needs a 'driver' member, got {path!r}.")
-        spec["path"] = _as_dir(spec.get("path", ""))
-        if spec["driver"] == "file":
-            return Location(spec, pathlib.Path(spec["path"]).absolute())
-        return Location(spec, None)
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str) or not path:
-        raise TypeError(f"path must be a str, os.PathLike or kvstore spec dict, got {path!r}.")
-    scheme, sep, rest = path.partition("://")
-    if not sep:
-        local = pathlib.Path(path).expanduser().absolute()
-        return Location({"driver": "file", "path": str(local) + "/"}, local)
-    if scheme == "file":
-        local = pathlib.Path(rest).absolute()
-        return Location({"driver": "file", "path": str(local) + "/"}, local)
-    if scheme == "memory":
-        return Location({"driver": "memory", "path": _as_dir(rest)}, None)
-    if scheme in ("s3", "gs"):
-        bucket, _, prefix = rest.partition("/")
-        spec = {"driver": "s3" if scheme == "s3" else "gcs", "bucket": bucket, "path": _as_dir(prefix)}
-        if scheme == "s3":
-            spec.update(_s3_environment())
-        return Location(spec, None)
-    raise CheckpointError(
-        f"Unsupported URL scheme {scheme!r} in {path!r}: use a local path, file://, memory://, s3:// or gs://, or a kvstore spec dict."
-    )
-
-
-def _s3_environment() -> dict:
-    """The S3 settings AWS tools take from the environment, for ``s3://`` URLs.
-
-    ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` point at an S3-compatible
-    server; with ``AWS_ACCESS_KEY_ID`` set, credentials come from the
-    environment only (never from a cloud metadata service).
-    """
-    spec: dict = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        spec["endpoint"] = endpoint
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        spec["aws_region"] = region
-    if os.environ.get("AWS_ACCESS_KEY_ID"):
-        spec["aws_credentials"] = {"type": "environment"}
-    return spec
-
-
-def _as_dir(prefix: str) -> str:
-    prefix = prefix.strip("/") if not prefix.startswith("/") else prefix.rstrip("/")
-    return prefix + "/" if prefix else ""
 
 
 _CONTEXT: ts.Context | None = None

@@ -14,12 +14,8 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from ._errors import CheckpointError
+from ._errors import TransformError
 from ._paths import key_entry_record
-
-
-class TransformError(CheckpointError, ValueError):
-    """A transformation rule is malformed or cannot be applied."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,20 +43,29 @@ class Transform:
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
+class Rule:
     """Where one new leaf's value comes from: ``original`` (at ``key``), ``new``, or ``multi``."""
 
     kind: str
-    key: str | None = None
+    key: str = ""
     transform: Transform | None = None
 
+    @property
+    def value_fn(self) -> Callable[[Any], Any] | None:
+        return None if self.transform is None else self.transform.value_fn
 
-def readable_path(keypath_records) -> str:
+    @property
+    def multi_value_fn(self) -> Callable[[str, Any], Any] | None:
+        return None if self.transform is None else self.transform.multi_value_fn
+
+
+def readable_path(keypath_records: Any) -> str:
     """Keys joined by ``/`` as the user wrote them (unescaped), for matching rules."""
     return "/".join(str(record[1]) for record in keypath_records)
 
 
-def keypath_string(keypath: tuple) -> str:
+def keypath_string(keypath: tuple[Any, ...]) -> str:
+    """A key path as `Transform` rules match it (keys joined by ``/``, unescaped)."""
     return readable_path([key_entry_record(entry) for entry in keypath])
 
 
@@ -93,9 +98,9 @@ def flatten_transformations(transformations: Any) -> list[tuple[str, re.Pattern,
     return compiled
 
 
-def plan(
+def plan_rules(
     new_paths: list[str], original_paths: set[str], transformations: Any, default_to_original: bool
-) -> list[Source]:
+) -> list[Rule]:
     """Decide, for each new path, where its value comes from (no values touched)."""
     rules = flatten_transformations(transformations)
     sources = []
@@ -105,9 +110,9 @@ def plan(
             if match is None:
                 continue
             if transform.multi_value_fn is not None:
-                sources.append(Source("multi", path, transform))
+                sources.append(Rule("multi", path, transform))
             elif transform.use_fallback:
-                sources.append(Source("new") if default_to_original else Source("original", path, transform))
+                sources.append(Rule("new") if default_to_original else Rule("original", path, transform))
             else:
                 original = path
                 if transform.original_key is not None:
@@ -118,15 +123,15 @@ def plan(
                             f"Transformation {key!r} -> original_key {transform.original_key!r} cannot be "
                             f"applied to {path!r}: {e}. Check the backreferences against the regex's groups."
                         ) from None
-                sources.append(Source("original", original, transform))
+                sources.append(Rule("original", original, transform))
             break
         else:
             in_both = path in original_paths
-            sources.append(Source("original", path) if in_both and default_to_original else Source("new"))
+            sources.append(Rule("original", path) if in_both and default_to_original else Rule("new"))
     return sources
 
 
-def missing_originals(new_paths: list[str], sources: list[Source], original_paths: set[str]) -> list[tuple[str, str]]:
+def missing_originals(new_paths: list[str], sources: list[Rule], original_paths: set[str]) -> list[tuple[str, str]]:
     """(new path, original key) for rules that point at nothing."""
     return [(p, s.key) for p, s in zip(new_paths, sources) if s.kind == "original" and s.key not in original_paths]
 
@@ -150,7 +155,7 @@ def apply_transformations(
     original = {keypath_string(kp): leaf for kp, leaf in jtu.tree_flatten_with_path(original_tree)[0]}
     with_path, treedef = jtu.tree_flatten_with_path(new_tree)
     new_paths = [keypath_string(kp) for kp, _ in with_path]
-    sources = plan(new_paths, set(original), transformations, default_to_original)
+    sources = plan_rules(new_paths, set(original), transformations, default_to_original)
     missing = missing_originals(new_paths, sources, set(original))
     if missing:
         raise TransformError(
@@ -158,13 +163,12 @@ def apply_transformations(
             + ", ".join(f"{p!r} <- {k!r}" for p, k in missing)
         )
     values = []
-    for (_, new_value), source in zip(with_path, sources):
-        if source.kind == "new":
+    for (_, new_value), rule in zip(with_path, sources):
+        if rule.kind == "new":
             values.append(new_value)
-        elif source.kind == "multi":
-            values.append(source.transform.multi_value_fn(source.key, original_tree))
+        elif rule.multi_value_fn is not None:
+            values.append(rule.multi_value_fn(rule.key, original_tree))
         else:
-            value = original[source.key]
-            fn = source.transform.value_fn if source.transform else None
-            values.append(fn(value) if fn is not None else value)
+            value = original[rule.key]
+            values.append(rule.value_fn(value) if rule.value_fn is not None else value)
     return jtu.tree_unflatten(treedef, values)

@@ -1,10 +1,15 @@
 """`CheckpointTranslator`: regex rules from a foreign checkpoint's flat names to ours."""
 
+import dataclasses
 import re
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, overload
 
-from ._transform import TransformError
+import numpy as np
+
+from ._errors import TransformError
+from ._leaf import Leaf, StoredLeaf, leaf_of
+from ._source import Source
 
 RuleFn = Callable[..., tuple[str | None, Any]]
 
@@ -45,8 +50,26 @@ class CheckpointTranslator:
 
         return register
 
-    def apply(self, flat: Mapping[str, Any], **opts: Any) -> dict[str, Any]:
-        """Translate every entry; ``opts`` reach each rule as its first argument (a dict)."""
+    @overload
+    def apply(self, flat: Source, **opts: Any) -> "TranslatedSource": ...
+    @overload
+    def apply(self, flat: Mapping[str, Any], **opts: Any) -> dict[str, Any]: ...
+    def apply(self, flat: Mapping[str, Any] | Source, **opts: Any) -> "dict[str, Any] | TranslatedSource":
+        """Translate every entry; ``opts`` reach each rule as its first argument (a dict).
+
+        **Arguments:**
+
+        - `flat`: ``{name: value}``, or a source (an `eqxckpt.open` checkpoint,
+          a foreign checkpoint): then each rule sees a leaf's lazy value, and
+          the result is a source with the new names, which `eqxckpt.load`
+          restores as it restores a checkpoint (reading only what it needs).
+        - `opts`: options passed to every rule.
+
+        **Returns:** the translated dict, or the translated source.
+        """
+        if isinstance(flat, Source):
+            values = {path: flat[path] for path in flat.paths}
+            return TranslatedSource(flat, values, self.apply(values, **opts))
         out: dict[str, Any] = {}
         origin: dict[str, str] = {}
         unmatched = []
@@ -75,3 +98,47 @@ class CheckpointTranslator:
                 f"{len(unmatched)} keys match no translation rule:\n  {listed}\nAdd a rule for them (return a None key to drop one)."
             )
         return out
+
+
+class TranslatedSource(Source):
+    """A source under translated names: a leaf whose value a rule passed on unchanged
+    is read from the original source; a value a rule computed is held in memory."""
+
+    def __init__(self, original: Source, values: dict[str, Any], translated: dict[str, Any]):
+        self.original = original
+        self.location = original.location
+        self.metadata = original.metadata
+        by_value = {id(value): original.leaf(path) for path, value in values.items() if original.leaf(path).stored}
+        self._origin: dict[str, Leaf] = {}
+        self._computed: dict[str, Any] = {}
+        self._leaves = {}
+        for path, value in translated.items():
+            keys = tuple(("dict", part) for part in path.split("/"))
+            origin = by_value.get(id(value))
+            if origin is not None:
+                self._leaves[path] = dataclasses.replace(origin, path=path, keys=keys)
+                self._origin[path] = origin
+            else:
+                leaf, data = leaf_of(path, keys, np.asarray(value) if hasattr(value, "__array__") else value)
+                self._leaves[path] = leaf
+                self._computed[path] = data
+
+    def origin(self, path: str) -> str:
+        """The name in the original source of the leaf now at ``path`` (``path`` for computed ones)."""
+        return self._origin[path].path if path in self._origin else path
+
+    def consistent(self) -> Any:
+        return self.original.consistent()
+
+    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+        values: list[Any] = [None] * len(wanted)
+        passed = [
+            (i, self._origin[leaf.path], target) for i, (leaf, target) in enumerate(wanted) if leaf.path in self._origin
+        ]
+        stored = [(leaf, target) for _, leaf, target in passed]
+        for (i, _, _), value in zip(passed, self.original.read(stored)):  # type: ignore[arg-type]
+            values[i] = value
+        for i, (leaf, target) in enumerate(wanted):
+            if leaf.path not in self._origin:
+                values[i] = leaf.finish(np.array(self._computed[leaf.path]), target)
+        return values

@@ -38,7 +38,7 @@ def flatten(tree: Any, empty_in_sequences: bool = False) -> tuple[list[tuple[str
 
 
 def is_prng_key_dtype(dtype: Any) -> bool:
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def is_array_like(x: Any) -> bool:
@@ -90,3 +90,38 @@ def is_code(x: Any) -> bool:
 def is_empty_subtree(x: Any) -> bool:
     """None, or a container with no leaves at all (``()``, ``{}``, optax's ``EmptyState()``)."""
     return x is None or (not jtu.all_leaves([x]) and not jtu.tree_leaves(x))
+
+
+class _Node(dict):
+    """A container being rebuilt from key records; ``kind`` says dict or list."""
+
+    kind = "dict"
+
+
+def build_plain_tree(pairs: list[tuple[tuple[tuple[Any, ...], ...], Any]], depth: int) -> Any:
+    """Nested dicts and lists from ``(key records, value)`` pairs, below the first
+    ``depth`` keys (what `load` gives for ``like=None``)."""
+    if len(pairs) == 1 and len(pairs[0][0]) == depth:
+        return pairs[0][1]
+    root = _Node()
+    for keys, value in pairs:
+        node = root
+        keys = keys[depth:]
+        for i, (kind, key, *_) in enumerate(keys):
+            node.kind = "list" if kind in ("seq", "index") else "dict"
+            if i == len(keys) - 1:
+                node[key] = value
+            else:
+                node = node.setdefault(key, _Node())
+    return _freeze(root)
+
+
+def _freeze(node: Any) -> Any:
+    if not isinstance(node, _Node):
+        return node
+    if node.kind == "list":
+        out = [None] * (max(node) + 1 if node else 0)
+        for index, child in node.items():
+            out[index] = _freeze(child)
+        return out
+    return {key: _freeze(child) for key, child in node.items()}

@@ -1,15 +1,13 @@
 """`verify`: read every byte of a checkpoint and check it against its manifest."""
 
 import dataclasses
-import os
 from typing import Any
 
-from ._checkpoint import Checkpoint, key_dtype, reading
-from ._checkpoint import open as open_checkpoint
+from ._checkpoint import Checkpoint, open as open_checkpoint, reading
 from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
-from ._manifest import LeafRecord
+from ._leaf import KeyLeaf, StoredLeaf, key_dtype
 from ._paths import MANIFEST_NAME
-from ._store import resolve
+from ._storage import resolve
 
 # Large leaves are read in slabs of whole chunks, so verifying needs little memory.
 SLAB_BYTES = 256 * 1024 * 1024
@@ -59,7 +57,7 @@ def verify(path: Any) -> VerifyReport:
     try:
         with checkpoint.consistent():
             for record in checkpoint.records().values():
-                if not record.is_stored:
+                if not isinstance(record, StoredLeaf):
                     continue
                 try:
                     _check_leaf(checkpoint, record)
@@ -68,51 +66,32 @@ def verify(path: Any) -> VerifyReport:
                     continue
                 report.arrays_checked += 1
                 report.bytes_checked += record.nbytes
-            if location.local is not None:
-                report.problems.extend(_unlisted(checkpoint))
+            report.problems.extend(location.unlisted(set(checkpoint.manifest.stored_paths())))
     except CheckpointChangedError as e:
         # What was checked may belong to another checkpoint: say so, and nothing else.
         report.problems[:] = [(MANIFEST_NAME, str(e))]
     return report
 
 
-def _check_leaf(checkpoint: Checkpoint, record: LeafRecord) -> None:
-    if record.kind == "prng_key":
+def _check_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> None:
+    if isinstance(record, KeyLeaf):
         key_dtype(record.impl)  # an implementation this JAX knows
     with reading(record):
-        store = checkpoint.checked(record, checkpoint.open_array(record))
+        store = checkpoint._store(record)
         codecs = [c.get("name") for c in store.spec().to_json()["metadata"].get("codecs", [])]
         if "crc32c" not in codecs:
             raise CorruptCheckpointError(
                 f"Leaf {record.path!r} has no crc32c checksum in its zarr.json (codecs {codecs}); eqxckpt "
-                "always writes one, so the array metadata was replaced. Do not trust this leaf."
+                "always writes one, so the array metadata was replaced. Do not trust this leaf.",
+                path=record.path,
             )
         shape = store.shape
         if record.nbytes <= SLAB_BYTES or not shape:
             store.read().result()
             return
-        rows = store.chunk_layout.read_chunk.shape[0]
+        chunk = store.chunk_layout.read_chunk.shape
+        rows = chunk[0] if chunk is not None and chunk[0] is not None else shape[0]
         row_bytes = record.nbytes // max(1, shape[0])
         step = max(1, SLAB_BYTES // max(1, row_bytes * rows)) * rows
         for start in range(0, shape[0], step):
             store[start : min(start + step, shape[0])].read().result()
-
-
-def _unlisted(checkpoint: Checkpoint) -> list[tuple[str, str]]:
-    """Arrays or files in a local checkpoint directory that its manifest does not name."""
-    root = checkpoint.location.local
-    stored = {r.path for r in checkpoint.records().values() if r.is_stored}
-    problems = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
-        if rel in stored:
-            dirnames.clear()  # the leaf's own files were checked with it
-            continue
-        for name in filenames:
-            where = name if rel == "." else f"{rel}/{name}"
-            if where != MANIFEST_NAME:
-                problems.append((where, "not named in the manifest (left over, or added after the save)"))
-        for name in [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            problems.append((name if rel == "." else f"{rel}/{name}", "a symlink inside the checkpoint"))
-            dirnames.remove(name)
-    return problems

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import optax
 
 import eqxckpt
-from eqxckpt._cli import human_bytes
-from eqxckpt._cli import main as cli
+from eqxckpt._cli import human_bytes, main as cli
 
 
 def make_model(key=None):

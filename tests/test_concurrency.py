@@ -209,11 +209,11 @@ def test_odd_entries_never_stop_a_run_from_opening(tmp_path):
 def test_a_step_deleted_during_a_load_is_a_clear_error(tmp_path, monkeypatch):
     """Item 6: a leaf check that finds the step gone raises CheckpointChangedError
     (the load is pinned to the directory it opened), never FileNotFoundError."""
-    import eqxckpt._checkpoint as checkpoint_module
+    from eqxckpt._storage import LocalStorage
 
     run = tmp_path / "run"
     eqxckpt.save(run / "1", state(1))
-    real = checkpoint_module.stored_bytes
+    real = LocalStorage.stored_bytes
     calls = []
 
     def delete_midway(root, record):
@@ -222,7 +222,7 @@ def test_a_step_deleted_during_a_load_is_a_clear_error(tmp_path, monkeypatch):
             os.rename(run / "1", run / ".gone")
         return real(root, record)
 
-    monkeypatch.setattr(checkpoint_module, "stored_bytes", delete_midway)
+    monkeypatch.setattr(LocalStorage, "stored_bytes", delete_midway)
     monkeypatch.setattr(eqxckpt._load, "READ_ATTEMPTS", 1)
     with pytest.raises(eqxckpt.CheckpointChangedError, match="replaced or deleted by another process"):
         eqxckpt.load(run / "1", state(0))

@@ -8,8 +8,7 @@ import stat
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt._cli import main as cli

@@ -11,7 +11,7 @@ from conftest import BUCKET, assert_trees_equal, kill_when
 
 import eqxckpt
 from eqxckpt._lease import Lease, read_lease
-from eqxckpt._store import Location
+from eqxckpt._storage import ObjectStorage
 
 TESTS = os.path.dirname(__file__)
 
@@ -199,7 +199,7 @@ def test_manager_on_s3(s3, monkeypatch):
     # An abandoned save (its lease's heartbeat older than its timeout) is reclaimed
     # on open: exactly the keys its lease lists, then the lease.
     monkeypatch.setenv("EQXCKPT_LEASE_TIMEOUT_S", "0.01")
-    store = Location(again.location.child("8"), None).open_kvstore()
+    store = ObjectStorage(again.location.child("8")).open_kvstore()
     Lease(store, "save", ["w"], read_lease(store)[0].stamp.generation)  # never renewed nor released
     client.put_object(Bucket=BUCKET, Key="managed/8/w/zarr.json", Body=b"{}")
     client.put_object(Bucket=BUCKET, Key="managed/8/w/c/0/0", Body=b"half")
@@ -216,15 +216,15 @@ def test_loads_never_fail_while_saves_and_deletions_run(tmp_path, monkeypatch):
     saves new steps in the background and deletes old ones."""
     import threading
 
-    import eqxckpt._load as load_module
+    from eqxckpt._checkpoint import Checkpoint
 
-    real_read = load_module._read
+    real_read = Checkpoint.read
 
     def slow_read(*args):  # hold each load open long enough for several saves to commit
         time.sleep(0.02)
         return real_read(*args)
 
-    monkeypatch.setattr(load_module, "_read", slow_read)
+    monkeypatch.setattr(Checkpoint, "read", slow_read)
     big = lambda step: {"w": np.full((256, 1024), float(step), np.float32), "step": step}  # noqa: E731
     manager = eqxckpt.CheckpointManager(tmp_path, max_to_keep=1)
     manager.save(0, big(0))

@@ -1,11 +1,11 @@
 import json
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from eqxckpt._errors import ManifestError
-from eqxckpt._manifest import LeafRecord, Manifest, parse_manifest, scalar_from_json, scalar_to_json
+from eqxckpt._leaf import ArrayLeaf, ScalarLeaf, scalar_from_json, scalar_to_json
+from eqxckpt._manifest import Manifest, parse_manifest
 
 GOOD = {
     "path": "model/w",
@@ -24,8 +24,8 @@ def doc(*leaves, **extra):
 
 def test_round_trip():
     records = (
-        LeafRecord("a/0", (("dict", "a"), ("seq", 0)), "array", (2,), "bfloat16", array_type="numpy"),
-        LeafRecord("s", (("dict", "s"),), "scalar", value="nan", type_name="float"),
+        ArrayLeaf("a/0", (("dict", "a"), ("seq", 0)), (2,), "bfloat16", array_type="numpy"),
+        ScalarLeaf("s", (("dict", "s"),), type_name="float", json_value="nan"),
     )
     parsed = parse_manifest(Manifest(records, {"step": 3}).to_bytes())
     assert parsed.leaves == records and parsed.metadata == {"step": 3}

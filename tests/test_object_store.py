@@ -14,7 +14,7 @@ import pytest
 from conftest import BUCKET, assert_trees_equal, kill_when
 
 import eqxckpt
-import eqxckpt._store
+import eqxckpt._storage
 from eqxckpt._cli import main as cli
 from eqxckpt._lease import Lease, read_lease
 
@@ -132,7 +132,7 @@ def test_a_live_lease_makes_other_saves_wait_their_turn(s3):
     endpoint, client = s3
     where = spec(endpoint, "runs/busy/")
     eqxckpt.save(where, {"x": np.zeros(3)})
-    store = eqxckpt._store.resolve(where).open_kvstore()
+    store = eqxckpt._storage.resolve(where).open_kvstore()
     lease = Lease(store, "save", ["x"], read_lease(store)[0].stamp.generation)  # another writer, alive
     with pytest.raises(eqxckpt.CheckpointBusyError, match="Another save or deletion holds .*pid"):
         eqxckpt.save(where, {"x": np.ones(3)}, overwrite=True)

@@ -3,8 +3,7 @@ import re
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt._errors import ManifestError, PathError

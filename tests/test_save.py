@@ -15,8 +15,7 @@ import optax
 import pytest
 import tensorstore as ts
 from conftest import assert_trees_equal
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt._errors import CheckpointError, CheckpointExistsError
@@ -281,7 +280,7 @@ def test_async_save_keeps_values_of_donated_and_deleted_buffers(tmp_path):
     # Hold the background thread, so the step and the deletion below certainly
     # run while the save still needs the buffers (deterministic on a busy machine).
     gate = threading.Event()
-    eqxckpt._save._background().submit(gate.wait)
+    eqxckpt._background.SAVES.executor().submit(gate.wait)
     handle = eqxckpt.save(tmp_path / "c", {"params": params, "big": big}, blocking=False)
     new_params = step(params)  # the training step donates the saved buffers
     big.delete()

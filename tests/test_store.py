@@ -2,11 +2,11 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import eqxckpt
-from eqxckpt._store import chunk_shape, exchange, resolve
+from eqxckpt._storage import resolve
+from eqxckpt._store import chunk_shape, exchange
 
 
 def test_resolve_forms(tmp_path, monkeypatch):

@@ -170,8 +170,8 @@ def saved_state(tmp_path):
 
 def _count_reads(monkeypatch):
     read = []
-    real = eqxckpt.Checkpoint.open_array
-    monkeypatch.setattr(eqxckpt.Checkpoint, "open_array", lambda self, r: (read.append(r.path), real(self, r))[1])
+    real = eqxckpt.Checkpoint._open_array
+    monkeypatch.setattr(eqxckpt.Checkpoint, "_open_array", lambda self, r: (read.append(r.path), real(self, r))[1])
     return read
 
 

@@ -11,9 +11,7 @@ logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=attention_
 """
 
 from ._config import T5Config as T5Config
-from ._model import T5 as T5
-from ._model import relative_position_bucket as relative_position_bucket
-from ._tf import convert_tf as convert_tf
-from ._tf import load_tf as load_tf
+from ._model import T5 as T5, relative_position_bucket as relative_position_bucket
+from ._tf import convert_tf as convert_tf, load_tf as load_tf
 
 __all__ = ["T5", "T5Config", "convert_tf", "load_tf", "relative_position_bucket"]

@@ -35,6 +35,11 @@ class T5Config:
     # relative attention bias instead of sharing block 0's.
     relative_attention_per_layer: bool = False
 
+    @property
+    def decoder_layers(self) -> int:
+        """`num_decoder_layers`, resolved: it defaults to `num_layers`."""
+        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
     def __post_init__(self) -> None:
         if self.feed_forward_proj not in ("relu", "gated-gelu"):
             raise CheckpointError(f"feed_forward_proj must be 'relu' or 'gated-gelu', got {self.feed_forward_proj!r}.")

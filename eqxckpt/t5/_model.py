@@ -89,10 +89,11 @@ class Block(eqx.Module):
     feed_forward_norm: RMSNorm
     feed_forward: FeedForward
 
-    def __call__(self, x, self_bias, memory=None, cross_bias=None):
+    def __call__(self, x: Array, self_bias: Array, memory: Array | None = None, cross_bias: Array | None = None):
         h = self.self_attention_norm(x)
         x = x + self.self_attention(h, h, self_bias)
         if self.cross_attention is not None:
+            assert self.cross_attention_norm is not None and memory is not None and cross_bias is not None
             x = x + self.cross_attention(self.cross_attention_norm(x), memory, cross_bias)
         return x + self.feed_forward(self.feed_forward_norm(x))
 
@@ -112,14 +113,14 @@ class Stack(eqx.Module):
         )
         return table[:, buckets]
 
-    def __call__(self, x, self_mask, memory=None, cross_mask=None):
+    def __call__(self, x: Array, self_mask: Array, memory: Array | None = None, cross_mask: Array | None = None):
         mask = _mask_bias(self_mask, x.dtype)
         shared = (
             None
             if self.relative_attention_bias is None
             else self.position_bias(self.relative_attention_bias, x.shape[0]) + mask
         )
-        cross_bias = None if memory is None else _mask_bias(cross_mask, x.dtype)
+        cross_bias = None if memory is None or cross_mask is None else _mask_bias(cross_mask, x.dtype)
         for block in self.blocks:
             own = block.relative_attention_bias
             self_bias = shared if own is None else self.position_bias(own, x.shape[0]) + mask
@@ -150,7 +151,7 @@ class T5(eqx.Module):
     config: T5Config = eqx.field(static=True)
 
     def __init__(self, config: T5Config, *, key: jax.Array, dtype=jnp.float32):
-        keys = iter(jax.random.split(key, 64 + 16 * (config.num_layers + config.num_decoder_layers)))
+        keys = iter(jax.random.split(key, 64 + 16 * (config.num_layers + config.decoder_layers)))
         inner = config.num_heads * config.d_kv
 
         def normal(shape, scale=1.0):
@@ -191,7 +192,7 @@ class T5(eqx.Module):
         self.config = config
         self.shared = normal((config.vocab_size, config.d_model))
         self.encoder = stack(config.num_layers, causal=False)
-        self.decoder = stack(config.num_decoder_layers, causal=True)
+        self.decoder = stack(config.decoder_layers, causal=True)
         self.logits_kernel = (
             None if config.tie_word_embeddings else normal((config.d_model, config.vocab_size), config.d_model**-0.5)
         )

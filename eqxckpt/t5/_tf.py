@@ -7,7 +7,7 @@ what is being built.
 
 import os
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -16,8 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import CheckpointError, CheckpointNotFoundError, StructureMismatchError
+from .._leaf import ArrayLeaf, StoredLeaf
+from .._load import load
 from .._save import save
-from .._translate import CheckpointTranslator
+from .._source import Source
+from .._translate import CheckpointTranslator, TranslatedSource
 from .._tree import flatten
 from ._config import T5Config
 from ._model import T5
@@ -25,18 +28,40 @@ from ._model import T5
 SLOT_NAMES = {"v": "v", "vr": "v_row", "vc": "v_col"}
 
 
-class TFVariable:
-    """One variable of a TensorFlow checkpoint: shape and dtype now, data on ``get()``."""
+class TFCheckpoint(Source):
+    """A TensorFlow checkpoint as a read-only source: each variable a leaf at its
+    name (``encoder/block_000/layer_000/SelfAttention/q``), read when it is needed.
 
-    def __init__(self, reader: Any, name: str, shape: tuple[int, ...], dtype: np.dtype):
-        self.reader, self.name, self.shape, self.dtype = reader, name, tuple(shape), dtype
+    ``on_read(name)`` is called as each variable is read (for progress bars).
+    """
 
-    def get(self) -> np.ndarray:
-        return np.asarray(self.reader.get_tensor(self.name))
+    def __init__(self, path: Any, reader: Any):
+        self.location = str(path)
+        self.metadata: dict[str, Any] = {}
+        self._reader = reader
+        self.on_read: Callable[[str], None] = lambda name: None
+        shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+        self._leaves = {
+            name: ArrayLeaf(
+                name,
+                tuple(("dict", part) for part in name.split("/")),
+                tuple(shapes[name]),
+                np.dtype(dtypes[name].as_numpy_dtype).name,
+                "numpy",
+            )
+            for name in sorted(shapes)
+        }
+
+    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+        values = []
+        for leaf, target in wanted:
+            self.on_read(leaf.path)
+            values.append(leaf.finish(np.asarray(self._reader.get_tensor(leaf.path)), target))
+        return values
 
 
-def open_tf(path: Any) -> dict[str, TFVariable]:
-    """Every variable of a TF checkpoint (a directory with a ``checkpoint`` file, or a prefix)."""
+def open_tf(path: Any) -> TFCheckpoint:
+    """A TF checkpoint (a directory with a ``checkpoint`` file, or a prefix) as a `TFCheckpoint`."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
     try:
         import tensorflow as tf
@@ -49,8 +74,7 @@ def open_tf(path: Any) -> dict[str, TFVariable]:
         reader = tf.train.load_checkpoint(str(path))
     except (ValueError, tf.errors.OpError) as e:
         raise CheckpointNotFoundError(f"No TensorFlow checkpoint at {path}: {str(e).splitlines()[0]}") from None
-    shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
-    return {name: TFVariable(reader, name, shapes[name], dtypes[name].as_numpy_dtype) for name in sorted(shapes)}
+    return TFCheckpoint(path, reader)
 
 
 # --- names: Mesh TensorFlow -> the T5 module's paths -----------------------------------
@@ -128,15 +152,16 @@ def _(opts, key, value, name):
     return f"params/{path}", value
 
 
-def translate(variables: dict[str, TFVariable], config: T5Config | None = None) -> dict[str, TFVariable]:
-    """``{'params/encoder/blocks/0/...': variable, 'adafactor/v_row/...': ..., 'step': ...}``."""
+def translate(variables: TFCheckpoint, config: T5Config | None = None) -> TranslatedSource:
+    """The variables under the T5 module's paths: ``params/encoder/blocks/0/...``,
+    ``adafactor/v_row/...`` (the optimizer's slots) and ``step``."""
     return TRANSLATOR.apply(variables, per_layer=bool(config and config.relative_attention_per_layer))
 
 
 # --- config ---------------------------------------------------------------------------
 
 
-def infer_config(variables: dict[str, TFVariable], path: Any, config: T5Config | dict | str | None) -> T5Config:
+def infer_config(variables: TFCheckpoint, path: Any, config: T5Config | dict | str | None) -> T5Config:
     """The given config; else ``operative_config.gin`` beside the checkpoint; else
     what the variables' shapes determine."""
     if isinstance(config, T5Config):
@@ -145,7 +170,7 @@ def infer_config(variables: dict[str, TFVariable], path: Any, config: T5Config |
         return T5Config.from_dict(config)
     if isinstance(config, (str, os.PathLike)):
         return T5Config.from_gin(config) if str(config).endswith(".gin") else T5Config.from_json(config)
-    shapes = {name: v.shape for name, v in variables.items()}
+    shapes = {path: leaf.shape for path, leaf in variables.records().items() if isinstance(leaf, ArrayLeaf)}
     found = _from_shapes(shapes)
     root = pathlib.Path(path)
     gin = (root if root.is_dir() else root.parent) / "operative_config.gin"
@@ -197,62 +222,64 @@ def _skeleton(config: T5Config) -> Any:
     return eqx.filter_eval_shape(T5, config, key=jax.random.key(0))
 
 
-def _check_fits(translated: dict[str, TFVariable], config: T5Config) -> tuple[Any, list, list]:
-    """Every model leaf has exactly one variable of the right shape, and every variable a place."""
+def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any) -> T5:
+    """Check the variables fit ``config`` (one error naming every misfit), then read each
+    weight once into the model: floating weights in ``dtype`` (None: as stored)."""
     flat, treedef = flatten(_skeleton(config))
-    expected = {path: leaf for path, _, leaf in flat if isinstance(leaf, jax.ShapeDtypeStruct)}
-    params = {k[len("params/") :]: v for k, v in translated.items() if k.startswith("params/")}
-    missing = [p for p in expected if p not in params]
-    unplaced = [v.name for p, v in params.items() if p not in expected]
-    wrong = [
-        f"{v.name}: shape {list(v.shape)}, but {config} needs {list(expected[p].shape)} at {p!r}"
-        for p, v in params.items()
-        if p in expected and tuple(expected[p].shape) != v.shape
-    ]
+    stored = translated.records("params")
+
+    def wanted(path: str, leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct) or path not in stored:
+            return leaf
+        found = np.dtype(translated.leaf(f"params/{path}").dtype)  # type: ignore[attr-defined]
+        floating = np.issubdtype(found, np.floating) or found.name == "bfloat16"
+        return jax.ShapeDtypeStruct(leaf.shape, dtype if dtype is not None and floating else found)
+
+    like = jax.tree_util.tree_unflatten(treedef, [wanted(path, leaf) for path, _, leaf in flat])
+    try:
+        model = load(translated, like, at="params", cast=True)
+    except StructureMismatchError as e:
+        raise _misfit(e, translated, like, config) from None
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, model)
+
+
+def _misfit(error: StructureMismatchError, translated: TranslatedSource, like: Any, config: T5Config) -> Exception:
+    """The pipeline's differences, said in terms of the TensorFlow variables and the T5 config."""
+    expected = {path: leaf for path, _, leaf in flatten(like)[0]}
+    name = lambda path: translated.origin(f"params/{path}")  # noqa: E731
     problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint ({len(missing)}): " + ", ".join(missing))
-    if unplaced:
-        problems.append(f"variables with no place in a T5 of this config ({len(unplaced)}): " + ", ".join(unplaced))
-    if wrong:
-        problems.append("variables whose shape does not fit the config:\n    " + "\n    ".join(wrong))
-    if problems:
-        raise StructureMismatchError(
-            "The TensorFlow checkpoint does not match the T5 config:\n  " + "\n  ".join(problems)
+    if error.missing:
+        problems.append(
+            f"missing from the checkpoint ({len(error.missing)}): " + ", ".join(p for p, _ in error.missing)
         )
-    return treedef, flat, params
+    if error.unexpected:
+        problems.append(
+            f"variables with no place in a T5 of this config ({len(error.unexpected)}): "
+            + ", ".join(name(p) for p, _ in error.unexpected)
+        )
+    if error.mismatched:
+        wrong = [
+            f"{name(p)}: shape {list(translated.leaf(f'params/{p}').shape)}, but {config} needs "  # type: ignore[attr-defined]
+            f"{list(expected[p].shape)} at {p!r}"
+            for p, _ in error.mismatched
+        ]
+        problems.append("variables whose shape does not fit the config:\n    " + "\n    ".join(wrong))
+    return StructureMismatchError(
+        "The TensorFlow checkpoint does not match the T5 config:\n  " + "\n  ".join(problems),
+        missing=error.missing,
+        unexpected=error.unexpected,
+        mismatched=error.mismatched,
+    )
 
 
-def _cast(value: np.ndarray, dtype: Any) -> np.ndarray:
-    """Floating weights (bfloat16 included) to ``dtype``; integers as they are."""
-    value = np.asarray(value)
-    floating = np.issubdtype(value.dtype, np.floating) or value.dtype.name == "bfloat16"
-    return value.astype(dtype) if dtype is not None and floating else value
-
-
-def _read_model(translated: dict[str, TFVariable], config: T5Config, dtype: Any, report: Callable[[str], None]) -> T5:
-    """Check the variables fit ``config``, then read each weight once into the model."""
-    treedef, flat, params = _check_fits(translated, config)
-    leaves = []
-    for leaf_path, _, leaf in flat:
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            variable = params[leaf_path]
-            report(variable.name)
-            leaf = jnp.asarray(_cast(variable.get(), dtype))
-        leaves.append(leaf)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _open(path: Any, config: Any, progress: Callable[[str, int], None] | None):
-    """The translated variables, the config, and a per-variable progress reporter."""
+def _open(path: Any, config: Any, progress: Callable[[str, int], None] | None) -> tuple[TranslatedSource, T5Config]:
+    """The translated variables and the config; ``progress(name, total)`` as each variable is read."""
     variables = open_tf(path)
     config = infer_config(variables, path, config)
-    total = len(variables)
-    return (
-        translate(variables, config),
-        config,
-        (lambda name: progress(name, total)) if progress else (lambda name: None),
-    )
+    if progress is not None:
+        total = len(variables)
+        variables.on_read = lambda name: progress(name, total)
+    return translate(variables, config), config
 
 
 def load_tf(
@@ -275,20 +302,8 @@ def load_tf(
     logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=mask)
     ```
     """
-    translated, config, report = _open(path, config, progress)
-    return _read_model(translated, config, dtype, report)
-
-
-def _nest(flat: dict[str, Any]) -> dict:
-    """``{'a/b': x}`` -> ``{'a': {'b': x}}``."""
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        *parents, last = path.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return out
+    translated, config = _open(path, config, progress)
+    return _read_model(translated, config, dtype)
 
 
 def convert_tf(
@@ -311,17 +326,10 @@ def convert_tf(
     model = eqxckpt.load("t5_eqx", lambda: T5(config, key=jax.random.key(0)), at="params")
     ```
     """
-    translated, config, report = _open(path, config, progress)
-    model = _read_model(translated, config, dtype, report)
-    slots = {}
-    for key, variable in translated.items():
-        if key.startswith("adafactor/"):
-            report(variable.name)
-            slots[key[len("adafactor/") :]] = variable.get()
-    step = 0
-    if "step" in translated:
-        report(translated["step"].name)
-        step = int(translated["step"].get())
-    tree = {"params": model, "step": step, "adafactor": _nest(slots)}
+    translated, config = _open(path, config, progress)
+    model = _read_model(translated, config, dtype)
+    slots = load(translated, at="adafactor") if translated.records("adafactor") else {}
+    step = int(load(translated, at="step")) if "step" in translated else 0
+    tree = {"params": model, "step": step, "adafactor": slots}
     save(out, tree, metadata={"t5_config": config.to_dict(), "source": str(path)}, overwrite=overwrite)
     return config

@@ -1,0 +1,117 @@
+"""Background saves: one thread, one save at a time, and no failure ever lost."""
+
+import atexit
+import concurrent.futures
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ._errors import CheckpointError
+
+
+class SaveHandle:
+    """A save in progress (or done). ``wait()`` blocks and re-raises its error.
+
+    ```python
+    handle = eqxckpt.save("ckpt", tree, blocking=False)
+    ...  # keep training
+    handle.wait()
+    ```
+    """
+
+    def __init__(self, path: str, future: concurrent.futures.Future):
+        self.path = path
+        self._future = future
+        self.observed = False  # whether its outcome was seen (by wait() or the next save)
+
+    def done(self) -> bool:
+        """Whether the save has finished (successfully or not).
+
+        **Returns:** True once it committed or failed.
+        """
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save is committed; re-raise its exception if it failed.
+
+        **Arguments:**
+
+        - `timeout`: seconds to wait at most (None: no limit); `TimeoutError` after.
+        """
+        self.observed = True
+        self._future.result(timeout)
+
+    def error(self) -> BaseException | None:
+        """The save's exception, once it has finished (None if it succeeded); blocks until then."""
+        return self._future.exception()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"SaveHandle({self.path!r}, {state})"
+
+
+class BackgroundSaves:
+    """Work behind saves (writes, then a manager's retention) on one thread, in order.
+
+    A handle stays tracked until it succeeds or its error is seen; a failure
+    nobody saw fails the next save before it starts, or is printed at exit.
+    """
+
+    def __init__(self) -> None:
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._in_flight: dict[str, SaveHandle] = {}  # latest background work per location
+        self._lock = threading.Lock()
+
+    def submit(self, key: str, work: Callable[..., Any], *args: Any) -> SaveHandle:
+        """Run ``work(*args)`` after everything submitted before; a handle on it for ``key``."""
+        with self._lock:
+            handle = SaveHandle(key, self.executor().submit(work, *args))
+            self._in_flight[key] = handle
+        handle._future.add_done_callback(lambda _: self._forget(key, handle))
+        return handle
+
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one background thread (started on first use)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-save")
+            # Registered now, after jax.distributed.initialize registered its own
+            # shutdown, so this runs first (atexit is last-in, first-out) and a
+            # multi-process save can still reach its barriers.
+            atexit.register(self.finish_at_exit)
+        return self._executor
+
+    def _forget(self, key: str, handle: SaveHandle) -> None:
+        with self._lock:
+            if self._in_flight.get(key) is handle and handle.error() is None:
+                del self._in_flight[key]
+
+    def settle(self) -> None:
+        """Wait for all work in flight (so at most one snapshot is held in memory), then
+        raise an error no one has seen yet, so that a failed save is never silently lost."""
+        with self._lock:
+            previous = list(self._in_flight.values())
+        for handle in previous:
+            handle.error()
+        with self._lock:
+            failed = [h for h in self._in_flight.values() if h.done() and h.error() is not None]
+            for handle in failed:
+                del self._in_flight[handle.path]
+        for handle in failed:
+            if not handle.observed:
+                handle.observed = True
+                error = handle.error()
+                raise CheckpointError(
+                    f"An earlier background save to {handle.path} failed, so this save was not started: "
+                    f"{error}. That checkpoint was not written; fix the cause and save again."
+                ) from error
+
+    def finish_at_exit(self) -> None:
+        """A background save must not vanish with the interpreter, nor its error."""
+        for handle in list(self._in_flight.values()):
+            error = handle.error()
+            if error is not None and not handle.observed:
+                print(f"eqxckpt: background save to {handle.path} failed: {error!r}", file=sys.stderr)
+
+
+SAVES = BackgroundSaves()

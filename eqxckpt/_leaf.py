@@ -1,0 +1,458 @@
+"""Leaf kinds: what one leaf of a checkpoint is, and how each kind is saved,
+written into the manifest, checked against `like`, and restored.
+
+A new kind is one class here, registered in `KINDS`.
+
+- `ArrayLeaf`: an array, stored as a zarr3 array at the leaf's path.
+- `KeyLeaf`: a typed PRNG key array, stored as its key data (trailing
+  ``key_shape`` dimensions) plus the name of its implementation.
+- `ScalarLeaf`: a Python scalar, string or None; the value is in the manifest.
+- `OpaqueLeaf`: a function or class; only its type name is kept, and `load`
+  takes the value from `like`.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from ._convert import adopt, checked_astype, narrowed
+from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
+from ._paths import validate_path
+from ._store import STORED_DTYPES, check_dtype
+from ._tree import SCALAR_TYPES, describe_like, is_array_like, is_code, is_empty_subtree, is_prng_key_dtype, type_name
+
+# One key entry: ("attr" | "dict" | "seq" | "index", key) plus "repr" for keys recorded by their repr.
+KeyRecord = tuple[Any, ...]
+ARRAY_TYPES = ("jax", "numpy", "numpy_scalar")
+SCALAR_NAMES = ("int", "float", "bool", "complex", "str", "none")
+MAX_RANK = 64
+MAX_ELEMENTS = 1 << 53
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One leaf of a checkpoint, as its manifest describes it."""
+
+    path: str
+    keys: tuple[KeyRecord, ...]
+    kind: ClassVar[str] = ""
+    stored: ClassVar[bool] = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored on disk for this leaf."""
+        return 0
+
+    def describe(self) -> str:
+        """``float32[4,3]``-style summary used in errors and listings."""
+        raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "keys": [list(k) for k in self.keys], "kind": self.kind, **self._fields()}
+
+    def _fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "Leaf":
+        raise NotImplementedError
+
+    def mismatch(self, target: Any, cast: bool) -> str | None:
+        """Why this leaf cannot restore into ``target`` (a leaf of `like`), or None if it can."""
+        raise NotImplementedError
+
+    def value(self, target: Any = None) -> Any:
+        """The restored value of a leaf with no stored array (from the manifest, or ``target``)."""
+        raise NotImplementedError
+
+    def _differs(self, target: Any) -> str:
+        return f"expected {describe_like(target)}, found {self.describe()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredLeaf(Leaf):
+    """A leaf with an array on disk, at its path."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    stored: ClassVar[bool] = True
+
+    @property
+    def data_shape(self) -> tuple[int, ...]:
+        """Shape of the stored array."""
+        return self.shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.data_shape) * np.dtype(self.dtype).itemsize
+
+    @property
+    def value_dtype(self) -> np.dtype:
+        """The dtype of the restored value."""
+        return np.dtype(self.dtype)
+
+    def narrowed(self, target: Any) -> str | None:
+        """Why JAX would silently change the restored values, or None."""
+        return None
+
+    def can_shard(self, sharding: jax.sharding.Sharding) -> bool:
+        """Whether a read may be split by ``sharding``'s slices."""
+        return True
+
+    def finish(self, data: np.ndarray, target: Any) -> Any:
+        """Stored data (read whole into host memory) as the value ``target`` asks for."""
+        raise NotImplementedError
+
+    def assemble(self, target: Any, slices: dict[tuple, np.ndarray], key: Any) -> jax.Array:
+        """A global array from this process's slices (``key(index)`` names a slice)."""
+        raise NotImplementedError
+
+    def _fields(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype, "location": self.path}
+
+    @staticmethod
+    def _stored(doc: dict[str, Any], path: str) -> tuple[tuple[int, ...], str]:
+        if doc.get("location") != path:
+            raise ManifestError(f"Leaf {path!r}: its location {doc.get('location')!r} must equal its path.")
+        dtype = doc.get("dtype")
+        if not isinstance(dtype, str) or dtype not in STORED_DTYPES:
+            raise ManifestError(f"Leaf {path!r}: unknown dtype {dtype!r}.")
+        return parse_shape(doc.get("shape"), path), dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayLeaf(StoredLeaf):
+    """An array leaf; ``array_type`` (jax, numpy, numpy_scalar) is what `load` gives back with ``like=None``."""
+
+    array_type: str = "numpy"
+    kind: ClassVar[str] = "array"
+
+    def describe(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "array_type": self.array_type}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "ArrayLeaf":
+        shape, dtype = cls._stored(doc, path)
+        if doc.get("array_type") not in ARRAY_TYPES:
+            raise ManifestError(f"Leaf {path!r}: unknown array_type {doc.get('array_type')!r}.")
+        return cls(path, keys, shape, dtype, doc["array_type"])
+
+    def mismatch(self, target: Any, cast: bool) -> str | None:
+        if not is_array_like(target) or is_prng_key_dtype(target.dtype):
+            return self._differs(target)
+        if np.dtype(target.dtype).name != self.dtype and not cast:
+            return f"{self._differs(target)} (pass cast=True to convert)"
+        if tuple(np.shape(target)) != self.shape:
+            return self._differs(target)
+        if (why := self.narrowed(target)) is not None:
+            return f"{self._differs(target)}: {why}"
+        return None
+
+    def narrowed(self, target: Any) -> str | None:
+        dtype = np.dtype(getattr(target, "dtype", None) or self.dtype)
+        into_jax = isinstance(target, jax.Array) or (
+            (target is None or isinstance(target, jax.ShapeDtypeStruct))
+            and (self.array_type == "jax" or getattr(target, "sharding", None) is not None)
+        )
+        return narrowed(dtype, into_jax)
+
+    def finish(self, data: np.ndarray, target: Any) -> Any:
+        if data.dtype != np.dtype(getattr(target, "dtype", data.dtype)):
+            data = checked_astype(data, target.dtype, self.path)
+        sharding = getattr(target, "sharding", None)
+        if isinstance(target, np.ndarray):
+            return data
+        if isinstance(target, np.generic):
+            return data[()]
+        if target is None or (isinstance(target, jax.ShapeDtypeStruct) and sharding is None):
+            # No concrete type asked for (like=None or a skeleton): give back what was saved.
+            if self.array_type == "numpy":
+                return data
+            if self.array_type == "numpy_scalar":
+                return data[()]
+        return adopt(data, sharding)
+
+    def assemble(self, target: Any, slices: dict[tuple, np.ndarray], key: Any) -> jax.Array:
+        dtype = np.dtype(target.dtype)
+        return jax.make_array_from_callback(
+            self.shape, target.sharding, lambda idx: checked_astype(slices[key(idx)], dtype, self.path)
+        )
+
+
+@functools.cache
+def key_dtype(impl: str) -> Any:
+    """The dtype of typed PRNG keys of ``impl`` (``key<fry>`` for threefry2x32)."""
+    try:
+        return jax.random.key(0, impl=impl).dtype
+    except ValueError:
+        raise ManifestError(f"The manifest names a PRNG implementation this JAX does not know: {impl!r}.") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyLeaf(StoredLeaf):
+    """A typed PRNG key array: its key data is stored, with trailing ``key_shape`` dims."""
+
+    impl: str = ""
+    key_shape: tuple[int, ...] = ()
+    kind: ClassVar[str] = "prng_key"
+
+    @property
+    def data_shape(self) -> tuple[int, ...]:
+        return self.shape + self.key_shape
+
+    @property
+    def value_dtype(self) -> np.dtype:
+        return key_dtype(self.impl)
+
+    def describe(self) -> str:
+        return f"key<{self.impl}>[{','.join(map(str, self.shape))}]"
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "impl": self.impl, "key_shape": list(self.key_shape)}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "KeyLeaf":
+        shape, dtype = cls._stored(doc, path)
+        impl = doc.get("impl")
+        if not isinstance(impl, str) or not impl.isidentifier():
+            raise ManifestError(f"Leaf {path!r}: PRNG impl {impl!r} is not a name.")
+        return cls(path, keys, shape, dtype, impl, parse_shape(doc.get("key_shape"), path))
+
+    def mismatch(self, target: Any, cast: bool) -> str | None:
+        if not is_array_like(target) or not is_prng_key_dtype(target.dtype) or key_dtype(self.impl) != target.dtype:
+            return self._differs(target)
+        if tuple(np.shape(target)) != self.shape:
+            return self._differs(target)
+        return None
+
+    def can_shard(self, sharding: jax.sharding.Sharding) -> bool:
+        # Key data has trailing dimensions; only a NamedSharding says how to lay those out.
+        return isinstance(sharding, jax.sharding.NamedSharding)
+
+    def wrap(self, data: Any) -> jax.Array:
+        """Typed PRNG keys are stored as key data; turn them back into keys."""
+        key_dtype(self.impl)  # a clear error for an unknown implementation
+        try:
+            return jax.random.wrap_key_data(data, impl=self.impl)
+        except (ValueError, TypeError) as e:
+            raise CorruptCheckpointError(
+                f"Leaf {self.path!r}: its stored key data {data.shape} does not fit PRNG implementation "
+                f"{self.impl!r} ({e}). The checkpoint is damaged or was edited.",
+                path=self.path,
+            ) from None
+
+    def finish(self, data: np.ndarray, target: Any) -> Any:
+        value = self.wrap(data)
+        sharding = getattr(target, "sharding", None)
+        return value if sharding is None else jax.device_put(value, sharding)
+
+    def assemble(self, target: Any, slices: dict[tuple, np.ndarray], key: Any) -> jax.Array:
+        ndim = len(self.shape)
+
+        def piece(index: Any) -> np.ndarray:
+            return slices[key(index[:ndim])]
+
+        data = jax.make_array_from_callback(self.data_shape, target.sharding, piece)
+        return jax.random.wrap_key_data(data, impl=self.impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalarLeaf(Leaf):
+    """A Python scalar, string or None, kept in the manifest as ``type_name`` and a JSON value."""
+
+    type_name: str = "none"
+    json_value: Any = None
+    kind: ClassVar[str] = "scalar"
+
+    def describe(self) -> str:
+        return f"{self.type_name} = {self.value()!r}"
+
+    def _fields(self) -> dict[str, Any]:
+        return {"type": self.type_name, "value": self.json_value}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "ScalarLeaf":
+        type_name = _type_name(doc, path)
+        if type_name not in SCALAR_NAMES:
+            raise ManifestError(f"Leaf {path!r}: unknown scalar type {type_name!r}.")
+        scalar_from_json(type_name, doc.get("value"))  # validates
+        return cls(path, keys, type_name, doc.get("value"))
+
+    def mismatch(self, target: Any, cast: bool) -> str | None:
+        if is_array_like(target) or not isinstance(target, SCALAR_TYPES) or self.type_name != scalar_to_json(target)[0]:
+            return self._differs(target)
+        return None
+
+    def value(self, target: Any = None) -> Any:
+        return scalar_from_json(self.type_name, self.json_value)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpaqueLeaf(Leaf):
+    """A function or class: only its type name is kept; `load` takes the value from `like`."""
+
+    type_name: str = ""
+    kind: ClassVar[str] = "opaque"
+
+    def describe(self) -> str:
+        return f"<{self.type_name}>"
+
+    def _fields(self) -> dict[str, Any]:
+        return {"type": self.type_name}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "OpaqueLeaf":
+        return cls(path, keys, _type_name(doc, path))
+
+    def mismatch(self, target: Any, cast: bool) -> str | None:
+        return self._differs(target) if is_array_like(target) or isinstance(target, SCALAR_TYPES) else None
+
+    def value(self, target: Any = None) -> Any:
+        return target
+
+
+KINDS: dict[str, type[Leaf]] = {cls.kind: cls for cls in (ArrayLeaf, KeyLeaf, ScalarLeaf, OpaqueLeaf)}
+
+
+def _type_name(doc: dict[str, Any], path: str) -> str:
+    type_name = doc.get("type")
+    if not isinstance(type_name, str) or len(type_name) > 1000:
+        raise ManifestError(f"Leaf {path!r}: 'type' must be a string.")
+    return type_name
+
+
+def parse_shape(value: Any, where: str) -> tuple[int, ...]:
+    """A shape from the manifest: at most `MAX_RANK` non-negative ints, fewer than 2**53 elements."""
+    if not isinstance(value, list) or len(value) > MAX_RANK:
+        raise ManifestError(f"Leaf {where!r}: shape must be a list of at most {MAX_RANK} ints, found {value!r}.")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_ELEMENTS for d in value):
+        raise ManifestError(f"Leaf {where!r}: shape {value!r} has a negative, huge or non-integer dimension.")
+    if math.prod(value) >= MAX_ELEMENTS:
+        raise ManifestError(f"Leaf {where!r}: shape {value!r} declares an absurd number of elements.")
+    return tuple(value)
+
+
+def parse_leaf(doc: Any, keys_of: Any) -> Leaf:
+    """One manifest entry as its kind's `Leaf`; ``keys_of(value, path)`` validates its keys."""
+    if not isinstance(doc, dict):
+        raise ManifestError(f"A manifest leaf must be an object, found {type(doc).__name__}.")
+    path = validate_path(doc.get("path"))
+    kind = doc.get("kind")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ManifestError(f"Leaf {path!r}: unknown kind {kind!r} (expected one of {tuple(KINDS)}).")
+    return KINDS[kind].from_json(doc, path, keys_of(doc.get("keys"), path))
+
+
+def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, Any]:
+    """The leaf a saved ``value`` becomes, and the array to store for it (None: nothing stored).
+
+    Raises `UnsupportedLeafError` for what cannot be stored faithfully.
+    """
+    if is_array_like(value) and not isinstance(value, (jax.ShapeDtypeStruct, np.ma.MaskedArray)):
+        if isinstance(value, jax.Array) and is_prng_key_dtype(value.dtype):
+            data = jax.random.key_data(value)
+            leaf = KeyLeaf(
+                path,
+                keys,
+                tuple(value.shape),
+                np.dtype(data.dtype).name,
+                str(jax.random.key_impl(value)),
+                tuple(data.shape[value.ndim :]),
+            )
+            return leaf, data
+        dtype = np.dtype(value.dtype)
+        check_dtype(dtype, path)
+        array_type = (
+            "jax" if isinstance(value, jax.Array) else "numpy" if isinstance(value, np.ndarray) else "numpy_scalar"
+        )
+        return ArrayLeaf(path, keys, tuple(np.shape(value)), dtype.name, array_type), value
+    if isinstance(value, SCALAR_TYPES) or is_empty_subtree(value):
+        # An empty subtree in a sequence is recorded as None: it keeps the indices whole.
+        scalar = None if is_empty_subtree(value) else str(value) if isinstance(value, np.str_) else value
+        return ScalarLeaf(path, keys, *scalar_to_json(scalar)), None
+    if is_code(value):
+        return OpaqueLeaf(path, keys, type_name(value)), None
+    raise UnsupportedLeafError(_refusal(path, value))
+
+
+def _refusal(path: str, leaf: Any) -> str:
+    """Why a leaf cannot be saved, and what to do instead."""
+    kind = type_name(leaf)
+    if isinstance(leaf, np.ma.MaskedArray):
+        return (
+            f"Leaf {path!r} is a numpy masked array: saving it as an array would lose its mask. Save "
+            f"{{'data': x.data, 'mask': np.ma.getmaskarray(x)}} instead, or np.ma.filled(x) if the mask is not needed."
+        )
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return (
+            f"Leaf {path!r} is a jax.ShapeDtypeStruct: a shape and dtype with no data (from eval_shape or "
+            "filter_eval_shape?). Save the real arrays."
+        )
+    if isinstance(leaf, dict):
+        hint = "a dict subclass, which JAX does not flatten: convert it with dict(x), or register it as a pytree"
+    else:
+        hint = "an object JAX treats as a single leaf, so eqxckpt cannot see what it holds (it may hold arrays)"
+    return (
+        f"Leaf {path!r} is {hint} ({kind}). Make it a pytree (an eqx.Module, a registered class "
+        "(jax.tree_util.register_pytree_node / register_dataclass), or plain dicts and lists), convert it to "
+        "arrays and scalars, or keep it out of the saved tree (an eqx.field(static=True), or "
+        "eqx.filter(tree, eqx.is_array)). Only arrays, scalars, strings, None, functions and classes can be leaves."
+    )
+
+
+# --- scalars in JSON ---------------------------------------------------------------
+
+
+def float_to_json(x: float) -> float | str:
+    """A float as JSON can hold it: non-finite values as ``'nan'``, ``'inf'``, ``'-inf'``."""
+    return x if math.isfinite(x) else repr(x)
+
+
+def scalar_to_json(value: Any) -> tuple[str, Any]:
+    """(type name, JSON value) of a Python scalar leaf; floats survive bit for bit."""
+    if value is None:
+        return "none", None
+    if isinstance(value, bool):
+        return "bool", value
+    if isinstance(value, int):
+        return "int", value
+    if isinstance(value, float):
+        return "float", float_to_json(value)
+    if isinstance(value, complex):
+        return "complex", [float_to_json(value.real), float_to_json(value.imag)]
+    if isinstance(value, str):
+        return "str", value
+    raise TypeError(type(value))
+
+
+def float_from_json(x: Any) -> float:
+    """The inverse of `float_to_json`; `ManifestError` for anything else."""
+    if isinstance(x, str) and x in ("nan", "inf", "-inf"):
+        return float(x)
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    raise ManifestError(f"Expected a float in the manifest, found {x!r}.")
+
+
+def scalar_from_json(type_name: str, value: Any) -> Any:
+    """The inverse of `scalar_to_json`; `ManifestError` for a value that does not fit its type."""
+    if type_name == "none" and value is None:
+        return None
+    if type_name == "bool" and isinstance(value, bool):
+        return value
+    if type_name == "int" and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if type_name == "float":
+        return float_from_json(value)
+    if type_name == "complex" and isinstance(value, list) and len(value) == 2:
+        return complex(float_from_json(value[0]), float_from_json(value[1]))
+    if type_name == "str" and isinstance(value, str):
+        return value
+    raise ManifestError(f"Scalar of type {type_name!r} has an invalid value {value!r}.")

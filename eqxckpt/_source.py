@@ -1,0 +1,148 @@
+"""`Source`: the read-only interface every readable checkpoint implements.
+
+A source is a set of named leaves (`Leaf`: path, key records, shape and dtype
+for arrays) with metadata, and a way to read the stored ones. eqxckpt
+checkpoints (`Checkpoint`), TensorFlow checkpoints (`eqxckpt.t5`) and
+translated views of either (`CheckpointTranslator.apply`) are sources, so
+`load`, `Transform` and `CheckpointTranslator` work on all of them alike.
+"""
+
+import abc
+import contextlib
+import difflib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._leaf import Leaf, StoredLeaf
+from ._paths import depth, normalize_at, relative_to
+from ._tree import build_plain_tree
+
+
+class Source(abc.ABC):
+    """A read-only, lazily read set of named leaves and their metadata.
+
+    Subclasses provide `location`, `metadata`, `_leaves` (``{path: Leaf}`` in
+    saved order) and `read`; everything else is shared.
+    """
+
+    location: Any
+    metadata: dict[str, Any]
+    _leaves: dict[str, Leaf]
+
+    @abc.abstractmethod
+    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+        """Read stored leaves, each into what its target asks for (None: as saved)."""
+
+    def consistent(self) -> contextlib.AbstractContextManager[None]:
+        """Reads inside come from one unchanging source (see `Checkpoint.consistent`)."""
+        return contextlib.nullcontext()
+
+    def lazy(self, leaf: StoredLeaf) -> "LazyEntry":
+        """A stored leaf as a `LazyEntry`: shape and dtype now, data on ``get()``."""
+        return LazyEntry(self, leaf)
+
+    # -- description ---------------------------------------------------------------
+
+    @property
+    def paths(self) -> list[str]:
+        """Every leaf path, in the order they were saved."""
+        return list(self._leaves)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of all stored arrays."""
+        return sum(leaf.nbytes for leaf in self._leaves.values())
+
+    def leaf(self, path: str) -> Leaf:
+        """The description of one leaf (its kind, shape, dtype...); a `KeyError` suggests near names."""
+        try:
+            return self._leaves[path]
+        except KeyError:
+            close = difflib.get_close_matches(path, self._leaves, n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise KeyError(f"No leaf {path!r} in {self.location}.{hint}") from None
+
+    def records(self, at: str | None = None) -> dict[str, Leaf]:
+        """``{path relative to at: leaf}`` for the leaves under ``at``."""
+        prefix = normalize_at(at)
+        out = {}
+        for path, leaf in self._leaves.items():
+            rel = relative_to(path, prefix)
+            if rel is not None:
+                out[rel] = leaf
+        return out
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._leaves
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._leaves)
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.location)!r}, {len(self)} leaves, {self.nbytes} bytes)"
+
+    # -- values ----------------------------------------------------------------------
+
+    def __getitem__(self, path: str) -> Any:
+        """A leaf (a lazy array, or the scalar itself) or, for a prefix, a subtree."""
+        if path in self._leaves:
+            return self._value(self._leaves[path])
+        if self.records(path):
+            return self.tree(at=path)
+        self.leaf(path)  # raises a KeyError with suggestions
+
+    def tree(self, at: str | None = None) -> Any:
+        """Nested dicts/lists of lazy arrays and scalars, rebuilt from the leaves' keys."""
+        leaves = self.records(at).values()
+        return build_plain_tree([(leaf.keys, self._value(leaf)) for leaf in leaves], depth(normalize_at(at)))
+
+    def _value(self, leaf: Leaf) -> Any:
+        """A leaf's value as far as is known without reading: lazy for stored arrays,
+        the scalar for scalars, None for opaque leaves."""
+        return self.lazy(leaf) if isinstance(leaf, StoredLeaf) else leaf.value()
+
+
+class LazyEntry:
+    """One stored array of a source: ``shape``, ``dtype`` and ``nbytes`` now, data on ``get()``."""
+
+    def __init__(self, source: Source, leaf: StoredLeaf):
+        self.source = source
+        self.leaf = leaf
+
+    @property
+    def path(self) -> str:
+        """The leaf's path in its source."""
+        return self.leaf.path
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.leaf.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.leaf.value_dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.leaf.nbytes
+
+    def get(self) -> Any:
+        """Read the data (a numpy array; a jax key array for PRNG keys)."""
+        with self.source.consistent():
+            return self.source.read([(self.leaf, None)])[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        data = np.asarray(self.get())
+        return data if dtype is None else data.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r}, shape={self.shape}, dtype={self.dtype})"
