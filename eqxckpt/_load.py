@@ -312,6 +312,7 @@ def load(
     model = eqxckpt.load("ckpt/step_100", skeleton, at="model")
     ```
     """
+
     def attempt() -> Any:
         source = path if isinstance(path, Source) else open_checkpoint(path)
         with source.consistent():
