@@ -28,6 +28,7 @@ from ._errors import (
 from ._load import load as load
 from ._manager import CheckpointManager as CheckpointManager
 from ._save import save as save
+from ._storage import CheckpointPath as CheckpointPath
 from ._transform import Transform as Transform, apply_transformations as apply_transformations
 from ._translate import CheckpointTranslator as CheckpointTranslator
 from ._verify import VerifyReport as VerifyReport, verify as verify

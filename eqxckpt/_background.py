@@ -29,6 +29,11 @@ class SaveHandle:
         """Whether the save has finished (successfully or not).
 
         **Returns:** True once it committed or failed.
+
+        ```python
+        if handle.done():
+            handle.wait()  # raises its error, if any
+        ```
         """
         return self._future.done()
 
@@ -38,12 +43,24 @@ class SaveHandle:
         **Arguments:**
 
         - `timeout`: seconds to wait at most (None: no limit); `TimeoutError` after.
+
+        ```python
+        eqxckpt.save("ckpt", tree, blocking=False).wait()
+        ```
         """
         self.observed = True
         self._future.result(timeout)
 
     def error(self) -> BaseException | None:
-        """The save's exception, once it has finished (None if it succeeded); blocks until then."""
+        """The save's exception, once it has finished; blocks until then.
+
+        **Returns:** the exception, or None if the save succeeded.
+
+        ```python
+        if (error := handle.error()) is not None:
+            log(error)
+        ```
+        """
         return self._future.exception()
 
     def __repr__(self) -> str:

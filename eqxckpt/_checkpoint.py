@@ -18,7 +18,7 @@ from ._leaf import ArrayLeaf, KeyLeaf, KeyRecord, Leaf, StoredLeaf
 from ._lease import LocalPin
 from ._manifest import Manifest
 from ._source import LazyEntry, Source
-from ._storage import MAX_ZARR_JSON_BYTES, Pin, Storage, corrupt, resolve
+from ._storage import MAX_ZARR_JSON_BYTES, CheckpointPath, Pin, Storage, corrupt, resolve
 from ._store import CHUNK_BYTES, check_dtype, read_spec, read_window, shared_context
 
 
@@ -53,6 +53,14 @@ class Checkpoint(Source):
         On a local disk, a shared lock keeps retention from deleting it meanwhile;
         afterwards (or when a read fails) the checkpoint must still be the one
         whose manifest was read: not replaced by a save, not being deleted.
+
+        **Returns:** a context manager.
+
+        ```python
+        ckpt = eqxckpt.open("ckpt")
+        with ckpt.consistent():  # both from the same checkpoint, or an error
+            w, b = ckpt["model/w"].get(), ckpt["model/b"].get()
+        ```
         """
         lock = self._pin.hold() if isinstance(self._pin, LocalPin) else None
         if isinstance(self._pin, LocalPin) and lock is None:
@@ -78,7 +86,7 @@ class Checkpoint(Source):
             "read, so what was read may mix two checkpoints and is discarded. Open or load it again."
         )
 
-    def lazy(self, leaf: StoredLeaf) -> "LazyArray":
+    def _lazy(self, leaf: StoredLeaf) -> "LazyArray":
         return LazyArray(self, leaf)
 
     # -- reading -----------------------------------------------------------------
@@ -108,7 +116,7 @@ class Checkpoint(Source):
     def _store(self, leaf: StoredLeaf) -> ts.TensorStore:
         return self._checked(leaf, self._open_array(leaf))
 
-    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         """Read every selected leaf: all opens at once, then reads straight into the
         final buffers, concurrently within a `read_window`. A target whose sharding
         spans several devices is read slice by slice, each on its own process."""
@@ -319,11 +327,26 @@ class LazyArray(LazyEntry):
 
     @property
     def checkpoint(self) -> Checkpoint:
-        """The checkpoint this array belongs to."""
+        """The checkpoint this array belongs to.
+
+        **Returns:** the `Checkpoint` it was read from.
+
+        ```python
+        lazy.checkpoint.metadata
+        ```
+        """
         return self.source
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape of what `get` returns (after any indexing).
+
+        **Returns:** a tuple of ints.
+
+        ```python
+        ckpt["model/w"][:2].shape  # (2, 4)
+        ```
+        """
         shape = self.leaf.shape
         if self._index == ():
             return shape
@@ -331,15 +354,43 @@ class LazyArray(LazyEntry):
 
     @property
     def dtype(self) -> np.dtype:
+        """The dtype of what `get` returns (after any `astype`; ``key<impl>`` for PRNG keys).
+
+        **Returns:** a numpy dtype.
+
+        ```python
+        ckpt["model/w"].astype("float16").dtype  # dtype('float16')
+        ```
+        """
         return self._dtype if self._dtype is not None else self.leaf.value_dtype
 
     @property
     def nbytes(self) -> int:
+        """Bytes `get` returns (for PRNG keys: their key data).
+
+        **Returns:** an int.
+
+        ```python
+        sum(ckpt[p].nbytes for p in ckpt.paths if p.startswith("model/"))
+        ```
+        """
         if isinstance(self.leaf, KeyLeaf):
             return self.leaf.nbytes
         return math.prod(self.shape) * self.dtype.itemsize
 
     def __getitem__(self, index: Any) -> "LazyArray":
+        """A lazy selection: only the selected elements are read on `get`.
+
+        **Arguments:**
+
+        - `index`: a basic numpy index (ints, slices, ``...``), applied once.
+
+        **Returns:** a `LazyArray`.
+
+        ```python
+        first_rows = ckpt["model/embedding"][:16].get()
+        ```
+        """
         if self._index != ():
             raise NotImplementedError("Index a LazyArray once; combine the indices into one expression.")
         if isinstance(self.leaf, KeyLeaf):
@@ -347,20 +398,31 @@ class LazyArray(LazyEntry):
         return LazyArray(self.source, self.leaf, index, self._dtype)
 
     def astype(self, dtype: Any) -> "LazyArray":
-        """A lazy cast: the conversion happens on ``get()``."""
+        """A lazy cast: the conversion happens on ``get()``.
+
+        **Arguments:**
+
+        - `dtype`: the dtype to convert to (numpy's conversion rules).
+
+        **Returns:** a `LazyArray`.
+
+        ```python
+        w = ckpt["model/w"].astype("float32").get()
+        ```
+        """
         return LazyArray(self.source, self.leaf, self._index, dtype)
 
     def _view(self) -> ts.TensorStore:
         store = self.source._store(self.leaf)
         return store[self._index] if self._index != () else store
 
-    def stream(self) -> ts.TensorStore:
+    def _stream(self) -> ts.TensorStore:
         """The stored array as a TensorStore view (indexed and cast as this
         LazyArray is), to copy from without reading it all into memory."""
         view = self._view()
         return view if self._dtype is None else ts.cast(view, self._dtype)
 
-    def saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
+    def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
         """The leaf this array becomes when it is saved at ``path`` (copied from its checkpoint)."""
         if isinstance(self.leaf, KeyLeaf):
             if self._index != () or self._dtype is not None:
@@ -385,19 +447,33 @@ class LazyArray(LazyEntry):
         return data
 
     def get(self) -> Any:
-        """Read the data (a numpy array; a jax key array for PRNG keys)."""
+        """Read the data.
+
+        **Returns:** a numpy array (a jax key array for PRNG keys).
+
+        ```python
+        w = eqxckpt.open("ckpt")["model/w"].get()
+        ```
+        """
         with self.source.consistent(), reading(self.leaf):
             data = self._start().result()
         return self._finish(data)
 
     async def get_async(self) -> Any:
-        """``await lazy.get_async()``: read without blocking the event loop."""
+        """Read without blocking the event loop.
+
+        **Returns:** as for `get`.
+
+        ```python
+        w = await ckpt["model/w"].get_async()
+        ```
+        """
         with self.source.consistent(), reading(self.leaf):
             data = await self._start()
         return self._finish(data)
 
 
-def open(path: Any) -> Checkpoint:  # noqa: A001 - public name fixed by the design
+def open(path: CheckpointPath) -> Checkpoint:  # noqa: A001 - public name fixed by the design
     """Open a committed checkpoint read-only, without reading any array.
 
     **Arguments:**

@@ -6,25 +6,64 @@ error pickles with them (it can cross from a worker process to its parent).
 
 
 class CheckpointError(Exception):
-    """Base class of every error eqxckpt raises on purpose."""
+    """Base class of every error eqxckpt raises on purpose.
+
+    ```python
+    try:
+        ...
+    except eqxckpt.CheckpointError as e:  # anything eqxckpt refused, with what to do
+        print(e)
+    ```
+    """
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """Nothing that looks like a checkpoint exists at the given path."""
+    """Nothing that looks like a checkpoint exists at the given path.
+
+    ```python
+    try:
+        ...
+    except eqxckpt.CheckpointNotFoundError:
+        state = init_state()
+    ```
+    """
 
 
 class IncompleteCheckpointError(CheckpointError):
-    """The directory exists but was never committed (no manifest): an interrupted save."""
+    """The directory exists but was never committed (no manifest): an interrupted save.
+
+    ```python
+    try:
+        ...
+    except eqxckpt.IncompleteCheckpointError:
+        state = manager.load(skeleton, step=previous_step)
+    ```
+    """
 
 
 class ManifestError(CheckpointError):
-    """The manifest is unreadable, malformed, unsafe, or of an unknown format version."""
+    """The manifest is unreadable, malformed, unsafe, or of an unknown format version.
+
+    ```python
+    try:
+        ...
+    except eqxckpt.ManifestError as e:
+        print("damaged or too new:", e)
+    ```
+    """
 
 
 class CorruptCheckpointError(CheckpointError):
     """A leaf's stored data is missing, truncated, or fails its checksum.
 
     **Attributes:** `path`, the leaf's path when one leaf is at fault (else None).
+
+    ```python
+    try:
+        ...
+    except eqxckpt.CorruptCheckpointError as e:
+        print("damaged leaf:", e.path)
+    ```
     """
 
     def __init__(self, message: str, *, path: str | None = None):
@@ -33,7 +72,15 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class PathError(CheckpointError, ValueError):
-    """A key cannot be turned into a safe, unique path (collision, bad type)."""
+    """A key cannot be turned into a safe, unique path (collision, bad type).
+
+    ```python
+    try:
+        eqxckpt.save("ckpt", tree)
+    except eqxckpt.PathError as e:
+        print(e)  # names the keys that collide
+    ```
+    """
 
 
 class StructureMismatchError(CheckpointError, ValueError):
@@ -65,13 +112,28 @@ class StructureMismatchError(CheckpointError, ValueError):
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
-    """Saving would replace an existing checkpoint and `overwrite=False`."""
+    """Saving would replace an existing checkpoint and `overwrite=False`.
+
+    ```python
+    try:
+        ...
+    except eqxckpt.CheckpointExistsError:
+        eqxckpt.save(path, tree, overwrite=True)
+    ```
+    """
 
 
 class CheckpointWriteError(CheckpointError, OSError):
     """Writing a checkpoint failed (disk full, file too large, read-only, ...).
 
     Nothing was committed; a previous checkpoint at the same place is intact.
+
+    ```python
+    try:
+        ...
+    except eqxckpt.CheckpointWriteError as e:  # e.errno: ENOSPC, EROFS...
+        free_space_and_retry()
+    ```
     """
 
 
@@ -79,20 +141,53 @@ class CheckpointChangedError(CheckpointError):
     """The checkpoint was replaced or deleted while it was being read.
 
     What was read may mix two checkpoints, so nothing of it is returned.
+
+    ```python
+    try:
+        ...
+    except eqxckpt.CheckpointChangedError:
+        state = eqxckpt.load(path, skeleton)  # read it again
+    ```
     """
 
 
 class CheckpointBusyError(CheckpointExistsError):
-    """Another process is writing or deleting the checkpoint at this place right now."""
+    """Another process is writing or deleting the checkpoint at this place right now.
+
+    ```python
+    try:
+        ...
+    except eqxckpt.CheckpointBusyError:
+        time.sleep(10)  # another process is saving or deleting there
+    ```
+    """
 
 
 class UnsupportedLeafError(CheckpointError, TypeError):
-    """A leaf `save` cannot store faithfully (an object JAX does not flatten, a masked array...)."""
+    """A leaf `save` cannot store faithfully (an object JAX does not flatten, a masked array...).
+
+    ```python
+    eqxckpt.save("ckpt", eqx.filter(tree, eqx.is_array))  # keep arbitrary objects out
+    ```
+    """
 
 
 class CastError(CheckpointError, ValueError):
-    """A stored value cannot be restored into the requested dtype without changing it."""
+    """A stored value cannot be restored into the requested dtype without changing it.
+
+    ```python
+    eqxckpt.load("ckpt", like_f32, cast=True)  # raises CastError if a value would change
+    ```
+    """
 
 
 class TransformError(CheckpointError, ValueError):
-    """A `Transform` or `CheckpointTranslator` rule is malformed or cannot be applied."""
+    """A `Transform` or `CheckpointTranslator` rule is malformed or cannot be applied.
+
+    ```python
+    try:
+        ...
+    except eqxckpt.TransformError as e:
+        print(e)  # names the rule and the key
+    ```
+    """

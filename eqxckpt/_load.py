@@ -21,6 +21,7 @@ from ._errors import CastError, CheckpointChangedError, CheckpointError, Structu
 from ._leaf import Leaf, ScalarLeaf, StoredLeaf
 from ._paths import depth, normalize_at
 from ._source import LazyEntry, Source
+from ._storage import CheckpointPath
 from ._transform import Rule, keypath_string, plan_rules, readable_path
 from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like
 
@@ -98,7 +99,7 @@ class Plan:
     def run(self) -> Any:
         """Read what the plan needs (value_fn inputs in the same batch) and build the result."""
         inputs = [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
-        values = self.source.read([(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs])
+        values = self.source._read([(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs])
         for (slot, _, _), value in zip(self.reads, values):
             self.values[slot] = value
         read = dict(zip((leaf.path for leaf in inputs), values[len(self.reads) :]))
@@ -272,7 +273,7 @@ def _place(path: str, value: Any, target: Any) -> Any:
 
 
 def load(
-    path: Any,
+    path: CheckpointPath | Source,
     like: PyTree | None = None,
     *,
     at: str | None = None,

@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 import jax
+from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
 from ._checkpoint import open as open_checkpoint
@@ -22,7 +23,7 @@ from ._errors import (
 from ._leaf import float_from_json, float_to_json
 from ._load import READ_ATTEMPTS, load
 from ._save import save
-from ._storage import Storage, resolve
+from ._storage import CheckpointPath, resolve
 from ._store import is_storage_error
 
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
@@ -64,7 +65,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        directory: Any,
+        directory: CheckpointPath,
         *,
         max_to_keep: int | None = None,
         keep_every: int | None = None,
@@ -106,8 +107,8 @@ class CheckpointManager:
 
     # -- where things are -------------------------------------------------------------
 
-    def _step_location(self, step: int) -> Storage:
-        return self.location.sub(str(step))
+    def _step_location(self, step: int) -> CheckpointPath:
+        return self.location.sub(str(step)).argument()
 
     def _scan(self, warn: bool = True) -> dict[int, dict]:
         """Committed steps and their metrics, as stored now.
@@ -169,13 +170,41 @@ class CheckpointManager:
     # -- saving ------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether `save` would save ``step`` without ``force``."""
+        """Whether `save` would save ``step`` without ``force``.
+
+        **Arguments:**
+
+        - `step`: a step number.
+
+        **Returns:** True if ``step`` is a multiple of `save_interval_steps`.
+
+        ```python
+        if manager.should_save(step):
+            state = gather_state()  # only build what is saved
+        ```
+        """
         return step % self.save_interval_steps == 0
 
     def save(
-        self, step: int, tree: Any, *, metadata: dict | None = None, metrics: dict | None = None, force: bool = False
+        self,
+        step: int,
+        tree: PyTree,
+        *,
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
+        force: bool = False,
     ) -> bool:
         """Save ``tree`` as step ``step`` (in the background unless ``blocking``).
+
+        **Arguments:**
+
+        - `step`: the step number (a non-negative int); each step is saved once.
+        - `tree`: the pytree to save, as for `eqxckpt.save`.
+        - `metadata`: a JSON-serialisable dict stored with the step.
+        - `metrics`: ``{name: float}``, used by ``best_metric`` retention and `best_step`.
+        - `force`: save even if the interval excludes ``step``.
+
+        **Returns:** True if the step is being saved, False if the interval skipped it.
 
         Returns False, saving nothing, for a step the interval excludes (unless
         ``force``). Waits for the previous save first and raises its error, if
@@ -268,10 +297,16 @@ class CheckpointManager:
 
     def _delete(self, step: int) -> bool:
         """Uncommit, then remove, a step; False if it is being read (try again later)."""
-        return self._step_location(step).delete()
+        return self.location.sub(str(step)).delete()
 
     def wait(self) -> None:
-        """Block until the save in flight (and its retention) is done; raise its error."""
+        """Block until the save in flight (and its retention) is done; raise its error.
+
+        ```python
+        manager.save(step, state)
+        manager.wait()  # e.g. before the job ends
+        ```
+        """
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()
@@ -281,17 +316,39 @@ class CheckpointManager:
     # -- reading -----------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending (a save still in flight is not among them)."""
+        """Committed steps, ascending (a save still in flight is not among them).
+
+        **Returns:** a sorted list of ints.
+
+        ```python
+        manager.all_steps()  # [200, 300, 400]
+        ```
+        """
         with self._lock:
             return sorted(self._steps)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None if there is none."""
+        """The newest committed step, or None if there is none.
+
+        **Returns:** an int, or None.
+
+        ```python
+        start = manager.latest_step()
+        state = manager.load(skeleton) if start is not None else init_state()
+        ```
+        """
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def best_step(self) -> int | None:
-        """The committed step with the best ``metrics[best_metric]``, or None."""
+        """The committed step with the best ``metrics[best_metric]``, or None.
+
+        **Returns:** an int, or None when no step has that metric (or no `best_metric` is set).
+
+        ```python
+        model = manager.load(skeleton, step=manager.best_step(), at="model")
+        ```
+        """
         if self.best_metric is None:
             raise CheckpointError("best_step() needs CheckpointManager(best_metric=...).")
         with self._lock:
@@ -299,7 +356,18 @@ class CheckpointManager:
         return ranked[0] if ranked else None
 
     def metrics(self, step: int) -> dict:
-        """The metrics saved with ``step``."""
+        """The metrics saved with ``step``.
+
+        **Arguments:**
+
+        - `step`: a committed step.
+
+        **Returns:** ``{name: float}``.
+
+        ```python
+        manager.metrics(300)  # {'loss': 0.25}
+        ```
+        """
         with self._lock:
             if step not in self._steps:
                 raise CheckpointNotFoundError(
@@ -308,7 +376,18 @@ class CheckpointManager:
             return dict(self._steps[step])
 
     def metadata(self, step: int | None = None) -> dict:
-        """The metadata saved with ``step`` (default: the latest)."""
+        """The metadata saved with ``step`` (default: the latest).
+
+        **Arguments:**
+
+        - `step`: a committed step, or None for the latest.
+
+        **Returns:** the metadata dict (with the manager's own record under ``"eqxckpt.manager"``).
+
+        ```python
+        manager.metadata()["eqxckpt.manager"]["step"]
+        ```
+        """
         metadata = dict(open_checkpoint(self._step_location(self._resolve_step(step))).metadata)
         metadata.pop(MANAGER_KEY, None)
         return metadata
@@ -322,8 +401,20 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"No committed step {step} in {self.location}; steps: {self.all_steps()}.")
         return step
 
-    def load(self, like: Any = None, *, step: int | None = None, at: str | None = None, **load_kwargs: Any) -> Any:
+    def load(
+        self, like: PyTree | None = None, *, step: int | None = None, at: str | None = None, **load_kwargs: Any
+    ) -> PyTree:
         """`eqxckpt.load` of ``step`` (default: the latest committed one).
+
+        **Arguments:**
+
+        - `like`: as for `eqxckpt.load`.
+        - `step`: a committed step, or None for the latest (looked up again if
+          another process's retention deletes it meanwhile).
+        - `at`: as for `eqxckpt.load`.
+        - `load_kwargs`: any other argument of `eqxckpt.load` (``strict``, ``cast``, ``transforms``...).
+
+        **Returns:** the restored pytree.
 
         ```python
         state = manager.load(eqx.filter_eval_shape(make_state))
@@ -361,8 +452,12 @@ class CheckpointManager:
         - `step`: a step number.
 
         **Returns:** what `eqxckpt.open`, `load` and `save` accept for it.
+
+        ```python
+        eqxckpt.verify(manager.path(manager.latest_step()))
+        ```
         """
-        return self._step_location(step).argument()
+        return self._step_location(step)
 
     def __enter__(self) -> "CheckpointManager":
         return self

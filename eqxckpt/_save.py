@@ -19,7 +19,7 @@ from ._errors import CheckpointError, CheckpointWriteError
 from ._leaf import Leaf, StoredLeaf, leaf_of
 from ._manifest import Manifest
 from ._paths import key_entry_record
-from ._storage import NOTHING_COMMITTED, Staging, Storage, expected_files, resolve
+from ._storage import NOTHING_COMMITTED, CheckpointPath, Staging, Storage, expected_files, resolve
 from ._store import array_spec, is_storage_error, read_window, reason, shared_context
 from ._tree import flatten
 
@@ -48,7 +48,7 @@ def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
             )
         keys = tuple(tuple(key_entry_record(e)) for e in keypath)
         if isinstance(value, LazyArray):
-            record, data = value.saved_as(path, keys), value
+            record, data = value._saved_as(path, keys), value
         else:
             record, data = leaf_of(path, keys, value)
         records.append(record)
@@ -185,7 +185,7 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         batches[-1].append(copy)
         size += copy[2].nbytes
     for batch in batches:
-        _settle([(record, store.write(data.stream())) for store, record, data in batch], "Copying")
+        _settle([(record, store.write(data._stream())) for store, record, data in batch], "Copying")
 
 
 def _run(location: Storage, manifest: Manifest, leaves: list[_Leaf], overwrite: bool, phases: Phases | None) -> None:
@@ -243,7 +243,7 @@ def _run(location: Storage, manifest: Manifest, leaves: list[_Leaf], overwrite: 
 
 
 def save(
-    path: Any,
+    path: CheckpointPath,
     tree: PyTree,
     *,
     metadata: dict[str, Any] | None = None,

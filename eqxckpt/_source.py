@@ -32,14 +32,14 @@ class Source(abc.ABC):
     _leaves: dict[str, Leaf]
 
     @abc.abstractmethod
-    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         """Read stored leaves, each into what its target asks for (None: as saved)."""
 
     def consistent(self) -> contextlib.AbstractContextManager[None]:
         """Reads inside come from one unchanging source (see `Checkpoint.consistent`)."""
         return contextlib.nullcontext()
 
-    def lazy(self, leaf: StoredLeaf) -> "LazyEntry":
+    def _lazy(self, leaf: StoredLeaf) -> "LazyEntry":
         """A stored leaf as a `LazyEntry`: shape and dtype now, data on ``get()``."""
         return LazyEntry(self, leaf)
 
@@ -47,16 +47,41 @@ class Source(abc.ABC):
 
     @property
     def paths(self) -> list[str]:
-        """Every leaf path, in the order they were saved."""
+        """Every leaf path, in the order they were saved.
+
+        **Returns:** a list of paths (``model/layers/0/weight``).
+
+        ```python
+        [p for p in ckpt.paths if p.startswith("opt_state/")]
+        ```
+        """
         return list(self._leaves)
 
     @property
     def nbytes(self) -> int:
-        """Total bytes of all stored arrays."""
+        """Total bytes of all stored arrays.
+
+        **Returns:** an int.
+
+        ```python
+        print(f"{ckpt.nbytes / 2**20:.1f} MiB")
+        ```
+        """
         return sum(leaf.nbytes for leaf in self._leaves.values())
 
     def leaf(self, path: str) -> Leaf:
-        """The description of one leaf (its kind, shape, dtype...); a `KeyError` suggests near names."""
+        """The description of one leaf; a `KeyError` suggests near names.
+
+        **Arguments:**
+
+        - `path`: the leaf's path.
+
+        **Returns:** its `Leaf`: ``kind``, ``describe()``, and for arrays ``shape`` and ``dtype``.
+
+        ```python
+        ckpt.leaf("model/w").describe()  # 'float32[4,3]'
+        ```
+        """
         try:
             return self._leaves[path]
         except KeyError:
@@ -65,7 +90,18 @@ class Source(abc.ABC):
             raise KeyError(f"No leaf {path!r} in {self.location}.{hint}") from None
 
     def records(self, at: str | None = None) -> dict[str, Leaf]:
-        """``{path relative to at: leaf}`` for the leaves under ``at``."""
+        """The leaves under ``at``.
+
+        **Arguments:**
+
+        - `at`: a path prefix (None: every leaf).
+
+        **Returns:** ``{path relative to at: Leaf}``.
+
+        ```python
+        ckpt.records("model").keys()  # dict_keys(['w', 'b'])
+        ```
+        """
         prefix = normalize_at(at)
         out = {}
         for path, leaf in self._leaves.items():
@@ -89,7 +125,18 @@ class Source(abc.ABC):
     # -- values ----------------------------------------------------------------------
 
     def __getitem__(self, path: str) -> Any:
-        """A leaf (a lazy array, or the scalar itself) or, for a prefix, a subtree."""
+        """A leaf (a lazy array, or the scalar itself) or, for a prefix, a subtree.
+
+        **Arguments:**
+
+        - `path`: a leaf's path, or a prefix of several.
+
+        **Returns:** a `LazyArray`, a scalar, or nested dicts and lists of them.
+
+        ```python
+        ckpt["step"], ckpt["model/w"].shape, ckpt["model"]
+        ```
+        """
         if path in self._leaves:
             return self._value(self._leaves[path])
         if self.records(path):
@@ -97,14 +144,25 @@ class Source(abc.ABC):
         self.leaf(path)  # raises a KeyError with suggestions
 
     def tree(self, at: str | None = None) -> Any:
-        """Nested dicts/lists of lazy arrays and scalars, rebuilt from the leaves' keys."""
+        """Nested dicts/lists of lazy arrays and scalars, rebuilt from the leaves' keys.
+
+        **Arguments:**
+
+        - `at`: a path prefix (None: everything).
+
+        **Returns:** the subtree, nothing read yet.
+
+        ```python
+        lazy_opt_state = ckpt.tree(at="opt_state")
+        ```
+        """
         leaves = self.records(at).values()
         return build_plain_tree([(leaf.keys, self._value(leaf)) for leaf in leaves], depth(normalize_at(at)))
 
     def _value(self, leaf: Leaf) -> Any:
         """A leaf's value as far as is known without reading: lazy for stored arrays,
         the scalar for scalars, None for opaque leaves."""
-        return self.lazy(leaf) if isinstance(leaf, StoredLeaf) else leaf.value()
+        return self._lazy(leaf) if isinstance(leaf, StoredLeaf) else leaf.value()
 
 
 class LazyEntry:
@@ -116,7 +174,14 @@ class LazyEntry:
 
     @property
     def path(self) -> str:
-        """The leaf's path in its source."""
+        """The leaf's path in its source.
+
+        **Returns:** the path (``model/w``).
+
+        ```python
+        ckpt["model/w"].path  # 'model/w'
+        ```
+        """
         return self.leaf.path
 
     @property
@@ -125,6 +190,14 @@ class LazyEntry:
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions.
+
+        **Returns:** ``len(shape)``.
+
+        ```python
+        ckpt["model/w"].ndim  # 2
+        ```
+        """
         return len(self.shape)
 
     @property
@@ -138,7 +211,7 @@ class LazyEntry:
     def get(self) -> Any:
         """Read the data (a numpy array; a jax key array for PRNG keys)."""
         with self.source.consistent():
-            return self.source.read([(self.leaf, None)])[0]
+            return self.source._read([(self.leaf, None)])[0]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         data = np.asarray(self.get())

@@ -70,6 +70,8 @@ from ._store import (
 )
 
 Pin = LocalPin | StorePin
+# Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.
+CheckpointPath = str | os.PathLike[str] | dict[str, Any]
 MAX_ZARR_JSON_BYTES = 64 * 1024
 NOTHING_COMMITTED = (
     "Nothing was committed and any previous checkpoint at this place is intact; free space or fix "
@@ -107,7 +109,7 @@ class Storage(abc.ABC):
         """The storage of an entry of this directory (a manager's step)."""
 
     @abc.abstractmethod
-    def argument(self) -> Any:
+    def argument(self) -> CheckpointPath:
         """What `save`, `load` and `open` accept to name this place (a path, or a kvstore spec)."""
 
     # -- reading ------------------------------------------------------------------------
@@ -741,7 +743,7 @@ def _read_bounded(store: ts.KvStore, key: str, cap: int) -> Any:
 # --- paths from users ------------------------------------------------------------------------
 
 
-def resolve(path: Any) -> Storage:
+def resolve(path: CheckpointPath | Storage) -> Storage:
     """Turn a user's ``path`` argument into a `Storage`.
 
     Accepts a local path, a ``file://``, ``memory://``, ``s3://`` or ``gs://``

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax.tree_util as jtu
+from jaxtyping import PyTree
 
 from ._errors import TransformError
 from ._paths import key_entry_record
@@ -137,13 +138,22 @@ def missing_originals(new_paths: list[str], sources: list[Rule], original_paths:
 
 
 def apply_transformations(
-    original_tree: Any, transformations: Any, new_tree: Any, default_to_original: bool = True
-) -> Any:
+    original_tree: PyTree, transformations: dict[str, Any], new_tree: PyTree, default_to_original: bool = True
+) -> PyTree:
     """Build ``new_tree``'s structure from ``original_tree``'s values by the rules.
 
     A key in ``new_tree`` but not the original comes from ``new_tree``; a key
     only in the original is dropped; a key in both that no rule mentions comes
     from the original if ``default_to_original`` else from ``new_tree``.
+
+    **Arguments:**
+
+    - `original_tree`: the pytree the values come from.
+    - `transformations`: ``{regex: Transform}`` (nested dicts join keys with ``/``).
+    - `new_tree`: the pytree whose structure the result has.
+    - `default_to_original`: whether unmentioned keys in both trees take the original's value.
+
+    **Returns:** a pytree of ``new_tree``'s structure.
 
     ```python
     original = {"a": 1, "dense_1": {"kernel": 2}}

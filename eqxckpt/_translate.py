@@ -8,7 +8,7 @@ from typing import Any, overload
 import numpy as np
 
 from ._errors import TransformError
-from ._leaf import Leaf, StoredLeaf, leaf_of
+from ._leaf import StoredLeaf, leaf_of
 from ._source import Source
 
 RuleFn = Callable[..., tuple[str | None, Any]]
@@ -38,7 +38,20 @@ class CheckpointTranslator:
         self._rules: list[tuple[re.Pattern, RuleFn]] = []
 
     def add(self, pattern: str) -> Callable[[RuleFn], RuleFn]:
-        """Decorator registering ``fn`` for keys that fully match ``pattern``."""
+        """Decorator registering ``fn`` for keys that fully match ``pattern``.
+
+        **Arguments:**
+
+        - `pattern`: a regex; its groups are passed to the rule after the value.
+
+        **Returns:** the decorator (it returns ``fn`` unchanged).
+
+        ```python
+        @translator.add(r"dense_(\\d+)/kernel")
+        def _(opts, key, value, index):
+            return f"layers/{index}/weight", value
+        ```
+        """
         try:
             regex = re.compile(pattern)
         except re.error as e:
@@ -66,6 +79,11 @@ class CheckpointTranslator:
         - `opts`: options passed to every rule.
 
         **Returns:** the translated dict, or the translated source.
+
+        ```python
+        view = translator.apply(eqxckpt.open("foreign_ckpt"))
+        model = eqxckpt.load(view, skeleton, at="model")
+        ```
         """
         if isinstance(flat, Source):
             values = {path: flat[path] for path in flat.paths}
@@ -108,8 +126,10 @@ class TranslatedSource(Source):
         self.original = original
         self.location = original.location
         self.metadata = original.metadata
-        by_value = {id(value): original.leaf(path) for path, value in values.items() if original.leaf(path).stored}
-        self._origin: dict[str, Leaf] = {}
+        by_value = {
+            id(value): leaf for path, value in values.items() if isinstance(leaf := original.leaf(path), StoredLeaf)
+        }
+        self._origin: dict[str, StoredLeaf] = {}
         self._computed: dict[str, Any] = {}
         self._leaves = {}
         for path, value in translated.items():
@@ -130,13 +150,13 @@ class TranslatedSource(Source):
     def consistent(self) -> Any:
         return self.original.consistent()
 
-    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         values: list[Any] = [None] * len(wanted)
         passed = [
             (i, self._origin[leaf.path], target) for i, (leaf, target) in enumerate(wanted) if leaf.path in self._origin
         ]
         stored = [(leaf, target) for _, leaf, target in passed]
-        for (i, _, _), value in zip(passed, self.original.read(stored)):  # type: ignore[arg-type]
+        for (i, _, _), value in zip(passed, self.original._read(stored)):
             values[i] = value
         for i, (leaf, target) in enumerate(wanted):
             if leaf.path not in self._origin:

@@ -1,13 +1,12 @@
 """`verify`: read every byte of a checkpoint and check it against its manifest."""
 
 import dataclasses
-from typing import Any
 
 from ._checkpoint import Checkpoint, open as open_checkpoint, reading
 from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
 from ._leaf import KeyLeaf, StoredLeaf, key_dtype
 from ._paths import MANIFEST_NAME
-from ._storage import resolve
+from ._storage import CheckpointPath, resolve
 
 # Large leaves are read in slabs of whole chunks, so verifying needs little memory.
 SLAB_BYTES = 256 * 1024 * 1024
@@ -15,7 +14,13 @@ SLAB_BYTES = 256 * 1024 * 1024
 
 @dataclasses.dataclass
 class VerifyReport:
-    """What `verify` checked and every problem it found, as ``(path, message)``."""
+    """What `verify` checked and every problem it found, as ``(path, message)``.
+
+    ```python
+    report = eqxckpt.verify("ckpt")
+    print(report.bytes_checked, report.problems)
+    ```
+    """
 
     location: str
     leaves: int = 0
@@ -25,6 +30,14 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether no problem was found.
+
+        **Returns:** True for an intact checkpoint.
+
+        ```python
+        assert eqxckpt.verify("ckpt").ok
+        ```
+        """
         return not self.problems
 
     def __str__(self) -> str:
@@ -35,11 +48,17 @@ class VerifyReport:
         return "\n".join([head] + [f"  {path}: {message}" for path, message in self.problems])
 
 
-def verify(path: Any) -> VerifyReport:
+def verify(path: CheckpointPath) -> VerifyReport:
     """Read every chunk of every leaf, checking checksums, shapes and dtypes
     against the manifest; report each problem with its leaf path.
 
     Never raises for a damaged checkpoint: the report lists what is wrong.
+
+    **Arguments:**
+
+    - `path`: where the checkpoint is (as for `eqxckpt.open`).
+
+    **Returns:** a `VerifyReport`; ``report.ok`` is True if nothing is wrong.
 
     ```python
     report = eqxckpt.verify("ckpt/step_100")

@@ -2,6 +2,8 @@
 
 import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -11,7 +13,10 @@ import jax.numpy as jnp
 import optax
 
 import eqxckpt
-from eqxckpt._cli import human_bytes, main as cli
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def make_model(key=None):
@@ -58,7 +63,7 @@ def main() -> None:
         )
 
         print("\n$ eqxckpt inspect", path, "--at model")
-        cli(["inspect", str(path), "--at", "model"])
+        subprocess.run([sys.executable, "-m", "eqxckpt", "inspect", str(path), "--at", "model"], check=True)
 
         t0 = time.perf_counter()
         restored = eqxckpt.load(path, eqx.filter_eval_shape(make_model), at="model")

@@ -65,3 +65,61 @@ def test_errors():
     with pytest.raises(ZeroDivisionError) as info:
         t.apply({"x": 1})
     assert "while translating 'x'" in "".join(info.value.__notes__)
+
+
+def test_a_translated_checkpoint_loads_like_a_checkpoint_reading_only_what_it_needs(tmp_path, monkeypatch):
+    """apply() on an opened checkpoint gives a source: load() restores from it with
+    the same strictness and at=, reading only the leaves the result needs."""
+    rng = np.random.default_rng(0)
+    foreign = {
+        "dense_0": {"kernel": rng.standard_normal((3, 4), np.float32), "bias": np.zeros(4, np.float32)},
+        "dense_1": {"kernel": rng.standard_normal((4, 2), np.float32), "bias": np.ones(2, np.float32)},
+        "opt": {"mu": rng.standard_normal((1000,), np.float32)},
+    }
+    eqxckpt.save(tmp_path / "foreign", foreign)
+    t = eqxckpt.CheckpointTranslator()
+
+    @t.add(r"dense_(\d)/kernel")
+    def _w(opts, key, value, index):
+        return f"model/layers/{index}/weight", value
+
+    @t.add(r"dense_(\d)/bias")
+    def _b(opts, key, value, index):
+        return f"model/layers/{index}/bias", value.get() * 2  # computed when translated, held in memory
+
+    @t.add(r"opt/(.*)")
+    def _opt(opts, key, value, name):
+        return f"opt_state/{name}", value
+
+    view = t.apply(eqxckpt.open(tmp_path / "foreign"))
+    assert sorted(view.paths) == sorted(
+        ["model/layers/0/weight", "model/layers/0/bias", "model/layers/1/weight", "model/layers/1/bias", "opt_state/mu"]
+    )
+    assert view.leaf("model/layers/1/weight").describe() == "float32[4,2]"
+    read = []
+    real = eqxckpt.Checkpoint._open_array
+    monkeypatch.setattr(
+        eqxckpt.Checkpoint, "_open_array", lambda self, leaf: (read.append(leaf.path), real(self, leaf))[1]
+    )
+    like = {
+        "layers": [
+            {"weight": np.zeros((3, 4), np.float32), "bias": np.zeros(4, np.float32)},
+            {"weight": np.zeros((4, 2), np.float32), "bias": np.zeros(2, np.float32)},
+        ]
+    }
+    model = eqxckpt.load(view, like, at="model")
+    np.testing.assert_array_equal(model["layers"][0]["weight"], foreign["dense_0"]["kernel"])
+    np.testing.assert_array_equal(model["layers"][1]["weight"], foreign["dense_1"]["kernel"])
+    np.testing.assert_array_equal(model["layers"][1]["bias"], 2 * foreign["dense_1"]["bias"])
+    assert "opt/mu" not in read and sorted(set(read)) == ["dense_0/kernel", "dense_1/kernel"]
+    # Strict as a checkpoint is: a shape that does not fit is named with its translated path.
+    like["layers"][1]["weight"] = np.zeros((2, 4), np.float32)
+    with pytest.raises(eqxckpt.StructureMismatchError, match="layers/1/weight: expected float32\\[2,4\\]") as e:
+        eqxckpt.load(view, like, at="model")
+    assert [path for path, _ in e.value.mismatched] == ["layers/1/weight"]
+    # And Transform rules work on it too.
+    renamed = {"first": np.zeros((3, 4), np.float32)}
+    got = eqxckpt.load(
+        view, renamed, at="model", transforms={"first": eqxckpt.Transform(original_key="layers/0/weight")}
+    )
+    np.testing.assert_array_equal(got["first"], foreign["dense_0"]["kernel"])

@@ -37,7 +37,14 @@ class T5Config:
 
     @property
     def decoder_layers(self) -> int:
-        """`num_decoder_layers`, resolved: it defaults to `num_layers`."""
+        """`num_decoder_layers`, resolved: it defaults to `num_layers`.
+
+        **Returns:** the number of decoder blocks.
+
+        ```python
+        T5Config(num_layers=8).decoder_layers  # 8
+        ```
+        """
         return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
 
     def __post_init__(self) -> None:
@@ -48,14 +55,41 @@ class T5Config:
 
     @property
     def gated(self) -> bool:
+        """Whether the feed-forward layer is v1.1's gated GELU.
+
+        **Returns:** True for ``feed_forward_proj="gated-gelu"``.
+
+        ```python
+        T5Config(feed_forward_proj="gated-gelu").gated  # True
+        ```
+        """
         return self.feed_forward_proj == "gated-gelu"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a JSON-serialisable dict (HuggingFace's names).
+
+        **Returns:** ``{field: value}``; `from_dict` reads it back.
+
+        ```python
+        T5Config.from_dict(config.to_dict()) == config  # True
+        ```
+        """
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "T5Config":
-        """From a HuggingFace ``config.json`` dict; keys it does not use are ignored."""
+        """From a HuggingFace ``config.json`` dict; keys it does not use are ignored.
+
+        **Arguments:**
+
+        - `d`: the dict (``is_gated_act``/``dense_act_fn`` are understood too).
+
+        **Returns:** a `T5Config`.
+
+        ```python
+        T5Config.from_dict({"d_model": 512, "num_layers": 8, "feed_forward_proj": "gated-gelu"})
+        ```
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in d.items() if k in names}
         if (
@@ -68,7 +102,18 @@ class T5Config:
 
     @classmethod
     def from_json(cls, path: Any) -> "T5Config":
-        """From a ``config.json`` file (the dict itself, or under ``hf_t5_config``)."""
+        """From a ``config.json`` file (the dict itself, or under ``hf_t5_config``).
+
+        **Arguments:**
+
+        - `path`: the file.
+
+        **Returns:** a `T5Config`.
+
+        ```python
+        config = T5Config.from_json("t5_v1_1_small/config.json")
+        ```
+        """
         d = json.loads(pathlib.Path(path).read_text())
         return cls.from_dict(d.get("hf_t5_config", d))
 
@@ -78,6 +123,17 @@ class T5Config:
 
         The vocabulary size is not in gin files: pass ``vocab_size=`` or let
         `load_tf` read it from the embedding's shape.
+
+        **Arguments:**
+
+        - `path`: the gin file.
+        - `overrides`: fields to set regardless of the file (``vocab_size=32128``).
+
+        **Returns:** a `T5Config`.
+
+        ```python
+        config = T5Config.from_gin("t5_v1_1_small/operative_config.gin", vocab_size=32128)
+        ```
         """
         bindings = parse_gin(pathlib.Path(path).read_text())
 

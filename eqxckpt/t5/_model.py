@@ -19,6 +19,14 @@ def relative_position_bucket(
 ) -> Int[Array, "..."]:
     """T5's bucket of each ``key_position - query_position``.
 
+    **Arguments:**
+
+    - `relative_position`: integer offsets, any shape.
+    - `bidirectional`: True for the encoder (half the buckets for each sign).
+    - `num_buckets`, `max_distance`: as in the model's config.
+
+    **Returns:** bucket indices of the same shape.
+
     ```python
     relative_position_bucket(jnp.arange(-3, 4), bidirectional=True)
     ```
@@ -198,14 +206,39 @@ class T5(eqx.Module):
         )
 
     def encode(self, input_ids: Int[Array, " seq"], *, attention_mask: Int[Array, " seq"] | None = None) -> Array:
-        """Encoder output after its final norm: ``[seq, d_model]``."""
+        """Encoder output after its final norm.
+
+        **Arguments:**
+
+        - `input_ids`: token ids ``[seq]``.
+        - `attention_mask`: 1 where a token is real, 0 for padding (None: all real).
+
+        **Returns:** ``[seq, d_model]``.
+
+        ```python
+        memory = model.encode(input_ids, attention_mask=mask)
+        ```
+        """
         mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
         return self.encoder(self.shared[input_ids], mask[None, :])
 
     def decode(
         self, decoder_input_ids: Int[Array, " dec"], memory: Array, attention_mask: Array | None = None
     ) -> Array:
-        """Logits ``[dec, vocab]`` given the encoder output ``memory``."""
+        """Decoder logits given the encoder output, teacher-forced.
+
+        **Arguments:**
+
+        - `decoder_input_ids`: ``[dec]``, starting with the decoder start token.
+        - `memory`: the encoder output ``[seq, d_model]`` (from `encode`).
+        - `attention_mask`: the encoder's mask ``[seq]`` (None: all real).
+
+        **Returns:** logits ``[dec, vocab]``.
+
+        ```python
+        logits = model.decode(decoder_input_ids, model.encode(input_ids))
+        ```
+        """
         length = decoder_input_ids.shape[0]
         causal = jnp.tril(jnp.ones((length, length), bool))
         cross = jnp.ones((1, memory.shape[0]), bool) if attention_mask is None else attention_mask.astype(bool)[None, :]
@@ -221,4 +254,18 @@ class T5(eqx.Module):
         *,
         attention_mask: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "dec vocab"]:
+        """Logits for one example: `encode`, then `decode`.
+
+        **Arguments:**
+
+        - `input_ids`: encoder token ids ``[seq]``.
+        - `decoder_input_ids`: ``[dec]``, starting with the decoder start token.
+        - `attention_mask`: 1 where an encoder token is real (None: all real).
+
+        **Returns:** logits ``[dec, vocab]``.
+
+        ```python
+        logits = jax.vmap(model)(input_ids, decoder_input_ids)  # a batch
+        ```
+        """
         return self.decode(decoder_input_ids, self.encode(input_ids, attention_mask=attention_mask), attention_mask)

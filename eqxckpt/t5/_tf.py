@@ -20,6 +20,7 @@ from .._leaf import ArrayLeaf, StoredLeaf
 from .._load import load
 from .._save import save
 from .._source import Source
+from .._storage import CheckpointPath
 from .._translate import CheckpointTranslator, TranslatedSource
 from .._tree import flatten
 from ._config import T5Config
@@ -52,7 +53,7 @@ class TFCheckpoint(Source):
             for name in sorted(shapes)
         }
 
-    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         values = []
         for leaf, target in wanted:
             self.on_read(leaf.path)
@@ -283,7 +284,7 @@ def _open(path: Any, config: Any, progress: Callable[[str, int], None] | None) -
 
 
 def load_tf(
-    path: Any,
+    path: str | os.PathLike[str],
     config: T5Config | dict | str | None = None,
     *,
     dtype: Any = None,
@@ -291,11 +292,20 @@ def load_tf(
 ) -> T5:
     """A `T5` from a Mesh TensorFlow checkpoint (directory or prefix).
 
-    `config`: a `T5Config`, a HuggingFace config dict, or a path to a
-    ``config.json`` / ``operative_config.gin``; None reads the gin file beside
-    the checkpoint, else infers the config from the shapes. `dtype` casts the
-    floating weights (e.g. ``jnp.float32``; bfloat16 checkpoints stay bfloat16
-    otherwise). `progress(name, total)` is called as each variable is read.
+    The variables are read through `eqxckpt.load`, strictly: one error names
+    every variable that is missing, has no place in the model, or misfits.
+
+    **Arguments:**
+
+    - `path`: the checkpoint's directory (with a ``checkpoint`` file) or prefix.
+    - `config`: a `T5Config`, a HuggingFace config dict, or a path to a
+      ``config.json`` / ``operative_config.gin``; None reads the gin file beside
+      the checkpoint, else infers the config from the shapes.
+    - `dtype`: casts the floating weights (e.g. ``jnp.float32``; bfloat16
+      checkpoints stay bfloat16 otherwise).
+    - `progress`: ``progress(name, total)`` is called as each variable is read.
+
+    **Returns:** the `T5` module.
 
     ```python
     model = eqxckpt.t5.load_tf("gs-mirror/t5_v1_1_small/model.ckpt-1000000", dtype=jnp.float32)
@@ -307,8 +317,8 @@ def load_tf(
 
 
 def convert_tf(
-    path: Any,
-    out: Any,
+    path: str | os.PathLike[str],
+    out: CheckpointPath,
     config: T5Config | dict | str | None = None,
     *,
     dtype: Any = None,
@@ -319,7 +329,15 @@ def convert_tf(
 
     It holds ``params`` (the `T5` module), ``step`` (``global_step``) and
     ``adafactor/{v,v_row,v_col}/<param path>`` (the optimizer's slots), with
-    the config in the metadata. Returns the config.
+    the config in the metadata.
+
+    **Arguments:**
+
+    - `path`, `config`, `dtype`, `progress`: as for `load_tf`.
+    - `out`: where to save the eqxckpt checkpoint (as for `eqxckpt.save`).
+    - `overwrite`: replace a checkpoint already at ``out``.
+
+    **Returns:** the `T5Config` used.
 
     ```python
     config = eqxckpt.t5.convert_tf("mtf_ckpt/", "t5_eqx")
