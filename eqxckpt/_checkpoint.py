@@ -12,13 +12,14 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from ._backend import MAX_ZARR_JSON_BYTES, CheckpointPath, Pin, Storage, corrupt
 from ._convert import aligned_empty
 from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError, UnsupportedLeafError
 from ._leaf import ArrayLeaf, KeyLeaf, KeyRecord, Leaf, StoredLeaf
 from ._lease import LocalPin
 from ._manifest import Manifest
 from ._source import LazyEntry, Source
-from ._storage import MAX_ZARR_JSON_BYTES, CheckpointPath, Pin, Storage, corrupt, resolve
+from ._storage import resolve
 from ._store import CHUNK_BYTES, check_dtype, read_spec, read_window, shared_context
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import tensorstore as ts
 from jaxtyping import PyTree
 
+from ._backend import NOTHING_COMMITTED, CheckpointPath, Staging, Storage, expected_files
 from ._background import SAVES, SaveHandle
 from ._checkpoint import Checkpoint, LazyArray
 from ._distributed import Phases, is_multiprocess
@@ -19,7 +20,7 @@ from ._errors import CheckpointError, CheckpointWriteError
 from ._leaf import Leaf, StoredLeaf, leaf_of
 from ._manifest import Manifest
 from ._paths import key_entry_record
-from ._storage import NOTHING_COMMITTED, CheckpointPath, Staging, Storage, expected_files, resolve
+from ._storage import resolve
 from ._store import array_spec, is_storage_error, read_window, reason, shared_context
 from ._tree import flatten
 

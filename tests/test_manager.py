@@ -11,7 +11,7 @@ from conftest import BUCKET, assert_trees_equal, kill_when
 
 import eqxckpt
 from eqxckpt._lease import Lease, read_lease
-from eqxckpt._storage import ObjectStorage
+from eqxckpt._objects import ObjectStorage
 
 TESTS = os.path.dirname(__file__)
 

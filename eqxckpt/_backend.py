@@ -1,0 +1,186 @@
+"""The storage interface: `Storage` (where a checkpoint lives, and its backend's
+side of the concurrency protocol) and `Staging` (a save in progress).
+
+The implementations: `LocalStorage` (`_local.py`) and `ObjectStorage`
+(`_objects.py`); `resolve` (`_storage.py`) picks one for a user's path.
+"""
+
+import abc
+import dataclasses
+import itertools
+import math
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from ._errors import (
+    CheckpointWriteError,
+    CorruptCheckpointError,
+)
+from ._leaf import StoredLeaf
+from ._lease import (
+    LocalPin,
+    StorePin,
+)
+from ._manifest import Manifest
+from ._paths import validate_path
+from ._store import (
+    chunk_shape,
+    reason,
+    shared_context,
+)
+
+Pin = LocalPin | StorePin
+# Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.
+CheckpointPath = str | os.PathLike[str] | dict[str, Any]
+MAX_ZARR_JSON_BYTES = 64 * 1024
+NOTHING_COMMITTED = (
+    "Nothing was committed and any previous checkpoint at this place is intact; free space or fix "
+    "permissions, then save again."
+)
+# Compressing filesystems (ZFS, btrfs) may allocate fewer blocks than a file's
+# size for data that is genuinely there (zeros): this trusts apparent sizes.
+TRUST_SPARSE = os.environ.get("EQXCKPT_TRUST_SPARSE", "") == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage(abc.ABC):
+    """A checkpoint's root: a TensorStore kvstore spec, and the protocol of its backend."""
+
+    kvstore: dict[str, Any]
+
+    def child(self, relpath: str) -> dict[str, Any]:
+        """kvstore spec of a (validated) location inside the checkpoint."""
+        relpath = validate_path(relpath)
+        spec = dict(self.kvstore)
+        spec["path"] = spec.get("path", "") + relpath + "/"
+        return spec
+
+    def open_kvstore(self) -> ts.KvStore:
+        """The checkpoint's root as an open TensorStore key-value store."""
+        return ts.KvStore.open(self.kvstore, context=shared_context()).result()
+
+    @property
+    def local(self) -> pathlib.Path | None:
+        """The directory, for local storage; None for object stores."""
+        return None
+
+    @abc.abstractmethod
+    def sub(self, name: str) -> "Storage":
+        """The storage of an entry of this directory (a manager's step)."""
+
+    @abc.abstractmethod
+    def argument(self) -> CheckpointPath:
+        """What `save`, `load` and `open` accept to name this place (a path, or a kvstore spec)."""
+
+    # -- reading ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def read_manifest(self) -> tuple[Manifest, Pin]:
+        """A committed checkpoint's manifest, or an error saying exactly why there is none,
+        with what pins that checkpoint (so a reader can tell if it was replaced meanwhile)."""
+
+    @abc.abstractmethod
+    def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
+        """Start reading a leaf's ``zarr.json``, after checking its files may be read."""
+
+    def unlisted(self, stored: set[str]) -> list[tuple[str, str]]:
+        """Files a checkpoint holds that its manifest does not name (where they can be listed)."""
+        return []
+
+    # -- saving -------------------------------------------------------------------------
+
+    def check_target(self, overwrite: bool) -> None:
+        """Refuse early (before a snapshot is taken) what `begin_save` will refuse."""
+        return None
+
+    @abc.abstractmethod
+    def begin_save(self, paths: list[str], overwrite: bool) -> "Staging":
+        """Claim this place for a save of the leaves at ``paths``; where to write them."""
+
+    @abc.abstractmethod
+    def join_save(self, where: str) -> "Staging":
+        """The staging another process began (``where`` is its `Staging.where`)."""
+
+    # -- a directory of checkpoints -----------------------------------------------------
+
+    @abc.abstractmethod
+    def entries(self) -> list[tuple[str, str]]:
+        """(name, state) for each visible entry, sorted: ``committed`` (holds a committed
+        checkpoint), ``busy`` (a save or deletion holds it) or ``other``."""
+
+    @abc.abstractmethod
+    def clean_leftovers(self) -> None:
+        """Remove what interrupted saves and deletions left, where provably abandoned and eqxckpt's."""
+
+    @abc.abstractmethod
+    def delete(self) -> bool:
+        """Uncommit, then remove, this checkpoint; False if it is in use (try again later)."""
+
+
+class Staging(abc.ABC):
+    """A save in progress: where its arrays go, and how it commits or is abandoned."""
+
+    storage: Storage
+    where: str = ""  # told to the other processes of a multi-process save
+
+    def sync(self) -> None:
+        """Make what this process wrote durable."""
+        return None
+
+    @abc.abstractmethod
+    def commit(self, manifest: Manifest, expected: dict[str, int]) -> None:
+        """Check every expected file is there, write the manifest, make it visible."""
+
+    def abort(self, error: BaseException) -> None:
+        """Remove what this save wrote (if this process owns it); may add a note to ``error``."""
+        return None
+
+    def release(self) -> None:
+        """Give up what this process holds (locks)."""
+        return None
+
+
+def expected_files(leaves: list[tuple[StoredLeaf, tuple[int, ...] | None]]) -> dict[str, int]:
+    """``{key: size}`` of every file the arrays must consist of: each leaf's
+    ``zarr.json`` (size -1: any) and every chunk (the chunk's bytes + a crc32c).
+    Each leaf comes with the shard shape its chunks tile (None: whole)."""
+    expected: dict[str, int] = {}
+    for leaf, shard in leaves:
+        shape, itemsize = leaf.data_shape, np.dtype(leaf.dtype).itemsize
+        chunk = chunk_shape(shape, itemsize, shard)
+        expected[f"{leaf.path}/zarr.json"] = -1
+        if 0 in shape:
+            continue
+        size = math.prod(chunk) * itemsize + 4
+        if not shape:
+            expected[f"{leaf.path}/c"] = size
+            continue
+        grid = [range(-(-n // c)) for n, c in zip(shape, chunk)]
+        for index in itertools.product(*grid):
+            expected[f"{leaf.path}/c/" + "/".join(map(str, index))] = size
+    return expected
+
+
+def check_complete(found: dict[str, int], expected: dict[str, int]) -> None:
+    """Refuse to commit unless every leaf's metadata and chunks are there, whole (size -1: unknown)."""
+    for key, size in expected.items():
+        have = found.get(key)
+        if have is None or (size >= 0 and have >= 0 and have != size):
+            what = "is missing" if have is None else f"holds {have} bytes, not {size}"
+            raise CheckpointWriteError(
+                f"Before committing, {key} {what}: the save's files were damaged or removed while it ran "
+                f"(another process, or the disk). {NOTHING_COMMITTED}"
+            )
+
+
+def corrupt(leaf: StoredLeaf | Any, error: BaseException | str) -> CorruptCheckpointError:
+    """The error for a leaf whose stored data cannot be read back intact."""
+    return CorruptCheckpointError(
+        f"Leaf {leaf.path!r} is corrupt or missing on disk: {reason(error)}. Restore the checkpoint "
+        "from a copy or load an earlier one; `eqxckpt inspect` still shows what it held.",
+        path=leaf.path,
+    )

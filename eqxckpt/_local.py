@@ -1,0 +1,314 @@
+"""`LocalStorage`: checkpoints in directories of a local filesystem.
+
+A save writes a hidden sibling directory and renames it into place (or swaps
+it with the checkpoint it replaces); ownership and liveness are ``flock``
+locks on directories (see `_lease`).
+"""
+
+import contextlib
+import dataclasses
+import errno
+import os
+import pathlib
+import stat
+
+import tensorstore as ts
+
+from ._backend import MAX_ZARR_JSON_BYTES, TRUST_SPARSE, Pin, Staging, Storage, check_complete, corrupt
+from ._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+)
+from ._leaf import StoredLeaf
+from ._lease import (
+    DirLock,
+    LocalPin,
+    create_staging,
+    delete_local,
+    join_staging,
+    remove_abandoned,
+    remove_tree,
+)
+from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from ._paths import MANIFEST_NAME
+from ._store import (
+    exchange,
+    fsync_path,
+    hidden_sibling,
+    read_capped,
+    sync_filesystem,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalStorage(Storage):
+    """A checkpoint directory on a local filesystem."""
+
+    path: pathlib.Path = pathlib.Path()
+
+    @classmethod
+    def at(cls, path: pathlib.Path) -> "LocalStorage":
+        return cls({"driver": "file", "path": str(path) + "/"}, path)
+
+    @property
+    def local(self) -> pathlib.Path:
+        return self.path
+
+    def sub(self, name: str) -> "LocalStorage":
+        return LocalStorage.at(self.path / name)
+
+    def argument(self) -> pathlib.Path:
+        return self.path
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def read_manifest(self) -> tuple[Manifest, Pin]:
+        local = self.path
+        try:
+            dir_fd = os.open(local, os.O_RDONLY | os.O_DIRECTORY)
+        except NotADirectoryError:
+            raise CheckpointNotFoundError(
+                f"No checkpoint at {local}: it is a file, not a checkpoint directory."
+            ) from None
+        except FileNotFoundError:
+            siblings = sorted(local.parent.iterdir()) if local.parent.is_dir() else []
+            pending = [p for p in siblings if p.name.startswith(f".{local.name}.eqxckpt-tmp-")]
+            if pending:
+                raise IncompleteCheckpointError(
+                    f"No checkpoint at {local}: a save to it is running or was interrupted before it committed "
+                    f"(left {pending[0].name}). Load an earlier checkpoint."
+                ) from None
+            raise CheckpointNotFoundError(f"No checkpoint at {local}: the path does not exist.") from None
+        except OSError as e:
+            raise CheckpointNotFoundError(f"Cannot open {local}: {e.strerror or e}.") from None
+        pin = LocalPin(local, dir_fd)
+        try:
+            return parse_manifest(self._manifest_bytes(dir_fd), str(local)), pin
+        except BaseException:
+            pin.close()
+            raise
+
+    def _manifest_bytes(self, dir_fd: int) -> bytes:
+        try:
+            return read_capped(MANIFEST_NAME, MAX_MANIFEST_BYTES, dir_fd=dir_fd)  # a symlink could point anywhere
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise ManifestError(
+                    f"Cannot read the manifest of {self.path}: {e.strerror or e} (a symlink or special file "
+                    "in place of eqxckpt.json is refused). The checkpoint is damaged or not trustworthy."
+                ) from None
+            raise IncompleteCheckpointError(
+                f"{self.path} has no {MANIFEST_NAME}: the save that made it never committed "
+                "(it was interrupted, or this is not an eqxckpt checkpoint). Load an earlier "
+                "checkpoint, or save again to this path with overwrite=True."
+            ) from None
+
+    def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
+        self.stored_bytes(leaf)
+        promise, future = ts.Promise.new()
+        try:
+            promise.set_result(read_capped(self.path / leaf.path / "zarr.json", MAX_ZARR_JSON_BYTES))
+        except OSError as e:
+            promise.set_exception(e)
+        return future
+
+    def stored_bytes(self, leaf: StoredLeaf) -> int:
+        """Check a leaf's files before TensorStore touches them; return their size.
+
+        A checkpoint may come from anywhere: no component of the leaf's directory
+        may be a symlink (it could lead out of the checkpoint), nothing below it
+        may be anything but plain files and directories, and the files must hold
+        at least the bytes the manifest declares, so a crafted shape cannot make
+        the reader allocate memory that no data backs.
+        """
+        where = self.path
+        for part in leaf.path.split("/"):
+            where = where / part
+            try:
+                mode = os.lstat(where).st_mode
+            except FileNotFoundError:
+                raise corrupt(leaf, f"{where} does not exist") from None
+            if not stat.S_ISDIR(mode):
+                raise _unsafe(leaf, where)
+        total = 0
+        pending = [where]
+        try:
+            while pending:
+                with os.scandir(pending.pop()) as entries:
+                    for entry in entries:
+                        if entry.is_dir(follow_symlinks=False):
+                            pending.append(pathlib.Path(entry.path))
+                        elif entry.is_file(follow_symlinks=False):
+                            info = entry.stat(follow_symlinks=False)
+                            # Blocks really allocated: a sparse file's apparent size is no data.
+                            total += info.st_size if TRUST_SPARSE else min(info.st_size, info.st_blocks * 512)
+                        else:
+                            raise _unsafe(leaf, pathlib.Path(entry.path))
+        except OSError as e:  # vanished while listed: deleted under us
+            raise corrupt(leaf, f"{e.filename}: {e.strerror}") from None
+        if total < leaf.nbytes:
+            raise corrupt(
+                leaf,
+                f"the manifest declares {leaf.nbytes} bytes ({leaf.dtype}"
+                f"{list(leaf.data_shape)}) but its files hold only {total} on disk (sparse or "
+                "truncated files are refused; on a compressing filesystem set "
+                "EQXCKPT_TRUST_SPARSE=1 for checkpoints you trust)",
+            )
+        return total
+
+    def unlisted(self, stored: set[str]) -> list[tuple[str, str]]:
+        problems = []
+        for dirpath, dirnames, filenames in os.walk(self.path):
+            rel = os.path.relpath(dirpath, self.path).replace(os.sep, "/")
+            if rel in stored:
+                dirnames.clear()  # the leaf's own files were checked with it
+                continue
+            for name in filenames:
+                where = name if rel == "." else f"{rel}/{name}"
+                if where != MANIFEST_NAME:
+                    problems.append((where, "not named in the manifest (left over, or added after the save)"))
+            for name in [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                problems.append((name if rel == "." else f"{rel}/{name}", "a symlink inside the checkpoint"))
+                dirnames.remove(name)
+        return problems
+
+    def check_target(self, overwrite: bool) -> None:
+        """Refuse to replace a checkpoint without ``overwrite``, or anything else ever."""
+        final = self.path
+        if final.exists() and not final.is_dir():
+            raise CheckpointError(f"Cannot save to {final}: it is a file, not a directory.")
+        if not final.is_dir():
+            return
+        is_checkpoint = (final / MANIFEST_NAME).exists()
+        if is_checkpoint and not overwrite:
+            raise CheckpointExistsError(
+                f"A checkpoint already exists at {final}. Pass overwrite=True to replace it, or save to a new path."
+            )
+        if not is_checkpoint and any(final.iterdir()):
+            raise CheckpointExistsError(
+                f"{final} exists and is not an eqxckpt checkpoint (no {MANIFEST_NAME}); refusing to "
+                "replace it. Choose another path or remove it yourself."
+            )
+
+    def begin_save(self, paths: list[str], overwrite: bool) -> "LocalStaging":
+        self.check_target(overwrite)
+        remove_abandoned(self.path.parent, owner=self.path.name)
+        tmp, lock = create_staging(self.path)
+        return LocalStaging(self, tmp, lock, owner=True, overwrite=overwrite)
+
+    def join_save(self, where: str) -> "LocalStaging":
+        tmp = pathlib.Path(where)
+        # Held while this process writes: a cleaner must see it as alive.
+        return LocalStaging(self, tmp, join_staging(tmp), owner=False, overwrite=False)
+
+    def entries(self) -> list[tuple[str, str]]:
+        try:
+            found = list(os.scandir(self.path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        for entry in sorted(found, key=lambda e: e.name):
+            if entry.name.startswith("."):
+                continue  # hidden: saves in progress, leftovers, the user's own
+            committed = entry.is_dir(follow_symlinks=False) and os.path.lexists(os.path.join(entry.path, MANIFEST_NAME))
+            out.append((entry.name, "committed" if committed else "other"))
+        return out
+
+    def clean_leftovers(self) -> None:
+        remove_abandoned(self.path)
+
+    def delete(self) -> bool:
+        return delete_local(self.path)
+
+
+class LocalStaging(Staging):
+    """A save into a hidden sibling directory, renamed into place to commit."""
+
+    def __init__(self, final: LocalStorage, tmp: pathlib.Path, lock: DirLock | None, owner: bool, overwrite: bool):
+        self.final = final
+        self.overwrite = overwrite
+        self.tmp = tmp
+        self.storage = LocalStorage.at(tmp)
+        self.where = str(tmp)
+        self.lock = lock
+        self.owner = owner
+
+    def sync(self) -> None:
+        # Durable before the commit phase: every process syncs what it wrote.
+        sync_filesystem(self.tmp)
+
+    def commit(self, manifest: Manifest, expected: dict[str, int]) -> None:
+        check_complete(_local_files(self.tmp), expected)
+        with open(self.tmp / MANIFEST_NAME, "wb") as f:
+            f.write(manifest.to_bytes())
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(self.tmp)  # the arrays below were synced in the write phase
+        self._rename_into_place()
+        fsync_path(self.final.path.parent)
+
+    def _rename_into_place(self) -> None:
+        """Move the finished temporary directory into place, atomically."""
+        tmp, final, overwrite = self.tmp, self.final.path, self.overwrite
+        self.final.check_target(overwrite)  # again: another writer may have committed meanwhile
+        if not final.exists():
+            try:
+                os.rename(tmp, final)
+                return
+            except OSError as e:  # another save committed first (ENOTEMPTY/EEXIST)
+                if not overwrite:
+                    raise CheckpointExistsError(f"Another save committed {final} first; this one was discarded.") from e
+                self.final.check_target(overwrite)  # with overwrite=True, replace it below
+        # Replace: swap atomically where the OS can, so a reader always sees a
+        # complete checkpoint; else move the old one aside first (it stays complete).
+        if exchange(tmp, final):
+            remove_tree(tmp)  # now the old checkpoint; a reader of it notices and reads again
+            return
+        # The old one is held (a shared lock moves with the directory), so no cleaner
+        # removes it while it is aside, and it goes back if the second rename fails.
+        with DirLock.take(final, exclusive=False) or contextlib.nullcontext():
+            aside = hidden_sibling(final, "old")
+            os.rename(final, aside)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(aside, final)
+                raise
+        remove_tree(aside)
+
+    def abort(self, error: BaseException) -> None:
+        if self.owner:
+            remove_tree(self.tmp)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _local_files(root: pathlib.Path) -> dict[str, int]:
+    found: dict[str, int] = {}
+    pending = [("", str(root))]
+    while pending:
+        rel, where = pending.pop()
+        with os.scandir(where) as entries:
+            for entry in entries:
+                key = f"{rel}{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((key + "/", entry.path))
+                else:
+                    found[key] = entry.stat(follow_symlinks=False).st_size
+    return found
+
+
+def _unsafe(leaf: StoredLeaf, where: pathlib.Path) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"Leaf {leaf.path!r}: {where} is a symlink or special file, not the plain files eqxckpt writes. "
+        "Refusing to read it (it could point outside the checkpoint). Do not trust this checkpoint.",
+        path=leaf.path,
+    )
