@@ -39,7 +39,7 @@ class Checkpoint(Source):
 
     def __init__(self, location: Storage, manifest: Manifest, pin: Pin | None = None):
         self.location = location
-        self.manifest = manifest
+        self._manifest = manifest
         self.metadata = manifest.metadata
         self._leaves = {leaf.path: leaf for leaf in manifest.leaves}
         self._context = shared_context()

@@ -85,7 +85,7 @@ def verify(path: CheckpointPath) -> VerifyReport:
                     continue
                 report.arrays_checked += 1
                 report.bytes_checked += record.nbytes
-            report.problems.extend(location.unlisted(set(checkpoint.manifest.stored_paths())))
+            report.problems.extend(location.unlisted(set(checkpoint._manifest.stored_paths())))
     except CheckpointChangedError as e:
         # What was checked may belong to another checkpoint: say so, and nothing else.
         report.problems[:] = [(MANIFEST_NAME, str(e))]
