@@ -14,13 +14,13 @@ import tensorstore as ts
 
 from ._backend import MAX_ZARR_JSON_BYTES, CheckpointPath, Pin, Storage, corrupt
 from ._convert import aligned_empty
-from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError, UnsupportedLeafError
-from ._leaf import ArrayLeaf, KeyLeaf, KeyRecord, Leaf, StoredLeaf
+from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
+from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._lease import LocalPin
 from ._manifest import Manifest
 from ._source import LazyEntry, Source
 from ._storage import resolve
-from ._store import CHUNK_BYTES, check_dtype, read_spec, read_window, shared_context
+from ._store import CHUNK_BYTES, read_spec, read_window, shared_context
 
 
 class Checkpoint(Source):
@@ -375,9 +375,7 @@ class LazyArray(LazyEntry):
         sum(ckpt[p].nbytes for p in ckpt.paths if p.startswith("model/"))
         ```
         """
-        if isinstance(self.leaf, KeyLeaf):
-            return self.leaf.nbytes
-        return math.prod(self.shape) * self.dtype.itemsize
+        return self.leaf.selection_nbytes(self.shape, self.dtype)
 
     def __getitem__(self, index: Any) -> "LazyArray":
         """A lazy selection: only the selected elements are read on `get`.
@@ -394,8 +392,10 @@ class LazyArray(LazyEntry):
         """
         if self._index != ():
             raise NotImplementedError("Index a LazyArray once; combine the indices into one expression.")
-        if isinstance(self.leaf, KeyLeaf):
-            raise NotImplementedError("Slicing lazy PRNG key arrays is not supported; get() the whole array.")
+        if not self.leaf.sliceable:
+            raise NotImplementedError(
+                f"Leaf {self.path!r} ({self.leaf.describe()}) cannot be sliced lazily; get() the whole array."
+            )
         return LazyArray(self.source, self.leaf, index, self._dtype)
 
     def astype(self, dtype: Any) -> "LazyArray":
@@ -425,15 +425,8 @@ class LazyArray(LazyEntry):
 
     def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
         """The leaf this array becomes when it is saved at ``path`` (copied from its checkpoint)."""
-        if isinstance(self.leaf, KeyLeaf):
-            if self._index != () or self._dtype is not None:
-                raise UnsupportedLeafError(
-                    f"Leaf {path!r}: a sliced or cast lazy PRNG key array cannot be saved; get() it."
-                )
-            return KeyLeaf(path, keys, self.leaf.shape, self.leaf.dtype, self.leaf.impl, self.leaf.key_shape)
-        check_dtype(self.dtype, path)
-        array_type = self.leaf.array_type if isinstance(self.leaf, ArrayLeaf) else "numpy"
-        return ArrayLeaf(path, keys, tuple(self.shape), self.dtype.name, array_type)
+        changed = self._index != () or self._dtype is not None
+        return self.leaf.copied(path, keys, tuple(self.shape), self.dtype, changed)
 
     def _start(self) -> ts.Future:
         view = self._view()
@@ -441,11 +434,7 @@ class LazyArray(LazyEntry):
         return view.read()
 
     def _finish(self, data: np.ndarray) -> Any:
-        if isinstance(self.leaf, KeyLeaf):
-            return self.leaf.wrap(data)
-        if self._dtype is not None:
-            data = data.astype(self._dtype)
-        return data
+        return self.leaf.host_value(data, self._dtype)
 
     def get(self) -> Any:
         """Read the data.

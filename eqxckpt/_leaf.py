@@ -47,6 +47,11 @@ class Leaf:
         """Bytes stored on disk for this leaf."""
         return 0
 
+    @property
+    def is_none(self) -> bool:
+        """Whether the leaf records None (also what an empty subtree in a sequence is saved as)."""
+        return False
+
     def describe(self) -> str:
         """``float32[4,3]``-style summary used in errors and listings."""
         raise NotImplementedError
@@ -80,6 +85,7 @@ class StoredLeaf(Leaf):
     shape: tuple[int, ...]
     dtype: str
     stored: ClassVar[bool] = True
+    sliceable: ClassVar[bool] = True  # whether a lazy read may select part of it
 
     @property
     def data_shape(self) -> tuple[int, ...]:
@@ -102,6 +108,24 @@ class StoredLeaf(Leaf):
     def can_shard(self, sharding: jax.sharding.Sharding) -> bool:
         """Whether a read may be split by ``sharding``'s slices."""
         return True
+
+    def check_known(self) -> None:
+        """Raise if this JAX cannot restore the leaf (for `verify`)."""
+        return None
+
+    def host_value(self, data: np.ndarray, dtype: np.dtype | None) -> Any:
+        """What a lazy read returns for ``data`` read into host memory, cast to ``dtype`` if given."""
+        raise NotImplementedError
+
+    def selection_nbytes(self, shape: tuple[int, ...], dtype: np.dtype) -> int:
+        """Bytes a lazy read of ``shape`` (a selection of this leaf) returns as ``dtype``."""
+        raise NotImplementedError
+
+    def copied(
+        self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, changed: bool
+    ) -> "StoredLeaf":
+        """The leaf a lazy view of this one (``changed``: sliced or cast) becomes when saved at ``path``."""
+        raise NotImplementedError
 
     def finish(self, data: np.ndarray, target: Any) -> Any:
         """Stored data (read whole into host memory) as the value ``target`` asks for."""
@@ -179,6 +203,18 @@ class ArrayLeaf(StoredLeaf):
                 return data[()]
         return adopt(data, sharding)
 
+    def host_value(self, data: np.ndarray, dtype: np.dtype | None) -> Any:
+        return data if dtype is None else data.astype(dtype)
+
+    def selection_nbytes(self, shape: tuple[int, ...], dtype: np.dtype) -> int:
+        return math.prod(shape) * dtype.itemsize
+
+    def copied(
+        self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, changed: bool
+    ) -> "ArrayLeaf":
+        check_dtype(dtype, path)
+        return ArrayLeaf(path, keys, shape, dtype.name, self.array_type)
+
     def assemble(self, target: Any, slices: dict[tuple, np.ndarray], key: Any) -> jax.Array:
         dtype = np.dtype(target.dtype)
         return jax.make_array_from_callback(
@@ -202,6 +238,7 @@ class KeyLeaf(StoredLeaf):
     impl: str = ""
     key_shape: tuple[int, ...] = ()
     kind: ClassVar[str] = "prng_key"
+    sliceable: ClassVar[bool] = False
 
     @property
     def data_shape(self) -> tuple[int, ...]:
@@ -235,6 +272,24 @@ class KeyLeaf(StoredLeaf):
     def can_shard(self, sharding: jax.sharding.Sharding) -> bool:
         # Key data has trailing dimensions; only a NamedSharding says how to lay those out.
         return isinstance(sharding, jax.sharding.NamedSharding)
+
+    def check_known(self) -> None:
+        key_dtype(self.impl)
+
+    def host_value(self, data: np.ndarray, dtype: np.dtype | None) -> Any:
+        return self.wrap(data)
+
+    def selection_nbytes(self, shape: tuple[int, ...], dtype: np.dtype) -> int:
+        return self.nbytes
+
+    def copied(
+        self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, changed: bool
+    ) -> "KeyLeaf":
+        if changed:
+            raise UnsupportedLeafError(
+                f"Leaf {path!r}: a sliced or cast lazy PRNG key array cannot be saved; get() it."
+            )
+        return dataclasses.replace(self, path=path, keys=keys)
 
     def wrap(self, data: Any) -> jax.Array:
         """Typed PRNG keys are stored as key data; turn them back into keys."""
@@ -292,6 +347,10 @@ class ScalarLeaf(Leaf):
 
     def value(self, target: Any = None) -> Any:
         return scalar_from_json(self.type_name, self.json_value)
+
+    @property
+    def is_none(self) -> bool:
+        return self.type_name == "none"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from jaxtyping import PyTree
 
 from ._checkpoint import open as open_checkpoint
 from ._errors import CastError, CheckpointChangedError, CheckpointError, StructureMismatchError
-from ._leaf import Leaf, ScalarLeaf, StoredLeaf
+from ._leaf import Leaf, StoredLeaf
 from ._paths import depth, normalize_at
 from ._source import LazyEntry, Source
 from ._storage import CheckpointPath
@@ -195,9 +195,7 @@ def _match_paths(
             result.supply(slot, leaf, target)
     # A None the source records where `like` has an empty subtree is no difference.
     result.unexpected = [
-        (rel, f"found {leaf.describe()}")
-        for rel, leaf in available.items()
-        if rel not in used and not (isinstance(leaf, ScalarLeaf) and leaf.type_name == "none")
+        (rel, f"found {leaf.describe()}") for rel, leaf in available.items() if rel not in used and not leaf.is_none
     ]
 
 

@@ -4,7 +4,7 @@ import dataclasses
 
 from ._checkpoint import Checkpoint, open as open_checkpoint, reading
 from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
-from ._leaf import KeyLeaf, StoredLeaf, key_dtype
+from ._leaf import StoredLeaf
 from ._paths import MANIFEST_NAME
 from ._storage import CheckpointPath, resolve
 
@@ -93,8 +93,7 @@ def verify(path: CheckpointPath) -> VerifyReport:
 
 
 def _check_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> None:
-    if isinstance(record, KeyLeaf):
-        key_dtype(record.impl)  # an implementation this JAX knows
+    record.check_known()  # e.g. a PRNG implementation this JAX knows
     with reading(record):
         store = checkpoint._store(record)
         codecs = [c.get("name") for c in store.spec().to_json()["metadata"].get("codecs", [])]
