@@ -8,7 +8,7 @@ model = eqxckpt.load("ckpt/step_100", like=model_skeleton, at="model")
 """
 
 from ._background import SaveHandle as SaveHandle
-from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray, open as open
+from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray
 from ._errors import (
     CastError as CastError,
     CheckpointBusyError as CheckpointBusyError,
@@ -23,10 +23,13 @@ from ._errors import (
     PathError as PathError,
     StructureMismatchError as StructureMismatchError,
     TransformError as TransformError,
+    UnsupportedFormatError as UnsupportedFormatError,
     UnsupportedLeafError as UnsupportedLeafError,
 )
+from ._formats import open as open
 from ._load import load as load
 from ._manager import CheckpointManager as CheckpointManager
+from ._safetensors import save_safetensors as save_safetensors
 from ._save import save as save
 from ._storage import CheckpointPath as CheckpointPath
 from ._transform import Transform as Transform, apply_transformations as apply_transformations

@@ -463,21 +463,8 @@ class LazyArray(LazyEntry):
         return self._finish(data)
 
 
-def open(path: CheckpointPath) -> Checkpoint:  # noqa: A001 - public name fixed by the design
-    """Open a committed checkpoint read-only, without reading any array.
-
-    **Arguments:**
-
-    - `path`: where the checkpoint is: a local directory, a ``file://``,
-      ``memory://``, ``s3://`` or ``gs://`` URL, or a TensorStore kvstore spec dict.
-
-    **Returns:** a `Checkpoint`: its paths, metadata, and lazy leaves.
-
-    ```python
-    ckpt = eqxckpt.open("ckpt/step_100")
-    print(ckpt.paths, ckpt.metadata)
-    ```
-    """
+def open_checkpoint(path: CheckpointPath) -> Checkpoint:
+    """An eqxckpt checkpoint, opened read-only without reading any array (`eqxckpt.open` for this format)."""
     location = resolve(path)
     manifest, pin = location.read_manifest()
     return Checkpoint(location, manifest, pin)

@@ -4,7 +4,7 @@ import argparse
 import json
 import sys
 
-from ._checkpoint import open as open_checkpoint
+from ._checkpoint import open_checkpoint
 from ._errors import CheckpointError
 from ._paths import depth, normalize_at
 

@@ -191,3 +191,15 @@ class TransformError(CheckpointError, ValueError):
         print(e)  # names the rule and the key
     ```
     """
+
+
+class UnsupportedFormatError(CheckpointError, ValueError):
+    """What is at the path is a format eqxckpt does not read (a PyTorch pickle, say), or not the one asked for.
+
+    ```python
+    try:
+        eqxckpt.open("pytorch_model.bin")
+    except eqxckpt.UnsupportedFormatError as e:
+        print(e)  # says why (no pickle) and how to convert it
+    ```
+    """

@@ -28,6 +28,7 @@ from ._tree import SCALAR_TYPES, describe_like, is_array_like, is_code, is_empty
 # One key entry: ("attr" | "dict" | "seq" | "index", key) plus "repr" for keys recorded by their repr.
 KeyRecord = tuple[Any, ...]
 ARRAY_TYPES = ("jax", "numpy", "numpy_scalar")
+UNKNOWN = "unknown"  # the array type of foreign formats' leaves (never written into a manifest)
 SCALAR_NAMES = ("int", "float", "bool", "complex", "str", "none")
 MAX_RANK = 64
 MAX_ELEMENTS = 1 << 53
@@ -150,7 +151,9 @@ class StoredLeaf(Leaf):
 
 @dataclasses.dataclass(frozen=True)
 class ArrayLeaf(StoredLeaf):
-    """An array leaf; ``array_type`` (jax, numpy, numpy_scalar) is what `load` gives back with ``like=None``."""
+    """An array leaf; ``array_type`` (jax, numpy, numpy_scalar) is what `load` gives back with
+    ``like=None`` or a skeleton. Foreign formats record none (``unknown``): numpy arrays
+    for ``like=None``, jax arrays for a skeleton."""
 
     array_type: str = "numpy"
     kind: ClassVar[str] = "array"
@@ -181,9 +184,13 @@ class ArrayLeaf(StoredLeaf):
 
     def narrowed(self, target: Any) -> str | None:
         dtype = np.dtype(getattr(target, "dtype", None) or self.dtype)
-        into_jax = isinstance(target, jax.Array) or (
-            (target is None or isinstance(target, jax.ShapeDtypeStruct))
-            and (self.array_type == "jax" or getattr(target, "sharding", None) is not None)
+        into_jax = (
+            isinstance(target, jax.Array)
+            or (
+                (target is None or isinstance(target, jax.ShapeDtypeStruct))
+                and (self.array_type == "jax" or getattr(target, "sharding", None) is not None)
+            )
+            or (isinstance(target, jax.ShapeDtypeStruct) and self.array_type == UNKNOWN)
         )
         return narrowed(dtype, into_jax)
 
@@ -197,7 +204,7 @@ class ArrayLeaf(StoredLeaf):
             return data[()]
         if target is None or (isinstance(target, jax.ShapeDtypeStruct) and sharding is None):
             # No concrete type asked for (like=None or a skeleton): give back what was saved.
-            if self.array_type == "numpy":
+            if self.array_type == "numpy" or (target is None and self.array_type == UNKNOWN):
                 return data
             if self.array_type == "numpy_scalar":
                 return data[()]
@@ -213,7 +220,7 @@ class ArrayLeaf(StoredLeaf):
         self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, changed: bool
     ) -> "ArrayLeaf":
         check_dtype(dtype, path)
-        return ArrayLeaf(path, keys, shape, dtype.name, self.array_type)
+        return ArrayLeaf(path, keys, shape, dtype.name, self.array_type if self.array_type in ARRAY_TYPES else "numpy")
 
     def assemble(self, target: Any, slices: dict[tuple, np.ndarray], key: Any) -> jax.Array:
         dtype = np.dtype(target.dtype)

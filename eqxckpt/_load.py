@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checkpoint import open as open_checkpoint
 from ._errors import CastError, CheckpointChangedError, CheckpointError, StructureMismatchError
+from ._formats import open as open_source
 from ._leaf import Leaf, StoredLeaf
 from ._paths import depth, normalize_at
 from ._source import LazyEntry, Source
@@ -279,6 +279,7 @@ def load(
     cast: bool = False,
     transforms: dict[str, Any] | None = None,
     default_to_original: bool = True,
+    format: str | None = None,
 ) -> PyTree:
     """Restore a checkpoint (or the subtree ``at``) into the structure of ``like``.
 
@@ -302,6 +303,8 @@ def load(
       ``like``'s paths to checkpoint paths. Only the leaves the result needs
       are read; ``transforms={}`` restores just the leaves ``like`` has.
     - `default_to_original`: as in `apply_transformations`.
+    - `format`: as for `eqxckpt.open` (None: detected); `"safetensors"` reads a
+      HuggingFace file or directory, tensor ``a.b.c`` at path ``a/b/c``.
 
     **Returns:** a pytree of the structure of ``like`` (plain dicts and lists
     for ``like=None``) holding the restored values.
@@ -313,7 +316,7 @@ def load(
     """
 
     def attempt() -> Any:
-        source = path if isinstance(path, Source) else open_checkpoint(path)
+        source = path if isinstance(path, Source) else open_source(path, format=format)
         with source.consistent():
             return plan(
                 source,

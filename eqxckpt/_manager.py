@@ -11,7 +11,7 @@ import jax
 from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
-from ._checkpoint import open as open_checkpoint
+from ._checkpoint import open_checkpoint
 from ._errors import (
     CheckpointChangedError,
     CheckpointError,

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from ._checkpoint import Checkpoint, open as open_checkpoint, reading
+from ._checkpoint import Checkpoint, open_checkpoint, reading
 from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
 from ._leaf import StoredLeaf
 from ._paths import MANIFEST_NAME

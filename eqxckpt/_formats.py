@@ -1,0 +1,93 @@
+"""`open`: any readable checkpoint as a `Source`, its format detected from what is at the path.
+
+- ``eqxckpt``: a directory (or object-store prefix) with an ``eqxckpt.json``.
+- ``safetensors``: a ``.safetensors`` file, a directory holding
+  ``model.safetensors``, or a sharded HuggingFace directory
+  (``model.safetensors.index.json`` and its shards).
+
+PyTorch pickles (``.bin``, ``.pt``...) are refused: reading one runs code
+from the file.
+"""
+
+import pathlib
+from typing import Any
+
+from ._checkpoint import open_checkpoint
+from ._errors import UnsupportedFormatError
+from ._paths import MANIFEST_NAME
+from ._safetensors import INDEX_NAME, SINGLE_NAME, open_safetensors
+from ._source import Source
+from ._storage import CheckpointPath, resolve
+
+FORMATS = ("eqxckpt", "safetensors")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle")
+PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def open(path: CheckpointPath, *, format: str | None = None) -> Source:  # noqa: A001 - public name fixed by the design
+    """Open a checkpoint read-only, without reading any array.
+
+    **Arguments:**
+
+    - `path`: where the checkpoint is: a local directory or file, a ``file://``,
+      ``memory://``, ``s3://`` or ``gs://`` URL, or a TensorStore kvstore spec dict.
+    - `format`: ``"eqxckpt"`` or ``"safetensors"``; None detects it from what
+      is at ``path``.
+
+    **Returns:** the checkpoint (a `Checkpoint` for eqxckpt's format): its
+    paths, metadata, and lazy leaves, which `eqxckpt.load` restores.
+
+    ```python
+    ckpt = eqxckpt.open("ckpt/step_100")
+    print(ckpt.paths, ckpt.metadata)
+    hf = eqxckpt.open("t5-small/model.safetensors")  # encoder/block/0/layer/0/SelfAttention/q/weight, ...
+    ```
+    """
+    if format is not None and format not in FORMATS:
+        raise UnsupportedFormatError(f"Unknown format {format!r}: eqxckpt reads {', '.join(FORMATS)}.")
+    found = detect(path) if format is None else format
+    if found == "safetensors":
+        local = resolve(path).local
+        if local is None:
+            raise UnsupportedFormatError(f"safetensors files are read from local paths only, not {resolve(path)}.")
+        return open_safetensors(local)
+    return open_checkpoint(path)
+
+
+def detect(path: CheckpointPath) -> str:
+    """The format of what is at ``path`` (``eqxckpt`` when nothing else fits, so
+    that its errors say what is missing); `UnsupportedFormatError` for a pickle."""
+    local = resolve(path).local
+    if local is None:
+        return "eqxckpt"
+    if local.is_file():
+        if local.suffix == ".safetensors":
+            return "safetensors"
+        _refuse_pickle(local)
+    elif local.is_dir() and not (local / MANIFEST_NAME).exists():
+        if (local / INDEX_NAME).is_file() or (local / SINGLE_NAME).is_file():
+            return "safetensors"
+        for name in PICKLE_FILES:
+            if (local / name).exists():
+                _refuse_pickle(local / name)
+    return "eqxckpt"
+
+
+def _refuse_pickle(file: pathlib.Path) -> None:
+    if file.suffix in PICKLE_SUFFIXES or file.name in PICKLE_FILES or _starts_like_pickle(file):
+        raise UnsupportedFormatError(
+            f"{file} is a PyTorch pickle: reading it would run code stored in the file, which eqxckpt never "
+            "does. Use the model's safetensors weights (model.safetensors) if it has them, or convert it once "
+            'where you trust it: python -c "import torch, safetensors.torch as st; '
+            f"st.save_file(torch.load('{file.name}', weights_only=True), 'model.safetensors')\"."
+        )
+
+
+def _starts_like_pickle(file: pathlib.Path) -> Any:
+    try:
+        with file.open("rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    # A pickle's protocol opcode, or the zip archive torch.save writes around one.
+    return head[:1] == b"\x80" or head == b"PK\x03\x04"

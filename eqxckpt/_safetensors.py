@@ -1,0 +1,315 @@
+"""safetensors files as a read-only `Source`, and `save_safetensors`.
+
+A file is an 8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and byte range in the data that follows, then the data.
+The header is validated as strictly as a manifest (size cap, offsets inside
+the data, sizes that match the shapes, no overlaps) before anything is read,
+and each tensor is read lazily, with one ranged read of exactly its bytes.
+
+Tensor names map to paths by splitting at ``.``:
+``encoder.block.0.layer.0.SelfAttention.q.weight`` is
+``encoder/block/0/layer/0/SelfAttention/q/weight``.
+"""
+
+import json
+import math
+import os
+import pathlib
+import stat
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jaxtyping import PyTree
+
+from ._convert import aligned_empty
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError, PathError
+from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
+from ._manifest import MAX_PARSE_FACTOR, parse_cost
+from ._paths import encode_segment, key_entry_record
+from ._source import Source
+from ._store import fsync_path
+from ._tree import flatten
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# The safetensors library refuses headers over 100 MB; so does this reader.
+MAX_HEADER_BYTES = 100_000_000
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def name_to_keys(name: str) -> tuple[str, tuple[KeyRecord, ...]]:
+    """A tensor name's path and key records: one dict key per ``.``-separated part."""
+    parts = name.split(".")
+    return "/".join(encode_segment(part) for part in parts), tuple(("dict", part) for part in parts)
+
+
+class SafetensorsCheckpoint(Source):
+    """One safetensors file, or a sharded HuggingFace directory, as a read-only source.
+
+    Its `metadata` is the file's ``__metadata__`` (for a sharded directory, the
+    index's ``metadata``); every tensor is read lazily, on its own.
+    """
+
+    def __init__(self, location: str, files: dict[str, pathlib.Path], index: dict[str, str] | None = None):
+        self.location = location
+        self.metadata: dict[str, Any] = {}
+        self._leaves = {}
+        self._where: dict[str, tuple[pathlib.Path, int]] = {}  # path -> (file, absolute offset)
+        names: dict[str, str] = {}
+        for shard, file in files.items():
+            header, data_start, file_metadata = read_header(file)
+            if index is None:
+                self.metadata = dict(file_metadata)
+            for name, (leaf_dtype, shape, begin) in header.items():
+                if index is not None and index.get(name) != shard:
+                    raise ManifestError(
+                        f"{file} holds tensor {name!r}, but {INDEX_NAME} puts it in {index.get(name)!r}. "
+                        "The directory is inconsistent; re-save it."
+                    )
+                path, keys = name_to_keys(name)
+                if path in names:
+                    raise ManifestError(f"Tensors {names[path]!r} and {name!r} both map to path {path!r}.")
+                names[path] = name
+                self._leaves[path] = ArrayLeaf(path, keys, shape, leaf_dtype, UNKNOWN)
+                self._where[path] = (file, data_start + begin)
+        if index is not None:
+            missing = sorted(set(index) - set(names.values()))
+            if missing:
+                raise ManifestError(
+                    f"{INDEX_NAME} of {location} lists {len(missing)} tensors its shards do not hold "
+                    f"(e.g. {missing[0]!r}). The directory is incomplete."
+                )
+        _check_tree(self._leaves, location)
+
+    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+        values = []
+        for leaf, target in wanted:
+            file, offset = self._where[leaf.path]
+            buffer = aligned_empty(leaf.data_shape, np.dtype(leaf.dtype))
+            read_range(file, offset, buffer, leaf.path)
+            values.append(leaf.finish(buffer, target))
+        return values
+
+
+def read_range(file: pathlib.Path, offset: int, buffer: np.ndarray, path: str) -> None:
+    """Fill ``buffer`` with the bytes of ``file`` from ``offset`` (one ranged read)."""
+    view = buffer.reshape(-1).view(np.uint8).data
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise CorruptCheckpointError(f"Leaf {path!r}: cannot open {file}: {e.strerror}.", path=path) from None
+    try:
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CorruptCheckpointError(
+                    f"Leaf {path!r}: {file} ended before the tensor's bytes (the file was truncated meanwhile).",
+                    path=path,
+                )
+            done += n
+    finally:
+        os.close(fd)
+
+
+def read_header(file: pathlib.Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], int, dict[str, str]]:
+    """A safetensors file's tensors ``{name: (dtype, shape, begin)}``, where its data
+    starts, and its ``__metadata__``; `ManifestError` for anything off."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise CheckpointNotFoundError(f"Cannot open {file}: {e.strerror} (symlinks are refused).") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ManifestError(f"{file} is not a regular file.")
+        size = info.st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise ManifestError(f"{file} is too short to be a safetensors file ({size} bytes).")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise ManifestError(
+                f"{file}: its header claims {length} bytes (the file has {size}; at most {MAX_HEADER_BYTES} are "
+                "accepted). It is not a safetensors file, or it is damaged or crafted."
+            )
+        raw = f.read(length)
+    data_size = size - 8 - length
+    if parse_cost(raw) > MAX_PARSE_FACTOR * len(raw) + (16 << 20):
+        raise ManifestError(f"{file}: its header is densely packed JSON that no safetensors writer makes.")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ManifestError(f"{file}: its header is not valid JSON; the file is damaged.") from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{file}: its header is not a JSON object.")
+    metadata = doc.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ManifestError(f"{file}: its __metadata__ must map strings to strings.")
+    tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in doc.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise ManifestError(f"{file}: tensor {name!r} is not {{dtype, shape, data_offsets}}.")
+        dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise ManifestError(f"{file}: tensor {name!r} has an unknown dtype {entry['dtype']!r}.")
+        shape = parse_shape(entry["shape"], name)
+        offsets = entry["data_offsets"]
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_size
+        ):
+            raise ManifestError(
+                f"{file}: tensor {name!r} has data_offsets {offsets!r} outside the {data_size} bytes of data. "
+                "The file is truncated, damaged or crafted."
+            )
+        if offsets[1] - offsets[0] != math.prod(shape) * np.dtype(dtype).itemsize:
+            raise ManifestError(
+                f"{file}: tensor {name!r} is {entry['dtype']}{list(shape)} but spans {offsets[1] - offsets[0]} bytes."
+            )
+        tensors[name] = (dtype, shape, offsets[0])
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ManifestError(
+                f"{file}: tensors {first!r} and {second!r} overlap in the data. The file is damaged or crafted."
+            )
+    return tensors, 8 + length, metadata
+
+
+def _check_tree(leaves: dict[str, Any], location: str) -> None:
+    """Names must describe one tree: no tensor's path is also a prefix of another's."""
+    paths = sorted(leaves)
+    for first, second in zip(paths, paths[1:]):
+        if second.startswith(first + "/"):
+            raise ManifestError(
+                f"{location}: tensor paths {first!r} and {second!r} cannot both be leaves of one tree "
+                "(one is inside the other). Open it with a CheckpointTranslator that renames one of them."
+            )
+
+
+def open_safetensors(path: pathlib.Path) -> SafetensorsCheckpoint:
+    """A ``.safetensors`` file, a directory holding ``model.safetensors``, or a sharded
+    directory (``model.safetensors.index.json`` and its shards)."""
+    if path.is_file():
+        return SafetensorsCheckpoint(str(path), {path.name: path})
+    index_file = path / INDEX_NAME
+    if index_file.is_file():
+        raw = index_file.read_bytes()[: MAX_INDEX_BYTES + 1]
+        if len(raw) > MAX_INDEX_BYTES:
+            raise ManifestError(f"{index_file} is over {MAX_INDEX_BYTES} bytes.")
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise ManifestError(f"{index_file} is not valid JSON.") from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ManifestError(f"{index_file} has no 'weight_map' of tensor names to shard files.")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if "/" in shard or "\\" in shard or shard.startswith(".") or not shard:
+                raise ManifestError(f"{index_file} names shard {shard!r}, which is not a file in {path}.")
+        source = SafetensorsCheckpoint(str(path), {shard: path / shard for shard in shards}, weight_map)
+        metadata = doc.get("metadata", {})
+        source.metadata = dict(metadata) if isinstance(metadata, dict) else {}
+        return source
+    if (path / SINGLE_NAME).is_file():
+        return SafetensorsCheckpoint(str(path), {SINGLE_NAME: path / SINGLE_NAME})
+    raise CheckpointNotFoundError(f"No safetensors file at {path} (no {SINGLE_NAME} or {INDEX_NAME}).")
+
+
+def save_safetensors(path: str | os.PathLike[str], tree: PyTree, *, metadata: dict[str, str] | None = None) -> None:
+    """Write a pytree's arrays as one safetensors file, atomically.
+
+    Tensor names are the leaves' paths with ``/`` turned into ``.``
+    (``layers/0/weight`` is ``layers.0.weight``), so the file loads in
+    `safetensors` itself and back through `eqxckpt.load`.
+
+    **Arguments:**
+
+    - `path`: the ``.safetensors`` file to write (replaced if it exists).
+    - `tree`: a pytree whose leaves are arrays (other leaves are refused: a
+      safetensors file holds tensors only; filter them out first with
+      ``eqx.filter(tree, eqx.is_array)``).
+    - `metadata`: string-to-string metadata, stored as ``__metadata__``.
+
+    **Returns:** nothing; the file is complete and durable on return.
+
+    ```python
+    eqxckpt.save_safetensors("model.safetensors", eqx.filter(model, eqx.is_array))
+    params = safetensors.numpy.load_file("model.safetensors")
+    ```
+    """
+    metadata = {} if metadata is None else metadata
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError("safetensors metadata must map strings to strings.")
+    flat, _ = flatten(tree)
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    arrays: list[np.ndarray] = []
+    offset = 0
+    for leaf_path, keypath, leaf in flat:
+        if leaf is None:
+            continue
+        if not (isinstance(leaf, (jax.Array, np.ndarray, np.generic))):
+            raise CheckpointError(
+                f"Leaf {leaf_path!r} is {type(leaf).__name__}, not an array: a safetensors file holds tensors only. "
+                "Filter the tree first (eqx.filter(tree, eqx.is_array))."
+            )
+        parts = [str(key_entry_record(entry)[1]) for entry in keypath]
+        if any("." in part for part in parts) or not all(parts):
+            raise PathError(
+                f"Leaf {leaf_path!r}: its keys {parts} contain '.' or are empty, so its safetensors name would be "
+                "ambiguous. Rename the key, or use eqxckpt.save."
+            )
+        name = ".".join(parts)
+        array = np.ascontiguousarray(np.asarray(leaf))
+        dtype = NAMES.get(array.dtype.name)
+        if dtype is None:
+            raise CheckpointError(f"Leaf {leaf_path!r} has dtype {array.dtype.name}, which safetensors cannot hold.")
+        if name in header:
+            raise PathError(f"Two leaves are both named {name!r} in safetensors.")
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        arrays.append(array)
+        offset += array.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the safetensors library writes
+    final = pathlib.Path(path)
+    tmp = final.with_name(f".{final.name}.eqxckpt-tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for array in arrays:
+                f.write(array.reshape(-1).view(np.uint8).data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_path(final.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,223 @@
+"""safetensors in and out, with files written and read by the real `safetensors` library."""
+
+import json
+import struct
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy as stn
+from conftest import assert_trees_equal
+from hypothesis import given, settings, strategies as st
+
+import eqxckpt
+import eqxckpt._safetensors as safetensors_module
+
+
+def make_model(key=None):
+    return eqx.nn.MLP(4, 3, 16, 2, key=jax.random.key(0) if key is None else key)
+
+
+def tensors_of(tree, prefix=""):
+    """``{"model.layers.0.weight": array}`` as a PyTorch/HF export would name them."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))
+    out = {}
+    for keypath, leaf in flat:
+        parts = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in keypath]
+        out[prefix + ".".join(parts)] = np.asarray(leaf)
+    return out
+
+
+@pytest.fixture
+def hf_file(tmp_path):
+    model = make_model()
+    tensors = tensors_of(model, "model.")
+    tensors["model.embedding"] = np.asarray(jax.random.normal(jax.random.key(1), (8, 4)), ml_dtypes.bfloat16)
+    tensors["model.positions"] = np.arange(8, dtype=np.int32)
+    tensors["opt.mu"] = np.full((512, 64), 0.5, np.float32)  # what a params-only load must not read
+    path = tmp_path / "model.safetensors"
+    stn.save_file(tensors, str(path), metadata={"source": "test"})
+    return path, model, tensors
+
+
+def test_open_lists_paths_shapes_and_metadata(hf_file):
+    path, _, tensors = hf_file
+    ckpt = eqxckpt.open(path)
+    assert sorted(ckpt.paths) == sorted(name.replace(".", "/") for name in tensors)
+    assert ckpt.metadata == {"source": "test"}
+    assert ckpt.leaf("model/embedding").describe() == "bfloat16[8,4]"
+    np.testing.assert_array_equal(ckpt["model/positions"].get(), np.arange(8, dtype=np.int32))
+
+
+def test_load_into_arrays_skeletons_at_transforms_and_a_translator(hf_file):
+    path, model, tensors = hf_file
+    params, static = eqx.partition(model, eqx.is_array)
+    # Into real arrays and into a filter_eval_shape skeleton, at="model", bit-exact.
+    like = {
+        "layers": eqx.filter(model, eqx.is_array).layers,
+        "embedding": jnp.zeros((8, 4), jnp.bfloat16),
+        "positions": jnp.zeros(8, jnp.int32),
+    }
+    got = eqxckpt.load(path, like, at="model")
+    assert_trees_equal(got["layers"], params.layers)
+    np.testing.assert_array_equal(np.asarray(got["embedding"]), tensors["model.embedding"])
+    assert got["positions"].dtype == jnp.int32
+    skeleton = eqx.filter_eval_shape(lambda: like)
+    assert_trees_equal(eqxckpt.load(path, skeleton, at="model"), got)
+    # transforms= renames on the way in.
+    renamed = {"first_weight": jnp.zeros((16, 4))}
+    rules = {"first_weight": eqxckpt.Transform(original_key="layers/0/weight")}
+    out = eqxckpt.load(path, renamed, at="model", transforms=rules)
+    np.testing.assert_array_equal(np.asarray(out["first_weight"]), tensors["model.layers.0.weight"])
+    # A CheckpointTranslator maps HF-style names onto an Equinox module, which then loads strictly.
+    translator = eqxckpt.CheckpointTranslator()
+
+    @translator.add(r"model/layers/(\d+)/(weight|bias)")
+    def _(opts, key, value, index, name):
+        return f"layers/{index}/{name}", value
+
+    @translator.add(r"model/.*|opt/.*")
+    def _(opts, key, value):
+        return None, None
+
+    restored = eqxckpt.load(translator.apply(eqxckpt.open(path)), eqx.filter_eval_shape(make_model))
+    assert_trees_equal(eqx.filter(restored, eqx.is_array), params)
+    assert restored.activation is model.activation  # static parts come from the skeleton
+
+
+def test_a_partial_load_reads_only_its_bytes(hf_file, monkeypatch):
+    path, model, tensors = hf_file
+    read = []
+    real = safetensors_module.read_range
+    monkeypatch.setattr(
+        safetensors_module,
+        "read_range",
+        lambda file, offset, buffer, name: (read.append(buffer.nbytes), real(file, offset, buffer, name))[1],
+    )
+    eqxckpt.load(path, at="model")
+    model_bytes = sum(v.nbytes for k, v in tensors.items() if k.startswith("model."))
+    assert sum(read) == model_bytes and model_bytes < tensors["opt.mu"].nbytes / 4
+
+
+def test_a_sharded_huggingface_directory(tmp_path):
+    tensors = {f"encoder.block.{i}.layer.0.SelfAttention.q.weight": np.full((4, 4), i, np.float32) for i in range(4)}
+    tensors["shared.weight"] = np.arange(24, dtype=np.float32).reshape(6, 4).astype(ml_dtypes.bfloat16)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:2], "model-00002-of-00002.safetensors": names[2:]}
+    for shard, members in shards.items():
+        stn.save_file({n: tensors[n] for n in members}, str(tmp_path / shard))
+    index = {
+        "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+        "weight_map": {n: shard for shard, members in shards.items() for n in members},
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    ckpt = eqxckpt.open(tmp_path)
+    assert ckpt.metadata == index["metadata"] and len(ckpt) == 5
+    everything = eqxckpt.load(tmp_path)
+    for name, value in tensors.items():
+        node = everything
+        for part in name.split("."):
+            node = node[part]
+        np.testing.assert_array_equal(node, value)
+        assert node.dtype == value.dtype
+    # An index that names a shard outside the directory is refused.
+    index["weight_map"][names[0]] = "../elsewhere.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(eqxckpt.ManifestError, match="not a file in"):
+        eqxckpt.open(tmp_path)
+
+
+def test_save_safetensors_loads_in_safetensors_bit_exact(tmp_path):
+    model = make_model()
+    tree = {
+        "model": eqx.filter(model, eqx.is_array),
+        "step": np.int64(3),
+        "scale": jnp.ones(2, jnp.bfloat16),
+        "nan": np.array([np.nan, -0.0, np.inf], np.float32),
+    }
+    eqxckpt.save_safetensors(tmp_path / "out.safetensors", tree, metadata={"step": "3"})
+    loaded = stn.load_file(str(tmp_path / "out.safetensors"))
+    expected = {name: value for name, value in tensors_of(tree["model"], "model.").items()}
+    expected.update({"step": np.int64(3), "scale": np.ones(2, ml_dtypes.bfloat16), "nan": tree["nan"]})
+    assert sorted(loaded) == sorted(expected)
+    for name, value in expected.items():
+        assert loaded[name].dtype == np.asarray(value).dtype
+        assert loaded[name].tobytes() == np.asarray(value).tobytes()
+    back = eqxckpt.load(tmp_path / "out.safetensors", eqx.filter(model, eqx.is_array), at="model")
+    assert_trees_equal(back, eqx.filter(model, eqx.is_array))
+    assert eqxckpt.open(tmp_path / "out.safetensors").metadata == {"step": "3"}
+
+
+def test_save_safetensors_refuses_ambiguous_names_and_non_arrays(tmp_path):
+    with pytest.raises(eqxckpt.PathError, match="ambiguous"):
+        eqxckpt.save_safetensors(tmp_path / "a.safetensors", {"a.b": np.ones(2), "a": {"b": np.zeros(2)}})
+    with pytest.raises(eqxckpt.CheckpointError, match="not an array"):
+        eqxckpt.save_safetensors(tmp_path / "b.safetensors", {"f": jax.nn.relu})
+    assert not list(tmp_path.iterdir())
+
+
+def crafted(tmp_path, header, data=b"", length=None):
+    raw = json.dumps(header).encode()
+    path = tmp_path / "crafted.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "header, data, length, match",
+    [
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            None,
+            "overlap",
+        ),
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, None, "outside the 8 bytes"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None, "spans 8 bytes"),
+        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, 1 << 40, "header claims"),
+        ({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8, None, "unknown dtype"),
+        ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4, None, "negative"),
+        ({"__metadata__": {"a": 1}}, b"", None, "strings to strings"),
+    ],
+)
+def test_crafted_headers_are_clear_errors(tmp_path, header, data, length, match):
+    path = crafted(tmp_path, header, data, length)
+    with pytest.raises(eqxckpt.ManifestError, match=match):
+        eqxckpt.load(path)
+
+
+@settings(max_examples=150, deadline=None)
+@given(position=st.integers(0, 200), value=st.integers(0, 255))
+def test_mutated_headers_fail_only_with_checkpoint_errors(tmp_path_factory, position, value):
+    """A byte flipped anywhere in a real file's header: a CheckpointError or the exact values, nothing else."""
+    directory = tmp_path_factory.mktemp("mutated")
+    tensors = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, ml_dtypes.bfloat16)}
+    path = directory / "m.safetensors"
+    stn.save_file(tensors, str(path))
+    raw = bytearray(path.read_bytes())
+    raw[position % len(raw)] = value
+    path.write_bytes(bytes(raw))
+    try:
+        got = eqxckpt.load(path)
+    except eqxckpt.CheckpointError:
+        return
+    for name in got:
+        assert got[name].shape == tensors.get(name, got[name]).shape
+
+
+def test_a_pytorch_pickle_is_refused_with_how_to_convert(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + b"\0" * 64)
+    for where in (tmp_path / "pytorch_model.bin", tmp_path):
+        with pytest.raises(eqxckpt.UnsupportedFormatError, match="pickle.*never does.*safetensors"):
+            eqxckpt.load(where)
+    (tmp_path / "weights.pt").write_bytes(b"\x80\x02}q\x00.")
+    with pytest.raises(eqxckpt.UnsupportedFormatError, match="pickle"):
+        eqxckpt.open(tmp_path / "weights.pt")
+    with pytest.raises(eqxckpt.UnsupportedFormatError, match="Unknown format"):
+        eqxckpt.open(tmp_path, format="pickle")
