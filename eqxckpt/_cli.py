@@ -4,8 +4,8 @@ import argparse
 import json
 import sys
 
-from ._checkpoint import open_checkpoint
 from ._errors import CheckpointError
+from ._formats import FORMATS, open as open_source
 from ._paths import depth, normalize_at
 
 
@@ -41,7 +41,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.tree import Tree
 
-    checkpoint = open_checkpoint(checkpoint_path(args.path))
+    checkpoint = open_source(checkpoint_path(args.path), format=args.format)
     prefix = normalize_at(args.at)
     records = checkpoint.records(prefix)
     if not records:
@@ -110,6 +110,51 @@ def _import_t5(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    import time
+
+    import jax
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ._safetensors import save_safetensors
+    from ._save import save
+    from ._source import LazyEntry
+
+    source = open_source(checkpoint_path(args.src), format=args.format)
+    started = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True), TimeRemainingColumn())
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task(f"{args.src} -> {args.dst}", total=source.nbytes)
+        read = source._read
+
+        def counted(wanted):  # each tensor read from the source moves the bar
+            values = read(wanted)
+            progress.advance(task, sum(leaf.nbytes for leaf, _ in wanted))
+            return values
+
+        source._read = counted  # type: ignore[method-assign]
+        if args.to == "safetensors":
+            if args.overwrite is False and _exists(args.dst):
+                raise CheckpointError(f"{args.dst} exists; pass --overwrite to replace it.")
+            arrays = jax.tree_util.tree_map(lambda x: x if isinstance(x, LazyEntry) else None, source.tree())
+            metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in source.metadata.items()}
+            save_safetensors(args.dst, arrays, metadata=metadata)
+        else:
+            save(checkpoint_path(args.dst), source.tree(), metadata=source.metadata, overwrite=args.overwrite)
+        progress.update(task, completed=source.nbytes)
+    print(
+        f"wrote {args.dst} ({args.to}): {len(source)} leaves, {human_bytes(source.nbytes)} in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
+    return 0
+
+
+def _exists(path: str) -> bool:
+    import pathlib
+
+    return pathlib.Path(path).exists()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``eqxckpt`` / ``python -m eqxckpt``.
 
@@ -122,10 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     inspect = sub.add_parser("inspect", help="print the leaves with shapes, dtypes and sizes")
     inspect.add_argument("path", help="checkpoint directory, URL (s3://bucket/prefix) or kvstore spec as JSON")
     inspect.add_argument("--at", default=None, help="only the subtree under this path prefix")
+    inspect.add_argument("--format", default=None, choices=FORMATS, help="the format (default: detected)")
     inspect.set_defaults(run=_inspect)
     check = sub.add_parser("verify", help="read every chunk and check it against the manifest; exit 1 if damaged")
     check.add_argument("path", help="checkpoint directory, URL or kvstore spec as JSON")
     check.set_defaults(run=_verify)
+    convert = sub.add_parser("convert", help="convert a checkpoint between formats (eqxckpt, safetensors)")
+    convert.add_argument("src", help="checkpoint to read: eqxckpt, a .safetensors file or a HuggingFace directory")
+    convert.add_argument("dst", help="where to write")
+    convert.add_argument("--to", default="eqxckpt", choices=FORMATS, help="the format to write (default: eqxckpt)")
+    convert.add_argument("--format", default=None, choices=FORMATS, help="the format of SRC (default: detected)")
+    convert.add_argument("--overwrite", action="store_true", help="replace what is at DST")
+    convert.set_defaults(run=_convert)
     t5 = sub.add_parser("import-t5", help="convert a Mesh TensorFlow T5 checkpoint to an eqxckpt checkpoint")
     t5.add_argument("src", help="TF checkpoint directory or prefix")
     t5.add_argument("out", help="where to write the eqxckpt checkpoint")

@@ -11,6 +11,7 @@ Tensor names map to paths by splitting at ``.``:
 ``encoder/block/0/layer/0/SelfAttention/q/weight``.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
 from ._manifest import MAX_PARSE_FACTOR, parse_cost
 from ._paths import encode_segment, key_entry_record
-from ._source import Source
+from ._source import LazyEntry, Source
 from ._store import fsync_path
 from ._tree import flatten
 
@@ -255,7 +256,8 @@ def save_safetensors(path: str | os.PathLike[str], tree: PyTree, *, metadata: di
     - `path`: the ``.safetensors`` file to write (replaced if it exists).
     - `tree`: a pytree whose leaves are arrays (other leaves are refused: a
       safetensors file holds tensors only; filter them out first with
-      ``eqx.filter(tree, eqx.is_array)``).
+      ``eqx.filter(tree, eqx.is_array)``). Lazy arrays of an opened checkpoint
+      (``eqxckpt.open(src).tree()``) are read one at a time while writing.
     - `metadata`: string-to-string metadata, stored as ``__metadata__``.
 
     **Returns:** nothing; the file is complete and durable on return.
@@ -270,12 +272,12 @@ def save_safetensors(path: str | os.PathLike[str], tree: PyTree, *, metadata: di
         raise CheckpointError("safetensors metadata must map strings to strings.")
     flat, _ = flatten(tree)
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    arrays: list[np.ndarray] = []
+    arrays: list[Any] = []  # host arrays, or lazy entries read one at a time while writing
     offset = 0
     for leaf_path, keypath, leaf in flat:
         if leaf is None:
             continue
-        if not (isinstance(leaf, (jax.Array, np.ndarray, np.generic))):
+        if not (isinstance(leaf, (jax.Array, np.ndarray, np.generic, LazyEntry))):
             raise CheckpointError(
                 f"Leaf {leaf_path!r} is {type(leaf).__name__}, not an array: a safetensors file holds tensors only. "
                 "Filter the tree first (eqx.filter(tree, eqx.is_array))."
@@ -287,10 +289,10 @@ def save_safetensors(path: str | os.PathLike[str], tree: PyTree, *, metadata: di
                 "ambiguous. Rename the key, or use eqxckpt.save."
             )
         name = ".".join(parts)
-        array = np.ascontiguousarray(np.asarray(leaf))
-        dtype = NAMES.get(array.dtype.name)
+        array = leaf if isinstance(leaf, LazyEntry) else np.ascontiguousarray(np.asarray(leaf))
+        dtype = NAMES.get(np.dtype(array.dtype).name)
         if dtype is None:
-            raise CheckpointError(f"Leaf {leaf_path!r} has dtype {array.dtype.name}, which safetensors cannot hold.")
+            raise CheckpointError(f"Leaf {leaf_path!r} has dtype {array.dtype}, which safetensors cannot hold.")
         if name in header:
             raise PathError(f"Two leaves are both named {name!r} in safetensors.")
         header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
@@ -304,8 +306,13 @@ def save_safetensors(path: str | os.PathLike[str], tree: PyTree, *, metadata: di
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
-            for array in arrays:
-                f.write(array.reshape(-1).view(np.uint8).data)
+            with contextlib.ExitStack() as sources:
+                for source in {id(a.source): a.source for a in arrays if isinstance(a, LazyEntry)}.values():
+                    sources.enter_context(source.consistent())
+                for array in arrays:
+                    if isinstance(array, LazyEntry):
+                        array = np.ascontiguousarray(np.asarray(array.get()))
+                    f.write(array.reshape(-1).view(np.uint8).data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

@@ -14,12 +14,13 @@ from jaxtyping import PyTree
 
 from ._backend import NOTHING_COMMITTED, CheckpointPath, Staging, Storage, expected_files
 from ._background import SAVES, SaveHandle
-from ._checkpoint import Checkpoint, LazyArray
+from ._checkpoint import LazyArray
 from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointError, CheckpointWriteError
 from ._leaf import Leaf, StoredLeaf, leaf_of
 from ._manifest import Manifest
 from ._paths import key_entry_record
+from ._source import LazyEntry, Source
 from ._storage import resolve
 from ._store import array_spec, is_storage_error, read_window, reason, shared_context
 from ._tree import flatten
@@ -48,7 +49,7 @@ def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
                 "wrap a single array, e.g. save(path, {'x': array})."
             )
         keys = tuple(tuple(key_entry_record(e)) for e in keypath)
-        if isinstance(value, LazyArray):
+        if isinstance(value, LazyEntry):
             record, data = value._saved_as(path, keys), value
         else:
             record, data = leaf_of(path, keys, value)
@@ -87,7 +88,7 @@ def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) ->
                 data.copy_to_host_async()
     for leaf in leaves:
         leaf.pieces = [
-            (index, data if isinstance(data, LazyArray) else _host(data, copy)) for index, data in leaf.pieces
+            (index, data if isinstance(data, LazyEntry) else _host(data, copy)) for index, data in leaf.pieces
         ]
     return leaves
 
@@ -165,7 +166,7 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         )
         for store, leaf in zip(stores, leaves)
         for index, data in leaf.pieces
-        if not isinstance(data, LazyArray)
+        if not isinstance(data, LazyEntry)
     ]
     _settle(writes, "Writing")
     # Leaves from another checkpoint are streamed, a window of bytes at a time,
@@ -174,7 +175,7 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         (store, leaf.record, data)
         for store, leaf in zip(stores, leaves)
         for _, data in leaf.pieces
-        if isinstance(data, LazyArray)
+        if isinstance(data, LazyEntry)
     ]
     window = read_window(sum(data.nbytes for _, _, data in copies))
     batches: list[list] = [[]]
@@ -186,7 +187,13 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         batches[-1].append(copy)
         size += copy[2].nbytes
     for batch in batches:
-        _settle([(record, store.write(data._stream())) for store, record, data in batch], "Copying")
+        _settle([(record, store.write(_copy_from(data))) for store, record, data in batch], "Copying")
+
+
+def _copy_from(data: LazyEntry) -> Any:
+    """What a copy writes: an eqxckpt leaf as a TensorStore view (streamed chunk by
+    chunk), a foreign format's tensor read whole (one at a time, within the batch)."""
+    return data._stream() if isinstance(data, LazyArray) else data.get()
 
 
 def _run(location: Storage, manifest: Manifest, leaves: list[_Leaf], overwrite: bool, phases: Phases | None) -> None:
@@ -212,11 +219,11 @@ def _run(location: Storage, manifest: Manifest, leaves: list[_Leaf], overwrite: 
         mine = leaves if created is not None else [leaf for leaf in leaves if leaf.pieces]
         with contextlib.ExitStack() as sources:
             # Leaves copied from other checkpoints: those must stay the same until written.
-            copied: dict[int, Checkpoint] = {
-                id(d.checkpoint): d.checkpoint for leaf in mine for _, d in leaf.pieces if isinstance(d, LazyArray)
+            copied: dict[int, Source] = {
+                id(d.source): d.source for leaf in mine for _, d in leaf.pieces if isinstance(d, LazyEntry)
             }
-            for checkpoint in copied.values():
-                sources.enter_context(checkpoint.consistent())
+            for source in copied.values():
+                sources.enter_context(source.consistent())
             _write_pieces(created if created is not None else _open_arrays(staging.storage, mine, create=False), mine)
         staging.sync()
 

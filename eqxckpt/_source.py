@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._leaf import Leaf, StoredLeaf
+from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._paths import depth, normalize_at, relative_to
 from ._tree import build_plain_tree
 
@@ -212,6 +212,10 @@ class LazyEntry:
         """Read the data (a numpy array; a jax key array for PRNG keys)."""
         with self.source.consistent():
             return self.source._read([(self.leaf, None)])[0]
+
+    def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
+        """The leaf this array becomes when it is saved at ``path`` (copied from its source)."""
+        return self.leaf.copied(path, keys, tuple(self.shape), self.dtype, False)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         data = np.asarray(self.get())

@@ -41,3 +41,29 @@ def test_inspect_bad_path_exits_nonzero_with_one_line(tmp_path):
 
 def test_human_bytes():
     assert [human_bytes(n) for n in (0, 1023, 1536, 3 * 2**30)] == ["0 B", "1023 B", "1.5 KiB", "3.0 GiB"]
+
+
+def test_convert_between_safetensors_and_eqxckpt_round_trips_bit_exact(tmp_path, capsys):
+    import ml_dtypes
+    import safetensors.numpy as stn
+
+    tensors = {
+        "model.layers.0.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "model.embedding": np.arange(8, dtype=np.float32).astype(ml_dtypes.bfloat16),
+        "model.positions": np.arange(5, dtype=np.int64),
+    }
+    stn.save_file(tensors, str(tmp_path / "hf.safetensors"), metadata={"origin": "hub"})
+    assert main(["convert", str(tmp_path / "hf.safetensors"), str(tmp_path / "eqx")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    ckpt = eqxckpt.open(tmp_path / "eqx")
+    assert ckpt.metadata == {"origin": "hub"} and ckpt.leaf("model/embedding").describe() == "bfloat16[8]"
+    assert main(["inspect", str(tmp_path / "hf.safetensors")]) == 0
+    assert "positions  int64[5]" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "eqx"), str(tmp_path / "back.safetensors"), "--to", "safetensors"]) == 0
+    back = stn.load_file(str(tmp_path / "back.safetensors"))
+    assert sorted(back) == sorted(tensors)
+    for name, value in tensors.items():
+        assert back[name].dtype == value.dtype and back[name].tobytes() == value.tobytes()
+    # Nothing is replaced without --overwrite.
+    assert main(["convert", str(tmp_path / "eqx"), str(tmp_path / "back.safetensors"), "--to", "safetensors"]) == 1
+    assert main(["convert", str(tmp_path / "hf.safetensors"), str(tmp_path / "eqx")]) == 1

@@ -221,3 +221,17 @@ def test_a_pytorch_pickle_is_refused_with_how_to_convert(tmp_path):
         eqxckpt.open(tmp_path / "weights.pt")
     with pytest.raises(eqxckpt.UnsupportedFormatError, match="Unknown format"):
         eqxckpt.open(tmp_path, format="pickle")
+
+
+def test_saving_an_opened_safetensors_tree_copies_it_into_eqxckpt_and_back(hf_file, tmp_path):
+    """save(dst, open(src).tree()) copies lazily, tensor by tensor; save_safetensors of a lazy tree too."""
+    path, _, tensors = hf_file
+    eqxckpt.save(tmp_path / "eqx", eqxckpt.open(path).tree(), metadata={"from": "hf"})
+    copied = eqxckpt.open(tmp_path / "eqx")
+    assert sorted(copied.paths) == sorted(eqxckpt.open(path).paths)
+    for name, value in tensors.items():
+        got = copied[name.replace(".", "/")].get()
+        assert got.dtype == value.dtype and got.tobytes() == value.tobytes()
+    eqxckpt.save_safetensors(tmp_path / "again.safetensors", copied.tree())
+    again = stn.load_file(str(tmp_path / "again.safetensors"))
+    assert {k: v.tobytes() for k, v in again.items()} == {k: v.tobytes() for k, v in tensors.items()}
