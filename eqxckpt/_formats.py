@@ -4,6 +4,7 @@
 - ``safetensors``: a ``.safetensors`` file, a directory holding
   ``model.safetensors``, or a sharded HuggingFace directory
   (``model.safetensors.index.json`` and its shards).
+- ``orbax``: a directory `orbax-checkpoint` wrote a pytree into (``_METADATA``).
 
 PyTorch pickles (``.bin``, ``.pt``...) are refused: reading one runs code
 from the file.
@@ -14,12 +15,13 @@ from typing import Any
 
 from ._checkpoint import open_checkpoint
 from ._errors import UnsupportedFormatError
+from ._orbax import OrbaxCheckpoint, is_orbax
 from ._paths import MANIFEST_NAME
 from ._safetensors import INDEX_NAME, SINGLE_NAME, open_safetensors
 from ._source import Source
 from ._storage import CheckpointPath, resolve
 
-FORMATS = ("eqxckpt", "safetensors")
+FORMATS = ("eqxckpt", "safetensors", "orbax")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle")
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -31,8 +33,8 @@ def open(path: CheckpointPath, *, format: str | None = None) -> Source:  # noqa:
 
     - `path`: where the checkpoint is: a local directory or file, a ``file://``,
       ``memory://``, ``s3://`` or ``gs://`` URL, or a TensorStore kvstore spec dict.
-    - `format`: ``"eqxckpt"`` or ``"safetensors"``; None detects it from what
-      is at ``path``.
+    - `format`: ``"eqxckpt"``, ``"safetensors"`` or ``"orbax"``; None detects
+      it from what is at ``path``.
 
     **Returns:** the checkpoint (a `Checkpoint` for eqxckpt's format): its
     paths, metadata, and lazy leaves, which `eqxckpt.load` restores.
@@ -46,12 +48,12 @@ def open(path: CheckpointPath, *, format: str | None = None) -> Source:  # noqa:
     if format is not None and format not in FORMATS:
         raise UnsupportedFormatError(f"Unknown format {format!r}: eqxckpt reads {', '.join(FORMATS)}.")
     found = detect(path) if format is None else format
-    if found == "safetensors":
-        local = resolve(path).local
-        if local is None:
-            raise UnsupportedFormatError(f"safetensors files are read from local paths only, not {resolve(path)}.")
-        return open_safetensors(local)
-    return open_checkpoint(path)
+    if found == "eqxckpt":
+        return open_checkpoint(path)
+    local = resolve(path).local
+    if local is None:
+        raise UnsupportedFormatError(f"{found} checkpoints are read from local paths only, not {resolve(path)}.")
+    return open_safetensors(local) if found == "safetensors" else OrbaxCheckpoint(local)
 
 
 def detect(path: CheckpointPath) -> str:
@@ -67,6 +69,8 @@ def detect(path: CheckpointPath) -> str:
     elif local.is_dir() and not (local / MANIFEST_NAME).exists():
         if (local / INDEX_NAME).is_file() or (local / SINGLE_NAME).is_file():
             return "safetensors"
+        if is_orbax(local):
+            return "orbax"
         for name in PICKLE_FILES:
             if (local / name).exists():
                 _refuse_pickle(local / name)

@@ -1,0 +1,94 @@
+"""Orbax checkpoints, written by the real `orbax-checkpoint`, read without importing it."""
+
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from conftest import assert_trees_equal
+
+import eqxckpt
+
+
+def make_model(key=None):
+    return eqx.nn.MLP(4, 3, 16, 2, key=jax.random.key(0) if key is None else key)
+
+
+def state():
+    params = eqx.filter(make_model(), eqx.is_array)
+    opt = optax.adam(1e-3).init(params)
+    extra = {
+        "embedding": jnp.arange(12.0).reshape(3, 4).astype(jnp.bfloat16),
+        "positions": jnp.arange(5, dtype=jnp.int32),
+    }
+    return {"params": params, "opt": opt, "extra": extra, "step": 7, "lr": 0.25}
+
+
+@pytest.fixture(scope="module", params=["ocdbt", "per-leaf"])
+def orbax_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("orbax") / "ckpt"
+    tree = state()
+    if request.param == "ocdbt":
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(os.fspath(path), tree)
+        checkpointer.wait_until_finished()
+    else:
+        ocp.PyTreeCheckpointer(use_ocdbt=False).save(os.fspath(path), tree)
+    return path, tree
+
+
+def test_open_and_load_everything_bit_exact(orbax_dir):
+    path, tree = orbax_dir
+    ckpt = eqxckpt.open(path)
+    assert "params/layers/0/weight" in ckpt.paths and ckpt.leaf("extra/embedding").describe() == "bfloat16[3,4]"
+    assert ckpt["step"] == 7 and ckpt["lr"] == 0.25
+    like = jax.tree_util.tree_map(lambda x: x, tree)
+    restored = eqxckpt.load(path, like)
+    assert_trees_equal(restored, tree)
+    skeleton = eqx.filter_eval_shape(state)
+    assert_trees_equal(eqxckpt.load(path, skeleton), tree)
+
+
+def test_params_only_transforms_and_a_translator(orbax_dir):
+    path, tree = orbax_dir
+    model = eqxckpt.load(path, eqx.filter_eval_shape(make_model), at="params")
+    assert_trees_equal(eqx.filter(model, eqx.is_array), tree["params"])
+    assert model.activation is make_model().activation
+    rules = {"first": eqxckpt.Transform(original_key="params/layers/0/weight")}
+    got = eqxckpt.load(path, {"first": jnp.zeros((16, 4))}, transforms=rules)
+    np.testing.assert_array_equal(np.asarray(got["first"]), np.asarray(tree["params"].layers[0].weight))
+    translator = eqxckpt.CheckpointTranslator()
+
+    @translator.add(r"params/(.*)")
+    def _(opts, key, value, rest):
+        return f"model/{rest}", value
+
+    @translator.add(r".*")
+    def _(opts, key, value):
+        return None, None
+
+    view = translator.apply(eqxckpt.open(path))
+    again = eqxckpt.load(view, eqx.filter_eval_shape(make_model), at="model")
+    assert_trees_equal(eqx.filter(again, eqx.is_array), tree["params"])
+
+
+def test_crafted_metadata_and_symlinks_are_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    ocp.PyTreeCheckpointer(use_ocdbt=False).save(os.fspath(path), {"w": np.arange(3.0)})
+    doc = json.loads((path / "_METADATA").read_text())
+    [entry] = doc["tree_metadata"].values()
+    entry["key_metadata"][0]["key"] = "../outside"
+    (path / "_METADATA").write_text(json.dumps({**doc, "tree_metadata": {"x": entry}}))
+    with pytest.raises(eqxckpt.ManifestError, match="will not use as a storage path"):
+        eqxckpt.open(path, format="orbax")
+    other = tmp_path / "other"
+    ocp.PyTreeCheckpointer(use_ocdbt=False).save(os.fspath(other), {"w": np.arange(3.0)})
+    (other / "w").rename(tmp_path / "elsewhere")
+    (other / "w").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(eqxckpt.ManifestError, match="symlink"):
+        eqxckpt.load(other)
