@@ -5,6 +5,9 @@
   ``model.safetensors``, or a sharded HuggingFace directory
   (``model.safetensors.index.json`` and its shards).
 - ``orbax``: a directory `orbax-checkpoint` wrote a pytree into (``_METADATA``).
+- ``tf``: a TensorFlow checkpoint: a directory with a ``checkpoint`` file, or a
+  prefix (``model.ckpt-1000`` beside ``model.ckpt-1000.index``). Needs
+  TensorFlow (``pip install 'eqxckpt[tf]'``).
 
 PyTorch pickles (``.bin``, ``.pt``...) are refused: reading one runs code
 from the file.
@@ -20,8 +23,9 @@ from ._paths import MANIFEST_NAME
 from ._safetensors import INDEX_NAME, SINGLE_NAME, open_safetensors
 from ._source import Source
 from ._storage import CheckpointPath, resolve
+from ._tensorflow import open_tf
 
-FORMATS = ("eqxckpt", "safetensors", "orbax")
+FORMATS = ("eqxckpt", "safetensors", "orbax", "tf")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle")
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -33,8 +37,8 @@ def open(path: CheckpointPath, *, format: str | None = None) -> Source:  # noqa:
 
     - `path`: where the checkpoint is: a local directory or file, a ``file://``,
       ``memory://``, ``s3://`` or ``gs://`` URL, or a TensorStore kvstore spec dict.
-    - `format`: ``"eqxckpt"``, ``"safetensors"`` or ``"orbax"``; None detects
-      it from what is at ``path``.
+    - `format`: ``"eqxckpt"``, ``"safetensors"``, ``"orbax"`` or ``"tf"``;
+      None detects it from what is at ``path``.
 
     **Returns:** the checkpoint (a `Checkpoint` for eqxckpt's format): its
     paths, metadata, and lazy leaves, which `eqxckpt.load` restores.
@@ -53,6 +57,8 @@ def open(path: CheckpointPath, *, format: str | None = None) -> Source:  # noqa:
     local = resolve(path).local
     if local is None:
         raise UnsupportedFormatError(f"{found} checkpoints are read from local paths only, not {resolve(path)}.")
+    if found == "tf":
+        return open_tf(local)
     return open_safetensors(local) if found == "safetensors" else OrbaxCheckpoint(local)
 
 
@@ -62,6 +68,8 @@ def detect(path: CheckpointPath) -> str:
     local = resolve(path).local
     if local is None:
         return "eqxckpt"
+    if not local.exists() and local.with_name(local.name + ".index").is_file():
+        return "tf"
     if local.is_file():
         if local.suffix == ".safetensors":
             return "safetensors"
@@ -71,6 +79,8 @@ def detect(path: CheckpointPath) -> str:
             return "safetensors"
         if is_orbax(local):
             return "orbax"
+        if (local / "checkpoint").is_file():
+            return "tf"
         for name in PICKLE_FILES:
             if (local / name).exists():
                 _refuse_pickle(local / name)

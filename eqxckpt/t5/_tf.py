@@ -7,7 +7,7 @@ what is being built.
 
 import os
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -15,67 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import CheckpointError, CheckpointNotFoundError, StructureMismatchError
-from .._leaf import ArrayLeaf, StoredLeaf
+from .._errors import CheckpointError, StructureMismatchError
+from .._leaf import ArrayLeaf
 from .._load import load
 from .._save import save
-from .._source import Source
 from .._storage import CheckpointPath
+from .._tensorflow import TFCheckpoint, open_tf
 from .._translate import CheckpointTranslator, TranslatedSource
 from .._tree import flatten
 from ._config import T5Config
 from ._model import T5
 
 SLOT_NAMES = {"v": "v", "vr": "v_row", "vc": "v_col"}
-
-
-class TFCheckpoint(Source):
-    """A TensorFlow checkpoint as a read-only source: each variable a leaf at its
-    name (``encoder/block_000/layer_000/SelfAttention/q``), read when it is needed.
-
-    ``on_read(name)`` is called as each variable is read (for progress bars).
-    """
-
-    def __init__(self, path: Any, reader: Any):
-        self.location = str(path)
-        self.metadata: dict[str, Any] = {}
-        self._reader = reader
-        self.on_read: Callable[[str], None] = lambda name: None
-        shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
-        self._leaves = {
-            name: ArrayLeaf(
-                name,
-                tuple(("dict", part) for part in name.split("/")),
-                tuple(shapes[name]),
-                np.dtype(dtypes[name].as_numpy_dtype).name,
-                "numpy",
-            )
-            for name in sorted(shapes)
-        }
-
-    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        values = []
-        for leaf, target in wanted:
-            self.on_read(leaf.path)
-            values.append(leaf.finish(np.asarray(self._reader.get_tensor(leaf.path)), target))
-        return values
-
-
-def open_tf(path: Any) -> TFCheckpoint:
-    """A TF checkpoint (a directory with a ``checkpoint`` file, or a prefix) as a `TFCheckpoint`."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
-    try:
-        import tensorflow as tf
-    except ImportError:
-        raise CheckpointError(
-            "Reading TensorFlow checkpoints needs TensorFlow, which is not installed. "
-            "Install it with: pip install 'eqxckpt[tf]'"
-        ) from None
-    try:
-        reader = tf.train.load_checkpoint(str(path))
-    except (ValueError, tf.errors.OpError) as e:
-        raise CheckpointNotFoundError(f"No TensorFlow checkpoint at {path}: {str(e).splitlines()[0]}") from None
-    return TFCheckpoint(path, reader)
 
 
 # --- names: Mesh TensorFlow -> the T5 module's paths -----------------------------------
