@@ -1,6 +1,6 @@
 """Peak memory of one eqxckpt operation, measured in a fresh process (Linux).
 
-    python memory_probe.py save|save_async|load|load_params|copy PATH
+    python memory_probe.py save|save_async|load|load_params|copy|to_safetensors|from_safetensors PATH
 
 Prints JSON: the peak RSS above the level just before the operation, and the
 bytes saved or restored.
@@ -43,12 +43,15 @@ def main(op, path):
     def nbytes(t):
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(t))
 
-    if op == "copy":  # PATH is the source; the copy goes beside it
+    if op in ("copy", "to_safetensors", "from_safetensors"):  # PATH is the source; the copy goes beside it
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         before = kib("VmRSS")
-        source = eqxckpt.open(path)
-        eqxckpt.save(path + "-copy", source.tree())
+        source = eqxckpt.open(path + ".safetensors" if op == "from_safetensors" else path)
+        if op == "to_safetensors":
+            eqxckpt.save_safetensors(path + ".safetensors", source.tree())
+        else:
+            eqxckpt.save(path + "-" + op, source.tree())
         print(json.dumps({"peak": (kib("VmHWM") - before) * 1024, "bytes": source.nbytes}))
         return
     if op.startswith("load"):

@@ -68,3 +68,11 @@ def test_copying_a_checkpoint_streams_it(saved):
     path, _ = saved
     peak, size = probe("copy", path)
     assert peak <= 0.5 * size + FIXED, f"copying peaked at {peak / size:.2f}x the {size} bytes copied"
+
+
+def test_converting_to_and_from_safetensors_streams_it(saved):
+    """A conversion reads one tensor (or one window) at a time, never the whole state."""
+    path, _ = saved
+    for op in ("to_safetensors", "from_safetensors"):
+        peak, size = probe(op, path)
+        assert peak <= 0.5 * size + FIXED, f"{op} peaked at {peak / size:.2f}x the {size} bytes converted"
