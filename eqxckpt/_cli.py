@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import pathlib
 import sys
 
 from ._errors import CheckpointError
@@ -111,6 +112,7 @@ def _import_t5(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    import concurrent.futures
     import time
 
     import jax
@@ -121,26 +123,27 @@ def _convert(args: argparse.Namespace) -> int:
     from ._source import LazyEntry
 
     source = open_source(checkpoint_path(args.src), format=args.format)
-    started = time.perf_counter()
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True), TimeRemainingColumn())
-    with Progress(*columns, transient=False) as progress:
-        task = progress.add_task(f"{args.src} -> {args.dst}", total=source.nbytes)
-        read = source._read
+    if args.to == "safetensors" and not args.overwrite and pathlib.Path(args.dst).exists():
+        raise CheckpointError(f"{args.dst} exists; pass --overwrite to replace it.")
 
-        def counted(wanted):  # each tensor read from the source moves the bar
-            values = read(wanted)
-            progress.advance(task, sum(leaf.nbytes for leaf, _ in wanted))
-            return values
-
-        source._read = counted  # type: ignore[method-assign]
+    def convert() -> None:
         if args.to == "safetensors":
-            if args.overwrite is False and _exists(args.dst):
-                raise CheckpointError(f"{args.dst} exists; pass --overwrite to replace it.")
             arrays = jax.tree_util.tree_map(lambda x: x if isinstance(x, LazyEntry) else None, source.tree())
             metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in source.metadata.items()}
             save_safetensors(args.dst, arrays, metadata=metadata)
         else:
             save(checkpoint_path(args.dst), source.tree(), metadata=source.metadata, overwrite=args.overwrite)
+
+    started = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True), TimeRemainingColumn())
+    with Progress(*columns, transient=False) as progress, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        task = progress.add_task(f"{args.src} -> {args.dst}", total=source.nbytes)
+        done = pool.submit(convert)
+        # The bar follows the bytes written so far (the save's hidden staging files), whatever the formats.
+        while not done.done():
+            progress.update(task, completed=min(source.nbytes, _written(pathlib.Path(args.dst))))
+            time.sleep(0.2)
+        done.result()
         progress.update(task, completed=source.nbytes)
     print(
         f"wrote {args.dst} ({args.to}): {len(source)} leaves, {human_bytes(source.nbytes)} in "
@@ -149,10 +152,17 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exists(path: str) -> bool:
-    import pathlib
-
-    return pathlib.Path(path).exists()
+def _written(dst: pathlib.Path) -> int:
+    """Bytes under ``dst`` and the hidden siblings a save to it writes first (0 for object stores)."""
+    total = 0
+    try:
+        candidates = [p for p in dst.parent.iterdir() if p.name == dst.name or p.name.startswith(f".{dst.name}.")]
+        for candidate in candidates:
+            files = [candidate] if candidate.is_file() else [f for f in candidate.rglob("*") if f.is_file()]
+            total += sum(f.stat().st_size for f in files)
+    except OSError:  # files come and go while a save runs
+        pass
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
