@@ -77,6 +77,13 @@ class OrbaxCheckpoint(Source):
             if dtype not in STORED_DTYPES:
                 raise ManifestError(f"{self.location}: leaf {path!r} has dtype {dtype}, which eqxckpt does not read.")
             shape = parse_shape(list(store.shape), path)
+            chunk = store.chunk_layout.read_chunk.shape or ()
+            if math.prod(c or 1 for c in chunk) > max(1, math.prod(shape)):
+                # A chunk larger than its array would make a read allocate more than the array.
+                raise ManifestError(
+                    f"{self.location}: leaf {path!r} declares chunks {list(chunk)} larger than its shape "
+                    f"{list(shape)}; Orbax never writes that. The checkpoint is damaged or crafted."
+                )
             # Orbax stores 0-d arrays as shape [1] in zarr v2; its metadata keeps the real shape.
             if isinstance(write_shape, list) and math.prod(write_shape) == math.prod(shape):
                 shape = parse_shape(write_shape, path)

@@ -92,3 +92,12 @@ def test_crafted_metadata_and_symlinks_are_refused(tmp_path):
     (other / "w").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(eqxckpt.ManifestError, match="symlink"):
         eqxckpt.load(other)
+
+
+def test_a_chunk_larger_than_its_array_is_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    ocp.PyTreeCheckpointer(use_ocdbt=False).save(os.fspath(path), {"w": np.arange(3.0)})
+    zarray = json.loads((path / "w/.zarray").read_text())
+    (path / "w/.zarray").write_text(json.dumps({**zarray, "chunks": [1 << 30]}))
+    with pytest.raises(eqxckpt.ManifestError, match="larger than its shape"):
+        eqxckpt.open(path)
