@@ -133,6 +133,22 @@ def parse_cost(raw: bytes) -> int:
     return 100 * containers + 60 * strings + 32 * max(0, values - strings) + len(raw)
 
 
+def parse_json_object(raw: bytes, where: str, cap: int = MAX_MANIFEST_BYTES) -> dict[str, Any]:
+    """``raw`` as a JSON object, refused (`ManifestError`) when over ``cap`` bytes, too densely
+    packed to parse in bounded memory, not JSON, or not an object. For other formats' metadata."""
+    if len(raw) > cap or parse_cost(raw) > MAX_PARSE_FACTOR * len(raw) + (16 << 20):
+        raise ManifestError(
+            f"{where} is too large or too densely packed to be what it claims; it is damaged or crafted."
+        )
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ManifestError(f"{where} is not valid JSON; it is damaged.") from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where} is not a JSON object.")
+    return doc
+
+
 def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
     """Parse and validate manifest bytes; raises `ManifestError` on anything off.
 

@@ -8,7 +8,6 @@ directories. TensorStore reads both (its ``ocdbt`` and ``zarr`` drivers).
 Python scalars are zarr arrays too; they are read when the checkpoint is opened.
 """
 
-import json
 import math
 import os
 import pathlib
@@ -22,7 +21,7 @@ import tensorstore as ts
 from ._checkpoint import check_allocation, reading
 from ._errors import CheckpointNotFoundError, ManifestError
 from ._leaf import ArrayLeaf, KeyRecord, Leaf, ScalarLeaf, StoredLeaf, parse_shape, scalar_to_json
-from ._manifest import MAX_MANIFEST_BYTES, MAX_PARSE_FACTOR, parse_cost
+from ._manifest import MAX_MANIFEST_BYTES, parse_json_object
 from ._paths import record_segment
 from ._source import Source
 from ._store import STORED_DTYPES, read_capped, shared_context
@@ -150,15 +149,7 @@ def _read_json(file: pathlib.Path) -> dict[str, Any]:
         raw = read_capped(file, MAX_MANIFEST_BYTES)
     except OSError as e:
         raise CheckpointNotFoundError(f"Cannot read {file}: {e.strerror or e}.") from None
-    if len(raw) > MAX_MANIFEST_BYTES or parse_cost(raw) > MAX_PARSE_FACTOR * len(raw) + (16 << 20):
-        raise ManifestError(f"{file} is too large or too densely packed to be Orbax's metadata.")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise ManifestError(f"{file} is not valid JSON; the checkpoint is damaged.") from None
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{file} is not a JSON object.")
-    return doc
+    return parse_json_object(raw, str(file))
 
 
 def _refuse_symlinks(root: pathlib.Path) -> None:

@@ -28,10 +28,10 @@ from jaxtyping import PyTree
 from ._convert import aligned_empty
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError, PathError
 from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
-from ._manifest import MAX_PARSE_FACTOR, parse_cost
+from ._manifest import parse_json_object
 from ._paths import encode_segment, key_entry_record
 from ._source import LazyEntry, Source
-from ._store import fsync_path
+from ._store import fsync_path, read_capped
 from ._tree import flatten
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -157,14 +157,7 @@ def read_header(file: pathlib.Path) -> tuple[dict[str, tuple[str, tuple[int, ...
             )
         raw = f.read(length)
     data_size = size - 8 - length
-    if parse_cost(raw) > MAX_PARSE_FACTOR * len(raw) + (16 << 20):
-        raise ManifestError(f"{file}: its header is densely packed JSON that no safetensors writer makes.")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise ManifestError(f"{file}: its header is not valid JSON; the file is damaged.") from None
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{file}: its header is not a JSON object.")
+    doc = parse_json_object(raw, f"The header of {file}", MAX_HEADER_BYTES)
     metadata = doc.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ManifestError(f"{file}: its __metadata__ must map strings to strings.")
@@ -221,14 +214,8 @@ def open_safetensors(path: pathlib.Path) -> SafetensorsCheckpoint:
         return SafetensorsCheckpoint(str(path), {path.name: path})
     index_file = path / INDEX_NAME
     if index_file.is_file():
-        raw = index_file.read_bytes()[: MAX_INDEX_BYTES + 1]
-        if len(raw) > MAX_INDEX_BYTES:
-            raise ManifestError(f"{index_file} is over {MAX_INDEX_BYTES} bytes.")
-        try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise ManifestError(f"{index_file} is not valid JSON.") from None
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        doc = parse_json_object(read_capped(index_file, MAX_INDEX_BYTES), str(index_file), MAX_INDEX_BYTES)
+        weight_map = doc.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ManifestError(f"{index_file} has no 'weight_map' of tensor names to shard files.")
         shards = sorted(set(weight_map.values()))
