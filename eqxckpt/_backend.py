@@ -7,6 +7,7 @@ The implementations: `LocalStorage` (`_local.py`) and `ObjectStorage`
 
 import abc
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -60,7 +61,12 @@ class Storage(abc.ABC):
         return spec
 
     def open_kvstore(self) -> ts.KvStore:
-        """The checkpoint's root as an open TensorStore key-value store."""
+        """The checkpoint's root as an open TensorStore key-value store, opened once per
+        `Storage` (a load reads every leaf's ``zarr.json`` through it)."""
+        return self._kvstore
+
+    @functools.cached_property
+    def _kvstore(self) -> ts.KvStore:
         return ts.KvStore.open(self.kvstore, context=shared_context()).result()
 
     @property

@@ -463,7 +463,7 @@ class LazyArray(LazyEntry):
         return self._finish(data)
 
 
-def open_checkpoint(path: CheckpointPath) -> Checkpoint:
+def open_checkpoint(path: CheckpointPath | Storage) -> Checkpoint:
     """An eqxckpt checkpoint, opened read-only without reading any array (`eqxckpt.open` for this format)."""
     location = resolve(path)
     manifest, pin = location.read_manifest()

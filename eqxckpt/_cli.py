@@ -123,14 +123,12 @@ def _convert(args: argparse.Namespace) -> int:
     from ._source import LazyEntry
 
     source = open_source(checkpoint_path(args.src), format=args.format)
-    if args.to == "safetensors" and not args.overwrite and pathlib.Path(args.dst).exists():
-        raise CheckpointError(f"{args.dst} exists; pass --overwrite to replace it.")
 
     def convert() -> None:
         if args.to == "safetensors":
             arrays = jax.tree_util.tree_map(lambda x: x if isinstance(x, LazyEntry) else None, source.tree())
             metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in source.metadata.items()}
-            save_safetensors(args.dst, arrays, metadata=metadata)
+            save_safetensors(args.dst, arrays, metadata=metadata, overwrite=args.overwrite)
         else:
             save(checkpoint_path(args.dst), source.tree(), metadata=source.metadata, overwrite=args.overwrite)
 

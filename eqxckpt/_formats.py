@@ -14,8 +14,8 @@ from the file.
 """
 
 import pathlib
-from typing import Any
 
+from ._backend import Storage
 from ._checkpoint import open_checkpoint
 from ._errors import UnsupportedFormatError
 from ._orbax import OrbaxCheckpoint, is_orbax
@@ -51,18 +51,19 @@ def open(path: CheckpointPath, *, format: str | None = None) -> Source:  # noqa:
     """
     if format is not None and format not in FORMATS:
         raise UnsupportedFormatError(f"Unknown format {format!r}: eqxckpt reads {', '.join(FORMATS)}.")
-    found = detect(path) if format is None else format
+    storage = resolve(path)
+    found = detect(storage) if format is None else format
     if found == "eqxckpt":
-        return open_checkpoint(path)
-    local = resolve(path).local
+        return open_checkpoint(storage)
+    local = storage.local
     if local is None:
-        raise UnsupportedFormatError(f"{found} checkpoints are read from local paths only, not {resolve(path)}.")
+        raise UnsupportedFormatError(f"{found} checkpoints are read from local paths only, not {storage}.")
     if found == "tf":
         return open_tf(local)
     return open_safetensors(local) if found == "safetensors" else OrbaxCheckpoint(local)
 
 
-def detect(path: CheckpointPath) -> str:
+def detect(path: CheckpointPath | Storage) -> str:
     """The format of what is at ``path`` (``eqxckpt`` when nothing else fits, so
     that its errors say what is missing); `UnsupportedFormatError` for a pickle."""
     local = resolve(path).local
@@ -97,7 +98,7 @@ def _refuse_pickle(file: pathlib.Path) -> None:
         )
 
 
-def _starts_like_pickle(file: pathlib.Path) -> Any:
+def _starts_like_pickle(file: pathlib.Path) -> bool:
     try:
         with file.open("rb") as f:
             head = f.read(4)

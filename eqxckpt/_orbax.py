@@ -69,6 +69,7 @@ class OrbaxCheckpoint(Source):
             future = ts.open(spec, context=shared_context(), read=True)
             opening.append((path, keys, value_type, write_shape, future))
         self._stores: dict[str, ts.TensorStore] = {}
+        leaves: list[tuple[str, Leaf | tuple[tuple[KeyRecord, ...], ts.Future]]] = []
         for path, keys, value_type, write_shape, future in opening:
             with reading(ArrayLeaf(path, keys, (), "float32")):
                 store = future.result()
@@ -87,13 +88,21 @@ class OrbaxCheckpoint(Source):
             if isinstance(write_shape, list) and math.prod(write_shape) == math.prod(shape):
                 shape = parse_shape(write_shape, path)
             if value_type == "scalar":
-                value = np.asarray(store.read().result()).reshape(-1)[0].item() if math.prod(shape) == 1 else None
-                if not isinstance(value, (bool, int, float, complex)):
+                if math.prod(shape) != 1:
                     raise ManifestError(f"{self.location}: scalar leaf {path!r} holds an array of shape {shape}.")
-                self._leaves[path] = ScalarLeaf(path, keys, *scalar_to_json(value))
+                leaves.append((path, (keys, store.read())))  # every scalar is read at once, below
                 continue
-            self._leaves[path] = ArrayLeaf(path, keys, shape, dtype, ARRAY_VALUES[value_type])
+            leaves.append((path, ArrayLeaf(path, keys, shape, dtype, ARRAY_VALUES[value_type])))
             self._stores[path] = store
+        for path, leaf in leaves:
+            if isinstance(leaf, tuple):
+                keys, read = leaf
+                with reading(ArrayLeaf(path, keys, (), "float32")):
+                    value = np.asarray(read.result()).reshape(-1)[0].item()
+                if not isinstance(value, (bool, int, float, complex)):
+                    raise ManifestError(f"{self.location}: scalar leaf {path!r} holds {type(value).__name__}.")
+                leaf = ScalarLeaf(path, keys, *scalar_to_json(value))
+            self._leaves[path] = leaf
 
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         check_allocation(sum(leaf.nbytes for leaf, _ in wanted), f"Restoring {len(wanted)} leaves from {self.location}")

@@ -25,13 +25,21 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._checkpoint import check_allocation
 from ._convert import aligned_empty
-from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError, PathError
+from ._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+    PathError,
+)
 from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
 from ._manifest import parse_json_object
 from ._paths import encode_segment, key_entry_record
 from ._source import LazyEntry, Source
-from ._store import fsync_path, read_capped
+from ._store import fsync_path, hidden_sibling, read_capped
 from ._tree import flatten
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -104,6 +112,7 @@ class SafetensorsCheckpoint(Source):
         _check_tree(self._leaves, location)
 
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+        check_allocation(sum(leaf.nbytes for leaf, _ in wanted), f"Restoring {len(wanted)} leaves from {self.location}")
         values = []
         for leaf, target in wanted:
             file, offset = self._where[leaf.path]
@@ -231,7 +240,9 @@ def open_safetensors(path: pathlib.Path) -> SafetensorsCheckpoint:
     raise CheckpointNotFoundError(f"No safetensors file at {path} (no {SINGLE_NAME} or {INDEX_NAME}).")
 
 
-def save_safetensors(path: str | os.PathLike[str], tree: PyTree, *, metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(
+    path: str | os.PathLike[str], tree: PyTree, *, metadata: dict[str, str] | None = None, overwrite: bool = False
+) -> None:
     """Write a pytree's arrays as one safetensors file, atomically.
 
     Tensor names are the leaves' paths with ``/`` turned into ``.``
@@ -240,12 +251,14 @@ def save_safetensors(path: str | os.PathLike[str], tree: PyTree, *, metadata: di
 
     **Arguments:**
 
-    - `path`: the ``.safetensors`` file to write (replaced if it exists).
+    - `path`: the ``.safetensors`` file to write.
     - `tree`: a pytree whose leaves are arrays (other leaves are refused: a
       safetensors file holds tensors only; filter them out first with
       ``eqx.filter(tree, eqx.is_array)``). Lazy arrays of an opened checkpoint
       (``eqxckpt.open(src).tree()``) are read one at a time while writing.
     - `metadata`: string-to-string metadata, stored as ``__metadata__``.
+    - `overwrite`: replace a file already at ``path`` (atomically). Without it,
+      an existing file is never touched: `CheckpointExistsError`.
 
     **Returns:** nothing; the file is complete and durable on return.
 
@@ -257,6 +270,9 @@ def save_safetensors(path: str | os.PathLike[str], tree: PyTree, *, metadata: di
     metadata = {} if metadata is None else metadata
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CheckpointError("safetensors metadata must map strings to strings.")
+    final = pathlib.Path(path).absolute()
+    if final.exists() and not overwrite:  # fail fast, before reading anything; checked again at the commit
+        raise _exists(final)
     flat, _ = flatten(tree)
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     arrays: list[Any] = []  # host arrays, or lazy entries read one at a time while writing
@@ -287,8 +303,7 @@ def save_safetensors(path: str | os.PathLike[str], tree: PyTree, *, metadata: di
         offset += array.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the safetensors library writes
-    final = pathlib.Path(path)
-    tmp = final.with_name(f".{final.name}.eqxckpt-tmp-{os.getpid()}")
+    tmp = hidden_sibling(final, "tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
@@ -302,8 +317,30 @@ def save_safetensors(path: str | os.PathLike[str], tree: PyTree, *, metadata: di
                     f.write(array.reshape(-1).view(np.uint8).data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, final)
+        _commit_file(tmp, final, overwrite)
         fsync_path(final.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already once committed
+
+
+def _commit_file(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
+    """Move the written file into place. Without ``overwrite`` a hard link makes it
+    appear only if nothing is there, atomically, so a file another process
+    created meanwhile is never replaced."""
+    if final.is_dir():
+        raise CheckpointError(f"Cannot write {final}: it is a directory.")
+    if overwrite:
+        os.replace(tmp, final)
+        return
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        raise _exists(final) from None
+    except OSError:  # a filesystem without hard links: check, then rename
+        if final.exists():
+            raise _exists(final) from None
+        os.rename(tmp, final)
+
+
+def _exists(final: pathlib.Path) -> CheckpointExistsError:
+    return CheckpointExistsError(f"{final} exists; pass overwrite=True to replace it, or write elsewhere.")

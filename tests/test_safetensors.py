@@ -235,3 +235,14 @@ def test_saving_an_opened_safetensors_tree_copies_it_into_eqxckpt_and_back(hf_fi
     eqxckpt.save_safetensors(tmp_path / "again.safetensors", copied.tree())
     again = stn.load_file(str(tmp_path / "again.safetensors"))
     assert {k: v.tobytes() for k, v in again.items()} == {k: v.tobytes() for k, v in tensors.items()}
+
+
+def test_save_safetensors_never_replaces_a_file_unless_asked(tmp_path):
+    target = tmp_path / "weights.safetensors"
+    target.write_bytes(b"someone else's file")
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="overwrite=True"):
+        eqxckpt.save_safetensors(target, {"w": np.ones(3, np.float32)})
+    assert target.read_bytes() == b"someone else's file"
+    eqxckpt.save_safetensors(target, {"w": np.ones(3, np.float32)}, overwrite=True)
+    np.testing.assert_array_equal(stn.load_file(str(target))["w"], np.ones(3, np.float32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.safetensors"]  # no temporary file left

@@ -12,7 +12,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._errors import CheckpointError, StructureMismatchError
@@ -189,10 +188,9 @@ def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any) -> T
 
     like = jax.tree_util.tree_unflatten(treedef, [wanted(path, leaf) for path, _, leaf in flat])
     try:
-        model = load(translated, like, at="params", cast=True)
+        return load(translated, like, at="params", cast=True)
     except StructureMismatchError as e:
         raise _misfit(e, translated, like, config) from None
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, model)
 
 
 def _misfit(error: StructureMismatchError, translated: TranslatedSource, like: Any, config: T5Config) -> Exception:
