@@ -52,6 +52,34 @@ CREDENTIALS = {
 }
 
 
+def s3_spec(endpoint: str, prefix: str) -> dict:
+    """A TensorStore kvstore spec for ``prefix`` in the test bucket on the moto server at ``endpoint``."""
+    return {
+        "driver": "s3",
+        "bucket": BUCKET,
+        "path": prefix,
+        "endpoint": endpoint,
+        "aws_region": "us-east-1",
+        "aws_credentials": {"type": "environment"},
+    }
+
+
+def save_tf_tensors(directory, tensors: dict, step: int = 7) -> None:
+    """``tensors`` ({name: numpy array}) as a TensorFlow checkpoint written by TensorFlow
+    itself: ``directory/model.ckpt-<step>`` and its ``checkpoint`` file."""
+    import tensorflow as tf
+
+    directory.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    tf.raw_ops.SaveV2(
+        prefix=str(directory / f"model.ckpt-{step}"),
+        tensor_names=names,
+        shape_and_slices=[""] * len(names),
+        tensors=[tf.constant(tensors[n]) for n in names],
+    )
+    (directory / "checkpoint").write_text(f'model_checkpoint_path: "model.ckpt-{step}"\n')
+
+
 @pytest.fixture(scope="session")
 def s3():
     """A moto S3 server on a free loopback port, with one bucket; stopped afterwards."""

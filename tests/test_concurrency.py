@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import BUCKET
+from conftest import s3_spec
 
 import eqxckpt
 
@@ -58,17 +58,6 @@ def finish(worker: subprocess.Popen, timeout: float = 300) -> dict:
     assert worker.returncode == 0, out[-4000:]
     [line] = [line for line in out.splitlines() if line.startswith("summary ")]
     return json.loads(line[len("summary ") :])
-
-
-def s3_spec(endpoint: str, prefix: str) -> dict:
-    return {
-        "driver": "s3",
-        "bucket": BUCKET,
-        "path": prefix,
-        "endpoint": endpoint,
-        "aws_region": "us-east-1",
-        "aws_credentials": {"type": "environment"},
-    }
 
 
 def check_run(run, expected_latest: int) -> list[int]:

@@ -11,23 +11,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import BUCKET, assert_trees_equal, kill_when
+from conftest import BUCKET, assert_trees_equal, kill_when, s3_spec as spec
 
 import eqxckpt
 import eqxckpt._storage
 from eqxckpt._cli import main as cli
 from eqxckpt._lease import Lease, read_lease
-
-
-def spec(endpoint: str, prefix: str) -> dict:
-    return {
-        "driver": "s3",
-        "bucket": BUCKET,
-        "path": prefix,
-        "endpoint": endpoint,
-        "aws_region": "us-east-1",
-        "aws_credentials": {"type": "environment"},
-    }
 
 
 def keys(client, prefix: str) -> list[str]:

@@ -152,7 +152,7 @@ def mtf_name(path: str) -> str:
 def write_tf_checkpoint(directory: pathlib.Path, model, *, drop=(), extra=()) -> dict:
     """A TF1-style checkpoint (as Mesh TensorFlow writes) of ``model``'s weights, with
     Adafactor slots (factored where the second-largest dim >= 128) and global_step."""
-    import tensorflow as tf
+    from conftest import save_tf_tensors
 
     from eqxckpt._tree import flatten
 
@@ -171,15 +171,7 @@ def write_tf_checkpoint(directory: pathlib.Path, model, *, drop=(), extra=()) ->
     for name in drop:
         del tensors[name]
     tensors.update(extra)
-    directory.mkdir(parents=True, exist_ok=True)
-    names = sorted(tensors)
-    tf.raw_ops.SaveV2(
-        prefix=str(directory / "model.ckpt-7"),
-        tensor_names=names,
-        shape_and_slices=[""] * len(names),
-        tensors=[tf.constant(tensors[n]) for n in names],
-    )
-    (directory / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-7"\n')
+    save_tf_tensors(directory, tensors)
     return tensors
 
 

@@ -3,6 +3,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import save_tf_tensors
 
 import eqxckpt
 
@@ -12,20 +13,12 @@ tf = pytest.importorskip("tensorflow")
 @pytest.fixture(scope="module")
 def tf_checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tf") / "ckpt"
-    directory.mkdir()
     tensors = {
         "encoder/block_000/kernel": np.arange(12, dtype=np.float32).reshape(3, 4),
         "encoder/block_000/scale": np.linspace(0, 1, 4).astype(ml_dtypes.bfloat16),
         "global_step": np.int64(7),
     }
-    names = sorted(tensors)
-    tf.raw_ops.SaveV2(
-        prefix=str(directory / "model.ckpt-7"),
-        tensor_names=names,
-        shape_and_slices=[""] * len(names),
-        tensors=[tf.constant(tensors[n]) for n in names],
-    )
-    (directory / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-7"\n')
+    save_tf_tensors(directory, tensors)
     return directory, tensors
 
 
