@@ -18,6 +18,7 @@ import os
 import pathlib
 import stat
 import struct
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,17 +78,24 @@ class SafetensorsCheckpoint(Source):
     """One safetensors file, or a sharded HuggingFace directory, as a read-only source.
 
     Its `metadata` is the file's ``__metadata__`` (for a sharded directory, the
-    index's ``metadata``); every tensor is read lazily, on its own.
+    index's ``metadata``); every tensor is read lazily, on its own. Each file is
+    opened once, when its header is read, and every tensor is read from that
+    open file: a file replaced meanwhile (``save_safetensors(overwrite=True)``)
+    is still read whole from the version whose header was validated, never mixed.
     """
 
     def __init__(self, location: str, files: dict[str, pathlib.Path], index: dict[str, str] | None = None):
         self.location = location
         self.metadata: dict[str, Any] = {}
         self._leaves = {}
-        self._where: dict[str, tuple[pathlib.Path, int]] = {}  # path -> (file, absolute offset)
+        self._where: dict[str, tuple[int, int]] = {}  # path -> (open file, absolute offset)
+        self._fds: list[int] = []
+        weakref.finalize(self, _close_all, self._fds)
         names: dict[str, str] = {}
         for shard, file in files.items():
-            header, data_start, file_metadata = read_header(file)
+            fd = open_file(file)
+            self._fds.append(fd)
+            header, data_start, file_metadata = read_header(fd, file)
             if index is None:
                 self.metadata = dict(file_metadata)
             for name, (leaf_dtype, shape, begin) in header.items():
@@ -101,7 +109,7 @@ class SafetensorsCheckpoint(Source):
                     raise ManifestError(f"Tensors {names[path]!r} and {name!r} both map to path {path!r}.")
                 names[path] = name
                 self._leaves[path] = ArrayLeaf(path, keys, shape, leaf_dtype, UNKNOWN)
-                self._where[path] = (file, data_start + begin)
+                self._where[path] = (fd, data_start + begin)
         if index is not None:
             missing = sorted(set(index) - set(names.values()))
             if missing:
@@ -115,56 +123,57 @@ class SafetensorsCheckpoint(Source):
         check_allocation(sum(leaf.nbytes for leaf, _ in wanted), f"Restoring {len(wanted)} leaves from {self.location}")
         values = []
         for leaf, target in wanted:
-            file, offset = self._where[leaf.path]
+            fd, offset = self._where[leaf.path]
             buffer = aligned_empty(leaf.data_shape, np.dtype(leaf.dtype))
-            read_range(file, offset, buffer, leaf.path)
+            read_range(fd, offset, buffer, leaf.path)
             values.append(leaf.finish(buffer, target))
         return values
 
 
-def read_range(file: pathlib.Path, offset: int, buffer: np.ndarray, path: str) -> None:
-    """Fill ``buffer`` with the bytes of ``file`` from ``offset`` (one ranged read)."""
+def read_range(fd: int, offset: int, buffer: np.ndarray, path: str) -> None:
+    """Fill ``buffer`` with the bytes of the open file ``fd`` from ``offset`` (one ranged read)."""
     view = buffer.reshape(-1).view(np.uint8).data
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise CorruptCheckpointError(f"Leaf {path!r}: cannot open {file}: {e.strerror}.", path=path) from None
-    try:
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise CorruptCheckpointError(
-                    f"Leaf {path!r}: {file} ended before the tensor's bytes (the file was truncated meanwhile).",
-                    path=path,
-                )
-            done += n
-    finally:
-        os.close(fd)
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(
+                f"Leaf {path!r}: its file ended before the tensor's bytes (it was truncated in place).", path=path
+            )
+        done += n
 
 
-def read_header(file: pathlib.Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], int, dict[str, str]]:
-    """A safetensors file's tensors ``{name: (dtype, shape, begin)}``, where its data
-    starts, and its ``__metadata__``; `ManifestError` for anything off."""
+def open_file(file: pathlib.Path) -> int:
+    """``file`` opened for reading; a symlink or anything but a regular file is refused."""
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise CheckpointNotFoundError(f"Cannot open {file}: {e.strerror} (symlinks are refused).") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ManifestError(f"{file} is not a regular file.")
-        size = info.st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise ManifestError(f"{file} is too short to be a safetensors file ({size} bytes).")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_HEADER_BYTES or 8 + length > size:
-            raise ManifestError(
-                f"{file}: its header claims {length} bytes (the file has {size}; at most {MAX_HEADER_BYTES} are "
-                "accepted). It is not a safetensors file, or it is damaged or crafted."
-            )
-        raw = f.read(length)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ManifestError(f"{file} is not a regular file.")
+    return fd
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def read_header(fd: int, file: pathlib.Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], int, dict[str, str]]:
+    """The tensors ``{name: (dtype, shape, begin)}`` of the safetensors file open as ``fd``,
+    where its data starts, and its ``__metadata__``; `ManifestError` for anything off."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise ManifestError(f"{file} is too short to be a safetensors file ({size} bytes).")
+    (length,) = struct.unpack("<Q", head)
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        raise ManifestError(
+            f"{file}: its header claims {length} bytes (the file has {size}; at most {MAX_HEADER_BYTES} are "
+            "accepted). It is not a safetensors file, or it is damaged or crafted."
+        )
+    raw = os.pread(fd, length, 8)
     data_size = size - 8 - length
     doc = parse_json_object(raw, f"The header of {file}", MAX_HEADER_BYTES)
     metadata = doc.pop("__metadata__", {})

@@ -246,3 +246,15 @@ def test_save_safetensors_never_replaces_a_file_unless_asked(tmp_path):
     eqxckpt.save_safetensors(target, {"w": np.ones(3, np.float32)}, overwrite=True)
     np.testing.assert_array_equal(stn.load_file(str(target))["w"], np.ones(3, np.float32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.safetensors"]  # no temporary file left
+
+
+def test_a_file_replaced_while_open_is_read_whole_from_the_version_opened(tmp_path):
+    """Every tensor comes from the file whose header was validated, never a mix of two versions."""
+    path = tmp_path / "m.safetensors"
+    stn.save_file({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}, str(path))
+    ckpt = eqxckpt.open(path)
+    first = ckpt["a"].get()
+    eqxckpt.save_safetensors(path, {"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)}, overwrite=True)
+    np.testing.assert_array_equal(first, np.zeros(4, np.float32))
+    np.testing.assert_array_equal(ckpt["b"].get(), np.zeros(4, np.float32))  # the old version, not the new
+    np.testing.assert_array_equal(eqxckpt.load(path)["b"], np.ones(4, np.float32))  # a new open sees the new one
