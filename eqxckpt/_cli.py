@@ -3,6 +3,7 @@
 import argparse
 import json
 import pathlib
+import shutil
 import sys
 
 from ._errors import CheckpointError
@@ -137,9 +138,13 @@ def _convert(args: argparse.Namespace) -> int:
     with Progress(*columns, transient=False) as progress, concurrent.futures.ThreadPoolExecutor(1) as pool:
         task = progress.add_task(f"{args.src} -> {args.dst}", total=source.nbytes)
         done = pool.submit(convert)
-        # The bar follows the bytes written so far (the save's hidden staging files), whatever the formats.
+        # The bar follows the space the destination's filesystem fills (one statvfs per
+        # tick, however many files the save writes); nothing to show for object stores.
+        before = _used(args.dst)
         while not done.done():
-            progress.update(task, completed=min(source.nbytes, _written(pathlib.Path(args.dst))))
+            now = _used(args.dst)
+            if before is not None and now is not None:
+                progress.update(task, completed=min(source.nbytes, max(0, now - before)))
             time.sleep(0.2)
         done.result()
         progress.update(task, completed=source.nbytes)
@@ -150,17 +155,17 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _written(dst: pathlib.Path) -> int:
-    """Bytes under ``dst`` and the hidden siblings a save to it writes first (0 for object stores)."""
-    total = 0
+def _used(dst: str) -> int | None:
+    """Bytes used on the local filesystem ``dst`` is written to, or None (not a local path)."""
+    if "://" in dst or dst.lstrip().startswith("{"):
+        return None
+    where = pathlib.Path(dst).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
     try:
-        candidates = [p for p in dst.parent.iterdir() if p.name == dst.name or p.name.startswith(f".{dst.name}.")]
-        for candidate in candidates:
-            files = [candidate] if candidate.is_file() else [f for f in candidate.rglob("*") if f.is_file()]
-            total += sum(f.stat().st_size for f in files)
-    except OSError:  # files come and go while a save runs
-        pass
-    return total
+        return shutil.disk_usage(where).used
+    except OSError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
