@@ -23,8 +23,7 @@ from ._errors import (
 )
 from ._leaf import StoredLeaf
 from ._lease import (
-    LocalPin,
-    StorePin,
+    Pin,
 )
 from ._manifest import Manifest
 from ._paths import validate_path
@@ -34,7 +33,6 @@ from ._store import (
     shared_context,
 )
 
-Pin = LocalPin | StorePin
 # Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.
 CheckpointPath = str | os.PathLike[str] | dict[str, Any]
 MAX_ZARR_JSON_BYTES = 64 * 1024

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._backend import MAX_ZARR_JSON_BYTES, CheckpointPath, Pin, Storage, corrupt
+from ._backend import MAX_ZARR_JSON_BYTES, CheckpointPath, Storage, corrupt
 from ._convert import aligned_empty
-from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
+from ._errors import CheckpointError, CorruptCheckpointError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
-from ._lease import LocalPin
+from ._lease import Pin
 from ._manifest import Manifest
 from ._source import LazyEntry, Source
 from ._storage import resolve
@@ -46,46 +46,6 @@ class Checkpoint(Source):
         self._pin = pin
         if pin is not None:
             weakref.finalize(self, pin.close)
-
-    @contextlib.contextmanager
-    def consistent(self) -> Iterator[None]:
-        """Reads inside come from this checkpoint alone, or raise `CheckpointChangedError`.
-
-        On a local disk, a shared lock keeps retention from deleting it meanwhile;
-        afterwards (or when a read fails) the checkpoint must still be the one
-        whose manifest was read: not replaced by a save, not being deleted.
-
-        **Returns:** a context manager.
-
-        ```python
-        ckpt = eqxckpt.open("ckpt")
-        with ckpt.consistent():  # both from the same checkpoint, or an error
-            w, b = ckpt["model/w"].get(), ckpt["model/b"].get()
-        ```
-        """
-        lock = self._pin.hold() if isinstance(self._pin, LocalPin) else None
-        if isinstance(self._pin, LocalPin) and lock is None:
-            raise self._changed()
-        try:
-            try:
-                yield
-            except CheckpointChangedError:
-                raise
-            except Exception as e:
-                if self._pin is not None and self._pin.changed():
-                    raise self._changed() from e
-                raise
-            if self._pin is not None and self._pin.changed():
-                raise self._changed()
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def _changed(self) -> CheckpointChangedError:
-        return CheckpointChangedError(
-            f"The checkpoint at {self.location} was replaced or deleted by another process while it was being "
-            "read, so what was read may mix two checkpoints and is discarded. Open or load it again."
-        )
 
     def _lazy(self, leaf: StoredLeaf) -> "LazyArray":
         return LazyArray(self, leaf)

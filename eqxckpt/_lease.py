@@ -427,14 +427,15 @@ class LocalPin:
     """A committed local checkpoint's directory, held open since its manifest was
     read (so its identity cannot be reused), and whether its path still names it."""
 
-    def __init__(self, path: pathlib.Path, fd: int):
+    def __init__(self, path: pathlib.Path, fd: int, marker: str = MANIFEST_NAME):
         self.path = path
         self.fd = fd
+        self.marker = marker  # the metadata file a deleter removes first
 
     def changed(self) -> bool:
         try:
             now = os.stat(self.path)
-            os.stat(MANIFEST_NAME, dir_fd=self.fd, follow_symlinks=False)  # a deleter removes it first
+            os.stat(self.marker, dir_fd=self.fd, follow_symlinks=False)
         except OSError:
             return True
         held = os.fstat(self.fd)
@@ -470,3 +471,7 @@ class StorePin:
 
     def close(self) -> None:
         pass
+
+
+# What pins a checkpoint being read to the one opened.
+Pin = LocalPin | StorePin

@@ -12,6 +12,7 @@ import math
 import os
 import pathlib
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ import tensorstore as ts
 from ._checkpoint import check_allocation, reading
 from ._errors import CheckpointNotFoundError, ManifestError
 from ._leaf import ArrayLeaf, KeyRecord, Leaf, ScalarLeaf, StoredLeaf, parse_shape, scalar_to_json
+from ._lease import LocalPin
 from ._manifest import MAX_MANIFEST_BYTES, parse_json_object
 from ._paths import record_segment
 from ._source import Source
@@ -46,6 +48,13 @@ class OrbaxCheckpoint(Source):
         self.location = str(root)
         self.metadata: dict[str, Any] = {}
         self._leaves: dict[str, Leaf] = {}
+        # Held open: a load checks afterwards that the path still names this directory
+        # and its _METADATA, so a checkpoint deleted or rewritten meanwhile is never mixed in.
+        try:
+            self._pin = LocalPin(root, os.open(root, os.O_RDONLY | os.O_DIRECTORY), METADATA_NAME)
+        except OSError as e:
+            raise CheckpointNotFoundError(f"Cannot open {root}: {e.strerror}.") from None
+        weakref.finalize(self, self._pin.close)
         _refuse_symlinks(root)
         doc = _read_json(root / METADATA_NAME)
         tree = doc.get("tree_metadata")

@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import CheckpointChangedError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
+from ._lease import LocalPin, Pin
 from ._paths import depth, normalize_at, relative_to
 from ._tree import build_plain_tree
 
@@ -31,13 +33,52 @@ class Source(abc.ABC):
     metadata: dict[str, Any]
     _leaves: dict[str, Leaf]
 
+    _pin: Pin | None = None  # what proves the source read is the one opened (None: nothing to check)
+
     @abc.abstractmethod
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         """Read stored leaves, each into what its target asks for (None: as saved)."""
 
-    def consistent(self) -> contextlib.AbstractContextManager[None]:
-        """Reads inside come from one unchanging source (see `Checkpoint.consistent`)."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def consistent(self) -> Iterator[None]:
+        """Reads inside come from this checkpoint alone, or raise `CheckpointChangedError`.
+
+        On a local disk, a shared lock keeps eqxckpt's retention from deleting it
+        meanwhile; afterwards (or when a read fails) the checkpoint must still be
+        the one whose metadata was read: not replaced, not being deleted. Sources
+        without a pin (a single open file, TensorFlow's reader) read as they are.
+
+        **Returns:** a context manager.
+
+        ```python
+        ckpt = eqxckpt.open("ckpt")
+        with ckpt.consistent():  # both from the same checkpoint, or an error
+            w, b = ckpt["model/w"].get(), ckpt["model/b"].get()
+        ```
+        """
+        lock = self._pin.hold() if isinstance(self._pin, LocalPin) else None
+        if isinstance(self._pin, LocalPin) and lock is None:
+            raise self._changed()
+        try:
+            try:
+                yield
+            except CheckpointChangedError:
+                raise
+            except Exception as e:
+                if self._pin is not None and self._pin.changed():
+                    raise self._changed() from e
+                raise
+            if self._pin is not None and self._pin.changed():
+                raise self._changed()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _changed(self) -> CheckpointChangedError:
+        return CheckpointChangedError(
+            f"The checkpoint at {self.location} was replaced or deleted by another process while it was being "
+            "read, so what was read may mix two checkpoints and is discarded. Open or load it again."
+        )
 
     def _lazy(self, leaf: StoredLeaf) -> "LazyEntry":
         """A stored leaf as a `LazyEntry`: shape and dtype now, data on ``get()``."""

@@ -101,3 +101,14 @@ def test_a_chunk_larger_than_its_array_is_refused(tmp_path):
     (path / "w/.zarray").write_text(json.dumps({**zarray, "chunks": [1 << 30]}))
     with pytest.raises(eqxckpt.ManifestError, match="larger than its shape"):
         eqxckpt.open(path)
+
+
+def test_a_checkpoint_replaced_after_open_is_never_read_as_a_mix(tmp_path):
+    path = tmp_path / "ckpt"
+    ocp.PyTreeCheckpointer(use_ocdbt=False).save(os.fspath(path), {"a": np.zeros(3), "b": np.zeros(3)})
+    opened = eqxckpt.open(path)
+    path.rename(tmp_path / "old")  # another job rewrites the checkpoint at that path
+    ocp.PyTreeCheckpointer(use_ocdbt=False).save(os.fspath(path), {"a": np.ones(3), "b": np.ones(3)})
+    with pytest.raises(eqxckpt.CheckpointChangedError, match="replaced or deleted"):
+        eqxckpt.load(opened)
+    np.testing.assert_array_equal(eqxckpt.load(path)["b"], np.ones(3))
