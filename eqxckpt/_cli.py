@@ -90,7 +90,6 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _import_t5(args: argparse.Namespace) -> int:
-    import jax.numpy as jnp
     from rich.progress import Progress
 
     from .t5 import convert_tf
@@ -101,7 +100,7 @@ def _import_t5(args: argparse.Namespace) -> int:
             args.src,
             args.out,
             args.config,
-            dtype=getattr(jnp, args.dtype) if args.dtype else None,
+            dtype=args.dtype,
             overwrite=args.overwrite,
             progress=lambda name, total: progress.update(task, total=total, advance=1, description=name),
         )
@@ -196,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     t5.add_argument("src", help="TF checkpoint directory or prefix")
     t5.add_argument("out", help="where to write the eqxckpt checkpoint")
     t5.add_argument("--config", default=None, help="config.json or operative_config.gin (default: inferred)")
-    t5.add_argument("--dtype", default=None, help="cast floating weights, e.g. float32")
+    t5.add_argument(
+        "--dtype", default=None, help="floating weights' dtype: float32 (default), bfloat16, ..., or auto (as stored)"
+    )
     t5.add_argument("--overwrite", action="store_true")
     t5.set_defaults(run=_import_t5)
     args = parser.parse_args(argv)

@@ -5,7 +5,7 @@ TensorFlow (``pip install 'eqxckpt[tf]'``), imported only when you do.
 
 ```python
 import eqxckpt.t5
-model = eqxckpt.t5.load_tf("t5_v1_1_tiny", dtype=jnp.float32)
+model = eqxckpt.t5.load_tf("t5_v1_1_tiny")  # float32 unless dtype= says otherwise
 logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=attention_mask)
 ```
 """

@@ -6,6 +6,9 @@ import pathlib
 import re
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 from .._errors import CheckpointError
 
 
@@ -158,8 +161,54 @@ class T5Config:
         tied = _lookup(bindings, ("Unitransformer.shared_embedding_and_softmax_weights",))
         if tied is not None:
             values["tie_word_embeddings"] = bool(tied)
+        per_layer = _relative_attention_per_layer(bindings, path)
+        if per_layer is not None:
+            values["relative_attention_per_layer"] = per_layer
         values.update(overrides)
         return cls(**values)
+
+
+def weights_dtype(dtype: Any) -> Any:
+    """The dtype floating weights are loaded in: None is float32 (what HuggingFace's
+    ``from_pretrained`` gives, whatever the file stores), ``"auto"`` keeps the stored
+    dtype (returned as None), anything else is that dtype."""
+    if dtype is None:
+        return np.dtype(np.float32)
+    if isinstance(dtype, str) and dtype == "auto":
+        return None
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        raise CheckpointError(
+            f"dtype={dtype!r} is not a dtype; pass e.g. jnp.float32, jnp.bfloat16 or 'auto'."
+        ) from None
+
+
+# Mesh TensorFlow's `SelfAttention.relative_attention_type`: one table per block, or
+# block 0's shared by every block of the stack.
+RELATIVE_ATTENTION_TYPES = {"bias": True, "bias_shared": False}
+
+
+def _relative_attention_per_layer(bindings: dict, path: Any) -> bool | None:
+    """Whether the gin file gives every block its own relative attention bias (None: it does not say)."""
+    found = {
+        name: value
+        for name, value in bindings.items()
+        if name == "SelfAttention.relative_attention_type" or name.endswith("/SelfAttention.relative_attention_type")
+    }
+    unsupported = {name: value for name, value in found.items() if value not in RELATIVE_ATTENTION_TYPES}
+    if unsupported:
+        raise CheckpointError(
+            f"{path}: {', '.join(f'{n} = {v!r}' for n, v in unsupported.items())}; this T5 supports only "
+            "relative_attention_type 'bias_shared' (T5's default) and 'bias' (one table per block)."
+        )
+    kinds = {RELATIVE_ATTENTION_TYPES[value] for value in found.values()}
+    if len(kinds) > 1:
+        raise CheckpointError(
+            f"{path}: the encoder and decoder use different relative_attention_type ({found}); this T5 needs "
+            "the same for both."
+        )
+    return kinds.pop() if kinds else None
 
 
 def _lookup(bindings: dict, keys: tuple[str, ...]) -> Any:

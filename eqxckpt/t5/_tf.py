@@ -22,7 +22,7 @@ from .._storage import CheckpointPath
 from .._tensorflow import TFCheckpoint, open_tf
 from .._translate import CheckpointTranslator, TranslatedSource
 from .._tree import flatten
-from ._config import T5Config
+from ._config import T5Config, weights_dtype
 from ._model import T5
 
 SLOT_NAMES = {"v": "v", "vr": "v_row", "vc": "v_col"}
@@ -113,8 +113,8 @@ def translate(variables: TFCheckpoint, config: T5Config | None = None) -> Transl
 
 
 def infer_config(variables: TFCheckpoint, path: Any, config: T5Config | dict | str | None) -> T5Config:
-    """The given config; else ``operative_config.gin`` beside the checkpoint; else
-    what the variables' shapes determine."""
+    """The given config; else ``operative_config.gin`` beside the checkpoint, checked
+    against what the variables' shapes determine; else the shapes alone."""
     if isinstance(config, T5Config):
         return config
     if isinstance(config, dict):
@@ -125,12 +125,27 @@ def infer_config(variables: TFCheckpoint, path: Any, config: T5Config | dict | s
     found = _from_shapes(shapes)
     root = pathlib.Path(path)
     gin = (root if root.is_dir() else root.parent) / "operative_config.gin"
-    if gin.is_file():
-        return T5Config.from_gin(gin, vocab_size=found["vocab_size"])
-    return T5Config(**found)
+    if not gin.is_file():
+        return T5Config(**{k: v for k, v in found.items() if v is not None})
+    # Only the shapes know the vocabulary size; the gin file names the rest.
+    configured = T5Config.from_gin(gin, vocab_size=found["vocab_size"])
+    disagree = [
+        f"{field}: {getattr(configured, field)!r} in the gin file, {value!r} from the variables' shapes"
+        for field, value in found.items()
+        if value is not None and getattr(configured, field) != value
+    ]
+    if disagree:
+        raise CheckpointError(
+            f"{gin} does not describe the checkpoint at {path}:\n  " + "\n  ".join(disagree) + "\n"
+            "Pass config= (a T5Config, config.json or .gin) that matches the checkpoint, or move the gin file away "
+            "to let the shapes decide."
+        )
+    return configured
 
 
-def _from_shapes(shapes: dict[str, tuple]) -> dict:
+def _from_shapes(shapes: dict[str, tuple]) -> dict[str, Any]:
+    """The config fields the variables' shapes determine (None: they cannot tell)."""
+
     def need(name: str) -> tuple:
         if name not in shapes:
             raise CheckpointError(f"Cannot infer the T5 config: the checkpoint has no {name!r}. Pass config=.")
@@ -151,18 +166,21 @@ def _from_shapes(shapes: dict[str, tuple]) -> dict:
     def count(stack: str) -> int:
         return len({n.split("/")[1] for n in shapes if n.startswith(f"{stack}/block_")})
 
+    layers, decoder_layers = count("encoder"), count("decoder")
+    # A table outside block 0 means one per block; with one block per stack nothing tells.
+    per_layer = any("/block_000/" not in n for n in bias) or (None if max(layers, decoder_layers) == 1 else False)
     return dict(
         vocab_size=vocab,
         d_model=d_model,
         d_kv=inner // heads,
         d_ff=d_ff,
         num_heads=heads,
-        num_layers=count("encoder"),
-        num_decoder_layers=count("decoder"),
+        num_layers=layers,
+        num_decoder_layers=decoder_layers,
         relative_attention_num_buckets=buckets,
         feed_forward_proj="gated-gelu" if gated else "relu",
         tie_word_embeddings="decoder/logits/kernel" not in shapes,
-        relative_attention_per_layer=len(bias) > 2,
+        relative_attention_per_layer=per_layer,
     )
 
 
@@ -175,9 +193,10 @@ def _skeleton(config: T5Config) -> Any:
 
 def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any) -> T5:
     """Check the variables fit ``config`` (one error naming every misfit), then read each
-    weight once into the model: floating weights in ``dtype`` (None: as stored)."""
+    weight once into the model: floating weights in ``dtype`` (as `weights_dtype` reads it)."""
     flat, treedef = flatten(_skeleton(config))
     stored = translated.records("params")
+    dtype = weights_dtype(dtype)
 
     def wanted(path: str, leaf: Any) -> Any:
         if not isinstance(leaf, jax.ShapeDtypeStruct) or path not in stored:
@@ -250,14 +269,17 @@ def load_tf(
     - `config`: a `T5Config`, a HuggingFace config dict, or a path to a
       ``config.json`` / ``operative_config.gin``; None reads the gin file beside
       the checkpoint, else infers the config from the shapes.
-    - `dtype`: casts the floating weights (e.g. ``jnp.float32``; bfloat16
-      checkpoints stay bfloat16 otherwise).
+    - `dtype`: the floating weights' dtype, and so the dtype the model computes
+      in. None (the default) is float32, as HuggingFace's ``from_pretrained``
+      gives, even though Mesh TensorFlow checkpoints store bfloat16: bfloat16
+      activations are far from the reference logits. ``"auto"`` keeps the
+      stored dtype; ``jnp.bfloat16`` or ``jnp.float64`` ask for those.
     - `progress`: ``progress(name, total)`` is called as each variable is read.
 
     **Returns:** the `T5` module.
 
     ```python
-    model = eqxckpt.t5.load_tf("gs-mirror/t5_v1_1_small/model.ckpt-1000000", dtype=jnp.float32)
+    model = eqxckpt.t5.load_tf("gs-mirror/t5_v1_1_small/model.ckpt-1000000")  # float32
     logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=mask)
     ```
     """
@@ -282,7 +304,8 @@ def convert_tf(
 
     **Arguments:**
 
-    - `path`, `config`, `dtype`, `progress`: as for `load_tf`.
+    - `path`, `config`, `dtype`, `progress`: as for `load_tf` (so the weights
+      are written in float32 unless ``dtype`` says otherwise).
     - `out`: where to save the eqxckpt checkpoint (as for `eqxckpt.save`).
     - `overwrite`: replace a checkpoint already at ``out``.
 
