@@ -11,7 +11,8 @@ logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=attention_
 """
 
 from ._config import T5Config as T5Config
+from ._generate import GenerateOutput as GenerateOutput, generate as generate
 from ._model import T5 as T5, relative_position_bucket as relative_position_bucket
 from ._tf import convert_tf as convert_tf, load_tf as load_tf
 
-__all__ = ["T5", "T5Config", "convert_tf", "load_tf", "relative_position_bucket"]
+__all__ = ["GenerateOutput", "T5", "T5Config", "convert_tf", "generate", "load_tf", "relative_position_bucket"]

@@ -67,14 +67,18 @@ class Attention(eqx.Module):
     o: Float[Array, "inner d_model"]
     num_heads: int = eqx.field(static=True)
 
-    def __call__(self, x: Array, memory: Array, bias: Float[Array, "heads q k"]) -> Array:
-        heads = self.num_heads
-        q = (x @ self.q).reshape(x.shape[0], heads, -1)
-        k = (memory @ self.k).reshape(memory.shape[0], heads, -1)
-        v = (memory @ self.v).reshape(memory.shape[0], heads, -1)
+    def heads(self, x: Array, kernel: Array) -> Float[Array, "len heads d_kv"]:
+        """``x @ kernel`` with the inner dimension split into heads (``h * d_kv + j``)."""
+        return (x @ kernel).reshape(x.shape[0], self.num_heads, -1)
+
+    def attend(self, q: Array, k: Array, v: Array, bias: Float[Array, "heads q k"]) -> Array:
+        """Attention of per-head queries over per-head keys and values, then the output projection."""
         scores = jnp.einsum("qhd,khd->hqk", q, k) + bias  # T5 does not scale by 1/sqrt(d_kv)
         weights = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), axis=-1).astype(v.dtype)
-        return jnp.einsum("hqk,khd->qhd", weights, v).reshape(x.shape[0], -1) @ self.o
+        return jnp.einsum("hqk,khd->qhd", weights, v).reshape(q.shape[0], -1) @ self.o
+
+    def __call__(self, x: Array, memory: Array, bias: Float[Array, "heads q k"]) -> Array:
+        return self.attend(self.heads(x, self.q), self.heads(memory, self.k), self.heads(memory, self.v), bias)
 
 
 class FeedForward(eqx.Module):
@@ -105,6 +109,28 @@ class Block(eqx.Module):
             x = x + self.cross_attention(self.cross_attention_norm(x), memory, cross_bias)
         return x + self.feed_forward(self.feed_forward_norm(x))
 
+    def step(
+        self, x: Array, self_bias: Array, cache: "KeyValues", position: Array, cross: "KeyValues", cross_bias: Array
+    ) -> tuple[Array, "KeyValues"]:
+        """One decoder position: its keys and values written into ``cache`` at ``position``,
+        attending over the cache (``self_bias`` masks what is not written yet)."""
+        attention = self.self_attention
+        h = self.self_attention_norm(x)
+        keys = jax.lax.dynamic_update_slice_in_dim(cache[0], attention.heads(h, attention.k), position, axis=0)
+        values = jax.lax.dynamic_update_slice_in_dim(cache[1], attention.heads(h, attention.v), position, axis=0)
+        x = x + attention.attend(attention.heads(h, attention.q), keys, values, self_bias)
+        if self.cross_attention is not None:
+            assert self.cross_attention_norm is not None
+            h = self.cross_attention_norm(x)
+            x = x + self.cross_attention.attend(
+                self.cross_attention.heads(h, self.cross_attention.q), *cross, cross_bias
+            )
+        return x + self.feed_forward(self.feed_forward_norm(x)), (keys, values)
+
+
+# One block's keys and values, each ``[length, heads, d_kv]``.
+KeyValues = tuple[Array, Array]
+
 
 class Stack(eqx.Module):
     blocks: list[Block]
@@ -113,9 +139,11 @@ class Stack(eqx.Module):
     causal: bool = eqx.field(static=True)
     max_distance: int = eqx.field(static=True)
 
-    def position_bias(self, table: Array, length: int) -> Array:
-        """``[heads, q, k]`` biases of ``table`` for a sequence attending to itself."""
-        relative = jnp.arange(length)[None, :] - jnp.arange(length)[:, None]  # key - query
+    def position_bias(self, table: Array, length: int, queries: Array | None = None) -> Array:
+        """``[heads, q, k]`` biases of ``table`` for ``queries`` (positions; default all
+        ``length`` of them) attending to ``length`` keys."""
+        queries = jnp.arange(length) if queries is None else queries
+        relative = jnp.arange(length)[None, :] - queries[:, None]  # key - query
         buckets = relative_position_bucket(
             relative, bidirectional=not self.causal, num_buckets=table.shape[1], max_distance=self.max_distance
         )
@@ -134,6 +162,33 @@ class Stack(eqx.Module):
             self_bias = shared if own is None else self.position_bias(own, x.shape[0]) + mask
             x = block(x, self_bias, memory, cross_bias)
         return self.final_norm(x)
+
+    def step(
+        self, x: Array, position: Array, cache: list[KeyValues], cross: list[KeyValues], cross_mask: Array
+    ) -> tuple[Array, list[KeyValues]]:
+        """The causal stack at one position, with each block's keys and values cached."""
+        length = cache[0][0].shape[0]
+        mask = _mask_bias(jnp.arange(length)[None, :] <= position, x.dtype)
+        queries = jnp.reshape(position, (1,))
+        shared = (
+            None
+            if self.relative_attention_bias is None
+            else self.position_bias(self.relative_attention_bias, length, queries) + mask
+        )
+        cross_bias = _mask_bias(cross_mask, x.dtype)
+        written = []
+        for block, kv, cross_kv in zip(self.blocks, cache, cross):
+            own = block.relative_attention_bias
+            self_bias = self.position_bias(own, length, queries) + mask if own is not None else shared
+            assert self_bias is not None  # a table per block, or one shared by the stack
+            x, kv = block.step(x, self_bias, kv, position, cross_kv, cross_bias)
+            written.append(kv)
+        return self.final_norm(x), written
+
+
+def _cross_mask(memory: Array, attention_mask: Array | None) -> Array:
+    """``[1, seq]``: which encoder positions the decoder may attend to."""
+    return jnp.ones((1, memory.shape[0]), bool) if attention_mask is None else attention_mask.astype(bool)[None, :]
 
 
 def _mask_bias(mask: Array, dtype) -> Array:
@@ -239,13 +294,100 @@ class T5(eqx.Module):
         logits = model.decode(decoder_input_ids, model.encode(input_ids))
         ```
         """
+        return self.logits(self.decode_hidden(decoder_input_ids, memory, attention_mask))
+
+    def decode_hidden(
+        self, decoder_input_ids: Int[Array, " dec"], memory: Array, attention_mask: Array | None = None
+    ) -> Float[Array, "dec d_model"]:
+        """The decoder's output before the output layer, teacher-forced; arguments as for `decode`.
+
+        **Returns:** ``[dec, d_model]``.
+
+        ```python
+        hidden = model.decode_hidden(decoder_input_ids, model.encode(input_ids))
+        ```
+        """
         length = decoder_input_ids.shape[0]
         causal = jnp.tril(jnp.ones((length, length), bool))
-        cross = jnp.ones((1, memory.shape[0]), bool) if attention_mask is None else attention_mask.astype(bool)[None, :]
-        h = self.decoder(self.shared[decoder_input_ids], causal, memory, cross)
+        return self.decoder(self.shared[decoder_input_ids], causal, memory, _cross_mask(memory, attention_mask))
+
+    def logits(self, hidden: Float[Array, "... d_model"]) -> Float[Array, "... vocab"]:
+        """The output layer: tied to the embedding (scaled by ``d_model**-0.5``) or its own kernel.
+
+        **Arguments:**
+
+        - `hidden`: decoder outputs ``[..., d_model]``.
+
+        **Returns:** logits ``[..., vocab]``.
+
+        ```python
+        logits = model.logits(model.decode_hidden(decoder_input_ids, memory))
+        ```
+        """
         if self.logits_kernel is None:
-            return (h * self.config.d_model**-0.5) @ self.shared.T
-        return h @ self.logits_kernel
+            return (hidden * self.config.d_model**-0.5) @ self.shared.T
+        return hidden @ self.logits_kernel
+
+    def init_cache(self, length: int) -> list[KeyValues]:
+        """An empty key/value cache for decoding up to ``length`` positions.
+
+        **Arguments:**
+
+        - `length`: the most decoder positions (the start token included).
+
+        **Returns:** per decoder block, zero keys and values ``[length, heads, d_kv]``.
+
+        ```python
+        cache = model.init_cache(1 + max_new_tokens)
+        ```
+        """
+        shape = (length, self.config.num_heads, self.config.d_kv)
+        return [(jnp.zeros(shape, self.shared.dtype), jnp.zeros(shape, self.shared.dtype)) for _ in self.decoder.blocks]
+
+    def cross_cache(self, memory: Float[Array, "seq d_model"]) -> list[KeyValues]:
+        """Each decoder block's cross-attention keys and values of the encoder output, computed once.
+
+        **Arguments:**
+
+        - `memory`: the encoder output ``[seq, d_model]``.
+
+        **Returns:** per decoder block, keys and values ``[seq, heads, d_kv]``.
+
+        ```python
+        cross = model.cross_cache(model.encode(input_ids))
+        ```
+        """
+        blocks = [block.cross_attention for block in self.decoder.blocks]
+        return [(a.heads(memory, a.k), a.heads(memory, a.v)) for a in blocks if a is not None]
+
+    def decode_step(
+        self,
+        token: Int[Array, ""],
+        position: Int[Array, ""],
+        cache: list[KeyValues],
+        cross: list[KeyValues],
+        attention_mask: Int[Array, " seq"] | None = None,
+    ) -> tuple[Float[Array, " vocab"], list[KeyValues]]:
+        """The next token's logits from one decoder position, with a key/value cache: each
+        step costs the same whatever came before.
+
+        **Arguments:**
+
+        - `token`: the decoder input at ``position`` (the start token at 0).
+        - `position`: its position, from 0.
+        - `cache`: from `init_cache`, holding positions ``0 .. position - 1``.
+        - `cross`: from `cross_cache`.
+        - `attention_mask`: the encoder's mask ``[seq]`` (None: all real).
+
+        **Returns:** the logits ``[vocab]`` and the cache with ``position`` written.
+
+        ```python
+        logits, cache = model.decode_step(jnp.array(0), jnp.array(0), model.init_cache(17), cross)
+        ```
+        """
+        mask = _cross_mask(cross[0][0], attention_mask)
+        hidden, cache = self.decoder.step(self.shared[token][None, :], position, cache, cross, mask)
+        return self.logits(hidden[0]), cache
 
     def __call__(
         self,
