@@ -92,18 +92,26 @@ def _verify(args: argparse.Namespace) -> int:
 def _import_t5(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from .t5 import convert_tf
+    from .t5 import convert_hf, convert_tf
+    from .t5._hf import is_hf_directory
 
     with Progress(transient=True) as progress:
         task = progress.add_task("importing T5", total=None)
-        config = convert_tf(
-            args.src,
-            args.out,
-            args.config,
-            dtype=args.dtype,
-            overwrite=args.overwrite,
-            progress=lambda name, total: progress.update(task, total=total, advance=1, description=name),
-        )
+        if is_hf_directory(args.src):
+            if args.config is not None:
+                raise CheckpointError(
+                    f"{args.src} is a HuggingFace directory: its config.json is the config; drop --config."
+                )
+            config = convert_hf(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        else:
+            config = convert_tf(
+                args.src,
+                args.out,
+                args.config,
+                dtype=args.dtype,
+                overwrite=args.overwrite,
+                progress=lambda name, total: progress.update(task, total=total, advance=1, description=name),
+            )
     print(
         f"wrote {args.out}: T5 {config.num_layers}+{config.num_decoder_layers} layers, d_model {config.d_model}, "
         f"vocab {config.vocab_size}"
@@ -191,14 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--format", default=None, choices=FORMATS, help="the format of SRC (default: detected)")
     convert.add_argument("--overwrite", action="store_true", help="replace what is at DST")
     convert.set_defaults(run=_convert)
-    t5 = sub.add_parser("import-t5", help="convert a Mesh TensorFlow T5 checkpoint to an eqxckpt checkpoint")
-    t5.add_argument("src", help="TF checkpoint directory or prefix")
+    t5 = sub.add_parser(
+        "import-t5", help="convert a Mesh TensorFlow or HuggingFace T5 checkpoint to an eqxckpt checkpoint"
+    )
+    t5.add_argument(
+        "src", help="TF checkpoint directory or prefix, or a HuggingFace directory (config.json + safetensors)"
+    )
     t5.add_argument("out", help="where to write the eqxckpt checkpoint")
-    t5.add_argument("--config", default=None, help="config.json or operative_config.gin (default: inferred)")
+    t5.add_argument("--config", default=None, help="for TF: config.json or operative_config.gin (default: inferred)")
     t5.add_argument(
         "--dtype", default=None, help="floating weights' dtype: float32 (default), bfloat16, ..., or auto (as stored)"
     )
-    t5.add_argument("--overwrite", action="store_true")
+    t5.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at OUT")
     t5.set_defaults(run=_import_t5)
     args = parser.parse_args(argv)
     try:

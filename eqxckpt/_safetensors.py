@@ -326,13 +326,13 @@ def save_safetensors(
                     f.write(array.reshape(-1).view(np.uint8).data)
             f.flush()
             os.fsync(f.fileno())
-        _commit_file(tmp, final, overwrite)
+        commit_file(tmp, final, overwrite)
         fsync_path(final.parent)
     finally:
         tmp.unlink(missing_ok=True)  # gone already once committed
 
 
-def _commit_file(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
+def commit_file(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
     """Move the written file into place. Without ``overwrite`` a hard link makes it
     appear only if nothing is there, atomically, so a file another process
     created meanwhile is never replaced."""

@@ -411,3 +411,19 @@ class T5(eqx.Module):
         ```
         """
         return self.decode(decoder_input_ids, self.encode(input_ids, attention_mask=attention_mask), attention_mask)
+
+
+def skeleton(config: T5Config) -> T5:
+    """A `T5` of ``config`` made of `jax.ShapeDtypeStruct`s (float32): no memory spent.
+
+    **Arguments:**
+
+    - `config`: the hyperparameters.
+
+    **Returns:** the skeleton, for `eqxckpt.load`'s ``like``.
+
+    ```python
+    model = eqxckpt.load("t5_eqx", skeleton(config), at="params")
+    ```
+    """
+    return eqx.filter_eval_shape(T5, config, key=jax.random.key(0))

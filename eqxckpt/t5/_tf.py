@@ -10,7 +10,6 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import numpy as np
 
@@ -23,7 +22,7 @@ from .._tensorflow import TFCheckpoint, open_tf
 from .._translate import CheckpointTranslator, TranslatedSource
 from .._tree import flatten
 from ._config import T5Config, weights_dtype
-from ._model import T5
+from ._model import T5, skeleton
 
 SLOT_NAMES = {"v": "v", "vr": "v_row", "vc": "v_col"}
 
@@ -187,14 +186,10 @@ def _from_shapes(shapes: dict[str, tuple]) -> dict[str, Any]:
 # --- building ------------------------------------------------------------------------
 
 
-def _skeleton(config: T5Config) -> Any:
-    return eqx.filter_eval_shape(T5, config, key=jax.random.key(0))
-
-
 def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any) -> T5:
     """Check the variables fit ``config`` (one error naming every misfit), then read each
     weight once into the model: floating weights in ``dtype`` (as `weights_dtype` reads it)."""
-    flat, treedef = flatten(_skeleton(config))
+    flat, treedef = flatten(skeleton(config))
     stored = translated.records("params")
     dtype = weights_dtype(dtype)
 

@@ -1,0 +1,356 @@
+"""HuggingFace's T5 layout: `load_hf` and `save_hf`.
+
+A HuggingFace T5 directory holds ``config.json`` and ``model.safetensors`` (or
+``model.safetensors.index.json`` and its shards). Tensors are torch ``[out, in]``
+matrices, the transpose of this T5's ``x @ kernel`` layout; names follow
+``encoder.block.{i}.layer.{j}.SelfAttention.q.weight``.
+"""
+
+import json
+import os
+import pathlib
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StructureMismatchError
+from .._leaf import ArrayLeaf
+from .._load import load
+from .._safetensors import INDEX_NAME, commit_file, open_safetensors, save_safetensors
+from .._save import save
+from .._storage import CheckpointPath
+from .._store import fsync_path, hidden_sibling
+from .._transform import Transform
+from .._translate import CheckpointTranslator, TranslatedSource
+from .._tree import flatten
+from ._config import T5Config, weights_dtype
+from ._model import T5, skeleton
+
+SUBLAYERS = {
+    "encoder": ("self_attention", "feed_forward"),
+    "decoder": ("self_attention", "cross_attention", "feed_forward"),
+}
+ATTENTION = {"self_attention": "SelfAttention", "cross_attention": "EncDecAttention"}
+# Leaves stored transposed: every matrix but the embedding.
+TRANSPOSED = re.compile(r"logits_kernel|.*/relative_attention_bias|.*/(q|k|v|o|wi_0|wi_1|wo)")
+# What the layout version these files follow is; HuggingFace records it in config.json.
+TRANSFORMERS_VERSION = "4.57.6"
+CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME = "config.json", "generation_config.json", "model.safetensors"
+
+
+def hf_name(path: str, config: T5Config) -> str:
+    """This T5's parameter path -> HuggingFace's tensor name."""
+    parts = path.split("/")
+    if path == "shared":
+        return "shared.weight"
+    if path == "logits_kernel":
+        return "lm_head.weight"
+    stack = parts[0]
+    if parts[1] == "relative_attention_bias":
+        return f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    if parts[1] == "final_norm":
+        return f"{stack}.final_layer_norm.weight"
+    block, sublayer = parts[2], parts[3]
+    if sublayer.endswith("_norm"):
+        return f"{stack}.block.{block}.layer.{SUBLAYERS[stack].index(sublayer[: -len('_norm')])}.layer_norm.weight"
+    layer = SUBLAYERS[stack].index(sublayer)
+    if sublayer == "feed_forward":
+        name = "wi" if parts[4] == "wi_0" and not config.gated else parts[4]
+        return f"{stack}.block.{block}.layer.{layer}.DenseReluDense.{name}.weight"
+    return f"{stack}.block.{block}.layer.{layer}.{ATTENTION[sublayer]}.{parts[4]}.weight"
+
+
+# --- HuggingFace's names -> this T5's paths (on the source's paths: dots became slashes) ---
+
+NAMES = CheckpointTranslator()
+
+
+@NAMES.add(r"shared/weight")
+def _(opts, key, value):
+    return "shared", value
+
+
+@NAMES.add(r"lm_head/weight")
+def _(opts, key, value):
+    return (None if opts["tied"] else "logits_kernel"), value  # tied: an alias, checked by `_check_aliases`
+
+
+@NAMES.add(r"(encoder|decoder)/embed_tokens/weight")
+def _(opts, key, value, stack):
+    return None, value  # an alias of shared.weight, checked by `_check_aliases`
+
+
+@NAMES.add(r"(encoder|decoder)/final_layer_norm/weight")
+def _(opts, key, value, stack):
+    return f"{stack}/final_norm/scale", value
+
+
+@NAMES.add(r"(encoder|decoder)/block/(\d+)/layer/(\d+)/(\w+)/(?:(\w+)/)?weight")
+def _(opts, key, value, stack, block, layer, kind, name):
+    sublayers = SUBLAYERS[stack]
+    sublayer = sublayers[int(layer)] if int(layer) < len(sublayers) else None
+    where = f"{stack}/blocks/{int(block)}"
+    if kind == "layer_norm" and name is None and sublayer is not None:
+        return f"{where}/{sublayer}_norm/scale", value
+    if name == "relative_attention_bias" and kind == "SelfAttention" and sublayer == "self_attention":
+        if opts["per_layer"]:
+            return f"{where}/relative_attention_bias", value
+        return (f"{stack}/relative_attention_bias" if int(block) == 0 else f"{where}/relative_attention_bias"), value
+    if sublayer is not None and ATTENTION.get(sublayer) == kind and name in ("q", "k", "v", "o"):
+        return f"{where}/{sublayer}/{name}", value
+    if sublayer == "feed_forward" and kind == "DenseReluDense" and name in ("wi", "wi_0", "wi_1", "wo"):
+        return f"{where}/feed_forward/{'wi_0' if name == 'wi' else name}", value
+    return f"{where}/unknown/{key}", value  # no place in a T5: refused by `_check_fits`, by its HuggingFace name
+
+
+@NAMES.add(r"(.+)")
+def _(opts, key, value, name):
+    return f"unknown/{name}", value
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def load_hf(path: str | os.PathLike[str], *, dtype: Any = None) -> T5:
+    """A `T5` from a HuggingFace T5 directory (``config.json`` + safetensors).
+
+    Reads ``model.safetensors``, or a sharded ``model.safetensors.index.json``,
+    lazily: each tensor once, straight into the model. The output layer may be
+    tied (v1.0: no ``lm_head.weight``) or not; ``encoder.embed_tokens`` /
+    ``decoder.embed_tokens`` (and a tied ``lm_head``) that some files carry must
+    equal ``shared.weight``.
+
+    **Arguments:**
+
+    - `path`: the directory.
+    - `dtype`: the floating weights' dtype: None (the default) is float32, as
+      HuggingFace's ``from_pretrained`` gives, whatever the file stores;
+      ``"auto"`` keeps the stored dtype; or e.g. ``jnp.bfloat16``.
+
+    **Returns:** the `T5` module.
+
+    ```python
+    model = eqxckpt.t5.load_hf("t5_v1_1_tiny/hf")
+    out = eqxckpt.t5.generate(model, input_ids, attention_mask, max_new_tokens=32)
+    ```
+    """
+    root = pathlib.Path(path)
+    config_file = root / CONFIG_NAME
+    if not config_file.is_file():
+        raise CheckpointNotFoundError(
+            f"{root} has no {CONFIG_NAME}: a HuggingFace T5 directory holds config.json and model.safetensors."
+        )
+    config = T5Config.from_json(config_file)
+    source = open_safetensors(root)
+    _check_aliases(source, config)
+    view = NAMES.apply(source, tied=config.tie_word_embeddings, per_layer=config.relative_attention_per_layer)
+    like = _like(view, config, weights_dtype(dtype))
+    _check_fits(view, like, config)
+    transforms = {TRANSPOSED.pattern: Transform(value_fn=np.transpose)}
+    return load(view, like, cast=True, transforms=transforms)
+
+
+def _check_aliases(source: Any, config: T5Config) -> None:
+    """Alias tensors some files carry must be the embedding itself: a file where they
+    differ describes a model this T5 (and HuggingFace's) cannot hold."""
+    aliases = ["encoder/embed_tokens/weight", "decoder/embed_tokens/weight"]
+    if config.tie_word_embeddings:
+        aliases.append("lm_head/weight")
+    present = [alias for alias in aliases if alias in source]
+    if not present or "shared/weight" not in source:
+        return
+    shared = source["shared/weight"].get()
+    for alias in present:
+        if not np.array_equal(source[alias].get(), shared):
+            raise CheckpointError(
+                f"{source.location}: {alias.replace('/', '.')} differs from shared.weight, but a T5 uses one "
+                "embedding for both (and, with tie_word_embeddings, for the output layer). Fix the file or its "
+                "config.json."
+            )
+
+
+def _like(view: TranslatedSource, config: T5Config, dtype: Any) -> Any:
+    """The model's skeleton, each weight in ``dtype`` (None: as stored)."""
+    flat, treedef = flatten(skeleton(config))
+
+    def wanted(path: str, leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        if dtype is not None:
+            return leaf.update(dtype=dtype)
+        return leaf.update(dtype=view.leaf(path).dtype) if path in view else leaf  # type: ignore[attr-defined]
+
+    return jax.tree_util.tree_unflatten(treedef, [wanted(path, leaf) for path, _, leaf in flat])
+
+
+def _check_fits(view: TranslatedSource, like: Any, config: T5Config) -> None:
+    """One error naming, by their HuggingFace names, the tensors that are missing,
+    have no place in a T5 of ``config``, or have the wrong shape."""
+    expected = {path: leaf for path, _, leaf in flatten(like)[0] if isinstance(leaf, jax.ShapeDtypeStruct)}
+    stored = {path: leaf for path, leaf in view.records().items() if isinstance(leaf, ArrayLeaf)}
+    missing = [(p, f"expected {hf_name(p, config)}") for p in expected if p not in stored]
+    unexpected = [(p, f"found {view.origin(p).replace('/', '.')}") for p in stored if p not in expected]
+    mismatched = []
+    for path in expected.keys() & stored.keys():
+        shape = tuple(expected[path].shape)
+        needed = shape[::-1] if TRANSPOSED.fullmatch(path) else shape
+        if tuple(stored[path].shape) != needed:
+            name = view.origin(path).replace("/", ".")
+            mismatched.append((path, f"{name} is {list(stored[path].shape)}, config.json needs {list(needed)}"))
+    if missing or unexpected or mismatched:
+        lines = [f"{view.location} does not hold the T5 its config.json describes:"]
+        for title, rows in (
+            ("missing", missing),
+            ("tensors with no place in this T5", unexpected),
+            ("wrong shape", mismatched),
+        ):
+            if rows:
+                lines.append(f"  {title} ({len(rows)}): " + "; ".join(what for _, what in rows[:50]))
+        raise StructureMismatchError("\n".join(lines), missing=missing, unexpected=unexpected, mismatched=mismatched)
+
+
+def is_hf_directory(path: Any) -> bool:
+    """Whether ``path`` is a HuggingFace model directory (``config.json`` and safetensors weights).
+
+    **Arguments:**
+
+    - `path`: any path.
+
+    **Returns:** True for a directory `load_hf` can read.
+
+    ```python
+    is_hf_directory("t5_v1_1_tiny/hf")  # True
+    ```
+    """
+    root = pathlib.Path(path)
+    return (root / CONFIG_NAME).is_file() and any((root / name).is_file() for name in (WEIGHTS_NAME, INDEX_NAME))
+
+
+def convert_hf(
+    path: str | os.PathLike[str], out: CheckpointPath, *, dtype: Any = None, overwrite: bool = False
+) -> T5Config:
+    """Write a HuggingFace T5 directory as an eqxckpt checkpoint: ``params`` (the `T5`
+    module), with the config in the metadata.
+
+    **Arguments:**
+
+    - `path`, `dtype`: as for `load_hf`.
+    - `out`: where to save the eqxckpt checkpoint (as for `eqxckpt.save`).
+    - `overwrite`: replace a checkpoint already at ``out``.
+
+    **Returns:** the `T5Config` read from ``config.json``.
+
+    ```python
+    config = eqxckpt.t5.convert_hf("t5_v1_1_tiny/hf", "t5_eqx")
+    model = eqxckpt.load("t5_eqx", lambda: T5(config, key=jax.random.key(0)), at="params")
+    ```
+    """
+    model = load_hf(path, dtype=dtype)
+    save(
+        out, {"params": model}, metadata={"t5_config": model.config.to_dict(), "source": str(path)}, overwrite=overwrite
+    )
+    return model.config
+
+
+# --- writing ------------------------------------------------------------------------------
+
+
+def hf_config(config: T5Config, dtype: Any) -> dict[str, Any]:
+    """``config.json`` for ``config``, with the keys HuggingFace transformers writes for T5."""
+    return {
+        "architectures": ["T5ForConditionalGeneration"],
+        "classifier_dropout": 0.0,
+        "d_ff": config.d_ff,
+        "d_kv": config.d_kv,
+        "d_model": config.d_model,
+        "decoder_start_token_id": 0,
+        "dense_act_fn": "gelu_new" if config.gated else "relu",
+        # This T5 has no dropout; 0.0 keeps HuggingFace's forward pass the same in training.
+        "dropout_rate": 0.0,
+        "dtype": np.dtype(dtype).name,
+        "eos_token_id": 1,
+        "feed_forward_proj": config.feed_forward_proj,
+        "initializer_factor": 1.0,
+        "is_encoder_decoder": True,
+        "is_gated_act": config.gated,
+        "layer_norm_epsilon": config.layer_norm_epsilon,
+        "model_type": "t5",
+        "num_decoder_layers": config.decoder_layers,
+        "num_heads": config.num_heads,
+        "num_layers": config.num_layers,
+        "pad_token_id": 0,
+        "relative_attention_max_distance": config.relative_attention_max_distance,
+        "relative_attention_num_buckets": config.relative_attention_num_buckets,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "transformers_version": TRANSFORMERS_VERSION,
+        "use_cache": True,
+        "vocab_size": config.vocab_size,
+    }
+
+
+def save_hf(model: T5, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+    """Write a `T5` as a HuggingFace T5 directory, so a model trained in Equinox can be published.
+
+    Writes ``model.safetensors`` (HuggingFace's tensor names and ``[out, in]``
+    layout, the model's dtype, metadata ``{"format": "pt"}``), then
+    ``generation_config.json`` and, last, ``config.json``: each file atomically,
+    so a directory with a ``config.json`` written by this call is complete.
+    ``transformers``' ``T5ForConditionalGeneration.from_pretrained`` reads it.
+
+    **Arguments:**
+
+    - `model`: the `T5`. Per-block relative attention biases are refused:
+      HuggingFace's T5 has one table per stack.
+    - `path`: the directory (created if needed).
+    - `overwrite`: replace the files of a model already there. Without it,
+      existing files are never touched: `CheckpointExistsError`.
+
+    **Returns:** nothing.
+
+    ```python
+    eqxckpt.t5.save_hf(model, "my-t5")
+    model = eqxckpt.t5.load_hf("my-t5")
+    ```
+    """
+    config = model.config
+    if config.relative_attention_per_layer:
+        raise CheckpointError(
+            "This T5 has a relative attention bias per block (relative_attention_per_layer=True); HuggingFace's "
+            "T5 has one per stack, so it cannot load such a model. Save it with eqxckpt.save instead."
+        )
+    root = pathlib.Path(path)
+    names = (WEIGHTS_NAME, GENERATION_CONFIG_NAME, CONFIG_NAME)
+    existing = [name for name in names if (root / name).exists()]
+    if existing and not overwrite:
+        raise CheckpointExistsError(f"{root} already holds {', '.join(existing)}; pass overwrite=True to replace them.")
+    tensors: dict[str, Any] = {}
+    for leaf_path, _, leaf in flatten(model)[0]:
+        if isinstance(leaf, jax.Array):
+            value = np.asarray(leaf)
+            node = tensors
+            *parents, last = hf_name(leaf_path, config).split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = np.ascontiguousarray(value.T) if TRANSPOSED.fullmatch(leaf_path) else value
+    root.mkdir(parents=True, exist_ok=True)
+    if overwrite:  # the old config goes first: until the new one is written, the directory reads as incomplete
+        (root / CONFIG_NAME).unlink(missing_ok=True)
+    save_safetensors(root / WEIGHTS_NAME, tensors, metadata={"format": "pt"}, overwrite=overwrite)
+    generation = {"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+    _write_json(root / GENERATION_CONFIG_NAME, {**generation, "transformers_version": TRANSFORMERS_VERSION}, overwrite)
+    _write_json(root / CONFIG_NAME, hf_config(config, model.shared.dtype), overwrite)
+    fsync_path(root)
+
+
+def _write_json(final: pathlib.Path, doc: dict[str, Any], overwrite: bool) -> None:
+    tmp = hidden_sibling(final, "tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        commit_file(tmp, final, overwrite)
+    finally:
+        tmp.unlink(missing_ok=True)
