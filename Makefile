@@ -31,6 +31,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/skipped_bytes.py
 	$(BIN)/python benchmarks/import_bench.py
+	$(BIN)/python benchmarks/decode_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

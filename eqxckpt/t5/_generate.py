@@ -151,9 +151,7 @@ class Decoder(eqx.Module):
             hidden = jax.vmap(self.model.decode_hidden)(tokens, self.memory, self.mask)
             logits = self.model.logits(hidden[:, position])
         else:
-            logits, cache = jax.vmap(self.model.decode_step, in_axes=(0, None, 0, 0, 0))(
-                tokens[:, position], position, cache, self.cross, self.mask
-            )
+            logits, cache = self.model.decode_step(tokens[:, position], position, cache, self.cross, self.mask)
         return logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), cache
 
 

@@ -77,6 +77,17 @@ class Attention(eqx.Module):
         weights = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), axis=-1).astype(v.dtype)
         return jnp.einsum("hqk,khd->qhd", weights, v).reshape(q.shape[0], -1) @ self.o
 
+    def attend_cached(self, q: Array, keys: Array, values: Array, bias: Array) -> Array:
+        """`attend` for rows of one query each, over cached keys and values.
+
+        ``q`` is ``[rows, heads, d_kv]``; ``keys`` ``[rows, heads, d_kv, len]`` and
+        ``values`` ``[rows, heads, len, d_kv]``: the layouts the two products read
+        directly, so no step copies the cache; ``bias`` broadcasts to ``[rows, heads, len]``.
+        """
+        scores = jnp.einsum("rhd,rhdk->rhk", q, keys) + bias
+        weights = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), axis=-1)
+        return jnp.einsum("rhk,rhkd->rhd", weights.astype(values.dtype), values).reshape(q.shape[0], -1) @ self.o
+
     def __call__(self, x: Array, memory: Array, bias: Float[Array, "heads q k"]) -> Array:
         return self.attend(self.heads(x, self.q), self.heads(memory, self.k), self.heads(memory, self.v), bias)
 
@@ -112,23 +123,31 @@ class Block(eqx.Module):
     def step(
         self, x: Array, self_bias: Array, cache: "KeyValues", position: Array, cross: "KeyValues", cross_bias: Array
     ) -> tuple[Array, "KeyValues"]:
-        """One decoder position: its keys and values written into ``cache`` at ``position``,
-        attending over the cache (``self_bias`` masks what is not written yet)."""
+        """One decoder position for a batch of rows (``x`` is ``[rows, d_model]``): its keys
+        and values written into ``cache`` at ``position`` (in place), then attention over
+        the cache (``self_bias`` masks what is not written yet)."""
         attention = self.self_attention
         h = self.self_attention_norm(x)
-        keys = jax.lax.dynamic_update_slice_in_dim(cache[0], attention.heads(h, attention.k), position, axis=0)
-        values = jax.lax.dynamic_update_slice_in_dim(cache[1], attention.heads(h, attention.v), position, axis=0)
-        x = x + attention.attend(attention.heads(h, attention.q), keys, values, self_bias)
+        zero = jnp.zeros((), jnp.int32)
+        position = jnp.asarray(position, jnp.int32)
+        keys = jax.lax.dynamic_update_slice(
+            cache[0], attention.heads(h, attention.k)[..., None], (zero, zero, zero, position)
+        )
+        values = jax.lax.dynamic_update_slice(
+            cache[1], attention.heads(h, attention.v)[:, :, None, :], (zero, zero, position, zero)
+        )
+        x = x + attention.attend_cached(attention.heads(h, attention.q), keys, values, self_bias)
         if self.cross_attention is not None:
             assert self.cross_attention_norm is not None
             h = self.cross_attention_norm(x)
-            x = x + self.cross_attention.attend(
+            x = x + self.cross_attention.attend_cached(
                 self.cross_attention.heads(h, self.cross_attention.q), *cross, cross_bias
             )
         return x + self.feed_forward(self.feed_forward_norm(x)), (keys, values)
 
 
-# One block's keys and values, each ``[length, heads, d_kv]``.
+# One block's keys ``[heads, d_kv, length]`` and values ``[heads, length, d_kv]`` (with a
+# leading ``rows`` axis when batched).
 KeyValues = tuple[Array, Array]
 
 
@@ -166,20 +185,20 @@ class Stack(eqx.Module):
     def step(
         self, x: Array, position: Array, cache: list[KeyValues], cross: list[KeyValues], cross_mask: Array
     ) -> tuple[Array, list[KeyValues]]:
-        """The causal stack at one position, with each block's keys and values cached."""
-        length = cache[0][0].shape[0]
-        mask = _mask_bias(jnp.arange(length)[None, :] <= position, x.dtype)
+        """The causal stack at one position for a batch of rows, each block's keys and values cached."""
+        length = cache[0][0].shape[-1]
+        mask = _mask_bias(jnp.arange(length) <= position, x.dtype)
         queries = jnp.reshape(position, (1,))
-        shared = (
-            None
-            if self.relative_attention_bias is None
-            else self.position_bias(self.relative_attention_bias, length, queries) + mask
-        )
-        cross_bias = _mask_bias(cross_mask, x.dtype)
+
+        def bias(table: Array) -> Array:
+            return jnp.swapaxes(self.position_bias(table, length, queries), 0, 1) + mask  # [1, heads, length]
+
+        shared = None if self.relative_attention_bias is None else bias(self.relative_attention_bias)
+        cross_bias = _mask_bias(cross_mask, x.dtype)[:, None, :]
         written = []
         for block, kv, cross_kv in zip(self.blocks, cache, cross):
             own = block.relative_attention_bias
-            self_bias = self.position_bias(own, length, queries) + mask if own is not None else shared
+            self_bias = bias(own) if own is not None else shared
             assert self_bias is not None  # a table per block, or one shared by the stack
             x, kv = block.step(x, self_bias, kv, position, cross_kv, cross_bias)
             written.append(kv)
@@ -329,65 +348,77 @@ class T5(eqx.Module):
         return hidden @ self.logits_kernel
 
     def init_cache(self, length: int) -> list[KeyValues]:
-        """An empty key/value cache for decoding up to ``length`` positions.
+        """An empty key/value cache for decoding up to ``length`` positions, for one row.
 
         **Arguments:**
 
         - `length`: the most decoder positions (the start token included).
 
-        **Returns:** per decoder block, zero keys and values ``[length, heads, d_kv]``.
+        **Returns:** per decoder block, zero keys ``[heads, d_kv, length]`` and values
+        ``[heads, length, d_kv]``; broadcast them over the rows `decode_step` decodes.
 
         ```python
-        cache = model.init_cache(1 + max_new_tokens)
+        cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (rows, *x.shape)), model.init_cache(17))
         ```
         """
-        shape = (length, self.config.num_heads, self.config.d_kv)
-        return [(jnp.zeros(shape, self.shared.dtype), jnp.zeros(shape, self.shared.dtype)) for _ in self.decoder.blocks]
+        heads, d_kv, dtype = self.config.num_heads, self.config.d_kv, self.shared.dtype
+        return [
+            (jnp.zeros((heads, d_kv, length), dtype), jnp.zeros((heads, length, d_kv), dtype))
+            for _ in self.decoder.blocks
+        ]
 
     def cross_cache(self, memory: Float[Array, "seq d_model"]) -> list[KeyValues]:
-        """Each decoder block's cross-attention keys and values of the encoder output, computed once.
+        """Each decoder block's cross-attention keys and values of one encoder output, computed once.
 
         **Arguments:**
 
         - `memory`: the encoder output ``[seq, d_model]``.
 
-        **Returns:** per decoder block, keys and values ``[seq, heads, d_kv]``.
+        **Returns:** per decoder block, keys ``[heads, d_kv, seq]`` and values ``[heads, seq, d_kv]``.
 
         ```python
-        cross = model.cross_cache(model.encode(input_ids))
+        cross = jax.vmap(model.cross_cache)(memory)  # a batch of rows
         ```
         """
         blocks = [block.cross_attention for block in self.decoder.blocks]
-        return [(a.heads(memory, a.k), a.heads(memory, a.v)) for a in blocks if a is not None]
+        return [
+            (jnp.transpose(a.heads(memory, a.k), (1, 2, 0)), jnp.transpose(a.heads(memory, a.v), (1, 0, 2)))
+            for a in blocks
+            if a is not None
+        ]
 
     def decode_step(
         self,
-        token: Int[Array, ""],
+        tokens: Int[Array, " rows"],
         position: Int[Array, ""],
         cache: list[KeyValues],
         cross: list[KeyValues],
-        attention_mask: Int[Array, " seq"] | None = None,
-    ) -> tuple[Float[Array, " vocab"], list[KeyValues]]:
-        """The next token's logits from one decoder position, with a key/value cache: each
-        step costs the same whatever came before.
+        attention_mask: Int[Array, "rows seq"] | None = None,
+    ) -> tuple[Float[Array, "rows vocab"], list[KeyValues]]:
+        """The next token's logits for a batch of rows from one decoder position, with a
+        key/value cache: each step costs the same whatever came before.
+
+        Unlike the rest of the model this takes a batch (no `jax.vmap`), so the
+        cache is written in place.
 
         **Arguments:**
 
-        - `token`: the decoder input at ``position`` (the start token at 0).
-        - `position`: its position, from 0.
-        - `cache`: from `init_cache`, holding positions ``0 .. position - 1``.
-        - `cross`: from `cross_cache`.
-        - `attention_mask`: the encoder's mask ``[seq]`` (None: all real).
+        - `tokens`: each row's decoder input at ``position`` (the start token at 0).
+        - `position`: the position, from 0, the same for every row.
+        - `cache`: `init_cache` broadcast over the rows, holding ``0 .. position - 1``.
+        - `cross`: `cross_cache` of each row's encoder output (``jax.vmap``).
+        - `attention_mask`: the encoder's mask ``[rows, seq]`` (None: all real).
 
-        **Returns:** the logits ``[vocab]`` and the cache with ``position`` written.
+        **Returns:** the logits ``[rows, vocab]`` and the cache with ``position`` written.
 
         ```python
-        logits, cache = model.decode_step(jnp.array(0), jnp.array(0), model.init_cache(17), cross)
+        logits, cache = model.decode_step(jnp.zeros(rows, int), jnp.array(0), cache, cross, mask)
         ```
         """
-        mask = _cross_mask(cross[0][0], attention_mask)
-        hidden, cache = self.decoder.step(self.shared[token][None, :], position, cache, cross, mask)
-        return self.logits(hidden[0]), cache
+        rows, seq = tokens.shape[0], cross[0][0].shape[-1]
+        mask = jnp.ones((rows, seq), bool) if attention_mask is None else attention_mask.astype(bool)
+        hidden, cache = self.decoder.step(self.shared[tokens], position, cache, cross, mask)
+        return self.logits(hidden), cache
 
     def __call__(
         self,
