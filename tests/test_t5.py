@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 import eqxckpt
 from eqxckpt import t5
+from eqxckpt.t5 import _config as t5_config
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "t5_v1_1_tiny"
 REF = np.load(FIXTURE / "reference.npz")
@@ -347,3 +350,14 @@ def test_unsupported_relative_attention_type_is_refused(tmp_path):
     )
     with pytest.raises(eqxckpt.CheckpointError, match="different relative_attention_type"):
         t5.T5Config.from_gin(gin)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.text(alphabet=st.sampled_from("ab_/.=%@'\"[],-+e0123456789 \n\t#()"), max_size=200))
+def test_gin_parser_never_runs_anything_or_crashes(text):
+    bindings = t5_config.parse_gin(text)
+    assert all(isinstance(name, str) for name in bindings)
+    try:
+        t5_config.T5Config.from_dict({k.rsplit(".", 1)[-1]: v for k, v in bindings.items()})
+    except eqxckpt.CheckpointError:
+        pass  # refused by name; anything else would be a crash

@@ -184,3 +184,22 @@ def test_import_t5_command_reads_huggingface_directories(tmp_path, from_tf):
     assert_trees_equal(
         eqxckpt.load(tmp_path / "t5", lambda: t5.T5(config, key=jax.random.key(0)), at="params"), from_tf
     )
+
+
+def test_hostile_config_json_is_refused_before_anything_is_built(tmp_path):
+    directory = tmp_path / "hostile"
+    shutil.copytree(FIXTURE / "hf", directory)
+    (directory / "config.json").chmod(0o644)
+    config = json.loads((FIXTURE / "hf/config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_layers": 10**9}))
+    with pytest.raises(eqxckpt.StructureMismatchError, match="asks for 1000000000 encoder blocks, the weights hold 2"):
+        t5.load_hf(directory)
+    (directory / "config.json").write_text(json.dumps({**config, "d_model": "32"}))
+    with pytest.raises(eqxckpt.CheckpointError, match="d_model must be a positive integer, got '32'"):
+        t5.load_hf(directory)
+    (directory / "config.json").write_text("[1, 2]")
+    with pytest.raises(eqxckpt.CheckpointError, match="not .*object"):
+        t5.load_hf(directory)
+    (directory / "config.json").write_text(" " * (5 * 1024 * 1024) + "{}")
+    with pytest.raises(eqxckpt.CheckpointError, match="too large"):
+        t5.load_hf(directory)

@@ -1,15 +1,17 @@
 """`T5Config`: T5 hyperparameters under HuggingFace's names, from JSON or gin."""
 
 import dataclasses
-import json
-import pathlib
-import re
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from .._errors import CheckpointError
+from .._manifest import parse_json_object
+from .._store import read_capped
+
+# config.json and operative_config.gin files are a few KiB; anything past this is not one.
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,17 @@ class T5Config:
             raise CheckpointError(f"feed_forward_proj must be 'relu' or 'gated-gelu', got {self.feed_forward_proj!r}.")
         if self.num_decoder_layers is None:
             object.__setattr__(self, "num_decoder_layers", self.num_layers)
+        # Configs come from files (config.json, gin): refuse what no T5 can be, by name.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in (int, "int", int | None, "int | None"):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise CheckpointError(f"T5 config: {field.name} must be a positive integer, got {value!r}.")
+            elif field.type in (bool, "bool") and not isinstance(value, bool):
+                raise CheckpointError(f"T5 config: {field.name} must be true or false, got {value!r}.")
+        eps = self.layer_norm_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise CheckpointError(f"T5 config: layer_norm_epsilon must be a number in (0, 1), got {eps!r}.")
 
     @property
     def gated(self) -> bool:
@@ -117,8 +130,11 @@ class T5Config:
         config = T5Config.from_json("t5_v1_1_small/config.json")
         ```
         """
-        d = json.loads(pathlib.Path(path).read_text())
-        return cls.from_dict(d.get("hf_t5_config", d))
+        d = parse_json_object(read_capped(path, MAX_CONFIG_BYTES), str(path), MAX_CONFIG_BYTES)
+        nested = d.get("hf_t5_config", d)
+        if not isinstance(nested, dict):
+            raise CheckpointError(f"{path}: 'hf_t5_config' is {type(nested).__name__}, not an object.")
+        return cls.from_dict(nested)
 
     @classmethod
     def from_gin(cls, path: Any, **overrides: Any) -> "T5Config":
@@ -138,7 +154,10 @@ class T5Config:
         config = T5Config.from_gin("t5_v1_1_small/operative_config.gin", vocab_size=32128)
         ```
         """
-        bindings = parse_gin(pathlib.Path(path).read_text())
+        raw = read_capped(path, MAX_CONFIG_BYTES)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise CheckpointError(f"{path} is over {MAX_CONFIG_BYTES} bytes: not an operative_config.gin.")
+        bindings = parse_gin(raw.decode("utf-8", errors="replace"))
 
         values: dict[str, Any] = {}
         for field, keys in {
@@ -220,9 +239,6 @@ def _lookup(bindings: dict, keys: tuple[str, ...]) -> Any:
     return None
 
 
-_LITERAL = re.compile(r"^-?\d+$|^-?\d*\.\d*(e-?\d+)?$|^-?\d+e-?\d+$")
-
-
 def parse_gin(text: str) -> dict[str, Any]:
     """``name = value`` bindings of a gin file, values as Python literals; ``%macro``
     references resolved. Only literals are understood (no code is run)."""
@@ -250,8 +266,11 @@ def _literal(text: str) -> Any:
     text = text.strip()
     if text in ("True", "False", "None"):
         return {"True": True, "False": False, "None": None}[text]
-    if _LITERAL.match(text):
-        return float(text) if any(c in text for c in ".e") else int(text)
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
     if text[:1] in "'\"" and text[-1:] == text[:1]:
         return text[1:-1]
     if text.startswith("[") and text.endswith("]"):

@@ -145,6 +145,7 @@ def load_hf(path: str | os.PathLike[str], *, dtype: Any = None) -> T5:
     config = T5Config.from_json(config_file)
     source = open_safetensors(root)
     _check_aliases(source, config)
+    _check_block_counts(source, config)
     view = NAMES.apply(source, tied=config.tie_word_embeddings, per_layer=config.relative_attention_per_layer)
     like = _like(view, config, weights_dtype(dtype))
     _check_fits(view, like, config)
@@ -168,6 +169,23 @@ def _check_aliases(source: Any, config: T5Config) -> None:
                 f"{source.location}: {alias.replace('/', '.')} differs from shared.weight, but a T5 uses one "
                 "embedding for both (and, with tie_word_embeddings, for the output layer). Fix the file or its "
                 "config.json."
+            )
+
+
+def _check_block_counts(source: Any, config: T5Config) -> None:
+    """The blocks config.json asks for are the blocks the file holds: checked before a
+    skeleton of that many blocks is built, so a crafted config cannot make one huge."""
+    found = {"encoder": set(), "decoder": set()}
+    for path in source.paths:
+        match = re.match(r"(encoder|decoder)/block/(\d+)/", path)
+        if match:
+            found[match[1]].add(int(match[2]))
+    for stack, wanted in (("encoder", config.num_layers), ("decoder", config.decoder_layers)):
+        if len(found[stack]) != wanted:
+            raise StructureMismatchError(
+                f"{source.location}: config.json asks for {wanted} {stack} blocks, the weights hold "
+                f"{len(found[stack])}. Fix config.json (num_layers / num_decoder_layers) or use the matching weights.",
+                mismatched=[(stack, f"{len(found[stack])} blocks, config.json says {wanted}")],
             )
 
 
