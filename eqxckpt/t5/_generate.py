@@ -33,6 +33,11 @@ class GenerateOutput(eqx.Module):
     - `sequences_scores`: beam search only, ``[batch * num_return_sequences]``:
       the sum of the generated tokens' log-probabilities (EOS included) over
       ``length ** length_penalty``, best first per input; None for greedy.
+
+    ```python
+    out = eqxckpt.t5.generate(model, input_ids, max_new_tokens=16, num_beams=4, num_return_sequences=2)
+    best = out.sequences[::2]  # each input's best beam
+    ```
     """
 
     sequences: Int[Array, "rows length"]
@@ -108,6 +113,8 @@ def generate(
             f"num_return_sequences ({num_return_sequences}) must be between 1 and num_beams ({num_beams}); "
             "greedy decoding (num_beams=1) returns one sequence per input."
         )
+    if 2 * num_beams > model.config.vocab_size:
+        raise ValueError(f"num_beams={num_beams} needs a vocabulary of at least {2 * num_beams} tokens.")
     tokens = Tokens(decoder_start_token_id, -1 if eos_token_id is None else eos_token_id, pad_token_id)
     ids = input_ids.astype(jnp.int32)
     if num_beams == 1:

@@ -318,7 +318,11 @@ class T5(eqx.Module):
     def decode_hidden(
         self, decoder_input_ids: Int[Array, " dec"], memory: Array, attention_mask: Array | None = None
     ) -> Float[Array, "dec d_model"]:
-        """The decoder's output before the output layer, teacher-forced; arguments as for `decode`.
+        """The decoder's output before the output layer, teacher-forced.
+
+        **Arguments:**
+
+        - `decoder_input_ids`, `memory`, `attention_mask`: as for `decode`.
 
         **Returns:** ``[dec, d_model]``.
 
