@@ -8,13 +8,17 @@ PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 .PHONY: demo test bench clean
 
 $(BIN)/python:
+	@echo "Creating the virtual environment $(VENV) with $(PYTHON)."
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
+	@echo "Installing eqxckpt into $(VENV) with its test and TensorFlow extras (jax, tensorstore,"
+	@echo "tensorflow-cpu, orbax-checkpoint, moto, ...): about 2 minutes and 2 GB the first time."
 	$(PIP) -e ".[test,tf]"
 	touch $@
 
 $(VENV)/.bench-installed: pyproject.toml | $(BIN)/python
+	@echo "Installing eqxckpt into $(VENV) with its test, TensorFlow and benchmark extras: a few minutes the first time."
 	$(PIP) -e ".[test,tf,bench]"
 	touch $@
 

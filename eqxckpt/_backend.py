@@ -40,6 +40,21 @@ NOTHING_COMMITTED = (
     "Nothing was committed and any previous checkpoint at this place is intact; free space or fix "
     "permissions, then save again."
 )
+
+
+def nothing_committed(failure: str) -> str:
+    """What to tell after a failed save, given why it failed: the usual fix for the cause."""
+    if "NoSuchBucket" in failure:
+        fix = "create the bucket or fix its name"
+    elif "CURL error" in failure or "Could not connect" in failure or "Could not resolve" in failure:
+        fix = "check the endpoint (AWS_ENDPOINT_URL), the network and the credentials"
+    elif "AccessDenied" in failure or "InvalidAccessKeyId" in failure or "SignatureDoesNotMatch" in failure:
+        fix = "check the credentials and the bucket's permissions"
+    else:
+        return NOTHING_COMMITTED
+    return f"Nothing was committed and any previous checkpoint at this place is intact; {fix}, then save again."
+
+
 # Compressing filesystems (ZFS, btrfs) may allocate fewer blocks than a file's
 # size for data that is genuinely there (zeros): this trusts apparent sizes.
 TRUST_SPARSE = os.environ.get("EQXCKPT_TRUST_SPARSE", "") == "1"

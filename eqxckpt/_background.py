@@ -2,6 +2,8 @@
 
 import atexit
 import concurrent.futures
+import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -124,11 +126,21 @@ class BackgroundSaves:
                 ) from error
 
     def finish_at_exit(self) -> None:
-        """A background save must not vanish with the interpreter, nor its error."""
+        """A background save must not vanish with the interpreter, nor its error: a failure
+        no one saw is printed, and the process exits with status 1 (a script or scheduler
+        that checks the status learns that its checkpoint was not written)."""
+        failed = False
         for handle in list(self._in_flight.values()):
             error = handle.error()
             if error is not None and not handle.observed:
                 print(f"eqxckpt: background save to {handle.path} failed: {error!r}", file=sys.stderr)
+                failed = True
+        if failed:
+            # atexit cannot change the exit status; os._exit can, once output is flushed.
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(1)
 
 
 SAVES = BackgroundSaves()

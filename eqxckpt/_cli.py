@@ -5,10 +5,15 @@ import json
 import pathlib
 import shutil
 import sys
+from typing import TYPE_CHECKING
 
 from ._errors import CheckpointError
 from ._formats import FORMATS, open as open_source
 from ._paths import depth, normalize_at
+from ._source import nothing_under
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def human_bytes(n: int) -> str:
@@ -39,49 +44,56 @@ def checkpoint_path(text: str) -> str | dict:
     return text
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def console() -> "Console":
+    """Where the commands print: on a terminal, rich's layout; piped or redirected, one
+    line per line, never wrapped or cut, so grep and logs see whole messages."""
     from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 1_000_000)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from rich.markup import escape
     from rich.tree import Tree
 
     checkpoint = open_source(checkpoint_path(args.path), format=args.format)
     prefix = normalize_at(args.at)
     records = checkpoint.records(prefix)
     if not records:
-        raise CheckpointError(f"Nothing under at={args.at!r} in {checkpoint.location}.")
-    console = Console(highlight=False)
+        raise nothing_under(checkpoint, args.at)
+    out = console()
     root = Tree(f"[bold]{checkpoint.location}[/bold]" + (f" [dim](at {prefix})[/dim]" if prefix else ""))
     base = depth(prefix)
     nodes: dict[tuple, Tree] = {}  # directory prefix -> its branch; above `at` is the root
     for rel, record in records.items():
-        parts = tuple(record.path.split("/"))
+        # The keys as the tree has them (a stored path may shorten or escape them).
+        parts = tuple(escape(str(key)) for _, key in record.keys)
         for i in range(base + 1, len(parts)):
             if parts[:i] not in nodes:
                 nodes[parts[:i]] = nodes.get(parts[: i - 1], root).add(f"[bold blue]{parts[i - 1]}[/bold blue]")
         size = f"  [dim]{human_bytes(record.nbytes)}[/dim]" if record.stored else ""
-        label = parts[-1] if rel else record.path
+        label = parts[-1] if rel and parts else escape("/".join(parts) or record.path or "<root>")
         nodes.get(parts[:-1], root).add(f"{label}  [green]{record.describe()}[/green]{size}")
-    console.print(root)
+    out.print(root)
     arrays = [r for r in records.values() if r.stored]
-    console.print(
+    out.print(
         f"[bold]{len(records)} leaves[/bold], {len(arrays)} arrays, "
         f"{human_bytes(sum(r.nbytes for r in arrays))} of array data"
     )
     if checkpoint.metadata:
-        console.print("[bold]metadata[/bold]: " + json.dumps(checkpoint.metadata, sort_keys=True))
+        out.print("[bold]metadata[/bold]: " + json.dumps(checkpoint.metadata, sort_keys=True))
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from ._verify import verify
 
-    console = Console(highlight=False)
+    out = console()
     report = verify(checkpoint_path(args.path))
     for path, message in report.problems:
-        console.print(f"[bold red]{path}[/bold red]: {message}")
+        out.print(f"[bold red]{path}[/bold red]: {message}")
     colour = "green" if report.ok else "red"
-    console.print(
+    out.print(
         f"[bold {colour}]{'OK' if report.ok else 'DAMAGED'}[/bold {colour}] {report.location}: "
         f"{report.arrays_checked} arrays, {human_bytes(report.bytes_checked)} read and checked, "
         f"{len(report.problems)} problems"
@@ -216,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (CheckpointError, OSError, KeyError) as e:
-        print(f"eqxckpt {args.command}: {e}".splitlines()[0], file=sys.stderr)
+        print(f"eqxckpt {args.command}: {e}", file=sys.stderr)  # whole: the hint is often on a later line
         return 1
 
 

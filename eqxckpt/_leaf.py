@@ -23,7 +23,16 @@ from ._convert import adopt, checked_astype, narrowed
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import validate_path
 from ._store import STORED_DTYPES, check_dtype
-from ._tree import SCALAR_TYPES, describe_like, is_array_like, is_code, is_empty_subtree, is_prng_key_dtype, type_name
+from ._tree import (
+    SCALAR_TYPES,
+    code_name,
+    describe_like,
+    is_array_like,
+    is_code,
+    is_empty_subtree,
+    is_prng_key_dtype,
+    type_name,
+)
 
 # One key entry: ("attr" | "dict" | "seq" | "index", key) plus "repr" for keys recorded by their repr.
 KeyRecord = tuple[Any, ...]
@@ -365,17 +374,23 @@ class OpaqueLeaf(Leaf):
     """A function or class: only its type name is kept; `load` takes the value from `like`."""
 
     type_name: str = ""
+    name: str = ""  # what the function or class is called (``jax._src.nn.functions.relu``); "" if unknown
     kind: ClassVar[str] = "opaque"
 
     def describe(self) -> str:
-        return f"<{self.type_name}>"
+        if not self.name:
+            return f"<{self.type_name}>"
+        return f"<{'class' if self.type_name.endswith(('type', 'Meta')) else 'function'} {self.name}>"
 
     def _fields(self) -> dict[str, Any]:
-        return {"type": self.type_name}
+        return {"type": self.type_name, **({"name": self.name} if self.name else {})}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "OpaqueLeaf":
-        return cls(path, keys, _type_name(doc, path))
+        name = doc.get("name", "")
+        if not isinstance(name, str) or len(name) > 1000:
+            raise ManifestError(f"Leaf {path!r}: 'name' must be a string of at most 1000 characters.")
+        return cls(path, keys, _type_name(doc, path), name)
 
     def mismatch(self, target: Any, cast: bool) -> str | None:
         return self._differs(target) if is_array_like(target) or isinstance(target, SCALAR_TYPES) else None
@@ -444,7 +459,7 @@ def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, A
         scalar = None if is_empty_subtree(value) else str(value) if isinstance(value, np.str_) else value
         return ScalarLeaf(path, keys, *scalar_to_json(scalar)), None
     if is_code(value):
-        return OpaqueLeaf(path, keys, type_name(value)), None
+        return OpaqueLeaf(path, keys, type_name(value), code_name(value)), None
     raise UnsupportedLeafError(_refusal(path, value))
 
 

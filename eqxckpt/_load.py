@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._errors import CastError, CheckpointChangedError, CheckpointError, StructureMismatchError
+from ._errors import CastError, CheckpointChangedError, StructureMismatchError
 from ._formats import open as open_source
 from ._leaf import Leaf, StoredLeaf
 from ._paths import depth, normalize_at
-from ._source import LazyEntry, Source
+from ._source import LazyEntry, Source, nothing_under
 from ._storage import CheckpointPath
 from ._transform import Rule, keypath_string, plan_rules, readable_path
 from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like
@@ -83,18 +83,42 @@ class Plan:
         unexpected = self.unexpected if strict else []
         if self.missing or self.mismatched or unexpected:
             raise StructureMismatchError(
-                report(self.source.location, self.prefix, self.missing, unexpected, self.mismatched),
+                report(
+                    self.source.location,
+                    self.prefix,
+                    self.missing,
+                    unexpected,
+                    self.mismatched,
+                    strict=strict,
+                    at_hint=self.fitting_prefix(),
+                ),
                 missing=self.missing,
                 unexpected=unexpected,
                 mismatched=self.mismatched,
             )
         if self.kept or self.unexpected:
+            hint = self.fitting_prefix([(path, "") for path in self.kept])
             warnings.warn(
                 f"eqxckpt.load(strict=False) from {self.source.location}: kept `like`'s values for "
                 f"{len(self.kept)} leaves missing from the checkpoint {self.kept[:MAX_LISTED]}; ignored "
-                f"{len(self.unexpected)} checkpoint leaves {[p for p, _ in self.unexpected[:MAX_LISTED]]}.",
+                f"{len(self.unexpected)} checkpoint leaves {[p for p, _ in self.unexpected[:MAX_LISTED]]}."
+                + (f" Every kept leaf is in the checkpoint under {hint!r}: pass at={hint!r}." if hint else ""),
                 stacklevel=5,
             )
+
+    def fitting_prefix(self, missing: Rows | None = None) -> str | None:
+        """An ``at=`` under which every missing leaf exists (the usual slip: a model saved
+        inside ``{"model": ..., "opt_state": ...}`` loaded without ``at="model"``)."""
+        missing = self.missing if missing is None else missing
+        if not missing:
+            return None
+        paths = set(self.source.paths)
+        base = f"{self.prefix}/" if self.prefix else ""
+        tops = sorted({path[len(base) :].split("/")[0] for path in paths if path.startswith(base)})
+        for top in tops:
+            if all(f"{base}{top}/{rel}" in paths for rel, _ in missing):
+                return base + top
+        return None
 
     def run(self) -> Any:
         """Read what the plan needs (value_fn inputs in the same batch) and build the result."""
@@ -136,10 +160,7 @@ def plan(
     prefix = normalize_at(at)
     available = source.records(prefix)
     if not available and prefix:
-        tops = sorted({p.split("/")[0] for p in source.paths})
-        raise CheckpointError(
-            f"Nothing under at={at!r} in {source.location}. Its top-level entries are: {', '.join(tops) or 'none'}."
-        )
+        raise nothing_under(source, at)
     if like is None:
         return _plan_plain(source, prefix, available)
     flat, treedef = flatten(resolve_like(like))
@@ -230,8 +251,17 @@ def _match_rules(
             result.supply(slot, by_key[rule.key], target)
 
 
-def report(location: Any, at: str, missing: Rows, unexpected: Rows, mismatched: Rows) -> str:
-    """The message of a `StructureMismatchError`: every difference, grouped."""
+def report(
+    location: Any,
+    at: str,
+    missing: Rows,
+    unexpected: Rows,
+    mismatched: Rows,
+    *,
+    strict: bool = True,
+    at_hint: str | None = None,
+) -> str:
+    """The message of a `StructureMismatchError`: every difference, grouped, then what to do."""
     where = f"{location}" + (f" (at={at!r})" if at else "")
     lines = [f"Checkpoint {where} does not match `like`:"]
     for title, rows in (
@@ -244,10 +274,13 @@ def report(location: Any, at: str, missing: Rows, unexpected: Rows, mismatched: 
             lines.extend(f"    {path or '<root>'}: {what}" for path, what in rows[:MAX_LISTED])
             if len(rows) > MAX_LISTED:
                 lines.append(f"    ... and {len(rows) - MAX_LISTED} more")
-    lines.append(
-        "To restore anyway: at='prefix' selects a subtree, strict=False keeps `like`'s values for "
-        "missing leaves and ignores extra ones, cast=True converts dtypes, transforms remap paths."
-    )
+    if at_hint is not None:
+        lines.append(f"Every missing leaf is in the checkpoint under {at_hint!r}: pass at={at_hint!r}.")
+    remedies = ["at='prefix' selects a subtree"]
+    if strict:
+        remedies.append("strict=False keeps `like`'s values for missing leaves and ignores extra ones")
+    remedies += ["cast=True converts dtypes", "transforms remap paths"]
+    lines.append("To restore anyway: " + ", ".join(remedies) + ".")
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import tensorstore as ts
 from jaxtyping import PyTree
 
-from ._backend import NOTHING_COMMITTED, CheckpointPath, Staging, Storage, expected_files
+from ._backend import NOTHING_COMMITTED, CheckpointPath, Staging, Storage, expected_files, nothing_committed
 from ._background import SAVES, SaveHandle
 from ._checkpoint import LazyArray
 from ._distributed import Phases, is_multiprocess
@@ -124,7 +124,7 @@ def _settle(futures: Sequence[tuple[Leaf, Any]], action: str) -> list[Any]:
             results.append(None)
             if failure is None:
                 failure = CheckpointWriteError(
-                    f"{action} leaf {record.path!r} failed: {reason(e)}. {NOTHING_COMMITTED}"
+                    f"{action} leaf {record.path!r} failed: {reason(e)}. {nothing_committed(reason(e))}"
                 )
                 failure.__cause__ = e
     if failure is not None:
@@ -243,7 +243,8 @@ def _run(location: Storage, manifest: Manifest, leaves: list[_Leaf], overwrite: 
             error.errno = e.errno
             raise error from e
         if is_storage_error(e):
-            raise CheckpointWriteError(f"Saving to {location} failed: {reason(e)}. {NOTHING_COMMITTED}") from e
+            why = reason(e)
+            raise CheckpointWriteError(f"Saving to {location} failed: {why}. {nothing_committed(why)}") from e
         raise
     finally:
         if staging is not None:

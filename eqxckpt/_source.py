@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import CheckpointChangedError
+from ._errors import CheckpointChangedError, CheckpointError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._lease import LocalPin, Pin
 from ._paths import depth, normalize_at, relative_to
@@ -264,3 +264,11 @@ class LazyEntry:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def nothing_under(source: Source, at: str | None) -> CheckpointError:
+    """The error for an ``at=`` that selects nothing, listing what is at the top level."""
+    tops = sorted({path.split("/")[0] for path in source.paths})
+    return CheckpointError(
+        f"Nothing under at={at!r} in {source.location}. Its top-level entries are: {', '.join(tops) or 'none'}."
+    )

@@ -68,6 +68,19 @@ def type_name(x: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+def code_name(x: Any) -> str:
+    """A function's or class's name, module included (``jax._src.nn.functions.relu``;
+    ``partial(...)`` around a partial's function); "" for what has none."""
+    if isinstance(x, functools.partial):
+        inner = code_name(x.func)
+        return f"partial({inner})" if inner else ""
+    name = getattr(x, "__qualname__", None) or getattr(x, "__name__", None)
+    module = getattr(x, "__module__", None)
+    if not isinstance(name, str):
+        return str(x) if isinstance(x, np.dtype) else ""
+    return f"{module}.{name}" if isinstance(module, str) else name
+
+
 def is_code(x: Any) -> bool:
     """Functions and classes: leaves a checkpoint records by type only, taking
     their value from `like` on load. Everything else that is not an array, a

@@ -3,7 +3,7 @@
 import dataclasses
 
 from ._checkpoint import Checkpoint, open_checkpoint, reading
-from ._errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
+from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._leaf import StoredLeaf
 from ._paths import MANIFEST_NAME
 from ._storage import CheckpointPath, resolve
@@ -53,6 +53,7 @@ def verify(path: CheckpointPath) -> VerifyReport:
     against the manifest; report each problem with its leaf path.
 
     Never raises for a damaged checkpoint: the report lists what is wrong.
+    Raises `CheckpointNotFoundError` when there is no checkpoint at ``path``.
 
     **Arguments:**
 
@@ -69,6 +70,8 @@ def verify(path: CheckpointPath) -> VerifyReport:
     report = VerifyReport(str(location))
     try:
         checkpoint = open_checkpoint(path)
+    except CheckpointNotFoundError:
+        raise  # nothing there (or a directory of checkpoints): not a damaged checkpoint
     except CheckpointError as e:
         report.problems.append((MANIFEST_NAME, str(e)))
         return report

@@ -67,3 +67,82 @@ def test_convert_between_safetensors_and_eqxckpt_round_trips_bit_exact(tmp_path,
     # Nothing is replaced without --overwrite.
     assert main(["convert", str(tmp_path / "eqx"), str(tmp_path / "back.safetensors"), "--to", "safetensors"]) == 1
     assert main(["convert", str(tmp_path / "hf.safetensors"), str(tmp_path / "eqx")]) == 1
+
+
+def run_cli(*args: str, terminal: bool = False) -> tuple[int, str, str]:
+    """``eqxckpt ARGS`` in a subprocess: (status, stdout, stderr). ``terminal``: stdout and
+    stderr are a pseudo-terminal (120 columns), as in an interactive shell."""
+    command = [sys.executable, "-m", "eqxckpt", *args]
+    if not terminal:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        return result.returncode, result.stdout, result.stderr
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    env = {**os.environ, "COLUMNS": "120", "LINES": "40", "TERM": "xterm-256color"}
+    process = subprocess.Popen(command, stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: the command is done
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    output = b"".join(chunks).decode()
+    return process.wait(timeout=120), output, output
+
+
+LONG = "a_rather_long_parameter_name_" * 6
+
+
+def test_piped_output_is_never_wrapped_and_a_terminal_gets_rich_layout(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"model": {LONG: np.zeros(3, np.float32)}})
+    status, out, _ = run_cli("inspect", str(tmp_path / "c"))
+    assert status == 0 and any(line.endswith(f"{LONG}  float32[3]  12 B") for line in out.splitlines()), out
+    status, out, _ = run_cli("inspect", str(tmp_path / "c"), terminal=True)
+    assert status == 0 and "\x1b[" in out  # colours and a terminal-width tree
+    assert max(len(line) for line in out.replace("\x1b", "").splitlines()) < 200
+
+
+def test_errors_are_printed_whole(tmp_path):
+    (tmp_path / "run").mkdir()
+    for step in (10, 20):
+        eqxckpt.save(tmp_path / "run" / str(step), {"x": np.zeros(2)})
+    status, out, err = run_cli("inspect", str(tmp_path / "run"))
+    assert status == 1 and out == ""
+    assert "is not a checkpoint but a directory of 2 checkpoints (a CheckpointManager run): 10, 20" in err
+    assert err.rstrip().endswith("for the latest step.")
+
+
+def test_verify_of_a_missing_path_says_not_found(tmp_path):
+    status, out, err = run_cli("verify", str(tmp_path / "nothing"))
+    assert status == 1 and "DAMAGED" not in out + err
+    assert "No checkpoint at" in err and "does not exist" in err
+
+
+def test_inspect_at_typo_lists_the_top_level(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"model": {"w": np.zeros(2)}, "opt_state": {"m": np.zeros(2)}})
+    status, _, err = run_cli("inspect", str(tmp_path / "c"), "--at", "modle")
+    assert status == 1 and "Nothing under at='modle'" in err and "Its top-level entries are: model, opt_state" in err
+
+
+def test_inspect_names_functions_and_classes_readably(tmp_path):
+    import equinox as eqx
+    import jax
+
+    eqxckpt.save(tmp_path / "c", {"activation": jax.nn.relu, "layer": eqx.nn.Linear, "f": len})
+    status, out, _ = run_cli("inspect", str(tmp_path / "c"))
+    assert status == 0
+    assert "activation  <function jax._src.nn.functions.relu>" in out
+    assert "layer  <class equinox.nn._linear.Linear>" in out and "f  <function builtins.len>" in out
+    assert "custom_jvp" not in out
+
+
+def test_import_t5_overwrite_has_help():
+    status, out, _ = run_cli("import-t5", "--help")
+    assert status == 0 and "replace a checkpoint already at OUT" in " ".join(out.split())

@@ -218,3 +218,36 @@ def test_64_bit_data_never_narrows_silently(tmp_path):
     eqxckpt.save(tmp_path / "big", {"f": np.array([1e300])})
     with pytest.raises(eqxckpt.CastError, match="infinities"):
         eqxckpt.load(tmp_path / "big", {"f": np.zeros(1, np.float32)}, cast=True)
+
+
+def test_a_run_directory_is_named_and_its_checkpoints_listed(tmp_path):
+    eqxckpt.save(tmp_path / "ckpt" / "step_10", {"x": np.zeros(2)})
+    with pytest.raises(
+        eqxckpt.CheckpointNotFoundError, match=r"not a checkpoint but a directory of 1 checkpoint: step_10\."
+    ):
+        eqxckpt.load(tmp_path / "ckpt")
+    with eqxckpt.CheckpointManager(tmp_path / "run") as manager:
+        for step in (0, 5, 10):
+            manager.save(step, {"x": np.zeros(2)})
+    with pytest.raises(eqxckpt.CheckpointNotFoundError) as info:
+        eqxckpt.load(tmp_path / "run", {"x": np.zeros(2)})
+    message = str(info.value)
+    assert "directory of 3 checkpoints (a CheckpointManager run): 0, 5, 10" in message
+    assert "CheckpointManager(...).load(like)" in message and "never committed" not in message
+
+
+def test_a_missing_at_is_suggested_when_a_prefix_fits(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"model": {"w": np.zeros(2), "b": np.ones(3)}, "opt_state": {"m": np.zeros(2)}})
+    like = {"w": jax.ShapeDtypeStruct((2,), jnp.float64), "b": jax.ShapeDtypeStruct((3,), jnp.float64)}
+    with pytest.raises(eqxckpt.StructureMismatchError) as info:
+        eqxckpt.load(tmp_path / "c", like)
+    assert "Every missing leaf is in the checkpoint under 'model': pass at='model'." in str(info.value)
+    assert "strict=False keeps" in str(info.value)
+    with pytest.raises(eqxckpt.StructureMismatchError) as info:
+        eqxckpt.load(tmp_path / "c", like, strict=False)
+    assert "pass at='model'" in str(info.value) and "strict=False" not in str(info.value)  # already passed
+    with pytest.warns(UserWarning, match="under 'model': pass at='model'"):
+        eqxckpt.load(tmp_path / "c", {"w": np.zeros(2), "b": np.ones(3)}, strict=False)
+    with pytest.raises(eqxckpt.StructureMismatchError) as info:
+        eqxckpt.load(tmp_path / "c", {"w": np.zeros(2), "q": np.ones(3)})
+    assert "pass at=" not in str(info.value)  # no prefix holds both

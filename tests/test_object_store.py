@@ -181,6 +181,8 @@ def test_missing_bucket_and_unreachable_endpoint_are_clear_errors(s3, capsys):
             read(missing)
     assert cli(["inspect", json.dumps(missing)]) == 1
     assert "NoSuchBucket" in capsys.readouterr().err
+    with pytest.raises(eqxckpt.CheckpointWriteError, match="NoSuchBucket.*create the bucket or fix its name"):
+        eqxckpt.save(missing, {"x": np.zeros(2)})
     # Nothing listens on port 9: a bounded number of retries, then an error that says what to check.
     unreachable = {**spec("http://127.0.0.1:9", "x/")}
     script = f"import eqxckpt; eqxckpt.load({unreachable!r})"

@@ -341,6 +341,14 @@ eqxckpt.save({str(tmp_path / "file" / "ckpt3")!r}, {{"x": np.ones(3)}}, blocking
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "eqxckpt: background save to" in result.stderr and "ckpt3 failed" in result.stderr, result.stderr
+    assert result.returncode == 1  # the script "succeeded", but its checkpoint was not written
+    ok = subprocess.run(
+        [sys.executable, "-c", script.replace(str(tmp_path / "file" / "ckpt3"), str(tmp_path / "fine"))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0 and (tmp_path / "fine/eqxckpt.json").exists(), ok.stderr
 
 
 def test_saves_to_one_place_run_in_order(tmp_path):

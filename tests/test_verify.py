@@ -131,6 +131,6 @@ def test_verify_reads_large_leaves_in_slabs(tmp_path, monkeypatch):
     assert [p for p, _ in eqxckpt.verify(tmp_path / "c").problems] == ["x"]
 
 
-def test_verify_missing_checkpoint():
-    report = eqxckpt.verify("/nonexistent/ckpt")
-    assert not report.ok and "does not exist" in report.problems[0][1]
+def test_verify_missing_checkpoint_is_not_found_not_damaged():
+    with pytest.raises(eqxckpt.CheckpointNotFoundError, match="does not exist"):
+        eqxckpt.verify("/nonexistent/ckpt")
