@@ -5,21 +5,21 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test bench clean
+.PHONY: demo test docs bench clean
 
 $(BIN)/python:
 	@echo "Creating the virtual environment $(VENV) with $(PYTHON)."
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
-	@echo "Installing eqxckpt into $(VENV) with its test and TensorFlow extras (jax, tensorstore,"
-	@echo "tensorflow-cpu, orbax-checkpoint, moto, ...): about 2 minutes and 2 GB the first time."
-	$(PIP) -e ".[test,tf]"
+	@echo "Installing eqxckpt into $(VENV) with its test, TensorFlow and docs extras (jax, tensorstore,"
+	@echo "tensorflow-cpu, orbax-checkpoint, moto, mkdocs, ...): about 2 minutes and 2 GB the first time."
+	$(PIP) -e ".[test,tf,docs]"
 	touch $@
 
 $(VENV)/.bench-installed: pyproject.toml | $(BIN)/python
 	@echo "Installing eqxckpt into $(VENV) with its test, TensorFlow and benchmark extras: a few minutes the first time."
-	$(PIP) -e ".[test,tf,bench]"
+	$(PIP) -e ".[test,tf,docs,bench]"
 	touch $@
 
 demo: $(VENV)/.test-installed
@@ -31,11 +31,15 @@ test: $(VENV)/.test-installed
 	$(BIN)/pyright
 	$(BIN)/python -m pytest -q
 
+docs: $(VENV)/.test-installed
+	$(BIN)/mkdocs build --strict
+
 bench: $(VENV)/.bench-installed
-	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/bench.py --json benchmarks/results-2cpu.json $(BENCH_ARGS)
 	$(BIN)/python benchmarks/skipped_bytes.py
 	$(BIN)/python benchmarks/import_bench.py
 	$(BIN)/python benchmarks/decode_bench.py
+	$(BIN)/python benchmarks/plot.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis build site *.egg-info
