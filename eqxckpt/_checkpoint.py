@@ -18,6 +18,7 @@ from ._errors import CheckpointError, CorruptCheckpointError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._lease import Pin
 from ._manifest import Manifest
+from ._progress import advance
 from ._source import LazyEntry, Source
 from ._storage import resolve
 from ._store import CHUNK_BYTES, read_spec, read_window, shared_context
@@ -105,6 +106,7 @@ class Checkpoint(Source):
                 copied.result()
                 values[i] = leaf.finish(buffer, target)
             in_flight -= buffer.nbytes
+            advance(leaf.nbytes)
 
         for i, ((leaf, _), store) in enumerate(zip(wanted, stores)):
             if i in sharded:
@@ -125,6 +127,7 @@ class Checkpoint(Source):
                     {key: f.result() for key, f in slices.items()},
                     lambda index, shape=leaf.shape: _slice_key(index, shape),
                 )
+            advance(leaf.nbytes)
         return values
 
 

@@ -2,8 +2,6 @@
 
 import argparse
 import json
-import pathlib
-import shutil
 import sys
 from typing import TYPE_CHECKING
 
@@ -89,7 +87,7 @@ def _verify(args: argparse.Namespace) -> int:
     from ._verify import verify
 
     out = console()
-    report = verify(checkpoint_path(args.path))
+    report = verify(checkpoint_path(args.path), progress=True)
     for path, message in report.problems:
         out.print(f"[bold red]{path}[/bold red]: {message}")
     colour = "green" if report.ok else "red"
@@ -107,7 +105,7 @@ def _import_t5(args: argparse.Namespace) -> int:
     from .t5 import convert_hf, convert_tf
     from .t5._hf import is_hf_directory
 
-    with Progress(transient=True) as progress:
+    with Progress(transient=False) as progress:
         task = progress.add_task("importing T5", total=None)
         if is_hf_directory(args.src):
             if args.config is not None:
@@ -132,59 +130,32 @@ def _import_t5(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    import concurrent.futures
     import time
 
     import jax
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from ._progress import reporting
     from ._safetensors import save_safetensors
     from ._save import save
     from ._source import LazyEntry
 
     source = open_source(checkpoint_path(args.src), format=args.format)
-
-    def convert() -> None:
-        if args.to == "safetensors":
-            arrays = jax.tree_util.tree_map(lambda x: x if isinstance(x, LazyEntry) else None, source.tree())
-            metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in source.metadata.items()}
-            save_safetensors(args.dst, arrays, metadata=metadata, overwrite=args.overwrite)
-        else:
-            save(checkpoint_path(args.dst), source.tree(), metadata=source.metadata, overwrite=args.overwrite)
-
     started = time.perf_counter()
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True), TimeRemainingColumn())
-    with Progress(*columns, transient=False) as progress, concurrent.futures.ThreadPoolExecutor(1) as pool:
-        task = progress.add_task(f"{args.src} -> {args.dst}", total=source.nbytes)
-        done = pool.submit(convert)
-        # The bar follows the space the destination's filesystem fills (one statvfs per
-        # tick, however many files the save writes); nothing to show for object stores.
-        before = _used(args.dst)
-        while not done.done():
-            now = _used(args.dst)
-            if before is not None and now is not None:
-                progress.update(task, completed=min(source.nbytes, max(0, now - before)))
-            time.sleep(0.2)
-        done.result()
-        progress.update(task, completed=source.nbytes)
+    if args.to == "safetensors":
+        arrays = jax.tree_util.tree_map(lambda x: x if isinstance(x, LazyEntry) else None, source.tree())
+        metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in source.metadata.items()}
+        count = len(jax.tree_util.tree_leaves(arrays))
+        with reporting(f"{args.src} -> {args.dst}", source.nbytes, count, progress=True):
+            save_safetensors(args.dst, arrays, metadata=metadata, overwrite=args.overwrite)
+    else:
+        save(
+            checkpoint_path(args.dst), source.tree(), metadata=source.metadata, overwrite=args.overwrite, progress=True
+        )
     print(
         f"wrote {args.dst} ({args.to}): {len(source)} leaves, {human_bytes(source.nbytes)} in "
         f"{time.perf_counter() - started:.1f} s"
     )
     return 0
-
-
-def _used(dst: str) -> int | None:
-    """Bytes used on the local filesystem ``dst`` is written to, or None (not a local path)."""
-    if "://" in dst or dst.lstrip().startswith("{"):
-        return None
-    where = pathlib.Path(dst).absolute()
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        return shutil.disk_usage(where).used
-    except OSError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ from ._errors import CastError, CheckpointChangedError, StructureMismatchError
 from ._formats import open as open_source
 from ._leaf import Leaf, StoredLeaf
 from ._paths import depth, normalize_at
+from ._progress import Progress, reporting
 from ._source import LazyEntry, Source, nothing_under
 from ._storage import CheckpointPath
 from ._transform import Rule, keypath_string, plan_rules, readable_path
@@ -119,6 +120,10 @@ class Plan:
             if all(f"{base}{top}/{rel}" in paths for rel, _ in missing):
                 return base + top
         return None
+
+    def stored(self) -> list[StoredLeaf]:
+        """The stored leaves `run` reads."""
+        return [leaf for _, leaf, _ in self.reads] + [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
 
     def run(self) -> Any:
         """Read what the plan needs (value_fn inputs in the same batch) and build the result."""
@@ -313,6 +318,7 @@ def load(
     transforms: dict[str, Any] | None = None,
     default_to_original: bool = True,
     format: str | None = None,
+    progress: Progress = False,
 ) -> PyTree:
     """Restore a checkpoint (or the subtree ``at``) into the structure of ``like``.
 
@@ -338,6 +344,8 @@ def load(
     - `default_to_original`: as in `apply_transformations`.
     - `format`: as for `eqxckpt.open` (None: detected); `"safetensors"` reads a
       HuggingFace file or directory, tensor ``a.b.c`` at path ``a/b/c``.
+    - `progress`: as for `eqxckpt.save` (True: a bar on a terminal; a callable
+      receives the counts after each leaf). Off by default.
 
     **Returns:** a pytree of the structure of ``like`` (plain dicts and lists
     for ``like=None``) holding the restored values.
@@ -351,7 +359,7 @@ def load(
     def attempt() -> Any:
         source = path if isinstance(path, Source) else open_source(path, format=format)
         with source.consistent():
-            return plan(
+            planned = plan(
                 source,
                 like,
                 at=at,
@@ -359,7 +367,10 @@ def load(
                 cast=cast,
                 transforms=transforms,
                 default_to_original=default_to_original,
-            ).run()
+            )
+            stored = planned.stored()
+            with reporting(f"loading {source.location}", sum(leaf.nbytes for leaf in stored), len(stored), progress):
+                return planned.run()
 
     # A checkpoint replaced while it is read is read again (a few times); in a
     # multi-process load the processes would have to agree on a retry, so there

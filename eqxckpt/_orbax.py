@@ -25,6 +25,7 @@ from ._leaf import ArrayLeaf, KeyRecord, Leaf, ScalarLeaf, StoredLeaf, parse_sha
 from ._lease import LocalPin
 from ._manifest import MAX_MANIFEST_BYTES, parse_json_object
 from ._paths import record_segment
+from ._progress import advance
 from ._source import Source
 from ._store import STORED_DTYPES, read_capped, shared_context
 
@@ -120,6 +121,7 @@ class OrbaxCheckpoint(Source):
         for leaf, target, future in reads:
             with reading(leaf):
                 values.append(leaf.finish(np.ascontiguousarray(future.result()).reshape(leaf.shape), target))
+            advance(leaf.nbytes)
         return values
 
 

@@ -39,6 +39,7 @@ from ._errors import (
 from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
 from ._manifest import parse_json_object
 from ._paths import encode_segment, key_entry_record
+from ._progress import advance
 from ._source import LazyEntry, Source
 from ._store import fsync_path, hidden_sibling, read_capped
 from ._tree import flatten
@@ -127,6 +128,7 @@ class SafetensorsCheckpoint(Source):
             buffer = aligned_empty(leaf.data_shape, np.dtype(leaf.dtype))
             read_range(fd, offset, buffer, leaf.path)
             values.append(leaf.finish(buffer, target))
+            advance(leaf.nbytes)
         return values
 
 
@@ -324,6 +326,7 @@ def save_safetensors(
                     if isinstance(array, LazyEntry):
                         array = np.ascontiguousarray(np.asarray(array.get()))
                     f.write(array.reshape(-1).view(np.uint8).data)
+                    advance(array.nbytes)
             f.flush()
             os.fsync(f.fileno())
         commit_file(tmp, final, overwrite)

@@ -20,6 +20,7 @@ from ._errors import CheckpointError, CheckpointWriteError
 from ._leaf import Leaf, StoredLeaf, leaf_of
 from ._manifest import Manifest
 from ._paths import key_entry_record
+from ._progress import Progress, advance, reporting
 from ._source import LazyEntry, Source
 from ._storage import resolve
 from ._store import array_spec, is_storage_error, read_window, reason, shared_context
@@ -113,13 +114,16 @@ def _host(value: Any, copy: bool) -> np.ndarray:
     return np.array(value, copy=True) if copy else np.asarray(value)
 
 
-def _settle(futures: Sequence[tuple[Leaf, Any]], action: str) -> list[Any]:
+def _settle(futures: Sequence[tuple[Leaf, Any]], action: str, sizes: Sequence[int] | None = None) -> list[Any]:
     """Every future's result. On failure, raise only once all have finished, so
-    nothing is still writing into a directory that the caller then removes."""
+    nothing is still writing into a directory that the caller then removes.
+    ``sizes``: the bytes each future writes, counted as done (progress) as it settles."""
     results, failure = [], None
-    for record, future in futures:
+    for i, (record, future) in enumerate(futures):
         try:
             results.append(future.result())
+            if sizes is not None:
+                advance(sizes[i])
         except Exception as e:  # noqa: BLE001 - the first is raised below, after the rest settle
             results.append(None)
             if failure is None:
@@ -159,16 +163,20 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
     # (a blocking save then adds ~2% to peak memory, not a whole copy): nothing
     # changes them while we wait, since jax arrays are immutable, an async
     # save copied its numpy leaves, and a blocking save returns only afterwards.
+    pieces = [
+        (store, leaf, index, data)
+        for store, leaf in zip(stores, leaves)
+        for index, data in leaf.pieces
+        if not isinstance(data, LazyEntry)
+    ]
     writes = [
         (
             leaf.record,
             (store if index is None else store[index]).write(data, can_reference_source_data_indefinitely=True),
         )
-        for store, leaf in zip(stores, leaves)
-        for index, data in leaf.pieces
-        if not isinstance(data, LazyEntry)
+        for store, leaf, index, data in pieces
     ]
-    _settle(writes, "Writing")
+    _settle(writes, "Writing", [data.nbytes for _, _, _, data in pieces])
     # Leaves from another checkpoint are streamed, a window of bytes at a time,
     # so copying a checkpoint never holds the whole of it in memory.
     copies = [
@@ -187,7 +195,11 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         batches[-1].append(copy)
         size += copy[2].nbytes
     for batch in batches:
-        _settle([(record, store.write(_copy_from(data))) for store, record, data in batch], "Copying")
+        _settle(
+            [(record, store.write(_copy_from(data))) for store, record, data in batch],
+            "Copying",
+            [data.nbytes for _, _, data in batch],
+        )
 
 
 def _copy_from(data: LazyEntry) -> Any:
@@ -258,6 +270,7 @@ def save(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     blocking: bool = True,
+    progress: Progress = False,
 ) -> SaveHandle:
     """Save a pytree as a checkpoint directory: one zarr3 array per array leaf.
 
@@ -277,6 +290,10 @@ def save(
       what the caller does next (donating, deleting or mutating the arrays
       included). Errors surface on ``handle.wait()``, on the next `save`, or
       at interpreter exit.
+    - `progress`: True shows a progress bar (bytes and leaves, rate, time
+      left) on stderr when it is a terminal; a callable receives
+      ``(done_bytes, total_bytes, done_leaves, total_leaves)`` after each leaf.
+      Off by default.
 
     With several JAX processes (``jax.process_count() > 1``) every process
     calls `save` with the same tree of global arrays; each writes only its own
@@ -311,9 +328,15 @@ def save(
     # of them see the same verdict and none waits at a barrier for nothing.
     phases = Phases() if is_multiprocess() else None
     leaves = _snapshot(arrays, copy=not blocking, leader=phases is None or phases.rank == 0)
+    pieces = [data for leaf in leaves for _, data in leaf.pieces]
+
+    def run() -> None:
+        with reporting(f"saving {key}", sum(data.nbytes for data in pieces), len(pieces), progress):
+            _run(location, manifest, leaves, overwrite, phases)
+
     if blocking:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        _run(location, manifest, leaves, overwrite, phases)
+        run()
         future.set_result(None)
         return SaveHandle(key, future)
-    return SAVES.submit(key, _run, location, manifest, leaves, overwrite, phases)
+    return SAVES.submit(key, run)

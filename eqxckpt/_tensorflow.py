@@ -14,6 +14,7 @@ import numpy as np
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._leaf import UNKNOWN, ArrayLeaf, StoredLeaf
 from ._paths import encode_segment
+from ._progress import advance
 from ._source import Source
 
 
@@ -46,6 +47,7 @@ class TFCheckpoint(Source):
             name = self._names[leaf.path]
             self.on_read(name)
             values.append(leaf.finish(np.asarray(self._reader.get_tensor(name)), target))
+            advance(leaf.nbytes)
         return values
 
 

@@ -6,6 +6,7 @@ from ._checkpoint import Checkpoint, open_checkpoint, reading
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._leaf import StoredLeaf
 from ._paths import MANIFEST_NAME
+from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
 
 # Large leaves are read in slabs of whole chunks, so verifying needs little memory.
@@ -48,7 +49,7 @@ class VerifyReport:
         return "\n".join([head] + [f"  {path}: {message}" for path, message in self.problems])
 
 
-def verify(path: CheckpointPath) -> VerifyReport:
+def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
     """Read every chunk of every leaf, checking checksums, shapes and dtypes
     against the manifest; report each problem with its leaf path.
 
@@ -58,6 +59,7 @@ def verify(path: CheckpointPath) -> VerifyReport:
     **Arguments:**
 
     - `path`: where the checkpoint is (as for `eqxckpt.open`).
+    - `progress`: as for `eqxckpt.save` (True: a bar on a terminal). Off by default.
 
     **Returns:** a `VerifyReport`; ``report.ok`` is True if nothing is wrong.
 
@@ -76,16 +78,20 @@ def verify(path: CheckpointPath) -> VerifyReport:
         report.problems.append((MANIFEST_NAME, str(e)))
         return report
     report.leaves = len(checkpoint)
+    stored = [record for record in checkpoint.records().values() if isinstance(record, StoredLeaf)]
     try:
-        with checkpoint.consistent():
-            for record in checkpoint.records().values():
-                if not isinstance(record, StoredLeaf):
-                    continue
+        with (
+            checkpoint.consistent(),
+            reporting(f"verifying {location}", sum(r.nbytes for r in stored), len(stored), progress),
+        ):
+            for record in stored:
                 try:
                     _check_leaf(checkpoint, record)
                 except CheckpointError as e:
                     report.problems.append((record.path, str(e)))
                     continue
+                finally:
+                    advance(record.nbytes)
                 report.arrays_checked += 1
                 report.bytes_checked += record.nbytes
             report.problems.extend(location.unlisted(set(checkpoint._manifest.stored_paths())))

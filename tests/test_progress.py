@@ -1,0 +1,54 @@
+"""Progress on long work: opt-in, silent by default and when not on a terminal."""
+
+import numpy as np
+from test_cli import run_cli
+
+import eqxckpt
+
+
+def state():
+    return {
+        "model": {"w": np.ones((256, 64), np.float32), "b": np.zeros(64, np.float32)},
+        "opt": {"m": np.ones((512, 64), np.float32)},
+        "step": 3,
+    }
+
+
+def test_callbacks_see_every_leaf_and_byte(tmp_path):
+    calls = []
+    eqxckpt.save(tmp_path / "c", state(), progress=lambda *counts: calls.append(counts))
+    total = (256 * 64 + 64 + 512 * 64) * 4
+    assert calls[-1] == (total, total, 3, 3) and len(calls) == 3
+    assert [c[0] for c in calls] == sorted(c[0] for c in calls)
+
+    calls.clear()
+    eqxckpt.load(tmp_path / "c", at="model", progress=lambda *counts: calls.append(counts))
+    model_bytes = (256 * 64 + 64) * 4
+    assert calls[-1] == (model_bytes, model_bytes, 2, 2)  # only what is read
+
+    calls.clear()
+    report = eqxckpt.verify(tmp_path / "c", progress=lambda *counts: calls.append(counts))
+    assert report.ok and calls[-1] == (total, total, 3, 3)
+
+    calls.clear()
+    eqxckpt.save(tmp_path / "d", state(), blocking=False, progress=lambda *counts: calls.append(counts)).wait()
+    assert calls[-1] == (total, total, 3, 3)
+
+
+def test_silent_by_default_and_without_a_terminal(tmp_path, capfd):
+    eqxckpt.save(tmp_path / "c", state())
+    eqxckpt.load(tmp_path / "c")
+    eqxckpt.save(tmp_path / "d", state(), progress=True)  # stderr is captured: not a terminal
+    eqxckpt.load(tmp_path / "d", progress=True)
+    eqxckpt.verify(tmp_path / "d", progress=True)
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+
+
+def test_cli_shows_a_bar_on_a_terminal_only(tmp_path):
+    eqxckpt.save(tmp_path / "c", state())
+    for args in (("verify", str(tmp_path / "c")), ("convert", str(tmp_path / "c"), str(tmp_path / "copy"))):
+        status, out, _ = run_cli(*args, terminal=True)
+        assert status == 0 and "3/3 leaves" in out, out
+        status, out, err = run_cli(*(args[:-1] + (str(tmp_path / "copy2"),) if args[0] == "convert" else args))
+        assert status == 0 and "leaves" not in err and "━" not in out + err, out + err
