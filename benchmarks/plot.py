@@ -40,6 +40,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -51,7 +52,8 @@ def main() -> None:
         "transformer": f"{bench['args']['mib']:.0f} MiB model + adam state",
         "many": f"{bench['args']['many_leaves']} leaves of 1-64 KiB",
     }
-    figure, axes = plt.subplots(1, len(titles), figsize=(11, 4), sharey=False)
+    plt.rcParams.update({"font.size": 12})
+    figure, axes = plt.subplots(len(titles), 1, figsize=(8, 9), sharey=False)
     for axis, (part, title) in zip(axes, titles.items()):
         table = ratios(bench[part])
         width = 0.8 / len(table)
@@ -63,7 +65,7 @@ def main() -> None:
         axis.set_title(title)
         axis.set_ylabel("time / raw file I/O (lower is better)")
         axis.legend(fontsize=8)
-    figure.suptitle(f"eqxckpt and peers, same run ({bench['machine']})")
+    figure.suptitle(f"eqxckpt and peers, same run\n{bench['machine']}", fontsize=11)
     figure.tight_layout()
     figure.savefig(out / "benchmarks.png", dpi=110)
     print(f"wrote {out / 'benchmarks.png'}")
@@ -81,7 +83,10 @@ def main() -> None:
     axis.set_xlabel("tokens generated (prefix length)")
     axis.set_ylabel("ms per token")
     axis.set_yscale("log")
-    axis.set_title("T5 decoding: key/value cache vs recomputing the prefix")
+    axis.set_yticks([1, 2, 5, 10, 20, 50, 100, 200])
+    axis.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axis.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axis.set_title("T5 decoding: cache vs recompute")
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(out / "decoding.png", dpi=110)

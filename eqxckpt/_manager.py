@@ -424,20 +424,28 @@ class CheckpointManager:
         # this manager listed it: then look again (one process only: several
         # must keep agreeing on their step lists).
         retries = 0 if step is not None or jax.process_count() > 1 else READ_ATTEMPTS - 1
+        gone: set[int] = set()
         for _ in range(retries):
             try:
-                return self._load_step(step, like, at, load_kwargs)
+                return self._load_step(step, like, at, load_kwargs, gone)
             except (CheckpointChangedError, CheckpointNotFoundError, IncompleteCheckpointError):
                 with self._lock:
                     self._steps = self._scan(warn=False)
-        return self._load_step(step, like, at, load_kwargs)
+        return self._load_step(step, like, at, load_kwargs, gone)
 
-    def _load_step(self, step: int | None, like: Any, at: str | None, load_kwargs: dict) -> Any:
+    def _load_step(self, step: int | None, like: Any, at: str | None, load_kwargs: dict, gone: set[int]) -> Any:
         with self._lock:  # pick the step and register as its reader in one go
+            # A step found missing or being deleted may still be listed (on object
+            # stores its files go one by one): do not pick it again.
+            for step_gone in gone:
+                self._steps.pop(step_gone, None)
             chosen = self._resolve_step(step)
             self._readers[chosen] += 1
         try:
             return load(self._step_location(chosen), like, at=at, **load_kwargs)
+        except (CheckpointNotFoundError, IncompleteCheckpointError):
+            gone.add(chosen)
+            raise
         finally:
             with self._lock:
                 self._readers[chosen] -= 1

@@ -78,7 +78,11 @@ def evaluate(run, stopfile: str) -> dict:
             continue
         loaded.append(one_save(manager.load(state(0))))
         counts["loads"] += 1
-        report = eqxckpt.verify(manager.path(loaded[-1]))
+        try:
+            report = eqxckpt.verify(manager.path(loaded[-1]))
+        except eqxckpt.CheckpointNotFoundError:  # deleted (or being deleted) before verify opened it
+            counts["deleted before verify"] += 1
+            continue
         if report.ok:
             counts["verified"] += 1
         elif any(
