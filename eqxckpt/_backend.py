@@ -26,7 +26,7 @@ from ._lease import (
     Pin,
 )
 from ._manifest import Manifest
-from ._paths import validate_path
+from ._paths import GROUP_METADATA, group_file, group_locations, validate_path
 from ._store import (
     chunk_shape,
     reason,
@@ -165,9 +165,12 @@ class Staging(abc.ABC):
 
 def expected_files(leaves: list[tuple[StoredLeaf, tuple[int, ...] | None]]) -> dict[str, int]:
     """``{key: size}`` of every file the arrays must consist of: each leaf's
-    ``zarr.json`` (size -1: any) and every chunk (the chunk's bytes + a crc32c).
+    ``zarr.json`` (size -1: any) and every chunk (the chunk's bytes + a crc32c),
+    and the groups' ``zarr.json`` above them.
     Each leaf comes with the shard shape its chunks tile (None: whole)."""
-    expected: dict[str, int] = {}
+    expected: dict[str, int] = {
+        group_file(group): len(GROUP_METADATA) for group in group_locations(leaf.path for leaf, _ in leaves)
+    }
     for leaf, shard in leaves:
         shape, itemsize = leaf.data_shape, np.dtype(leaf.dtype).itemsize
         chunk = chunk_shape(shape, itemsize, shard)

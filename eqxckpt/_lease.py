@@ -72,7 +72,7 @@ from typing import Any
 import tensorstore as ts
 
 from ._errors import CheckpointBusyError, CheckpointWriteError, ManifestError
-from ._paths import LEASE_NAME, MANIFEST_NAME, validate_path
+from ._paths import GROUP_METADATA, LEASE_NAME, MANIFEST_NAME, group_file, group_locations, validate_path
 from ._store import fsync_path, hidden_owner, hidden_sibling
 
 # --- local filesystems: advisory locks on directories --------------------------------
@@ -260,7 +260,8 @@ def describe_lease(doc: dict) -> str:
 
 
 def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
-    """Delete what eqxckpt writes for each leaf (its ``zarr.json`` and chunk keys), nothing else."""
+    """Delete what eqxckpt writes for each leaf (its ``zarr.json`` and chunk keys), then
+    the zarr group files above them that hold exactly what eqxckpt writes; nothing else."""
     futures = []
     for path in paths:
         futures.append(store.delete_range(ts.KvStore.KeyRange(f"{path}/zarr.json", f"{path}/zarr.json\0")))
@@ -268,6 +269,18 @@ def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
         futures.append(store.delete_range(ts.KvStore.KeyRange(f"{path}/c/", f"{path}/c0")))
     for future in futures:
         future.result()
+    keys = [group_file(group) for group in group_locations(paths)]
+    reads = [(key, store.read(key)) for key in keys]
+    deletes = []
+    for key, read in reads:
+        found = read.result()
+        if found.state == "value" and bytes(found.value) == GROUP_METADATA:  # unchanged since eqxckpt wrote it
+            deletes.append(store.write(key, None, if_equal=found.stamp.generation))
+    for future in deletes:
+        try:
+            future.result()
+        except ValueError:  # changed meanwhile (by someone else): not ours to delete any more
+            pass
 
 
 _warned_endpoints: set[str] = set()

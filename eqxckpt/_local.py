@@ -14,7 +14,15 @@ import stat
 
 import tensorstore as ts
 
-from ._backend import MAX_ZARR_JSON_BYTES, TRUST_SPARSE, Pin, Staging, Storage, check_complete, corrupt
+from ._backend import (
+    MAX_ZARR_JSON_BYTES,
+    TRUST_SPARSE,
+    Pin,
+    Staging,
+    Storage,
+    check_complete,
+    corrupt,
+)
 from ._errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -34,7 +42,7 @@ from ._lease import (
     remove_tree,
 )
 from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from ._paths import MANIFEST_NAME
+from ._paths import GROUP_METADATA, MANIFEST_NAME, group_file, group_locations
 from ._store import (
     exchange,
     fsync_path,
@@ -174,6 +182,7 @@ class LocalStorage(Storage):
 
     def unlisted(self, stored: set[str]) -> list[tuple[str, str]]:
         problems = []
+        groups = {group_file(group) for group in group_locations(stored)}
         for dirpath, dirnames, filenames in os.walk(self.path):
             rel = os.path.relpath(dirpath, self.path).replace(os.sep, "/")
             if rel in stored:
@@ -181,6 +190,10 @@ class LocalStorage(Storage):
                 continue
             for name in filenames:
                 where = name if rel == "." else f"{rel}/{name}"
+                if where in groups:
+                    if _read_small(self.path / where) != GROUP_METADATA:
+                        problems.append((where, "a zarr group's metadata that is not what eqxckpt writes"))
+                    continue
                 if where != MANIFEST_NAME:
                     problems.append((where, "not named in the manifest (left over, or added after the save)"))
             for name in [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
@@ -338,3 +351,11 @@ def _checkpoints_inside(dir_fd: int) -> list[str]:
         except OSError:
             continue
     return sorted(names, key=lambda name: (not name.isdigit(), int(name) if name.isdigit() else 0, name))
+
+
+def _read_small(file: pathlib.Path) -> bytes | None:
+    """A small file's bytes (at most 4 KiB are read), or None if it cannot be read."""
+    try:
+        return read_capped(file, 4096)
+    except OSError:
+        return None

@@ -32,7 +32,7 @@ from ._lease import (
     warn_if_not_atomic,
 )
 from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from ._paths import LEASE_NAME, MANIFEST_NAME
+from ._paths import LEASE_NAME, MANIFEST_NAME, group_file, group_locations
 from ._store import (
     is_storage_error,
     reason,
@@ -157,6 +157,12 @@ class ObjectStorage(Storage):
                 f"{self} is not an eqxckpt checkpoint: it holds data that eqxckpt did not write (e.g. "
                 f"{foreign[0]!r}, {len(foreign)} keys); refusing to save there. Choose another path."
             )
+        clash = sorted({group_file(group) for group in group_locations(paths)} & set(foreign))
+        if clash:
+            raise CheckpointExistsError(
+                f"{self} holds data that eqxckpt did not write where it keeps a zarr group's metadata "
+                f"({clash[0]!r}); refusing to save over it. Choose another path."
+            )
         for path in set(paths) - set(old_paths):
             at = bisect.bisect_left(foreign, path + "/")
             if at < len(foreign) and foreign[at].startswith(path + "/"):
@@ -256,8 +262,9 @@ class ObjectStaging(Staging):
 
 
 def _owned_keys(keys: list[str], paths: set[str]) -> set[str]:
-    """The keys eqxckpt wrote for the leaves at ``paths`` (their zarr.json and chunks)."""
-    owned = set()
+    """The keys eqxckpt wrote for the leaves at ``paths`` (their zarr.json and chunks, and
+    the group files above them)."""
+    owned = {group_file(group) for group in group_locations(paths)} & set(keys)
     for key in keys:
         parts = key.split("/")
         for i, part in enumerate(parts):

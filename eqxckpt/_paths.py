@@ -17,6 +17,7 @@ The path string is therefore also the leaf's location inside the checkpoint.
 
 import hashlib
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import jax.tree_util as jtu
@@ -29,7 +30,13 @@ LEASE_NAME = "eqxckpt.lease.json"
 MAX_SEGMENT = 120
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
 _SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-%~]+$")
-_RESERVED = {".": "%2E", "..": "%2E%2E", **{name: name.replace(".", "%2E") for name in (MANIFEST_NAME, LEASE_NAME)}}
+# A zarr group's metadata file, in every directory above an array (see `group_locations`).
+ZARR_NAME = "zarr.json"
+_RESERVED = {
+    ".": "%2E",
+    "..": "%2E%2E",
+    **{name: name.replace(".", "%2E") for name in (MANIFEST_NAME, LEASE_NAME, ZARR_NAME)},
+}
 _HASH_CHARS = 16
 
 
@@ -143,6 +150,11 @@ def check_unique(paths_and_keypaths: list[tuple[str, tuple]]) -> None:
                 f"Leaf {jtu.keystr(keypath)} would be stored at {path!r}, which on a case-insensitive store is "
                 f"eqxckpt's own {folded.split('/')[0]!r}. Rename the key before saving."
             )
+        if ZARR_NAME in folded.split("/"):
+            raise PathError(
+                f"Leaf {jtu.keystr(keypath)} would be stored at {path!r}, which on a case-insensitive store is "
+                f"the {ZARR_NAME!r} of a zarr group. Rename the key before saving."
+            )
         other = seen.get(folded)
         if other is None and folded in prefixes:
             other = prefixes[folded]
@@ -210,3 +222,22 @@ def relative_to(path: str, prefix: str) -> str | None:
     if path.startswith(prefix + "/"):
         return path[len(prefix) + 1 :]
     return None
+
+
+# What makes the checkpoint's root and each directory above an array a zarr v3 group,
+# so zarr and xarray tools browse the checkpoint as one hierarchy.
+GROUP_METADATA = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}\n'
+
+
+def group_locations(paths: Iterable[str]) -> list[str]:
+    """The directories above the arrays at ``paths`` ("" is the root), parents first."""
+    groups = {""}
+    for path in paths:
+        parts = path.split("/")
+        groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return sorted(groups, key=lambda g: (g.count("/") + bool(g), g))
+
+
+def group_file(group: str) -> str:
+    """The key of a group's metadata: ``zarr.json`` in its directory."""
+    return f"{group}/{ZARR_NAME}" if group else ZARR_NAME

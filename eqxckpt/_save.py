@@ -12,14 +12,21 @@ import numpy as np
 import tensorstore as ts
 from jaxtyping import PyTree
 
-from ._backend import NOTHING_COMMITTED, CheckpointPath, Staging, Storage, expected_files, nothing_committed
+from ._backend import (
+    NOTHING_COMMITTED,
+    CheckpointPath,
+    Staging,
+    Storage,
+    expected_files,
+    nothing_committed,
+)
 from ._background import SAVES, SaveHandle
 from ._checkpoint import LazyArray
 from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointError, CheckpointWriteError
 from ._leaf import Leaf, StoredLeaf, leaf_of
 from ._manifest import Manifest
-from ._paths import key_entry_record
+from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_record
 from ._progress import Progress, advance, reporting
 from ._source import LazyEntry, Source
 from ._storage import resolve
@@ -221,7 +228,18 @@ def _run(location: Storage, manifest: Manifest, leaves: list[_Leaf], overwrite: 
         if not leader:
             return None
         staging = location.begin_save([leaf.record.path for leaf in leaves], overwrite)
-        created = _open_arrays(staging.storage, leaves, create=True)
+        # The directories above the arrays become zarr groups, written while the arrays are created.
+        store = staging.storage.open_kvstore()
+        groups = [
+            store.write(group_file(g), GROUP_METADATA) for g in group_locations(leaf.record.path for leaf in leaves)
+        ]
+        try:
+            created = _open_arrays(staging.storage, leaves, create=True)
+        finally:  # nothing may still be writing when a failed save removes its files
+            failures = [written.exception() for written in groups]
+        for failure in failures:
+            if failure is not None:
+                raise failure
         return staging.where
 
     def write(where: str) -> None:

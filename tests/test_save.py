@@ -2,6 +2,7 @@ import collections
 import functools
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import threading
@@ -132,7 +133,18 @@ def test_equinox_and_optax_state_round_trips(tmp_path):
 
 def test_directory_tree_is_readable(tmp_path):
     eqxckpt.save(tmp_path / "c", _training_state())
-    stored = sorted(str(p.parent.relative_to(tmp_path / "c")) for p in (tmp_path / "c").rglob("zarr.json"))
+    nodes = {
+        str(p.parent.relative_to(tmp_path / "c")): json.loads(p.read_text())["node_type"]
+        for p in (tmp_path / "c").rglob("zarr.json")
+    }
+    stored = sorted(path for path, node in nodes.items() if node == "array")
+    groups = sorted(path for path, node in nodes.items() if node == "group")
+    # The root and every directory above an array are zarr groups, so zarr tools browse the hierarchy.
+    assert groups == sorted(
+        {"."}
+        | {str(pathlib.Path(path).parent) for path in stored} - {"."}
+        | {str(parent) for path in stored for parent in pathlib.Path(path).parents if str(parent) != "."}
+    )
     assert "model/layers/0/weight" in stored and "model/layers/1/bias" in stored
     assert "opt_state/1/0/mu/layers/0/weight" in stored  # chain -> adamw -> ScaleByAdamState.mu
     assert "key" in stored and "bn_state/0" in stored

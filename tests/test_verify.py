@@ -134,3 +134,21 @@ def test_verify_reads_large_leaves_in_slabs(tmp_path, monkeypatch):
 def test_verify_missing_checkpoint_is_not_found_not_damaged():
     with pytest.raises(eqxckpt.CheckpointNotFoundError, match="does not exist"):
         eqxckpt.verify("/nonexistent/ckpt")
+
+
+def test_zarr_groups_are_eqxckpt_s_and_checked(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"model": {"layers": [{"w": np.ones(2)}]}, "step": 1})
+    for group in ("zarr.json", "model/zarr.json", "model/layers/zarr.json", "model/layers/0/zarr.json"):
+        assert json.loads((tmp_path / "c" / group).read_text()) == {
+            "zarr_format": 3,
+            "node_type": "group",
+            "attributes": {},
+        }
+    assert eqxckpt.verify(tmp_path / "c").ok
+    (tmp_path / "c" / "model" / "zarr.json").write_text(
+        '{"zarr_format": 3, "node_type": "group", "attributes": {"x": 1}}'
+    )
+    report = eqxckpt.verify(tmp_path / "c")
+    assert not report.ok and report.problems == [
+        ("model/zarr.json", "a zarr group's metadata that is not what eqxckpt writes")
+    ]
