@@ -280,14 +280,20 @@ class LocalStaging(Staging):
         """Move the finished temporary directory into place, atomically."""
         tmp, final, overwrite = self.tmp, self.final.path, self.overwrite
         self.final.check_target(overwrite)  # again: another writer may have committed meanwhile
+        if not overwrite:
+            # One rename, whatever happened since the check: it fails (ENOTEMPTY/EEXIST) if
+            # anything is there now, so a checkpoint committed meanwhile is never replaced.
+            try:
+                os.rename(tmp, final)
+            except OSError as e:
+                raise CheckpointExistsError(f"Another save committed {final} first; this one was discarded.") from e
+            return
         if not final.exists():
             try:
                 os.rename(tmp, final)
                 return
-            except OSError as e:  # another save committed first (ENOTEMPTY/EEXIST)
-                if not overwrite:
-                    raise CheckpointExistsError(f"Another save committed {final} first; this one was discarded.") from e
-                self.final.check_target(overwrite)  # with overwrite=True, replace it below
+            except OSError:  # another save committed first: replace it below
+                self.final.check_target(overwrite)
         # Replace: swap atomically where the OS can, so a reader always sees a
         # complete checkpoint; else move the old one aside first (it stays complete).
         if exchange(tmp, final):

@@ -110,3 +110,13 @@ def test_format_spec_lists_exactly_the_stored_dtypes():
     text = (DOCS / "format.md").read_text().split("## Dtypes\n", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"`([a-z0-9_]+)`", text.split("the zarr v3", 1)[0]))
     assert listed == set(STORED_DTYPES)
+
+
+def test_every_code_block_is_a_runnable_python_example_valid_json_or_a_listing():
+    """Python blocks run (above); JSON blocks parse; the only other fences are untyped
+    listings of files or bytes."""
+    for page in PAGES:
+        fences = re.findall(r"^```(\S*)$", page.read_text(), flags=re.M)
+        assert set(fences[0::2]) <= {"python", "json", ""}, page  # the opening fences
+        for block in re.findall(r"```json\n(.*?)```", page.read_text(), flags=re.S):
+            json.loads(block)

@@ -28,6 +28,7 @@ def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys, s3):
     assert (tmp_path / "ckpt/step_20/eqxckpt.json").exists()
     assert "(2, 3, 512)" in out and (tmp_path / "t5_eqx/eqxckpt.json").exists()
     assert "(4, 9) (4,)" in out
+    assert "`t5_v1_1_tiny` below is the tiny test model in\n`tests/fixtures/t5_v1_1_tiny`" in README.read_text()
     losses = dict(re.findall(r"\[(\d, \d)\] loss (\S+)", out))  # steps kept, loss at the end of each run
     assert float(losses["4, 5"]) < float(losses["1, 2"])  # fine-tuning went on from where it stopped
     assert sorted(p.name for p in (tmp_path / "my-t5").iterdir()) == [
