@@ -18,6 +18,7 @@ import numpy as np
 import tensorstore as ts
 
 from ._errors import (
+    CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
 )
@@ -130,6 +131,24 @@ class Storage(abc.ABC):
     def entries(self) -> list[tuple[str, str]]:
         """(name, state) for each visible entry, sorted: ``committed`` (holds a committed
         checkpoint), ``busy`` (a save or deletion holds it) or ``other``."""
+
+    def run_directory_error(self) -> CheckpointNotFoundError | None:
+        """If this place is no checkpoint but holds committed ones (a run directory, passed
+        where one of its steps was meant): the error that names them; else None."""
+        inside = [name for name, state in self.entries() if state == "committed"]
+        if not inside:
+            return None
+        inside.sort(key=lambda name: (not name.isdigit(), int(name) if name.isdigit() else 0, name))
+        numbered = all(name.isdigit() for name in inside)
+        listed = ", ".join(inside[:20]) + (f", ... ({len(inside)} in all)" if len(inside) > 20 else "")
+        example = str(self).rstrip("/") + "/" + inside[-1]
+        return CheckpointNotFoundError(
+            f"{str(self).rstrip('/')} is not a checkpoint but a directory of {len(inside)} checkpoint"
+            + ("s" if len(inside) > 1 else "")
+            + (" (a CheckpointManager run)" if numbered else "")
+            + f": {listed}. Load one of them, e.g. eqxckpt.load({example!r}, ...)"
+            + (", or CheckpointManager(...).load(like) for the latest step." if numbered else ".")
+        )
 
     @abc.abstractmethod
     def clean_leftovers(self) -> None:

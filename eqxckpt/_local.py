@@ -110,17 +110,9 @@ class LocalStorage(Storage):
                     f"Cannot read the manifest of {self.path}: {e.strerror or e} (a symlink or special file "
                     "in place of eqxckpt.json is refused). The checkpoint is damaged or not trustworthy."
                 ) from None
-            inside = _checkpoints_inside(dir_fd)
-            if inside:
-                numbered = all(name.isdigit() for name in inside)
-                listed = ", ".join(inside[:20]) + (f", ... ({len(inside)} in all)" if len(inside) > 20 else "")
-                raise CheckpointNotFoundError(
-                    f"{self.path} is not a checkpoint but a directory of {len(inside)} checkpoint"
-                    + ("s" if len(inside) > 1 else "")
-                    + (" (a CheckpointManager run)" if numbered else "")
-                    + f": {listed}. Load one of them, e.g. eqxckpt.load({str(self.path / inside[-1])!r}, ...)"
-                    + (", or CheckpointManager(...).load(like) for the latest step." if numbered else ".")
-                ) from None
+            run_directory = self.run_directory_error()
+            if run_directory is not None:
+                raise run_directory from None
             raise IncompleteCheckpointError(
                 f"{self.path} has no {MANIFEST_NAME}: the save that made it never committed "
                 "(it was interrupted, or this is not an eqxckpt checkpoint). Load an earlier "
@@ -342,21 +334,6 @@ def _unsafe(leaf: StoredLeaf, where: pathlib.Path) -> CorruptCheckpointError:
         "Refusing to read it (it could point outside the checkpoint). Do not trust this checkpoint.",
         path=leaf.path,
     )
-
-
-def _checkpoints_inside(dir_fd: int) -> list[str]:
-    """The names of the committed checkpoints directly inside a directory (numbers in
-    numeric order): what someone who passed a run directory meant to load."""
-    names = []
-    for entry in os.scandir(dir_fd):
-        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
-            continue
-        try:
-            if stat.S_ISREG(os.stat(f"{entry.name}/{MANIFEST_NAME}", dir_fd=dir_fd, follow_symlinks=False).st_mode):
-                names.append(entry.name)
-        except OSError:
-            continue
-    return sorted(names, key=lambda name: (not name.isdigit(), int(name) if name.isdigit() else 0, name))
 
 
 def _read_small(file: pathlib.Path) -> bytes | None:

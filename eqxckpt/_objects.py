@@ -80,6 +80,8 @@ class ObjectStorage(Storage):
                 f"its lease's timeout ago ({describe_lease(lease)}). Load it again once that save has finished, or "
                 "load an earlier checkpoint."
             )
+        if listed and (run_directory := self.run_directory_error()) is not None:
+            raise run_directory
         if listed:
             raise IncompleteCheckpointError(
                 f"{self} has data but no {MANIFEST_NAME}: no save committed a checkpoint there (one was "

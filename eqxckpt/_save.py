@@ -134,9 +134,8 @@ def _settle(futures: Sequence[tuple[Leaf, Any]], action: str, sizes: Sequence[in
         except Exception as e:  # noqa: BLE001 - the first is raised below, after the rest settle
             results.append(None)
             if failure is None:
-                failure = CheckpointWriteError(
-                    f"{action} leaf {record.path!r} failed: {reason(e)}. {nothing_committed(reason(e))}"
-                )
+                why = reason(e)
+                failure = CheckpointWriteError(f"{action} leaf {record.path!r} failed: {why}. {nothing_committed(why)}")
                 failure.__cause__ = e
     if failure is not None:
         raise failure

@@ -195,3 +195,14 @@ def test_missing_bucket_and_unreachable_endpoint_are_clear_errors(s3, capsys):
     )
     assert done.returncode == 1 and "eqxckpt._errors.CheckpointError: Cannot read s3://" in done.stderr
     assert "Check the endpoint" in done.stderr
+
+
+def test_a_run_directory_on_s3_names_its_checkpoints(s3):
+    endpoint, _ = s3
+    with eqxckpt.CheckpointManager(spec(endpoint, "runs/named/")) as manager:
+        for step in (3, 12):
+            manager.save(step, {"x": np.zeros(2)})
+    with pytest.raises(
+        eqxckpt.CheckpointNotFoundError, match=r"directory of 2 checkpoints \(a CheckpointManager run\): 3, 12"
+    ):
+        eqxckpt.load(spec(endpoint, "runs/named/"))
