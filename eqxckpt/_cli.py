@@ -100,28 +100,17 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _import_t5(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
     from .t5 import convert_hf, convert_tf
     from .t5._hf import is_hf_directory
 
-    with Progress(transient=False) as progress:
-        task = progress.add_task("importing T5", total=None)
-        if is_hf_directory(args.src):
-            if args.config is not None:
-                raise CheckpointError(
-                    f"{args.src} is a HuggingFace directory: its config.json is the config; drop --config."
-                )
-            config = convert_hf(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite)
-        else:
-            config = convert_tf(
-                args.src,
-                args.out,
-                args.config,
-                dtype=args.dtype,
-                overwrite=args.overwrite,
-                progress=lambda name, total: progress.update(task, total=total, advance=1, description=name),
+    if is_hf_directory(args.src):
+        if args.config is not None:
+            raise CheckpointError(
+                f"{args.src} is a HuggingFace directory: its config.json is the config; drop --config."
             )
+        config = convert_hf(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=True)
+    else:
+        config = convert_tf(args.src, args.out, args.config, dtype=args.dtype, overwrite=args.overwrite, progress=True)
     print(
         f"wrote {args.out}: T5 {config.num_layers}+{config.num_decoder_layers} layers, d_model {config.d_model}, "
         f"vocab {config.vocab_size}"

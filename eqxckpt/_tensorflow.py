@@ -6,7 +6,7 @@ Variable names are paths already (``encoder/block_000/layer_000/SelfAttention/q`
 """
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,15 +21,12 @@ from ._source import Source
 class TFCheckpoint(Source):
     """A TensorFlow checkpoint as a read-only source: each variable a leaf at its
     name (``encoder/block_000/layer_000/SelfAttention/q``), read when it is needed.
-
-    ``on_read(name)`` is called as each variable is read (for progress bars).
     """
 
     def __init__(self, path: Any, reader: Any):
         self.location = str(path)
         self.metadata: dict[str, Any] = {}
         self._reader = reader
-        self.on_read: Callable[[str], None] = lambda name: None
         shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
         self._names: dict[str, str] = {}  # path -> the variable's name in the checkpoint
         self._leaves = {}
@@ -45,7 +42,6 @@ class TFCheckpoint(Source):
         values = []
         for leaf, target in wanted:
             name = self._names[leaf.path]
-            self.on_read(name)
             values.append(leaf.finish(np.asarray(self._reader.get_tensor(name)), target))
             advance(leaf.nbytes)
         return values

@@ -52,3 +52,16 @@ def test_cli_shows_a_bar_on_a_terminal_only(tmp_path):
         assert status == 0 and "3/3 leaves" in out, out
         status, out, err = run_cli(*(args[:-1] + (str(tmp_path / "copy2"),) if args[0] == "convert" else args))
         assert status == 0 and "leaves" not in err and "━" not in out + err, out + err
+
+
+def test_t5_imports_report_through_the_same_progress(tmp_path):
+    import pathlib
+
+    from eqxckpt import t5
+
+    fixture = pathlib.Path(__file__).parent / "fixtures" / "t5_v1_1_tiny"
+    calls = []
+    t5.load_hf(fixture / "hf", progress=lambda *counts: calls.append(counts))
+    assert len(calls) == 52 and calls[-1][0] == calls[-1][1] and calls[-1][2:] == (52, 52)
+    status, out, _ = run_cli("import-t5", str(fixture), str(tmp_path / "t5"), terminal=True)
+    assert status == 0 and "saving" in out and "leaves" in out, out

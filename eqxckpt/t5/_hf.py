@@ -18,6 +18,7 @@ import numpy as np
 from .._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StructureMismatchError
 from .._leaf import ArrayLeaf
 from .._load import load
+from .._progress import Progress
 from .._safetensors import INDEX_NAME, commit_file, open_safetensors, save_safetensors
 from .._save import save
 from .._storage import CheckpointPath
@@ -113,7 +114,7 @@ def _(opts, key, value, name):
 # --- reading ------------------------------------------------------------------------------
 
 
-def load_hf(path: str | os.PathLike[str], *, dtype: Any = None) -> T5:
+def load_hf(path: str | os.PathLike[str], *, dtype: Any = None, progress: Progress = False) -> T5:
     """A `T5` from a HuggingFace T5 directory (``config.json`` + safetensors).
 
     Reads ``model.safetensors``, or a sharded ``model.safetensors.index.json``,
@@ -128,6 +129,7 @@ def load_hf(path: str | os.PathLike[str], *, dtype: Any = None) -> T5:
     - `dtype`: the floating weights' dtype: None (the default) is float32, as
       HuggingFace's ``from_pretrained`` gives, whatever the file stores;
       ``"auto"`` keeps the stored dtype; or e.g. ``jnp.bfloat16``.
+    - `progress`: as for `eqxckpt.load`. Off by default.
 
     **Returns:** the `T5` module.
 
@@ -150,7 +152,7 @@ def load_hf(path: str | os.PathLike[str], *, dtype: Any = None) -> T5:
     like = _like(view, config, weights_dtype(dtype))
     _check_fits(view, like, config)
     transforms = {TRANSPOSED.pattern: Transform(value_fn=np.transpose)}
-    return load(view, like, cast=True, transforms=transforms)
+    return load(view, like, cast=True, transforms=transforms, progress=progress)
 
 
 def _check_aliases(source: Any, config: T5Config) -> None:
@@ -247,14 +249,19 @@ def is_hf_directory(path: Any) -> bool:
 
 
 def convert_hf(
-    path: str | os.PathLike[str], out: CheckpointPath, *, dtype: Any = None, overwrite: bool = False
+    path: str | os.PathLike[str],
+    out: CheckpointPath,
+    *,
+    dtype: Any = None,
+    overwrite: bool = False,
+    progress: Progress = False,
 ) -> T5Config:
     """Write a HuggingFace T5 directory as an eqxckpt checkpoint: ``params`` (the `T5`
     module), with the config in the metadata.
 
     **Arguments:**
 
-    - `path`, `dtype`: as for `load_hf`.
+    - `path`, `dtype`, `progress`: as for `load_hf` (``progress`` also for the save).
     - `out`: where to save the eqxckpt checkpoint (as for `eqxckpt.save`).
     - `overwrite`: replace a checkpoint already at ``out``.
 

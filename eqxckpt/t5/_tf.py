@@ -7,7 +7,6 @@ what is being built.
 
 import os
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -16,6 +15,7 @@ import numpy as np
 from .._errors import CheckpointError, StructureMismatchError
 from .._leaf import ArrayLeaf
 from .._load import load
+from .._progress import Progress
 from .._save import save
 from .._storage import CheckpointPath
 from .._tensorflow import TFCheckpoint, open_tf
@@ -186,7 +186,7 @@ def _from_shapes(shapes: dict[str, tuple]) -> dict[str, Any]:
 # --- building ------------------------------------------------------------------------
 
 
-def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any) -> T5:
+def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any, progress: Progress = False) -> T5:
     """Check the variables fit ``config`` (one error naming every misfit), then read each
     weight once into the model: floating weights in ``dtype`` (as `weights_dtype` reads it)."""
     flat, treedef = flatten(skeleton(config))
@@ -202,7 +202,7 @@ def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any) -> T
 
     like = jax.tree_util.tree_unflatten(treedef, [wanted(path, leaf) for path, _, leaf in flat])
     try:
-        return load(translated, like, at="params", cast=True)
+        return load(translated, like, at="params", cast=True, progress=progress)
     except StructureMismatchError as e:
         raise _misfit(e, translated, like, config) from None
 
@@ -236,13 +236,10 @@ def _misfit(error: StructureMismatchError, translated: TranslatedSource, like: A
     )
 
 
-def _open(path: Any, config: Any, progress: Callable[[str, int], None] | None) -> tuple[TranslatedSource, T5Config]:
-    """The translated variables and the config; ``progress(name, total)`` as each variable is read."""
+def _open(path: Any, config: Any) -> tuple[TranslatedSource, T5Config]:
+    """The translated variables and the config."""
     variables = open_tf(path)
     config = infer_config(variables, path, config)
-    if progress is not None:
-        total = len(variables)
-        variables.on_read = lambda name: progress(name, total)
     return translate(variables, config), config
 
 
@@ -251,7 +248,7 @@ def load_tf(
     config: T5Config | dict | str | None = None,
     *,
     dtype: Any = None,
-    progress: Callable[[str, int], None] | None = None,
+    progress: Progress = False,
 ) -> T5:
     """A `T5` from a Mesh TensorFlow checkpoint (directory or prefix).
 
@@ -269,7 +266,8 @@ def load_tf(
       gives, even though Mesh TensorFlow checkpoints store bfloat16: bfloat16
       activations are far from the reference logits. ``"auto"`` keeps the
       stored dtype; ``jnp.bfloat16`` or ``jnp.float64`` ask for those.
-    - `progress`: ``progress(name, total)`` is called as each variable is read.
+    - `progress`: as for `eqxckpt.load` (True: a bar on a terminal; a callable
+      receives the counts after each variable). Off by default.
 
     **Returns:** the `T5` module.
 
@@ -278,8 +276,8 @@ def load_tf(
     logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=mask)
     ```
     """
-    translated, config = _open(path, config, progress)
-    return _read_model(translated, config, dtype)
+    translated, config = _open(path, config)
+    return _read_model(translated, config, dtype, progress)
 
 
 def convert_tf(
@@ -289,7 +287,7 @@ def convert_tf(
     *,
     dtype: Any = None,
     overwrite: bool = False,
-    progress: Callable[[str, int], None] | None = None,
+    progress: Progress = False,
 ) -> T5Config:
     """Write a Mesh TensorFlow T5 checkpoint as an eqxckpt checkpoint.
 
@@ -311,10 +309,16 @@ def convert_tf(
     model = eqxckpt.load("t5_eqx", lambda: T5(config, key=jax.random.key(0)), at="params")
     ```
     """
-    translated, config = _open(path, config, progress)
-    model = _read_model(translated, config, dtype)
-    slots = load(translated, at="adafactor") if translated.records("adafactor") else {}
+    translated, config = _open(path, config)
+    model = _read_model(translated, config, dtype, progress)
+    slots = load(translated, at="adafactor", progress=progress) if translated.records("adafactor") else {}
     step = int(load(translated, at="step")) if "step" in translated else 0
     tree = {"params": model, "step": step, "adafactor": slots}
-    save(out, tree, metadata={"t5_config": config.to_dict(), "source": str(path)}, overwrite=overwrite)
+    save(
+        out,
+        tree,
+        metadata={"t5_config": config.to_dict(), "source": str(path)},
+        overwrite=overwrite,
+        progress=progress,
+    )
     return config
