@@ -19,8 +19,8 @@ import pathlib
 import stat
 import struct
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO
 
 import jax
 import numpy as np
@@ -314,25 +314,35 @@ def save_safetensors(
         offset += array.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the safetensors library writes
+
+    def body(f: BinaryIO) -> None:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        with contextlib.ExitStack() as sources:
+            for source in {id(a.source): a.source for a in arrays if isinstance(a, LazyEntry)}.values():
+                sources.enter_context(source.consistent())
+            for array in arrays:
+                if isinstance(array, LazyEntry):
+                    array = np.ascontiguousarray(np.asarray(array.get()))
+                f.write(array.reshape(-1).view(np.uint8).data)
+                advance(array.nbytes)
+
+    write_file(final, body, overwrite)
+
+
+def write_file(final: pathlib.Path, body: Callable[[BinaryIO], object], overwrite: bool) -> None:
+    """Write a file whole, durably and atomically: ``body`` fills a hidden temporary
+    beside ``final``, which `commit_file` then moves into place."""
     tmp = hidden_sibling(final, "tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            with contextlib.ExitStack() as sources:
-                for source in {id(a.source): a.source for a in arrays if isinstance(a, LazyEntry)}.values():
-                    sources.enter_context(source.consistent())
-                for array in arrays:
-                    if isinstance(array, LazyEntry):
-                        array = np.ascontiguousarray(np.asarray(array.get()))
-                    f.write(array.reshape(-1).view(np.uint8).data)
-                    advance(array.nbytes)
+            body(f)
             f.flush()
             os.fsync(f.fileno())
         commit_file(tmp, final, overwrite)
         fsync_path(final.parent)
     finally:
-        tmp.unlink(missing_ok=True)  # gone already once committed
+        tmp.unlink(missing_ok=True)  # a hard-link commit leaves the temporary name behind
 
 
 def commit_file(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:

@@ -19,10 +19,10 @@ from .._errors import CheckpointError, CheckpointExistsError, CheckpointNotFound
 from .._leaf import ArrayLeaf
 from .._load import load
 from .._progress import Progress
-from .._safetensors import INDEX_NAME, commit_file, open_safetensors, save_safetensors
+from .._safetensors import INDEX_NAME, open_safetensors, save_safetensors, write_file
 from .._save import save
 from .._storage import CheckpointPath
-from .._store import fsync_path, hidden_sibling
+from .._store import fsync_path
 from .._transform import Transform
 from .._translate import CheckpointTranslator, TranslatedSource
 from .._tree import flatten
@@ -360,22 +360,14 @@ def save_hf(model: T5, path: str | os.PathLike[str], *, overwrite: bool = False)
                 node = node.setdefault(part, {})
             node[last] = np.ascontiguousarray(value.T) if TRANSPOSED.fullmatch(leaf_path) else value
     root.mkdir(parents=True, exist_ok=True)
-    if overwrite:  # the old config goes first: until the new one is written, the directory reads as incomplete
+    if overwrite:  # the old config goes first (durably): until the new one is written, the directory is incomplete
         (root / CONFIG_NAME).unlink(missing_ok=True)
+        fsync_path(root)
     save_safetensors(root / WEIGHTS_NAME, tensors, metadata={"format": "pt"}, overwrite=overwrite)
     generation = {"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
     _write_json(root / GENERATION_CONFIG_NAME, {**generation, "transformers_version": TRANSFORMERS_VERSION}, overwrite)
-    _write_json(root / CONFIG_NAME, hf_config(config, model.shared.dtype), overwrite)
-    fsync_path(root)
+    _write_json(root / CONFIG_NAME, hf_config(config, model.shared.dtype), overwrite)  # each file is durable
 
 
 def _write_json(final: pathlib.Path, doc: dict[str, Any], overwrite: bool) -> None:
-    tmp = hidden_sibling(final, "tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        commit_file(tmp, final, overwrite)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_file(final, lambda f: f.write((json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()), overwrite)
