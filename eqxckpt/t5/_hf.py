@@ -149,7 +149,8 @@ def load_hf(path: str | os.PathLike[str], *, dtype: Any = None, progress: Progre
     _check_aliases(source, config)
     _check_block_counts(source, config)
     view = NAMES.apply(source, tied=config.tie_word_embeddings, per_layer=config.relative_attention_per_layer)
-    like = _like(view, config, weights_dtype(dtype))
+    stored = {path: leaf.dtype for path, leaf in view.records().items() if isinstance(leaf, ArrayLeaf)}
+    like = skeleton(config, weights_dtype(dtype), stored)
     _check_fits(view, like, config)
     transforms = {TRANSPOSED.pattern: Transform(value_fn=np.transpose)}
     return load(view, like, cast=True, transforms=transforms, progress=progress)
@@ -189,20 +190,6 @@ def _check_block_counts(source: Any, config: T5Config) -> None:
                 f"{len(found[stack])}. Fix config.json (num_layers / num_decoder_layers) or use the matching weights.",
                 mismatched=[(stack, f"{len(found[stack])} blocks, config.json says {wanted}")],
             )
-
-
-def _like(view: TranslatedSource, config: T5Config, dtype: Any) -> Any:
-    """The model's skeleton, each weight in ``dtype`` (None: as stored)."""
-    flat, treedef = flatten(skeleton(config))
-
-    def wanted(path: str, leaf: Any) -> Any:
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
-        if dtype is not None:
-            return leaf.update(dtype=dtype)
-        return leaf.update(dtype=view.leaf(path).dtype) if path in view else leaf  # type: ignore[attr-defined]
-
-    return jax.tree_util.tree_unflatten(treedef, [wanted(path, leaf) for path, _, leaf in flat])
 
 
 def _check_fits(view: TranslatedSource, like: Any, config: T5Config) -> None:

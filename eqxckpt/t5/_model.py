@@ -5,12 +5,15 @@ onto the modules without transposes.
 """
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._tree import flatten
 from ._config import T5Config
 
 
@@ -448,12 +451,14 @@ class T5(eqx.Module):
         return self.decode(decoder_input_ids, self.encode(input_ids, attention_mask=attention_mask), attention_mask)
 
 
-def skeleton(config: T5Config) -> T5:
-    """A `T5` of ``config`` made of `jax.ShapeDtypeStruct`s (float32): no memory spent.
+def skeleton(config: T5Config, dtype: Any = jnp.float32, stored: Mapping[str, Any] | None = None) -> T5:
+    """A `T5` of ``config`` made of `jax.ShapeDtypeStruct`s: no memory spent.
 
     **Arguments:**
 
     - `config`: the hyperparameters.
+    - `dtype`: every weight's dtype; None keeps each weight's dtype in ``stored``.
+    - `stored`: ``{parameter path: dtype}`` of the weights a checkpoint holds (for ``dtype=None``).
 
     **Returns:** the skeleton, for `eqxckpt.load`'s ``like``.
 
@@ -461,4 +466,12 @@ def skeleton(config: T5Config) -> T5:
     model = eqxckpt.load("t5_eqx", skeleton(config), at="params")
     ```
     """
-    return eqx.filter_eval_shape(T5, config, key=jax.random.key(0))
+    flat, treedef = flatten(eqx.filter_eval_shape(T5, config, key=jax.random.key(0)))
+    stored = stored or {}
+
+    def weight(path: str, leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        return leaf.update(dtype=dtype if dtype is not None else stored.get(path, leaf.dtype))
+
+    return jax.tree_util.tree_unflatten(treedef, [weight(path, leaf) for path, _, leaf in flat])

@@ -9,9 +9,6 @@ import os
 import pathlib
 from typing import Any
 
-import jax
-import numpy as np
-
 from .._errors import CheckpointError, StructureMismatchError
 from .._leaf import ArrayLeaf
 from .._load import load
@@ -189,18 +186,8 @@ def _from_shapes(shapes: dict[str, tuple]) -> dict[str, Any]:
 def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any, progress: Progress = False) -> T5:
     """Check the variables fit ``config`` (one error naming every misfit), then read each
     weight once into the model: floating weights in ``dtype`` (as `weights_dtype` reads it)."""
-    flat, treedef = flatten(skeleton(config))
-    stored = translated.records("params")
-    dtype = weights_dtype(dtype)
-
-    def wanted(path: str, leaf: Any) -> Any:
-        if not isinstance(leaf, jax.ShapeDtypeStruct) or path not in stored:
-            return leaf
-        found = np.dtype(translated.leaf(f"params/{path}").dtype)  # type: ignore[attr-defined]
-        floating = np.issubdtype(found, np.floating) or found.name == "bfloat16"
-        return jax.ShapeDtypeStruct(leaf.shape, dtype if dtype is not None and floating else found)
-
-    like = jax.tree_util.tree_unflatten(treedef, [wanted(path, leaf) for path, _, leaf in flat])
+    stored = {path: leaf.dtype for path, leaf in translated.records("params").items() if isinstance(leaf, ArrayLeaf)}
+    like = skeleton(config, weights_dtype(dtype), stored)
     try:
         return load(translated, like, at="params", cast=True, progress=progress)
     except StructureMismatchError as e:
