@@ -79,10 +79,15 @@ def adopt(data: np.ndarray, sharding: Any = None) -> jax.Array:
     if device is not None and device.platform == "cpu" and data.ctypes.data % 64 == 0 and data.flags.c_contiguous:
         try:
             adopted = jax.dlpack.from_dlpack(data, device=device)
-            # Same device: device_put only relabels the sharding, it does not copy.
-            return adopted if sharding is None else jax.device_put(adopted, sharding)
         except BufferError:  # a dtype DLPack cannot describe
-            pass
+            return jax.device_put(data, sharding)
+        # A single device's plain sharding is what from_dlpack gives already; any other
+        # (a memory kind, a mesh of one device) is a relabelling device_put, not a copy.
+        if sharding is None or (
+            isinstance(sharding, jax.sharding.SingleDeviceSharding) and adopted.sharding == sharding
+        ):
+            return adopted
+        return jax.device_put(adopted, sharding)
     return jax.device_put(data, sharding)
 
 

@@ -123,7 +123,7 @@ class LocalStorage(Storage):
         self.stored_bytes(leaf)
         promise, future = ts.Promise.new()
         try:
-            promise.set_result(read_capped(self.path / leaf.path / "zarr.json", MAX_ZARR_JSON_BYTES))
+            promise.set_result(read_capped(f"{self.path}/{leaf.path}/zarr.json", MAX_ZARR_JSON_BYTES))
         except OSError as e:
             promise.set_exception(e)
         return future
@@ -137,15 +137,16 @@ class LocalStorage(Storage):
         at least the bytes the manifest declares, so a crafted shape cannot make
         the reader allocate memory that no data backs.
         """
-        where = self.path
+        # Plain strings and os calls: pathlib's parsing cost more than the checks themselves.
+        where = str(self.path)
         for part in leaf.path.split("/"):
-            where = where / part
+            where = f"{where}/{part}"
             try:
                 mode = os.lstat(where).st_mode
             except FileNotFoundError:
                 raise corrupt(leaf, f"{where} does not exist") from None
             if not stat.S_ISDIR(mode):
-                raise _unsafe(leaf, where)
+                raise _unsafe(leaf, pathlib.Path(where))
         total = 0
         pending = [where]
         try:
@@ -153,7 +154,7 @@ class LocalStorage(Storage):
                 with os.scandir(pending.pop()) as entries:
                     for entry in entries:
                         if entry.is_dir(follow_symlinks=False):
-                            pending.append(pathlib.Path(entry.path))
+                            pending.append(entry.path)
                         elif entry.is_file(follow_symlinks=False):
                             info = entry.stat(follow_symlinks=False)
                             # Blocks really allocated: a sparse file's apparent size is no data.

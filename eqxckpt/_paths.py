@@ -30,6 +30,7 @@ LEASE_NAME = "eqxckpt.lease.json"
 MAX_SEGMENT = 120
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
 _SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-%~]+$")
+_PLAIN_KEY = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_SEGMENT}}}")
 # A zarr group's metadata file, in every directory above an array (see `group_locations`).
 ZARR_NAME = "zarr.json"
 _RESERVED = {
@@ -52,6 +53,8 @@ def encode_segment(key: str) -> str:
         return "%"
     if key in _RESERVED:
         return _RESERVED[key]
+    if _PLAIN_KEY.fullmatch(key):  # the usual case, checked in one match
+        return key
     out = []
     for char in key:
         if _SAFE.fullmatch(char):

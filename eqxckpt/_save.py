@@ -78,7 +78,10 @@ def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) ->
     multiprocess = is_multiprocess()
     leaves: list[_Leaf] = []
     for record, value in arrays:
-        if isinstance(value, jax.Array):
+        if isinstance(value, jax.Array) and isinstance(value.sharding, jax.sharding.SingleDeviceSharding):
+            # The common case, without asking for shards (costly per leaf in a tree of many small ones).
+            leaves.append(_Leaf(record, None, [(None, value)] if leader or not multiprocess else []))
+        elif isinstance(value, jax.Array):
             if multiprocess and value.is_fully_addressable and not leader:
                 shards = []
             else:
