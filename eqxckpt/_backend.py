@@ -29,6 +29,7 @@ from ._lease import (
 from ._manifest import Manifest
 from ._paths import GROUP_METADATA, group_file, group_locations, validate_path
 from ._store import (
+    chunk_budget,
     chunk_shape,
     reason,
     shared_context,
@@ -192,7 +193,7 @@ def expected_files(leaves: list[tuple[StoredLeaf, tuple[int, ...] | None]]) -> d
     }
     for leaf, shard in leaves:
         shape, itemsize = leaf.data_shape, np.dtype(leaf.dtype).itemsize
-        chunk = chunk_shape(shape, itemsize, shard)
+        chunk = chunk_shape(shape, itemsize, shard, chunk_budget(leaf.path))
         expected[f"{leaf.path}/zarr.json"] = -1
         if 0 in shape:
             continue

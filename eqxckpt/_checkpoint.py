@@ -18,6 +18,7 @@ from ._errors import CheckpointError, CorruptCheckpointError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._lease import Pin
 from ._manifest import Manifest
+from ._pack import member, packed_array, read_runs
 from ._progress import advance
 from ._source import LazyEntry, Source
 from ._storage import resolve
@@ -43,6 +44,7 @@ class Checkpoint(Source):
         self._manifest = manifest
         self.metadata = manifest.metadata
         self._leaves = {leaf.path: leaf for leaf in manifest.leaves}
+        self._packed = packed_array(manifest.leaves)  # the array small leaves are packed in, if any
         self._context = shared_context()
         self._pin = pin
         if pin is not None:
@@ -78,44 +80,79 @@ class Checkpoint(Source):
     def _store(self, leaf: StoredLeaf) -> ts.TensorStore:
         return self._checked(leaf, self._open_array(leaf))
 
+    def _packed_store(self) -> ts.TensorStore:
+        assert self._packed is not None
+        return self._store(self._packed)
+
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         """Read every selected leaf: all opens at once, then reads straight into the
         final buffers, concurrently within a `read_window`. A target whose sharding
-        spans several devices is read slice by slice, each on its own process."""
-        opens = [self._open_array(leaf) for leaf, _ in wanted]
-        stores = [self._checked(leaf, opened) for (leaf, _), opened in zip(wanted, opens)]
+        spans several devices is read slice by slice, each on its own process.
+        Packed leaves are read as runs of the packed array's chunks, each once."""
+        own = [i for i, (leaf, _) in enumerate(wanted) if leaf.offset is None]
+        packed = [i for i, (leaf, _) in enumerate(wanted) if leaf.offset is not None]
+        opens = [self._open_array(wanted[i][0]) for i in own]
+        stores = dict(zip(own, (self._checked(wanted[i][0], opened) for i, opened in zip(own, opens))))
+        packed_store = self._packed_store() if packed else None
+        runs = read_runs([wanted[i][0] for i in packed], self._packed.shape[0]) if self._packed and packed else []
         check_allocation(
-            sum(leaf.nbytes for leaf, target in wanted if not _sharded(leaf, target)),
+            sum(wanted[i][0].nbytes for i in own if not _sharded(*wanted[i]))
+            + sum(end - start for start, end, _ in runs),
             f"Restoring {len(wanted)} leaves from {self.location}",
         )
         values: list[Any] = [None] * len(wanted)
-        sharded = {
-            i: _start_slices(leaf, target, store)
-            for i, ((leaf, target), store) in enumerate(zip(wanted, stores))
-            if _sharded(leaf, target)
-        }
+        sharded = {i: _start_slices(*wanted[i], stores[i]) for i in own if _sharded(*wanted[i])}
         pending: collections.deque = collections.deque()
         in_flight = 0
         window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
 
         def finish_oldest() -> None:
             nonlocal in_flight
-            i, buffer, copied = pending.popleft()
-            leaf, target = wanted[i]
-            with reading(leaf):
-                copied.result()
-                values[i] = leaf.finish(buffer, target)
+            what, buffer, copied = pending.popleft()
+            if isinstance(what, int):
+                leaf, target = wanted[what]
+                with reading(leaf):
+                    copied.result()
+                    values[what] = leaf.finish(buffer, target)
+                advance(leaf.nbytes)
+            else:
+                start, members = what
+                assert self._packed is not None
+                with reading(self._packed):  # a bad chunk names the packed array; verify names its leaves
+                    copied.result()
+                # Leaves that fill most of the run share its buffer; a few in a large run are copied
+                # out, so that they do not keep the rest of it alive.
+                share = sum(wanted[packed[m]][0].nbytes for m in members) * 2 >= buffer.nbytes
+                for m in members:
+                    leaf, target = wanted[packed[m]]
+                    data = member(buffer, start, leaf)
+                    if not share:
+                        copy = aligned_empty(data.shape, data.dtype)
+                        np.copyto(copy, data)
+                        data = copy
+                    with reading(leaf):
+                        values[packed[m]] = leaf.finish(data, target)
+                    advance(leaf.nbytes)
             in_flight -= buffer.nbytes
-            advance(leaf.nbytes)
 
-        for i, ((leaf, _), store) in enumerate(zip(wanted, stores)):
+        for i in own:
             if i in sharded:
                 continue
+            leaf = wanted[i][0]
             while pending and in_flight + leaf.nbytes > window:
                 finish_oldest()
             # TensorStore copies the leaf into our aligned buffer, which the jax array then adopts.
             buffer = aligned_empty(leaf.data_shape, np.dtype(leaf.dtype))
-            pending.append((i, buffer, ts.array(buffer, copy=False, write=True).write(store)))
+            pending.append((i, buffer, ts.array(buffer, copy=False, write=True).write(stores[i])))
+            in_flight += buffer.nbytes
+        for start, end, members in runs:
+            assert packed_store is not None
+            while pending and in_flight + end - start > window:
+                finish_oldest()
+            buffer = aligned_empty((end - start,), np.dtype(np.uint8))
+            pending.append(
+                ((start, members), buffer, ts.array(buffer, copy=False, write=True).write(packed_store[start:end]))
+            )
             in_flight += buffer.nbytes
         while pending:
             finish_oldest()
@@ -380,11 +417,21 @@ class LazyArray(LazyEntry):
         store = self.source._store(self.leaf)
         return store[self._index] if self._index != () else store
 
-    def _stream(self) -> ts.TensorStore:
+    def _stream(self) -> ts.TensorStore | np.ndarray:
         """The stored array as a TensorStore view (indexed and cast as this
-        LazyArray is), to copy from without reading it all into memory."""
+        LazyArray is), to copy from without reading it all into memory; a
+        packed leaf (small) is read whole."""
+        if self.leaf.offset is not None:
+            with reading(self.leaf):
+                data = self._packed_data(self._start().result())
+            return data if self._dtype is None else data.astype(self._dtype)
         view = self._view()
         return view if self._dtype is None else ts.cast(view, self._dtype)
+
+    def _packed_data(self, raw: np.ndarray) -> np.ndarray:
+        """The stored array (indexed) from a packed leaf's bytes."""
+        data = member(raw, self.leaf.offset or 0, self.leaf)
+        return data[self._index] if self._index != () else data
 
     def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
         """The leaf this array becomes when it is saved at ``path`` (copied from its checkpoint)."""
@@ -392,11 +439,18 @@ class LazyArray(LazyEntry):
         return self.leaf.copied(path, keys, tuple(self.shape), self.dtype, changed)
 
     def _start(self) -> ts.Future:
-        view = self._view()
+        # Opened first: that checks the stored files really hold what the manifest declares.
+        offset = self.leaf.offset
+        if offset is None:
+            view = self._view()
+        else:  # just its bytes: the chunks of the packed array that hold them
+            view = self.source._packed_store()[offset : offset + self.leaf.nbytes]
         check_allocation(self.nbytes, f"Reading leaf {self.path!r}")
         return view.read()
 
     def _finish(self, data: np.ndarray) -> Any:
+        if self.leaf.offset is not None:
+            data = self._packed_data(data)
         return self.leaf.host_value(data, self._dtype)
 
     def get(self) -> Any:

@@ -3,7 +3,8 @@ written into the manifest, checked against `like`, and restored.
 
 A new kind is one class here, registered in `KINDS`.
 
-- `ArrayLeaf`: an array, stored as a zarr3 array at the leaf's path.
+- `ArrayLeaf`: an array, stored as a zarr3 array at the leaf's path, or (small
+  ones) as a byte range of the checkpoint's packed array (see `_pack`).
 - `KeyLeaf`: a typed PRNG key array, stored as its key data (trailing
   ``key_shape`` dimensions) plus the name of its implementation.
 - `ScalarLeaf`: a Python scalar, string or None; the value is in the manifest.
@@ -21,7 +22,7 @@ import numpy as np
 
 from ._convert import adopt, checked_astype, narrowed
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
-from ._paths import validate_path
+from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, validate_path
 from ._store import STORED_DTYPES, check_dtype
 from ._tree import (
     SCALAR_TYPES,
@@ -90,10 +91,12 @@ class Leaf:
 
 @dataclasses.dataclass(frozen=True)
 class StoredLeaf(Leaf):
-    """A leaf with an array on disk, at its path."""
+    """A leaf with an array on disk: its own zarr3 array at its path, or with an
+    ``offset``, ``nbytes`` little-endian bytes at that offset of the packed array."""
 
     shape: tuple[int, ...]
     dtype: str
+    offset: int | None = dataclasses.field(default=None, kw_only=True)
     stored: ClassVar[bool] = True
     sliceable: ClassVar[bool] = True  # whether a lazy read may select part of it
 
@@ -101,6 +104,11 @@ class StoredLeaf(Leaf):
     def data_shape(self) -> tuple[int, ...]:
         """Shape of the stored array."""
         return self.shape
+
+    @property
+    def location(self) -> str:
+        """Where its bytes are: its own array's path, or the packed array's."""
+        return self.path if self.offset is None else PACKED_LOCATION
 
     @property
     def nbytes(self) -> int:
@@ -146,16 +154,28 @@ class StoredLeaf(Leaf):
         raise NotImplementedError
 
     def _fields(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype, "location": self.path}
+        fields = {"shape": list(self.shape), "dtype": self.dtype, "location": self.location}
+        return fields if self.offset is None else {**fields, "offset": self.offset}
 
     @staticmethod
-    def _stored(doc: dict[str, Any], path: str) -> tuple[tuple[int, ...], str]:
-        if doc.get("location") != path:
-            raise ManifestError(f"Leaf {path!r}: its location {doc.get('location')!r} must equal its path.")
+    def _stored(doc: dict[str, Any], path: str) -> tuple[tuple[int, ...], str, int | None]:
+        """Shape, dtype and packed offset (None: its own array at its path)."""
+        location, offset = doc.get("location"), doc.get("offset")
+        if location == PACKED_LOCATION:
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset % PACK_ALIGNMENT:
+                raise ManifestError(
+                    f"Leaf {path!r}: its offset {offset!r} in the packed array must be a non-negative "
+                    f"multiple of {PACK_ALIGNMENT}."
+                )
+        elif location != path or offset is not None:
+            raise ManifestError(
+                f"Leaf {path!r}: its location {location!r} must equal its path (or be {PACKED_LOCATION!r} "
+                "with an offset)."
+            )
         dtype = doc.get("dtype")
         if not isinstance(dtype, str) or dtype not in STORED_DTYPES:
             raise ManifestError(f"Leaf {path!r}: unknown dtype {dtype!r}.")
-        return parse_shape(doc.get("shape"), path), dtype
+        return parse_shape(doc.get("shape"), path), dtype, offset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +195,10 @@ class ArrayLeaf(StoredLeaf):
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "ArrayLeaf":
-        shape, dtype = cls._stored(doc, path)
+        shape, dtype, offset = cls._stored(doc, path)
         if doc.get("array_type") not in ARRAY_TYPES:
             raise ManifestError(f"Leaf {path!r}: unknown array_type {doc.get('array_type')!r}.")
-        return cls(path, keys, shape, dtype, doc["array_type"])
+        return cls(path, keys, shape, dtype, doc["array_type"], offset=offset)
 
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if not is_array_like(target) or is_prng_key_dtype(target.dtype):
@@ -272,11 +292,11 @@ class KeyLeaf(StoredLeaf):
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "KeyLeaf":
-        shape, dtype = cls._stored(doc, path)
+        shape, dtype, offset = cls._stored(doc, path)
         impl = doc.get("impl")
         if not isinstance(impl, str) or not impl.isidentifier():
             raise ManifestError(f"Leaf {path!r}: PRNG impl {impl!r} is not a name.")
-        return cls(path, keys, shape, dtype, impl, parse_shape(doc.get("key_shape"), path))
+        return cls(path, keys, shape, dtype, impl, parse_shape(doc.get("key_shape"), path), offset=offset)
 
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if not is_array_like(target) or not is_prng_key_dtype(target.dtype) or key_dtype(self.impl) != target.dtype:
@@ -305,7 +325,7 @@ class KeyLeaf(StoredLeaf):
             raise UnsupportedLeafError(
                 f"Leaf {path!r}: a sliced or cast lazy PRNG key array cannot be saved; get() it."
             )
-        return dataclasses.replace(self, path=path, keys=keys)
+        return dataclasses.replace(self, path=path, keys=keys, offset=None)  # written as its own array
 
     def wrap(self, data: Any) -> jax.Array:
         """Typed PRNG keys are stored as key data; turn them back into keys."""

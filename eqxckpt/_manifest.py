@@ -12,11 +12,14 @@ from typing import Any
 
 from ._errors import ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf, parse_leaf
-from ._paths import record_segment
+from ._paths import PACKED_LOCATION, record_segment
 from ._version import __version__
 
 FORMAT = "eqxckpt"
-VERSION = 1
+# Version 2 adds packed leaves; a manifest without any is written as version 1, so
+# that older eqxckpt reads it, and an older eqxckpt refuses one with packed leaves.
+VERSION = 2
+VERSIONS = (1, 2)
 KEY_KINDS = ("attr", "dict", "seq", "index")
 # 64 MiB hold the manifest of about 250,000 leaves (about 250 bytes each).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -40,13 +43,20 @@ class Manifest:
     sequences_complete: bool = True
 
     def stored_paths(self) -> list[str]:
-        """The paths of the leaves with arrays on disk."""
-        return [leaf.path for leaf in self.leaves if isinstance(leaf, StoredLeaf)]
+        """The paths of the checkpoint's arrays: each unpacked leaf's, and the packed array's."""
+        stored = [leaf for leaf in self.leaves if isinstance(leaf, StoredLeaf)]
+        packed = [PACKED_LOCATION] if any(leaf.offset is not None for leaf in stored) else []
+        return [leaf.path for leaf in stored if leaf.offset is None] + packed
+
+    @property
+    def version(self) -> int:
+        packed = any(isinstance(leaf, StoredLeaf) and leaf.offset is not None for leaf in self.leaves)
+        return 2 if packed else 1
 
     def to_bytes(self) -> bytes:
         head = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": self.version,
             "eqxckpt_version": __version__,
             "created_unix": self.created,
             "save_id": self.save_id,
@@ -174,9 +184,9 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
     version = doc.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise ManifestError(f"The manifest of {where} has no integer format version.")
-    if version != VERSION:
+    if version not in VERSIONS:
         raise ManifestError(
-            f"{where} uses eqxckpt format version {version}; this eqxckpt reads version {VERSION}. "
+            f"{where} uses eqxckpt format version {version}; this eqxckpt reads versions {VERSIONS}. "
             "Upgrade eqxckpt to read it."
         )
     metadata = doc.get("metadata", {})
@@ -187,6 +197,10 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
     paths = [r.path for r in records]
     if len(set(paths)) != len(paths):
         raise ManifestError(f"The manifest of {where} lists a leaf path twice.")
+    if any(path.split("/")[0] == PACKED_LOCATION for path in paths):
+        raise ManifestError(f"The manifest of {where} names a leaf {PACKED_LOCATION!r}, which no key can be.")
+    if version == 1 and any(isinstance(r, StoredLeaf) and r.offset is not None for r in records):
+        raise ManifestError(f"The manifest of {where} is version 1 but has packed leaves; it is corrupt or crafted.")
     complete = doc.get("sequences_complete", False)
     if not isinstance(complete, bool):
         raise ManifestError(f"The manifest of {where} has a non-boolean 'sequences_complete'.")

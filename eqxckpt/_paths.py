@@ -15,6 +15,7 @@ directory names, and the encoding is injective:
 The path string is therefore also the leaf's location inside the checkpoint.
 """
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterable
@@ -39,8 +40,14 @@ _RESERVED = {
     **{name: name.replace(".", "%2E") for name in (MANIFEST_NAME, LEASE_NAME, ZARR_NAME)},
 }
 _HASH_CHARS = 16
+# Where small leaves' bytes are packed together (see `_pack`). `encode_segment` never
+# makes a "%" that two hex digits do not follow, so no key's path can be this.
+PACKED_LOCATION = "%packed"
+# Packed leaves start at multiples of this, so each can be adopted by XLA without a copy.
+PACK_ALIGNMENT = 64
 
 
+@functools.lru_cache(maxsize=1 << 16)  # keys repeat across leaves (layer names, "weight", indices)
 def encode_segment(key: str) -> str:
     """Escape one key into a safe, readable directory name.
 

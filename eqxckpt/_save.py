@@ -26,11 +26,12 @@ from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointError, CheckpointWriteError
 from ._leaf import Leaf, StoredLeaf, leaf_of
 from ._manifest import Manifest
+from ._pack import PACK_MIN_LEAVES, PackedWrite, assign_offsets, packable, packed_array
 from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_record
 from ._progress import Progress, advance, reporting
 from ._source import LazyEntry, Source
 from ._storage import resolve
-from ._store import array_spec, is_storage_error, read_window, reason, shared_context
+from ._store import array_spec, chunk_budget, is_storage_error, read_window, reason, shared_context
 from ._tree import flatten
 
 
@@ -104,6 +105,34 @@ def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) ->
     return leaves
 
 
+def _pack(records: list[Leaf], leaves: list[_Leaf]) -> tuple[list[Leaf], list[_Leaf]]:
+    """Small leaves written whole from host memory go into the packed array (see `_pack`)
+    when there are enough of them to be worth it; the records say where each one is."""
+    small = [
+        leaf
+        for leaf in leaves
+        if leaf.shard is None
+        and len(leaf.pieces) == 1
+        and leaf.pieces[0][0] is None
+        and isinstance(leaf.pieces[0][1], np.ndarray)
+        and packable(leaf.record)
+    ]
+    if len(small) < PACK_MIN_LEAVES:
+        return records, leaves
+    packed = dict(zip((id(leaf.record) for leaf in small), assign_offsets([leaf.record for leaf in small])))
+    records = [packed.get(id(record), record) for record in records]
+    array = packed_array(packed.values())
+    assert array is not None
+    members = []
+    for leaf in small:
+        record, data = packed[id(leaf.record)], leaf.pieces[0][1]
+        assert record.offset is not None and data.nbytes == record.nbytes, (record, data.shape)
+        members.append((record.offset, data))
+    written = _Leaf(array, None, [(None, PackedWrite(members, array.shape[0]))])
+    chosen = {id(leaf) for leaf in small}
+    return records, [leaf for leaf in leaves if id(leaf) not in chosen] + [written]
+
+
 def _on_cpu(array: jax.Array) -> bool:
     return all(d.platform == "cpu" for d in array.sharding.device_set)
 
@@ -157,6 +186,7 @@ def _open_arrays(target: Storage, leaves: list[_Leaf], create: bool) -> list[ts.
                     np.dtype(leaf.record.dtype),
                     leaf.shard,
                     create=create,
+                    budget=chunk_budget(leaf.record.path),
                 ),
                 context=shared_context(),
             ),
@@ -176,7 +206,7 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         (store, leaf, index, data)
         for store, leaf in zip(stores, leaves)
         for index, data in leaf.pieces
-        if not isinstance(data, LazyEntry)
+        if not isinstance(data, (LazyEntry, PackedWrite))
     ]
     writes = [
         (
@@ -185,7 +215,20 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         )
         for store, leaf, index, data in pieces
     ]
-    _settle(writes, "Writing", [data.nbytes for _, _, _, data in pieces])
+    try:
+        for store, leaf in zip(stores, leaves):
+            for _, data in leaf.pieces:
+                if isinstance(data, PackedWrite):
+                    try:
+                        data.write(store)
+                    except Exception as e:
+                        why = reason(e)
+                        raise CheckpointWriteError(
+                            f"Writing the packed small leaves failed: {why}. {nothing_committed(why)}"
+                        ) from e
+                    advance(data.nbytes, len(data.members))
+    finally:  # nothing may still be writing when a failed save removes its files
+        _settle(writes, "Writing", [data.nbytes for _, _, _, data in pieces])
     # Leaves from another checkpoint are streamed, a window of bytes at a time,
     # so copying a checkpoint never holds the whole of it in memory.
     copies = [
@@ -337,7 +380,6 @@ def save(
     if not isinstance(metadata, dict):
         raise CheckpointError(f"metadata must be a dict, got {type(metadata).__name__}.")
     records, arrays = _plan(tree)
-    manifest = Manifest(tuple(records), metadata)
     key = str(location)
     # One save in flight at a time: wait for the previous one, so at most one
     # snapshot is held in memory and its error, if any, is raised right here.
@@ -348,10 +390,14 @@ def save(
     # of them see the same verdict and none waits at a barrier for nothing.
     phases = Phases() if is_multiprocess() else None
     leaves = _snapshot(arrays, copy=not blocking, leader=phases is None or phases.rank == 0)
+    if phases is None:  # with several processes every leaf keeps its own array
+        records, leaves = _pack(records, leaves)
+    manifest = Manifest(tuple(records), metadata)
     pieces = [data for leaf in leaves for _, data in leaf.pieces]
 
     def run() -> None:
-        with reporting(f"saving {key}", sum(data.nbytes for data in pieces), len(pieces), progress):
+        counts = [len(data.members) if isinstance(data, PackedWrite) else 1 for data in pieces]
+        with reporting(f"saving {key}", sum(data.nbytes for data in pieces), sum(counts), progress):
             _run(location, manifest, leaves, overwrite, phases)
 
     if blocking:

@@ -16,10 +16,14 @@ import numpy as np
 import tensorstore as ts
 
 from ._errors import CheckpointError
+from ._paths import PACKED_LOCATION
 
 # Chunks are bounded so a partial or resharded read touches little more than
 # it needs, and big enough that per-file overhead stays small.
 CHUNK_BYTES = 64 * 1024 * 1024
+# The packed array of small leaves (see `_pack`) has small chunks: reading one leaf
+# lazily, or only the model's, reads little more than those bytes.
+PACK_CHUNK_BYTES = 4 * 1024 * 1024
 
 # dtypes that zarr3 in TensorStore stores natively (uint4 is not among them).
 STORED_DTYPES = frozenset(
@@ -110,10 +114,20 @@ def _largest_divisor(n: int, at_most: int) -> int:
     return best
 
 
+def chunk_budget(path: str) -> int:
+    """The most bytes a chunk of the array at ``path`` holds."""
+    return PACK_CHUNK_BYTES if path == PACKED_LOCATION else CHUNK_BYTES
+
+
 def array_spec(
-    kvstore: dict, shape: tuple[int, ...], dtype: np.dtype, shard: tuple[int, ...] | None = None, create: bool = True
+    kvstore: dict,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    shard: tuple[int, ...] | None = None,
+    create: bool = True,
+    budget: int | None = None,
 ) -> dict:
-    """zarr3 spec for one leaf's array: little-endian, crc32c-checked.
+    """zarr3 spec for one leaf's array: little-endian, crc32c-checked, chunks of at most ``budget`` bytes.
 
     ``create=False`` opens the array another process created (same metadata).
     """
@@ -125,7 +139,7 @@ def array_spec(
             "data_type": dtype.name,
             "chunk_grid": {
                 "name": "regular",
-                "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize, shard)},
+                "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize, shard, budget)},
             },
             "chunk_key_encoding": {"name": "default"},
             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],

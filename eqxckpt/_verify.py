@@ -5,10 +5,11 @@ import dataclasses
 
 import tensorstore as ts
 
+from ._backend import corrupt
 from ._checkpoint import Checkpoint, open_checkpoint, reading
-from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError
+from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._leaf import StoredLeaf
-from ._paths import MANIFEST_NAME
+from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
 
@@ -82,10 +83,12 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
         return report
     report.leaves = len(checkpoint)
     stored = [record for record in checkpoint.records().values() if isinstance(record, StoredLeaf)]
+    packed = [record for record in stored if record.offset is not None]
+    stored = [record for record in stored if record.offset is None]
     try:
         with (
             checkpoint.consistent(),
-            reporting(f"verifying {location}", sum(r.nbytes for r in stored), len(stored), progress),
+            reporting(f"verifying {location}", sum(r.nbytes for r in stored + packed), len(stored + packed), progress),
         ):
             # Leaves are checked in order, but read concurrently within SLAB_BYTES: one at
             # a time, a tree of many small leaves spends its time waiting on each open and read.
@@ -121,6 +124,8 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
                 in_flight += min(record.nbytes, SLAB_BYTES)
             while pending:
                 settle_oldest()
+            if packed:
+                _check_packed(checkpoint, packed, report)
             report.problems.extend(location.unlisted(set(checkpoint._manifest.stored_paths())))
     except CheckpointChangedError as e:
         # What was checked may belong to another checkpoint: say so, and nothing else.
@@ -146,3 +151,39 @@ def _start_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> list[ts.Future]:
         for start in range(0, shape[0], step):
             store[start : min(start + step, shape[0])].read().result()
         return []
+
+
+def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: VerifyReport) -> None:
+    """Read the packed array slab by slab; a slab that fails is reported for every leaf in it."""
+    array = checkpoint._packed
+    assert array is not None
+    failures: list[tuple[int, int, str]] = []
+    try:
+        store = checkpoint._store(array)
+        with reading(array):
+            length = array.shape[0]
+            for start in range(0, length, SLAB_BYTES):
+                try:
+                    store[start : min(start + SLAB_BYTES, length)].read().result()
+                except Exception as e:  # noqa: BLE001 - reported below, for the leaves in this slab
+                    failures.append((start, start + SLAB_BYTES, str(corrupt(array, e))))
+    except CheckpointError as e:
+        failures.append((0, array.shape[0], str(e)))
+    for record in packed:
+        offset = record.offset or 0
+        try:
+            record.check_known()
+            for start, end, why in failures:
+                if offset < end and offset + record.nbytes > start:
+                    raise CorruptCheckpointError(
+                        f"Leaf {record.path!r} is stored in the packed array {PACKED_LOCATION!r} at bytes "
+                        f"[{offset}, {offset + record.nbytes}), which failed: {why}",
+                        path=record.path,
+                    )
+        except CheckpointError as e:
+            report.problems.append((record.path, str(e)))
+            continue
+        finally:
+            advance(record.nbytes)
+        report.arrays_checked += 1
+        report.bytes_checked += record.nbytes

@@ -21,10 +21,14 @@ def main(option: str, directory: str, rounds: int) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", option, "tmpfs", directory], check=True)
     previous = {"w": np.arange(1000, dtype=np.float32)}
     eqxckpt.save(f"{directory}/ckpt", previous)
-    big = {f"leaf{i}": np.full((256, 256), i, np.float32) for i in range(64)}  # 16 MiB > 6 MiB, 64 leaves > 60 inodes
-    for _ in range(rounds):
+    # 16 MiB > 6 MiB, 64 leaves > 60 inodes; each leaf too big to be packed.
+    big = {f"leaf{i}": np.full((256, 257), i, np.float32) for i in range(64)}
+    # 12.5 MiB of small leaves, packed into one array of a few files: fills the bytes only.
+    packed = {f"leaf{i}": np.full((128, 128), i, np.float32) for i in range(200)}
+    trees = [big, packed] if option.startswith("size") else [big]
+    for round_ in range(rounds):
         try:
-            eqxckpt.save(f"{directory}/ckpt", big, overwrite=True)
+            eqxckpt.save(f"{directory}/ckpt", trees[round_ % len(trees)], overwrite=True)
             raise AssertionError("a save onto a full disk succeeded")
         except eqxckpt.CheckpointWriteError as e:
             assert "Nothing was committed" in str(e), e

@@ -195,26 +195,27 @@ def test_odd_entries_never_stop_a_run_from_opening(tmp_path):
     assert sorted(os.listdir(run)) == ["007", "2", "3", "4", "9", "notes.txt", "²"]
 
 
-def test_a_step_deleted_during_a_load_is_a_clear_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("leaves, trigger", [(8, 3), (64, 1)])  # arrays of their own; packed
+def test_a_step_deleted_during_a_load_is_a_clear_error(tmp_path, monkeypatch, leaves, trigger):
     """Item 6: a leaf check that finds the step gone raises CheckpointChangedError
     (the load is pinned to the directory it opened), never FileNotFoundError."""
     from eqxckpt._local import LocalStorage
 
     run = tmp_path / "run"
-    eqxckpt.save(run / "1", state(1))
+    eqxckpt.save(run / "1", state(1, leaves))
     real = LocalStorage.stored_bytes
     calls = []
 
     def delete_midway(root, record):
         calls.append(record.path)
-        if len(calls) == 3:  # another process deletes the step while this one reads it
+        if len(calls) == trigger:  # another process deletes the step while this one reads it
             os.rename(run / "1", run / ".gone")
         return real(root, record)
 
     monkeypatch.setattr(LocalStorage, "stored_bytes", delete_midway)
     monkeypatch.setattr(eqxckpt._load, "READ_ATTEMPTS", 1)
     with pytest.raises(eqxckpt.CheckpointChangedError, match="replaced or deleted by another process"):
-        eqxckpt.load(run / "1", state(0))
+        eqxckpt.load(run / "1", state(0, leaves))
 
 
 def test_retention_waits_for_a_reader_in_another_process(tmp_path):

@@ -16,6 +16,8 @@ import pytest
 
 import eqxckpt
 import eqxckpt.t5
+from eqxckpt._pack import PACK_MIN_LEAVES
+from eqxckpt._paths import PACKED_LOCATION
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
@@ -84,6 +86,8 @@ def test_format_spec_names_every_field_eqxckpt_writes(tmp_path):
         "key": jax.random.key(0),
         "ints": [1, 2.5, True, 1 + 2j, "text", None],
         "function": jax.nn.relu,
+        # Enough small leaves to be packed: every array and key above is, so `offset` is written.
+        "many": [np.arange(i + 1, dtype=np.float32) for i in range(PACK_MIN_LEAVES)],
     }
     eqxckpt.save(tmp_path / "c", tree, metadata={"step": 1})
     manifest = json.loads((tmp_path / "c" / "eqxckpt.json").read_text())
@@ -98,7 +102,7 @@ def test_format_spec_names_every_field_eqxckpt_writes(tmp_path):
     array_types = {leaf.get("array_type") for leaf in manifest["leaves"] if leaf["kind"] == "array"}
     assert array_types == {"jax", "numpy", "numpy_scalar"}
     zarr_fields = {name for (name,) in spec_fields("Arrays")}
-    written = json.loads((tmp_path / "c" / "jax" / "zarr.json").read_text())
+    written = json.loads((tmp_path / "c" / PACKED_LOCATION / "zarr.json").read_text())
     assert zarr_fields == set(written)
     kinds = {record[0] for leaf in manifest["leaves"] for record in leaf["keys"]}
     assert kinds <= {"attr", "seq", "index", "dict"}

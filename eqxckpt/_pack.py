@@ -1,0 +1,113 @@
+"""Packed leaves: many small arrays stored as byte ranges of one zarr3 array.
+
+One zarr3 array per leaf costs a directory, two files and a TensorStore open on
+every save and load, which is more than the bytes of a small leaf: a tree of
+10,000 norms and biases spends its time on them. So when a save holds at least
+`PACK_MIN_LEAVES` leaves of at most `PACK_MAX_BYTES` that one process writes
+whole, each of those is stored as its little-endian bytes at a 64-byte aligned
+``offset`` of one uint8 array, `PACKED_LOCATION`, chunked by `PACK_CHUNK_BYTES`
+and crc32c-checked like every array. The manifest still lists every leaf with
+its path, keys, shape and dtype; any zarr v3 reader gets one back as
+``packed[offset:offset + nbytes].view(dtype).reshape(shape)``.
+"""
+
+import collections
+import dataclasses
+import sys
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from ._leaf import ArrayLeaf, Leaf, StoredLeaf
+from ._paths import PACK_ALIGNMENT, PACKED_LOCATION
+from ._store import PACK_CHUNK_BYTES
+
+PACK_MAX_BYTES = 256 * 1024
+PACK_MIN_LEAVES = 32
+# A save assembles and writes the packed array this many bytes (whole chunks) at a
+# time, two batches in flight, so packing never holds a second copy of the leaves.
+WRITE_BATCH_BYTES = 16 * PACK_CHUNK_BYTES
+# A load reads runs of adjacent chunks of at most this many bytes.
+MAX_RUN_BYTES = 16 * PACK_CHUNK_BYTES
+
+
+def packable(record: StoredLeaf) -> bool:
+    """Whether a leaf written whole by one process is small enough to pack."""
+    # Packed bytes are the host's bytes: little-endian hosts only (all that JAX runs on).
+    return 0 < record.nbytes <= PACK_MAX_BYTES and sys.byteorder == "little"
+
+
+def packed_array(leaves: Iterable[Leaf]) -> ArrayLeaf | None:
+    """The packed array of a checkpoint's leaves, as the record of a uint8 array just
+    long enough to hold them all; None if none is packed."""
+    ends = [leaf.offset + leaf.nbytes for leaf in leaves if isinstance(leaf, StoredLeaf) and leaf.offset is not None]
+    return ArrayLeaf(PACKED_LOCATION, (), (max(ends),), "uint8", "numpy") if ends else None
+
+
+def assign_offsets(records: Sequence[StoredLeaf]) -> list[StoredLeaf]:
+    """``records`` packed one after another, each at the next aligned offset."""
+    packed, end = [], 0
+    for record in records:
+        packed.append(dataclasses.replace(record, offset=end))
+        end += -(-record.nbytes // PACK_ALIGNMENT) * PACK_ALIGNMENT
+    return packed
+
+
+def member(buffer: np.ndarray, start: int, leaf: StoredLeaf) -> np.ndarray:
+    """``leaf``'s stored array, a view into ``buffer`` (bytes of the packed array from ``start``)."""
+    assert leaf.offset is not None
+    raw = buffer[leaf.offset - start : leaf.offset - start + leaf.nbytes]
+    return raw.view(np.dtype(leaf.dtype)).reshape(leaf.data_shape)
+
+
+@dataclasses.dataclass
+class PackedWrite:
+    """The data of the packed leaves, ``(offset, host array)`` by offset, and the
+    packed array's length: assembled a batch of whole chunks at a time as it is written."""
+
+    members: list[tuple[int, np.ndarray]]
+    nbytes: int
+
+    def write(self, store: ts.TensorStore) -> None:
+        pending: collections.deque = collections.deque()
+        first = 0  # the first member not yet copied whole
+        try:
+            for start in range(0, self.nbytes, WRITE_BATCH_BYTES):
+                end = min(start + WRITE_BATCH_BYTES, self.nbytes)
+                batch = np.zeros(end - start, np.uint8)  # alignment gaps are zeros
+                i = first
+                while i < len(self.members) and self.members[i][0] < end:
+                    offset, data = self.members[i]
+                    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                    low, high = max(offset, start), min(offset + raw.size, end)
+                    batch[low - start : high - start] = raw[low - offset : high - offset]
+                    if offset + raw.size <= end:
+                        first = i + 1
+                    i += 1
+                if len(pending) == 2:
+                    pending.popleft().result()
+                pending.append(store[start:end].write(batch))
+        finally:  # nothing may still be writing when a failed save removes its files
+            failure = None
+            for written in pending:
+                failure = failure or written.exception()
+        if failure is not None:
+            raise failure
+
+
+def read_runs(leaves: Sequence[StoredLeaf], length: int) -> list[tuple[int, int, list[int]]]:
+    """Runs of whole chunks of the packed array (of ``length`` bytes) that hold
+    ``leaves``: ``(start, end, indices of the leaves in it)``, each read once."""
+    runs: list[tuple[int, int, list[int]]] = []
+    for i in sorted(range(len(leaves)), key=lambda i: leaves[i].offset or 0):
+        leaf = leaves[i]
+        assert leaf.offset is not None
+        first = leaf.offset // PACK_CHUNK_BYTES * PACK_CHUNK_BYTES
+        last = min(length, -(-(leaf.offset + leaf.nbytes) // PACK_CHUNK_BYTES) * PACK_CHUNK_BYTES)
+        if runs and first <= runs[-1][1] and last - runs[-1][0] <= MAX_RUN_BYTES:
+            start, end, members = runs[-1]
+            runs[-1] = (start, max(end, last), members + [i])
+        else:
+            runs.append((first, last, [i]))
+    return runs

@@ -1,0 +1,241 @@
+"""Packed leaves: many small leaves stored as byte ranges of one zarr3 array, read back
+exactly, lazily and partially, checked like every array, and refused when crafted."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import s3_spec
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import eqxckpt
+from eqxckpt._pack import PACK_MAX_BYTES, PACK_MIN_LEAVES, read_runs
+from eqxckpt._paths import PACK_ALIGNMENT, PACKED_LOCATION
+from eqxckpt._store import PACK_CHUNK_BYTES
+
+DTYPES = [np.bool_, np.int8, np.uint16, np.int32, np.float16, ml_dtypes.bfloat16, np.float32, np.complex64]
+
+
+def small_tree(count=PACK_MIN_LEAVES + 8, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "model": {f"w{i}": jnp.asarray(rng.standard_normal((i % 5 + 1, 7)), jnp.float32) for i in range(count)},
+        "numpy": [rng.integers(-9, 9, size=(3, i + 1)).astype(np.int16) for i in range(4)],
+        "big": jnp.asarray(rng.standard_normal((300, 300)), jnp.float32),  # 352 KiB: its own array
+        "key": jax.random.key(4),
+        "step": 7,
+    }
+
+
+def manifest(path):
+    return json.loads((path / "eqxckpt.json").read_text())
+
+
+def same(a, b):
+    if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a, b = jax.random.key_data(a), jax.random.key_data(b)
+    assert type(a) is type(b) or isinstance(a, jax.Array) == isinstance(b, jax.Array), (type(a), type(b))
+    assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_many_small_leaves_are_packed_and_restored_exactly(tmp_path):
+    tree = small_tree()
+    eqxckpt.save(tmp_path / "c", tree)
+    doc = manifest(tmp_path / "c")
+    assert doc["version"] == 2
+    by_path = {leaf["path"]: leaf for leaf in doc["leaves"]}
+    assert by_path["model/w0"]["location"] == PACKED_LOCATION
+    assert by_path["key"]["location"] == PACKED_LOCATION  # PRNG key data packs too
+    assert by_path["big"]["location"] == "big" and "offset" not in by_path["big"]
+    offsets = [leaf["offset"] for leaf in doc["leaves"] if "offset" in leaf]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and all(o % PACK_ALIGNMENT == 0 for o in offsets)
+    # No directory per packed leaf: the packed array, the big leaf, the manifest, the root group.
+    assert sorted(os.listdir(tmp_path / "c")) == sorted([PACKED_LOCATION, "big", "eqxckpt.json", "zarr.json"])
+    for a, b in zip(jax.tree.leaves(eqxckpt.load(tmp_path / "c", tree)), jax.tree.leaves(tree)):
+        same(a, b)
+    plain = eqxckpt.load(tmp_path / "c")
+    same(plain["numpy"][2], tree["numpy"][2])
+    assert eqxckpt.verify(tmp_path / "c").ok
+
+
+def test_few_small_leaves_keep_their_own_arrays_and_format_version_1(tmp_path):
+    tree = {f"w{i}": np.arange(i + 1, dtype=np.float32) for i in range(PACK_MIN_LEAVES - 1)}
+    eqxckpt.save(tmp_path / "c", tree)
+    doc = manifest(tmp_path / "c")
+    assert doc["version"] == 1 and all(leaf["location"] == leaf["path"] for leaf in doc["leaves"])
+    assert not (tmp_path / "c" / PACKED_LOCATION).exists()
+
+
+leaf_arrays = st.tuples(
+    st.sampled_from(DTYPES),
+    st.lists(st.integers(1, 9), max_size=3),
+    st.integers(0, 2**32 - 1),
+)
+
+
+def expected(dtype, shape, seed):
+    """Random bytes as ``dtype``: every bit pattern, NaNs included (bools are 0 or 1)."""
+    raw = np.random.default_rng(seed).integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    raw = raw % 2 if dtype is np.bool_ else raw
+    return raw.astype(np.uint8).view(dtype).reshape(shape)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(leaf_arrays, min_size=PACK_MIN_LEAVES, max_size=PACK_MIN_LEAVES + 30), st.booleans())
+def test_property_packed_round_trip(tmp_path_factory, specs, blocking):
+    path = tmp_path_factory.mktemp("packed") / "c"
+    arrays = [expected(*spec) for spec in specs]
+    tree = {"a": arrays, "tail": np.ones((2, 2), np.float32)}
+    eqxckpt.save(path, tree, blocking=blocking).wait()
+    for a in arrays:
+        a[...] = 0  # an async save holds its own copy
+    stored = eqxckpt.load(path)
+    for spec, got in zip(specs, stored["a"]):
+        want = expected(*spec)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+    lazy = eqxckpt.open(path)
+    for i in range(len(specs)):
+        assert lazy[f"a/{i}"].get().tobytes() == stored["a"][i].tobytes()
+
+
+def test_lazy_reads_slices_and_casts_of_packed_leaves(tmp_path):
+    tree = small_tree()
+    eqxckpt.save(tmp_path / "c", tree)
+    ckpt = eqxckpt.open(tmp_path / "c")
+    w = ckpt["model/w3"]
+    assert w.shape == (4, 7) and w.nbytes == 4 * 7 * 4
+    np.testing.assert_array_equal(w[1:3, ::2].get(), np.asarray(tree["model"]["w3"])[1:3, ::2])
+    np.testing.assert_array_equal(w.astype("float16").get(), np.asarray(tree["model"]["w3"]).astype(np.float16))
+    same(ckpt["key"].get(), tree["key"])
+
+
+def test_packed_leaves_copy_into_a_new_checkpoint(tmp_path):
+    tree = small_tree()
+    eqxckpt.save(tmp_path / "c", tree)
+    ckpt = eqxckpt.open(tmp_path / "c")
+    eqxckpt.save(tmp_path / "d", {"w": ckpt["model/w2"], "part": ckpt["model/w4"][:2], "key": ckpt["key"]})
+    out = eqxckpt.load(tmp_path / "d")
+    np.testing.assert_array_equal(out["w"], np.asarray(tree["model"]["w2"]))
+    np.testing.assert_array_equal(out["part"], np.asarray(tree["model"]["w4"])[:2])
+    same(out["key"], tree["key"])
+
+
+def params_and_state():
+    """Model leaves in the first chunk of the packed array, optimizer leaves after it."""
+    rng = np.random.default_rng(1)
+    model = {f"p{i}": rng.standard_normal(16).astype(np.float32) for i in range(PACK_MIN_LEAVES)}
+    state = {f"s{i}": rng.standard_normal(PACK_MAX_BYTES // 4).astype(np.float32) for i in range(40)}
+    return {"model": model, "opt_state": state}
+
+
+def test_partial_restore_reads_only_the_chunks_holding_its_leaves(tmp_path):
+    tree = params_and_state()
+    eqxckpt.save(tmp_path / "c", tree)
+    chunks = sorted(os.listdir(tmp_path / "c" / PACKED_LOCATION / "c"), key=int)
+    assert len(chunks) >= 3
+    # Damage the last chunk: only optimizer leaves live there.
+    last = tmp_path / "c" / PACKED_LOCATION / "c" / chunks[-1]
+    raw = bytearray(last.read_bytes())
+    raw[10] ^= 0xFF
+    last.write_bytes(raw)
+    model = eqxckpt.load(tmp_path / "c", tree["model"], at="model")
+    for name, value in tree["model"].items():
+        np.testing.assert_array_equal(model[name], value)
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match=PACKED_LOCATION):
+        eqxckpt.load(tmp_path / "c", tree)
+    with pytest.raises(eqxckpt.CorruptCheckpointError):
+        eqxckpt.open(tmp_path / "c")[f"opt_state/s{39}"].get()
+    # verify names exactly the leaves in the damaged slab: all of them share one slab here.
+    report = eqxckpt.verify(tmp_path / "c")
+    assert not report.ok
+    damaged = {path for path, _ in report.problems}
+    assert damaged == set(f"model/{k}" for k in tree["model"]) | set(f"opt_state/{k}" for k in tree["opt_state"])
+    assert all("[" in message and PACKED_LOCATION in message for _, message in report.problems)
+
+
+def test_read_runs_cover_each_leaf_once_in_whole_chunks():
+    class Leaf:
+        def __init__(self, offset, nbytes):
+            self.offset, self.nbytes = offset, nbytes
+
+    c = PACK_CHUNK_BYTES
+    leaves = [Leaf(0, 10), Leaf(c - 64, 128), Leaf(5 * c, 64), Leaf(64, 64)]
+    runs = read_runs(leaves, 5 * c + 64)  # type: ignore[arg-type]
+    assert runs == [(0, 2 * c, [0, 3, 1]), (5 * c, 5 * c + 64, [2])]
+
+
+@pytest.mark.parametrize(
+    "edit, error",
+    [
+        (lambda leaf: leaf.update(offset=3), eqxckpt.ManifestError),  # unaligned
+        (lambda leaf: leaf.update(offset=-64), eqxckpt.ManifestError),
+        (lambda leaf: leaf.update(offset="0"), eqxckpt.ManifestError),
+        (lambda leaf: leaf.update(location=leaf["path"]), eqxckpt.ManifestError),  # own location with an offset
+        (lambda leaf: leaf.pop("offset"), eqxckpt.ManifestError),
+        # Far past the end: the packed array's zarr.json no longer fits what the manifest implies.
+        (lambda leaf: leaf.update(offset=1 << 40), eqxckpt.CorruptCheckpointError),
+    ],
+)
+def test_crafted_offsets_are_refused(tmp_path, edit, error):
+    eqxckpt.save(tmp_path / "c", small_tree())
+    doc = manifest(tmp_path / "c")
+    edit(next(leaf for leaf in doc["leaves"] if leaf["path"] == "model/w7"))
+    (tmp_path / "c" / "eqxckpt.json").write_text(json.dumps(doc))
+    with pytest.raises(error):
+        eqxckpt.load(tmp_path / "c")
+    assert not eqxckpt.verify(tmp_path / "c").ok
+
+
+def test_manifests_that_misuse_the_packed_location_are_refused(tmp_path):
+    eqxckpt.save(tmp_path / "c", small_tree())
+    original = manifest(tmp_path / "c")
+    for edit, match in [
+        (lambda doc: doc.update(version=1), "version 1 but has packed leaves"),
+        # Its keys cannot spell it; were they checked less, the packed location's own check refuses it.
+        (lambda doc: doc["leaves"][0].update(path=PACKED_LOCATION, keys=[["dict", PACKED_LOCATION]]), "spell"),
+    ]:
+        doc = json.loads(json.dumps(original))
+        edit(doc)
+        (tmp_path / "c" / "eqxckpt.json").write_text(json.dumps(doc))
+        with pytest.raises(eqxckpt.ManifestError, match=match):
+            eqxckpt.load(tmp_path / "c")
+
+
+def test_a_truncated_or_symlinked_packed_array_is_refused(tmp_path):
+    eqxckpt.save(tmp_path / "c", small_tree())
+    chunk = tmp_path / "c" / PACKED_LOCATION / "c" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:100])
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="truncated"):
+        eqxckpt.load(tmp_path / "c")
+    eqxckpt.save(tmp_path / "d", small_tree())
+    os.rename(tmp_path / "d" / PACKED_LOCATION, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "d" / PACKED_LOCATION)
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="symlink"):
+        eqxckpt.load(tmp_path / "d")
+
+
+def test_zarr_python_reads_a_packed_leaf_as_the_format_specification_says(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    tree = small_tree()
+    eqxckpt.save(tmp_path / "c", tree)
+    leaf = next(leaf for leaf in manifest(tmp_path / "c")["leaves"] if leaf["path"] == "model/w9")
+    packed = zarr.open_array(str(tmp_path / "c" / PACKED_LOCATION), mode="r")
+    nbytes = int(np.prod(leaf["shape"])) * np.dtype(leaf["dtype"]).itemsize
+    value = packed[leaf["offset"] : leaf["offset"] + nbytes].view(leaf["dtype"]).reshape(leaf["shape"])
+    np.testing.assert_array_equal(value, np.asarray(tree["model"]["w9"]))
+
+
+def test_packed_leaves_on_s3(s3):
+    endpoint, _ = s3
+    tree = small_tree()
+    where = s3_spec(endpoint, "packed/c/")
+    eqxckpt.save(where, tree)
+    for a, b in zip(jax.tree.leaves(eqxckpt.load(where, tree)), jax.tree.leaves(tree)):
+        same(a, b)
+    assert eqxckpt.verify(where).ok
+    np.testing.assert_array_equal(eqxckpt.open(where)["model/w1"].get(), np.asarray(tree["model"]["w1"]))
