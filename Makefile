@@ -34,10 +34,12 @@ test: $(VENV)/.test-installed
 docs: $(VENV)/.test-installed
 	$(BIN)/mkdocs build --strict
 
+# Sizes, leaf counts and the rest are chosen with BENCH_ARGS, e.g.
+# make bench BENCH_ARGS="--sizes 64 336 --leaf-counts 10000 --repeats 3 --no-s3"
 bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/bench.py --json benchmarks/results-2cpu.json $(BENCH_ARGS)
+	$(BIN)/python benchmarks/checksum_cost.py
 	$(BIN)/python benchmarks/skipped_bytes.py
-	$(BIN)/python benchmarks/import_bench.py
 	$(BIN)/python benchmarks/decode_bench.py
 	$(BIN)/python benchmarks/plot.py
 

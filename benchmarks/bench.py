@@ -202,6 +202,11 @@ def op_save(peer, path, state):
         _raw_save(path, state)
     elif peer == "eqxckpt":
         eqxckpt.save(path, state)
+    elif peer == "eqxckpt-unpacked":  # the layout before packed leaves: one array per leaf
+        import eqxckpt._save
+
+        eqxckpt._save.PACK_MIN_LEAVES = 1 << 62
+        eqxckpt.save(path, state)
     else:
         import orbax.checkpoint as ocp
 
@@ -219,7 +224,7 @@ def op_restore(peer, path, skeleton, params_only):
     if peer == "raw":
         wanted = set(range(len(jax.tree_util.tree_leaves(skeleton["model"])))) if params_only else None
         return _raw_restore(path, skeleton, wanted)
-    if peer == "eqxckpt":
+    if peer.startswith("eqxckpt"):
         out = eqxckpt.load(path, skeleton["model"], at="model") if params_only else eqxckpt.load(path, skeleton)
     else:
         import orbax.checkpoint as ocp
@@ -474,7 +479,7 @@ def measure(
                     warm(path) if cache == "warm" else drop(path)
                     progress(workload, peer, op, cache, f"{i + 1}/{args.repeats}")
                     row.setdefault(f"{op} {cache}", []).append(run_worker(args, peer, op, path, workload))
-        if "verify" in extra and peer == "eqxckpt":
+        if "verify" in extra and peer.startswith("eqxckpt"):
             for i in range(args.repeats):
                 warm(path)
                 progress(workload, peer, "verify", f"{i + 1}/{args.repeats}")
@@ -689,7 +694,7 @@ def main(argv=None) -> int:
                 args, root, f"model:{size:g}", ["raw", "eqxckpt", "orbax"], ["restore", "params"], ["async"], args.cold
             )
         for count in args.leaf_counts:
-            peers = ["raw", "eqxckpt"] + (["orbax"] if count <= args.orbax_max_leaves else [])
+            peers = ["raw", "eqxckpt", "eqxckpt-unpacked"] + (["orbax"] if count <= args.orbax_max_leaves else [])
             results["leaves"][str(count)] = measure(
                 args, root, f"leaves:{count}", peers, ["restore"], ["verify"], False
             )

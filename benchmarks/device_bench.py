@@ -34,7 +34,6 @@ import bench  # noqa: E402
 def device_state(gib: float, abstract: bool = False):
     """The benchmark's model + adam state, filled on the default device (deterministic)."""
     import jax
-    import numpy as np
 
     skeleton = bench.transformer_state(gib * 1024, abstract=True)
     device = jax.devices()[0]

@@ -14,7 +14,7 @@ from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
 
 # Large leaves are read in slabs of whole chunks, so verifying needs little memory.
-SLAB_BYTES = 256 * 1024 * 1024
+SLAB_BYTES = 64 * 1024 * 1024
 
 
 @dataclasses.dataclass
