@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import tensorstore as ts
 
+from ._errors import CheckpointError
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION
 from ._store import PACK_CHUNK_BYTES
@@ -57,6 +58,8 @@ def assign_offsets(records: Sequence[StoredLeaf]) -> list[StoredLeaf]:
 def member(buffer: np.ndarray, start: int, leaf: StoredLeaf) -> np.ndarray:
     """``leaf``'s stored array, a view into ``buffer`` (bytes of the packed array from ``start``)."""
     assert leaf.offset is not None
+    if sys.byteorder != "little":  # the bytes are little-endian; a view would be wrong numbers
+        raise CheckpointError(f"Leaf {leaf.path!r} is packed (little-endian bytes); this host is big-endian.")
     raw = buffer[leaf.offset - start : leaf.offset - start + leaf.nbytes]
     return raw.view(np.dtype(leaf.dtype)).reshape(leaf.data_shape)
 
@@ -70,6 +73,8 @@ class PackedWrite:
     nbytes: int
 
     def write(self, store: ts.TensorStore) -> None:
+        # One write per chunk, and every write waited for until committed or failed: a
+        # failed save removes its files, and no write may still recreate them afterwards.
         pending: collections.deque = collections.deque()
         first = 0  # the first member not yet copied whole
         try:
@@ -85,15 +90,26 @@ class PackedWrite:
                     if offset + raw.size <= end:
                         first = i + 1
                     i += 1
-                if len(pending) == 2:
+                while len(pending) >= 2 * WRITE_BATCH_BYTES // PACK_CHUNK_BYTES:
                     pending.popleft().result()
-                pending.append(store[start:end].write(batch))
+                for chunk in range(start, end, PACK_CHUNK_BYTES):
+                    stop = min(chunk + PACK_CHUNK_BYTES, end)
+                    pending.append(store[chunk:stop].write(batch[chunk - start : stop - start]))
         finally:  # nothing may still be writing when a failed save removes its files
-            failure = None
-            for written in pending:
-                failure = failure or written.exception()
-        if failure is not None:
-            raise failure
+            failures = [_committed(written) for written in pending]
+        for failure in failures:
+            if failure is not None:
+                raise failure
+
+
+def _committed(written: ts.WriteFutures) -> BaseException | None:
+    """Wait until a write is committed or has failed: ``WriteFutures.exception()`` returns
+    once the data is copied, while the chunk may still be being written."""
+    try:
+        written.result()
+    except Exception as e:  # noqa: BLE001 - returned to the caller, which raises the first
+        return e
+    return None
 
 
 def read_runs(leaves: Sequence[StoredLeaf], length: int) -> list[tuple[int, int, list[int]]]:
