@@ -11,13 +11,11 @@ its path, keys, shape and dtype; any zarr v3 reader gets one back as
 ``packed[offset:offset + nbytes].view(dtype).reshape(shape)``.
 """
 
-import collections
 import dataclasses
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
-import tensorstore as ts
 
 from ._errors import CheckpointError
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
@@ -26,8 +24,8 @@ from ._store import PACK_CHUNK_BYTES
 
 PACK_MAX_BYTES = 256 * 1024
 PACK_MIN_LEAVES = 32
-# A save assembles and writes the packed array this many bytes (whole chunks) at a
-# time, two batches in flight, so packing never holds a second copy of the leaves.
+# A save assembles the packed array this many bytes (whole chunks) at a time: the
+# next batch while the one before is being written.
 WRITE_BATCH_BYTES = 16 * PACK_CHUNK_BYTES
 # A load reads runs of adjacent chunks of at most this many bytes.
 MAX_RUN_BYTES = 16 * PACK_CHUNK_BYTES
@@ -66,50 +64,34 @@ def member(buffer: np.ndarray, start: int, leaf: StoredLeaf) -> np.ndarray:
 
 @dataclasses.dataclass
 class PackedWrite:
-    """The data of the packed leaves, ``(offset, host array)`` by offset, and the
-    packed array's length: assembled a batch of whole chunks at a time as it is written."""
+    """The data of the packed leaves, ``(offset, host array)`` in offset order."""
 
     members: list[tuple[int, np.ndarray]]
-    nbytes: int
 
-    def write(self, store: ts.TensorStore) -> None:
-        # One write per chunk, and every write waited for until committed or failed: a
-        # failed save removes its files, and no write may still recreate them afterwards.
-        pending: collections.deque = collections.deque()
+    @property
+    def nbytes(self) -> int:
+        """The packed array's length: up to the end of the last member."""
+        offset, data = self.members[-1]
+        return offset + data.nbytes
+
+    def batches(self) -> Iterator[tuple[int, np.ndarray, int]]:
+        """The packed array's bytes as ``(start, bytes, leaves completed)``, a batch of whole
+        chunks at a time, assembled only when asked for: packing never holds a second copy
+        of all the leaves."""
         first = 0  # the first member not yet copied whole
-        try:
-            for start in range(0, self.nbytes, WRITE_BATCH_BYTES):
-                end = min(start + WRITE_BATCH_BYTES, self.nbytes)
-                batch = np.zeros(end - start, np.uint8)  # alignment gaps are zeros
-                i = first
-                while i < len(self.members) and self.members[i][0] < end:
-                    offset, data = self.members[i]
-                    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-                    low, high = max(offset, start), min(offset + raw.size, end)
-                    batch[low - start : high - start] = raw[low - offset : high - offset]
-                    if offset + raw.size <= end:
-                        first = i + 1
-                    i += 1
-                while len(pending) >= 2 * WRITE_BATCH_BYTES // PACK_CHUNK_BYTES:
-                    pending.popleft().result()
-                for chunk in range(start, end, PACK_CHUNK_BYTES):
-                    stop = min(chunk + PACK_CHUNK_BYTES, end)
-                    pending.append(store[chunk:stop].write(batch[chunk - start : stop - start]))
-        finally:  # nothing may still be writing when a failed save removes its files
-            failures = [_committed(written) for written in pending]
-        for failure in failures:
-            if failure is not None:
-                raise failure
-
-
-def _committed(written: ts.WriteFutures) -> BaseException | None:
-    """Wait until a write is committed or has failed: ``WriteFutures.exception()`` returns
-    once the data is copied, while the chunk may still be being written."""
-    try:
-        written.result()
-    except Exception as e:  # noqa: BLE001 - returned to the caller, which raises the first
-        return e
-    return None
+        for start in range(0, self.nbytes, WRITE_BATCH_BYTES):
+            end = min(start + WRITE_BATCH_BYTES, self.nbytes)
+            batch = np.zeros(end - start, np.uint8)  # alignment gaps are zeros
+            done, i = first, first
+            while i < len(self.members) and self.members[i][0] < end:
+                offset, data = self.members[i]
+                raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                low, high = max(offset, start), min(offset + raw.size, end)
+                batch[low - start : high - start] = raw[low - offset : high - offset]
+                if offset + raw.size <= end:
+                    first = i + 1
+                i += 1
+            yield start, batch, first - done
 
 
 def read_runs(leaves: Sequence[StoredLeaf], length: int) -> list[tuple[int, int, list[int]]]:

@@ -31,7 +31,7 @@ from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_recor
 from ._progress import Progress, advance, reporting
 from ._source import LazyEntry, Source
 from ._storage import resolve
-from ._store import array_spec, chunk_budget, is_storage_error, read_window, reason, shared_context
+from ._store import array_spec, chunk_budget, chunk_regions, is_storage_error, read_window, reason, shared_context
 from ._tree import flatten
 
 
@@ -119,18 +119,16 @@ def _pack(records: list[Leaf], leaves: list[_Leaf]) -> tuple[list[Leaf], list[_L
     ]
     if len(small) < PACK_MIN_LEAVES:
         return records, leaves
-    packed = dict(zip((id(leaf.record) for leaf in small), assign_offsets([leaf.record for leaf in small])))
-    records = [packed.get(id(record), record) for record in records]
-    array = packed_array(packed.values())
+    placed = assign_offsets([leaf.record for leaf in small])
+    where = {id(leaf.record): record for leaf, record in zip(small, placed)}
+    array = packed_array(placed)
     assert array is not None
-    members = []
-    for leaf in small:
-        record, data = packed[id(leaf.record)], leaf.pieces[0][1]
-        assert record.offset is not None and data.nbytes == record.nbytes, (record, data.shape)
-        members.append((record.offset, data))
-    written = _Leaf(array, None, [(None, PackedWrite(members, array.shape[0]))])
+    written = PackedWrite([(record.offset or 0, leaf.pieces[0][1]) for leaf, record in zip(small, placed)])
     chosen = {id(leaf) for leaf in small}
-    return records, [leaf for leaf in leaves if id(leaf) not in chosen] + [written]
+    return (
+        [where.get(id(record), record) for record in records],
+        [leaf for leaf in leaves if id(leaf) not in chosen] + [_Leaf(array, None, [(None, written)])],
+    )
 
 
 def _on_cpu(array: jax.Array) -> bool:
@@ -153,16 +151,18 @@ def _host(value: Any, copy: bool) -> np.ndarray:
     return np.array(value, copy=True) if copy else np.asarray(value)
 
 
-def _settle(futures: Sequence[tuple[Leaf, Any]], action: str, sizes: Sequence[int] | None = None) -> list[Any]:
+def _settle(
+    futures: Sequence[tuple[Leaf, Any]], action: str, done: Sequence[tuple[int, int]] | None = None
+) -> list[Any]:
     """Every future's result. On failure, raise only once all have finished, so
     nothing is still writing into a directory that the caller then removes.
-    ``sizes``: the bytes each future writes, counted as done (progress) as it settles."""
+    ``done``: the (bytes, leaves) each future completes, counted (progress) as it settles."""
     results, failure = [], None
     for i, (record, future) in enumerate(futures):
         try:
             results.append(future.result())
-            if sizes is not None:
-                advance(sizes[i])
+            if done is not None:
+                advance(*done[i])
         except Exception as e:  # noqa: BLE001 - the first is raised below, after the rest settle
             results.append(None)
             if failure is None:
@@ -196,39 +196,69 @@ def _open_arrays(target: Storage, leaves: list[_Leaf], create: bool) -> list[ts.
     return _settle(opens, "Creating the array of" if create else "Opening the array of")
 
 
+def _write_chunks(
+    store: ts.TensorStore, record: StoredLeaf, index: tuple[slice, ...] | None, data: Any, reference: bool
+) -> list[tuple[StoredLeaf, Any]]:
+    """Write ``data`` at ``index`` (None: the whole array) with one write per chunk.
+
+    A write of several chunks can report a failure while its other chunks are still
+    being written, so a failed save could remove its files and see them recreated;
+    a one-chunk write has settled when its future has. ``reference``: TensorStore may
+    keep referencing ``data`` (host memory nothing changes) instead of copying it.
+    """
+    shape = store.shape
+    if index is None:
+        region = tuple(slice(0, n) for n in shape)
+    else:
+        region = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+    chunk = store.chunk_layout.write_chunk.shape or ()
+    known = len(chunk) == len(region) and all(c is not None for c in chunk)
+    parts = chunk_regions([int(c or 0) for c in chunk], region) if known else [region]
+    if len(parts) == 1:
+        return [(record, store[region].write(data, can_reference_source_data_indefinitely=reference))]
+    if isinstance(data, ts.TensorStore):
+        data = data.translate_to[0]  # a lazy selection keeps its origin; index it from 0 like the region
+    return [
+        (
+            record,
+            store[part].write(
+                data[tuple(slice(p.start - r.start, p.stop - r.start) for p, r in zip(part, region))],
+                can_reference_source_data_indefinitely=reference,
+            ),
+        )
+        for part in parts
+    ]
+
+
+def _counts(writes: list, nbytes: int, leaves: int = 1) -> list[tuple[int, int]]:
+    """What each write of one piece completes (progress): its bytes spread over them, its leaves on the last."""
+    if not writes:
+        return []
+    share = nbytes // len(writes)
+    return [(share, 0)] * (len(writes) - 1) + [(nbytes - share * (len(writes) - 1), leaves)]
+
+
 def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
     # All writes are issued before any is awaited, so they run concurrently.
     # TensorStore may reference the source buffers instead of copying them
     # (a blocking save then adds ~2% to peak memory, not a whole copy): nothing
     # changes them while we wait, since jax arrays are immutable, an async
     # save copied its numpy leaves, and a blocking save returns only afterwards.
-    pieces = [
-        (store, leaf, index, data)
-        for store, leaf in zip(stores, leaves)
-        for index, data in leaf.pieces
-        if not isinstance(data, (LazyEntry, PackedWrite))
-    ]
-    writes = [
-        (
-            leaf.record,
-            (store if index is None else store[index]).write(data, can_reference_source_data_indefinitely=True),
-        )
-        for store, leaf, index, data in pieces
-    ]
+    writes: list = []
+    done: list = []
     try:
+        for store, leaf in zip(stores, leaves):
+            for index, data in leaf.pieces:
+                if not isinstance(data, (LazyEntry, PackedWrite)):
+                    piece = _write_chunks(store, leaf.record, index, data, reference=True)
+                    writes += piece
+                    done += _counts(piece, data.nbytes)
         for store, leaf in zip(stores, leaves):
             for _, data in leaf.pieces:
                 if isinstance(data, PackedWrite):
-                    try:
-                        data.write(store)
-                    except Exception as e:
-                        why = reason(e)
-                        raise CheckpointWriteError(
-                            f"Writing the packed small leaves failed: {why}. {nothing_committed(why)}"
-                        ) from e
-                    advance(data.nbytes, len(data.members))
+                    _write_packed(store, leaf.record, data)
     finally:  # nothing may still be writing when a failed save removes its files
-        _settle(writes, "Writing", [data.nbytes for _, _, _, data in pieces])
+        _settle(writes, "Writing", done)
     # Leaves from another checkpoint are streamed, a window of bytes at a time,
     # so copying a checkpoint never holds the whole of it in memory.
     copies = [
@@ -247,11 +277,26 @@ def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
         batches[-1].append(copy)
         size += copy[2].nbytes
     for batch in batches:
-        _settle(
-            [(record, store.write(_copy_from(data))) for store, record, data in batch],
-            "Copying",
-            [data.nbytes for _, _, data in batch],
-        )
+        writes, done = [], []
+        try:
+            for store, record, data in batch:
+                piece = _write_chunks(store, record, None, _copy_from(data), reference=False)
+                writes += piece
+                done += _counts(piece, data.nbytes)
+        finally:
+            _settle(writes, "Copying", done)
+
+
+def _write_packed(store: ts.TensorStore, record: StoredLeaf, packed: PackedWrite) -> None:
+    """The packed array, a batch at a time: the next batch is assembled while the one
+    before is being written, and only then is that one settled."""
+    writing: list = []
+    done: list = []
+    for start, batch, leaves in packed.batches():  # assembled while the batch before is written
+        _settle(writing, "Writing", done)  # and settled before more is issued: a failure leaves nothing running
+        writing = _write_chunks(store, record, (slice(start, start + batch.size),), batch, reference=True)
+        done = _counts(writing, batch.size, leaves)
+    _settle(writing, "Writing", done)
 
 
 def _copy_from(data: LazyEntry) -> Any:

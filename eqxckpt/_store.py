@@ -6,11 +6,13 @@ knows which dtypes are stored natively.
 
 import ctypes
 import errno
+import itertools
 import os
 import pathlib
 import re
 import stat
 import uuid
+from collections.abc import Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -102,6 +104,18 @@ def chunk_shape(
             chunk.append(_largest_divisor(part, size) if part < dim else size)
             elements = 1
     return chunk[::-1]
+
+
+def chunk_regions(chunk: Sequence[int], region: Sequence[slice]) -> list[tuple[slice, ...]]:
+    """The part of ``region`` in each chunk it covers, in C order. ``region`` (slices with
+    explicit bounds) starts on chunk boundaries: a whole array, a shard, a run of chunks.
+
+    ```python
+    chunk_regions([2, 4], [slice(0, 3), slice(0, 4)])  # rows 0-1, then row 2
+    ```
+    """
+    starts = itertools.product(*(range(s.start, s.stop, c) for s, c in zip(region, chunk)))
+    return [tuple(slice(a, min(a + c, s.stop)) for a, c, s in zip(first, chunk, region)) for first in starts]
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

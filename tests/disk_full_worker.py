@@ -15,6 +15,7 @@ import sys
 import numpy as np
 
 import eqxckpt
+import eqxckpt._store
 
 
 def main(option: str, directory: str, rounds: int) -> None:
@@ -25,7 +26,10 @@ def main(option: str, directory: str, rounds: int) -> None:
     big = {f"leaf{i}": np.full((256, 257), i, np.float32) for i in range(64)}
     # 12.5 MiB of small leaves, packed into one array of a few files: fills the bytes only.
     packed = {f"leaf{i}": np.full((128, 128), i, np.float32) for i in range(200)}
-    trees = [big, packed] if option.startswith("size") else [big]
+    # 12.6 MiB in one leaf written as 13 chunks (of 1 MiB here): a write of several chunks.
+    chunked = {"w": np.full(3_300_000, 7.0, np.float32)}
+    eqxckpt._store.CHUNK_BYTES = 1 << 20
+    trees = [big, packed, chunked] if option.startswith("size") else [big]
     for round_ in range(rounds):
         try:
             eqxckpt.save(f"{directory}/ckpt", trees[round_ % len(trees)], overwrite=True)

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt._storage import resolve
-from eqxckpt._store import chunk_shape, exchange
+from eqxckpt._store import chunk_regions, chunk_shape, exchange
 
 
 def test_resolve_forms(tmp_path, monkeypatch):
@@ -120,3 +120,18 @@ def test_object_store_overwrite_never_clears_foreign_data():
     eqxckpt.save("memory://half", {"a": np.zeros(2)})
     assert eqxckpt.open("memory://half").paths == ["a"]
     assert sorted(half.list().result()) == [b"a/c/0", b"a/zarr.json", b"eqxckpt.json", b"zarr.json"]
+
+
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(1, 4), st.integers(0, 3)), max_size=3))
+def test_chunk_regions_tile_the_region_chunk_by_chunk(dims):
+    """Every element of the region is in exactly one part, and no part crosses a chunk boundary."""
+    chunk = [c for _, c, _ in dims]
+    region = [slice(k * c, k * c + n) for n, c, k in dims]  # starting on a chunk boundary
+    parts = chunk_regions(chunk, region)
+    covered = np.zeros([s.stop for s in region] or [], np.int32)
+    for part in parts:
+        assert all(p.start // c == (p.stop - 1) // c for p, c in zip(part, chunk))
+        covered[part] += 1
+    inside = covered[tuple(region)]
+    assert inside.size == 0 or (inside == 1).all()
+    assert covered.sum() == inside.size
