@@ -3,6 +3,7 @@
 import builtins
 import collections
 import contextlib
+import functools
 import json
 import math
 import weakref
@@ -18,7 +19,7 @@ from ._errors import CheckpointError, CorruptCheckpointError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._lease import Pin
 from ._manifest import Manifest
-from ._pack import member, packed_array, read_runs
+from ._pack import member, packed_array, read_runs, unpack
 from ._progress import advance
 from ._source import LazyEntry, Source
 from ._storage import resolve
@@ -80,7 +81,9 @@ class Checkpoint(Source):
     def _store(self, leaf: StoredLeaf) -> ts.TensorStore:
         return self._checked(leaf, self._open_array(leaf))
 
+    @functools.cached_property
     def _packed_store(self) -> ts.TensorStore:
+        """The packed array, opened (and its files checked) once for every read of it."""
         assert self._packed is not None
         return self._store(self._packed)
 
@@ -92,76 +95,73 @@ class Checkpoint(Source):
         own = [i for i, (leaf, _) in enumerate(wanted) if leaf.offset is None]
         packed = [i for i, (leaf, _) in enumerate(wanted) if leaf.offset is not None]
         opens = [self._open_array(wanted[i][0]) for i in own]
-        stores = dict(zip(own, (self._checked(wanted[i][0], opened) for i, opened in zip(own, opens))))
-        packed_store = self._packed_store() if packed else None
+        stores = {i: self._checked(wanted[i][0], opened) for i, opened in zip(own, opens)}
         runs = read_runs([wanted[i][0] for i in packed], self._packed.shape[0]) if self._packed and packed else []
+        sharded = {i for i in own if _sharded(*wanted[i])}
         check_allocation(
-            sum(wanted[i][0].nbytes for i in own if not _sharded(*wanted[i]))
-            + sum(end - start for start, end, _ in runs),
+            sum(wanted[i][0].nbytes for i in own if i not in sharded) + sum(end - start for start, end, _ in runs),
             f"Restoring {len(wanted)} leaves from {self.location}",
         )
         values: list[Any] = [None] * len(wanted)
-        sharded = {i: _start_slices(*wanted[i], stores[i]) for i in own if _sharded(*wanted[i])}
+        slices = {i: _start_slices(*wanted[i], stores[i]) for i in sharded}
+
+        def finish(indices: list[int], data: list[np.ndarray]) -> None:
+            for i, value in zip(indices, data):
+                leaf, target = wanted[i]
+                with reading(leaf):
+                    values[i] = leaf.finish(value, target)
+                advance(leaf.nbytes)
+
+        # Each read: what a failure names, the view read, the buffer's shape and dtype, and
+        # what the buffer holds for which leaves. TensorStore copies into our aligned buffer,
+        # which the jax arrays then adopt.
+        reads: list[tuple[StoredLeaf, ts.TensorStore, tuple[int, ...], np.dtype, Any]] = []
+        for i in own:
+            if i not in sharded:
+                leaf = wanted[i][0]
+                done = lambda buffer, i=i: finish([i], [buffer])  # noqa: E731
+                reads.append((leaf, stores[i], leaf.data_shape, np.dtype(leaf.dtype), done))
+        for start, end, members in runs:
+            assert self._packed is not None  # a bad chunk names the packed array; verify names its leaves
+            indices = [packed[m] for m in members]
+            leaves = [wanted[i][0] for i in indices]
+            reads.append(
+                (
+                    self._packed,
+                    self._packed_store[start:end],
+                    (end - start,),
+                    np.dtype(np.uint8),
+                    lambda buffer, start=start, indices=indices, leaves=leaves: finish(
+                        indices, unpack(buffer, start, leaves)
+                    ),
+                )
+            )
         pending: collections.deque = collections.deque()
         in_flight = 0
         window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
 
         def finish_oldest() -> None:
             nonlocal in_flight
-            what, buffer, copied = pending.popleft()
-            if isinstance(what, int):
-                leaf, target = wanted[what]
-                with reading(leaf):
-                    copied.result()
-                    values[what] = leaf.finish(buffer, target)
-                advance(leaf.nbytes)
-            else:
-                start, members = what
-                assert self._packed is not None
-                with reading(self._packed):  # a bad chunk names the packed array; verify names its leaves
-                    copied.result()
-                # Leaves that fill most of the run share its buffer; a few in a large run are copied
-                # out, so that they do not keep the rest of it alive.
-                share = sum(wanted[packed[m]][0].nbytes for m in members) * 2 >= buffer.nbytes
-                for m in members:
-                    leaf, target = wanted[packed[m]]
-                    data = member(buffer, start, leaf)
-                    if not share:
-                        copy = aligned_empty(data.shape, data.dtype)
-                        np.copyto(copy, data)
-                        data = copy
-                    with reading(leaf):
-                        values[packed[m]] = leaf.finish(data, target)
-                    advance(leaf.nbytes)
+            record, buffer, copied, done = pending.popleft()
+            with reading(record):
+                copied.result()
+            done(buffer)
             in_flight -= buffer.nbytes
 
-        for i in own:
-            if i in sharded:
-                continue
-            leaf = wanted[i][0]
-            while pending and in_flight + leaf.nbytes > window:
+        for record, view, shape, dtype, done in reads:
+            while pending and in_flight + math.prod(shape) * dtype.itemsize > window:
                 finish_oldest()
-            # TensorStore copies the leaf into our aligned buffer, which the jax array then adopts.
-            buffer = aligned_empty(leaf.data_shape, np.dtype(leaf.dtype))
-            pending.append((i, buffer, ts.array(buffer, copy=False, write=True).write(stores[i])))
-            in_flight += buffer.nbytes
-        for start, end, members in runs:
-            assert packed_store is not None
-            while pending and in_flight + end - start > window:
-                finish_oldest()
-            buffer = aligned_empty((end - start,), np.dtype(np.uint8))
-            pending.append(
-                ((start, members), buffer, ts.array(buffer, copy=False, write=True).write(packed_store[start:end]))
-            )
+            buffer = aligned_empty(shape, dtype)
+            pending.append((record, buffer, ts.array(buffer, copy=False, write=True).write(view), done))
             in_flight += buffer.nbytes
         while pending:
             finish_oldest()
-        for i, slices in sharded.items():
+        for i, started in slices.items():
             leaf, target = wanted[i]
             with reading(leaf):
                 values[i] = leaf.assemble(
                     target,
-                    {key: f.result() for key, f in slices.items()},
+                    {key: f.result() for key, f in started.items()},
                     lambda index, shape=leaf.shape: _slice_key(index, shape),
                 )
             advance(leaf.nbytes)
@@ -444,7 +444,7 @@ class LazyArray(LazyEntry):
         if offset is None:
             view = self._view()
         else:  # just its bytes: the chunks of the packed array that hold them
-            view = self.source._packed_store()[offset : offset + self.leaf.nbytes]
+            view = self.source._packed_store[offset : offset + self.leaf.nbytes]
         check_allocation(self.nbytes, f"Reading leaf {self.path!r}")
         return view.read()
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ._convert import aligned_empty
 from ._errors import CheckpointError
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION
@@ -60,6 +61,20 @@ def member(buffer: np.ndarray, start: int, leaf: StoredLeaf) -> np.ndarray:
         raise CheckpointError(f"Leaf {leaf.path!r} is packed (little-endian bytes); this host is big-endian.")
     raw = buffer[leaf.offset - start : leaf.offset - start + leaf.nbytes]
     return raw.view(np.dtype(leaf.dtype)).reshape(leaf.data_shape)
+
+
+def unpack(buffer: np.ndarray, start: int, leaves: Sequence[StoredLeaf]) -> list[np.ndarray]:
+    """The stored arrays of ``leaves`` from a run of the packed array read into ``buffer``.
+    Leaves that fill at least half of the run are views sharing it; a few in a large run
+    are copied out, so that they do not keep the rest of it alive."""
+    views = [member(buffer, start, leaf) for leaf in leaves]
+    if 2 * sum(leaf.nbytes for leaf in leaves) >= buffer.nbytes:
+        return views
+    copies = []
+    for view in views:
+        copies.append(aligned_empty(view.shape, view.dtype))  # aligned: XLA adopts it without a copy
+        np.copyto(copies[-1], view)
+    return copies
 
 
 @dataclasses.dataclass

@@ -90,40 +90,7 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
             checkpoint.consistent(),
             reporting(f"verifying {location}", sum(r.nbytes for r in stored + packed), len(stored + packed), progress),
         ):
-            # Leaves are checked in order, but read concurrently within SLAB_BYTES: one at
-            # a time, a tree of many small leaves spends its time waiting on each open and read.
-            pending: collections.deque = collections.deque()
-            in_flight = 0
-
-            def settle_oldest() -> None:
-                nonlocal in_flight
-                record, reads = pending.popleft()
-                in_flight -= min(record.nbytes, SLAB_BYTES)
-                try:
-                    if isinstance(reads, CheckpointError):
-                        raise reads
-                    with reading(record):
-                        for read in reads:
-                            read.result()
-                except CheckpointError as e:
-                    report.problems.append((record.path, str(e)))
-                    return
-                finally:
-                    advance(record.nbytes)
-                report.arrays_checked += 1
-                report.bytes_checked += record.nbytes
-
-            for record in stored:
-                while pending and in_flight + min(record.nbytes, SLAB_BYTES) > SLAB_BYTES:
-                    settle_oldest()
-                try:
-                    reads: list[ts.Future] | CheckpointError = _start_leaf(checkpoint, record)
-                except CheckpointError as e:
-                    reads = e
-                pending.append((record, reads))
-                in_flight += min(record.nbytes, SLAB_BYTES)
-            while pending:
-                settle_oldest()
+            _check_own(checkpoint, stored, report)
             if packed:
                 _check_packed(checkpoint, packed, report)
             report.problems.extend(location.unlisted(set(checkpoint._manifest.stored_paths())))
@@ -131,6 +98,54 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
         # What was checked may belong to another checkpoint: say so, and nothing else.
         report.problems[:] = [(MANIFEST_NAME, str(e))]
     return report
+
+
+def _count(report: VerifyReport, record: StoredLeaf, problem: CheckpointError | None) -> None:
+    """One leaf checked: counted, or its problem listed; progress advances either way."""
+    if problem is None:
+        report.arrays_checked += 1
+        report.bytes_checked += record.nbytes
+    else:
+        report.problems.append((record.path, str(problem)))
+    advance(record.nbytes)
+
+
+def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: VerifyReport) -> None:
+    """Leaves with arrays of their own, checked in order but read concurrently within
+    SLAB_BYTES: one at a time, a tree of many small leaves waits on each open and read."""
+    pending: collections.deque = collections.deque()
+    in_flight = 0
+
+    def settle_oldest() -> None:
+        nonlocal in_flight
+        record, reads = pending.popleft()
+        in_flight -= min(record.nbytes, SLAB_BYTES)
+        _count(report, record, _settled(record, reads))
+
+    for record in records:
+        while pending and in_flight + min(record.nbytes, SLAB_BYTES) > SLAB_BYTES:
+            settle_oldest()
+        try:
+            reads: list[ts.Future] | CheckpointError = _start_leaf(checkpoint, record)
+        except CheckpointError as e:
+            reads = e
+        pending.append((record, reads))
+        in_flight += min(record.nbytes, SLAB_BYTES)
+    while pending:
+        settle_oldest()
+
+
+def _settled(record: StoredLeaf, reads: list[ts.Future] | CheckpointError) -> CheckpointError | None:
+    """What went wrong with a leaf's reads (or before they started), or None."""
+    if isinstance(reads, CheckpointError):
+        return reads
+    try:
+        with reading(record):
+            for read in reads:
+                read.result()
+    except CheckpointError as e:
+        return e
+    return None
 
 
 def _start_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> list[ts.Future]:
@@ -157,33 +172,33 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
     """Read the packed array slab by slab; a slab that fails is reported for every leaf in it."""
     array = checkpoint._packed
     assert array is not None
+    length = array.shape[0]
     failures: list[tuple[int, int, str]] = []
     try:
-        store = checkpoint._store(array)
-        with reading(array):
-            length = array.shape[0]
-            for start in range(0, length, SLAB_BYTES):
-                try:
-                    store[start : min(start + SLAB_BYTES, length)].read().result()
-                except Exception as e:  # noqa: BLE001 - reported below, for the leaves in this slab
-                    failures.append((start, start + SLAB_BYTES, str(corrupt(array, e))))
+        store = checkpoint._packed_store
+        for start in range(0, length, SLAB_BYTES):
+            try:
+                store[start : min(start + SLAB_BYTES, length)].read().result()
+            except Exception as e:  # noqa: BLE001 - reported below, for the leaves in this slab
+                failures.append((start, start + SLAB_BYTES, str(corrupt(array, e))))
     except CheckpointError as e:
-        failures.append((0, array.shape[0], str(e)))
+        failures.append((0, length, str(e)))
     for record in packed:
         offset = record.offset or 0
         try:
             record.check_known()
-            for start, end, why in failures:
-                if offset < end and offset + record.nbytes > start:
-                    raise CorruptCheckpointError(
+            problem = next(
+                (
+                    CorruptCheckpointError(
                         f"Leaf {record.path!r} is stored in the packed array {PACKED_LOCATION!r} at bytes "
                         f"[{offset}, {offset + record.nbytes}), which failed: {why}",
                         path=record.path,
                     )
+                    for start, end, why in failures
+                    if offset < end and offset + record.nbytes > start
+                ),
+                None,
+            )
         except CheckpointError as e:
-            report.problems.append((record.path, str(e)))
-            continue
-        finally:
-            advance(record.nbytes)
-        report.arrays_checked += 1
-        report.bytes_checked += record.nbytes
+            problem = e
+        _count(report, record, problem)

@@ -239,3 +239,19 @@ def test_packed_leaves_on_s3(s3):
         same(a, b)
     assert eqxckpt.verify(where).ok
     np.testing.assert_array_equal(eqxckpt.open(where)["model/w1"].get(), np.asarray(tree["model"]["w1"]))
+
+
+def test_the_packed_array_is_opened_once_per_checkpoint(tmp_path, monkeypatch):
+    from eqxckpt._local import LocalStorage
+
+    tree = small_tree()
+    eqxckpt.save(tmp_path / "c", tree)
+    opened = []
+    real = LocalStorage.read_leaf_metadata
+    monkeypatch.setattr(
+        LocalStorage, "read_leaf_metadata", lambda self, leaf: opened.append(leaf.path) or real(self, leaf)
+    )
+    ckpt = eqxckpt.open(tmp_path / "c")
+    for i in range(10):
+        np.testing.assert_array_equal(ckpt[f"model/w{i}"].get(), np.asarray(tree["model"][f"w{i}"]))
+    assert opened == [PACKED_LOCATION]
