@@ -411,12 +411,17 @@ def worker(args) -> dict:
 # --- the parent: run everything, print the tables ----------------------------------------
 
 
-def run_worker(args, peer: str, op: str, path, workload: str, env: dict | None = None) -> dict:
-    cmd = [sys.executable, str(HERE), "--worker", peer, op, str(path), workload]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+def run_json(command: list[str], what: str, env: dict | None = None) -> dict:
+    """Run a worker process; its last line of output, as JSON."""
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if done.returncode != 0:
-        raise RuntimeError(f"{peer} {op} {workload} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_worker(args, peer: str, op: str, path, workload: str, env: dict | None = None) -> dict:
+    command = [sys.executable, str(HERE), "--worker", peer, op, str(path), workload]
+    return run_json(command, f"{peer} {op} {workload}", env)
 
 
 def files_of(path: pathlib.Path) -> list[pathlib.Path]:

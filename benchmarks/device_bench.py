@@ -20,7 +20,6 @@ import json
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -111,14 +110,8 @@ def main() -> int:
     results: dict = {"device": str(jax.devices()[0]), "gib": args.gib, "runs": {}}
 
     def run(peer: str, op: str, path: pathlib.Path) -> dict:
-        done = subprocess.run(
-            [sys.executable, str(HERE), "--worker", peer, op, str(path), "--gib", str(args.gib)],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{peer} {op}: {done.stderr[-3000:]}")
-        out = json.loads(done.stdout.strip().splitlines()[-1])
+        command = [sys.executable, str(HERE), "--worker", peer, op, str(path), "--gib", str(args.gib)]
+        out = bench.run_json(command, f"{peer} {op}")
         print(f"  {peer} {op}: {out}", file=sys.stderr, flush=True)
         results["runs"].setdefault(f"{peer} {op}", []).append(out)
         return out
