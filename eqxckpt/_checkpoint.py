@@ -16,7 +16,7 @@ import tensorstore as ts
 from ._backend import MAX_ZARR_JSON_BYTES, CheckpointPath, Storage, corrupt
 from ._convert import aligned_empty
 from ._errors import CheckpointError, CorruptCheckpointError
-from ._leaf import KeyRecord, Leaf, StoredLeaf
+from ._leaf import KeyRecord, Leaf, StoredLeaf, check_bool_bytes
 from ._lease import Pin
 from ._manifest import Manifest
 from ._pack import member, packed_array, read_runs, unpack
@@ -431,6 +431,7 @@ class LazyArray(LazyEntry):
     def _packed_data(self, raw: np.ndarray) -> np.ndarray:
         """The stored array (indexed) from a packed leaf's bytes."""
         data = member(raw, self.leaf.offset or 0, self.leaf)
+        check_bool_bytes(data, self.leaf.path)
         return data[self._index] if self._index != () else data
 
     def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import pathlib
 import sys
 from typing import TYPE_CHECKING
 
@@ -118,6 +119,9 @@ def _import_t5(args: argparse.Namespace) -> int:
     return 0
 
 
+WRITTEN_FORMATS = ("eqxckpt", "safetensors")  # what `convert --to` writes
+
+
 def _convert(args: argparse.Namespace) -> int:
     import time
 
@@ -127,24 +131,49 @@ def _convert(args: argparse.Namespace) -> int:
     from ._safetensors import save_safetensors
     from ._save import save
     from ._source import LazyEntry
+    from ._storage import resolve
 
     source = open_source(checkpoint_path(args.src), format=args.format)
+    _check_not_nested(resolve(checkpoint_path(args.src)).local, resolve(checkpoint_path(args.dst)).local)
     started = time.perf_counter()
+    written = len(source)
     if args.to == "safetensors":
+        left_out = [(path, leaf.describe()) for path, leaf in source.records().items() if not leaf.stored]
+        left_out = [(path, what) for path, what in left_out if what != "none = None"]
+        if left_out and not args.arrays_only:
+            listed = "\n  ".join(f"{path}: {what}" for path, what in left_out[:50])
+            raise CheckpointError(
+                f"{args.src} holds {len(left_out)} leaves that are not arrays, which a safetensors file cannot "
+                f"hold:\n  {listed}\nNothing was written. Pass --arrays-only to write the arrays without them."
+            )
+        for path, what in left_out:
+            print(f"left out {path} ({what}): not an array", file=sys.stderr)
         arrays = jax.tree_util.tree_map(lambda x: x if isinstance(x, LazyEntry) else None, source.tree())
         metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in source.metadata.items()}
-        count = len(jax.tree_util.tree_leaves(arrays))
-        with reporting(f"{args.src} -> {args.dst}", source.nbytes, count, progress=True):
+        written = len(jax.tree_util.tree_leaves(arrays))
+        with reporting(f"{args.src} -> {args.dst}", source.nbytes, written, progress=True):
             save_safetensors(args.dst, arrays, metadata=metadata, overwrite=args.overwrite)
     else:
         save(
             checkpoint_path(args.dst), source.tree(), metadata=source.metadata, overwrite=args.overwrite, progress=True
         )
     print(
-        f"wrote {args.dst} ({args.to}): {len(source)} leaves, {human_bytes(source.nbytes)} in "
+        f"wrote {args.dst} ({args.to}): {written} leaves, {human_bytes(source.nbytes)} in "
         f"{time.perf_counter() - started:.1f} s"
     )
     return 0
+
+
+def _check_not_nested(src: pathlib.Path | None, dst: pathlib.Path | None) -> None:
+    """Refuse a destination inside the source or around it: writing one would change the other."""
+    if src is None or dst is None:
+        return
+    src, dst = src.resolve(), dst.resolve()
+    if src == dst or src in dst.parents or dst in src.parents:
+        raise CheckpointError(
+            f"Cannot convert {src} into {dst}: one is inside the other, so writing the copy would change the "
+            "source. Write it elsewhere."
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,9 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     convert = sub.add_parser("convert", help="convert a checkpoint between formats (eqxckpt, safetensors)")
     convert.add_argument("src", help="checkpoint to read: eqxckpt, a .safetensors file or a HuggingFace directory")
     convert.add_argument("dst", help="where to write")
-    convert.add_argument("--to", default="eqxckpt", choices=FORMATS, help="the format to write (default: eqxckpt)")
+    convert.add_argument(
+        "--to", default="eqxckpt", choices=WRITTEN_FORMATS, help="the format to write (default: eqxckpt)"
+    )
     convert.add_argument("--format", default=None, choices=FORMATS, help="the format of SRC (default: detected)")
     convert.add_argument("--overwrite", action="store_true", help="replace what is at DST")
+    convert.add_argument(
+        "--arrays-only",
+        action="store_true",
+        help="with --to safetensors: leave out scalars and other non-array leaves (listed on stderr)",
+    )
     convert.set_defaults(run=_convert)
     t5 = sub.add_parser(
         "import-t5", help="convert a Mesh TensorFlow or HuggingFace T5 checkpoint to an eqxckpt checkpoint"

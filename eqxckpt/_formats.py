@@ -17,7 +17,7 @@ import pathlib
 
 from ._backend import Storage
 from ._checkpoint import open_checkpoint
-from ._errors import UnsupportedFormatError
+from ._errors import CheckpointNotFoundError, UnsupportedFormatError
 from ._orbax import OrbaxCheckpoint, is_orbax
 from ._paths import MANIFEST_NAME
 from ._safetensors import INDEX_NAME, SINGLE_NAME, open_safetensors
@@ -69,6 +69,16 @@ def detect(path: CheckpointPath | Storage) -> str:
     local = resolve(path).local
     if local is None:
         return "eqxckpt"
+    try:
+        return _detect_local(local)
+    except OSError as e:
+        raise CheckpointNotFoundError(
+            f"Cannot read {e.filename or local}: {e.strerror or e}. Check its permissions (eqxckpt needs to read "
+            "a checkpoint's files and list its directories)."
+        ) from None
+
+
+def _detect_local(local: pathlib.Path) -> str:
     if not local.exists() and local.with_name(local.name + ".index").is_file():
         return "tf"
     if local.is_file():

@@ -8,8 +8,9 @@ A new kind is one class here, registered in `KINDS`.
 - `KeyLeaf`: a typed PRNG key array, stored as its key data (trailing
   ``key_shape`` dimensions) plus the name of its implementation.
 - `ScalarLeaf`: a Python scalar, string or None; the value is in the manifest.
-- `OpaqueLeaf`: a function or class; only its type name is kept, and `load`
-  takes the value from `like`.
+- `OpaqueLeaf`: a function, a class, or an object that holds no data (``object()``,
+  Equinox's ``SharedNode``); only its type name is kept, and `load` takes the
+  value from `like`.
 """
 
 import dataclasses
@@ -28,6 +29,7 @@ from ._tree import (
     SCALAR_TYPES,
     code_name,
     describe_like,
+    holds_no_data,
     is_array_like,
     is_code,
     is_empty_subtree,
@@ -224,6 +226,7 @@ class ArrayLeaf(StoredLeaf):
         return narrowed(dtype, into_jax)
 
     def finish(self, data: np.ndarray, target: Any) -> Any:
+        check_bool_bytes(data, self.path)
         if data.dtype != np.dtype(getattr(target, "dtype", data.dtype)):
             data = checked_astype(data, target.dtype, self.path)
         sharding = getattr(target, "sharding", None)
@@ -240,6 +243,7 @@ class ArrayLeaf(StoredLeaf):
         return adopt(data, sharding)
 
     def host_value(self, data: np.ndarray, dtype: np.dtype | None) -> Any:
+        check_bool_bytes(data, self.path)
         return data if dtype is None else data.astype(dtype)
 
     def selection_nbytes(self, shape: tuple[int, ...], dtype: np.dtype) -> int:
@@ -255,6 +259,17 @@ class ArrayLeaf(StoredLeaf):
         dtype = np.dtype(target.dtype)
         return jax.make_array_from_callback(
             self.shape, target.sharding, lambda idx: checked_astype(slices[key(idx)], dtype, self.path)
+        )
+
+
+def check_bool_bytes(data: np.ndarray, path: str) -> None:
+    """A bool array whose bytes are not all 0 or 1 is damaged: numpy shows such a byte as
+    True, but XLA computes with the byte itself (``x & True`` can be False)."""
+    if data.dtype == np.bool_ and data.size and data.view(np.uint8).max() > 1:
+        raise CorruptCheckpointError(
+            f"Leaf {path!r}: its bool data holds bytes other than 0 and 1 (largest {data.view(np.uint8).max()}), "
+            "which no writer of bools produces. The checkpoint is damaged or crafted.",
+            path=path,
         )
 
 
@@ -391,7 +406,8 @@ class ScalarLeaf(Leaf):
 
 @dataclasses.dataclass(frozen=True)
 class OpaqueLeaf(Leaf):
-    """A function or class: only its type name is kept; `load` takes the value from `like`."""
+    """A function, a class, or an object holding no data (`holds_no_data`): only its type
+    name is kept; `load` takes the value from `like`."""
 
     type_name: str = ""
     name: str = ""  # what the function or class is called (``jax._src.nn.functions.relu``); "" if unknown
@@ -478,7 +494,7 @@ def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, A
         # An empty subtree in a sequence is recorded as None: it keeps the indices whole.
         scalar = None if is_empty_subtree(value) else str(value) if isinstance(value, np.str_) else value
         return ScalarLeaf(path, keys, *scalar_to_json(scalar)), None
-    if is_code(value):
+    if is_code(value) or holds_no_data(value):
         return OpaqueLeaf(path, keys, type_name(value), code_name(value)), None
     raise UnsupportedLeafError(_refusal(path, value))
 
@@ -504,7 +520,8 @@ def _refusal(path: str, leaf: Any) -> str:
         f"Leaf {path!r} is {hint} ({kind}). Make it a pytree (an eqx.Module, a registered class "
         "(jax.tree_util.register_pytree_node / register_dataclass), or plain dicts and lists), convert it to "
         "arrays and scalars, or keep it out of the saved tree (an eqx.field(static=True), or "
-        "eqx.filter(tree, eqx.is_array)). Only arrays, scalars, strings, None, functions and classes can be leaves."
+        "eqx.filter(tree, eqx.is_array)). Only arrays, scalars, strings, None, functions, classes and objects "
+        "with no attributes at all can be leaves."
     )
 
 

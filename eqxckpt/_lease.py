@@ -194,6 +194,43 @@ def remove_abandoned(parent: pathlib.Path, owner: str | None = None) -> list[str
     return removed
 
 
+def lock_file(fd: int) -> None:
+    """Hold a shared lock on a temporary file being written: while it is held, no
+    `remove_abandoned_files` removes it (a killed writer's lock goes with it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        pass  # no locks here: then cleanup cannot tell, and removes nothing
+
+
+def remove_abandoned_files(final: pathlib.Path) -> list[str]:
+    """Remove the hidden temporary files of ``final`` (``.NAME.eqxckpt-tmp-*``, a plain
+    file) that no live writer holds; returns the names removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(final.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        if hidden_owner(entry.name) != final.name or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held, now = os.fstat(fd), os.stat(entry.path, follow_symlinks=False)
+            if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                os.unlink(entry.path)
+                removed.append(entry.name)
+        except OSError:
+            pass  # a live writer holds it, it is gone already, or there are no locks
+        finally:
+            os.close(fd)
+    return removed
+
+
 def delete_local(final: pathlib.Path) -> bool:
     """Delete a committed checkpoint, unless a reader holds it.
 
@@ -203,6 +240,7 @@ def delete_local(final: pathlib.Path) -> bool:
     if lock is None:
         return not os.path.lexists(final)
     with lock:  # (without flock support, readers cannot be waited for: they notice and read again)
+        _check_removable(final)  # before anything changes: the checkpoint stays whole and listed
         aside = hidden_sibling(final, "deleting")
         try:
             os.rename(final, aside)
@@ -213,8 +251,17 @@ def delete_local(final: pathlib.Path) -> bool:
             os.unlink(aside / MANIFEST_NAME)
         except FileNotFoundError:
             pass
-        remove_tree(aside)
+        if not remove_tree(aside):
+            raise OSError(errno.EACCES, f"{aside} could not be removed whole (uncommitted, it is never loaded)")
     return True
+
+
+def _check_removable(root: pathlib.Path) -> None:
+    """Raise `PermissionError` naming the first directory of ``root`` whose entries this
+    process cannot remove (or ``root``'s parent, which must let it be renamed)."""
+    for where in [root.parent, root] + [pathlib.Path(d) for d, _, _ in os.walk(root) if d != str(root)]:
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "no permission to remove what it holds", str(where))
 
 
 # --- object stores: a lease object ------------------------------------------------------

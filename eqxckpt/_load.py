@@ -12,10 +12,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
+from ._convert import checked_astype, narrowed
 from ._errors import CastError, CheckpointChangedError, StructureMismatchError
 from ._formats import open as open_source
 from ._leaf import Leaf, StoredLeaf
@@ -24,7 +24,7 @@ from ._progress import Progress, reporting
 from ._source import LazyEntry, Source, nothing_under
 from ._storage import CheckpointPath
 from ._transform import Rule, keypath_string, plan_rules, readable_path
-from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like
+from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype
 
 MAX_LISTED = 50
 # How often a load reads a checkpoint that another process replaced while it read it.
@@ -71,6 +71,7 @@ class Plan:
     mismatched: Rows = dataclasses.field(default_factory=list)
     kept: list[str] = dataclasses.field(default_factory=list)
     plain_keys: list[Any] = dataclasses.field(default_factory=list)
+    cast: bool = False  # whether values may change dtype (stored ones, and those rules compute)
 
     def supply(self, slot: int, leaf: Leaf, target: Any) -> None:
         """``slot`` takes ``leaf``'s value: read later if stored, else known now."""
@@ -142,7 +143,7 @@ class Plan:
             else:
                 assert c.rule.value_fn is not None
                 value = c.rule.value_fn(read[c.leaf.path] if isinstance(c.leaf, StoredLeaf) else c.leaf.value())
-            self.values[c.slot] = _place(c.path, value, c.target)
+            self.values[c.slot] = _place(c.path, value, c.target, self.cast)
         if self.treedef is None:
             return build_plain_tree(list(zip(self.plain_keys, self.values)), depth(self.prefix))
         return jax.tree_util.tree_unflatten(self.treedef, self.values)
@@ -169,7 +170,7 @@ def plan(
     if like is None:
         return _plan_plain(source, prefix, available)
     flat, treedef = flatten(resolve_like(like))
-    result = Plan(source, prefix, treedef, [None] * len(flat))
+    result = Plan(source, prefix, treedef, [None] * len(flat), cast=cast)
     if transforms is None:
         _match_paths(result, [(rel, target) for rel, _, target in flat], available, strict, cast)
     else:
@@ -289,23 +290,45 @@ def report(
     return "\n".join(lines)
 
 
-def _place(path: str, value: Any, target: Any) -> Any:
-    """Put a computed value (from value_fn / multi_value_fn) where ``target`` wants it."""
+def _place(path: str, value: Any, target: Any, cast: bool) -> Any:
+    """Put a computed value (from value_fn / multi_value_fn) where ``target`` wants it,
+    under the rules stored values meet: same shape, same dtype unless ``cast``, and
+    a cast that changes values beyond rounding refused."""
     if isinstance(value, LazyEntry):
         value = value.get()
     if not is_array_like(target):
         return value
+    produced = f"produced {describe_like(value) if is_array_like(value) else type(value).__name__}"
     if tuple(np.shape(value)) != tuple(target.shape):
         raise StructureMismatchError(
             f"Transform for {path!r} produced shape {tuple(np.shape(value))}, but `like` expects "
             f"{describe_like(target)}. Fix the value_fn/multi_value_fn or the model.",
             mismatched=[(path, f"produced shape {tuple(np.shape(value))}")],
         )
+    if is_prng_key_dtype(target.dtype) or (is_array_like(value) and is_prng_key_dtype(value.dtype)):
+        if not is_array_like(value) or value.dtype != target.dtype:
+            raise StructureMismatchError(
+                f"Transform for {path!r} {produced}, but `like` expects {describe_like(target)}.",
+                mismatched=[(path, produced)],
+            )
+        return jax.device_put(value, getattr(target, "sharding", None))
+    data = np.asarray(value)
+    dtype = np.dtype(target.dtype)
+    if data.dtype != dtype and not cast:
+        raise StructureMismatchError(
+            f"Transform for {path!r} {produced}, but `like` expects {describe_like(target)}. Pass cast=True "
+            "to convert (the values are checked to fit), or return the dtype `like` has.",
+            mismatched=[(path, f"{produced} (pass cast=True to convert)")],
+        )
+    into_jax = not isinstance(target, (np.ndarray, np.generic))
+    if (why := narrowed(dtype, into_jax)) is not None:
+        raise CastError(f"Transform for {path!r}: {why}.")
+    data = checked_astype(data, dtype, path)
     if isinstance(target, np.ndarray):
-        return np.asarray(value, dtype=target.dtype)
+        return data
     if isinstance(target, np.generic):
-        return np.asarray(value, dtype=target.dtype)[()]
-    return jax.device_put(jnp.asarray(value, dtype=target.dtype), getattr(target, "sharding", None))
+        return data[()]
+    return jax.device_put(data, getattr(target, "sharding", None))
 
 
 def load(

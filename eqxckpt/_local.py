@@ -197,6 +197,12 @@ class LocalStorage(Storage):
     def check_target(self, overwrite: bool) -> None:
         """Refuse to replace a checkpoint without ``overwrite``, or anything else ever."""
         final = self.path
+        if final.is_symlink():
+            raise CheckpointError(
+                f"Cannot save to {final}: it is a symlink (to {os.readlink(final)}). eqxckpt replaces a "
+                "checkpoint by renaming a new directory into its place, which would replace the link, not what it "
+                "points to: save to the target itself, or remove the link."
+            )
         if final.exists() and not final.is_dir():
             raise CheckpointError(f"Cannot save to {final}: it is a file, not a directory.")
         if not final.is_dir():

@@ -267,8 +267,8 @@ class CheckpointManager:
                 if isinstance(e, ValueError) and not is_storage_error(e):
                     raise
                 raise CheckpointWriteError(
-                    f"Deleting step {old} of {self.location} (retention) failed: {e}. The step is no longer "
-                    "listed; the manager tries again after its next save. Fix the cause (permissions, the store)."
+                    f"Deleting step {old} of {self.location} (retention) failed: {e}. The manager no longer "
+                    "lists the step and tries again after its next save. Fix the cause (permissions, the store)."
                 ) from e
             if deleted:
                 with self._lock:

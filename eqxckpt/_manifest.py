@@ -129,6 +129,21 @@ def _check_containers(records: tuple[Leaf, ...], where: str, sequences_complete:
             )
 
 
+def _check_packed_ranges(records: tuple[Leaf, ...], where: str) -> None:
+    """Packed leaves' byte ranges must not overlap: two leaves sharing bytes would load as
+    arrays sharing memory (writing one changes the other), which no save produces."""
+    packed = sorted(
+        (r.offset, r.offset + r.nbytes, r.path) for r in records if isinstance(r, StoredLeaf) and r.offset is not None
+    )
+    for (_, end, first), (start, _, second) in zip(packed, packed[1:]):
+        if start < end:
+            raise ManifestError(
+                f"The manifest of {where} places packed leaves {first!r} and {second!r} in overlapping bytes "
+                f"of {PACKED_LOCATION!r} (one ends at {end}, the other starts at {start}). eqxckpt never writes "
+                "that: the manifest is corrupt or crafted."
+            )
+
+
 def parse_cost(raw: bytes) -> int:
     """An upper estimate of the memory Python's JSON parser takes for ``raw``.
 
@@ -151,11 +166,27 @@ def parse_json_object(raw: bytes, where: str, cap: int = MAX_MANIFEST_BYTES) -> 
             f"{where} is too large or too densely packed to be what it claims; it is damaged or crafted."
         )
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise ManifestError(
+            f"{where} names {e.args[0]!r} twice; readers disagree on which one counts, so it is refused."
+        ) from None
     except (ValueError, RecursionError):
         raise ManifestError(f"{where} is not valid JSON; it is damaged.") from None
     if not isinstance(doc, dict):
         raise ManifestError(f"{where} is not a JSON object.")
+    return doc
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
     return doc
 
 
@@ -201,6 +232,7 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
         raise ManifestError(f"The manifest of {where} names a leaf {PACKED_LOCATION!r}, which no key can be.")
     if version == 1 and any(isinstance(r, StoredLeaf) and r.offset is not None for r in records):
         raise ManifestError(f"The manifest of {where} is version 1 but has packed leaves; it is corrupt or crafted.")
+    _check_packed_ranges(records, where)
     complete = doc.get("sequences_complete", False)
     if not isinstance(complete, bool):
         raise ManifestError(f"The manifest of {where} has a non-boolean 'sequences_complete'.")

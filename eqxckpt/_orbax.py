@@ -12,6 +12,7 @@ import math
 import os
 import pathlib
 import re
+import stat
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from ._lease import LocalPin
 from ._manifest import MAX_MANIFEST_BYTES, parse_json_object
 from ._paths import record_segment
 from ._progress import advance
-from ._source import Source
+from ._source import Source, check_one_tree
 from ._store import STORED_DTYPES, read_capped, shared_context
 
 METADATA_NAME = "_METADATA"
@@ -68,11 +69,15 @@ class OrbaxCheckpoint(Source):
         ocdbt = bool(doc.get("use_ocdbt"))
         driver = "zarr3" if doc.get("use_zarr3") else "zarr"
         opening: list[tuple[str, tuple[KeyRecord, ...], str, Any, ts.Future]] = []
+        seen: set[str] = set()
         for entry in tree.values():
             keys, param, value_type, write_shape = _entry(entry, root)
             if value_type is None:
                 continue  # skip_deserialize: Orbax does not restore it either
             path = "/".join(record_segment(k) for k in keys)
+            if path in seen:
+                raise ManifestError(f"{root / METADATA_NAME}: two entries name leaf {path!r}.")
+            seen.add(path)
             where = {"driver": "file", "path": f"{root}/{'' if ocdbt else param + '/'}"}
             kvstore = {"driver": "ocdbt", "base": where, "path": param + "/"} if ocdbt else where
             spec = {"driver": driver, "kvstore": kvstore, "open": True}
@@ -113,6 +118,7 @@ class OrbaxCheckpoint(Source):
                     raise ManifestError(f"{self.location}: scalar leaf {path!r} holds {type(value).__name__}.")
                 leaf = ScalarLeaf(path, keys, *scalar_to_json(value))
             self._leaves[path] = leaf
+        check_one_tree(self._leaves, self.location, lambda path: ".".join(str(k[1]) for k in self._leaves[path].keys))
 
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         check_allocation(sum(leaf.nbytes for leaf, _ in wanted), f"Restoring {len(wanted)} leaves from {self.location}")
@@ -138,8 +144,8 @@ def _entry(entry: Any, root: pathlib.Path) -> tuple[tuple[KeyRecord, ...], str, 
         if kind is None or not isinstance(value, str):
             raise ManifestError(f"{where}: key {key!r} is not a dict key or a sequence index.")
         if kind == "seq":
-            if not value.isdigit():
-                raise ManifestError(f"{where}: sequence index {value!r} is not a number.")
+            if not (value.isascii() and value.isdigit() and len(value) <= 18):
+                raise ManifestError(f"{where}: sequence index {value!r} is not a number (ASCII digits).")
             keys.append(("seq", int(value)))
         else:
             keys.append(("dict", value))
@@ -173,11 +179,19 @@ def _read_json(file: pathlib.Path) -> dict[str, Any]:
 
 
 def _refuse_symlinks(root: pathlib.Path) -> None:
-    """Nothing in the checkpoint may be a symlink: TensorStore would follow it out of the directory."""
+    """Nothing in the checkpoint may be a symlink (TensorStore would follow it out of the
+    directory) or anything but plain files and directories (reading a FIFO blocks forever)."""
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
-            if os.path.islink(os.path.join(dirpath, name)):
+            where = os.path.join(dirpath, name)
+            mode = os.lstat(where).st_mode
+            if stat.S_ISLNK(mode):
                 raise ManifestError(
-                    f"{os.path.join(dirpath, name)} is a symlink inside the Orbax checkpoint {root}; refusing to "
-                    "read it (it could point outside the checkpoint)."
+                    f"{where} is a symlink inside the Orbax checkpoint {root}; refusing to read it (it could point "
+                    "outside the checkpoint)."
+                )
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise ManifestError(
+                    f"{where} in the Orbax checkpoint {root} is not a plain file or directory (a FIFO, socket or "
+                    "device); refusing to read it."
                 )

@@ -35,14 +35,16 @@ from ._errors import (
     CorruptCheckpointError,
     ManifestError,
     PathError,
+    UnsupportedLeafError,
 )
 from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
+from ._lease import lock_file, remove_abandoned_files
 from ._manifest import parse_json_object
 from ._paths import encode_segment, key_entry_record
 from ._progress import advance
-from ._source import LazyEntry, Source
+from ._source import LazyEntry, Source, check_one_tree
 from ._store import fsync_path, hidden_sibling, read_capped
-from ._tree import flatten
+from ._tree import flatten, is_prng_key_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -118,7 +120,7 @@ class SafetensorsCheckpoint(Source):
                     f"{INDEX_NAME} of {location} lists {len(missing)} tensors its shards do not hold "
                     f"(e.g. {missing[0]!r}). The directory is incomplete."
                 )
-        _check_tree(self._leaves, location)
+        check_one_tree(self._leaves, location, lambda path: names[path])
 
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         check_allocation(sum(leaf.nbytes for leaf, _ in wanted), f"Restoring {len(wanted)} leaves from {self.location}")
@@ -146,14 +148,16 @@ def read_range(fd: int, offset: int, buffer: np.ndarray, path: str) -> None:
 
 
 def open_file(file: pathlib.Path) -> int:
-    """``file`` opened for reading; a symlink or anything but a regular file is refused."""
+    """``file`` opened for reading; a symlink or anything but a regular file is refused
+    (opened without blocking, so a FIFO in its place cannot hang the reader)."""
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise CheckpointNotFoundError(f"Cannot open {file}: {e.strerror} (symlinks are refused).") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise ManifestError(f"{file} is not a regular file.")
+        raise ManifestError(f"{file} is not a regular file (a FIFO, device or directory); refusing to read it.")
+    os.set_blocking(fd, True)
     return fd
 
 
@@ -216,25 +220,20 @@ def read_header(fd: int, file: pathlib.Path) -> tuple[dict[str, tuple[str, tuple
     return tensors, 8 + length, metadata
 
 
-def _check_tree(leaves: dict[str, Any], location: str) -> None:
-    """Names must describe one tree: no tensor's path is also a prefix of another's."""
-    paths = sorted(leaves)
-    for first, second in zip(paths, paths[1:]):
-        if second.startswith(first + "/"):
-            raise ManifestError(
-                f"{location}: tensor paths {first!r} and {second!r} cannot both be leaves of one tree "
-                "(one is inside the other). Open it with a CheckpointTranslator that renames one of them."
-            )
-
-
 def open_safetensors(path: pathlib.Path) -> SafetensorsCheckpoint:
     """A ``.safetensors`` file, a directory holding ``model.safetensors``, or a sharded
     directory (``model.safetensors.index.json`` and its shards)."""
     if path.is_file():
         return SafetensorsCheckpoint(str(path), {path.name: path})
     index_file = path / INDEX_NAME
-    if index_file.is_file():
-        doc = parse_json_object(read_capped(index_file, MAX_INDEX_BYTES), str(index_file), MAX_INDEX_BYTES)
+    if index_file.is_file() or index_file.is_symlink():
+        try:
+            raw = read_capped(index_file, MAX_INDEX_BYTES)
+        except OSError as e:
+            raise ManifestError(
+                f"Cannot read {index_file}: {e.strerror or e} (a symlink or special file in its place is refused)."
+            ) from None
+        doc = parse_json_object(raw, str(index_file), MAX_INDEX_BYTES)
         weight_map = doc.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ManifestError(f"{index_file} has no 'weight_map' of tensor names to shard files.")
@@ -303,7 +302,18 @@ def save_safetensors(
                 "ambiguous. Rename the key, or use eqxckpt.save."
             )
         name = ".".join(parts)
-        array = leaf if isinstance(leaf, LazyEntry) else np.ascontiguousarray(np.asarray(leaf))
+        if name == "__metadata__":
+            raise PathError(
+                f"Leaf {leaf_path!r} would be the tensor '__metadata__', the name safetensors reserves for the "
+                "file's metadata (no reader could open the file). Rename the key."
+            )
+        if is_prng_key_dtype(leaf.dtype):
+            raise UnsupportedLeafError(
+                f"Leaf {leaf_path!r} is a typed PRNG key array, which safetensors cannot hold. Save its key data "
+                "(jax.random.key_data(x)) instead, or use eqxckpt.save, which stores keys."
+            )
+        # np.asarray with order="C", not np.ascontiguousarray: that turns 0-d arrays into shape [1].
+        array = leaf if isinstance(leaf, LazyEntry) else np.asarray(leaf, order="C")
         dtype = NAMES.get(np.dtype(array.dtype).name)
         if dtype is None:
             raise CheckpointError(f"Leaf {leaf_path!r} has dtype {array.dtype}, which safetensors cannot hold.")
@@ -323,7 +333,7 @@ def save_safetensors(
                 sources.enter_context(source.consistent())
             for array in arrays:
                 if isinstance(array, LazyEntry):
-                    array = np.ascontiguousarray(np.asarray(array.get()))
+                    array = np.asarray(array.get(), order="C")
                 f.write(array.reshape(-1).view(np.uint8).data)
                 advance(array.nbytes)
 
@@ -333,13 +343,15 @@ def save_safetensors(
 def write_file(final: pathlib.Path, body: Callable[[BinaryIO], object], overwrite: bool) -> None:
     """Write a file whole, durably and atomically: ``body`` fills a hidden temporary
     beside ``final``, which `commit_file` then moves into place."""
+    remove_abandoned_files(final)  # what a killed writer of this file left
     tmp = hidden_sibling(final, "tmp")
     try:
         with open(tmp, "wb") as f:
+            lock_file(f.fileno())  # held until the commit: a cleaner never takes it from under us
             body(f)
             f.flush()
             os.fsync(f.fileno())
-        commit_file(tmp, final, overwrite)
+            commit_file(tmp, final, overwrite)
         fsync_path(final.parent)
     finally:
         tmp.unlink(missing_ok=True)  # a hard-link commit leaves the temporary name behind

@@ -4,7 +4,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -131,6 +133,25 @@ def _pack(records: list[Leaf], leaves: list[_Leaf]) -> tuple[list[Leaf], list[_L
     )
 
 
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold back Ctrl-C (SIGINT) until the block is done, then raise it. Only the main
+    thread receives signals, and only Python's default handler is replaced."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if received:
+            raise KeyboardInterrupt
+
+
 def _on_cpu(array: jax.Array) -> bool:
     return all(d.platform == "cpu" for d in array.sharding.device_set)
 
@@ -157,21 +178,58 @@ def _settle(
     """Every future's result. On failure, raise only once all have finished, so
     nothing is still writing into a directory that the caller then removes.
     ``done``: the (bytes, leaves) each future completes, counted (progress) as it settles."""
-    results, failure = [], None
+    results: list[Any] = []
+    failure: BaseException | None = None
     for i, (record, future) in enumerate(futures):
         try:
-            results.append(future.result())
-            if done is not None:
-                advance(*done[i])
+            results.append(_wait(future))
         except Exception as e:  # noqa: BLE001 - the first is raised below, after the rest settle
             results.append(None)
             if failure is None:
                 why = reason(e)
                 failure = CheckpointWriteError(f"{action} leaf {record.path!r} failed: {why}. {nothing_committed(why)}")
                 failure.__cause__ = e
+            continue
+        except BaseException as e:  # KeyboardInterrupt: raised too, once nothing is writing any more
+            results.append(None)
+            failure = failure or e
+            continue
+        if done is not None and failure is None:
+            try:
+                advance(*done[i])
+            except BaseException as e:  # noqa: BLE001 - the user's progress callback: raised as itself
+                failure = e
     if failure is not None:
         raise failure
     return results
+
+
+def _failure(future: Any) -> Exception | None:
+    """A future's exception once it has finished (None: it succeeded)."""
+    try:
+        _wait(future)
+    except Exception as e:  # noqa: BLE001 - returned for the caller to raise
+        return e
+    return None
+
+
+def _wait(future: Any) -> Any:
+    """A future's result; an interrupt (Ctrl-C) while waiting waits on, then is raised:
+    a write still running could recreate files of a save that its failure removes."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            result = future.result()
+            break
+        except KeyboardInterrupt as e:
+            interrupted = e
+        except BaseException:
+            if interrupted is not None:
+                raise interrupted from None
+            raise
+    if interrupted is not None:
+        raise interrupted
+    return result
 
 
 def _open_arrays(target: Storage, leaves: list[_Leaf], create: bool) -> list[ts.TensorStore]:
@@ -326,7 +384,7 @@ def _run(location: Storage, manifest: Manifest, leaves: list[_Leaf], overwrite: 
         try:
             created = _open_arrays(staging.storage, leaves, create=True)
         finally:  # nothing may still be writing when a failed save removes its files
-            failures = [written.exception() for written in groups]
+            failures = [_failure(written) for written in groups]
         for failure in failures:
             if failure is not None:
                 raise failure
@@ -352,12 +410,17 @@ def _run(location: Storage, manifest: Manifest, leaves: list[_Leaf], overwrite: 
             staging.commit(manifest, expected_files([(leaf.record, leaf.shard) for leaf in leaves]))
 
     try:
-        [where, *_] = run("prepare", prepare)
+        # Ctrl-C waits while a staging directory is made and recorded, or committed:
+        # interrupted there, one would be left behind half made. Writes stay interruptible.
+        with interrupts_deferred():
+            [where, *_] = run("prepare", prepare)
         run("write", lambda: write(where or ""))
-        run("commit", commit)
+        with interrupts_deferred():
+            run("commit", commit)
     except BaseException as e:
         if staging is not None:
-            staging.abort(e)
+            with interrupts_deferred():
+                staging.abort(e)
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             error = CheckpointWriteError(f"Saving to {location} failed: {e}. {NOTHING_COMMITTED}")
             error.errno = e.errno

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import CheckpointChangedError, CheckpointError
+from ._errors import CheckpointChangedError, CheckpointError, ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._lease import LocalPin, Pin
 from ._paths import depth, normalize_at, relative_to
@@ -264,6 +264,22 @@ class LazyEntry:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def check_one_tree(leaves: dict[str, Leaf], location: Any, name: Any = None) -> None:
+    """Refuse leaves that do not describe one tree: a path that is a leaf and also holds
+    other leaves (``a`` and ``a/c``) would lose one of them when the tree is rebuilt.
+    ``name(path)`` is what the format calls the leaf (``a.c`` for safetensors)."""
+    name = name or (lambda path: path)
+    for path in leaves:
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            prefix = "/".join(parts[:i])
+            if prefix in leaves:
+                raise ManifestError(
+                    f"{location}: {name(prefix)!r} is a tensor and also holds {name(path)!r}; one tree cannot "
+                    "have both (one would be lost). Open it through a CheckpointTranslator that renames one of them."
+                )
 
 
 def nothing_under(source: Source, at: str | None) -> CheckpointError:

@@ -6,16 +6,20 @@ Variable names are paths already (``encoder/block_000/layer_000/SelfAttention/q`
 """
 
 import os
+import pathlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ._errors import CheckpointError, CheckpointNotFoundError
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from ._leaf import UNKNOWN, ArrayLeaf, StoredLeaf
 from ._paths import encode_segment
 from ._progress import advance
-from ._source import Source
+from ._source import Source, check_one_tree
+
+# TF2 checkpoints' record of the Python object graph: a serialised proto, not a variable.
+OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 
 
 class TFCheckpoint(Source):
@@ -31,18 +35,36 @@ class TFCheckpoint(Source):
         self._names: dict[str, str] = {}  # path -> the variable's name in the checkpoint
         self._leaves = {}
         for name in sorted(shapes):
+            if name == OBJECT_GRAPH:
+                continue  # TF2's record of its Python objects, not a variable (TensorFlow's tools skip it too)
             parts = name.split("/")
             path = "/".join(encode_segment(part) for part in parts)
             self._names[path] = name
             keys = tuple(("dict", part) for part in parts)
             dtype = np.dtype(dtypes[name].as_numpy_dtype).name
             self._leaves[path] = ArrayLeaf(path, keys, tuple(shapes[name]), dtype, UNKNOWN)
+        check_one_tree(self._leaves, self.location, lambda path: self._names[path])
 
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         values = []
         for leaf, target in wanted:
             name = self._names[leaf.path]
-            values.append(leaf.finish(np.asarray(self._reader.get_tensor(name)), target))
+            try:
+                data = np.asarray(self._reader.get_tensor(name))
+            except Exception as e:  # noqa: BLE001 - TensorFlow raises IndexError, OpError, ... for damaged data
+                raise CorruptCheckpointError(
+                    f"Leaf {leaf.path!r}: TensorFlow could not read variable {name!r} of {self.location} "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). The checkpoint's data "
+                    "files are truncated or damaged.",
+                    path=leaf.path,
+                ) from None
+            if data.shape != leaf.shape or data.dtype != np.dtype(leaf.dtype):
+                raise CorruptCheckpointError(
+                    f"Leaf {leaf.path!r}: variable {name!r} read as {data.dtype}{list(data.shape)}, but the index "
+                    f"says {leaf.describe()}. The checkpoint is damaged.",
+                    path=leaf.path,
+                )
+            values.append(leaf.finish(data, target))
             advance(leaf.nbytes)
         return values
 
@@ -57,8 +79,46 @@ def open_tf(path: Any) -> TFCheckpoint:
             "Reading TensorFlow checkpoints needs TensorFlow, which is not installed. "
             "Install it with: pip install 'eqxckpt[tf]'"
         ) from None
+    prefix = _prefix(pathlib.Path(path), tf)
     try:
-        reader = tf.train.load_checkpoint(str(path))
+        reader = tf.train.load_checkpoint(str(prefix))
     except (ValueError, tf.errors.OpError) as e:
         raise CheckpointNotFoundError(f"No TensorFlow checkpoint at {path}: {str(e).splitlines()[0]}") from None
     return TFCheckpoint(path, reader)
+
+
+def _prefix(path: pathlib.Path, tf: Any) -> pathlib.Path:
+    """The checkpoint prefix ``path`` names: itself, or for a directory the one its
+    ``checkpoint`` file names, which must lie in that directory (the file may name any
+    path, ``../`` or absolute, and is read as data, not followed out). The prefix's
+    files must be plain files: a symlink could lead out, a FIFO would block forever."""
+    if path.is_dir():
+        try:
+            state = tf.train.get_checkpoint_state(str(path))
+        except (ValueError, tf.errors.OpError) as e:
+            raise ManifestError(f"{path / 'checkpoint'} cannot be parsed: {str(e).splitlines()[0]}") from None
+        if state is None or not state.model_checkpoint_path:
+            raise CheckpointNotFoundError(f"No TensorFlow checkpoint at {path}: its checkpoint file names none.")
+        named = pathlib.Path(state.model_checkpoint_path)
+        prefix = path / named.name
+        if os.path.realpath(named.parent if named.is_absolute() else path / named.parent) != os.path.realpath(path):
+            inside = (path / f"{named.name}.index").is_file()
+            raise ManifestError(
+                f"{path / 'checkpoint'} names {state.model_checkpoint_path!r}, outside {path}. eqxckpt reads only "
+                "the directory it is given; pass a prefix to read a checkpoint by name"
+                + (f" (this directory holds {str(prefix)!r})." if inside else ".")
+            )
+    else:
+        prefix = path
+    parent = prefix.parent if str(prefix.parent) else pathlib.Path(".")
+    try:
+        files = [entry for entry in os.scandir(parent) if entry.name.startswith(prefix.name + ".")]
+    except OSError as e:
+        raise CheckpointNotFoundError(f"Cannot read {parent}: {e.strerror or e}.") from None
+    for entry in files:
+        if not entry.is_file(follow_symlinks=False):
+            raise ManifestError(
+                f"{entry.path} is a symlink or special file (a FIFO, device or directory), not a plain file of the "
+                "TensorFlow checkpoint; refusing to read it."
+            )
+    return prefix

@@ -1,13 +1,16 @@
 """Flattening pytrees into path-named leaves, and telling leaf kinds apart."""
 
+import collections.abc
 import functools
 import inspect
+import numbers
 from typing import Any
 
 import jax
 import jax.tree_util as jtu
 import numpy as np
 
+from ._errors import ManifestError
 from ._paths import check_unique, keypath_to_path
 
 SCALAR_TYPES = (bool, int, float, complex, str)
@@ -100,6 +103,45 @@ def is_code(x: Any) -> bool:
     return callable(x) and module in ("jax", "jaxlib", "equinox")
 
 
+# Types whose instances hold data even with no attributes: containers, buffers, numbers.
+_HOLDS_DATA = (
+    collections.abc.Iterable,
+    collections.abc.Sized,
+    collections.abc.Container,
+    numbers.Number,
+    bytes,
+    bytearray,
+    memoryview,
+)
+
+
+def holds_no_data(x: Any) -> bool:
+    """Whether ``x`` is an object that provably holds no data: a plain instance with no
+    attributes at all (``object()``, Equinox's ``SharedNode`` placeholder of a tied
+    weight), of a class that is no container, number or buffer. `save` records such
+    a leaf by its type and `load` takes it from `like`; anything with state is refused.
+    """
+    if isinstance(x, _HOLDS_DATA) or is_array_like(x) or is_code(x):
+        return False
+    cls = type(x)
+    if cls is object:
+        return True
+    # A Python class's instance: its state is its __dict__ and slots. Objects of C types,
+    # which keep state where this cannot see, have neither and are refused.
+    state = getattr(x, "__dict__", None)
+    if state is None and not all("__slots__" in klass.__dict__ for klass in cls.__mro__[:-1]):
+        return False
+    if state is not None and (not isinstance(state, dict) or state):
+        return False
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
+                return False
+    # Classes that keep state elsewhere say how to rebuild it.
+    return cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
+
+
 def is_empty_subtree(x: Any) -> bool:
     """None, or a container with no leaves at all (``()``, ``{}``, optax's ``EmptyState()``)."""
     return x is None or (not jtu.all_leaves([x]) and not jtu.tree_leaves(x))
@@ -129,12 +171,17 @@ def build_plain_tree(pairs: list[tuple[tuple[tuple[Any, ...], ...], Any]], depth
     return _freeze(root)
 
 
-def _freeze(node: Any) -> Any:
+def _freeze(node: Any, where: str = "") -> Any:
     if not isinstance(node, _Node):
         return node
     if node.kind == "list":
-        out = [None] * (max(node) + 1 if node else 0)
-        for index, child in node.items():
-            out[index] = _freeze(child)
-        return out
-    return {key: _freeze(child) for key, child in node.items()}
+        # Checked before a list is allocated: a crafted index cannot make a huge one,
+        # and a missing leaf cannot become a silent None.
+        if node and (min(node) != 0 or max(node) != len(node) - 1):
+            raise ManifestError(
+                f"The sequence at {where or '<root>'!r} has items {sorted(node)[:5]}{' ...' if len(node) > 5 else ''} "
+                f"(largest {max(node)}), not exactly 0..{len(node) - 1}: items are missing, so it cannot be rebuilt "
+                "without code. The checkpoint is damaged or crafted; load it into a `like` that has the structure."
+            )
+        return [_freeze(node[index], f"{where}/{index}" if where else str(index)) for index in range(len(node))]
+    return {key: _freeze(child, f"{where}/{key}" if where else str(key)) for key, child in node.items()}

@@ -3,15 +3,17 @@
 import collections
 import dataclasses
 
+import numpy as np
 import tensorstore as ts
 
 from ._backend import corrupt
 from ._checkpoint import Checkpoint, open_checkpoint, reading
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ._leaf import StoredLeaf
+from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
+from ._store import PACK_CHUNK_BYTES
 
 # Large leaves are read in slabs of whole chunks, so verifying needs little memory.
 SLAB_BYTES = 64 * 1024 * 1024
@@ -169,7 +171,8 @@ def _start_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> list[ts.Future]:
 
 
 def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: VerifyReport) -> None:
-    """Read the packed array slab by slab; a slab that fails is reported for every leaf in it."""
+    """Read the packed array slab by slab; a slab that fails is read again chunk by chunk,
+    so that exactly the leaves with bytes in a damaged chunk are reported."""
     array = checkpoint._packed
     assert array is not None
     length = array.shape[0]
@@ -177,12 +180,20 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
     try:
         store = checkpoint._packed_store
         for start in range(0, length, SLAB_BYTES):
+            end = min(start + SLAB_BYTES, length)
             try:
-                store[start : min(start + SLAB_BYTES, length)].read().result()
-            except Exception as e:  # noqa: BLE001 - reported below, for the leaves in this slab
-                failures.append((start, start + SLAB_BYTES, str(corrupt(array, e))))
+                store[start:end].read().result()
+                continue
+            except Exception:  # noqa: BLE001 - found again below, chunk by chunk
+                pass
+            for chunk in range(start, end, PACK_CHUNK_BYTES):
+                try:
+                    store[chunk : min(chunk + PACK_CHUNK_BYTES, end)].read().result()
+                except Exception as e:  # noqa: BLE001 - reported below, for the leaves in this chunk
+                    failures.append((chunk, chunk + PACK_CHUNK_BYTES, str(corrupt(array, e))))
     except CheckpointError as e:
         failures.append((0, length, str(e)))
+        store = None
     for record in packed:
         offset = record.offset or 0
         try:
@@ -199,6 +210,9 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
                 ),
                 None,
             )
+            if problem is None and store is not None and record.dtype == "bool":
+                raw = store[offset : offset + record.nbytes].read().result()
+                check_bool_bytes(raw.view(np.bool_), record.path)
         except CheckpointError as e:
             problem = e
         _count(report, record, problem)

@@ -2,6 +2,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -118,3 +119,36 @@ def kill_when(script: str, ready, timeout: float = 120) -> None:
         writer.send_signal(signal.SIGKILL)
     finally:
         writer.wait()
+
+
+def returns_within(call, seconds: float = 60.0, release=None):
+    """``call()``'s outcome (its value, or its exception raised here), failing the test if it
+    has not returned within ``seconds`` (a reader blocked on a FIFO, say). ``release()``
+    then unblocks it, so that no thread is left hanging."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        if release is not None:
+            release()
+        thread.join(10)
+        raise AssertionError(f"still running after {seconds} s: it hangs")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def release_fifo(path) -> None:
+    """Open a FIFO for writing and close it, so that a reader blocked on it sees its end."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass

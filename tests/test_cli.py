@@ -146,3 +146,40 @@ def test_inspect_names_functions_and_classes_readably(tmp_path):
 def test_import_t5_overwrite_has_help():
     status, out, _ = run_cli("import-t5", "--help")
     assert status == 0 and "replace a checkpoint already at OUT" in " ".join(out.split())
+
+
+def test_convert_writes_only_the_formats_it_offers(tmp_path, capsys):
+    eqxckpt.save(tmp_path / "src", {"w": np.ones(3, np.float32)})
+    for unwritable in ("orbax", "tf"):
+        try:
+            main(["convert", str(tmp_path / "src"), str(tmp_path / unwritable), "--to", unwritable])
+            raise AssertionError("argparse accepted an unwritable format")
+        except SystemExit as e:
+            assert e.code == 2
+        assert "invalid choice" in capsys.readouterr().err
+        assert not (tmp_path / unwritable).exists()
+
+
+def test_convert_to_safetensors_refuses_to_drop_scalars_silently(tmp_path, capsys):
+    import safetensors.numpy as stn
+
+    eqxckpt.save(tmp_path / "src", {"w": np.ones(3, np.float32), "step": 5, "name": "run", "lr": 0.1, "none": None})
+    dst = tmp_path / "out.safetensors"
+    assert main(["convert", str(tmp_path / "src"), str(dst), "--to", "safetensors"]) == 1
+    err = capsys.readouterr().err
+    assert "3 leaves that are not arrays" in err and "step: int = 5" in err and "name: str = 'run'" in err
+    assert "lr: float = 0.1" in err and "--arrays-only" in err and "Nothing was written" in err
+    assert not dst.exists()
+    assert main(["convert", str(tmp_path / "src"), str(dst), "--to", "safetensors", "--arrays-only"]) == 0
+    out, err = capsys.readouterr()
+    assert "1 leaves" in out and err.count("left out") == 3 and "left out step (int = 5)" in err
+    assert list(stn.load_file(str(dst))) == ["w"]
+
+
+def test_convert_refuses_a_destination_inside_the_source_or_around_it(tmp_path, capsys):
+    eqxckpt.save(tmp_path / "src", {"w": np.ones(3, np.float32)})
+    for dst in (tmp_path / "src" / "sub", tmp_path / "src", tmp_path):
+        assert main(["convert", str(tmp_path / "src"), str(dst), "--overwrite"]) == 1
+        assert "one is inside the other" in capsys.readouterr().err
+    assert eqxckpt.verify(tmp_path / "src").ok
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == ["eqxckpt.json", "w", "zarr.json"]

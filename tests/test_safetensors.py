@@ -1,6 +1,7 @@
 """safetensors in and out, with files written and read by the real `safetensors` library."""
 
 import json
+import os
 import struct
 
 import equinox as eqx
@@ -258,3 +259,112 @@ def test_a_file_replaced_while_open_is_read_whole_from_the_version_opened(tmp_pa
     np.testing.assert_array_equal(first, np.zeros(4, np.float32))
     np.testing.assert_array_equal(ckpt["b"].get(), np.zeros(4, np.float32))  # the old version, not the new
     np.testing.assert_array_equal(eqxckpt.load(path)["b"], np.ones(4, np.float32))  # a new open sees the new one
+
+
+def raw_file(path, header: dict | str, data: bytes = b"") -> None:
+    """A safetensors file with exactly this header text (a dict is dumped as JSON)."""
+    raw = (header if isinstance(header, str) else json.dumps(header)).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_a_name_that_is_a_tensor_and_a_subtree_is_refused_naming_both(tmp_path, capsys):
+    # "a-x" sorts between "a" and "a/c", which hid the clash from a check of neighbours.
+    path = tmp_path / "clash.safetensors"
+    stn.save_file(
+        {"a.c": np.ones(1, np.float32), "a": np.full(1, 2, np.float32), "a-x": np.full(1, 3, np.float32)}, str(path)
+    )
+    for attempt in (lambda: eqxckpt.open(path), lambda: eqxckpt.load(path)):
+        with pytest.raises(eqxckpt.ManifestError, match=r"'a' is a tensor and also holds 'a\.c'"):
+            attempt()
+    from eqxckpt._cli import main
+
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 1
+    assert "'a' is a tensor and also holds 'a.c'" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_zero_dimensional_leaves_keep_their_shape(tmp_path):
+    tree = {"a": np.float32(3.5), "b": np.array(2.0), "c": jnp.float32(1.5), "d": np.arange(3)}
+    eqxckpt.save_safetensors(tmp_path / "z.safetensors", tree)
+    theirs = stn.load_file(str(tmp_path / "z.safetensors"))
+    assert {k: v.shape for k, v in theirs.items()} == {"a": (), "b": (), "c": (), "d": (3,)}
+    ours = eqxckpt.load(tmp_path / "z.safetensors")
+    assert {k: np.shape(v) for k, v in ours.items()} == {"a": (), "b": (), "c": (), "d": (3,)}
+    assert float(ours["a"]) == 3.5 and ours["b"].dtype == np.float64
+    # Through convert: an eqxckpt checkpoint's 0-d leaves, lazily copied.
+    eqxckpt.save(tmp_path / "ckpt", tree)
+    eqxckpt.save_safetensors(tmp_path / "copy.safetensors", eqxckpt.open(tmp_path / "ckpt").tree())
+    assert {k: v.shape for k, v in stn.load_file(str(tmp_path / "copy.safetensors")).items()}["a"] == ()
+
+
+def test_reserved_and_duplicate_tensor_names_are_refused(tmp_path):
+    with pytest.raises(eqxckpt.PathError, match="'__metadata__'"):
+        eqxckpt.save_safetensors(tmp_path / "m.safetensors", {"__metadata__": np.ones(2)})
+    assert not list(tmp_path.iterdir())
+    entry = '{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+    raw_file(tmp_path / "dup.safetensors", f'{{"a": {entry}, "a": {entry}}}', b"\0" * 4)
+    with pytest.raises(eqxckpt.ManifestError, match="names 'a' twice"):
+        eqxckpt.open(tmp_path / "dup.safetensors")
+
+
+def test_prng_keys_are_refused_by_name(tmp_path, capsys):
+    tree = {"params": {"w": np.ones(2)}, "rng": jax.random.key(0)}
+    with pytest.raises(eqxckpt.UnsupportedLeafError, match="Leaf 'rng' is a typed PRNG key"):
+        eqxckpt.save_safetensors(tmp_path / "k.safetensors", tree)
+    eqxckpt.save(tmp_path / "ckpt", tree)
+    from eqxckpt._cli import main
+
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "k.safetensors"), "--to", "safetensors"]) == 1
+    assert "Leaf 'rng' is a typed PRNG key" in capsys.readouterr().err
+    assert not (tmp_path / "k.safetensors").exists()
+
+
+def test_a_bool_byte_other_than_0_or_1_is_refused(tmp_path):
+    raw_file(
+        tmp_path / "b.safetensors", {"x": {"dtype": "BOOL", "shape": [3], "data_offsets": [0, 3]}}, b"\x01\x02\x00"
+    )
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="Leaf 'x': its bool data holds bytes other than 0 and 1"):
+        eqxckpt.load(tmp_path / "b.safetensors")
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="bool data"):
+        eqxckpt.open(tmp_path / "b.safetensors")["x"].get()
+    raw_file(
+        tmp_path / "ok.safetensors", {"x": {"dtype": "BOOL", "shape": [3], "data_offsets": [0, 3]}}, b"\x01\x00\x01"
+    )
+    assert eqxckpt.load(tmp_path / "ok.safetensors")["x"].tolist() == [True, False, True]
+
+
+def test_fifos_and_symlinks_in_a_directory_are_refused_without_hanging(tmp_path):
+    from conftest import release_fifo, returns_within
+
+    directory = tmp_path / "sharded"
+    directory.mkdir()
+    stn.save_file({"a": np.ones(2, np.float32)}, str(directory / "one.safetensors"))
+    os.mkfifo(directory / "two.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "one.safetensors", "b": "two.safetensors"}}
+    (directory / "real_index.json").write_text(json.dumps(index))
+    (directory / "model.safetensors.index.json").symlink_to(directory / "real_index.json")
+    with pytest.raises(eqxckpt.ManifestError, match="symlink or special file"):
+        returns_within(lambda: eqxckpt.open(directory), release=lambda: release_fifo(directory / "two.safetensors"))
+    (directory / "model.safetensors.index.json").unlink()
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(eqxckpt.ManifestError, match="not a regular file"):
+        returns_within(lambda: eqxckpt.open(directory), release=lambda: release_fifo(directory / "two.safetensors"))
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
+    from conftest import kill_when
+
+    final = tmp_path / "big.safetensors"
+    script = f"""
+import numpy as np, eqxckpt
+eqxckpt.save_safetensors({str(final)!r}, {{f"w{{i}}": np.ones(1 << 22, np.float32) for i in range(64)}})
+"""
+    kill_when(script, lambda: any(p.name.startswith(".big.safetensors.eqxckpt-tmp-") for p in tmp_path.iterdir()))
+    assert [p.name for p in tmp_path.iterdir()][0].startswith(".big.safetensors.eqxckpt-tmp-")
+    os.mkfifo(tmp_path / ".big.safetensors.eqxckpt-tmp-0123456789ab")  # not a file eqxckpt writes: left alone
+    (tmp_path / ".other.safetensors.eqxckpt-tmp-0123456789ab").write_bytes(b"another file's")
+    eqxckpt.save_safetensors(final, {"w": np.ones(2, np.float32)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".big.safetensors.eqxckpt-tmp-0123456789ab",
+        ".other.safetensors.eqxckpt-tmp-0123456789ab",
+        "big.safetensors",
+    ]

@@ -512,3 +512,190 @@ def test_leaves_and_lazy_selections_of_many_chunks_are_written_chunk_by_chunk(tm
     np.testing.assert_array_equal(out["part"], w[3:37])
     np.testing.assert_array_equal(out["cast"], w.astype(np.float16))
     np.testing.assert_array_equal(out["whole"], w)
+
+
+# --- Equinox's own trees: every layer, tied weights, state, and its serialisation tests' trees ---
+
+
+def _every_equinox_layer(key):
+    keys = iter(jax.random.split(key, 64))
+    return {
+        "linear": eqx.nn.Linear(3, 4, key=next(keys)),
+        "linear_scalar": eqx.nn.Linear("scalar", "scalar", key=next(keys)),
+        "identity": eqx.nn.Identity(),
+        "conv1d": eqx.nn.Conv1d(2, 3, 3, key=next(keys)),
+        "conv2d": eqx.nn.Conv2d(2, 3, (2, 3), padding="SAME", key=next(keys)),
+        "conv3d": eqx.nn.Conv3d(1, 2, 2, use_bias=False, key=next(keys)),
+        "convt1d": eqx.nn.ConvTranspose1d(2, 3, 3, key=next(keys)),
+        "convt2d": eqx.nn.ConvTranspose2d(2, 3, 2, key=next(keys)),
+        "convt3d": eqx.nn.ConvTranspose3d(1, 2, 2, key=next(keys)),
+        "embedding": eqx.nn.Embedding(10, 4, key=next(keys)),
+        "mlp": eqx.nn.MLP(3, 2, 8, 2, activation=jax.nn.gelu, key=next(keys)),
+        "dropout": eqx.nn.Dropout(0.3),
+        "layernorm": eqx.nn.LayerNorm(5),
+        "rmsnorm": eqx.nn.RMSNorm(5),
+        "groupnorm": eqx.nn.GroupNorm(2, 4),
+        "weightnorm": eqx.nn.WeightNorm(eqx.nn.Linear(3, 3, key=next(keys))),
+        "attention": eqx.nn.MultiheadAttention(2, 8, key=next(keys)),
+        "rope": eqx.nn.RotaryPositionalEmbedding(8),
+        "gru": eqx.nn.GRUCell(3, 4, key=next(keys)),
+        "lstm": eqx.nn.LSTMCell(3, 4, key=next(keys)),
+        "sequential": eqx.nn.Sequential(
+            [eqx.nn.Linear(3, 3, key=next(keys)), eqx.nn.Lambda(jax.nn.relu), eqx.nn.PReLU()]
+        ),
+        "pools": [
+            eqx.nn.MaxPool1d(2),
+            eqx.nn.MaxPool2d(2, 2),
+            eqx.nn.MaxPool3d(2),
+            eqx.nn.AvgPool1d(2),
+            eqx.nn.AvgPool2d(2),
+            eqx.nn.AvgPool3d(2),
+            eqx.nn.AdaptiveAvgPool1d(2),
+            eqx.nn.AdaptiveAvgPool2d((2, 2)),
+            eqx.nn.AdaptiveAvgPool3d(2),
+            eqx.nn.AdaptiveMaxPool1d(2),
+            eqx.nn.AdaptiveMaxPool2d(2),
+            eqx.nn.AdaptiveMaxPool3d(2),
+        ],
+        "batchnorm": eqx.nn.BatchNorm(4, "batch", mode="batch"),
+        "spectralnorm": eqx.nn.SpectralNorm(eqx.nn.Linear(3, 3, key=next(keys)), "weight", key=next(keys)),
+    }
+
+
+class TiedModel(eqx.Module):
+    """An embedding tied to the output layer with `eqx.nn.Shared`."""
+
+    shared: eqx.nn.Shared
+
+    def __init__(self, key):
+        embed_key, head_key = jax.random.split(key)
+        embedding = eqx.nn.Embedding(10, 4, key=embed_key)
+        head = eqx.nn.Linear(4, 10, key=head_key)
+        self.shared = eqx.nn.Shared((embedding, head), lambda pair: pair[1].weight, lambda pair: pair[0].weight)
+
+    def __call__(self, token):
+        embedding, head = self.shared()
+        return head(embedding(token))
+
+
+def _as_in(like, tree):
+    """``tree``'s leaves in ``like``'s structure (a State's markers are objects of its own)."""
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), jax.tree_util.tree_leaves(tree))
+
+
+def _layers_and_state(key):
+    layers = _every_equinox_layer(key)
+    return {"layers": layers, "tied": TiedModel(key)}, eqx.nn.State(layers)
+
+
+def test_every_equinox_layer_and_its_state_round_trip_bit_exact(tmp_path):
+    model, state = _layers_and_state(jax.random.key(0))
+    eqxckpt.save(tmp_path / "ckpt", {"model": model, "state": state})
+    other_model, other_state = _layers_and_state(jax.random.key(1))
+    like = {"model": other_model, "state": other_state}
+    restored = eqxckpt.load(tmp_path / "ckpt", like)
+    arrays = eqx.filter(_as_in(like, {"model": model, "state": state}), eqx.is_array)
+    assert_trees_equal(eqx.filter(restored, eqx.is_array), arrays)
+    # Functions (activations, norms) come from `like`, scalars from the checkpoint.
+    assert restored["model"]["layers"]["mlp"].activation is other_model["layers"]["mlp"].activation
+    # Into a skeleton: nothing initialised, the same values come back.
+    skeleton = eqx.filter_eval_shape(lambda k: dict(zip(("model", "state"), _layers_and_state(k))), jax.random.key(2))
+    from_skeleton = eqxckpt.load(tmp_path / "ckpt", skeleton)
+    assert_trees_equal(
+        jax.tree_util.tree_leaves(eqx.filter(from_skeleton, eqx.is_array)), jax.tree_util.tree_leaves(arrays)
+    )
+    # The stateful layers still run, on the restored state.
+    x = jnp.arange(4.0)
+    out, _ = jax.vmap(
+        from_skeleton["model"]["layers"]["batchnorm"], in_axes=(0, None), out_axes=(0, None), axis_name="batch"
+    )(jnp.stack([x, x + 1]), from_skeleton["state"])
+    want, _ = jax.vmap(model["layers"]["batchnorm"], in_axes=(0, None), out_axes=(0, None), axis_name="batch")(
+        jnp.stack([x, x + 1]), state
+    )
+    np.testing.assert_array_equal(out, want)
+
+
+def test_shared_tied_weights_stay_tied_after_load(tmp_path):
+    model = TiedModel(jax.random.key(0))
+    eqxckpt.save(tmp_path / "ckpt", {"model": model})
+    listing = eqxckpt.open(tmp_path / "ckpt")
+    placeholder = listing.leaf("model/shared/pytree/1/weight")
+    assert placeholder.kind == "opaque" and placeholder.describe() == "<equinox.nn._shared.SharedNode>"
+    for like in (TiedModel(jax.random.key(1)), eqx.filter_eval_shape(TiedModel, jax.random.key(1))):
+        restored = eqxckpt.load(tmp_path / "ckpt", {"model": like})["model"]
+        embedding, head = restored.shared()
+        assert head.weight is embedding.weight  # tied: one array, not two equal copies
+        np.testing.assert_array_equal(embedding.weight, model.shared()[0].weight)
+        np.testing.assert_array_equal(head.bias, model.shared()[1].bias)
+        np.testing.assert_array_equal(restored(3), model(3))
+
+
+@pytest.mark.filterwarnings("ignore:When `eqx.nn.BatchNorm")
+def test_equinox_serialisation_test_trees_round_trip(tmp_path):
+    """The trees of Equinox's own tests/test_serialisation.py: a function and an object()
+    are taken from `like`, everything else is restored."""
+    tree = (jnp.array(1), jnp.array([1.0, 2.0]), np.array(1), np.array([1.0, 2.0]), (True, 1, 1.0, 1 + 1j))
+    tree += (lambda x: x, object())
+    like_func, like_obj = (lambda x: x), object()
+    like = (jnp.array(5), jnp.array([6.0, 7.0]), np.array(5), np.array([6.0, 7.0]), (False, 6, 6.0, 6 + 6j))
+    like += (like_func, like_obj)
+    eqxckpt.save(tmp_path / "ckpt", tree)
+    restored = eqxckpt.load(tmp_path / "ckpt", like)
+    assert_trees_equal(restored[:5], tree[:5])
+    assert restored[5] is like_func and restored[6] is like_obj
+    assert eqxckpt.load(tmp_path / "ckpt")[6] is None  # like=None: nothing to take it from
+    # Equinox's test_stateful: two BatchNorms and their State.
+    model = (eqx.nn.BatchNorm(3, "hi"), eqx.nn.BatchNorm(4, "bye"))
+    eqxckpt.save(tmp_path / "stateful", (model, eqx.nn.State(model)))
+    model2 = (eqx.nn.BatchNorm(3, "hi"), eqx.nn.BatchNorm(4, "bye"))
+    like = (model2, eqx.nn.State(model2))
+    restored = eqxckpt.load(tmp_path / "stateful", like)
+    assert_trees_equal(restored, _as_in(like, (model, eqx.nn.State(model))))
+
+
+class Marker:
+    """An object with no attributes: provably no data."""
+
+
+class Holder:
+    def __init__(self, value):
+        self.value = value
+
+
+class Slotted:
+    __slots__ = ("value",)
+
+    def __init__(self, value=None):
+        if value is not None:
+            self.value = value
+
+
+@pytest.mark.parametrize(
+    "leaf, saved",
+    [
+        (object(), True),
+        (Marker(), True),
+        (Slotted(), True),
+        (Holder(np.ones(3)), False),  # attributes hold an array
+        (Holder(0.5), False),  # ...or any value: it would be lost
+        (Slotted(np.ones(3)), False),
+        ({1, 2}, False),  # containers JAX does not flatten
+        (frozenset(), False),
+        (b"bytes", False),
+        (bytearray(b"x"), False),
+        (range(3), False),
+        (slice(1, 2), False),
+        (np.random.default_rng(0), False),  # state kept in C
+        (threading.Lock(), False),
+    ],
+)
+def test_objects_are_saved_only_when_they_provably_hold_no_data(tmp_path, leaf, saved):
+    if saved:
+        eqxckpt.save(tmp_path / "ckpt", {"x": leaf, "w": np.ones(2)})
+        assert eqxckpt.open(tmp_path / "ckpt").leaf("x").kind == "opaque"
+        like = {"x": type(leaf)(), "w": np.zeros(2)}
+        assert eqxckpt.load(tmp_path / "ckpt", like)["x"] is like["x"]
+    else:
+        with pytest.raises(eqxckpt.UnsupportedLeafError, match="Leaf 'x'"):
+            eqxckpt.save(tmp_path / "ckpt", {"x": leaf, "w": np.ones(2)})
+        assert not (tmp_path / "ckpt").exists()

@@ -230,3 +230,32 @@ def test_unsupplied_like_leaf_is_an_error(saved_state):
         eqxckpt.load(
             path, {"x": jnp.ones(2)}, transforms={"x": Transform(original_key="old_head", value_fn=lambda v: v)}
         )
+
+
+def test_values_from_rules_meet_the_dtype_rules_of_stored_values(tmp_path):
+    """A value a rule computes is held to what a stored value is: a different dtype is
+    refused unless cast=True, and a cast that changes the values is refused."""
+    eqxckpt.save(tmp_path / "ckpt", {"a": np.full(3, 1e300), "small": np.full(3, 2.5)})
+    like = {"b": jnp.zeros(3, jnp.float32)}
+    for rule in (
+        Transform(original_key="a", value_fn=lambda x: x),
+        Transform(multi_value_fn=lambda key, tree: tree["a"].get()),
+    ):
+        with pytest.raises(eqxckpt.StructureMismatchError, match=r"produced float64\[3\].*Pass cast=True") as e:
+            eqxckpt.load(tmp_path / "ckpt", like, transforms={"b": rule})
+        assert e.value.mismatched == [("b", "produced float64[3] (pass cast=True to convert)")]
+        with pytest.raises(eqxckpt.CastError, match="infinities"):
+            eqxckpt.load(tmp_path / "ckpt", like, cast=True, transforms={"b": rule})
+    fits = Transform(original_key="small", value_fn=lambda x: x * 2)
+    restored = eqxckpt.load(tmp_path / "ckpt", like, cast=True, transforms={"b": fits})["b"]
+    assert restored.dtype == jnp.float32 and restored.tolist() == [5.0, 5.0, 5.0]
+    # Into numpy leaves, and integers out of range.
+    with pytest.raises(eqxckpt.StructureMismatchError, match="Pass cast=True"):
+        eqxckpt.load(tmp_path / "ckpt", {"b": np.zeros(3, np.float32)}, transforms={"b": fits})
+    with pytest.raises(eqxckpt.CastError, match="outside"):
+        eqxckpt.load(
+            tmp_path / "ckpt",
+            {"b": np.zeros(3, np.int8)},
+            cast=True,
+            transforms={"b": Transform(original_key="small", value_fn=lambda x: x * 100)},
+        )

@@ -14,6 +14,22 @@ from .._store import read_capped
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
 
+# The largest value each size may take: far beyond every published T5 (XXL: d_model 4096,
+# d_ff 10240, 64 heads, 24 blocks; UL2: 32 blocks; mT5: a 250,112-token vocabulary), so
+# that a crafted config cannot make eqxckpt build an absurd skeleton before any check.
+MAX_SIZES = {
+    "vocab_size": 1 << 22,
+    "d_model": 1 << 16,
+    "d_kv": 1 << 12,
+    "d_ff": 1 << 18,
+    "num_layers": 256,
+    "num_decoder_layers": 256,
+    "num_heads": 1024,
+    "relative_attention_num_buckets": 1 << 12,
+    "relative_attention_max_distance": 1 << 20,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class T5Config:
     """T5 hyperparameters, named as in HuggingFace's ``config.json``.
@@ -53,7 +69,7 @@ class T5Config:
         return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
 
     def __post_init__(self) -> None:
-        if self.feed_forward_proj not in ("relu", "gated-gelu"):
+        if not isinstance(self.feed_forward_proj, str) or self.feed_forward_proj not in ("relu", "gated-gelu"):
             raise CheckpointError(f"feed_forward_proj must be 'relu' or 'gated-gelu', got {self.feed_forward_proj!r}.")
         if self.num_decoder_layers is None:
             object.__setattr__(self, "num_decoder_layers", self.num_layers)
@@ -61,8 +77,15 @@ class T5Config:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.type in (int, "int", int | None, "int | None"):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise CheckpointError(f"T5 config: {field.name} must be a positive integer, got {value!r}.")
+                largest = MAX_SIZES[field.name]
+                if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= largest:
+                    shown = (
+                        repr(value) if len(repr(value)) < 40 else f"{repr(value)[:20]}... ({len(repr(value))} chars)"
+                    )
+                    raise CheckpointError(
+                        f"T5 config: {field.name} must be an integer from 1 to {largest} (no T5 is larger), "
+                        f"got {shown}."
+                    )
             elif field.type in (bool, "bool") and not isinstance(value, bool):
                 raise CheckpointError(f"T5 config: {field.name} must be true or false, got {value!r}.")
         eps = self.layer_norm_epsilon
@@ -215,7 +238,11 @@ def _relative_attention_per_layer(bindings: dict, path: Any) -> bool | None:
         for name, value in bindings.items()
         if name == "SelfAttention.relative_attention_type" or name.endswith("/SelfAttention.relative_attention_type")
     }
-    unsupported = {name: value for name, value in found.items() if value not in RELATIVE_ATTENTION_TYPES}
+    unsupported = {
+        name: value
+        for name, value in found.items()
+        if not isinstance(value, str) or value not in RELATIVE_ATTENTION_TYPES
+    }
     if unsupported:
         raise CheckpointError(
             f"{path}: {', '.join(f'{n} = {v!r}' for n, v in unsupported.items())}; this T5 supports only "

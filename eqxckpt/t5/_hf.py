@@ -259,9 +259,13 @@ def convert_hf(
     model = eqxckpt.load("t5_eqx", lambda: T5(config, key=jax.random.key(0)), at="params")
     ```
     """
-    model = load_hf(path, dtype=dtype)
+    model = load_hf(path, dtype=dtype, progress=progress)
     save(
-        out, {"params": model}, metadata={"t5_config": model.config.to_dict(), "source": str(path)}, overwrite=overwrite
+        out,
+        {"params": model},
+        metadata={"t5_config": model.config.to_dict(), "source": str(path)},
+        overwrite=overwrite,
+        progress=progress,
     )
     return model.config
 
