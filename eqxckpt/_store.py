@@ -225,9 +225,12 @@ def read_capped(path: pathlib.Path | str, cap: int, dir_fd: int | None = None) -
     missing or not a regular file."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
-        return f.read(cap + 1)
+        # Sized by the file (plus one byte, to see one that grew past the cap): reading
+        # ``cap + 1`` bytes would allocate that much for every small file.
+        return f.read(min(cap, info.st_size) + 1)
 
 
 def fsync_path(path: pathlib.Path) -> None:

@@ -251,3 +251,17 @@ def test_a_missing_at_is_suggested_when_a_prefix_fits(tmp_path):
     with pytest.raises(eqxckpt.StructureMismatchError) as info:
         eqxckpt.load(tmp_path / "c", {"w": np.zeros(2), "q": np.ones(3)})
     assert "pass at=" not in str(info.value)  # no prefix holds both
+
+
+def test_a_sequence_with_holes_is_a_damaged_manifest_not_nones(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"seq": [np.array(1), np.array(2)]})
+    doc = json.loads((tmp_path / "c" / "eqxckpt.json").read_text())
+    doc.pop("sequences_complete")  # as manifests written before it was recorded, which may have gaps
+    second = doc["leaves"][1]
+    second["path"] = second["location"] = "seq/5"
+    second["keys"][1][1] = 5
+    (tmp_path / "c" / "seq" / "1").rename(tmp_path / "c" / "seq" / "5")
+    (tmp_path / "c" / "eqxckpt.json").write_text(json.dumps(doc))
+    for read in (lambda: eqxckpt.load(tmp_path / "c"), lambda: eqxckpt.open(tmp_path / "c").tree()):
+        with pytest.raises(eqxckpt.ManifestError, match=r"sequence at 'seq' has items \[0, 5\].*not exactly 0\.\.1"):
+            read()

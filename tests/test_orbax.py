@@ -112,3 +112,65 @@ def test_a_checkpoint_replaced_after_open_is_never_read_as_a_mix(tmp_path):
     with pytest.raises(eqxckpt.CheckpointChangedError, match="replaced or deleted"):
         eqxckpt.load(opened)
     np.testing.assert_array_equal(eqxckpt.load(path)["b"], np.ones(3))
+
+
+def _edited(tmp_path, tree, edit_keys, renames):
+    """A per-leaf Orbax checkpoint of ``tree`` whose _METADATA keys are changed by
+    ``edit_keys(key_metadata)`` and whose leaf directories are renamed as ``renames`` says."""
+    path = tmp_path / "ckpt"
+    ocp.PyTreeCheckpointer(use_ocdbt=False).save(os.fspath(path), tree)
+    doc = json.loads((path / "_METADATA").read_text())
+    for entry in doc["tree_metadata"].values():
+        edit_keys(entry["key_metadata"])
+    (path / "_METADATA").write_text(json.dumps(doc))
+    for old, new in renames.items():
+        (path / old).rename(path / new)
+    return path
+
+
+def _rename_key(old, new):
+    def edit(keys):
+        for key in keys:
+            if key["key"] == old:
+                key["key"] = new
+
+    return edit
+
+
+def test_a_name_that_is_a_leaf_and_a_subtree_is_refused(tmp_path):
+    path = _edited(tmp_path, {"a": np.full(1, 2.0), "b": {"c": np.ones(1)}}, _rename_key("b", "a"), {"b.c": "a.c"})
+    with pytest.raises(eqxckpt.ManifestError, match=r"'a' is a tensor and also holds 'a\.c'"):
+        eqxckpt.open(path)
+
+
+def test_a_huge_sequence_index_allocates_nothing(tmp_path):
+    import tracemalloc
+
+    path = _edited(tmp_path, {"a": [np.ones(2)]}, _rename_key("0", "900000000"), {"a.0": "a.900000000"})
+    tracemalloc.start()
+    try:
+        with pytest.raises(eqxckpt.ManifestError, match=r"sequence at 'a' has items \[900000000\]"):
+            eqxckpt.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak  # the list it would have made is 7.2 GB
+
+
+@pytest.mark.parametrize("index", ["²", "٣", "1" * 30])
+def test_a_sequence_index_that_is_not_ascii_digits_is_refused(tmp_path, index):
+    path = _edited(tmp_path, {"a": [np.ones(2)]}, _rename_key("0", index), {})
+    with pytest.raises(eqxckpt.ManifestError, match="is not a number"):
+        eqxckpt.open(path)
+
+
+def test_a_fifo_in_place_of_a_chunk_is_refused_without_hanging(tmp_path):
+    from conftest import release_fifo, returns_within
+
+    path = tmp_path / "ckpt"
+    ocp.PyTreeCheckpointer(use_ocdbt=False).save(os.fspath(path), {"w": np.arange(3.0)})
+    [chunk] = [p for p in (path / "w").iterdir() if not p.name.startswith(".")]
+    chunk.unlink()
+    os.mkfifo(chunk)
+    with pytest.raises(eqxckpt.ManifestError, match="not a plain file or directory"):
+        returns_within(lambda: eqxckpt.load(path), release=lambda: release_fifo(chunk))

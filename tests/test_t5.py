@@ -361,3 +361,19 @@ def test_gin_parser_never_runs_anything_or_crashes(text):
         t5_config.T5Config.from_dict({k.rsplit(".", 1)[-1]: v for k, v in bindings.items()})
     except eqxckpt.CheckpointError:
         pass  # refused by name; anything else would be a crash
+
+
+@pytest.mark.parametrize(
+    "binding, match",
+    [
+        ("encoder/SelfAttention.relative_attention_type = ['bias']", "relative_attention_type = \\['bias'\\]"),
+        ("d_model = " + "7" * 4000, "d_model must be an integer from 1 to 65536"),
+        ("d_ff = [1, 2]", "d_ff must be an integer"),
+        ("num_layers = 100000", "num_layers must be an integer from 1 to 256"),
+    ],
+)
+def test_gin_values_of_the_wrong_type_or_size_are_clear_errors(tmp_path, binding, match):
+    gin = tmp_path / "operative_config.gin"
+    gin.write_text(GIN.read_text() + "\n" + binding + "\n")
+    with pytest.raises(eqxckpt.CheckpointError, match=match):
+        t5.T5Config.from_gin(gin, vocab_size=64)

@@ -192,14 +192,48 @@ def test_hostile_config_json_is_refused_before_anything_is_built(tmp_path):
     (directory / "config.json").chmod(0o644)
     config = json.loads((FIXTURE / "hf/config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "num_layers": 10**9}))
-    with pytest.raises(eqxckpt.StructureMismatchError, match="asks for 1000000000 encoder blocks, the weights hold 2"):
+    with pytest.raises(eqxckpt.CheckpointError, match="num_layers must be an integer from 1 to 256"):
+        t5.load_hf(directory)
+    (directory / "config.json").write_text(json.dumps({**config, "num_layers": 3}))
+    with pytest.raises(eqxckpt.StructureMismatchError, match="asks for 3 encoder blocks, the weights hold 2"):
         t5.load_hf(directory)
     (directory / "config.json").write_text(json.dumps({**config, "d_model": "32"}))
-    with pytest.raises(eqxckpt.CheckpointError, match="d_model must be a positive integer, got '32'"):
+    with pytest.raises(eqxckpt.CheckpointError, match="d_model must be an integer from 1 to 65536.*got '32'"):
         t5.load_hf(directory)
+    for field, value, match in [
+        ("layer_norm_epsilon", [1e-6], "layer_norm_epsilon must be a number"),
+        ("d_ff", int("9" * 4000), r"d_ff must be an integer from 1 to 262144.*got 9999.*\(4000 chars\)"),
+        ("tie_word_embeddings", [True], "must be true or false"),
+    ]:
+        (directory / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(eqxckpt.CheckpointError, match=match):
+            t5.load_hf(directory)
     (directory / "config.json").write_text("[1, 2]")
     with pytest.raises(eqxckpt.CheckpointError, match="not .*object"):
         t5.load_hf(directory)
     (directory / "config.json").write_text(" " * (5 * 1024 * 1024) + "{}")
     with pytest.raises(eqxckpt.CheckpointError, match="too large"):
         t5.load_hf(directory)
+
+
+def test_many_empty_blocks_are_refused_before_a_skeleton_is_built(tmp_path):
+    """A few MB of files whose config.json asks for many (empty) blocks: refused by what
+    the files can hold, before any skeleton is built."""
+    config = json.loads((FIXTURE / "hf/config.json").read_text())
+    for blocks, match in [(20_000, "num_layers must be an integer from 1 to 256"), (256, "at least .* weights")]:
+        directory = tmp_path / str(blocks)
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({**config, "num_layers": blocks, "num_decoder_layers": blocks}))
+        names = [f"{stack}.block.{i}.layer.0.SelfAttention.q.weight" for stack in ("encoder", "decoder") for i in range(blocks)]
+        stn.save_file({name: np.zeros(0, np.float32) for name in names}, str(directory / "model.safetensors"))
+        with pytest.raises(eqxckpt.CheckpointError, match=match):
+            t5.load_hf(directory)
+
+
+def test_convert_hf_reports_progress_for_the_read_and_the_write(tmp_path):
+    seen = []
+    t5.convert_hf(FIXTURE / "hf", tmp_path / "out", progress=lambda *counts: seen.append(counts))
+    total = eqxckpt.open(tmp_path / "out").nbytes
+    finals = [counts for counts in seen if counts[0] == counts[1]]
+    assert len(finals) >= 2  # the load's report finished, then the save's
+    assert finals[-1][1] == total and finals[-1][2] == finals[-1][3]

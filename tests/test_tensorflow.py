@@ -1,5 +1,7 @@
 """TensorFlow checkpoints, written by TensorFlow, read through the same open and load."""
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -48,3 +50,64 @@ def test_a_tf_checkpoint_opens_and_loads_like_any_other(tf_checkpoint):
     view = translator.apply(eqxckpt.open(directory, format="tf"))
     assert int(eqxckpt.load(view, at="step")) == 7
     np.testing.assert_array_equal(eqxckpt.load(view, at="blocks/0/kernel"), tensors["encoder/block_000/kernel"])
+
+
+def test_names_that_are_a_leaf_and_a_subtree_are_refused(tmp_path):
+    save_tf_tensors(tmp_path / "ckpt", {"a": np.ones(2, np.float32), "a/b": np.zeros(2, np.float32)})
+    with pytest.raises(eqxckpt.ManifestError, match="'a' is a tensor and also holds 'a/b'"):
+        eqxckpt.open(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("named", ["absolute", "../other/model.ckpt-7", "sub/../../other/model.ckpt-7"])
+def test_the_checkpoint_file_cannot_lead_out_of_the_directory(tmp_path, named):
+    save_tf_tensors(tmp_path / "other", {"secret": np.full(3, 42.0, np.float32)})
+    save_tf_tensors(tmp_path / "ckpt", {"mine": np.ones(2, np.float32)})
+    target = str(tmp_path / "other" / "model.ckpt-7") if named == "absolute" else named
+    (tmp_path / "ckpt" / "checkpoint").write_text(f'model_checkpoint_path: "{target}"\n')
+    with pytest.raises(eqxckpt.ManifestError, match="outside") as e:
+        eqxckpt.load(tmp_path / "ckpt")
+    assert "this directory holds" in str(e.value)  # and says how to read its own one
+    assert eqxckpt.load(tmp_path / "ckpt" / "model.ckpt-7")["mine"].tolist() == [1.0, 1.0]
+
+
+def test_a_fifo_or_symlink_among_the_files_is_refused_without_hanging(tmp_path):
+    from conftest import release_fifo, returns_within
+
+    save_tf_tensors(tmp_path / "ckpt", {"w": np.ones(2, np.float32)})
+    [data] = (tmp_path / "ckpt").glob("model.ckpt-7.data-*")
+    data.unlink()
+    os.mkfifo(data)
+    with pytest.raises(eqxckpt.ManifestError, match="symlink or special file"):
+        returns_within(lambda: eqxckpt.load(tmp_path / "ckpt"), release=lambda: release_fifo(data))
+    data.unlink()
+    data.symlink_to(tmp_path / "anywhere")
+    with pytest.raises(eqxckpt.ManifestError, match="symlink or special file"):
+        eqxckpt.open(tmp_path / "ckpt" / "model.ckpt-7")
+
+
+def test_truncated_or_flipped_data_is_a_corrupt_checkpoint_error_naming_the_leaf(tmp_path):
+    tensors = {"w": np.arange(4096, dtype=np.float32), "v": np.ones(8, np.float32)}
+    for damage in ("truncate", "flip"):
+        directory = tmp_path / damage
+        save_tf_tensors(directory, tensors)
+        [data] = directory.glob("model.ckpt-7.data-*")
+        raw = bytearray(data.read_bytes())
+        if damage == "truncate":
+            del raw[len(raw) // 2 :]
+        else:
+            raw[len(raw) - 100] ^= 0x10  # inside 'w' (names are sorted: 'v', then 'w')
+        data.write_bytes(bytes(raw))
+        with pytest.raises(eqxckpt.CorruptCheckpointError, match="Leaf 'w': TensorFlow could not read variable 'w'"):
+            eqxckpt.load(directory)
+
+
+def test_a_tf2_object_graph_is_skipped(tmp_path):
+    variable = tf.Variable(np.arange(3, dtype=np.float32))
+    prefix = tf.train.Checkpoint(weights=variable).write(str(tmp_path / "tf2" / "ckpt"))
+    ckpt = eqxckpt.open(prefix)
+    assert "_CHECKPOINTABLE_OBJECT_GRAPH" not in ckpt.paths
+    assert eqxckpt.load(prefix)["weights"][".ATTRIBUTES"]["VARIABLE_VALUE"].tolist() == [0.0, 1.0, 2.0]
+    from eqxckpt._cli import main
+
+    assert main(["convert", prefix, str(tmp_path / "out")]) == 0
+    assert eqxckpt.open(tmp_path / "out").paths == ["weights/.ATTRIBUTES/VARIABLE_VALUE"]
