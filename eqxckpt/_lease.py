@@ -261,7 +261,7 @@ def _check_removable(root: pathlib.Path) -> None:
     process cannot remove (or ``root``'s parent, which must let it be renamed)."""
     for where in [root.parent, root] + [pathlib.Path(d) for d, _, _ in os.walk(root) if d != str(root)]:
         if not os.access(where, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "no permission to remove what it holds", str(where))
+            raise PermissionError(errno.EACCES, "Permission denied: cannot remove what it holds", str(where))
 
 
 # --- object stores: a lease object ------------------------------------------------------

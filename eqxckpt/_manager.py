@@ -382,10 +382,13 @@ class CheckpointManager:
 
         - `step`: a committed step, or None for the latest.
 
-        **Returns:** the metadata dict (with the manager's own record under ``"eqxckpt.manager"``).
+        **Returns:** the ``metadata`` dict that step was saved with (the manager's own
+        record, its metrics and step, is kept out of it).
 
         ```python
-        manager.metadata()["eqxckpt.manager"]["step"]
+        manager.save(100, tree, metadata={"lr": 3e-4})
+        manager.wait()
+        manager.metadata()["lr"]  # 0.0003
         ```
         """
         metadata = dict(open_checkpoint(self._step_location(self._resolve_step(step))).metadata)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 from conftest import assert_trees_equal
 from crash_writer import state
 
@@ -113,3 +114,52 @@ def test_kill_writers_at_random_moments(tmp_path, request):
     summary = {"seed": seed, "trials": trials, "all correct": True, "outcomes": tally}
     print("crash trials:", json.dumps(summary))
     assert sum(sum(v.values()) for v in tally.values()) == trials
+
+
+INTERRUPTED = """
+import sys
+import numpy as np, eqxckpt
+path, overwrite = sys.argv[1], sys.argv[2] == "1"
+tree = {f"w{i}": np.full((256, 1024), i, np.float32) for i in range(24)}  # 24 MiB: a save lasts a while
+print("ready", flush=True)
+sys.stdin.readline()
+eqxckpt.save(path, tree, overwrite=overwrite)
+"""
+
+
+def test_ctrl_c_early_in_a_save_leaves_nothing_behind(tmp_path):
+    """SIGINT at moments from the very start of a save into its writes: the save stops, and
+    neither a temporary directory nor a partial checkpoint is left; the old one is intact."""
+    rng = random.Random(0)
+    old = {"w0": np.zeros(4, np.float32)}
+    for trial in range(16):
+        directory = tmp_path / str(trial)
+        directory.mkdir()
+        overwrite = trial % 2 == 1
+        if overwrite:
+            eqxckpt.save(directory / "ckpt", old)
+        child = subprocess.Popen(
+            [sys.executable, "-c", INTERRUPTED, str(directory / "ckpt"), "1" if overwrite else "0"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
+        assert child.stdout.readline().strip() == "ready"
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        threading.Event().wait(rng.uniform(0.0, 0.08))  # from the first instant of the save on
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+        # Python ends on an uncaught KeyboardInterrupt by killing itself with SIGINT.
+        assert child.returncode in (0, -signal.SIGINT) or "KeyboardInterrupt" in err, (child.returncode, err)
+        names = sorted(os.listdir(directory))
+        assert names == ["ckpt"] or (names == [] and not overwrite), names
+        if "ckpt" in names:  # the old checkpoint untouched, or (interrupted while committing) the new one whole
+            restored = eqxckpt.load(directory / "ckpt")
+            if restored["w0"].shape == (4,):
+                assert overwrite and child.returncode != 0
+            else:
+                assert_trees_equal(restored, {f"w{i}": np.full((256, 1024), i, np.float32) for i in range(24)})
+            assert eqxckpt.verify(directory / "ckpt").ok

@@ -139,3 +139,64 @@ def test_two_processes_saving_to_one_place_give_one_complete_checkpoint(tmp_path
             assert sorted(o.split(":")[0] for o in outcomes) == ["exists", "saved"]
             assert values == {[1.0, 2.0][outcomes.index("saved")]}
         assert sorted(os.listdir(directory)) == ["ckpt", "go"]
+
+
+@pytest.mark.filterwarnings("ignore:os.fork")
+def test_retention_without_permission_keeps_the_step_and_says_so(tmp_path):
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run) as manager:
+        manager.save(0, SMALL)
+    (run / "0" / "w").chmod(0o555)  # its files cannot be removed
+    try:
+        outcome = run_child(
+            f"""
+            import json
+            import numpy as np, eqxckpt
+            manager = eqxckpt.CheckpointManager({str(run)!r}, max_to_keep=1)
+            try:
+                manager.save(1, {{"w": np.ones(10, np.float32), "step": 2}})
+                manager.wait()
+                out = "deleted"
+            except eqxckpt.CheckpointWriteError as e:
+                out = str(e)
+            print(json.dumps(out))
+        """,
+            preexec_fn=_drop_privilege_to_ignore_permissions,
+        )
+    finally:
+        (run / "0" / "w").chmod(0o755)
+    assert "Deleting step 0" in outcome and "Permission denied" in outcome and str(run / "0" / "w") in outcome, outcome
+    assert sorted(os.listdir(run)) == ["0", "1"]  # nothing half-deleted, nothing hidden left behind
+    assert eqxckpt.verify(run / "0").ok and eqxckpt.CheckpointManager(run).all_steps() == [0, 1]
+
+
+@pytest.mark.filterwarnings("ignore:os.fork")
+def test_an_unreadable_checkpoint_is_a_clear_error_in_every_format(tmp_path):
+    import safetensors.numpy as stn
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    eqxckpt.save(locked / "ckpt", SMALL)
+    stn.save_file({"w": np.ones(2, np.float32)}, str(locked / "model.safetensors"))
+    locked.chmod(0o311)  # listed by nobody, entered by name
+    (locked / "ckpt").chmod(0o000)
+    try:
+        outcome = run_child(
+            f"""
+            import json, eqxckpt
+            out = {{}}
+            for name in ("ckpt", "model.safetensors"):
+                try:
+                    eqxckpt.open({str(locked)!r} + "/" + name)
+                    out[name] = "opened"
+                except eqxckpt.CheckpointError as e:
+                    out[name] = type(e).__name__ + ": " + str(e)
+            print(json.dumps(out))
+        """,
+            preexec_fn=_drop_privilege_to_ignore_permissions,
+        )
+    finally:
+        (locked / "ckpt").chmod(0o755)
+        locked.chmod(0o755)
+    assert outcome["ckpt"].startswith("CheckpointNotFoundError") and "Permission denied" in outcome["ckpt"], outcome
+    assert outcome["model.safetensors"] == "opened" or "Permission denied" in outcome["model.safetensors"]

@@ -251,3 +251,12 @@ def test_loads_never_fail_while_saves_and_deletions_run(tmp_path, monkeypatch):
     assert not errors, errors[:3]
     assert len(results) >= 5 and len(set(results)) > 3
     assert manager.all_steps() == [39] and sorted(os.listdir(tmp_path)) == ["39"]  # deferred deletions happened
+
+
+def test_metadata_docstring_example_runs(tmp_path):
+    import textwrap
+
+    example = textwrap.dedent(eqxckpt.CheckpointManager.metadata.__doc__.split("```python")[1].split("```")[0])
+    with eqxckpt.CheckpointManager(tmp_path) as manager:
+        exec(example, {"manager": manager, "tree": tree(100)})  # the example as written
+        assert manager.metadata() == {"lr": 3e-4}

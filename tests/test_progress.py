@@ -1,6 +1,7 @@
 """Progress on long work: opt-in, silent by default and when not on a terminal."""
 
 import numpy as np
+import pytest
 from test_cli import run_cli
 
 import eqxckpt
@@ -65,3 +66,23 @@ def test_t5_imports_report_through_the_same_progress(tmp_path):
     assert len(calls) == 52 and calls[-1][0] == calls[-1][1] and calls[-1][2:] == (52, 52)
     status, out, _ = run_cli("import-t5", str(fixture), str(tmp_path / "t5"), terminal=True)
     assert status == 0 and "saving" in out and "leaves" in out, out
+
+
+class Stop(Exception):
+    """The user's own exception, raised from a progress callback."""
+
+
+def test_an_exception_from_the_progress_callback_comes_through_as_itself(tmp_path):
+    def stop_after_one(done_bytes, total_bytes, done_leaves, total_leaves):
+        if done_leaves:
+            raise Stop("enough")
+
+    tree = {f"w{i}": np.full((64, 1024), i, np.float32) for i in range(4)}
+    for blocking in (True, False):
+        with pytest.raises(Stop, match="enough"):
+            eqxckpt.save(tmp_path / f"ckpt{blocking}", tree, progress=stop_after_one, blocking=blocking).wait()
+        assert not (tmp_path / f"ckpt{blocking}").exists()  # nothing committed
+    eqxckpt.save(tmp_path / "ok", tree)
+    with pytest.raises(Stop, match="enough"):
+        eqxckpt.load(tmp_path / "ok", tree, progress=stop_after_one)
+    assert [p.name for p in tmp_path.iterdir()] == ["ok"]

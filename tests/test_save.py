@@ -699,3 +699,13 @@ def test_objects_are_saved_only_when_they_provably_hold_no_data(tmp_path, leaf, 
         with pytest.raises(eqxckpt.UnsupportedLeafError, match="Leaf 'x'"):
             eqxckpt.save(tmp_path / "ckpt", {"x": leaf, "w": np.ones(2)})
         assert not (tmp_path / "ckpt").exists()
+
+
+def test_saving_over_a_symlink_is_refused_and_leaves_the_link(tmp_path):
+    eqxckpt.save(tmp_path / "step_1", {"w": np.ones(2)})
+    (tmp_path / "latest").symlink_to(tmp_path / "step_1")
+    for overwrite in (False, True):
+        with pytest.raises(eqxckpt.CheckpointError, match="it is a symlink"):
+            eqxckpt.save(tmp_path / "latest", {"w": np.zeros(2)}, overwrite=overwrite)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1"]
+    assert (tmp_path / "latest").is_symlink() and eqxckpt.load(tmp_path / "latest")["w"].tolist() == [1.0, 1.0]

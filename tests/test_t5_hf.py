@@ -223,8 +223,14 @@ def test_many_empty_blocks_are_refused_before_a_skeleton_is_built(tmp_path):
     for blocks, match in [(20_000, "num_layers must be an integer from 1 to 256"), (256, "at least .* weights")]:
         directory = tmp_path / str(blocks)
         directory.mkdir()
-        (directory / "config.json").write_text(json.dumps({**config, "num_layers": blocks, "num_decoder_layers": blocks}))
-        names = [f"{stack}.block.{i}.layer.0.SelfAttention.q.weight" for stack in ("encoder", "decoder") for i in range(blocks)]
+        (directory / "config.json").write_text(
+            json.dumps({**config, "num_layers": blocks, "num_decoder_layers": blocks})
+        )
+        names = [
+            f"{stack}.block.{i}.layer.0.SelfAttention.q.weight"
+            for stack in ("encoder", "decoder")
+            for i in range(blocks)
+        ]
         stn.save_file({name: np.zeros(0, np.float32) for name in names}, str(directory / "model.safetensors"))
         with pytest.raises(eqxckpt.CheckpointError, match=match):
             t5.load_hf(directory)
