@@ -411,17 +411,17 @@ def worker(args) -> dict:
 # --- the parent: run everything, print the tables ----------------------------------------
 
 
-def run_json(command: list[str], what: str, env: dict | None = None) -> dict:
-    """Run a worker process; its last line of output, as JSON."""
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
+def run_json(command: list[str], what: str, env: dict | None = None, cwd: str | None = None) -> dict:
+    """Run a worker process (in ``cwd``, if given); its last line of output, as JSON."""
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=cwd)
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_worker(args, peer: str, op: str, path, workload: str, env: dict | None = None) -> dict:
+def run_worker(args, peer: str, op: str, path, workload: str, env: dict | None = None, cwd: str | None = None) -> dict:
     command = [sys.executable, str(HERE), "--worker", peer, op, str(path), workload]
-    return run_json(command, f"{peer} {op} {workload}", env)
+    return run_json(command, f"{peer} {op} {workload}", env, cwd)
 
 
 def files_of(path: pathlib.Path) -> list[pathlib.Path]:
@@ -562,11 +562,18 @@ def s3(args) -> dict:
                     out.setdefault(peer, {}).setdefault(op, []).append(
                         run_worker(args, peer, op, prefix, workload, env)
                     )
+        # Orbax writes an s3:// path as a local directory named "s3:" in its working
+        # directory: it runs in a temporary one, removed afterwards.
+        scratch = tempfile.mkdtemp(prefix="eqxckpt-bench-orbax-s3-")
         try:
-            run_worker(args, "orbax", "s3-save", "orbax", workload, {**env, "EPATH_USE_TF": "false"})
+            run_worker(args, "orbax", "s3-save", "orbax", workload, {**env, "EPATH_USE_TF": "false"}, cwd=scratch)
             out["orbax"] = "saved"
+            if os.path.exists(os.path.join(scratch, "s3:")):
+                out["orbax"] = "saved to a local directory named 's3:', not to S3"
         except RuntimeError as e:
             out["orbax"] = f"failed: {str(e).strip().splitlines()[-1]}"
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         return out
     finally:
         server.stop()
@@ -682,7 +689,12 @@ def main(argv=None) -> int:
     parser.add_argument("--startup-mib", type=float, default=16)
     parser.add_argument("--no-s3", dest="s3", action="store_false")
     parser.add_argument("--s3-mib", type=float, default=336)
-    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under the current one)")
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where to write (default: a new directory in the system's temporary directory; if that is a tmpfs, "
+        "point it at the disk to measure)",
+    )
     parser.add_argument("--json", default=None, help="also write every figure here")
     parser.add_argument("--worker", nargs=4, metavar=("PEER", "OP", "PATH", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -690,7 +702,7 @@ def main(argv=None) -> int:
         args.peer, args.op, args.path, args.workload = args.worker
         print(json.dumps(worker(args)))
         return 0
-    root = pathlib.Path(tempfile.mkdtemp(prefix="eqxckpt-bench-", dir=args.dir or os.getcwd()))
+    root = pathlib.Path(tempfile.mkdtemp(prefix="eqxckpt-bench-", dir=args.dir))  # the system's temporary directory
     results: dict = {"machine": machine(), "args": vars(args), "sizes": {}, "leaves": {}}
     try:
         for size in args.sizes:

@@ -96,7 +96,7 @@ def main() -> None:
         print(json.dumps(read(kind, reader, pathlib.Path(root))))
         return
     results: dict = {}
-    with tempfile.TemporaryDirectory(dir=".") as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp).absolute()
         write(root, args.mib)
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}

@@ -39,7 +39,7 @@ from ._errors import (
 )
 from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
 from ._lease import lock_file, remove_abandoned_files
-from ._manifest import parse_json_object
+from ._manifest import MAX_PARSE_FACTOR, parse_json_object
 from ._paths import encode_segment, key_entry_record
 from ._progress import advance
 from ._source import LazyEntry, Source, check_one_tree
@@ -51,6 +51,10 @@ SINGLE_NAME = "model.safetensors"
 # The safetensors library refuses headers over 100 MB; so does this reader.
 MAX_HEADER_BYTES = 100_000_000
 MAX_INDEX_BYTES = 64 * 1024 * 1024
+# What one tensor costs in memory from opening a file to loading it (measured: about
+# 1.5 KiB for a float32[1] tensor), so that a header is refused before it is parsed
+# when reading it would take more than MAX_PARSE_FACTOR times its size.
+LOAD_BYTES_PER_TENSOR = 1600
 DTYPES = {
     "BOOL": "bool",
     "U8": "uint8",
@@ -181,6 +185,14 @@ def read_header(fd: int, file: pathlib.Path) -> tuple[dict[str, tuple[str, tuple
         )
     raw = os.pread(fd, length, 8)
     data_size = size - 8 - length
+    tensors_declared = raw.count(b"data_offsets")  # counted before parsing: an upper bound
+    if tensors_declared * LOAD_BYTES_PER_TENSOR > MAX_PARSE_FACTOR * length + (16 << 20):
+        raise ManifestError(
+            f"{file}: its {length}-byte header declares up to {tensors_declared} tensors; opening and loading "
+            f"them would take about {tensors_declared * LOAD_BYTES_PER_TENSOR >> 20} MiB, over {MAX_PARSE_FACTOR} "
+            "times the header (real files spend about 100 bytes of header on each tensor). It is crafted, or "
+            "splits its data into too many tiny tensors: refusing to read it."
+        )
     doc = parse_json_object(raw, f"The header of {file}", MAX_HEADER_BYTES)
     metadata = doc.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):

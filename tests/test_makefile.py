@@ -15,3 +15,13 @@ def test_make_demo_says_what_it_installs():
     said = " ".join(lines[:install])
     assert "echo" in said and "Creating the virtual environment" in said
     assert "Installing eqxckpt" in said and "about 2 minutes" in said
+
+
+def test_the_repository_tracks_no_stray_output():
+    """Nothing a run writes is committed: a benchmark's Orbax probe once left a directory named 's3:'."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    if listed.returncode != 0:  # not a git checkout (an unpacked archive): nothing to check
+        return
+    top = {path.split("/")[0] for path in listed.stdout.splitlines()}
+    expected = {".ci", ".gitignore", "Makefile", "README.md", "benchmarks", "docs", "eqxckpt", "examples"}
+    assert top <= expected | {"mkdocs.yml", "pyproject.toml", "tests"}, sorted(top - expected)

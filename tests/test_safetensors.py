@@ -368,3 +368,24 @@ eqxckpt.save_safetensors({str(final)!r}, {{f"w{{i}}": np.ones(1 << 22, np.float3
         ".other.safetensors.eqxckpt-tmp-0123456789ab",
         "big.safetensors",
     ]
+
+
+def test_a_header_of_many_tiny_tensors_is_refused_before_it_is_parsed(tmp_path):
+    import tracemalloc
+
+    count = 300_000  # a 20.6 MB header; loading it took about 460 MB (22x)
+    header = {f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i in range(count)}
+    raw_file(tmp_path / "dense.safetensors", json.dumps(header, separators=(",", ":")), b"\0" * 4 * count)
+    del header
+    tracemalloc.start()
+    try:
+        with pytest.raises(eqxckpt.ManifestError, match="declares up to 300000 tensors"):
+            eqxckpt.load(tmp_path / "dense.safetensors")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * (tmp_path / "dense.safetensors").stat().st_size, peak
+    # A real model's many tensors, with real names, load.
+    names = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(500) for p in "qkvo"]
+    stn.save_file({name: np.ones(2, np.float32) for name in names}, str(tmp_path / "real.safetensors"))
+    assert len(eqxckpt.open(tmp_path / "real.safetensors")) == 2000
