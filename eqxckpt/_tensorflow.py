@@ -93,6 +93,9 @@ def _prefix(path: pathlib.Path, tf: Any) -> pathlib.Path:
     path, ``../`` or absolute, and is read as data, not followed out). The prefix's
     files must be plain files: a symlink could lead out, a FIFO would block forever."""
     if path.is_dir():
+        marker = path / "checkpoint"
+        if marker.is_symlink() or (os.path.lexists(marker) and not marker.is_file()):
+            raise ManifestError(f"{marker} is a symlink or special file, not a TensorFlow checkpoint file.")
         try:
             state = tf.train.get_checkpoint_state(str(path))
         except (ValueError, tf.errors.OpError) as e:

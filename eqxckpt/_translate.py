@@ -9,7 +9,7 @@ import numpy as np
 
 from ._errors import TransformError
 from ._leaf import StoredLeaf, leaf_of
-from ._source import Source
+from ._source import Source, check_one_tree
 
 RuleFn = Callable[..., tuple[str | None, Any]]
 
@@ -142,6 +142,7 @@ class TranslatedSource(Source):
                 leaf, data = leaf_of(path, keys, np.asarray(value) if hasattr(value, "__array__") else value)
                 self._leaves[path] = leaf
                 self._computed[path] = data
+        check_one_tree(self._leaves, self.location)  # two rules may make a leaf and a subtree of one name
 
     def origin(self, path: str) -> str:
         """The name in the original source of the leaf now at ``path`` (``path`` for computed ones)."""

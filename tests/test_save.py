@@ -709,3 +709,23 @@ def test_saving_over_a_symlink_is_refused_and_leaves_the_link(tmp_path):
             eqxckpt.save(tmp_path / "latest", {"w": np.zeros(2)}, overwrite=overwrite)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1"]
     assert (tmp_path / "latest").is_symlink() and eqxckpt.load(tmp_path / "latest")["w"].tolist() == [1.0, 1.0]
+
+
+def test_an_abort_at_exit_cannot_cut_a_background_save_short(tmp_path):
+    """A script that ends while its background save runs, in a process that then aborts
+    during interpreter exit (as native libraries' teardown sometimes does: SIGABRT,
+    'terminate called without an active exception'): the save was committed first."""
+    script = f"""
+import atexit, os
+import numpy as np, eqxckpt
+atexit.register(os.abort)  # runs at exit, after every background save has finished
+tree = {{f"w{{i}}": np.full((1024, 1024), i, np.float32) for i in range(32)}}  # 128 MiB
+eqxckpt.save({str(tmp_path / "ckpt")!r}, tree, blocking=False)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, env=dict(os.environ, JAX_PLATFORMS="cpu")
+    )
+    assert done.returncode == -6, done  # SIGABRT, after the script's end
+    restored = eqxckpt.load(tmp_path / "ckpt")
+    assert set(restored) == {f"w{i}" for i in range(32)} and all(restored[f"w{i}"][0, 0] == i for i in range(32))
+    assert eqxckpt.verify(tmp_path / "ckpt").ok

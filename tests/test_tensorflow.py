@@ -111,3 +111,16 @@ def test_a_tf2_object_graph_is_skipped(tmp_path):
 
     assert main(["convert", prefix, str(tmp_path / "out")]) == 0
     assert eqxckpt.open(tmp_path / "out").paths == ["weights/.ATTRIBUTES/VARIABLE_VALUE"]
+
+
+def test_a_checkpoint_file_that_is_a_fifo_is_refused_without_hanging(tmp_path):
+    from conftest import release_fifo, returns_within
+
+    save_tf_tensors(tmp_path / "ckpt", {"w": np.ones(2, np.float32)})
+    (tmp_path / "ckpt" / "checkpoint").unlink()
+    os.mkfifo(tmp_path / "ckpt" / "checkpoint")
+    with pytest.raises(eqxckpt.ManifestError, match="symlink or special file"):
+        returns_within(
+            lambda: eqxckpt.open(tmp_path / "ckpt", format="tf"),
+            release=lambda: release_fifo(tmp_path / "ckpt" / "checkpoint"),
+        )

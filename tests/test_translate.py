@@ -123,3 +123,12 @@ def test_a_translated_checkpoint_loads_like_a_checkpoint_reading_only_what_it_ne
         view, renamed, at="model", transforms={"first": eqxckpt.Transform(original_key="layers/0/weight")}
     )
     np.testing.assert_array_equal(got["first"], foreign["dense_0"]["kernel"])
+
+
+def test_rules_that_make_a_leaf_and_a_subtree_of_one_name_are_refused(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"x": np.ones(2), "y": np.zeros(2)})
+    translator = eqxckpt.CheckpointTranslator()
+    translator.add("x")(lambda opts, key, value: ("a", value))
+    translator.add("y")(lambda opts, key, value: ("a/b", value))
+    with pytest.raises(eqxckpt.ManifestError, match="'a' is a tensor and also holds 'a/b'"):
+        translator.apply(eqxckpt.open(tmp_path / "c"))
