@@ -104,7 +104,8 @@ def _prefix(path: pathlib.Path, tf: Any) -> pathlib.Path:
             raise CheckpointNotFoundError(f"No TensorFlow checkpoint at {path}: its checkpoint file names none.")
         named = pathlib.Path(state.model_checkpoint_path)
         prefix = path / named.name
-        if os.path.realpath(named.parent if named.is_absolute() else path / named.parent) != os.path.realpath(path):
+        # TensorFlow has joined a relative name to the directory already.
+        if os.path.realpath(named.parent) != os.path.realpath(path):
             inside = (path / f"{named.name}.index").is_file()
             raise ManifestError(
                 f"{path / 'checkpoint'} names {state.model_checkpoint_path!r}, outside {path}. eqxckpt reads only "

@@ -124,3 +124,11 @@ def test_a_checkpoint_file_that_is_a_fifo_is_refused_without_hanging(tmp_path):
             lambda: eqxckpt.open(tmp_path / "ckpt", format="tf"),
             release=lambda: release_fifo(tmp_path / "ckpt" / "checkpoint"),
         )
+
+
+def test_a_directory_given_by_a_relative_path_reads_its_own_checkpoint(tmp_path, monkeypatch):
+    save_tf_tensors(tmp_path / "ckpt", {"w": np.ones(2, np.float32)})
+    monkeypatch.chdir(tmp_path)
+    assert eqxckpt.load("ckpt")["w"].tolist() == [1.0, 1.0]
+    (tmp_path / "ckpt" / "checkpoint").write_text('model_checkpoint_path: "../ckpt/model.ckpt-7"\n')
+    assert eqxckpt.load("ckpt")["w"].tolist() == [1.0, 1.0]  # leaves and comes back: still inside
