@@ -44,12 +44,16 @@ NOTHING_COMMITTED = (
 )
 
 
+# Where eqxckpt takes object stores' endpoints from (besides a kvstore spec's own "endpoint").
+ENDPOINT_SETTINGS = "AWS_ENDPOINT_URL for S3, TENSORSTORE_GCS_HTTP_URL for a Cloud Storage emulator"
+
+
 def nothing_committed(failure: str) -> str:
     """What to tell after a failed save, given why it failed: the usual fix for the cause."""
-    if "NoSuchBucket" in failure:
+    if "NoSuchBucket" in failure or "NOT_FOUND" in failure:  # S3 names it; Cloud Storage answers 404
         fix = "create the bucket or fix its name"
     elif "CURL error" in failure or "Could not connect" in failure or "Could not resolve" in failure:
-        fix = "check the endpoint (AWS_ENDPOINT_URL), the network and the credentials"
+        fix = f"check the endpoint ({ENDPOINT_SETTINGS}), the network and the credentials"
     elif "AccessDenied" in failure or "InvalidAccessKeyId" in failure or "SignatureDoesNotMatch" in failure:
         fix = "check the credentials and the bucket's permissions"
     else:

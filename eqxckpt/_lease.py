@@ -59,6 +59,7 @@ Nothing else is ever deleted, on any backend.
 import errno
 import fcntl
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -284,7 +285,8 @@ def parse_lease(raw: bytes) -> dict | None:
     paths, heartbeat, timeout = doc.get("paths"), doc.get("heartbeat_unix"), doc.get("timeout_s")
     if not (isinstance(paths, list) and all(isinstance(p, str) for p in paths)):
         return None
-    if not (isinstance(heartbeat, (int, float)) and isinstance(timeout, (int, float))):
+    # A NaN or infinite heartbeat (Python's JSON reads both) would never go stale.
+    if not (_finite(heartbeat) and isinstance(timeout, (int, float)) and _finite(timeout) and timeout > 0):
         return None
     try:
         for path in paths:
@@ -292,6 +294,10 @@ def parse_lease(raw: bytes) -> dict | None:
     except ManifestError:
         return None
     return doc
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def is_stale(doc: dict, now: float | None = None) -> bool:
@@ -524,7 +530,12 @@ class StorePin:
             current = self.location.open_kvstore().read(MANIFEST_NAME, if_not_equal=self.generation).result()
         except Exception:  # noqa: BLE001 - unreachable now: nothing proves it is unchanged
             return True
-        return current.state != "unspecified"
+        # "Not modified" (unspecified) where the store honours the condition; a store that
+        # ignores read conditions (Cloud Storage emulators) returns the value: then its
+        # generation says whether it is the one read.
+        if current.state == "unspecified":
+            return False
+        return current.state != "value" or current.stamp.generation != self.generation
 
     def hold(self) -> None:
         return None

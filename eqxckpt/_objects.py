@@ -10,7 +10,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ._backend import NOTHING_COMMITTED, Pin, Staging, Storage, check_complete
+from ._backend import ENDPOINT_SETTINGS, NOTHING_COMMITTED, Pin, Staging, Storage, check_complete
 from ._errors import (
     CheckpointBusyError,
     CheckpointError,
@@ -51,7 +51,8 @@ class ObjectStorage(Storage):
 
     def __str__(self) -> str:
         spec = self.kvstore
-        return f"{spec['driver']}://{spec.get('bucket', '')}/{spec.get('path', '')}".replace(":///", "://")
+        scheme = {"gcs": "gs"}.get(spec["driver"], spec["driver"])  # as users write it: gs://bucket/path
+        return f"{scheme}://{spec.get('bucket', '')}/{spec.get('path', '')}".replace(":///", "://")
 
     def read_manifest(self) -> tuple[Manifest, Pin]:
         try:
@@ -69,7 +70,7 @@ class ObjectStorage(Storage):
                     f"No checkpoint at {self}: {reason(e)} (is the bucket's name right?)"
                 ) from None
             raise CheckpointError(
-                f"Cannot read {self}: {reason(e)}. Check the endpoint (AWS_ENDPOINT_URL), the network and the "
+                f"Cannot read {self}: {reason(e)}. Check the endpoint ({ENDPOINT_SETTINGS}), the network and the "
                 "credentials."
             ) from None
         if lease is not None and not is_stale(lease) and lease.get("purpose") != "save":
@@ -87,7 +88,9 @@ class ObjectStorage(Storage):
                 f"{self} has data but no {MANIFEST_NAME}: no save committed a checkpoint there (one was "
                 "interrupted, or this is not an eqxckpt checkpoint). Load an earlier checkpoint, or save elsewhere."
             )
-        raise CheckpointNotFoundError(f"No checkpoint at {self}.")
+        raise CheckpointNotFoundError(
+            f"No checkpoint at {self}: nothing is stored under that prefix (check the bucket's name and the path)."
+        )
 
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
         # Object stores cannot cap a read without a second request: the size is

@@ -37,6 +37,7 @@ STORED_DTYPES = frozenset(
 
 _CONTEXT: ts.Context | None = None
 S3_RETRIES = int(os.environ.get("EQXCKPT_S3_RETRIES", "6"))
+GCS_RETRIES = int(os.environ.get("EQXCKPT_GCS_RETRIES", "6"))
 
 
 def shared_context() -> ts.Context:
@@ -62,6 +63,7 @@ def shared_context() -> ts.Context:
                 "cache_pool": {"total_bytes_limit": 0},
                 # An unreachable endpoint fails within about 20 s, not after many minutes of retries.
                 "s3_request_retries": {"max_retries": S3_RETRIES, "initial_delay": "0.5s", "max_delay": "4s"},
+                "gcs_request_retries": {"max_retries": GCS_RETRIES, "initial_delay": "0.5s", "max_delay": "4s"},
             }
         )
     return _CONTEXT

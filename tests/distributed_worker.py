@@ -205,6 +205,11 @@ def main(scenario: str, port: int, num_processes: int, process_id: int, director
             eqxckpt.save(where, state, blocking=False).wait()
             restored = eqxckpt.load(where, skeleton(load_mesh))
             print(f"process {process_id}: s3 restored, {check(restored, load_mesh)} elements checked")
+        if os.environ.get("GCS_TEST_BUCKET"):  # and to Cloud Storage (fake-gcs-server, on 127.0.0.1)
+            where = {"driver": "gcs", "bucket": os.environ["GCS_TEST_BUCKET"], "path": f"mp{num_processes}/"}
+            eqxckpt.save(where, state, blocking=False).wait()
+            restored = eqxckpt.load(where, skeleton(load_mesh))
+            print(f"process {process_id}: gcs restored, {check(restored, load_mesh)} elements checked")
     elif scenario == "manager":  # every process drives the same manager; process 0 alone deletes
         state = global_state(save_mesh)
         with eqxckpt.CheckpointManager(f"{directory}/run", max_to_keep=2, keep_every=3) as manager:

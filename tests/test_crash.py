@@ -146,7 +146,9 @@ def test_ctrl_c_early_in_a_save_leaves_nothing_behind(tmp_path):
             text=True,
             env=dict(os.environ, JAX_PLATFORMS="cpu"),
         )
-        assert child.stdout.readline().strip() == "ready"
+        if child.stdout.readline().strip() != "ready":
+            child.kill()
+            raise AssertionError(f"the child did not start: {child.communicate()[1]}")
         child.stdin.write("go\n")
         child.stdin.flush()
         threading.Event().wait(rng.uniform(0.0, 0.08))  # from the first instant of the save on

@@ -59,12 +59,12 @@ def launch(scenario: str, processes: int, directory: pathlib.Path, timeout: floa
 
 
 @pytest.mark.parametrize("processes", [2, 4])
-def test_many_processes_save_and_restore_onto_another_mesh(tmp_path, processes, s3):
-    # Workers save (blocking and async, to disk and to S3), restore onto a
+def test_many_processes_save_and_restore_onto_another_mesh(tmp_path, processes, s3, gcs):
+    # Workers save (blocking and async, to disk, to S3 and to GCS), restore onto a
     # different mesh and check every slice they hold...
     endpoint, _ = s3
-    logs = launch("save", processes, tmp_path, S3_TEST_ENDPOINT=endpoint, S3_TEST_BUCKET=BUCKET)
-    assert all(f"{name} restored" in log for log in logs for name in ("blocking", "async", "s3"))
+    logs = launch("save", processes, tmp_path, S3_TEST_ENDPOINT=endpoint, S3_TEST_BUCKET=BUCKET, GCS_TEST_BUCKET=BUCKET)
+    assert all(f"{name} restored" in log for log in logs for name in ("blocking", "async", "s3", "gcs"))
     # ...then a fresh single process, with one device, reads everything back whole.
     verify = f"""
 import eqxckpt
