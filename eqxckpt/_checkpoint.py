@@ -103,7 +103,6 @@ class Checkpoint(Source):
             f"Restoring {len(wanted)} leaves from {self.location}",
         )
         values: list[Any] = [None] * len(wanted)
-        slices = {i: _start_slices(*wanted[i], stores[i]) for i in sharded}
 
         def finish(indices: list[int], data: list[np.ndarray]) -> None:
             for i, value in zip(indices, data):
@@ -156,12 +155,15 @@ class Checkpoint(Source):
             in_flight += buffer.nbytes
         while pending:
             finish_oldest()
-        for i, started in slices.items():
+        # Sharded targets last, a leaf at a time, their slices read ahead within the window
+        # and each placed on its device before it is let go: the host holds a window.
+        for i in sharded:
             leaf, target = wanted[i]
             with reading(leaf):
                 values[i] = leaf.assemble(
                     target,
-                    {key: f.result() for key, f in started.items()},
+                    # Half the window: a local read also maps the chunk files it reads.
+                    SliceReads(leaf, target, stores[i], window // 2),
                     lambda index, shape=leaf.shape: _slice_key(index, shape),
                 )
             advance(leaf.nbytes)
@@ -181,15 +183,57 @@ def _slice_key(index: tuple, shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
-def _start_slices(leaf: StoredLeaf, target: Any, store: ts.TensorStore) -> dict[tuple, ts.Future]:
-    """Start reading every distinct slice this process's devices hold (once each,
-    however many local devices hold a replica of it)."""
-    reads = {}
-    for index in target.sharding.addressable_devices_indices_map(leaf.shape).values():
-        key = _slice_key(index, leaf.shape)
-        if key not in reads:
-            reads[key] = store[index].read()
-    return reads
+class SliceReads:
+    """The slices of one leaf that this process's devices hold, read ahead in the order
+    the assembly asks for them, with at most ``window`` bytes read and not yet handed
+    over (at least one read). Slices are read as the chunk-aligned blocks that hold
+    them: each stored chunk is decoded (and its checksum checked) once, however many
+    devices' slices it holds."""
+
+    def __init__(self, leaf: StoredLeaf, target: Any, store: ts.TensorStore, window: int):
+        self._store, self._window = store, window
+        self._itemsize = np.dtype(leaf.dtype).itemsize * math.prod(leaf.data_shape[len(leaf.shape) :])
+        chunk = store.chunk_layout.read_chunk.shape or ()
+        chunk = tuple(chunk[: len(leaf.shape)]) if len(chunk) >= len(leaf.shape) else (None,) * len(leaf.shape)
+        self._block: dict[tuple, tuple] = {}  # slice key -> the block read for it
+        self._uses: collections.Counter = collections.Counter()  # block -> slices still to hand over
+        for index in target.sharding.addressable_devices_indices_map(leaf.shape).values():
+            key = _slice_key(index, leaf.shape)
+            block = tuple(
+                (start, stop) if not c else (start // c * c, min(n, -(-stop // c) * c))
+                for (start, stop), c, n in zip(key, chunk, leaf.shape)
+            )
+            self._block[key] = block
+            self._uses[block] += 1
+        self._order = list(self._uses)  # blocks, in the order their first slice is asked for
+        self._started: dict[tuple, ts.Future] = {}
+        self._held: dict[tuple, np.ndarray] = {}
+        self._next = 0
+        self._in_flight = 0
+
+    def _nbytes(self, block: tuple) -> int:
+        return math.prod(stop - start for start, stop in block) * self._itemsize
+
+    def _top_up(self) -> None:
+        while self._next < len(self._order):
+            block = self._order[self._next]
+            if self._in_flight and self._in_flight + self._nbytes(block) > self._window:
+                return
+            self._started[block] = self._store[tuple(slice(start, stop) for start, stop in block)].read()
+            self._in_flight += self._nbytes(block)
+            self._next += 1
+
+    def __getitem__(self, key: tuple) -> np.ndarray:
+        self._top_up()
+        block = self._block[key]
+        if block not in self._held:
+            self._held[block] = self._started.pop(block).result()
+        data = self._held[block]
+        self._uses[block] -= 1
+        if not self._uses[block]:  # every slice in it was handed over: let it go
+            del self._held[block]
+            self._in_flight -= self._nbytes(block)
+        return data[tuple(slice(start - b, stop - b) for (start, stop), (b, _) in zip(key, block))]
 
 
 def check_allocation(nbytes: int, what: str) -> None:

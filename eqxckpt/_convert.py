@@ -2,6 +2,7 @@
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -89,6 +90,18 @@ def adopt(data: np.ndarray, sharding: Any = None) -> jax.Array:
             return adopted
         return jax.device_put(adopted, sharding)
     return jax.device_put(data, sharding)
+
+
+def place_slices(shape: tuple[int, ...], sharding: Any, piece: Callable[[Any], np.ndarray]) -> jax.Array:
+    """A global array of ``shape`` whose every addressable shard is ``piece(index)``. Each
+    slice is on its device before the next is asked for, so host memory holds one
+    slice at a time (`jax.make_array_from_callback` gathers them all first)."""
+    arrays = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        array = jax.device_put(piece(index), device)
+        array.block_until_ready()  # transferred: the host's slice can go
+        arrays.append(array)
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from ._convert import adopt, checked_astype, narrowed
+from ._convert import adopt, checked_astype, narrowed, place_slices
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, validate_path
 from ._store import STORED_DTYPES, check_dtype
@@ -151,8 +151,8 @@ class StoredLeaf(Leaf):
         """Stored data (read whole into host memory) as the value ``target`` asks for."""
         raise NotImplementedError
 
-    def assemble(self, target: Any, slices: dict[tuple, np.ndarray], key: Any) -> jax.Array:
-        """A global array from this process's slices (``key(index)`` names a slice)."""
+    def assemble(self, target: Any, slices: Any, key: Any) -> jax.Array:
+        """A global array from this process's slices (``slices[key(index)]``: a slice's data)."""
         raise NotImplementedError
 
     def _fields(self) -> dict[str, Any]:
@@ -255,11 +255,9 @@ class ArrayLeaf(StoredLeaf):
         check_dtype(dtype, path)
         return ArrayLeaf(path, keys, shape, dtype.name, self.array_type if self.array_type in ARRAY_TYPES else "numpy")
 
-    def assemble(self, target: Any, slices: dict[tuple, np.ndarray], key: Any) -> jax.Array:
+    def assemble(self, target: Any, slices: Any, key: Any) -> jax.Array:
         dtype = np.dtype(target.dtype)
-        return jax.make_array_from_callback(
-            self.shape, target.sharding, lambda idx: checked_astype(slices[key(idx)], dtype, self.path)
-        )
+        return place_slices(self.shape, target.sharding, lambda idx: checked_astype(slices[key(idx)], dtype, self.path))
 
 
 def check_bool_bytes(data: np.ndarray, path: str) -> None:
@@ -359,13 +357,13 @@ class KeyLeaf(StoredLeaf):
         sharding = getattr(target, "sharding", None)
         return value if sharding is None else jax.device_put(value, sharding)
 
-    def assemble(self, target: Any, slices: dict[tuple, np.ndarray], key: Any) -> jax.Array:
+    def assemble(self, target: Any, slices: Any, key: Any) -> jax.Array:
         ndim = len(self.shape)
 
         def piece(index: Any) -> np.ndarray:
             return slices[key(index[:ndim])]
 
-        data = jax.make_array_from_callback(self.data_shape, target.sharding, piece)
+        data = place_slices(self.data_shape, target.sharding, piece)
         return jax.random.wrap_key_data(data, impl=self.impl)
 
 

@@ -23,6 +23,7 @@ from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
 from ._source import LazyEntry, Source, nothing_under
 from ._storage import CheckpointPath
+from ._store import host_memory_budget as host_memory
 from ._transform import Rule, keypath_string, plan_rules, readable_path
 from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype
 
@@ -342,6 +343,7 @@ def load(
     default_to_original: bool = True,
     format: str | None = None,
     progress: Progress = False,
+    host_memory_budget: int | None = None,
 ) -> PyTree:
     """Restore a checkpoint (or the subtree ``at``) into the structure of ``like``.
 
@@ -369,6 +371,11 @@ def load(
       HuggingFace file or directory, tensor ``a.b.c`` at path ``a/b/c``.
     - `progress`: as for `eqxckpt.save` (True: a bar on a terminal; a callable
       receives the counts after each leaf). Off by default.
+    - `host_memory_budget`: bytes of host memory the restore may hold beyond
+      the result's own (reads in flight, slices on their way to devices);
+      None is 256 MiB. A target sharded over several devices is read and placed
+      a slice at a time within it; one leaf bigger than the budget, restored
+      whole onto one device, is read whole.
 
     **Returns:** a pytree of the structure of ``like`` (plain dicts and lists
     for ``like=None``) holding the restored values.
@@ -392,7 +399,10 @@ def load(
                 default_to_original=default_to_original,
             )
             stored = planned.stored()
-            with reporting(f"loading {source.location}", sum(leaf.nbytes for leaf in stored), len(stored), progress):
+            with (
+                reporting(f"loading {source.location}", sum(leaf.nbytes for leaf in stored), len(stored), progress),
+                host_memory(host_memory_budget),
+            ):
                 return planned.run()
 
     # A checkpoint replaced while it is read is read again (a few times); in a

@@ -1,6 +1,11 @@
 """Peak memory of one eqxckpt operation, measured in a fresh process (Linux).
 
     python memory_probe.py save|save_async|load|load_params|copy|to_safetensors|from_safetensors PATH
+    python memory_probe.py save_large|load_sharded PATH [BUDGET_MIB]
+
+``load_sharded`` restores the 2 GiB ``save_large`` state onto every local device
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8`` makes 8 CPU devices),
+rows split across them, within ``host_memory_budget`` (BUDGET_MIB; default None).
 
 Prints JSON: the peak RSS above the level just before the operation, and the
 bytes saved or restored.
@@ -39,7 +44,36 @@ def kib(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 
-def main(op, path):
+LARGE = {"leaves": 16, "shape": (8192, 4096)}  # 16 x 128 MiB of float32: 2 GiB
+
+
+def large(path, op, budget_mib=None):
+    leaves, shape = LARGE["leaves"], LARGE["shape"]
+    if op == "save_large":
+        eqxckpt.save(path, {f"w{i}": np.full(shape, i, np.float32) for i in range(leaves)})
+        print(json.dumps({"peak": 0, "bytes": leaves * 4 * shape[0] * shape[1]}))
+        return
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    like = {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding) for i in range(leaves)}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = kib("VmRSS")
+    budget = None if budget_mib is None else int(budget_mib) << 20
+    out = jax.block_until_ready(eqxckpt.load(path, like, host_memory_budget=budget))
+    peak = (kib("VmHWM") - before) * 1024
+    for i in range(leaves):  # every value, on every device
+        assert len(out[f"w{i}"].addressable_shards) == len(devices)
+        assert all((np.asarray(shard.data) == i).all() for shard in out[f"w{i}"].addressable_shards)
+    print(json.dumps({"peak": peak, "bytes": leaves * 4 * shape[0] * shape[1], "devices": len(devices)}))
+
+
+def main(op, path, *args):
+    if op in ("save_large", "load_sharded"):
+        large(path, op, *args)
+        return
+
     def nbytes(t):
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(t))
 
