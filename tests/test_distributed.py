@@ -1,5 +1,6 @@
 """Real multi-process JAX: worker subprocesses on 127.0.0.1, 2 CPU devices each."""
 
+import json
 import os
 import pathlib
 import socket
@@ -8,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import BUCKET
+from conftest import BUCKET, s3_spec
 from distributed_worker import global_state
 
 import eqxckpt
@@ -84,21 +85,34 @@ print("verified")
     )
     assert result.returncode == 0 and "verified" in result.stdout, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["async", "blocking"] + [f"worker{i}.log" for i in range(processes)]
+    if processes == 4:  # elastic: what 4 processes wrote, on disk, S3 and GCS, restored by 1, 2 and 8
+        sources = [
+            str(tmp_path / "blocking"),
+            s3_spec(endpoint, f"mp{processes}/"),
+            {"driver": "gcs", "bucket": BUCKET, "path": f"mp{processes}/"},
+        ]
+        for readers in (1, 2, 8):
+            directory = tmp_path / f"readers{readers}"
+            directory.mkdir()
+            logs = launch("load", readers, directory, timeout=360, ELASTIC_SOURCES=json.dumps(sources))
+            assert all(f"source {i} restored" in log for log in logs for i in range(len(sources))), logs
 
 
 def test_chunks_follow_the_writers_shards(tmp_path):
     launch("save", 2, tmp_path)
-    import json
 
     zarr = json.loads((tmp_path / "async" / "model" / "layers" / "0" / "weight" / "zarr.json").read_text())
     # (16, 8) sharded ("data", "model") over a (2, 2) mesh: one chunk per (8, 4) shard.
     assert zarr["chunk_grid"]["configuration"]["chunk_shape"] == [8, 4]
 
 
-def test_a_single_process_checkpoint_restores_across_four_processes(tmp_path):
-    eqxckpt.save(tmp_path / "single", global_state(None))
-    logs = launch("load", 4, tmp_path)
-    assert all("single restored" in log for log in logs)
+def test_a_single_process_checkpoint_restores_across_four_processes(tmp_path, s3, gcs):
+    endpoint, _ = s3
+    sources = [str(tmp_path / "single"), s3_spec(endpoint, "single/"), gcs.spec("single/")]
+    for where in sources:
+        eqxckpt.save(where, global_state(None))
+    logs = launch("load", 4, tmp_path, ELASTIC_SOURCES=json.dumps(sources))
+    assert all(f"source {i} restored" in log for log in logs for i in range(len(sources)))
 
 
 def test_checkpoint_manager_in_two_processes(tmp_path):
