@@ -3,6 +3,8 @@
 import collections
 import math
 import re
+import signal
+import sys
 import threading
 import warnings
 from typing import Any
@@ -26,6 +28,55 @@ from ._save import save
 from ._storage import CheckpointPath, resolve
 from ._store import is_storage_error
 
+
+class Preemption:
+    """Whether the job has been told it will be stopped.
+
+    With the JAX distributed runtime and its preemption service, JAX's own notice (it
+    handles SIGTERM and tells every process), asked through
+    `multihost_utils.reached_preemption_sync_point` so that every process answers True
+    at the same step. In a single process, ``signals`` (SIGTERM) set a flag; the
+    handlers are installed only from the main thread, and a handler already set by
+    the program is called after the flag is set. Several processes without the
+    service get no notice: one process alone saving would leave the rest waiting.
+    """
+
+    def __init__(self, signals: tuple[int, ...]):
+        self.noticed = False
+        self._jax = jax.process_count() > 1
+        self._previous: dict[int, Any] = {}
+        if self._jax or threading.current_thread() is not threading.main_thread():
+            return
+        for signum in signals:
+            previous = signal.getsignal(signum)
+
+            def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+                self.noticed = True
+                if callable(previous):
+                    previous(signum, frame)
+
+            signal.signal(signum, handler)
+            self._previous[signum] = previous
+
+    def close(self) -> None:
+        """Give the signals back to the handlers they had (from the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
+        self._previous.clear()
+
+    def reached(self, step: int) -> bool:
+        if not self._jax:
+            return self.noticed
+        from jax._src import distributed
+
+        if distributed.global_state.preemption_sync_manager is None:
+            return False  # the service is off: no notice can come
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.reached_preemption_sync_point(step)
+
+
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
 MANAGER_KEY = "eqxckpt.manager"
 
@@ -45,6 +96,15 @@ class CheckpointManager:
       `keep_best` steps with the best ``metrics[best_metric]``.
     - `save_interval_steps`: `save` skips steps not divisible by this (unless forced).
     - `blocking`: if False (default), saves run in the background, one at a time.
+    - `save_on_preemption`: when the job is told it will be stopped, the next
+      `save` saves its step whatever the interval, waits until it is committed
+      and durable, and ends the process (`SystemExit(0)`; with
+      ``exit_on_preemption=False`` it returns, and `reached_preemption` says so).
+      The notice is `preemption_signals` (SIGTERM) in a single process; with the
+      JAX distributed runtime, JAX's preemption service (it takes SIGTERM on any
+      process to every process), so every process saves the same step. True by
+      default. The manager listens from its first `save` until it is closed
+      (the end of its ``with`` block).
 
     Several managers and processes may use one directory (a trainer saving, an
     evaluator polling `latest_step` and loading); see the concurrency protocol
@@ -74,6 +134,9 @@ class CheckpointManager:
         best_mode: str = "min",
         keep_best: int | None = None,
         blocking: bool = False,
+        save_on_preemption: bool = True,
+        exit_on_preemption: bool = True,
+        preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
     ):
         for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every), ("keep_best", keep_best)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -99,6 +162,10 @@ class CheckpointManager:
         self._readers: collections.Counter[int] = collections.Counter()
         self._doomed: set[int] = set()
         self._pending: SaveHandle | None = None
+        self.exit_on_preemption = exit_on_preemption
+        self._preemption_signals = preemption_signals if save_on_preemption else None
+        self._preemption: Preemption | None = None  # listening from the first save until the manager closes
+        self._preempted_at: int | None = None
         if jax.process_index() == 0:
             self._clean_leftovers()
         # Committed steps -> metrics. Kept in memory and updated by the same
@@ -216,6 +283,12 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}.")
+        if self._preemption is None and self._preemption_signals is not None:
+            self._preemption = Preemption(self._preemption_signals)
+        # Asked at every step, by every process: with several, they agree on the step to save.
+        preempted = self._preempted_at is None and self._preemption is not None and self._preemption.reached(step)
+        if preempted:
+            return self._save_for_preemption(step, tree, metadata, metrics)
         if not (force or self.should_save(step)):
             return False
         self.wait()
@@ -240,6 +313,42 @@ class CheckpointManager:
         # by wait(), by the next save, or printed at exit.
         self._pending = SAVES.submit(handle.path, self._after_save, handle, step, metrics)
         return True
+
+    def _save_for_preemption(
+        self, step: int, tree: PyTree, metadata: dict[str, Any] | None, metrics: dict[str, float] | None
+    ) -> bool:
+        """The job will be stopped: save ``step`` now (unless it is saved already), make it
+        durable, then end the process (or return, with ``exit_on_preemption=False``)."""
+        self._preempted_at = step
+        self.wait()
+        if step not in self._steps:
+            blocking, self.blocking = self.blocking, True
+            try:
+                self.save(step, tree, metadata=metadata, metrics=metrics, force=True)
+            finally:
+                self.blocking = blocking
+        if self.exit_on_preemption:
+            print(f"eqxckpt: preemption notice; step {step} saved to {self.location}, exiting.", file=sys.stderr)
+            raise SystemExit(0)
+        return True
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the job was told it will be stopped and ``step`` was saved for it
+        (with ``exit_on_preemption=False``; by default `save` ends the process then).
+
+        **Arguments:**
+
+        - `step`: the step just passed to `save`.
+
+        **Returns:** True once `save` saved ``step`` because of a preemption notice.
+
+        ```python
+        manager.save(step, state)
+        if manager.reached_preemption(step):
+            break
+        ```
+        """
+        return self._preempted_at is not None and step >= self._preempted_at
 
     def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, float]) -> None:
         handle.wait()
@@ -474,7 +583,11 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            if self._preemption is not None:
+                self._preemption.close()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.location)!r}, steps={self.all_steps()})"

@@ -100,17 +100,19 @@ def global_state(mesh: Mesh | None) -> dict:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def skeleton(mesh: Mesh) -> dict:
-    """`like` for restoring onto ``mesh`` with `load_spec` shardings."""
+def skeleton(mesh: Mesh, save_specs: bool = False) -> dict:
+    """`like` for restoring onto ``mesh`` with `load_spec` shardings (`save_spec` ones if ``save_specs``)."""
     from eqxckpt._tree import flatten
 
     flat, treedef = flatten(eqx.filter_eval_shape(make_state))
     leaves = []
     for path, _, leaf in flat:
         if isinstance(leaf, jax.ShapeDtypeStruct) and path.startswith(("model", "opt_state/0/mu", "opt_state/0/nu")):
-            leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, load_spec(path)))
+            spec = save_spec(path) if save_specs else load_spec(path)
+            leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
         elif path == "keys":  # sharded one way when saved, another way here
-            leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, P("b")))
+            spec = P("data") if save_specs else P("b")
+            leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
         elif path == "host":  # filter_eval_shape would turn the int64 numpy leaf into int32
             leaf = np.zeros(leaf.shape, np.int64)
         leaves.append(leaf)
@@ -227,6 +229,21 @@ def main(scenario: str, port: int, num_processes: int, process_id: int, director
         for i, where in enumerate(sources):
             restored = eqxckpt.load(where, skeleton(load_mesh))
             print(f"process {process_id}: source {i} restored, {check(restored, load_mesh)} elements checked")
+    elif scenario == "preempt":  # a training run that a SIGTERM to one process stops on every process
+        steps = int(os.environ.get("PREEMPT_STEPS", "30"))
+        state = global_state(save_mesh)
+        train = eqx.filter_jit(lambda tree, step: jax.tree_util.tree_map(lambda x: x * 0.5 + step, tree))
+        with eqxckpt.CheckpointManager(f"{directory}/run", save_interval_steps=10) as manager:
+            start = manager.latest_step()
+            if start is not None:
+                state = manager.load(skeleton(save_mesh, save_specs=True))
+                print(f"process {process_id}: resumed from {start}", flush=True)
+            for step in range(0 if start is None else start + 1, steps):
+                state["model"] = eqx.combine(train(eqx.filter(state["model"], eqx.is_array), step), state["model"])
+                manager.save(step, state)
+                print(f"process {process_id}: step {step}", flush=True)
+                time.sleep(0.05)
+        print(f"process {process_id}: done", flush=True)
     elif scenario == "crash":  # process 1 dies before saving: the others must not hang
         if process_id == 1:
             raise RuntimeError("worker 1 crashed on purpose")
@@ -238,6 +255,9 @@ def main(scenario: str, port: int, num_processes: int, process_id: int, director
 if __name__ == "__main__":
     try:
         main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    except SystemExit as e:  # the manager ends a preempted run with SystemExit(0): a clean exit
+        if e.code not in (0, None):
+            os._exit(1)
     except BaseException:  # noqa: BLE001 - any failure must end this process at once
         traceback.print_exc()
         sys.stdout.flush()

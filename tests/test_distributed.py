@@ -3,13 +3,14 @@
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import BUCKET, s3_spec
+from conftest import BUCKET, assert_trees_equal, s3_spec
 from distributed_worker import global_state
 
 import eqxckpt
@@ -27,8 +28,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, processes: int, directory: pathlib.Path, timeout: float = 240, **env_vars: str) -> list[str]:
-    """Run ``processes`` workers to completion; the first failure kills the rest at once."""
+def launch(
+    scenario: str,
+    processes: int,
+    directory: pathlib.Path,
+    timeout: float = 240,
+    terminate: tuple[int, str] | None = None,
+    **env_vars: str,
+) -> list[str]:
+    """Run ``processes`` workers to completion; the first failure kills the rest at once.
+    ``terminate=(i, text)``: send worker i SIGTERM once its output holds ``text``."""
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", EQXCKPT_BARRIER_TIMEOUT_S="60", PYTHONUNBUFFERED="1", **env_vars)
     logs = [directory / f"worker{i}.log" for i in range(processes)]
@@ -51,6 +60,9 @@ def launch(scenario: str, processes: int, directory: pathlib.Path, timeout: floa
                 )
             if all(code == 0 for code in codes):
                 return [log.read_text() for log in logs]
+            if terminate is not None and terminate[1] in logs[terminate[0]].read_text():
+                workers[terminate[0]].send_signal(signal.SIGTERM)
+                terminate = None
             time.sleep(0.05)
     finally:
         for w in workers:
@@ -127,3 +139,21 @@ def test_a_crashed_worker_fails_the_launch_within_seconds(tmp_path):
     with pytest.raises(WorkerFailed, match="worker 1 crashed on purpose"):
         launch("crash", 2, tmp_path)
     assert time.monotonic() - start < 30
+
+
+def test_sigterm_to_one_process_saves_the_same_step_on_every_process(tmp_path):
+    """JAX's preemption service takes the notice to every process; each saves the same
+    step and exits cleanly, and the rerun resumes and ends as an unstopped run does."""
+    logs = launch("preempt", 2, tmp_path, terminate=(1, "process 1: step 3"))
+    assert not any("done" in log for log in logs)
+    steps = eqxckpt.CheckpointManager(tmp_path / "run").all_steps()
+    stopped = steps[-1]
+    assert steps[0] == 0 and stopped >= 3, steps
+    assert all(f": step {stopped}\n" not in log and "preemption notice" in log for log in logs)  # saved, exited
+    logs = launch("preempt", 2, tmp_path)
+    assert all(f"resumed from {stopped}" in log and "done" in log for log in logs)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    launch("preempt", 2, reference)
+    for step in (10, 20):
+        assert_trees_equal(eqxckpt.load(tmp_path / "run" / str(step)), eqxckpt.load(reference / "run" / str(step)))

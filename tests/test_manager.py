@@ -251,3 +251,73 @@ def test_metadata_docstring_example_runs(tmp_path):
     with eqxckpt.CheckpointManager(tmp_path) as manager:
         exec(example, {"manager": manager, "tree": tree(100)})  # the example as written
         assert manager.metadata() == {"lr": 3e-4}
+
+
+def _train(directory, steps, interval, *extra, stop_after=None):
+    """Run tests/preemption_worker.py; SIGTERM it once it prints ``step stop_after``."""
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(TESTS, "preemption_worker.py"),
+            str(directory),
+            str(steps),
+            str(interval),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=TESTS,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    lines = []
+    for line in worker.stdout:
+        lines.append(line.strip())
+        if stop_after is not None and line.strip() == f"step {stop_after}":
+            worker.send_signal(signal.SIGTERM)
+    err = worker.stderr.read()
+    assert worker.wait(timeout=300) == 0, err
+    return lines, err
+
+
+def test_sigterm_saves_the_current_step_and_the_rerun_resumes_bit_identically(tmp_path):
+    from training_worker import make_state
+
+    lines, err = _train(tmp_path / "run", 30, 10, stop_after=5)  # the interval saves steps 0, 10, 20
+    assert "done" not in lines and "preemption notice" in err
+    saved = eqxckpt.CheckpointManager(tmp_path / "run").all_steps()
+    stopped = saved[-1]
+    assert saved[0] == 0 and stopped >= 5 and f"step {stopped}" not in lines  # saved, then it exited
+    assert eqxckpt.verify(tmp_path / "run" / str(stopped)).ok
+    lines, _ = _train(tmp_path / "run", 30, 10)
+    assert lines[0] == f"resumed from {stopped}" and lines[-1] == "done"
+    _train(tmp_path / "reference", 30, 10)  # the same run, never stopped
+    like = make_state()
+    for step in (10, 20):  # after the stop, the resumed run computes exactly what the reference did
+        assert_trees_equal(
+            eqxckpt.CheckpointManager(tmp_path / "run").load(like, step=step),
+            eqxckpt.CheckpointManager(tmp_path / "reference").load(like, step=step),
+        )
+
+
+def test_sigterm_during_a_save_in_progress(tmp_path):
+    lines, err = _train(tmp_path / "run", 50, 1, "--big", stop_after=2)  # every step saves 64 MiB, blocking
+    manager = eqxckpt.CheckpointManager(tmp_path / "run")
+    last = manager.latest_step()
+    assert "done" not in lines and "preemption notice" in err and last is not None and last >= 2
+    assert all(eqxckpt.verify(tmp_path / "run" / str(step)).ok for step in manager.all_steps())
+    lines, _ = _train(tmp_path / "run", last + 3, 1, "--big")
+    assert lines[0] == f"resumed from {last}" and lines[-1] == "done"
+
+
+def test_without_save_on_preemption_sigterm_is_left_alone(tmp_path):
+    script = f"""
+import os, signal, numpy as np, eqxckpt
+manager = eqxckpt.CheckpointManager({str(tmp_path / "run")!r}, save_on_preemption=False)
+manager.save(0, {{"w": np.zeros(2)}})
+manager.wait()
+os.kill(os.getpid(), signal.SIGTERM)
+print("still running")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM and "still running" not in done.stdout
