@@ -176,9 +176,7 @@ def check_unique(paths_and_keypaths: list[tuple[str, tuple]]) -> None:
                 "the keys before saving."
             )
         seen[folded] = keypath
-        parts = folded.split("/")
-        for i in range(1, len(parts)):
-            prefix = "/".join(parts[:i])
+        for prefix in ancestors(folded):
             if prefix in seen:
                 raise PathError(
                     f"Leaf {jtu.keystr(keypath)} would be stored inside leaf "
@@ -239,12 +237,17 @@ def relative_to(path: str, prefix: str) -> str | None:
 GROUP_METADATA = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}\n'
 
 
+def ancestors(path: str) -> list[str]:
+    """The paths that hold ``path``, outermost first (``a/b/c``: ``a``, ``a/b``)."""
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def group_locations(paths: Iterable[str]) -> list[str]:
     """The directories above the arrays at ``paths`` ("" is the root), parents first."""
     groups = {""}
     for path in paths:
-        parts = path.split("/")
-        groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        groups.update(ancestors(path))
     return sorted(groups, key=lambda g: (g.count("/") + bool(g), g))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from ._errors import CheckpointChangedError, CheckpointError, ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._lease import LocalPin, Pin
-from ._paths import depth, normalize_at, relative_to
+from ._paths import ancestors, depth, normalize_at, relative_to
 from ._tree import build_plain_tree
 
 
@@ -272,9 +272,7 @@ def check_one_tree(leaves: dict[str, Leaf], location: Any, name: Any = None) -> 
     ``name(path)`` is what the format calls the leaf (``a.c`` for safetensors)."""
     name = name or (lambda path: path)
     for path in leaves:
-        parts = path.split("/")
-        for i in range(1, len(parts)):
-            prefix = "/".join(parts[:i])
+        for prefix in ancestors(path):
             if prefix in leaves:
                 raise ManifestError(
                     f"{location}: {name(prefix)!r} is a tensor and also holds {name(path)!r}; one tree cannot "
