@@ -180,56 +180,29 @@ def _settle(
     ``done``: the (bytes, leaves) each future completes, counted (progress) as it settles."""
     results: list[Any] = []
     failure: BaseException | None = None
-    for i, (record, future) in enumerate(futures):
-        try:
-            results.append(_wait(future))
-        except Exception as e:  # noqa: BLE001 - the first is raised below, after the rest settle
-            results.append(None)
-            if failure is None:
-                why = reason(e)
-                failure = CheckpointWriteError(f"{action} leaf {record.path!r} failed: {why}. {nothing_committed(why)}")
-                failure.__cause__ = e
-            continue
-        except BaseException as e:  # KeyboardInterrupt: raised too, once nothing is writing any more
-            results.append(None)
-            failure = failure or e
-            continue
-        if done is not None and failure is None:
+    # Ctrl-C waits until every future has settled: a write still running could
+    # recreate files of a save that the interrupt then removes.
+    with interrupts_deferred():
+        for i, (record, future) in enumerate(futures):
             try:
-                advance(*done[i])
-            except BaseException as e:  # noqa: BLE001 - the user's progress callback: raised as itself
-                failure = e
+                results.append(future.result())
+            except Exception as e:  # noqa: BLE001 - the first is raised below, after the rest settle
+                results.append(None)
+                if failure is None:
+                    why = reason(e)
+                    failure = CheckpointWriteError(
+                        f"{action} leaf {record.path!r} failed: {why}. {nothing_committed(why)}"
+                    )
+                    failure.__cause__ = e
+                continue
+            if done is not None and failure is None:
+                try:
+                    advance(*done[i])
+                except BaseException as e:  # noqa: BLE001 - the user's progress callback: raised as itself
+                    failure = e
     if failure is not None:
         raise failure
     return results
-
-
-def _failure(future: Any) -> Exception | None:
-    """A future's exception once it has finished (None: it succeeded)."""
-    try:
-        _wait(future)
-    except Exception as e:  # noqa: BLE001 - returned for the caller to raise
-        return e
-    return None
-
-
-def _wait(future: Any) -> Any:
-    """A future's result; an interrupt (Ctrl-C) while waiting waits on, then is raised:
-    a write still running could recreate files of a save that its failure removes."""
-    interrupted: BaseException | None = None
-    while True:
-        try:
-            result = future.result()
-            break
-        except KeyboardInterrupt as e:
-            interrupted = e
-        except BaseException:
-            if interrupted is not None:
-                raise interrupted from None
-            raise
-    if interrupted is not None:
-        raise interrupted
-    return result
 
 
 def _open_arrays(target: Storage, leaves: list[_Leaf], create: bool) -> list[ts.TensorStore]:
@@ -384,7 +357,7 @@ def _run(location: Storage, manifest: Manifest, leaves: list[_Leaf], overwrite: 
         try:
             created = _open_arrays(staging.storage, leaves, create=True)
         finally:  # nothing may still be writing when a failed save removes its files
-            failures = [_failure(written) for written in groups]
+            failures = [written.exception() for written in groups]  # (Ctrl-C is held back here)
         for failure in failures:
             if failure is not None:
                 raise failure
