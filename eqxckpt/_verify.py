@@ -171,29 +171,39 @@ def _start_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> list[ts.Future]:
 
 
 def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: VerifyReport) -> None:
-    """Read the packed array slab by slab; a slab that fails is read again chunk by chunk,
-    so that exactly the leaves with bytes in a damaged chunk are reported."""
+    """Read the packed array slab by slab; a slab that fails is read again chunk by chunk
+    (all at once), so that exactly the leaves with bytes in a damaged chunk are reported.
+    Bool leaves' bytes are checked in the slabs as they are read."""
     array = checkpoint._packed
     assert array is not None
     length = array.shape[0]
     failures: list[tuple[int, int, str]] = []
+    bools = [record for record in packed if record.dtype == "bool"]
+    bad_bools: dict[str, CheckpointError] = {}
     try:
         store = checkpoint._packed_store
         for start in range(0, length, SLAB_BYTES):
             end = min(start + SLAB_BYTES, length)
             try:
-                store[start:end].read().result()
-                continue
+                slab = store[start:end].read().result()
             except Exception:  # noqa: BLE001 - found again below, chunk by chunk
-                pass
-            for chunk in range(start, end, PACK_CHUNK_BYTES):
-                try:
-                    store[chunk : min(chunk + PACK_CHUNK_BYTES, end)].read().result()
-                except Exception as e:  # noqa: BLE001 - reported below, for the leaves in this chunk
-                    failures.append((chunk, chunk + PACK_CHUNK_BYTES, str(corrupt(array, e))))
+                chunks = [
+                    (c, store[c : min(c + PACK_CHUNK_BYTES, end)].read()) for c in range(start, end, PACK_CHUNK_BYTES)
+                ]
+                for chunk, read in chunks:
+                    if (error := read.exception()) is not None:
+                        failures.append((chunk, chunk + PACK_CHUNK_BYTES, str(corrupt(array, error))))
+                continue
+            for record in bools:  # each byte on its own: the parts of a leaf in each slab
+                offset = record.offset or 0
+                low, high = max(offset, start), min(offset + record.nbytes, end)
+                if low < high and record.path not in bad_bools:
+                    try:
+                        check_bool_bytes(slab[low - start : high - start].view(np.bool_), record.path)
+                    except CheckpointError as e:
+                        bad_bools[record.path] = e
     except CheckpointError as e:
         failures.append((0, length, str(e)))
-        store = None
     for record in packed:
         offset = record.offset or 0
         try:
@@ -208,11 +218,8 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
                     for start, end, why in failures
                     if offset < end and offset + record.nbytes > start
                 ),
-                None,
+                bad_bools.get(record.path),
             )
-            if problem is None and store is not None and record.dtype == "bool":
-                raw = store[offset : offset + record.nbytes].read().result()
-                check_bool_bytes(raw.view(np.bool_), record.path)
         except CheckpointError as e:
             problem = e
         _count(report, record, problem)
