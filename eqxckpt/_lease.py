@@ -68,7 +68,7 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Any
+from typing import Any, BinaryIO
 
 import tensorstore as ts
 
@@ -195,13 +195,32 @@ def remove_abandoned(parent: pathlib.Path, owner: str | None = None) -> list[str
     return removed
 
 
-def lock_file(fd: int) -> None:
-    """Hold a shared lock on a temporary file being written: while it is held, no
-    `remove_abandoned_files` removes it (a killed writer's lock goes with it)."""
+def create_locked_file(final: pathlib.Path) -> tuple[pathlib.Path, BinaryIO]:
+    """A new hidden temporary file beside ``final``, open for writing and holding a shared
+    lock: while it is held, no `remove_abandoned_files` removes it (a killed writer's
+    lock goes with it). As `create_staging` does for directories, a file a cleaner
+    removed between its creation and the lock is noticed, and a new name tried."""
+    for _ in range(8):
+        tmp = hidden_sibling(final, "tmp")
+        f = open(tmp, "xb")  # noqa: SIM115 - returned open, the caller closes it
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return tmp, f  # no locks here: cleanup cannot tell either, and removes nothing
+        held, now = os.fstat(f.fileno()), _stat_or_none(tmp)
+        if now is not None and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            return tmp, f
+        f.close()
+    raise CheckpointWriteError(
+        f"Could not create a temporary file beside {final} that stays ours; is another process removing files there?"
+    )
+
+
+def _stat_or_none(path: pathlib.Path) -> os.stat_result | None:
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        pass  # no locks here: then cleanup cannot tell, and removes nothing
+        return os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def remove_abandoned_files(final: pathlib.Path) -> list[str]:

@@ -38,12 +38,12 @@ from ._errors import (
     UnsupportedLeafError,
 )
 from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
-from ._lease import lock_file, remove_abandoned_files
+from ._lease import create_locked_file, remove_abandoned_files
 from ._manifest import MAX_PARSE_FACTOR, parse_json_object
 from ._paths import encode_segment, key_entry_record
 from ._progress import advance
 from ._source import LazyEntry, Source, check_one_tree
-from ._store import fsync_path, hidden_sibling, read_capped
+from ._store import fsync_path, read_capped
 from ._tree import flatten, is_prng_key_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -356,10 +356,9 @@ def write_file(final: pathlib.Path, body: Callable[[BinaryIO], object], overwrit
     """Write a file whole, durably and atomically: ``body`` fills a hidden temporary
     beside ``final``, which `commit_file` then moves into place."""
     remove_abandoned_files(final)  # what a killed writer of this file left
-    tmp = hidden_sibling(final, "tmp")
+    tmp, f = create_locked_file(final)  # locked until the commit: no cleaner takes it from under us
     try:
-        with open(tmp, "wb") as f:
-            lock_file(f.fileno())  # held until the commit: a cleaner never takes it from under us
+        with f:
             body(f)
             f.flush()
             os.fsync(f.fileno())
