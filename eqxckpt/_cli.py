@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import pathlib
 import sys
 from typing import TYPE_CHECKING
 
@@ -13,6 +12,8 @@ from ._source import nothing_under
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from ._backend import Storage
 
 
 def human_bytes(n: int) -> str:
@@ -133,13 +134,14 @@ def _convert(args: argparse.Namespace) -> int:
     from ._source import LazyEntry
     from ._storage import resolve
 
+    _check_not_nested(resolve(checkpoint_path(args.src)), resolve(checkpoint_path(args.dst)))
     source = open_source(checkpoint_path(args.src), format=args.format)
-    _check_not_nested(resolve(checkpoint_path(args.src)).local, resolve(checkpoint_path(args.dst)).local)
     started = time.perf_counter()
     written = len(source)
     if args.to == "safetensors":
-        left_out = [(path, leaf.describe()) for path, leaf in source.records().items() if not leaf.stored]
-        left_out = [(path, what) for path, what in left_out if what != "none = None"]
+        left_out = [
+            (path, leaf.describe()) for path, leaf in source.records().items() if not leaf.stored and not leaf.is_none
+        ]
         if left_out and not args.arrays_only:
             listed = "\n  ".join(f"{path}: {what}" for path, what in left_out[:50])
             raise CheckpointError(
@@ -164,12 +166,18 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_not_nested(src: pathlib.Path | None, dst: pathlib.Path | None) -> None:
-    """Refuse a destination inside the source or around it: writing one would change the other."""
-    if src is None or dst is None:
-        return
-    src, dst = src.resolve(), dst.resolve()
-    if src == dst or src in dst.parents or dst in src.parents:
+def _check_not_nested(src: "Storage", dst: "Storage") -> None:
+    """Refuse a destination inside the source or around it (a directory, or a prefix of
+    the same bucket): writing one would change the other."""
+
+    def where(storage: "Storage") -> tuple[tuple, str]:
+        if storage.local is not None:
+            return ("file",), str(storage.local.resolve()).rstrip("/") + "/"
+        spec = storage.kvstore
+        return (spec.get("driver"), spec.get("bucket"), spec.get("endpoint")), str(spec.get("path", ""))
+
+    (src_root, src_path), (dst_root, dst_path) = where(src), where(dst)
+    if src_root == dst_root and (src_path.startswith(dst_path) or dst_path.startswith(src_path)):
         raise CheckpointError(
             f"Cannot convert {src} into {dst}: one is inside the other, so writing the copy would change the "
             "source. Write it elsewhere."

@@ -72,6 +72,10 @@ def test_inspect_and_verify_from_the_command_line(store, capsys, monkeypatch):
     assert "w  float32[8,4]" in capsys.readouterr().out
     assert cli(["verify", store.url("runs/cli/1")]) == 0
     assert "OK" in capsys.readouterr().out
+    # A copy inside the source prefix would land among its keys: refused before anything is written.
+    assert cli(["convert", json.dumps(store.spec("runs/cli/1")), json.dumps(store.spec("runs/cli/1/copy"))]) == 1
+    assert "one is inside the other" in capsys.readouterr().err
+    assert not [key for key in store.keys("runs/cli/1/") if "/copy/" in key]
 
 
 def test_overwrite_replaces_every_old_key(store):
