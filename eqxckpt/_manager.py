@@ -68,13 +68,12 @@ class Preemption:
     def reached(self, step: int) -> bool:
         if not self._jax:
             return self.noticed
-        from jax._src import distributed
-
-        if distributed.global_state.preemption_sync_manager is None:
-            return False  # the service is off: no notice can come
         from jax.experimental import multihost_utils
 
-        return multihost_utils.reached_preemption_sync_point(step)
+        try:
+            return multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:  # the preemption service is off: no notice can come
+            return False
 
 
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
@@ -291,6 +290,19 @@ class CheckpointManager:
             return self._save_for_preemption(step, tree, metadata, metrics)
         if not (force or self.should_save(step)):
             return False
+        self._start(step, tree, metadata, metrics, self.blocking)
+        return True
+
+    def _start(
+        self,
+        step: int,
+        tree: PyTree,
+        metadata: dict[str, Any] | None,
+        metrics: dict[str, float] | None,
+        blocking: bool,
+    ) -> None:
+        """Save ``step`` (after the save in flight), then retention; in the background
+        unless ``blocking``."""
         self.wait()
         if step in self._steps:
             raise CheckpointExistsError(
@@ -304,15 +316,14 @@ class CheckpointManager:
         metadata[MANAGER_KEY] = {"step": step, "metrics": {k: float_to_json(v) for k, v in metrics.items()}}
         # Never overwrite: a committed step is never replaced (another manager
         # that committed this step first makes this save fail instead).
-        handle = save(self._step_location(step), tree, metadata=metadata, blocking=self.blocking)
-        if self.blocking:
+        handle = save(self._step_location(step), tree, metadata=metadata, blocking=blocking)
+        if blocking:
             self._committed(step, metrics)
-            return True
+            return
         # Queued behind the save on the same single background thread, and
         # tracked like a save: the next save waits for it, its error is raised
         # by wait(), by the next save, or printed at exit.
         self._pending = SAVES.submit(handle.path, self._after_save, handle, step, metrics)
-        return True
 
     def _save_for_preemption(
         self, step: int, tree: PyTree, metadata: dict[str, Any] | None, metrics: dict[str, float] | None
@@ -322,11 +333,7 @@ class CheckpointManager:
         self._preempted_at = step
         self.wait()
         if step not in self._steps:
-            blocking, self.blocking = self.blocking, True
-            try:
-                self.save(step, tree, metadata=metadata, metrics=metrics, force=True)
-            finally:
-                self.blocking = blocking
+            self._start(step, tree, metadata, metrics, blocking=True)  # committed and durable on return
         if self.exit_on_preemption:
             print(f"eqxckpt: preemption notice; step {step} saved to {self.location}, exiting.", file=sys.stderr)
             raise SystemExit(0)
