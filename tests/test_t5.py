@@ -377,3 +377,12 @@ def test_gin_values_of_the_wrong_type_or_size_are_clear_errors(tmp_path, binding
     gin.write_text(GIN.read_text() + "\n" + binding + "\n")
     with pytest.raises(eqxckpt.CheckpointError, match=match):
         t5.T5Config.from_gin(gin, vocab_size=64)
+
+
+def test_a_gin_config_larger_than_the_weights_is_refused_before_a_skeleton_is_built(tmp_path):
+    """The same bound as for HuggingFace directories: the checkpoint's bytes must hold
+    at least a byte per weight the config describes (256 blocks against a 2-block checkpoint)."""
+    gin = tmp_path / "operative_config.gin"
+    gin.write_text(GIN.read_text() + "\nnum_layers = 256\nd_ff = 100000\n")
+    with pytest.raises(eqxckpt.StructureMismatchError, match="at least .* weights, but the files hold only"):
+        t5.load_tf(FIXTURE, gin)

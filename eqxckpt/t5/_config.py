@@ -6,7 +6,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, StructureMismatchError
 from .._manifest import parse_json_object
 from .._store import read_capped
 
@@ -208,6 +208,23 @@ class T5Config:
             values["relative_attention_per_layer"] = per_layer
         values.update(overrides)
         return cls(**values)
+
+
+def check_weights_fit(config: T5Config, nbytes: int, location: Any) -> None:
+    """Refuse a config that describes more weights than ``nbytes`` of stored weights can
+    hold (a byte each, at least): checked before a skeleton is built, so that a crafted
+    config cannot make a reader build a large model for small files."""
+    attention = 4 * config.d_model * config.num_heads * config.d_kv
+    feed_forward = (3 if config.gated else 2) * config.d_model * config.d_ff
+    embeddings = (1 if config.tie_word_embeddings else 2) * config.vocab_size * config.d_model
+    blocks = config.num_layers * (attention + feed_forward) + config.decoder_layers * (2 * attention + feed_forward)
+    weights = embeddings + blocks  # norms and position biases left out: a lower bound
+    if nbytes < weights:
+        raise StructureMismatchError(
+            f"{location}: the config describes a T5 of at least {weights:,} weights, but the files hold only "
+            f"{nbytes:,} bytes. Fix the config or use the matching weights.",
+            mismatched=[("<model>", f"{nbytes} bytes, the config needs {weights} weights")],
+        )
 
 
 def weights_dtype(dtype: Any) -> Any:

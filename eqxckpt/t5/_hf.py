@@ -26,7 +26,7 @@ from .._store import fsync_path
 from .._transform import Transform
 from .._translate import CheckpointTranslator, TranslatedSource
 from .._tree import flatten
-from ._config import T5Config, weights_dtype
+from ._config import T5Config, check_weights_fit, weights_dtype
 from ._model import T5, skeleton
 
 SUBLAYERS = {
@@ -175,26 +175,11 @@ def _check_aliases(source: Any, config: T5Config) -> None:
             )
 
 
-def _parameters(config: T5Config) -> int:
-    """How many weights a T5 of ``config`` has (its embedding, attention and feed-forward
-    matrices; norms and position biases left out: a lower bound)."""
-    attention = 4 * config.d_model * config.num_heads * config.d_kv
-    feed_forward = (3 if config.gated else 2) * config.d_model * config.d_ff
-    embeddings = (1 if config.tie_word_embeddings else 2) * config.vocab_size * config.d_model
-    blocks = config.num_layers * (attention + feed_forward) + config.decoder_layers * (2 * attention + feed_forward)
-    return embeddings + blocks
-
-
 def _check_block_counts(source: Any, config: T5Config) -> None:
     """The model config.json describes is the one the files hold: as many weights (at
     least a byte each) and the same blocks, checked before a skeleton is built, so a
     crafted config cannot make eqxckpt build a large one for small files."""
-    if source.nbytes < _parameters(config):
-        raise StructureMismatchError(
-            f"{source.location}: config.json describes a T5 of at least {_parameters(config):,} weights, but the "
-            f"files hold only {source.nbytes:,} bytes. Fix config.json or use the matching weights.",
-            mismatched=[("<model>", f"{source.nbytes} bytes, config.json needs {_parameters(config)} weights")],
-        )
+    check_weights_fit(config, source.nbytes, source.location)
     found = {"encoder": set(), "decoder": set()}
     for path in source.paths:
         match = re.match(r"(encoder|decoder)/block/(\d+)/", path)

@@ -18,7 +18,7 @@ from .._storage import CheckpointPath
 from .._tensorflow import TFCheckpoint, open_tf
 from .._translate import CheckpointTranslator, TranslatedSource
 from .._tree import flatten
-from ._config import T5Config, weights_dtype
+from ._config import T5Config, check_weights_fit, weights_dtype
 from ._model import T5, skeleton
 
 SLOT_NAMES = {"v": "v", "vr": "v_row", "vc": "v_col"}
@@ -186,7 +186,9 @@ def _from_shapes(shapes: dict[str, tuple]) -> dict[str, Any]:
 def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any, progress: Progress = False) -> T5:
     """Check the variables fit ``config`` (one error naming every misfit), then read each
     weight once into the model: floating weights in ``dtype`` (as `weights_dtype` reads it)."""
-    stored = {path: leaf.dtype for path, leaf in translated.records("params").items() if isinstance(leaf, ArrayLeaf)}
+    records = translated.records("params")
+    check_weights_fit(config, sum(leaf.nbytes for leaf in records.values()), translated.location)
+    stored = {path: leaf.dtype for path, leaf in records.items() if isinstance(leaf, ArrayLeaf)}
     like = skeleton(config, weights_dtype(dtype), stored)
     try:
         return load(translated, like, at="params", cast=True, progress=progress)
