@@ -23,7 +23,7 @@ from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
 from ._source import LazyEntry, Source, nothing_under
 from ._storage import CheckpointPath
-from ._store import host_memory_budget as host_memory
+from ._store import limited_host_memory
 from ._transform import Rule, keypath_string, plan_rules, readable_path
 from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype
 
@@ -401,7 +401,7 @@ def load(
             stored = planned.stored()
             with (
                 reporting(f"loading {source.location}", sum(leaf.nbytes for leaf in stored), len(stored), progress),
-                host_memory(host_memory_budget),
+                limited_host_memory(host_memory_budget),
             ):
                 return planned.run()
 

@@ -79,7 +79,7 @@ _HOST_MEMORY_BUDGET: contextvars.ContextVar[int] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def host_memory_budget(nbytes: int | None) -> Iterator[None]:
+def limited_host_memory(nbytes: int | None) -> Iterator[None]:
     """Reads inside hold at most ``nbytes`` in flight (None: the default)."""
     if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1):
         raise CheckpointError(f"host_memory_budget must be a positive number of bytes, got {nbytes!r}.")

@@ -181,6 +181,17 @@ def test_save_never_deletes_what_it_did_not_write(store):
         assert store.get("runs/mixed/" + key) == FOREIGN[key]
 
 
+def load_in_a_child(where: dict, **env: str) -> subprocess.CompletedProcess:
+    """``eqxckpt.load(where)`` in a fresh interpreter (its endpoint settings read at start-up)."""
+    return subprocess.run(
+        [sys.executable, "-c", f"import eqxckpt; eqxckpt.load({where!r})"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", **env),
+    )
+
+
 def test_missing_bucket_and_unreachable_endpoint_are_clear_errors(s3, capsys):
     endpoint, _ = s3
     missing = {**spec(endpoint, "x/"), "bucket": "no-such-bucket"}
@@ -192,15 +203,7 @@ def test_missing_bucket_and_unreachable_endpoint_are_clear_errors(s3, capsys):
     with pytest.raises(eqxckpt.CheckpointWriteError, match="NoSuchBucket.*create the bucket or fix its name"):
         eqxckpt.save(missing, {"x": np.zeros(2)})
     # Nothing listens on port 9: a bounded number of retries, then an error that says what to check.
-    unreachable = {**spec("http://127.0.0.1:9", "x/")}
-    script = f"import eqxckpt; eqxckpt.load({unreachable!r})"
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, EQXCKPT_S3_RETRIES="1", JAX_PLATFORMS="cpu"),
-    )
+    done = load_in_a_child(spec("http://127.0.0.1:9", "x/"), EQXCKPT_S3_RETRIES="1")
     assert done.returncode == 1 and "eqxckpt._errors.CheckpointError: Cannot read s3://" in done.stderr
     assert "Check the endpoint" in done.stderr
 
@@ -223,16 +226,7 @@ def test_a_missing_bucket_and_an_unreachable_endpoint_on_gcs_are_clear_errors(gc
     with pytest.raises(eqxckpt.CheckpointWriteError, match="NOT_FOUND.*create the bucket or fix its name"):
         eqxckpt.save(missing, {"x": np.zeros(2)})
     # Nothing listens on port 9: an error that says what to check, not a hang.
-    script = f"import eqxckpt; eqxckpt.load({gcs.spec('x/')!r})"
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(
-            os.environ, TENSORSTORE_GCS_HTTP_URL="http://127.0.0.1:9", EQXCKPT_GCS_RETRIES="1", JAX_PLATFORMS="cpu"
-        ),
-    )
+    done = load_in_a_child(gcs.spec("x/"), TENSORSTORE_GCS_HTTP_URL="http://127.0.0.1:9", EQXCKPT_GCS_RETRIES="1")
     assert done.returncode == 1 and "Cannot read gs://" in done.stderr and "TENSORSTORE_GCS_HTTP_URL" in done.stderr
 
 

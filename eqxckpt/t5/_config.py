@@ -79,9 +79,8 @@ class T5Config:
             if field.type in (int, "int", int | None, "int | None"):
                 largest = MAX_SIZES[field.name]
                 if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= largest:
-                    shown = (
-                        repr(value) if len(repr(value)) < 40 else f"{repr(value)[:20]}... ({len(repr(value))} chars)"
-                    )
+                    shown = repr(value)
+                    shown = shown if len(shown) < 40 else f"{shown[:20]}... ({len(shown)} chars)"
                     raise CheckpointError(
                         f"T5 config: {field.name} must be an integer from 1 to {largest} (no T5 is larger), "
                         f"got {shown}."
