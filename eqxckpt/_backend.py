@@ -108,6 +108,12 @@ class Storage(abc.ABC):
         """A committed checkpoint's manifest, or an error saying exactly why there is none,
         with what pins that checkpoint (so a reader can tell if it was replaced meanwhile)."""
 
+    def arrays(self, manifest: Manifest) -> "Storage":
+        """Where the arrays of the checkpoint that ``manifest`` describes are: beside it,
+        except on object stores, where each save has a prefix of its own (a copy of such a
+        checkpoint on a local disk keeps that layout, and reads the same)."""
+        return self.sub(manifest.arrays) if manifest.arrays else self
+
     @abc.abstractmethod
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
         """Start reading a leaf's ``zarr.json``, after checking its files may be read."""

@@ -42,6 +42,7 @@ class Checkpoint(Source):
 
     def __init__(self, location: Storage, manifest: Manifest, pin: Pin | None = None):
         self.location = location
+        self._arrays = location.arrays(manifest)
         self._manifest = manifest
         self.metadata = manifest.metadata
         self._leaves = {leaf.path: leaf for leaf in manifest.leaves}
@@ -59,7 +60,7 @@ class Checkpoint(Source):
     def _open_array(self, leaf: StoredLeaf) -> ts.Future:
         """Start opening a leaf's stored array: reads its ``zarr.json`` (at most
         `MAX_ZARR_JSON_BYTES`); `_checked` validates it and opens the array."""
-        return self.location.read_leaf_metadata(leaf)
+        return self._arrays.read_leaf_metadata(leaf)
 
     def _checked(self, leaf: StoredLeaf, opened: ts.Future) -> ts.TensorStore:
         """The opened array, after checking its ``zarr.json`` is what eqxckpt writes
@@ -75,7 +76,7 @@ class Checkpoint(Source):
             raise corrupt(leaf, "its zarr.json is missing")
         metadata = validate_array_metadata(raw, leaf)
         with reading(leaf):
-            spec = read_spec(self.location.child(leaf.path), metadata)
+            spec = read_spec(self._arrays.child(leaf.path), metadata)
             return ts.open(spec, context=self._context, read=True).result()
 
     def _store(self, leaf: StoredLeaf) -> ts.TensorStore:

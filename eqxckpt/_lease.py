@@ -31,25 +31,28 @@ that can be taken proves that nobody holds it: no clocks, no guessing.
 
 Where ``flock`` is unavailable, saves still work, and cleanup removes nothing.
 
-**Object stores** (S3, GCS, memory) have neither rename nor locks. There:
+**Object stores** (S3, GCS, memory) have neither rename nor locks, but they
+have conditional writes. There:
 
-- A save first creates a lease object, ``eqxckpt.lease.json``, with a
-  conditional write that fails if another lease exists. The lease names its
-  owner (host, pid, start time), a heartbeat time the writer renews, its
-  timeout, and every leaf path the save (and the checkpoint it replaces)
-  writes or deletes: the exact list of keys eqxckpt may remove there.
-- A prefix that holds anything but a committed checkpoint or a lease is not
-  eqxckpt's: `save` refuses to write there. A live lease makes another save
-  to the same place fail with `CheckpointBusyError`.
-- Replacing a checkpoint deletes its manifest first (so no reader sees it
-  over missing arrays), then only its leaves' ``zarr.json`` and chunk keys.
-- Commit: the writer checks that it still holds the lease and that every
-  leaf's metadata and chunks exist, writes the manifest (the commit marker),
-  then deletes the lease.
-- A lease whose heartbeat is older than its timeout is abandoned (this
-  assumes clocks agree to well within the timeout, ``EQXCKPT_LEASE_TIMEOUT_S``,
-  10 minutes by default). Cleanup then deletes exactly the keys it lists
-  (unless a manifest shows the save committed), then the lease.
+- No two saves ever write one key: each writes its arrays under a prefix of
+  its own, ``%arrays.<hex>/``, which its manifest names. A writer paused at any
+  instant can only ever land uploads in its own prefix.
+- A lease object, ``eqxckpt.lease.json``, created only if absent, says who holds
+  the place and what it is doing (``action``: writing a save, committing it,
+  deleting a checkpoint). Its holder renews it and changes it only by writes
+  on condition that it is still the lease it wrote.
+- Commit: check the prefix is complete, write the manifest into it
+  (``eqxckpt.commit.json``), change the lease's action to ``commit``
+  (conditional: a writer that lost its lease stops here), then write the
+  manifest at the root on condition that it is still the one the save began
+  with. An overwrite is one write: readers see the old checkpoint or the new.
+- A lease whose heartbeat is older than its timeout is abandoned: cleanup
+  takes it over (a conditional write, so its holder can no longer commit) and
+  finishes its action: deletes a save's prefix, rolls a commit forward from
+  the manifest staged in its prefix, completes a deletion.
+- A prefix that neither the manifest nor the lease names can never be
+  committed, and is deleted. Clocks only decide when a lease looks abandoned;
+  one taken over too early makes its live holder's next conditional write fail.
 - A load remembers the manifest's generation (its ETag) and checks it after
   reading; each manifest holds a unique ``save_id``, so generations differ.
 
@@ -73,7 +76,17 @@ from typing import Any, BinaryIO
 import tensorstore as ts
 
 from ._errors import CheckpointBusyError, CheckpointWriteError, ManifestError
-from ._paths import GROUP_METADATA, LEASE_NAME, MANIFEST_NAME, group_file, group_locations, validate_path
+from ._manifest import MAX_MANIFEST_BYTES, parse_manifest
+from ._paths import (
+    COMMIT_NAME,
+    GROUP_METADATA,
+    LEASE_NAME,
+    MANIFEST_NAME,
+    group_file,
+    group_locations,
+    is_arrays_name,
+    validate_path,
+)
 from ._store import fsync_path, hidden_owner, hidden_sibling
 
 # --- local filesystems: advisory locks on directories --------------------------------
@@ -284,9 +297,17 @@ def _check_removable(root: pathlib.Path) -> None:
             raise PermissionError(errno.EACCES, "Permission denied: cannot remove what it holds", str(where))
 
 
-# --- object stores: a lease object ------------------------------------------------------
+# --- object stores: a lease object, and compare-and-swap ----------------------------------
 
 LEASE_FORMAT = "eqxckpt-lease"
+# What a lease's holder is doing: writing a save's arrays, committing that save, or
+# deleting a checkpoint. A lease with no action was written by eqxckpt before
+# saves had prefixes of their own: its "paths" are what its save wrote.
+ACTIONS = ("save", "commit", "delete")
+LOST = (
+    "This save lost its lease (its heartbeat stopped for longer than the lease timeout, and another "
+    "process took over the place). Nothing was committed; save again."
+)
 
 
 def lease_timeout() -> float:
@@ -302,7 +323,12 @@ def parse_lease(raw: bytes) -> dict | None:
     if not isinstance(doc, dict) or doc.get("format") != LEASE_FORMAT:
         return None
     paths, heartbeat, timeout = doc.get("paths"), doc.get("heartbeat_unix"), doc.get("timeout_s")
+    arrays, base = doc.setdefault("arrays", []), doc.setdefault("base", "")
     if not (isinstance(paths, list) and all(isinstance(p, str) for p in paths)):
+        return None
+    if not (isinstance(arrays, list) and all(is_arrays_name(a) for a in arrays) and _is_hex(base)):
+        return None
+    if doc.setdefault("action", None) not in (*ACTIONS, None):
         return None
     # A NaN or infinite heartbeat (Python's JSON reads both) would never go stale.
     if not (_finite(heartbeat) and isinstance(timeout, (int, float)) and _finite(timeout) and timeout > 0):
@@ -313,6 +339,14 @@ def parse_lease(raw: bytes) -> dict | None:
     except ManifestError:
         return None
     return doc
+
+
+def _is_hex(text: Any) -> bool:
+    try:
+        bytes.fromhex(text)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _finite(x: Any) -> bool:
@@ -333,7 +367,10 @@ def describe_lease(doc: dict) -> str:
 
 def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
     """Delete what eqxckpt writes for each leaf (its ``zarr.json`` and chunk keys), then
-    the zarr group files above them that hold exactly what eqxckpt writes; nothing else."""
+    the zarr group files above them that hold exactly what eqxckpt writes; nothing else.
+    (Checkpoints written before saves had prefixes of their own keep their arrays here.)"""
+    if not paths:
+        return
     futures = []
     for path in paths:
         futures.append(store.delete_range(ts.KvStore.KeyRange(f"{path}/zarr.json", f"{path}/zarr.json\0")))
@@ -353,6 +390,12 @@ def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
             future.result()
         except ValueError:  # changed meanwhile (by someone else): not ours to delete any more
             pass
+
+
+def delete_arrays(store: ts.KvStore, names: list[str]) -> None:
+    """Delete saves' own prefixes (``%arrays.<hex>/``): keys no other save ever writes."""
+    for future in [store.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")) for name in names]:
+        future.result()
 
 
 _warned_endpoints: set[str] = set()
@@ -382,17 +425,21 @@ def warn_if_not_atomic(kvstore: dict) -> None:
         )
 
 
-def uncommit(store: ts.KvStore, paths: list[str]) -> None:
-    """Delete an object-store checkpoint held under a lease: the manifest first, so
-    no reader sees it over changing arrays, then exactly its leaves' keys."""
-    store.write(MANIFEST_NAME, None).result()
-    delete_leaf_keys(store, paths)
-
-
 class Lease:
-    """This process's lease on an object-store checkpoint: taken, renewed, released."""
+    """This process's lease on an object-store checkpoint: taken, changed, renewed and
+    released, each by a write on condition that the lease is still the one it wrote."""
 
-    def __init__(self, store: ts.KvStore, purpose: str, paths: list[str], seen: bytes):
+    def __init__(
+        self,
+        store: ts.KvStore,
+        purpose: str,
+        seen: bytes,
+        *,
+        action: str | None,
+        arrays: list[str] = [],  # noqa: B006 - never mutated
+        paths: list[str] = [],  # noqa: B006
+        base: bytes = b"",
+    ):
         """Take the lease, on condition that the lease object is still what was
         read (``seen``: the generation of a read that found none, or of the
         abandoned lease being taken over)."""
@@ -402,13 +449,16 @@ class Lease:
         self.doc = {
             "format": LEASE_FORMAT,
             "purpose": purpose,
+            "action": action,
             "save_id": self.save_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started_unix": time.time(),
             "heartbeat_unix": time.time(),
             "timeout_s": self.timeout,
+            "arrays": list(arrays),
             "paths": sorted(set(paths)),
+            "base": base.hex(),
         }
         generation = self._write(seen)
         if generation is None:
@@ -418,7 +468,7 @@ class Lease:
             )
         self.generation: bytes = generation
         self.lost = False
-        self.replaces = False  # set by a save that removes a committed checkpoint under this lease
+        self._lock = threading.Lock()  # one conditional write at a time: the heartbeat's or the owner's
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -427,26 +477,28 @@ class Lease:
         stamp = self.store.write(LEASE_NAME, json.dumps(self.doc).encode(), if_equal=if_equal).result()
         return stamp.generation or None  # empty: the condition failed
 
-    def extend(self, paths: list[str]) -> None:
-        """List more paths in the lease (before touching them)."""
-        self.doc["paths"] = sorted(set(self.doc["paths"]) | set(paths))
-        generation = self._write(self.generation)
-        if generation is None:
+    def update(self, **fields: Any) -> None:
+        """Change the lease's document, on condition that it is still this process's
+        (raises `CheckpointBusyError` if another process took it over)."""
+        with self._lock:
+            if not self.lost:
+                self.doc.update(fields)
+                generation = self._write(self.generation)
+                if generation is not None:
+                    self.generation = generation
+                    return
             self.lost = True
-            raise CheckpointBusyError("Another process took over this save's lease; nothing was changed.")
-        self.generation = generation
+        raise CheckpointBusyError(LOST)
 
     def start_heartbeat(self) -> None:
         def beat() -> None:
             while not self._stop.wait(self.timeout / 4):
                 try:
-                    generation = self._write(self.generation)
+                    self.update()
+                except CheckpointBusyError:
+                    return
                 except Exception:  # noqa: BLE001 - a transient error: try again at the next beat
                     continue
-                if generation is None:
-                    self.lost = True
-                    return
-                self.generation = generation
 
         self._thread = threading.Thread(target=beat, name="eqxckpt-lease", daemon=True)
         self._thread.start()
@@ -457,14 +509,12 @@ class Lease:
             self._thread.join()
 
     def check(self) -> None:
-        """Raise unless this process still holds the lease (just before a commit)."""
+        """Raise unless this process still holds the lease."""
         current = self.store.read(LEASE_NAME).result()
         doc = parse_lease(bytes(current.value)) if current.state == "value" else None
         if self.lost or doc is None or doc.get("save_id") != self.save_id:
-            raise CheckpointBusyError(
-                "This save lost its lease (its heartbeat stopped for longer than the lease timeout, and another "
-                "process took over the place). Nothing was committed; save again."
-            )
+            self.lost = True
+            raise CheckpointBusyError(LOST)
 
     def release(self) -> None:
         """Stop renewing and delete the lease, if it is still ours."""
@@ -480,15 +530,16 @@ def read_lease(store: ts.KvStore) -> tuple[Any, dict | None]:
 
 
 def reclaim(store: ts.KvStore) -> str:
-    """Clear an abandoned lease at an object-store checkpoint's root.
+    """Finish what an abandoned lease's holder was doing, at an object-store checkpoint's root.
 
     Returns ``"none"`` (no lease), ``"alive"`` (a live lease, or an object by
     that name eqxckpt did not write: left alone), or ``"reclaimed"``.
 
-    The abandoned lease is first taken over with a conditional write, so its
-    writer, should it wake up, can no longer renew it or commit. Then, unless
-    its save committed (the manifest is removed before anything else, so its
-    presence alone says so), exactly the keys it listed are deleted.
+    The abandoned lease is first taken over with a conditional write, so that
+    its holder, should it wake up, can neither renew it nor commit. Then its
+    action is finished: a save's arrays are deleted (it never committed: its
+    last conditional write before the commit would have failed), a commit is
+    rolled forward from the manifest it left in its prefix, a deletion completes.
     """
     current, doc = read_lease(store)
     if current.state != "value":
@@ -496,13 +547,109 @@ def reclaim(store: ts.KvStore) -> str:
     if doc is None or not is_stale(doc):
         return "alive"
     try:
-        lease = Lease(store, "reclaim", doc["paths"], current.stamp.generation)
+        fields = {k: doc[k] for k in ("arrays", "paths")}
+        lease = Lease(
+            store, "reclaim", current.stamp.generation, action=doc["action"], base=bytes.fromhex(doc["base"]), **fields
+        )
     except CheckpointBusyError:
         return "alive"  # another process renewed or reclaimed it first
-    if store.read(MANIFEST_NAME).result().state != "value":
-        delete_leaf_keys(store, doc["paths"])
+    finish(store, lease.doc)
     lease.release()
+    collect_garbage(store)
     return "reclaimed"
+
+
+def finish(store: ts.KvStore, doc: dict) -> None:
+    """Complete the action a lease records (its holder stopped, or is finishing it)."""
+    action, arrays, paths, base = doc["action"], doc["arrays"], doc["paths"], bytes.fromhex(doc["base"])
+    if action == "save":
+        delete_arrays(store, arrays)
+    elif action == "commit":
+        [name] = arrays
+        if roll_forward(store, name, base):
+            delete_leaf_keys(store, paths)  # what the committed save replaced, if written before prefixes
+    elif action == "delete":
+        top = store.read(MANIFEST_NAME).result()
+        if top.state == "value" and top.stamp.generation == base:
+            store.write(MANIFEST_NAME, None, if_equal=base).result()  # uncommitted first: no reader sees a part
+        delete_arrays(store, arrays)
+        delete_leaf_keys(store, paths)
+    elif store.read(MANIFEST_NAME).result().state != "value":  # a save by an eqxckpt without prefixes
+        delete_leaf_keys(store, paths)
+
+
+def roll_forward(store: ts.KvStore, name: str, base: bytes) -> bool:
+    """Commit the save whose arrays are at ``name``, on condition that the manifest is
+    still ``base``; True if that save's manifest is the committed one now."""
+    staged = read_bounded(store, f"{name}/{COMMIT_NAME}", MAX_MANIFEST_BYTES)
+    if staged.state != "value":
+        return False
+    raw = bytes(staged.value)
+    try:
+        if parse_manifest(raw, f"{name}/{COMMIT_NAME}").arrays != name:
+            return False
+    except ManifestError:
+        return False  # not what a save stages: never made the checkpoint
+    store.write(MANIFEST_NAME, raw, if_equal=base).result()  # fails harmlessly if already done
+    top = store.read(MANIFEST_NAME).result()
+    return top.state == "value" and bytes(top.value) == raw
+
+
+def read_bounded(store: ts.KvStore, key: str, cap: int) -> Any:
+    """Read ``key``, downloading at most ``cap + 1`` bytes of it (then the caller refuses it).
+
+    A ranged read past the end of a smaller value fails, so a small value
+    (the usual case) is read again whole; a huge one is never downloaded.
+    """
+    try:
+        return store.read(key, byte_range=slice(0, cap + 1)).result()
+    except ValueError as e:
+        if not str(e).startswith("OUT_OF_RANGE"):
+            raise
+    return store.read(key).result()
+
+
+def exists(store: ts.KvStore, key: str) -> bool:
+    return store.read(key, byte_range=slice(0, 0)).result().state == "value"
+
+
+def committed_arrays(store: ts.KvStore) -> str | None:
+    """The arrays prefix the manifest at the root names ("" if none, or no manifest);
+    None if a manifest is there that eqxckpt cannot read (then nothing is garbage)."""
+    top = store.read(MANIFEST_NAME).result()
+    if top.state != "value":
+        return ""
+    try:
+        doc = json.loads(bytes(top.value))
+    except (ValueError, RecursionError):
+        return None
+    arrays = doc.get("arrays", "") if isinstance(doc, dict) else None
+    return arrays if arrays == "" or is_arrays_name(arrays) else None
+
+
+def collect_garbage(store: ts.KvStore) -> list[str]:
+    """Delete the prefixes of saves that can never commit; returns their names.
+
+    A prefix is kept if the manifest or the lease names it. Any other can never
+    become committed: its save's lease is gone, and only that lease's holder (or
+    whoever takes it over, who then names the prefix) commits it. The order
+    matters: list first, then read the lease, then the manifest, so that a save
+    whose prefix is listed is seen holding its lease or, after, committed.
+    """
+    listed = {key.decode("utf-8", "replace").split("/")[0] for key in store.list().result()}
+    listed = {name for name in listed if is_arrays_name(name)}
+    if not listed:
+        return []
+    current, doc = read_lease(store)
+    if current.state == "value" and doc is None:
+        return []  # an object eqxckpt did not write holds the lease's name: touch nothing
+    keep = set(doc["arrays"]) if doc is not None else set()
+    committed = committed_arrays(store)
+    if committed is None:
+        return []
+    dead = sorted(listed - keep - {committed})
+    delete_arrays(store, dead)
+    return dead
 
 
 # --- readers: one checkpoint, never a mix -------------------------------------------------

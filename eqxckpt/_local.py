@@ -42,7 +42,7 @@ from ._lease import (
     remove_tree,
 )
 from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from ._paths import GROUP_METADATA, MANIFEST_NAME, group_file, group_locations
+from ._paths import COMMIT_NAME, GROUP_METADATA, MANIFEST_NAME, group_file, group_locations
 from ._store import (
     exchange,
     fsync_path,
@@ -187,7 +187,7 @@ class LocalStorage(Storage):
                     if _read_small(self.path / where) != GROUP_METADATA:
                         problems.append((where, "a zarr group's metadata that is not what eqxckpt writes"))
                     continue
-                if where != MANIFEST_NAME:
+                if where not in (MANIFEST_NAME, COMMIT_NAME):
                     problems.append((where, "not named in the manifest (left over, or added after the save)"))
             for name in [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
                 problems.append((name if rel == "." else f"{rel}/{name}", "a symlink inside the checkpoint"))

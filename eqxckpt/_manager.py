@@ -23,7 +23,7 @@ from ._errors import (
     IncompleteCheckpointError,
 )
 from ._leaf import float_from_json, float_to_json
-from ._load import READ_ATTEMPTS, load
+from ._load import load
 from ._save import save
 from ._storage import CheckpointPath, resolve
 from ._store import is_storage_error
@@ -81,6 +81,11 @@ MANAGER_KEY = "eqxckpt.manager"
 
 # A step is named by its number, written the one way str(int) writes it.
 _STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
+
+
+# How many times `CheckpointManager.load` looks for the latest step again when the one it
+# picked was deleted meanwhile (each time a step that is gone).
+MAX_LATEST_ATTEMPTS = 32
 
 
 class CheckpointManager:
@@ -541,8 +546,10 @@ class CheckpointManager:
         """
         # The latest step may be deleted by another process (its retention) after
         # this manager listed it: then look again (one process only: several
-        # must keep agreeing on their step lists).
-        retries = 0 if step is not None or jax.process_count() > 1 else READ_ATTEMPTS - 1
+        # must keep agreeing on their step lists). Each retry follows a step that
+        # went away, which is never picked again, so a trainer that keeps saving
+        # (and deleting) faster than this reads makes it retry, not fail.
+        retries = 0 if step is not None or jax.process_count() > 1 else MAX_LATEST_ATTEMPTS - 1
         gone: set[int] = set()
         for _ in range(retries):
             try:

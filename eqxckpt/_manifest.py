@@ -12,14 +12,15 @@ from typing import Any
 
 from ._errors import ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf, parse_leaf
-from ._paths import PACKED_LOCATION, record_segment
+from ._paths import ARRAYS_PREFIX, PACKED_LOCATION, is_arrays_name, record_segment
 from ._version import __version__
 
 FORMAT = "eqxckpt"
-# Version 2 adds packed leaves; a manifest without any is written as version 1, so
-# that older eqxckpt reads it, and an older eqxckpt refuses one with packed leaves.
-VERSION = 2
-VERSIONS = (1, 2)
+# Version 2 adds packed leaves; version 3 the "arrays" prefix (object stores). Each
+# manifest is written with the lowest version that holds it, so that older eqxckpt
+# reads what it can, and refuses what it would read from the wrong place.
+VERSION = 3
+VERSIONS = (1, 2, 3)
 KEY_KINDS = ("attr", "dict", "seq", "index")
 # 64 MiB hold the manifest of about 250,000 leaves (about 250 bytes each).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -41,6 +42,9 @@ class Manifest:
     # Every sequence's empty subtrees are recorded (as None), so its indices are
     # exactly 0..n-1. False only for manifests written before that was so.
     sequences_complete: bool = True
+    # Where the arrays are, relative to the manifest: "" (beside it), or on object
+    # stores the save's own prefix ``%arrays.<hex>`` (see `_objects`).
+    arrays: str = ""
 
     def stored_paths(self) -> list[str]:
         """The paths of the checkpoint's arrays: each unpacked leaf's, and the packed array's."""
@@ -50,6 +54,8 @@ class Manifest:
 
     @property
     def version(self) -> int:
+        if self.arrays:
+            return 3
         packed = any(isinstance(leaf, StoredLeaf) and leaf.offset is not None for leaf in self.leaves)
         return 2 if packed else 1
 
@@ -61,6 +67,7 @@ class Manifest:
             "created_unix": self.created,
             "save_id": self.save_id,
             "sequences_complete": self.sequences_complete,
+            **({"arrays": self.arrays} if self.arrays else {}),
             "metadata": self.metadata,
         }
         # One leaf per line: easy to read, grep and diff.
@@ -237,6 +244,12 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
     if not isinstance(complete, bool):
         raise ManifestError(f"The manifest of {where} has a non-boolean 'sequences_complete'.")
     _check_containers(records, where, complete)
+    arrays = doc.get("arrays", "")
+    if (version == 3) != (arrays != "") or (arrays and not is_arrays_name(arrays)):
+        raise ManifestError(
+            f"The manifest of {where} has version {version} and arrays {arrays!r}: version 3 names where its "
+            f"arrays are ({ARRAYS_PREFIX}<32 hex digits>), earlier versions do not. It is corrupt or crafted."
+        )
     created = doc.get("created_unix", 0.0)
     save_id = doc.get("save_id", "")
     return Manifest(
@@ -245,4 +258,5 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
         created if isinstance(created, (int, float)) else 0.0,
         save_id if isinstance(save_id, str) else "",
         complete,
+        arrays,
     )

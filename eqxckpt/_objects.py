@@ -1,11 +1,13 @@
 """`ObjectStorage`: checkpoints under a prefix of an object store (S3, GCS, memory).
 
-A save takes a lease object, writes its leaves, and commits by writing the
-manifest last, on condition that none exists (see `_lease`).
+Each save writes its arrays under a prefix of its own, ``%arrays.<hex>/``, which
+no other save ever writes, and commits by a conditional write of the manifest
+(naming that prefix) over the one it replaces. A lease object fences the
+commit, so that a writer paused past its lease cannot commit (see `_lease`).
 """
 
-import bisect
 import dataclasses
+import uuid
 from typing import Any
 
 import tensorstore as ts
@@ -23,20 +25,36 @@ from ._leaf import StoredLeaf
 from ._lease import (
     Lease,
     StorePin,
+    collect_garbage,
+    delete_arrays,
     delete_leaf_keys,
     describe_lease,
+    exists,
+    finish,
     is_stale,
+    read_bounded,
     read_lease,
     reclaim,
-    uncommit,
+    roll_forward,
     warn_if_not_atomic,
 )
 from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from ._paths import LEASE_NAME, MANIFEST_NAME, group_file, group_locations
+from ._paths import ARRAYS_PREFIX, COMMIT_NAME, LEASE_NAME, MANIFEST_NAME, group_file, group_locations, is_arrays_name
 from ._store import (
     is_storage_error,
     reason,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """What a save commits over: the manifest's generation when the save took the
+    lease (absent, or a checkpoint), whether that is a committed checkpoint, and
+    the leaf paths of one written before saves had prefixes of their own."""
+
+    generation: bytes
+    committed: bool
+    legacy_paths: list[str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +75,16 @@ class ObjectStorage(Storage):
     def read_manifest(self) -> tuple[Manifest, Pin]:
         try:
             store = self.open_kvstore()
-            result = _read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+            result = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
             if result.state == "value":
-                return parse_manifest(bytes(result.value), str(self)), StorePin(self, result.stamp.generation)
+                manifest = parse_manifest(bytes(result.value), str(self))
+                if manifest.arrays and not exists(store, f"{manifest.arrays}/{COMMIT_NAME}"):
+                    raise IncompleteCheckpointError(
+                        f"No committed checkpoint at {self}: its manifest names arrays ({manifest.arrays}) that "
+                        "were deleted (a deletion by retention, or a writer that resumed after it). Load another "
+                        "checkpoint; saving here again replaces it."
+                    )
+                return manifest, StorePin(self, result.stamp.generation)
             _, lease = read_lease(store)
             listed = store.list().result()
         except ValueError as e:
@@ -98,15 +123,15 @@ class ObjectStorage(Storage):
         return self.open_kvstore().read(f"{leaf.path}/zarr.json")
 
     def begin_save(self, paths: list[str], overwrite: bool) -> "ObjectStaging":
-        """Take the lease on this place and clear what the new save replaces.
+        """Take the lease on this place, for a save into a new prefix of its own.
 
-        Only what eqxckpt can prove it wrote is ever deleted: the keys of the
-        leaves a committed manifest lists (and those of an abandoned save's lease).
+        Nothing committed changes until the commit: the checkpoint being replaced
+        stays readable, and is replaced in one conditional write.
         """
         warn_if_not_atomic(self.kvstore)
         store = self.open_kvstore()
         reclaim(store)
-        self._check_place(store, paths, overwrite)  # refuse before writing anything, if it must be refused
+        self._check_place(store, overwrite)  # refuse before writing anything, if it must be refused
         current, doc = read_lease(store)
         if current.state == "value":
             if doc is None:
@@ -117,68 +142,56 @@ class ObjectStorage(Storage):
                 f"Another save or deletion holds {self} ({describe_lease(doc)}). Nothing was changed; wait for it, "
                 "or save elsewhere. If that process died, the place frees itself once the lease times out."
             )
-        # Created only if still absent; then everything is decided again under the
-        # lease: no other eqxckpt process can commit, replace or delete here meanwhile.
-        lease = Lease(store, "save", paths, current.stamp.generation)
+        # Created only if still absent; then everything is decided again under the lease.
+        name = ARRAYS_PREFIX + uuid.uuid4().hex
+        lease = Lease(store, "save", current.stamp.generation, action="save", arrays=[name])
         try:
-            old_paths = self._check_place(store, paths, overwrite)
-            if old_paths is not None:
-                lease.extend(old_paths)  # so that a crash from here on leaves them to cleanup, listed
-                lease.replaces = True
-                uncommit(store, old_paths)
+            base = self._check_place(store, overwrite)
+            collect_garbage(store)  # what earlier saves that never committed left
         except BaseException:
             lease.release()
             raise
         lease.start_heartbeat()
-        return ObjectStaging(self, lease, paths)
+        return ObjectStaging(self, lease, name, base)
 
-    def _check_place(self, store: ts.KvStore, paths: list[str], overwrite: bool) -> list[str] | None:
-        """Whether a save may write here; the leaf paths of the committed
-        checkpoint it replaces (None if there is none).
+    def _check_place(self, store: ts.KvStore, overwrite: bool) -> Base:
+        """Whether a save may write here, and what it commits over.
 
         Refused: a committed checkpoint without ``overwrite``, one whose manifest is
-        damaged (which keys are its cannot be told), a place without a checkpoint
-        that holds anything else, and foreign keys under one of the new leaf paths.
+        damaged (which keys are its cannot be told), and a place without a
+        manifest that holds anything eqxckpt did not write.
         """
-        committed = store.read(MANIFEST_NAME).result()
-        old_paths: list[str] = []
-        if committed.state == "value":
-            if not overwrite:
-                raise CheckpointExistsError(
-                    f"A checkpoint already exists at {self}. Pass overwrite=True to replace it."
-                )
+        top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        legacy: list[str] = []
+        committed = False
+        if top.state == "value":
             try:
-                old = parse_manifest(bytes(committed.value), str(self))
+                old = parse_manifest(bytes(top.value), str(self))
             except ManifestError as e:
                 raise CheckpointExistsError(
                     f"The checkpoint at {self} has a damaged manifest, so eqxckpt cannot tell which keys are its; "
                     f"refusing to replace it ({e}). Remove it yourself or save elsewhere."
                 ) from None
-            old_paths = old.stored_paths()
+            # A manifest whose arrays were deleted is no checkpoint: a save replaces it.
+            committed = not old.arrays or exists(store, f"{old.arrays}/{COMMIT_NAME}")
+            if committed and not overwrite:
+                raise CheckpointExistsError(
+                    f"A checkpoint already exists at {self}. Pass overwrite=True to replace it."
+                )
+            legacy = [] if old.arrays else old.stored_paths()
         keys = [k.decode("utf-8", "replace") for k in store.list().result()]
-        foreign = sorted(set(keys) - _owned_keys(keys, set(old_paths)) - {MANIFEST_NAME, LEASE_NAME})
-        if foreign and committed.state != "value":
+        foreign = sorted(set(keys) - _owned_keys(keys, set(legacy)) - {MANIFEST_NAME, LEASE_NAME})
+        if foreign and top.state != "value":
             raise CheckpointExistsError(
                 f"{self} is not an eqxckpt checkpoint: it holds data that eqxckpt did not write (e.g. "
                 f"{foreign[0]!r}, {len(foreign)} keys); refusing to save there. Choose another path."
             )
-        clash = sorted({group_file(group) for group in group_locations(paths)} & set(foreign))
-        if clash:
-            raise CheckpointExistsError(
-                f"{self} holds data that eqxckpt did not write where it keeps a zarr group's metadata "
-                f"({clash[0]!r}); refusing to save over it. Choose another path."
-            )
-        for path in set(paths) - set(old_paths):
-            at = bisect.bisect_left(foreign, path + "/")
-            if at < len(foreign) and foreign[at].startswith(path + "/"):
-                raise CheckpointExistsError(
-                    f"{self} holds data that eqxckpt did not write at leaf {path!r} ({foreign[at]!r}); "
-                    "refusing to save over it. Choose another path."
-                )
-        return old_paths if committed.state == "value" else None
+        return Base(top.stamp.generation, committed, legacy)
 
     def join_save(self, where: str) -> "ObjectStaging":
-        return ObjectStaging(self, None, [])
+        if not is_arrays_name(where):
+            raise CheckpointError(f"Process 0 of this save named {where!r} as its prefix, which eqxckpt never makes.")
+        return ObjectStaging(self, None, where, None)
 
     def _groups(self) -> dict[str, set[str]]:
         groups: dict[str, set[str]] = {}
@@ -190,7 +203,7 @@ class ObjectStorage(Storage):
     def entries(self) -> list[tuple[str, str]]:
         # An entry with a lease and no manifest is a save or deletion in progress, or cleanup's to finish.
         return [
-            (head, "committed" if MANIFEST_NAME in rests else "busy" if LEASE_NAME in rests else "other")
+            (head, "committed" if _committed(rests) else "busy" if LEASE_NAME in rests else "other")
             for head, rests in sorted(self._groups().items())
         ]
 
@@ -198,78 +211,103 @@ class ObjectStorage(Storage):
         for head, rests in self._groups().items():
             if LEASE_NAME in rests:
                 reclaim(self.sub(head).open_kvstore())
+            elif len({rest.split("/")[0] for rest in rests if is_arrays_name(rest.split("/")[0])}) > int(
+                _committed(rests)
+            ):
+                collect_garbage(self.sub(head).open_kvstore())
 
     def delete(self) -> bool:
         store = self.open_kvstore()
-        committed = store.read(MANIFEST_NAME).result()
-        if committed.state != "value":
+        top = store.read(MANIFEST_NAME).result()
+        if top.state != "value":
             return True
         try:
-            paths = parse_manifest(bytes(committed.value), str(self)).stored_paths()
+            old = parse_manifest(bytes(top.value), str(self))
         except ManifestError:
             return True  # damaged: eqxckpt cannot tell which keys are its, so it leaves them
         current, _ = read_lease(store)
         if current.state == "value":
             return False  # another process is deleting it or saving there: try later
         try:
-            lease = Lease(store, "delete", paths, current.stamp.generation)  # only if still absent
+            lease = Lease(
+                store,
+                "delete",
+                current.stamp.generation,  # only if still absent
+                action="delete",
+                arrays=[old.arrays] if old.arrays else [],
+                paths=[] if old.arrays else old.stored_paths(),
+                base=top.stamp.generation,
+            )
         except CheckpointBusyError:
             return False
-        uncommit(store, paths)
+        finish(store, lease.doc)
         lease.release()
+        collect_garbage(store)
         return True
 
 
 class ObjectStaging(Staging):
-    """A save straight into the checkpoint's prefix, under a lease; the manifest, written last, commits."""
+    """A save into a prefix of its own, under a lease; a conditional write of the manifest commits it."""
 
-    def __init__(self, storage: ObjectStorage, lease: Lease | None, paths: list[str]):
-        self.storage = storage
+    def __init__(self, place: ObjectStorage, lease: Lease | None, name: str, base: Base | None):
+        self.place = place
+        self.storage = ObjectStorage(place.child(name))  # where the arrays go
+        self.where = name
         self.lease = lease
-        self.paths = paths
+        self.base = base
+        self.committing = False
 
     def commit(self, manifest: Manifest, expected: dict[str, int]) -> None:
-        assert self.lease is not None
-        self.lease.check()
-        store = self.storage.open_kvstore()
-        check_complete({k.decode("utf-8", "replace"): -1 for k in store.list().result()}, expected)
-        absent = store.read(MANIFEST_NAME).result()
-        if (
-            absent.state == "value"
-            or not store.write(MANIFEST_NAME, manifest.to_bytes(), if_equal=absent.stamp.generation).result().generation
-        ):
+        """Check the arrays are complete, stage the manifest in the save's prefix, mark
+        the lease as committing (on condition that it is still ours: a writer paused past
+        its lease stops here), then write the manifest over the one the save began with."""
+        lease, base = self.lease, self.base
+        assert lease is not None and base is not None
+        lease.stop_heartbeat()
+        arrays = self.storage.open_kvstore()
+        check_complete({k.decode("utf-8", "replace"): -1 for k in arrays.list().result()}, expected)
+        raw = dataclasses.replace(manifest, arrays=self.where).to_bytes()
+        arrays.write(COMMIT_NAME, raw).result()
+        lease.update(action="commit", base=base.generation.hex(), paths=base.legacy_paths)
+        self.committing = True  # from here on, whoever finds the lease abandoned rolls the commit forward
+        store = self.place.open_kvstore()
+        if not roll_forward(store, self.where, base.generation):
             raise CheckpointBusyError(
-                f"Another process committed a checkpoint at {self.storage} during this save. {NOTHING_COMMITTED}"
+                f"Another process committed a checkpoint at {self.place} during this save. {NOTHING_COMMITTED}"
             )
-        self.lease.release()
+        delete_leaf_keys(store, base.legacy_paths)
+        lease.release()
+        collect_garbage(store)  # the arrays of the checkpoint this one replaced
 
     def abort(self, error: BaseException) -> None:
-        """Remove what a failed save wrote, but only while it still holds the lease:
-        a save that lost it may no longer touch what another process now owns."""
+        """Remove what a failed save wrote: its own prefix, which no other save writes,
+        unless the commit had begun (then whoever rolls it forward or back decides)."""
         lease = self.lease
         if lease is None:
             return
-        if lease.replaces:
-            error.add_note(
-                f"The checkpoint this save was replacing at {self.storage} had already been removed: object "
-                "stores cannot replace a checkpoint atomically. Save it again."
-            )
         lease.stop_heartbeat()
         try:
-            lease.check()
-        except CheckpointError:
-            return
-        try:
-            delete_leaf_keys(lease.store, self.paths)
-            lease.release()
+            if not self.committing:
+                delete_arrays(lease.store, [self.where])
+            lease.release()  # (only if still ours)
         except Exception:  # noqa: BLE001 - the lease stays and times out; cleanup then finishes this
             pass
 
 
+def _committed(rests: set[str]) -> bool:
+    """Whether an entry's keys (relative to it) hold a committed checkpoint: a manifest,
+    and the staged manifest in a save's prefix (none for checkpoints from before prefixes)."""
+    if MANIFEST_NAME not in rests:
+        return False
+    prefixes = {rest.split("/")[0] for rest in rests if is_arrays_name(rest.split("/")[0])}
+    return not prefixes or any(f"{name}/{COMMIT_NAME}" in rests for name in prefixes)
+
+
 def _owned_keys(keys: list[str], paths: set[str]) -> set[str]:
-    """The keys eqxckpt wrote for the leaves at ``paths`` (their zarr.json and chunks, and
-    the group files above them)."""
+    """The keys eqxckpt wrote: those of saves' own prefixes, and for the leaves at ``paths``
+    of a checkpoint written before prefixes, their zarr.json, chunks and group files."""
     owned = {group_file(group) for group in group_locations(paths)} & set(keys)
+    owned |= {key for key in keys if is_arrays_name(key.split("/")[0])}  # saves' own prefixes: reserved names
     for key in keys:
         parts = key.split("/")
         for i, part in enumerate(parts):
@@ -277,17 +315,3 @@ def _owned_keys(keys: list[str], paths: set[str]) -> set[str]:
                 owned.add(key)
                 break
     return owned
-
-
-def _read_bounded(store: ts.KvStore, key: str, cap: int) -> Any:
-    """Read ``key``, downloading at most ``cap + 1`` bytes of it (then the caller refuses it).
-
-    A ranged read past the end of a smaller value fails, so a small value
-    (the usual case) is read again whole; a huge one is never downloaded.
-    """
-    try:
-        return store.read(key, byte_range=slice(0, cap + 1)).result()
-    except ValueError as e:
-        if not str(e).startswith("OUT_OF_RANGE"):
-            raise
-    return store.read(key).result()

@@ -43,6 +43,20 @@ _HASH_CHARS = 16
 # Where small leaves' bytes are packed together (see `_pack`). `encode_segment` never
 # makes a "%" that two hex digits do not follow, so no key's path can be this.
 PACKED_LOCATION = "%packed"
+# On object stores each save writes its arrays under a prefix of its own, named in the
+# manifest (see `_objects`); like PACKED_LOCATION, no key's path can be such a name.
+ARRAYS_PREFIX = "%arrays."
+_ARRAYS_NAME = re.compile(r"^%arrays\.[0-9a-f]{32}$")
+# Inside that prefix, the save's manifest, written before it commits: what cleanup
+# writes in its place should the writer stop in the middle of committing.
+COMMIT_NAME = "eqxckpt.commit.json"
+
+
+def is_arrays_name(name: Any) -> bool:
+    """Whether ``name`` is one eqxckpt gives a save's own prefix on an object store."""
+    return isinstance(name, str) and _ARRAYS_NAME.fullmatch(name) is not None
+
+
 # Packed leaves start at multiples of this, so each can be adopted by XLA without a copy.
 PACK_ALIGNMENT = 64
 

@@ -95,7 +95,7 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
             _check_own(checkpoint, stored, report)
             if packed:
                 _check_packed(checkpoint, packed, report)
-            report.problems.extend(location.unlisted(set(checkpoint._manifest.stored_paths())))
+            report.problems.extend(checkpoint._arrays.unlisted(set(checkpoint._manifest.stored_paths())))
     except CheckpointChangedError as e:
         # What was checked may belong to another checkpoint: say so, and nothing else.
         report.problems[:] = [(MANIFEST_NAME, str(e))]

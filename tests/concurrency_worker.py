@@ -11,6 +11,10 @@ WHERE is a local path or a JSON kvstore spec (S3 on moto). Roles:
 - ``overwrite WHERE ROUNDS``: save states 1..ROUNDS to one place, overwriting.
 - ``read WHERE STOPFILE``: until STOPFILE exists, load (and lazily read) that place.
 - ``rival WHERE STEPS``: a second trainer saving the same steps into the same run.
+- ``commit WHERE STEP OVERWRITE``: one save of STEP's state (OVERWRITE 0 or 1);
+  its summary says ``committed`` or the error that refused it.
+- ``steps WHERE STEPS``: save each step's state to ``WHERE/STEP`` with
+  ``overwrite=True`` (racing a manager's retention there).
 
 Every state is a pure function of its step (every array is filled with it), so
 a tree mixing two saves is detected. Each role prints one ``summary {json}``
@@ -122,13 +126,6 @@ def read(path, stopfile: str) -> dict:
         except eqxckpt.CheckpointChangedError:
             counts["changed (load)"] += 1
             continue
-        except eqxckpt.IncompleteCheckpointError as e:
-            # Object stores have no rename: while a save replaces a checkpoint,
-            # there is none (never a partial one), and a load says so.
-            if not isinstance(path, dict) or "a save is writing it" not in str(e):
-                raise
-            counts["being replaced"] += 1
-            continue
         try:
             ckpt = eqxckpt.open(path)
             first = ckpt["layers/0/w"].get()
@@ -138,10 +135,6 @@ def read(path, stopfile: str) -> dict:
             counts["lazy"] += 1
         except eqxckpt.CheckpointChangedError:
             counts["changed (lazy)"] += 1
-        except eqxckpt.IncompleteCheckpointError as e:
-            if not isinstance(path, dict) or "a save is writing it" not in str(e):
-                raise
-            counts["being replaced"] += 1
     return {"counts": dict(counts), "distinct": len(steps)}
 
 
@@ -158,7 +151,35 @@ def rival(run, steps: int) -> dict:
     return {"counts": dict(counts)}
 
 
-ROLES = {"train": train, "evaluate": evaluate, "overwrite": overwrite, "read": read, "rival": rival}
+def commit(path, step: int, overwrite: int) -> dict:
+    try:
+        eqxckpt.save(path, state(step), overwrite=bool(overwrite))
+    except (eqxckpt.CheckpointExistsError, eqxckpt.CheckpointBusyError) as e:
+        return {"outcome": type(e).__name__, "message": str(e)}
+    return {"outcome": "committed"}
+
+
+def steps(run, count: int) -> dict:
+    counts: collections.Counter = collections.Counter()
+    for step in range(count):
+        place = {**run, "path": run["path"] + f"{step}/"} if isinstance(run, dict) else os.path.join(run, str(step))
+        try:
+            eqxckpt.save(place, state(step), overwrite=True)
+            counts["committed"] += 1
+        except eqxckpt.CheckpointBusyError:
+            counts["busy"] += 1  # the manager was saving or deleting that step
+    return {"counts": dict(counts)}
+
+
+ROLES = {
+    "train": train,
+    "evaluate": evaluate,
+    "overwrite": overwrite,
+    "read": read,
+    "rival": rival,
+    "commit": commit,
+    "steps": steps,
+}
 
 if __name__ == "__main__":
     role, target, *args = sys.argv[1:]

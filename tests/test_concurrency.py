@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import s3_spec
 
@@ -163,6 +164,114 @@ def test_two_managers_on_s3(s3, request):
         for summary in summaries:
             assert sum(summary["counts"].values()) == 5, summary
         check_run(run, 4)
+
+
+# --- compare-and-swap commits on S3 (moto enforces If-Match / If-None-Match) ----------------
+
+
+def prefixes(client, prefix: str) -> set[str]:
+    """The saves' own prefixes (``%arrays.<hex>``) directly under ``prefix``."""
+    listing = client.list_objects_v2(Bucket="eqxckpt-test", Prefix=prefix).get("Contents", [])
+    return {obj["Key"][len(prefix) :].split("/")[0] for obj in listing} - {"eqxckpt.json", "eqxckpt.lease.json"}
+
+
+def committed_state(where) -> int:
+    """The step of the one save a place holds, after checking every leaf and verifying it."""
+    step = one_save(eqxckpt.load(where))
+    report = eqxckpt.verify(where)
+    assert report.ok, report
+    return step
+
+
+@pytest.mark.parametrize("overwrite", [0, 1])
+def test_many_processes_committing_one_place_commit_once(s3, request, overwrite):
+    """Four processes save to one place at once: without overwrite exactly one commits and
+    the others are refused; with it, each commits whole or is refused. Either way the
+    place holds one save's values and only that save's keys."""
+    endpoint, client = s3
+    for round_ in range(rounds(request, 1, 20)):
+        prefix = f"cas/many{overwrite}-{round_}/"
+        racers = [start("commit", s3_spec(endpoint, prefix), step, overwrite, leaves=16) for step in range(1, 5)]
+        outcomes = [finish(racer)["outcome"] for racer in racers]
+        print(outcomes)
+        assert set(outcomes) <= {"committed", "CheckpointExistsError", "CheckpointBusyError"}, outcomes
+        winners = [step for step, outcome in zip(range(1, 5), outcomes) if outcome == "committed"]
+        assert len(winners) == 1 if not overwrite else len(winners) >= 1, outcomes
+        assert committed_state(s3_spec(endpoint, prefix)) in winners
+        assert len(prefixes(client, prefix)) == 1  # the losers removed what they wrote
+
+
+PAUSED_WRITER = """
+import eqxckpt, numpy as np, sys
+where = {spec!r}
+try:
+    eqxckpt.save(where, {{f"leaf{{i}}": np.full((512, 512), 1.0, np.float32) for i in range(64)}}, overwrite=True)
+except eqxckpt.CheckpointBusyError as e:
+    print("refused:", e)
+    sys.exit(3)
+print("committed")
+"""
+
+
+def test_a_writer_paused_past_its_lease_never_lands_in_a_newer_checkpoint(s3, request, monkeypatch):
+    """A writer stopped (SIGSTOP) at a chosen moment of its save, for longer than its lease;
+    another writer reclaims the place and commits; the first resumes. Before prefixes of
+    their own, 2 to 25 of 64 leaves of the committed checkpoint held the paused writer's
+    data. Now: the newer checkpoint is whole and verifies, and the paused writer either
+    committed before it stopped or is refused, leaving nothing behind."""
+    import signal
+    import time
+
+    endpoint, client = s3
+    monkeypatch.setenv("EQXCKPT_LEASE_TIMEOUT_S", "2")
+    outcomes = []
+    for round_ in range(rounds(request, 1, 20)):
+        prefix = f"cas/paused{round_}/"
+        where = s3_spec(endpoint, prefix)
+        eqxckpt.save(where, {f"leaf{i}": np.full((512, 512), 0.0, np.float32) for i in range(64)})
+        writer = subprocess.Popen(
+            [sys.executable, "-c", PAUSED_WRITER.format(spec=where)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
+        STARTED.append(writer)
+        stop_after = 1 + (round_ * 37) % 64  # a different moment each round: early uploads to the commit
+        deadline = time.monotonic() + 120
+        while writer.poll() is None and time.monotonic() < deadline:
+            listing = client.list_objects_v2(Bucket="eqxckpt-test", Prefix=prefix).get("Contents", [])
+            if sum(obj["Key"].endswith("/c/0/0") for obj in listing) >= stop_after:
+                break
+        writer.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)  # past its lease's timeout
+        eqxckpt.save(where, {f"leaf{i}": np.full((512, 512), 2.0, np.float32) for i in range(64)}, overwrite=True)
+        writer.send_signal(signal.SIGCONT)
+        out, _ = writer.communicate(timeout=120)
+        outcomes.append(writer.returncode)
+        assert writer.returncode in (0, 3), out[-3000:]
+        loaded = eqxckpt.load(where)
+        values = {float(np.asarray(v).reshape(-1)[0]) for v in loaded.values()}
+        assert all((np.asarray(v) == 2.0).all() for v in loaded.values()), sorted(values)
+        assert eqxckpt.verify(where).ok
+        assert len(prefixes(client, prefix)) == 1  # the refused writer removed its own prefix
+    print("paused writer: committed before the pause", outcomes.count(0), "refused", outcomes.count(3))
+
+
+def test_retention_racing_saves_to_the_same_steps(s3, request):
+    """A manager keeping 3 steps deletes old ones while another process saves the same
+    steps (overwrite=True). Every step that remains is one save's values and verifies;
+    each holds one prefix of arrays."""
+    endpoint, client = s3
+    for round_ in range(rounds(request, 1, 20)):
+        run = s3_spec(endpoint, f"cas/retention{round_}/")
+        trainer = start("rival", run, 8, leaves=10)
+        other = start("steps", run, 8, leaves=10)
+        print(finish(trainer), finish(other))
+        manager = eqxckpt.CheckpointManager(run)
+        for step in manager.all_steps():
+            assert committed_state(manager.path(step)) == step
+            assert len(prefixes(client, f"cas/retention{round_}/{step}/")) == 1
 
 
 def test_odd_entries_never_stop_a_run_from_opening(tmp_path):

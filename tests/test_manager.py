@@ -180,22 +180,28 @@ def test_manager_on_object_stores(store, monkeypatch):
     assert {key.split("/")[1] for key in store.keys("managed/")} == {"2", "3"}
     resumed = eqxckpt.CheckpointManager(spec, max_to_keep=2)  # a restarted job resumes from the latest step
     assert resumed.latest_step() == 3 and resumed.load(tree(0))["w"].tolist() == tree(3)["w"].tolist()
-    # Array data with neither a manifest nor a lease is not provably eqxckpt's:
-    # it is skipped with a warning naming it, and never deleted.
-    eqxckpt.save({**spec, "path": "managed/9/"}, tree(9))
-    store.delete("managed/9/eqxckpt.json")
+    # Array data with neither a manifest nor a lease, outside a save's prefix, is not
+    # provably eqxckpt's: it is skipped with a warning naming it, and never deleted.
+    for key in ("managed/9/w/c/0/0", "managed/9/w/zarr.json", "managed/9/zarr.json"):
+        store.put(key, b"{}")
+    # A save's prefix that no manifest or lease names can never be committed: removed on open.
+    eqxckpt.save({**spec, "path": "managed/10/"}, tree(10))
+    store.delete("managed/10/eqxckpt.json")
     with pytest.warns(UserWarning, match=r"9 \(no committed checkpoint in it\)"):
         again = eqxckpt.CheckpointManager(spec, max_to_keep=2)
     assert again.all_steps() == [2, 3]
     assert store.keys("managed/9/") == ["managed/9/w/c/0/0", "managed/9/w/zarr.json", "managed/9/zarr.json"]
+    assert store.keys("managed/10/") == []
     np.testing.assert_array_equal(again.load(tree(0))["w"], np.full((4, 3), 3.0))
     # An abandoned save (its lease's heartbeat older than its timeout) is reclaimed
-    # on open: exactly the keys its lease lists, then the lease.
+    # on open: the prefix its lease names, then the lease.
     monkeypatch.setenv("EQXCKPT_LEASE_TIMEOUT_S", "0.01")
     kvstore = ObjectStorage(again.location.child("8")).open_kvstore()
-    Lease(kvstore, "save", ["w"], read_lease(kvstore)[0].stamp.generation)  # never renewed nor released
-    store.put("managed/8/w/zarr.json", b"{}")
-    store.put("managed/8/w/c/0/0", b"half")
+    name = "%arrays." + "8" * 32
+    seen = read_lease(kvstore)[0].stamp.generation
+    Lease(kvstore, "save", seen, action="save", arrays=[name])  # never renewed nor released
+    store.put(f"managed/8/{name}/w/zarr.json", b"{}")
+    store.put(f"managed/8/{name}/w/c/0/0", b"half")
     store.put("managed/8/mine.txt", b"not listed")
     time.sleep(0.05)
     with pytest.warns(UserWarning, match="9 "):

@@ -31,6 +31,28 @@ def test_round_trip():
     assert parsed.leaves == records and parsed.metadata == {"step": 3}
 
 
+@given(st.text("0123456789abcdef", min_size=32, max_size=32), st.booleans())
+def test_the_arrays_prefix_round_trips_and_sets_version_3(hex_digits, named):
+    arrays = f"%arrays.{hex_digits}" if named else ""
+    records = (ArrayLeaf("w", (("dict", "w"),), (2,), "float32", array_type="numpy"),)
+    raw = Manifest(records, {}, arrays=arrays).to_bytes()
+    assert json.loads(raw)["version"] == (3 if named else 1)
+    assert parse_manifest(raw).arrays == arrays
+
+
+@pytest.mark.parametrize(
+    "version, arrays",
+    [(3, None), (2, "%arrays." + "0" * 32), (3, "%arrays." + "0" * 31), (3, "%arrays." + "A" * 32), (3, "../x")],
+)
+def test_the_arrays_prefix_comes_with_version_3_and_its_exact_form(version, arrays):
+    """Version 3 names where the arrays are; an older reader refuses it rather than look beside the manifest."""
+    extra = {} if arrays is None else {"arrays": arrays}
+    with pytest.raises(ManifestError, match="version 3 names where its arrays are"):
+        parse_manifest(
+            json.dumps({"format": "eqxckpt", "version": version, "metadata": {}, "leaves": [GOOD], **extra}).encode()
+        )
+
+
 @pytest.mark.parametrize(
     "change,match",
     [

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+import tensorstore as ts
 from conftest import BUCKET, assert_trees_equal, kill_when, s3_spec as spec
 
 import eqxckpt
@@ -27,6 +28,14 @@ def keys(client, prefix: str) -> list[str]:
     return sorted(obj["Key"] for obj in listing.get("Contents", []))
 
 
+def arrays_of(store, prefix: str) -> str:
+    """The one save prefix (``%arrays.<hex>``) under ``prefix``, as the manifest names it."""
+    names = {key[len(prefix) :].split("/")[0] for key in store.keys(prefix)}
+    [name] = [n for n in names if n.startswith("%arrays.")]
+    assert json.loads(store.get(prefix + "eqxckpt.json"))["arrays"] == name
+    return name
+
+
 def make_state(seed: int) -> dict:
     model = eqx.nn.MLP(4, 3, 16, 2, key=jax.random.key(seed))
     opt_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
@@ -37,7 +46,12 @@ def test_save_load_open_round_trip(store):
     state = make_state(1)
     eqxckpt.save(store.spec("runs/a/1"), state, metadata={"step": 1})
     stored = store.keys("runs/a/1/")
-    assert "runs/a/1/eqxckpt.json" in stored and "runs/a/1/model/layers/0/weight/zarr.json" in stored
+    arrays = arrays_of(store, "runs/a/1/")
+    assert "runs/a/1/eqxckpt.json" in stored and f"runs/a/1/{arrays}/model/layers/0/weight/zarr.json" in stored
+    assert all(k.startswith(f"runs/a/1/{arrays}/") for k in stored if not k.endswith("/eqxckpt.json"))
+    # The save's prefix is a plain zarr v3 hierarchy: TensorStore's own driver reads it.
+    direct = ts.open({"driver": "zarr3", "kvstore": store.spec(f"runs/a/1/{arrays}/model/layers/0/weight/")})
+    np.testing.assert_array_equal(direct.result().read().result(), np.asarray(state["model"].layers[0].weight))
 
     assert_trees_equal(eqxckpt.load(store.spec("runs/a/1"), state), state)
     model = eqxckpt.load(store.spec("runs/a/1"), lambda: make_state(9)["model"], at="model")
@@ -83,8 +97,10 @@ def test_overwrite_replaces_every_old_key(store):
     eqxckpt.save(where, {"old": np.ones(3), "kept": np.ones(2)})
     with pytest.raises(eqxckpt.CheckpointExistsError, match="overwrite=True"):
         eqxckpt.save(where, {"kept": np.zeros(2)})
+    first = arrays_of(store, "runs/over/")
     eqxckpt.save(where, {"kept": np.zeros(2)}, overwrite=True)
-    assert not [k for k in store.keys("runs/over/") if k.startswith("runs/over/old")]
+    assert arrays_of(store, "runs/over/") != first  # the old save's prefix went, whole
+    assert not [k for k in store.keys("runs/over/") if "/old/" in k or first in k]
     np.testing.assert_array_equal(eqxckpt.load(where)["kept"], np.zeros(2))
 
 
@@ -117,12 +133,14 @@ def test_save_killed_before_its_manifest_is_refused_as_incomplete(store, monkeyp
     assert cli(["inspect", json.dumps(where)]) == 1
     assert prefix + "eqxckpt.lease.json" in store.keys(prefix)  # the writer's lease names what it wrote
     lease = json.loads(store.get(prefix + "eqxckpt.lease.json"))
-    assert lease["paths"] == sorted(f"leaf{i}" for i in range(leaves)) and lease["timeout_s"] == 2.0
-    # Once the lease is abandoned, a new save reclaims exactly what it lists, then writes.
+    [killed] = lease["arrays"]
+    assert lease["action"] == "save" and lease["timeout_s"] == 2.0
+    assert all(k.startswith(f"{prefix}{killed}/") for k in store.keys(prefix) if "lease" not in k)
+    # Once the lease is abandoned, a new save deletes the prefix it names, then writes its own.
     time.sleep(max(0.0, lease["heartbeat_unix"] + lease["timeout_s"] - time.time()) + 0.1)
     eqxckpt.save(where, {"x": np.arange(3)})
     np.testing.assert_array_equal(eqxckpt.load(where)["x"], np.arange(3))
-    assert not [k for k in store.keys(prefix) if "leaf" in k or "lease" in k]
+    assert not [k for k in store.keys(prefix) if "leaf" in k or "lease" in k or killed in k]
 
 
 def test_a_live_lease_makes_other_saves_wait_their_turn(s3):
@@ -131,12 +149,13 @@ def test_a_live_lease_makes_other_saves_wait_their_turn(s3):
     where = spec(endpoint, "runs/busy/")
     eqxckpt.save(where, {"x": np.zeros(3)})
     store = eqxckpt._storage.resolve(where).open_kvstore()
-    lease = Lease(store, "save", ["x"], read_lease(store)[0].stamp.generation)  # another writer, alive
+    seen = read_lease(store)[0].stamp.generation
+    lease = Lease(store, "save", seen, action="save", arrays=["%arrays." + "0" * 32])  # another writer, alive
     with pytest.raises(eqxckpt.CheckpointBusyError, match="Another save or deletion holds .*pid"):
         eqxckpt.save(where, {"x": np.ones(3)}, overwrite=True)
     absent = store.read("no-such-key").result().stamp.generation
     with pytest.raises(eqxckpt.CheckpointBusyError):  # a racer who saw no lease cannot take one either
-        Lease(store, "save", ["x"], absent)
+        Lease(store, "save", absent, action="save")
     np.testing.assert_array_equal(eqxckpt.load(where)["x"], np.zeros(3))  # untouched
     lease.release()
     eqxckpt.save(where, {"x": np.ones(3)}, overwrite=True)
@@ -162,21 +181,20 @@ def test_save_never_deletes_what_it_did_not_write(store):
             eqxckpt.save(where, {"w": np.ones(3)}, overwrite=overwrite)
     assert store.keys(prefix) == sorted(prefix + k for k in FOREIGN)
 
-    # Beside a committed checkpoint, foreign keys survive an overwrite, and the
-    # new save refuses to write over a foreign key at one of its leaf paths.
+    # Beside a committed checkpoint, foreign keys survive overwrites, even where a
+    # leaf of the same name is saved: each save's arrays are under a prefix of its own.
     where = store.spec("runs/mixed/")
     eqxckpt.save(where, {"w": np.ones(3), "v": np.ones(2)})
+    first = arrays_of(store, "runs/mixed/")
     for key, body in FOREIGN.items():
         store.put("runs/mixed/" + key, body)
-    store.put("runs/mixed/w/notes.txt", b"inside a leaf's directory")
-    with pytest.raises(eqxckpt.CheckpointExistsError, match="at leaf 'data'"):
-        eqxckpt.save(where, {"data": np.zeros(2)}, overwrite=True)
-    np.testing.assert_array_equal(eqxckpt.load(where)["w"], np.ones(3))  # the refusal changed nothing
+    eqxckpt.save(where, {"data": np.zeros(2)}, overwrite=True)
+    np.testing.assert_array_equal(eqxckpt.load(where)["data"], np.zeros(2))
     eqxckpt.save(where, {"w": np.zeros(5)}, overwrite=True)
     assert_trees_equal(eqxckpt.load(where), {"w": np.zeros(5)})
     stored = store.keys("runs/mixed/")
-    assert all("runs/mixed/" + k in stored for k in FOREIGN) and "runs/mixed/w/notes.txt" in stored
-    assert not [k for k in stored if k.startswith("runs/mixed/v/")]  # the old leaf went, being ours
+    assert all("runs/mixed/" + k in stored for k in FOREIGN)
+    assert not [k for k in stored if first in k]  # the old save's arrays went, being ours
     for key in FOREIGN:
         assert store.get("runs/mixed/" + key) == FOREIGN[key]
 
@@ -245,10 +263,15 @@ def test_crafted_objects_are_refused(store):
     store.put("runs/crafted/eqxckpt.json", json.dumps(huge).encode())
     with pytest.raises(eqxckpt.CorruptCheckpointError, match="Leaf 'w'"):
         eqxckpt.load(where)
+    for arrays in ("../elsewhere", "%arrays.x", "%packed"):  # only a save's own prefix, by its exact form
+        store.put("runs/crafted/eqxckpt.json", json.dumps({**manifest, "arrays": arrays}).encode())
+        with pytest.raises(eqxckpt.ManifestError, match="version 3 names where its arrays are"):
+            eqxckpt.load(where)
     store.put("runs/crafted/eqxckpt.json", json.dumps(manifest).encode())
-    metadata = json.loads(store.get("runs/crafted/w/zarr.json"))
+    leaf_metadata = f"runs/crafted/{manifest['arrays']}/w/zarr.json"
+    metadata = json.loads(store.get(leaf_metadata))
     metadata["codecs"] = [codec for codec in metadata["codecs"] if codec["name"] != "crc32c"]  # no checksum
-    store.put("runs/crafted/w/zarr.json", json.dumps(metadata).encode())
+    store.put(leaf_metadata, json.dumps(metadata).encode())
     with pytest.raises(eqxckpt.CorruptCheckpointError, match="Leaf 'w'"):
         eqxckpt.load(where)
     report = eqxckpt.verify(where)
@@ -269,3 +292,93 @@ def test_a_lease_that_could_never_go_stale_is_not_taken_for_a_live_one(store, he
     with pytest.raises(eqxckpt.CheckpointExistsError, match="eqxckpt.lease.json that eqxckpt did not write"):
         eqxckpt.save(store.spec(prefix), {"w": np.ones(2)})
     assert store.keys(prefix) == [prefix + "eqxckpt.lease.json"]  # nothing deleted, nothing written
+
+
+KILLED_AT = """
+import os, signal, numpy as np, eqxckpt, eqxckpt._objects as objects
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+objects.{point} = die
+eqxckpt.save({spec!r}, {{"w": np.full((64, 64), 2.0, np.float32), "v": np.arange(5)}}, overwrite=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "point, committed",
+    [
+        ("check_complete", False),  # killed before it staged its manifest: cleanup deletes its prefix
+        ("roll_forward", True),  # killed after marking its lease as committing: cleanup commits it
+    ],
+)
+def test_a_writer_killed_during_its_commit_is_finished_by_cleanup(store, monkeypatch, point, committed):
+    """SIGKILL at a chosen instant of the commit. Until the lease times out the old step is
+    still there, whole; then a manager opening the run finishes what the writer began."""
+    monkeypatch.setenv("EQXCKPT_LEASE_TIMEOUT_S", "1")
+    run = store.spec(f"runs/killed-{point}/")
+    with eqxckpt.CheckpointManager(run) as manager:
+        manager.save(5, {"w": np.full((64, 64), 1.0, np.float32), "v": np.arange(5)})
+    step = {**run, "path": run["path"] + "5/"}
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_AT.format(point=point, spec=step)], env=dict(os.environ, JAX_PLATFORMS="cpu")
+    )
+    assert done.returncode == -9
+    assert "eqxckpt.lease.json" in [k.split("/")[-1] for k in store.keys(run["path"] + "5/")]
+    np.testing.assert_array_equal(eqxckpt.load(step)["w"], np.full((64, 64), 1.0))  # the old one, whole
+    time.sleep(1.1)
+    with eqxckpt.CheckpointManager(run) as manager:
+        assert manager.all_steps() == [5]
+        np.testing.assert_array_equal(manager.load()["w"], np.full((64, 64), 2.0 if committed else 1.0))
+    assert eqxckpt.verify(step).ok
+    names = {k.split("/")[3] for k in store.keys(run["path"] + "5/")}
+    assert len([n for n in names if n.startswith("%arrays.")]) == 1 and "eqxckpt.lease.json" not in names
+
+
+def test_a_manifest_whose_arrays_were_deleted_is_no_checkpoint(store):
+    """What a writer that resumes after its commit was rolled forward and deleted can leave:
+    readers refuse it, and a save replaces it without overwrite=True."""
+    where = store.spec("runs/stray/")
+    eqxckpt.save(where, {"w": np.ones(3)})
+    arrays = arrays_of(store, "runs/stray/")
+    store.delete(f"runs/stray/{arrays}/eqxckpt.commit.json")
+    with pytest.raises(eqxckpt.IncompleteCheckpointError, match="names arrays .* that were deleted"):
+        eqxckpt.load(where)
+    eqxckpt.save(where, {"w": np.zeros(3)})
+    np.testing.assert_array_equal(eqxckpt.load(where)["w"], np.zeros(3))
+    assert not [k for k in store.keys("runs/stray/") if arrays in k]
+
+
+def test_checkpoints_from_before_prefixes_load_and_are_replaced_and_deleted(store, tmp_path):
+    """A version 1/2 checkpoint on an object store keeps its arrays beside its manifest
+    (made here by copying a local one up): it loads; an overwrite and retention remove
+    exactly its keys, and nothing else."""
+    tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "small": [np.ones(2), np.zeros(3)]}
+    eqxckpt.save(tmp_path / "old", tree)
+    for step in ("1", "2"):
+        for file in (tmp_path / "old").rglob("*"):
+            if file.is_file():
+                store.put(f"runs/legacy/{step}/{file.relative_to(tmp_path / 'old')}", file.read_bytes())
+    store.put("runs/legacy/1/notes.txt", b"mine")
+    first = store.spec("runs/legacy/1/")
+    assert json.loads(store.get("runs/legacy/1/eqxckpt.json"))["version"] in (1, 2)
+    assert_trees_equal(eqxckpt.load(first), tree)
+    assert eqxckpt.verify(first).ok
+    eqxckpt.save(first, {"w": np.zeros(2)}, overwrite=True)
+    assert_trees_equal(eqxckpt.load(first), {"w": np.zeros(2)})
+    left = [k for k in store.keys("runs/legacy/1/") if not k.split("/")[3].startswith("%arrays.")]
+    assert left == ["runs/legacy/1/eqxckpt.json", "runs/legacy/1/notes.txt"]
+    with eqxckpt.CheckpointManager(store.spec("runs/legacy/"), max_to_keep=1) as manager:
+        manager.save(3, {"w": np.ones(2)})
+    assert manager.all_steps() == [3] and store.keys("runs/legacy/1/") == ["runs/legacy/1/notes.txt"]
+    assert store.keys("runs/legacy/2/") == []
+
+
+def test_a_copy_on_a_local_disk_reads_the_same(store, tmp_path):
+    where = store.spec("runs/copy/")
+    tree = {"w": np.arange(6.0), "n": 3}
+    eqxckpt.save(where, tree)
+    for key in store.keys("runs/copy/"):
+        target = tmp_path / "copy" / key[len("runs/copy/") :]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(store.get(key))
+    assert_trees_equal(eqxckpt.load(tmp_path / "copy"), tree)
+    assert eqxckpt.verify(tmp_path / "copy").ok
