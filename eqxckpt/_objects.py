@@ -7,6 +7,9 @@ commit, so that a writer paused past its lease cannot commit (see `_lease`).
 """
 
 import dataclasses
+import os
+import socket
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -18,6 +21,7 @@ from ._errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     IncompleteCheckpointError,
     ManifestError,
 )
@@ -60,6 +64,10 @@ class Base:
 @dataclasses.dataclass(frozen=True)
 class ObjectStorage(Storage):
     """A checkpoint under a prefix of an object store (or TensorStore's memory store)."""
+
+    def open_kvstore(self) -> ts.KvStore:
+        check_reachable(self.kvstore, str(self))
+        return super().open_kvstore()
 
     def sub(self, name: str) -> "ObjectStorage":
         return ObjectStorage(self.child(name))
@@ -265,7 +273,12 @@ class ObjectStaging(Staging):
         assert lease is not None and base is not None
         lease.stop_heartbeat()
         arrays = self.storage.open_kvstore()
-        check_complete({k.decode("utf-8", "replace"): -1 for k in arrays.list().result()}, expected)
+        try:
+            lease.check()
+            check_complete({k.decode("utf-8", "replace"): -1 for k in arrays.list().result()}, expected)
+        except CheckpointWriteError:
+            lease.check()  # a writer that lost its lease (and its files with it) hears that
+            raise
         raw = dataclasses.replace(manifest, arrays=self.where).to_bytes()
         arrays.write(COMMIT_NAME, raw).result()
         lease.update(action="commit", base=base.generation.hex(), paths=base.legacy_paths)
@@ -292,6 +305,55 @@ class ObjectStaging(Staging):
             lease.release()  # (only if still ours)
         except Exception:  # noqa: BLE001 - the lease stays and times out; cleanup then finishes this
             pass
+
+
+_PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+_REACHED: set[tuple[str, int]] = set()
+
+
+def _endpoint(spec: dict[str, Any]) -> tuple[str, str, int] | None:
+    """(what, host, port) of the server a kvstore spec talks to; None for the memory store."""
+    if spec.get("driver") == "s3":
+        what = "S3"
+        url = spec.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        url = url or "https://s3.amazonaws.com"
+    elif spec.get("driver") == "gcs":
+        what, url = "Cloud Storage", os.environ.get("TENSORSTORE_GCS_HTTP_URL") or "https://storage.googleapis.com"
+    else:
+        return None
+    parsed = urllib.parse.urlsplit(str(url))
+    try:
+        port = parsed.port or (80 if parsed.scheme == "http" else 443)
+    except ValueError:
+        return None  # TensorStore says what is wrong with it
+    return (what, parsed.hostname, port) if parsed.hostname else None
+
+
+def check_reachable(spec: dict[str, Any], where: str) -> None:
+    """Fail at once, in one line, when an object store's endpoint certainly cannot be reached
+    (its name does not resolve, or it refuses connections), rather than after a minute of
+    retries and the AWS library's log lines. Anything less certain (a timeout, a proxy in
+    the way) is left to TensorStore and its bounded retries."""
+    endpoint = _endpoint(spec)
+    if endpoint is None or endpoint[1:] in _REACHED or any(os.environ.get(name) for name in _PROXIES):
+        return
+    what, host, port = endpoint
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        socket.create_connection((host, port), timeout=3).close()
+    except socket.gaierror:
+        why = "is a name that does not resolve"
+    except ConnectionRefusedError:
+        why = "refuses connections"
+    except OSError:
+        return
+    else:
+        _REACHED.add((host, port))
+        return
+    raise CheckpointError(
+        f"Cannot reach {where}: the {what} endpoint {host}:{port} {why}. Check the endpoint ({ENDPOINT_SETTINGS}) "
+        "and the network."
+    )
 
 
 def _committed(rests: set[str]) -> bool:

@@ -228,7 +228,8 @@ def test_a_writer_paused_past_its_lease_never_lands_in_a_newer_checkpoint(s3, re
     for round_ in range(rounds(request, 1, 20)):
         prefix = f"cas/paused{round_}/"
         where = s3_spec(endpoint, prefix)
-        eqxckpt.save(where, {f"leaf{i}": np.full((512, 512), 0.0, np.float32) for i in range(64)})
+        # Other leaf names than the writers': the chunks counted below are the paused writer's.
+        eqxckpt.save(where, {f"old{i}": np.full((512, 512), 0.0, np.float32) for i in range(64)})
         writer = subprocess.Popen(
             [sys.executable, "-c", PAUSED_WRITER.format(spec=where)],
             stdout=subprocess.PIPE,
@@ -241,7 +242,7 @@ def test_a_writer_paused_past_its_lease_never_lands_in_a_newer_checkpoint(s3, re
         deadline = time.monotonic() + 120
         while writer.poll() is None and time.monotonic() < deadline:
             listing = client.list_objects_v2(Bucket="eqxckpt-test", Prefix=prefix).get("Contents", [])
-            if sum(obj["Key"].endswith("/c/0/0") for obj in listing) >= stop_after:
+            if sum("/leaf" in obj["Key"] and obj["Key"].endswith("/c/0/0") for obj in listing) >= stop_after:
                 break
         writer.send_signal(signal.SIGSTOP)
         time.sleep(2.5)  # past its lease's timeout
