@@ -11,6 +11,12 @@ $(BIN)/python:
 	@echo "Creating the virtual environment $(VENV) with $(PYTHON)."
 	$(PYTHON) -m venv $(VENV)
 
+$(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
+	@echo "Installing eqxckpt into $(VENV) with what the demo needs (jax, equinox, tensorstore, optax):"
+	@echo "about 1 minute and 1 GB the first time. make test adds TensorFlow, the test servers and the docs toolchain."
+	$(PIP) -e ".[demo]"
+	touch $@
+
 $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
 	@echo "Installing eqxckpt into $(VENV) with its test, TensorFlow and docs extras (jax, tensorstore,"
 	@echo "tensorflow-cpu, orbax-checkpoint, moto, mkdocs, ...): about 2 minutes and 2 GB the first time."
@@ -22,8 +28,9 @@ $(VENV)/.bench-installed: pyproject.toml | $(BIN)/python
 	$(PIP) -e ".[test,tf,docs,bench]"
 	touch $@
 
-demo: $(VENV)/.test-installed
+demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/demo.py
+	@echo "The eqxckpt command is in $(VENV)/bin: run $(VENV)/bin/eqxckpt --help, or source $(VENV)/bin/activate first."
 
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .

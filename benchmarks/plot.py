@@ -1,10 +1,10 @@
-"""Plots of the benchmark results for the docs' benchmark page.
+"""Plots of the benchmark results for the docs' benchmark page: one per question.
 
-Reads the JSON that `bench.py --json` and `decode_bench.py` write and draws
-every library's median time per operation as a ratio to raw file I/O (lower
-is better): against the state's size (save, restore and params-only restore,
-warm and cold page cache) and against the number of leaves; and the T5
-decoding times per token.
+Reads the JSON that `bench.py --json` and `decode_bench.py` write and draws,
+for each question, every library's median time as a ratio to raw file I/O
+(lower is better): saving, a full restore and a params-only restore (warm
+and cold page cache) against the state's size; many small leaves; and the T5
+decoding time per token.
 
     python benchmarks/plot.py --bench benchmarks/results-2cpu.json \
         --decode benchmarks/results-decode.json --out docs/img
@@ -15,15 +15,19 @@ import json
 import pathlib
 import statistics
 
-SIZE_OPERATIONS = {
-    "save": "durable save",
-    "restore warm": "full restore, warm cache",
-    "restore cold": "full restore, cold cache",
-    "params warm": "params-only restore, warm",
-    "params cold": "params-only restore, cold",
+# One plot per question: its file, title, the operations drawn (solid, then dashed) and the target.
+QUESTIONS = {
+    "save.png": ("Saving (durable: fsync'd)", {"save": "save"}, 1.1),
+    "restore.png": ("Restoring everything", {"restore warm": "warm cache", "restore cold": "cold cache"}, 1.1),
+    "params.png": (
+        "Restoring the parameters only (at=\"model\")",
+        {"params warm": "warm cache", "params cold": "cold cache"},
+        1.2,
+    ),
 }
-LEAF_OPERATIONS = {"save": "durable save", "restore warm": "full restore"}
-STYLE = {"eqxckpt": ("tab:blue", "o"), "eqxckpt-unpacked": ("tab:gray", "^"), "orbax": ("tab:orange", "s")}
+STYLE = {"eqxckpt": ("tab:blue", "o"), "orbax": ("tab:orange", "s")}
+LINES = ("-", "--")
+SIZE = (7.5, 4.2)  # inches at 100 dpi: the page's full width, labels at reading size
 
 
 def ratio(part: dict, library: str, op: str) -> float | None:
@@ -34,22 +38,22 @@ def ratio(part: dict, library: str, op: str) -> float | None:
     return statistics.median(r["seconds"] for r in runs) / statistics.median(r["seconds"] for r in raw)
 
 
-def sweep(axis, parts: dict, op: str, title: str, xlabel: str, limit: float | None) -> None:
-    """Ratios to raw of every library for ``op`` along the sweep's x values."""
+def draw(axis, parts: dict, ops: dict, *, integer: bool) -> None:
+    """Ratios to raw of every library, for each operation (solid, then dashed), along the x values."""
     xs = sorted(parts, key=float)
-    for library, (colour, marker) in STYLE.items():
-        points = [(float(x), r) for x in xs if (r := ratio(parts[x], library, op)) is not None]
-        if points:
-            axis.plot(*zip(*points), marker=marker, color=colour, label=library)
+    for op, linestyle in zip(ops, LINES):
+        for library, (colour, marker) in STYLE.items():
+            points = [(float(x), r) for x in xs if (r := ratio(parts[x], library, op)) is not None]
+            if points:
+                label = f"{library}, {ops[op]}" if len(ops) > 1 else library
+                axis.plot(*zip(*points), marker=marker, color=colour, linestyle=linestyle, label=label)
     axis.axhline(1.0, color="black", linewidth=0.8)
-    if limit is not None:
-        axis.axhline(limit, color="tab:green", linewidth=0.8, linestyle="--", label=f"target {limit}x")
     axis.set_xscale("log")
-    axis.set_xticks([float(x) for x in xs], xs)
+    axis.set_xticks([float(x) for x in xs], [f"{int(float(x)):,}" if integer else x for x in xs])
     axis.minorticks_off()
-    axis.set_title(title, fontsize=11)
-    axis.set_xlabel(xlabel)
     axis.set_ylim(bottom=0)
+    axis.set_ylabel("time / raw file I/O (lower is better)")
+    axis.grid(axis="y", alpha=0.3)
 
 
 def main() -> None:
@@ -69,39 +73,36 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bench = json.loads(pathlib.Path(args.bench).read_text())
-    plt.rcParams.update({"font.size": 11})
-    limits = {"save": 1.1, "restore warm": 1.1, "restore cold": 1.1, "params warm": 1.2, "params cold": 1.2}
-    figure, axes = plt.subplots(2, 3, figsize=(13, 8))
-    for axis, (op, title) in zip(axes.flat, SIZE_OPERATIONS.items()):
-        sweep(axis, bench["sizes"], op, title, "state size (MiB)", limits[op])
-        axis.set_ylabel("time / raw file I/O")
-    leaves = bench.get("leaves", {})
-    axis = axes.flat[5]
-    for op, (linestyle, name) in {"save": ("-", "save"), "restore warm": ("--", "restore")}.items():
-        xs = sorted(leaves, key=int)
-        for library, (colour, marker) in STYLE.items():
-            points = [(int(x), r) for x in xs if (r := ratio(leaves[x], library, op)) is not None]
-            if points:
-                axis.plot(*zip(*points), marker=marker, color=colour, linestyle=linestyle, label=f"{library} {name}")
-    axis.axhline(1.0, color="black", linewidth=0.8)
-    axis.set_xscale("log")
+    plt.rcParams.update({"font.size": 12})
+    machine = bench["machine"]
+    for name, (title, ops, target) in QUESTIONS.items():
+        figure, axis = plt.subplots(figsize=SIZE)
+        draw(axis, bench["sizes"], ops, integer=False)
+        axis.axhline(target, color="tab:green", linewidth=1, linestyle=":", label=f"target {target}x")
+        axis.set_xlabel("model + optimizer state (MiB)")
+        axis.set_title(f"{title}\n{machine}", fontsize=11)
+        axis.legend(fontsize=10, loc="best")
+        figure.tight_layout()
+        figure.savefig(out / name, dpi=100)
+        plt.close(figure)
+        print(f"wrote {out / name}")
+    # Many small leaves: Orbax runs only up to --orbax-max-leaves (10,000): at 100,000 its save
+    # alone would take minutes per repeat (17 s at 10,000).
+    figure, axis = plt.subplots(figsize=SIZE)
+    draw(axis, bench.get("leaves", {}), {"save": "save", "restore warm": "restore"}, integer=True)
     axis.set_yscale("log")
-    axis.set_xticks([int(x) for x in leaves], [f"{int(x):,}" for x in leaves])
-    axis.minorticks_off()
-    axis.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    axis.set_title("many leaves of 1-64 KiB", fontsize=11)
-    axis.set_xlabel("leaves")
-    for axis in axes.flat:
-        axis.legend(fontsize=8)
-    figure.suptitle(
-        f"time / raw file I/O, lower is better (eqxckpt and Orbax, same run)\n{bench['machine']}", fontsize=11
-    )
+    axis.set_ylim(0.8, 150)
+    axis.set_yticks([1, 2, 5, 10, 20, 50, 100], ["1", "2", "5", "10", "20", "50", "100"])
+    axis.set_xlabel("leaves of 1-64 KiB (float32)")
+    axis.set_title(f"Many small leaves (Orbax run at 10,000 only)\n{machine}", fontsize=11)
+    axis.legend(fontsize=10, loc="best")
     figure.tight_layout()
-    figure.savefig(out / "benchmarks.png", dpi=100)
-    print(f"wrote {out / 'benchmarks.png'}")
+    figure.savefig(out / "leaves.png", dpi=100)
+    plt.close(figure)
+    print(f"wrote {out / 'leaves.png'}")
 
     decode = json.loads(pathlib.Path(args.decode).read_text())
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure, axis = plt.subplots(figsize=SIZE)
     lengths = [str(n) for n in decode["lengths"]]
     for row in decode["rows"]:
         axis.plot(
@@ -117,9 +118,9 @@ def main() -> None:
     axis.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     axis.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axis.set_title("T5 decoding: cache vs recompute")
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=10)
     figure.tight_layout()
-    figure.savefig(out / "decoding.png", dpi=110)
+    figure.savefig(out / "decoding.png", dpi=100)
     print(f"wrote {out / 'decoding.png'}")
 
 

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -9,6 +10,7 @@ from ._errors import CheckpointError
 from ._formats import FORMATS, open as open_source
 from ._paths import depth, normalize_at
 from ._source import nothing_under
+from ._version import __version__
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -86,17 +88,20 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ._verify import verify
+    from rich.markup import escape
+
+    from ._verify import plural, verify
 
     out = console()
     report = verify(checkpoint_path(args.path), progress=True)
-    for path, message in report.problems:
-        out.print(f"[bold red]{path}[/bold red]: {message}")
+    for path, message in report.problems + report.damaged_chunks:
+        out.print(f"[bold red]{escape(path)}[/bold red]: {escape(message)}")
     colour = "green" if report.ok else "red"
+    damaged = f", {plural(len(report.problems), 'problem')}" if report.problems else ""
     out.print(
-        f"[bold {colour}]{'OK' if report.ok else 'DAMAGED'}[/bold {colour}] {report.location}: "
-        f"{report.arrays_checked} arrays, {human_bytes(report.bytes_checked)} read and checked, "
-        f"{len(report.problems)} problems"
+        f"[bold {colour}]{'OK' if report.ok else 'DAMAGED'}[/bold {colour}] {escape(report.location)}: "
+        f"{plural(report.leaves, 'leaf', 'leaves')}, {plural(report.arrays_checked, 'array')} intact "
+        f"({human_bytes(report.bytes_checked)} read and checked){damaged}"
     )
     return 0 if report.ok else 1
 
@@ -191,8 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     $ eqxckpt inspect ckpt/step_100 --at model
     ```
     """
-    parser = argparse.ArgumentParser(prog="eqxckpt", description="Inspect and verify eqxckpt checkpoints.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="eqxckpt",
+        description="Inspect, verify and convert checkpoints without the model code: eqxckpt's own, safetensors "
+        "(HuggingFace), Orbax and TensorFlow. 'eqxckpt COMMAND --help' says more about each command.",
+    )
+    parser.add_argument("--version", action="version", version=f"eqxckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     inspect = sub.add_parser("inspect", help="print the leaves with shapes, dtypes and sizes")
     inspect.add_argument("path", help="checkpoint directory, URL (s3://bucket/prefix) or kvstore spec as JSON")
     inspect.add_argument("--at", default=None, help="only the subtree under this path prefix")
@@ -232,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (CheckpointError, OSError, KeyError) as e:
-        print(f"eqxckpt {args.command}: {e}", file=sys.stderr)  # whole: the hint is often on a later line
+        # Whole (the hint is often on a later line), in the command line's own terms.
+        message = re.sub(r"\b([Pp])ass overwrite=True", r"\1ass --overwrite", str(e))
+        print(f"eqxckpt {args.command}: {message}", file=sys.stderr)
         return 1
 
 

@@ -1,7 +1,8 @@
 """`open`: any readable checkpoint as a `Source`, its format detected from what is at the path.
 
 - ``eqxckpt``: a directory (or object-store prefix) with an ``eqxckpt.json``.
-- ``safetensors``: a ``.safetensors`` file, a directory holding
+- ``safetensors``: a ``.safetensors`` file (or any file that starts as one does),
+  a directory holding
   ``model.safetensors``, or a sharded HuggingFace directory
   (``model.safetensors.index.json`` and its shards).
 - ``orbax``: a directory `orbax-checkpoint` wrote a pytree into (``_METADATA``).
@@ -82,7 +83,7 @@ def _detect_local(local: pathlib.Path) -> str:
     if not local.exists() and local.with_name(local.name + ".index").is_file():
         return "tf"
     if local.is_file():
-        if local.suffix == ".safetensors":
+        if local.suffix == ".safetensors" or _starts_like_safetensors(local):
             return "safetensors"
         _refuse_pickle(local)
     elif local.is_dir() and not (local / MANIFEST_NAME).exists():
@@ -106,6 +107,18 @@ def _refuse_pickle(file: pathlib.Path) -> None:
             'where you trust it: python -c "import torch, safetensors.torch as st; '
             f"st.save_file(torch.load('{file.name}', weights_only=True), 'model.safetensors')\"."
         )
+
+
+def _starts_like_safetensors(file: pathlib.Path) -> bool:
+    """A safetensors file whatever its name: an 8-byte little-endian header length that
+    fits in the file, then the header's JSON object."""
+    try:
+        with file.open("rb") as f:
+            head = f.read(9)
+            size = file.stat().st_size
+    except OSError:
+        return False
+    return len(head) == 9 and 2 <= int.from_bytes(head[:8], "little") <= size - 8 and head[8:9] == b"{"
 
 
 def _starts_like_pickle(file: pathlib.Path) -> bool:

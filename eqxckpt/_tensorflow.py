@@ -72,6 +72,7 @@ class TFCheckpoint(Source):
 def open_tf(path: Any) -> TFCheckpoint:
     """A TF checkpoint (a directory with a ``checkpoint`` file, or a prefix) as a `TFCheckpoint`."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # (its notice comes at any log level; only reading here)
     try:
         import tensorflow as tf
     except ImportError:

@@ -34,6 +34,9 @@ class VerifyReport:
     arrays_checked: int = 0
     bytes_checked: int = 0
     problems: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    # Damaged chunks of the packed array, with why: each is named once here, and each
+    # leaf with bytes in one has a short line in `problems`.
+    damaged_chunks: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -49,10 +52,16 @@ class VerifyReport:
 
     def __str__(self) -> str:
         head = (
-            f"{self.location}: {self.leaves} leaves, {self.arrays_checked} arrays, "
-            f"{self.bytes_checked} bytes checked, {len(self.problems)} problems"
+            f"{self.location}: {plural(self.leaves, 'leaf', 'leaves')}, {plural(self.arrays_checked, 'array')} "
+            f"intact, {self.bytes_checked} bytes checked, {plural(len(self.problems), 'problem')}"
         )
-        return "\n".join([head] + [f"  {path}: {message}" for path, message in self.problems])
+        lines = [f"  {path}: {message}" for path, message in self.problems + self.damaged_chunks]
+        return "\n".join([head] + lines)
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``1 leaf``, ``2 leaves``."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
@@ -204,6 +213,8 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
                         bad_bools[record.path] = e
     except CheckpointError as e:
         failures.append((0, length, str(e)))
+    for start, _, why in failures:
+        report.damaged_chunks.append((f"{PACKED_LOCATION}/c/{start // PACK_CHUNK_BYTES}", why))
     for record in packed:
         offset = record.offset or 0
         try:
@@ -211,11 +222,11 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
             problem = next(
                 (
                     CorruptCheckpointError(
-                        f"Leaf {record.path!r} is stored in the packed array {PACKED_LOCATION!r} at bytes "
-                        f"[{offset}, {offset + record.nbytes}), which failed: {why}",
+                        f"damaged: its bytes [{offset}, {offset + record.nbytes}) are in {PACKED_LOCATION}/c/"
+                        f"{start // PACK_CHUNK_BYTES}, a chunk of the packed array that fails its check (below)",
                         path=record.path,
                     )
-                    for start, end, why in failures
+                    for start, end, _ in failures
                     if offset < end and offset + record.nbytes > start
                 ),
                 bad_bools.get(record.path),

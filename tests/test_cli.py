@@ -1,11 +1,17 @@
+import os
+import pathlib
 import subprocess
 import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import eqxckpt
 from eqxckpt._cli import human_bytes, main
+from eqxckpt._paths import PACKED_LOCATION
+
+TINY = pathlib.Path(__file__).parent / "fixtures" / "t5_v1_1_tiny"
 
 
 def test_inspect_prints_tree_totals_and_metadata(tmp_path, capsys):
@@ -183,3 +189,68 @@ def test_convert_refuses_a_destination_inside_the_source_or_around_it(tmp_path, 
         assert "one is inside the other" in capsys.readouterr().err
     assert eqxckpt.verify(tmp_path / "src").ok
     assert sorted(p.name for p in (tmp_path / "src").iterdir()) == ["eqxckpt.json", "w", "zarr.json"]
+
+
+def test_help_names_every_command_and_version_prints(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"eqxckpt {eqxckpt.__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "Inspect, verify and convert" in out
+    for command in ("inspect", "verify", "convert", "import-t5"):
+        assert f"    {command}" in out
+
+
+def test_errors_name_the_flag_not_the_python_argument(tmp_path, capsys):
+    eqxckpt.save(tmp_path / "c", {"w": np.ones(2)})
+    eqxckpt.save(tmp_path / "d", {"w": np.ones(2)})
+    assert main(["convert", str(tmp_path / "c"), str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "Pass --overwrite to replace it" in err and "overwrite=True" not in err
+
+
+def test_verify_of_a_damaged_packed_chunk_is_one_short_line_per_damaged_leaf(tmp_path, capsys):
+    tree = {f"small{i}": np.arange(10.0) + i for i in range(40)} | {"big": np.ones((300, 300))}
+    eqxckpt.save(tmp_path / "c", tree)
+    chunk = tmp_path / "c" / PACKED_LOCATION / "c" / "0"
+    damaged = bytearray(chunk.read_bytes())
+    damaged[100] ^= 1
+    chunk.write_bytes(bytes(damaged))
+    assert main(["verify", str(tmp_path / "c")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    leaf_lines = [line for line in lines if line.startswith("small")]
+    assert len(leaf_lines) == 40 and all(len(line) < 140 for line in leaf_lines)
+    assert sum("Digest mismatch" in line for line in lines) == 1  # the chunk's reason, once
+    assert lines[-1] == f"DAMAGED {tmp_path / 'c'}: 41 leaves, 1 array intact (703.1 KiB read and checked), 40 problems"
+    capsys.readouterr()
+    eqxckpt.save(tmp_path / "one", {"w": np.ones(2)})
+    assert main(["verify", str(tmp_path / "one")]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[-1]
+        == f"OK {tmp_path / 'one'}: 1 leaf, 1 array intact (16 B read and checked)"
+    )
+
+
+def test_a_safetensors_file_is_recognised_by_its_content(tmp_path, capsys):
+    eqxckpt.save(tmp_path / "c", {"w": np.arange(6.0).reshape(2, 3)})
+    assert main(["convert", str(tmp_path / "c"), str(tmp_path / "weights"), "--to", "safetensors"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "weights")]) == 0  # no extension, no --format
+    assert "w  float64[2,3]" in capsys.readouterr().out
+    (tmp_path / "notes").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json, too short")
+    assert main(["inspect", str(tmp_path / "notes")]) == 1  # a file that only starts alike is not taken for one
+
+
+def test_import_t5_prints_no_tensorflow_log_lines(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "eqxckpt", "import-t5", str(TINY), str(tmp_path / "t5")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TF_")} | {"JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr
+    noise = [line for line in done.stderr.splitlines() if "oneDNN" in line or line[:1] in "IWE" and line[1:5].isdigit()]
+    assert not noise and "wrote" in done.stdout

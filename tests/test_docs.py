@@ -5,7 +5,6 @@ the fields eqxckpt writes."""
 import json
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import eqxckpt
 import eqxckpt.t5
 from eqxckpt._pack import PACK_MIN_LEAVES
 from eqxckpt._paths import PACKED_LOCATION
+from eqxckpt._storage import resolve
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
@@ -51,18 +51,39 @@ def test_site_builds_strictly_with_every_public_name(tmp_path):
     assert "Write a pytree" in html or "Save a pytree" in html  # docstrings are rendered
     for page in ("guides/t5", "format", "threat-model", "benchmarks"):
         assert (tmp_path / "site" / page / "index.html").is_file()
+    # One plot per question, results rather than a development log.
+    benchmarks = (tmp_path / "site" / "benchmarks" / "index.html").read_text()
+    for plot in ("save", "restore", "params", "leaves", "decoding"):
+        assert f'src="../img/{plot}.png"' in benchmarks and (DOCS / "img" / f"{plot}.png").is_file()
+    assert "After the review" not in benchmarks and "this round" not in benchmarks
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(DOCS)))
-def test_docs_examples_run(page, tmp_path, monkeypatch, s3):
+def test_docs_examples_run_twice_from_another_directory(page, tmp_path, monkeypatch, s3):
+    """Each page's examples run as pasted, in order, from a directory outside the repository,
+    and again (a reader re-runs them), without writing into the repository."""
+    before = untracked()
     monkeypatch.chdir(tmp_path)
     endpoint, client = s3
     client.create_bucket(Bucket="my-bucket")
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)  # the s3:// examples go to moto
-    shutil.copytree(ROOT / "tests" / "fixtures" / "t5_v1_1_tiny", tmp_path / "t5_v1_1_tiny")
-    namespace: dict = {}
-    for block in python_blocks(page):
-        exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 - our own docs
+    for _ in range(2):
+        namespace: dict = {}
+        for block in python_blocks(page):
+            exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 - our own docs
+    assert untracked() == before
+
+
+def untracked() -> list[str]:
+    """What git sees in the repository besides its tracked files (nothing, if not a git checkout)."""
+    done = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all", "--ignored"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return sorted(line for line in done.stdout.splitlines() if ".venv" not in line and "__pycache__" not in line)
 
 
 def spec_fields(heading: str, columns: int = 1) -> set[tuple[str, ...]]:
@@ -91,7 +112,10 @@ def test_format_spec_names_every_field_eqxckpt_writes(tmp_path):
     }
     eqxckpt.save(tmp_path / "c", tree, metadata={"step": 1})
     manifest = json.loads((tmp_path / "c" / "eqxckpt.json").read_text())
-    assert {name for (name,) in spec_fields("Manifest")} == set(manifest)
+    # Object stores add where the save's own prefix is.
+    eqxckpt.save("memory://spec/c", {"w": np.ones(2)})
+    on_object_store = json.loads(resolve("memory://spec/c").open_kvstore().read("eqxckpt.json").result().value)
+    assert {name for (name,) in spec_fields("Manifest")} == set(manifest) | set(on_object_store)
     by_kind = spec_fields("Leaf records", columns=2)
     common = {name for (name,) in spec_fields("Leaf records")} - {kind for kind, _ in by_kind}
     written_by_kind = {(leaf["kind"], field) for leaf in manifest["leaves"] for field in leaf if field not in common}
@@ -124,3 +148,17 @@ def test_every_code_block_is_a_runnable_python_example_valid_json_or_a_listing()
         assert set(fences[0::2]) <= {"python", "json", ""}, page  # the opening fences
         for block in re.findall(r"```json\n(.*?)```", page.read_text(), flags=re.S):
             json.loads(block)
+
+
+FIGURE = re.compile(r"(?<![\w.])(\d+\.\d+)(x| s\b| ms\b)")
+
+
+def test_every_performance_figure_quoted_comes_from_the_benchmarks():
+    """Ratios (``1.67x``) and times (``0.007 s``) in the README and the docs must be ones
+    `benchmarks/README.md` states, so that no page quotes an older run."""
+    measured = (ROOT / "benchmarks" / "README.md").read_text()
+    pages = [ROOT / "README.md"] + [p for p in PAGES if p.name != "benchmarks.md"]  # that page includes the file
+    quoted = [(page.name, m.group(1), m.group(2)) for page in pages for m in FIGURE.finditer(page.read_text())]
+    assert len(quoted) >= 8  # the README's summary at least
+    stale = [q for q in quoted if not re.search(rf"(?<![\w.]){re.escape(q[1])}{re.escape(q[2].strip())}?", measured)]
+    assert not stale, f"figures not in benchmarks/README.md: {stale}"
