@@ -20,7 +20,7 @@ QUESTIONS = {
     "save.png": ("Saving (durable: fsync'd)", {"save": "save"}, 1.1),
     "restore.png": ("Restoring everything", {"restore warm": "warm cache", "restore cold": "cold cache"}, 1.1),
     "params.png": (
-        "Restoring the parameters only (at=\"model\")",
+        'Restoring the parameters only (at="model")',
         {"params warm": "warm cache", "params cold": "cold cache"},
         1.2,
     ),
