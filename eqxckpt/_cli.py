@@ -90,7 +90,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
-    from ._verify import plural, verify
+    from ._errors import plural
+    from ._verify import verify
 
     out = console()
     report = verify(checkpoint_path(args.path), progress=True)

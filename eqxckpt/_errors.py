@@ -203,3 +203,8 @@ class UnsupportedFormatError(CheckpointError, ValueError):
         print(e)  # says why (no pickle) and how to convert it
     ```
     """
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``1 leaf``, ``2 leaves``: a count in a message."""
+    return f"{n} {one if n == 1 else many or one + 's'}"

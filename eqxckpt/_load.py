@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._convert import checked_astype, narrowed
-from ._errors import CastError, CheckpointChangedError, StructureMismatchError
+from ._errors import CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
 from ._leaf import Leaf, StoredLeaf
 from ._paths import depth, normalize_at
@@ -73,6 +73,7 @@ class Plan:
     kept: list[str] = dataclasses.field(default_factory=list)
     plain_keys: list[Any] = dataclasses.field(default_factory=list)
     cast: bool = False  # whether values may change dtype (stored ones, and those rules compute)
+    flags: list[str] = dataclasses.field(default_factory=list)  # stored bools that differ from `like`'s
 
     def supply(self, slot: int, leaf: Leaf, target: Any) -> None:
         """``slot`` takes ``leaf``'s value: read later if stored, else known now."""
@@ -80,6 +81,8 @@ class Plan:
             self.reads.append((slot, leaf, target))
         else:
             self.values[slot] = leaf.value(target)
+            if isinstance(target, bool) and isinstance(self.values[slot], bool) and self.values[slot] != target:
+                self.flags.append(f"{leaf.path}: {self.values[slot]} (like: {target})")
 
     def check(self, strict: bool) -> None:
         """Raise one error listing every difference; warn about what ``strict=False`` let through."""
@@ -98,6 +101,15 @@ class Plan:
                 missing=self.missing,
                 unexpected=unexpected,
                 mismatched=self.mismatched,
+            )
+        if self.flags:
+            # Stored values win, as in eqx.tree_deserialise_leaves; a flag such as Dropout's
+            # `inference` is the one users expect `like` to decide, so say it did not.
+            warnings.warn(
+                f"eqxckpt.load from {self.source.location}: the checkpoint's values replace `like`'s where they "
+                f"differ ({plural(len(self.flags), 'flag')}: {self.flags[:MAX_LISTED]}). Stored values always win; to choose a "
+                "mode, apply it to the result (e.g. eqx.nn.inference_mode(loaded)).",
+                stacklevel=5,
             )
         if self.kept or self.unexpected:
             hint = self.fitting_prefix([(path, "") for path in self.kept])

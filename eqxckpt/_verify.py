@@ -8,7 +8,7 @@ import tensorstore as ts
 
 from ._backend import corrupt
 from ._checkpoint import Checkpoint, open_checkpoint, reading
-from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
 from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
@@ -57,11 +57,6 @@ class VerifyReport:
         )
         lines = [f"  {path}: {message}" for path, message in self.problems + self.damaged_chunks]
         return "\n".join([head] + lines)
-
-
-def plural(n: int, one: str, many: str | None = None) -> str:
-    """``1 leaf``, ``2 leaves``."""
-    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:

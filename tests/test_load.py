@@ -1,5 +1,6 @@
 import json
 import shutil
+import warnings
 
 import equinox as eqx
 import jax
@@ -265,3 +266,16 @@ def test_a_sequence_with_holes_is_a_damaged_manifest_not_nones(tmp_path):
     for read in (lambda: eqxckpt.load(tmp_path / "c"), lambda: eqxckpt.open(tmp_path / "c").tree()):
         with pytest.raises(eqxckpt.ManifestError, match=r"sequence at 'seq' has items \[0, 5\].*not exactly 0\.\.1"):
             read()
+
+
+def test_a_stored_flag_that_differs_from_likes_wins_and_says_so(tmp_path):
+    """As in Equinox's own deserialisation, stored values win; a flag (Dropout's `inference`)
+    is what users expect `like` to decide, so a difference is a warning that says how to choose."""
+    net = eqx.nn.Sequential([eqx.nn.Linear(2, 2, key=jax.random.key(0)), eqx.nn.Dropout(0.5)])
+    eqxckpt.save(tmp_path / "c", net)  # training mode
+    with pytest.warns(UserWarning, match=r"where they differ \(1 flag: .*layers/1/inference: False \(like: True\)"):
+        loaded = eqxckpt.load(tmp_path / "c", eqx.nn.inference_mode(net))
+    assert loaded.layers[1].inference is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert eqxckpt.load(tmp_path / "c", net).layers[1].inference is False  # the same flag: silent
