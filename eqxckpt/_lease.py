@@ -71,6 +71,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 import tensorstore as ts
@@ -436,8 +437,8 @@ class Lease:
         seen: bytes,
         *,
         action: str | None,
-        arrays: list[str] = [],  # noqa: B006 - never mutated
-        paths: list[str] = [],  # noqa: B006
+        arrays: Sequence[str] = (),
+        paths: Sequence[str] = (),
         base: bytes = b"",
     ):
         """Take the lease, on condition that the lease object is still what was
