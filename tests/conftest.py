@@ -1,5 +1,6 @@
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -265,3 +266,15 @@ def store(request):
         endpoint, client = request.getfixturevalue("s3")
         return ObjectStore("s3", endpoint, client)
     return request.getfixturevalue("gcs")
+
+
+def untracked() -> list[str]:
+    """What git sees in the repository besides its tracked files (nothing, if not a git checkout)."""
+    done = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all", "--ignored"],
+        cwd=pathlib.Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return sorted(line for line in done.stdout.splitlines() if ".venv" not in line and "__pycache__" not in line)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import untracked
 
 import eqxckpt
 import eqxckpt.t5
@@ -72,18 +73,6 @@ def test_docs_examples_run_twice_from_another_directory(page, tmp_path, monkeypa
         for block in python_blocks(page):
             exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 - our own docs
     assert untracked() == before
-
-
-def untracked() -> list[str]:
-    """What git sees in the repository besides its tracked files (nothing, if not a git checkout)."""
-    done = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=all", "--ignored"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return sorted(line for line in done.stdout.splitlines() if ".venv" not in line and "__pycache__" not in line)
 
 
 def spec_fields(heading: str, columns: int = 1) -> set[tuple[str, ...]]:

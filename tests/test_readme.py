@@ -3,7 +3,7 @@
 import pathlib
 import re
 
-from test_docs import untracked
+from conftest import untracked
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
