@@ -16,9 +16,33 @@ import pytest
 
 from eqxckpt._tree import is_prng_key_dtype
 
+# The scripts tests start in other processes (and whose helpers some tests import).
+WORKERS = pathlib.Path(__file__).parent / "workers"
+sys.path.insert(0, str(WORKERS))
+
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="run the long fault-injection and fuzz loops")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks from what a test needs: ``s3``/``gcs`` from the server fixtures it uses;
+    ``slow`` for anything that starts servers, worker processes or TensorFlow (so
+    ``pytest -m "not slow"`` runs the in-process tests in a few minutes); and tests
+    that need TensorFlow are skipped, saying so, where it is not installed."""
+    import importlib.util
+
+    no_tf = importlib.util.find_spec("tensorflow") is None
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & {"s3", "store"}:
+            item.add_marker(pytest.mark.s3)
+        if fixtures & {"gcs", "store"}:
+            item.add_marker(pytest.mark.gcs)
+        if any(item.get_closest_marker(name) for name in ("s3", "gcs", "multiprocess", "tf")):
+            item.add_marker(pytest.mark.slow)
+        if no_tf and item.get_closest_marker("tf"):
+            item.add_marker(pytest.mark.skip(reason="needs TensorFlow: pip install -e '.[tf]'"))
 
 
 def _bits(x):
@@ -278,3 +302,30 @@ def untracked() -> list[str]:
         timeout=60,
     )
     return sorted(line for line in done.stdout.splitlines() if ".venv" not in line and "__pycache__" not in line)
+
+
+def run_cli(*args: str, terminal: bool = False) -> tuple[int, str, str]:
+    """``eqxckpt ARGS`` in a subprocess: (status, stdout, stderr). ``terminal``: stdout and
+    stderr are a pseudo-terminal (120 columns), as in an interactive shell."""
+    command = [sys.executable, "-m", "eqxckpt", *args]
+    if not terminal:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        return result.returncode, result.stdout, result.stderr
+    import pty
+
+    leader, follower = pty.openpty()
+    env = {**os.environ, "COLUMNS": "120", "LINES": "40", "TERM": "xterm-256color"}
+    process = subprocess.Popen(command, stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: the command is done
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    output = b"".join(chunks).decode()
+    return process.wait(timeout=120), output, output

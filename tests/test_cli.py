@@ -6,6 +6,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_cli
 
 import eqxckpt
 from eqxckpt._cli import human_bytes, main
@@ -31,6 +32,7 @@ def test_inspect_prints_tree_totals_and_metadata(tmp_path, capsys):
     assert "model/b" in out and "1 leaves" in out and "w " not in out
 
 
+@pytest.mark.multiprocess
 def test_inspect_bad_path_exits_nonzero_with_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "eqxckpt", "inspect", str(tmp_path / "missing")], capture_output=True, text=True
@@ -75,37 +77,10 @@ def test_convert_between_safetensors_and_eqxckpt_round_trips_bit_exact(tmp_path,
     assert main(["convert", str(tmp_path / "hf.safetensors"), str(tmp_path / "eqx")]) == 1
 
 
-def run_cli(*args: str, terminal: bool = False) -> tuple[int, str, str]:
-    """``eqxckpt ARGS`` in a subprocess: (status, stdout, stderr). ``terminal``: stdout and
-    stderr are a pseudo-terminal (120 columns), as in an interactive shell."""
-    command = [sys.executable, "-m", "eqxckpt", *args]
-    if not terminal:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        return result.returncode, result.stdout, result.stderr
-    import os
-    import pty
-
-    leader, follower = pty.openpty()
-    env = {**os.environ, "COLUMNS": "120", "LINES": "40", "TERM": "xterm-256color"}
-    process = subprocess.Popen(command, stdout=follower, stderr=follower, env=env)
-    os.close(follower)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # the terminal closed: the command is done
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(leader)
-    output = b"".join(chunks).decode()
-    return process.wait(timeout=120), output, output
-
-
 LONG = "a_rather_long_parameter_name_" * 6
 
 
+@pytest.mark.multiprocess
 def test_piped_output_is_never_wrapped_and_a_terminal_gets_rich_layout(tmp_path):
     eqxckpt.save(tmp_path / "c", {"model": {LONG: np.zeros(3, np.float32)}})
     status, out, _ = run_cli("inspect", str(tmp_path / "c"))
@@ -115,6 +90,7 @@ def test_piped_output_is_never_wrapped_and_a_terminal_gets_rich_layout(tmp_path)
     assert max(len(line) for line in out.replace("\x1b", "").splitlines()) < 200
 
 
+@pytest.mark.multiprocess
 def test_errors_are_printed_whole(tmp_path):
     (tmp_path / "run").mkdir()
     for step in (10, 20):
@@ -125,18 +101,21 @@ def test_errors_are_printed_whole(tmp_path):
     assert err.rstrip().endswith("for the latest step.")
 
 
+@pytest.mark.multiprocess
 def test_verify_of_a_missing_path_says_not_found(tmp_path):
     status, out, err = run_cli("verify", str(tmp_path / "nothing"))
     assert status == 1 and "DAMAGED" not in out + err
     assert "No checkpoint at" in err and "does not exist" in err
 
 
+@pytest.mark.multiprocess
 def test_inspect_at_typo_lists_the_top_level(tmp_path):
     eqxckpt.save(tmp_path / "c", {"model": {"w": np.zeros(2)}, "opt_state": {"m": np.zeros(2)}})
     status, _, err = run_cli("inspect", str(tmp_path / "c"), "--at", "modle")
     assert status == 1 and "Nothing under at='modle'" in err and "Its top-level entries are: model, opt_state" in err
 
 
+@pytest.mark.multiprocess
 def test_inspect_names_functions_and_classes_readably(tmp_path):
     import equinox as eqx
     import jax
@@ -149,6 +128,7 @@ def test_inspect_names_functions_and_classes_readably(tmp_path):
     assert "custom_jvp" not in out
 
 
+@pytest.mark.multiprocess
 def test_import_t5_overwrite_has_help():
     status, out, _ = run_cli("import-t5", "--help")
     assert status == 0 and "replace a checkpoint already at OUT" in " ".join(out.split())
@@ -243,6 +223,8 @@ def test_a_safetensors_file_is_recognised_by_its_content(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "notes")]) == 1  # a file that only starts alike is not taken for one
 
 
+@pytest.mark.multiprocess
+@pytest.mark.tf
 def test_import_t5_prints_no_tensorflow_log_lines(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "eqxckpt", "import-t5", str(TINY), str(tmp_path / "t5")],

@@ -1,6 +1,6 @@
 """Several real processes on one checkpoint directory (local disk and S3 on moto).
 
-Each test starts workers (tests/concurrency_worker.py) that race each other;
+Each test starts workers (tests/workers/concurrency_worker.py) that race each other;
 ``--slow`` runs many more rounds. A worker fails the test by exiting non-zero
 (a mixed tree, a raw exception, a save that fails).
 """
@@ -12,14 +12,14 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import s3_spec
+from concurrency_worker import one_save, state
+from conftest import WORKERS, s3_spec
 
 import eqxckpt
 
-TESTS = os.path.dirname(__file__)
-WORKER = os.path.join(TESTS, "concurrency_worker.py")
-sys.path.insert(0, TESTS)
-from concurrency_worker import one_save, state  # noqa: E402
+pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
+
+WORKER = os.path.join(WORKERS, "concurrency_worker.py")
 
 
 def rounds(request, fast: int, slow: int) -> int:
@@ -91,7 +91,7 @@ def evaluate_while_training(request, tmp_path, run, keep: int, steps: int, leave
 
 @pytest.mark.parametrize("keep", [1, 0])
 def test_evaluators_polling_a_manager_never_break_the_trainer(tmp_path, request, keep):
-    """Item 1 of the concurrency issue: opening managers on a run while it saves
+    """Evaluators open managers on a run while it saves
     (with max_to_keep=1, or keeping every step so each can be checked after)."""
     steps = 12
     for round_ in range(rounds(request, 1, 10)):
@@ -129,7 +129,7 @@ def overwrite_while_reading(tmp_path, where, writes: int, leaves: int) -> dict:
 
 
 def test_loads_during_overwrites_return_one_save_or_say_it_changed(tmp_path, request):
-    """Item 3: every load returns the values of exactly one save (the reader
+    """Every load returns the values of exactly one save (the reader
     process checks every leaf), or raises CheckpointChangedError."""
     for round_ in range(rounds(request, 1, 10)):
         overwrite_while_reading(tmp_path, tmp_path / f"ckpt{round_}", writes=25, leaves=100)
@@ -142,7 +142,7 @@ def test_loads_during_overwrites_on_s3(s3, tmp_path, request):
 
 
 def test_two_managers_in_two_processes_save_into_one_run(tmp_path, request):
-    """Item 6: two trainers on one directory. Each step is committed once, the
+    """Two trainers on one directory. Each step is committed once, the
     other save gets a CheckpointExistsError; no raw exception, no broken step."""
     steps = 10
     for round_ in range(rounds(request, 1, 10)):
@@ -276,7 +276,7 @@ def test_retention_racing_saves_to_the_same_steps(s3, request):
 
 
 def test_odd_entries_never_stop_a_run_from_opening(tmp_path):
-    """Item 5: a copy named 007, a directory named ², a damaged manifest, a file:
+    """A copy named 007, a directory named ², a damaged manifest, a file:
     skipped with one warning naming each; resume picks the newest good step."""
     run = tmp_path / "run"
     with eqxckpt.CheckpointManager(run, blocking=True) as manager:
@@ -307,7 +307,7 @@ def test_odd_entries_never_stop_a_run_from_opening(tmp_path):
 
 @pytest.mark.parametrize("leaves, trigger", [(8, 3), (64, 1)])  # arrays of their own; packed
 def test_a_step_deleted_during_a_load_is_a_clear_error(tmp_path, monkeypatch, leaves, trigger):
-    """Item 6: a leaf check that finds the step gone raises CheckpointChangedError
+    """A leaf check that finds the step gone raises CheckpointChangedError
     (the load is pinned to the directory it opened), never FileNotFoundError."""
     from eqxckpt._local import LocalStorage
 
@@ -364,7 +364,7 @@ def test_disk_full_leaves_no_temporary_directory(tmp_path, request, option):
     namespace = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
     rounds_ = rounds(request, 4, 40)
     done = subprocess.run(
-        [*namespace, sys.executable, os.path.join(TESTS, "disk_full_worker.py"), option, str(mount), str(rounds_)],
+        [*namespace, sys.executable, os.path.join(WORKERS, "disk_full_worker.py"), option, str(mount), str(rounds_)],
         capture_output=True,
         text=True,
         timeout=600,

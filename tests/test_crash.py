@@ -16,12 +16,15 @@ import sys
 import threading
 
 import numpy as np
-from conftest import assert_trees_equal
+import pytest
+from conftest import WORKERS, assert_trees_equal
 from crash_writer import state
 
 import eqxckpt
 
-WRITER = pathlib.Path(__file__).with_name("crash_writer.py")
+pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
+
+WRITER = WORKERS / "crash_writer.py"
 MODES = ["sync", "async", "manager", "fresh"]
 
 

@@ -10,12 +10,14 @@ import sys
 import time
 
 import pytest
-from conftest import BUCKET, assert_trees_equal, s3_spec
+from conftest import BUCKET, WORKERS, assert_trees_equal, s3_spec
 from distributed_worker import global_state
 
 import eqxckpt
 
-WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
+pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
+
+WORKER = WORKERS / "distributed_worker.py"
 
 
 class WorkerFailed(AssertionError):

@@ -34,6 +34,7 @@ def public_names() -> list[str]:
     return sorted(names + [f"eqxckpt.t5.{n}" for n in eqxckpt.t5.__all__])
 
 
+@pytest.mark.multiprocess
 def test_site_builds_strictly_with_every_public_name(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],

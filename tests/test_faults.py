@@ -31,6 +31,7 @@ def run_child(script: str, **kwargs) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.multiprocess
 def test_file_size_limit_fails_cleanly_and_keeps_the_previous_checkpoint(tmp_path):
     eqxckpt.save(tmp_path / "ckpt", SMALL)
     outcome = run_child(f"""
@@ -65,6 +66,7 @@ def _drop_privilege_to_ignore_permissions() -> None:
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:os.fork")  # preexec_fn forks; the child execs at once
 def test_read_only_target_fails_cleanly(tmp_path):
     target = tmp_path / "ro"
@@ -114,6 +116,7 @@ except eqxckpt.CheckpointExistsError as e:
 """
 
 
+@pytest.mark.multiprocess
 def test_two_processes_saving_to_one_place_give_one_complete_checkpoint(tmp_path):
     for round_, overwrite in enumerate([True, True, True, False, False]):
         directory = tmp_path / f"round{round_}"
@@ -141,6 +144,7 @@ def test_two_processes_saving_to_one_place_give_one_complete_checkpoint(tmp_path
         assert sorted(os.listdir(directory)) == ["ckpt", "go"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:os.fork")
 def test_retention_without_permission_keeps_the_step_and_says_so(tmp_path):
     run = tmp_path / "run"
@@ -170,6 +174,7 @@ def test_retention_without_permission_keeps_the_step_and_says_so(tmp_path):
     assert eqxckpt.verify(run / "0").ok and eqxckpt.CheckpointManager(run).all_steps() == [0, 1]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:os.fork")
 def test_an_unreadable_checkpoint_is_a_clear_error_in_every_format(tmp_path):
     import safetensors.numpy as stn

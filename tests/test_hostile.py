@@ -8,6 +8,7 @@ import stat
 
 import numpy as np
 import pytest
+from conftest import WORKERS
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
@@ -276,7 +277,7 @@ def test_unknown_prng_implementation_is_a_manifest_error(world):
     assert not outcomes["verify"].ok
 
 
-# --- the hostile-input issue: crafted zarr.json, sparse files, bombs (peak memory in fresh processes) ---
+# --- crafted zarr.json, sparse files, bombs (peak memory in fresh processes) ---
 
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -284,7 +285,7 @@ import sys  # noqa: E402
 
 import tensorstore as ts  # noqa: E402
 
-PROBE = os.path.join(os.path.dirname(__file__), "bomb_probe.py")
+PROBE = str(WORKERS / "bomb_probe.py")
 
 
 def probe(op, path):
@@ -343,6 +344,7 @@ CRAFTED_ARRAYS = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", sorted(CRAFTED_ARRAYS))
 def test_zarr_json_is_validated_before_any_array_is_opened(tmp_path, case):
     extra, expected = CRAFTED_ARRAYS[case]
@@ -377,6 +379,7 @@ def test_zarr_json_fields_eqxckpt_never_writes_are_refused(world):
     np.testing.assert_array_equal(eqxckpt.load(ckpt)["w"], np.zeros((6, 8), np.float32))
 
 
+@pytest.mark.multiprocess
 def test_huge_zarr_json_is_refused_without_reading_it(world):
     """120 MB of attributes: refused after reading 64 KiB of it, at no memory cost."""
     _, ckpt, _ = world
@@ -387,6 +390,7 @@ def test_huge_zarr_json_is_refused_without_reading_it(world):
     assert error == "CorruptCheckpointError" and "over 65536 bytes" in message and peak < 32, (message, peak)
 
 
+@pytest.mark.multiprocess
 def test_sparse_chunk_files_do_not_count_as_data(tmp_path):
     """2 GiB declared over a few KiB on disk: refused before any allocation."""
     ckpt = tmp_path / "c"
@@ -419,6 +423,7 @@ def test_sparse_chunk_files_do_not_count_as_data(tmp_path):
         assert peak < 64, (op, peak)
 
 
+@pytest.mark.multiprocess
 def test_dense_manifests_are_refused_before_parsing(world):
     """A 32 MiB manifest of empty objects would take ~800 MiB to parse: refused, at
     a cost near its own size."""

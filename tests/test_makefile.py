@@ -3,9 +3,12 @@
 import pathlib
 import subprocess
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parent.parent
 
 
+@pytest.mark.multiprocess
 def test_make_demo_says_what_it_installs():
     plan = subprocess.run(
         ["make", "-n", "-B", "demo"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
@@ -20,6 +23,7 @@ def test_make_demo_says_what_it_installs():
     assert "source .venv/bin/activate" in plan  # where the eqxckpt command is, once installed
 
 
+@pytest.mark.multiprocess
 def test_the_repository_tracks_no_stray_output():
     """Nothing a run writes is committed: a benchmark's Orbax probe once left a directory named 's3:'."""
     listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -7,13 +7,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_trees_equal, kill_when
+from conftest import WORKERS, assert_trees_equal, kill_when
 
 import eqxckpt
 from eqxckpt._lease import Lease, read_lease
 from eqxckpt._objects import ObjectStorage
-
-TESTS = os.path.dirname(__file__)
 
 
 def tree(step: int) -> dict:
@@ -94,6 +92,7 @@ manager.wait()
 """
 
 
+@pytest.mark.multiprocess
 def test_restart_after_a_killed_save(tmp_path):
     for attempt, leaves in enumerate((64, 160, 320)):
         directory = tmp_path / f"run{attempt}"
@@ -119,8 +118,9 @@ def test_restart_after_a_killed_save(tmp_path):
     np.testing.assert_array_equal(manager.load()["w"], np.ones(3))
 
 
+@pytest.mark.multiprocess
 def test_resumed_training_is_bit_identical_to_an_uninterrupted_run(tmp_path):
-    worker = os.path.join(TESTS, "training_worker.py")
+    worker = str(WORKERS / "training_worker.py")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     steps = 30
     reference = subprocess.run(
@@ -146,11 +146,8 @@ def test_resumed_training_is_bit_identical_to_an_uninterrupted_run(tmp_path):
         run.wait()
     assert run.returncode == -signal.SIGKILL, f"not killed (kill_at={kill_at})"
 
-    sys.path.insert(0, TESTS)
-    try:
-        from training_worker import make_state
-    finally:
-        sys.path.remove(TESTS)
+    from training_worker import make_state
+
     interrupted = eqxckpt.CheckpointManager(tmp_path / "run")
     latest = interrupted.latest_step()
     assert latest is not None and kill_at - 2 <= latest <= kill_at, (kill_at, latest)
@@ -260,11 +257,11 @@ def test_metadata_docstring_example_runs(tmp_path):
 
 
 def _train(directory, steps, interval, *extra, stop_after=None):
-    """Run tests/preemption_worker.py; SIGTERM it once it prints ``step stop_after``."""
+    """Run tests/workers/preemption_worker.py; SIGTERM it once it prints ``step stop_after``."""
     worker = subprocess.Popen(
         [
             sys.executable,
-            os.path.join(TESTS, "preemption_worker.py"),
+            str(WORKERS / "preemption_worker.py"),
             str(directory),
             str(steps),
             str(interval),
@@ -273,7 +270,7 @@ def _train(directory, steps, interval, *extra, stop_after=None):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=TESTS,
+        cwd=WORKERS,
         env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     lines = []
@@ -286,6 +283,7 @@ def _train(directory, steps, interval, *extra, stop_after=None):
     return lines, err
 
 
+@pytest.mark.multiprocess
 def test_sigterm_saves_the_current_step_and_the_rerun_resumes_bit_identically(tmp_path):
     from training_worker import make_state
 
@@ -306,6 +304,7 @@ def test_sigterm_saves_the_current_step_and_the_rerun_resumes_bit_identically(tm
         )
 
 
+@pytest.mark.multiprocess
 def test_sigterm_during_a_save_in_progress(tmp_path):
     lines, err = _train(tmp_path / "run", 50, 1, "--big", stop_after=2)  # every step saves 64 MiB, blocking
     manager = eqxckpt.CheckpointManager(tmp_path / "run")
@@ -316,6 +315,7 @@ def test_sigterm_during_a_save_in_progress(tmp_path):
     assert lines[0] == f"resumed from {last}" and lines[-1] == "done"
 
 
+@pytest.mark.multiprocess
 def test_without_save_on_preemption_sigterm_is_left_alone(tmp_path):
     script = f"""
 import os, signal, numpy as np, eqxckpt

@@ -1,6 +1,6 @@
 """Peak memory of saves and restores, measured in fresh processes.
 
-The limits are the performance issue's: a blocking save adds at most 10% of
+The limits: a blocking save adds at most 10% of
 the state, an async save at most one copy (here: none), a restore peaks at most 1.15x the
 bytes it restores; plus a fixed 16 MiB for what any first save or load sets
 up (TensorStore's context and threads, the manifest), which at this test's
@@ -21,11 +21,15 @@ import subprocess
 import sys
 
 import pytest
+from conftest import WORKERS
 
-PROBE = pathlib.Path(__file__).with_name("memory_probe.py")
+PROBE = WORKERS / "memory_probe.py"
 FIXED = 16 << 20
 
-pytestmark = pytest.mark.skipif(not pathlib.Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+pytestmark = [
+    pytest.mark.multiprocess,  # every test here measures a fresh worker process
+    pytest.mark.skipif(not pathlib.Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc"),
+]
 
 
 def probe(op: str, path: pathlib.Path) -> tuple[int, int]:
@@ -50,7 +54,7 @@ def test_blocking_save_adds_at_most_a_tenth_of_the_state(saved):
 
 
 def test_async_save_of_jax_arrays_holds_no_copy(tmp_path):
-    # The issue allows one copy; CPU jax arrays are held, not copied.
+    # At most one copy is allowed; CPU jax arrays are held, not copied.
     growth, size = probe("save_async", tmp_path / "ckpt")
     assert growth <= 0.10 * size + FIXED, f"an async save grew peak RSS by {growth / size:.2f}x the state"
 

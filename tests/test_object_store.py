@@ -111,6 +111,7 @@ eqxckpt.save(where, {{f"leaf{{i}}": np.full((512, 1024), i, np.float32) for i in
 """
 
 
+@pytest.mark.multiprocess
 def test_save_killed_before_its_manifest_is_refused_as_incomplete(store, monkeypatch):
     monkeypatch.setenv("EQXCKPT_LEASE_TIMEOUT_S", "2")  # the killed writer's lease is abandoned after 2 s
     for attempt, leaves in enumerate((48, 128, 256)):
@@ -210,6 +211,7 @@ def load_in_a_child(where: dict, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.multiprocess
 def test_missing_bucket_and_unreachable_endpoint_are_clear_errors(s3, capsys):
     endpoint, _ = s3
     missing = {**spec(endpoint, "x/"), "bucket": "no-such-bucket"}
@@ -258,6 +260,7 @@ def test_a_run_directory_names_its_checkpoints(store):
         eqxckpt.load(store.spec("runs/named/"))
 
 
+@pytest.mark.multiprocess
 def test_a_missing_bucket_and_an_unreachable_endpoint_on_gcs_are_clear_errors(gcs):
     missing = {**gcs.spec("x/"), "bucket": "no-such-bucket"}
     for read in (eqxckpt.load, eqxckpt.open):
@@ -325,6 +328,7 @@ eqxckpt.save({spec!r}, {{"w": np.full((64, 64), 2.0, np.float32), "v": np.arange
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "point, committed",
     [

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from test_cli import run_cli
+from conftest import run_cli
 
 import eqxckpt
 
@@ -46,6 +46,7 @@ def test_silent_by_default_and_without_a_terminal(tmp_path, capfd):
     assert out == "" and err == ""
 
 
+@pytest.mark.multiprocess
 def test_cli_shows_a_bar_on_a_terminal_only(tmp_path):
     eqxckpt.save(tmp_path / "c", state())
     for args in (("verify", str(tmp_path / "c")), ("convert", str(tmp_path / "c"), str(tmp_path / "copy"))):
@@ -55,6 +56,8 @@ def test_cli_shows_a_bar_on_a_terminal_only(tmp_path):
         assert status == 0 and "leaves" not in err and "━" not in out + err, out + err
 
 
+@pytest.mark.multiprocess
+@pytest.mark.tf
 def test_t5_imports_report_through_the_same_progress(tmp_path):
     import pathlib
 

@@ -350,6 +350,7 @@ def test_fifos_and_symlinks_in_a_directory_are_refused_without_hanging(tmp_path)
         returns_within(lambda: eqxckpt.open(directory), release=lambda: release_fifo(directory / "two.safetensors"))
 
 
+@pytest.mark.multiprocess
 def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
     from conftest import kill_when
 

@@ -339,6 +339,7 @@ def test_async_snapshot_copies_numpy_leaves_only(tmp_path):
     np.testing.assert_array_equal(eqxckpt.load(tmp_path / "b")["n"], np.ones((2048, 2048), np.float32))
 
 
+@pytest.mark.multiprocess
 def test_background_failure_surfaces_on_wait_next_save_and_exit(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     # The target's parent is a file: only the background write discovers that.
@@ -711,6 +712,7 @@ def test_saving_over_a_symlink_is_refused_and_leaves_the_link(tmp_path):
     assert (tmp_path / "latest").is_symlink() and eqxckpt.load(tmp_path / "latest")["w"].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.multiprocess
 def test_an_abort_at_exit_cannot_cut_a_background_save_short(tmp_path):
     """A script that ends while its background save runs, in a process that then aborts
     during interpreter exit (as native libraries' teardown sometimes does: SIGABRT,

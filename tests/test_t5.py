@@ -40,11 +40,13 @@ def model32():
     return t5.load_tf(FIXTURE, dtype=jnp.float32)
 
 
+@pytest.mark.tf
 def test_config_is_inferred_from_the_checkpoint(model32):
     assert model32.config == t5.T5Config.from_json(FIXTURE / "config.json")
     assert model32.shared.dtype == jnp.float32 and model32.logits_kernel.shape == (32, 512)
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize("prefix", ["", "short_"])
 def test_float32_matches_the_reference(model32, prefix):
     encoded, logits = run(model32, prefix)
@@ -52,6 +54,7 @@ def test_float32_matches_the_reference(model32, prefix):
     np.testing.assert_allclose(logits, REF[prefix + "logits"], atol=2e-5, rtol=0)
 
 
+@pytest.mark.tf
 def test_position_biases_match_exactly(model32):
     for stack, length, name in (
         ("encoder", 7, "short_encoder_position_bias"),
@@ -61,6 +64,8 @@ def test_position_biases_match_exactly(model32):
         np.testing.assert_array_equal(module.position_bias(module.relative_attention_bias, length), REF[name])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.tf
 def test_float64_matches_the_float64_reference_to_1e_9():
     # The reference's *_f64 arrays come from a float64-clean run (NOTES.md): float64
     # noise is ~1e-14, so 1e-9 catches any float32 step (~1e-6) inside a float64 path.
@@ -87,6 +92,7 @@ for prefix in ("", "short_"):
         assert float(encoder_error) < 1e-9 and float(logits_error) < 1e-9, rows
 
 
+@pytest.mark.tf
 def test_default_dtype_is_float32_and_auto_keeps_bfloat16():
     assert jax.tree_util.tree_leaves(t5.load_tf(FIXTURE))[0].dtype == jnp.float32
     stored = t5.load_tf(FIXTURE, dtype="auto")
@@ -95,6 +101,7 @@ def test_default_dtype_is_float32_and_auto_keeps_bfloat16():
         t5.load_tf(FIXTURE, dtype="float33")
 
 
+@pytest.mark.tf
 def test_convert_tf_docstring_example_works_on_a_bfloat16_checkpoint(tmp_path, model32):
     # The documented call, as written: no dtype, a float32 skeleton.
     config = t5.convert_tf(FIXTURE, tmp_path / "t5_eqx")
@@ -102,6 +109,7 @@ def test_convert_tf_docstring_example_works_on_a_bfloat16_checkpoint(tmp_path, m
     np.testing.assert_array_equal(run(model)[1], run(model32)[1])
 
 
+@pytest.mark.tf
 def test_convert_then_load_gives_the_same_model(tmp_path, model32):
     config = t5.convert_tf(FIXTURE, tmp_path / "t5", dtype=jnp.float32)
     ckpt = eqxckpt.open(tmp_path / "t5")
@@ -111,6 +119,7 @@ def test_convert_then_load_gives_the_same_model(tmp_path, model32):
     np.testing.assert_array_equal(run(loaded)[1], run(model32)[1])
 
 
+@pytest.mark.multiprocess
 def test_missing_tensorflow_is_a_clear_error(tmp_path):
     script = f"""
 import sys
@@ -127,6 +136,8 @@ except Exception as e:
     )
 
 
+@pytest.mark.multiprocess
+@pytest.mark.tf
 def test_import_t5_command_round_trip(tmp_path, model32):
     result = subprocess.run(
         [sys.executable, "-m", "eqxckpt", "import-t5", str(FIXTURE), str(tmp_path / "t5"), "--dtype", "float32"],
@@ -216,6 +227,7 @@ def v10(tmp_path_factory):
     return model, directory, write_tf_checkpoint(directory, model)
 
 
+@pytest.mark.tf
 def test_v10_checkpoint_imports_end_to_end(v10, tmp_path):
     model, directory, tensors = v10
     imported = t5.load_tf(directory)  # config inferred: tied, ReLU, layer_norm names
@@ -245,6 +257,7 @@ def test_v10_checkpoint_imports_end_to_end(v10, tmp_path):
     )
 
 
+@pytest.mark.tf
 def test_unknown_missing_and_misfit_variables_are_named(v10, tmp_path):
     model, directory, _ = v10
     write_tf_checkpoint(
@@ -295,6 +308,8 @@ def per_layer(tmp_path_factory):
     return model, directory
 
 
+@pytest.mark.multiprocess
+@pytest.mark.tf
 def test_per_layer_relative_attention_bias_is_read_from_gin(per_layer, tmp_path):
     from conftest import assert_trees_equal
 
@@ -317,6 +332,7 @@ def test_per_layer_relative_attention_bias_is_read_from_gin(per_layer, tmp_path)
         gin.unlink()
 
 
+@pytest.mark.tf
 def test_gin_that_disagrees_with_the_shapes_is_named(per_layer):
     model, directory = per_layer
     gin = directory / "operative_config.gin"
@@ -379,6 +395,7 @@ def test_gin_values_of_the_wrong_type_or_size_are_clear_errors(tmp_path, binding
         t5.T5Config.from_gin(gin, vocab_size=64)
 
 
+@pytest.mark.tf
 def test_a_gin_config_larger_than_the_weights_is_refused_before_a_skeleton_is_built(tmp_path):
     """The same bound as for HuggingFace directories: the checkpoint's bytes must hold
     at least a byte per weight the config describes (256 blocks against a 2-block checkpoint)."""

@@ -37,6 +37,7 @@ def model():
     return t5.load_tf(FIXTURE)
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize("batch", BATCHES)
 def test_greedy_matches_huggingface(model, batch):
     out = t5.generate(model, *inputs(batch), max_new_tokens=max_new_tokens(batch))
@@ -49,6 +50,7 @@ def test_greedy_matches_huggingface(model, batch):
     np.testing.assert_allclose(np.asarray(out.scores)[unfinished], HF[f"greedy_{batch}_scores"][unfinished], atol=1e-5)
 
 
+@pytest.mark.tf
 def test_greedy_stops_once_every_row_has_finished(model):
     out = t5.generate(model, *inputs("eos_all"), max_new_tokens=64)
     assert out.sequences.shape == (3, 42)
@@ -58,6 +60,7 @@ def test_greedy_stops_once_every_row_has_finished(model):
         assert (row[step + 1 :] == 0).all()  # padded after EOS
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("returned", [1, 4])
 def test_beam_search_matches_huggingface(model, batch, returned):
@@ -75,6 +78,7 @@ def test_beam_search_matches_huggingface(model, batch, returned):
     np.testing.assert_allclose(np.asarray(out.sequences_scores), HF[f"{name}_{batch}_sequences_scores"], atol=1e-5)
 
 
+@pytest.mark.tf
 def test_beams_that_end_in_eos_are_returned_best_first(model):
     out = t5.generate(model, *inputs("beam_eos"), max_new_tokens=64, num_beams=4, num_return_sequences=4)
     lengths = [len(through_first_eos(row)) - 1 for row in np.asarray(out.sequences)]
@@ -85,6 +89,7 @@ def test_beams_that_end_in_eos_are_returned_best_first(model):
     assert (np.diff(scores, axis=1) <= 0).all()
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize(
     "config",
     [
@@ -125,6 +130,7 @@ def test_cached_decoding_equals_recomputing_the_prefix(config):
     np.testing.assert_allclose(scores, chosen, atol=1e-5)
 
 
+@pytest.mark.tf
 def test_the_whole_loop_is_one_compiled_while_loop(model):
     """No Python loop over tokens: the traced program is the same size for 4 or 64 tokens."""
     ids, mask = (jnp.asarray(x) for x in inputs("short"))
@@ -144,6 +150,7 @@ def test_the_whole_loop_is_one_compiled_while_loop(model):
         assert short.count("dot_general") == long.count("dot_general")
 
 
+@pytest.mark.tf
 def test_bad_arguments_are_refused(model):
     ids, mask = inputs("short")
     with pytest.raises(ValueError, match="num_return_sequences"):
@@ -156,6 +163,7 @@ def test_bad_arguments_are_refused(model):
         t5.generate(model, ids, max_new_tokens=0)
 
 
+@pytest.mark.tf
 def test_bfloat16_model_generates_with_float32_scores():
     model = t5.load_tf(FIXTURE, dtype=jnp.bfloat16)
     out = t5.generate(model, *inputs("short"), max_new_tokens=8)

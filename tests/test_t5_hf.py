@@ -34,6 +34,7 @@ def from_tf():
     return t5.load_tf(FIXTURE)
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize("directory", ["hf", "hf_bf16"])
 def test_load_hf_gives_the_reference_logits(directory, from_tf):
     model = t5.load_hf(FIXTURE / directory)
@@ -103,6 +104,7 @@ def test_tied_v10_model_round_trips_without_lm_head(tmp_path):
     assert_trees_equal(loaded, model)
 
 
+@pytest.mark.tf
 def test_alias_tensors_are_accepted_when_equal_and_refused_when_not(tmp_path, from_tf):
     tensors = stn.load_file(str(FIXTURE / "hf/model.safetensors"))
     directory = tmp_path / "aliases"
@@ -119,6 +121,7 @@ def test_alias_tensors_are_accepted_when_equal_and_refused_when_not(tmp_path, fr
         t5.load_hf(directory)
 
 
+@pytest.mark.tf
 def test_sharded_directory_loads(tmp_path, from_tf):
     tensors = stn.load_file(str(FIXTURE / "hf/model.safetensors"))
     directory = tmp_path / "sharded"
@@ -171,6 +174,8 @@ def test_save_hf_never_replaces_files_without_overwrite(tmp_path):
     assert not (tmp_path / "per_layer").exists()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.tf
 def test_import_t5_command_reads_huggingface_directories(tmp_path, from_tf):
     result = subprocess.run(
         [sys.executable, "-m", "eqxckpt", "import-t5", str(FIXTURE / "hf_bf16"), str(tmp_path / "t5")],

@@ -24,6 +24,7 @@ def tf_checkpoint(tmp_path_factory):
     return directory, tensors
 
 
+@pytest.mark.tf
 def test_a_tf_checkpoint_opens_and_loads_like_any_other(tf_checkpoint):
     directory, tensors = tf_checkpoint
     for where in (directory, directory / "model.ckpt-7"):  # a directory, or a prefix
@@ -52,12 +53,14 @@ def test_a_tf_checkpoint_opens_and_loads_like_any_other(tf_checkpoint):
     np.testing.assert_array_equal(eqxckpt.load(view, at="blocks/0/kernel"), tensors["encoder/block_000/kernel"])
 
 
+@pytest.mark.tf
 def test_names_that_are_a_leaf_and_a_subtree_are_refused(tmp_path):
     save_tf_tensors(tmp_path / "ckpt", {"a": np.ones(2, np.float32), "a/b": np.zeros(2, np.float32)})
     with pytest.raises(eqxckpt.ManifestError, match="'a' is a tensor and also holds 'a/b'"):
         eqxckpt.open(tmp_path / "ckpt")
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize("named", ["absolute", "../other/model.ckpt-7", "sub/../../other/model.ckpt-7"])
 def test_the_checkpoint_file_cannot_lead_out_of_the_directory(tmp_path, named):
     save_tf_tensors(tmp_path / "other", {"secret": np.full(3, 42.0, np.float32)})
@@ -70,6 +73,7 @@ def test_the_checkpoint_file_cannot_lead_out_of_the_directory(tmp_path, named):
     assert eqxckpt.load(tmp_path / "ckpt" / "model.ckpt-7")["mine"].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.tf
 def test_a_fifo_or_symlink_among_the_files_is_refused_without_hanging(tmp_path):
     from conftest import release_fifo, returns_within
 
@@ -85,6 +89,7 @@ def test_a_fifo_or_symlink_among_the_files_is_refused_without_hanging(tmp_path):
         eqxckpt.open(tmp_path / "ckpt" / "model.ckpt-7")
 
 
+@pytest.mark.tf
 def test_truncated_or_flipped_data_is_a_corrupt_checkpoint_error_naming_the_leaf(tmp_path):
     tensors = {"w": np.arange(4096, dtype=np.float32), "v": np.ones(8, np.float32)}
     for damage in ("truncate", "flip"):
@@ -113,6 +118,7 @@ def test_a_tf2_object_graph_is_skipped(tmp_path):
     assert eqxckpt.open(tmp_path / "out").paths == ["weights/.ATTRIBUTES/VARIABLE_VALUE"]
 
 
+@pytest.mark.tf
 def test_a_checkpoint_file_that_is_a_fifo_is_refused_without_hanging(tmp_path):
     from conftest import release_fifo, returns_within
 
@@ -126,6 +132,7 @@ def test_a_checkpoint_file_that_is_a_fifo_is_refused_without_hanging(tmp_path):
         )
 
 
+@pytest.mark.tf
 def test_a_directory_given_by_a_relative_path_reads_its_own_checkpoint(tmp_path, monkeypatch):
     save_tf_tensors(tmp_path / "ckpt", {"w": np.ones(2, np.float32)})
     monkeypatch.chdir(tmp_path)
