@@ -13,16 +13,14 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._backend import MAX_ZARR_JSON_BYTES, CheckpointPath, Storage, corrupt
 from ._convert import aligned_empty
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._leaf import KeyRecord, Leaf, StoredLeaf, check_bool_bytes
-from ._lease import Pin
 from ._manifest import Manifest
 from ._pack import member, packed_array, read_runs, unpack
 from ._progress import advance
 from ._source import LazyEntry, Source
-from ._storage import resolve
+from ._storage import MAX_ZARR_JSON_BYTES, CheckpointPath, Pin, Storage, corrupt, resolve
 from ._store import CHUNK_BYTES, read_spec, read_window, shared_context
 
 

@@ -15,7 +15,7 @@ from ._version import __version__
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from ._backend import Storage
+    from ._storage import Storage
 
 
 def human_bytes(n: int) -> str:

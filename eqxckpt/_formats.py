@@ -16,14 +16,13 @@ from the file.
 
 import pathlib
 
-from ._backend import Storage
 from ._checkpoint import open_checkpoint
 from ._errors import CheckpointNotFoundError, UnsupportedFormatError
 from ._orbax import OrbaxCheckpoint, is_orbax
 from ._paths import MANIFEST_NAME
 from ._safetensors import INDEX_NAME, SINGLE_NAME, open_safetensors
 from ._source import Source
-from ._storage import CheckpointPath, resolve
+from ._storage import CheckpointPath, Storage, resolve
 from ._tensorflow import open_tf
 
 FORMATS = ("eqxckpt", "safetensors", "orbax", "tf")

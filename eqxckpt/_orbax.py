@@ -23,12 +23,12 @@ import tensorstore as ts
 from ._checkpoint import check_allocation, reading
 from ._errors import CheckpointNotFoundError, ManifestError
 from ._leaf import ArrayLeaf, KeyRecord, Leaf, ScalarLeaf, StoredLeaf, parse_shape, scalar_to_json
-from ._lease import LocalPin
 from ._manifest import MAX_MANIFEST_BYTES, parse_json_object
 from ._paths import record_segment
 from ._progress import advance
 from ._source import Source, check_one_tree
-from ._store import STORED_DTYPES, read_capped, shared_context
+from ._storage import LocalPin, read_capped
+from ._store import STORED_DTYPES, shared_context
 
 METADATA_NAME = "_METADATA"
 OCDBT_MANIFEST = "manifest.ocdbt"

@@ -38,12 +38,11 @@ from ._errors import (
     UnsupportedLeafError,
 )
 from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
-from ._lease import create_locked_file, remove_abandoned_files
 from ._manifest import MAX_PARSE_FACTOR, parse_json_object
 from ._paths import encode_segment, key_entry_record
 from ._progress import advance
 from ._source import LazyEntry, Source, check_one_tree
-from ._store import fsync_path, read_capped
+from ._storage import create_locked_file, fsync_path, read_capped, remove_abandoned_files
 from ._tree import flatten, is_prng_key_dtype
 
 INDEX_NAME = "model.safetensors.index.json"

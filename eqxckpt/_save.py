@@ -14,14 +14,6 @@ import numpy as np
 import tensorstore as ts
 from jaxtyping import PyTree
 
-from ._backend import (
-    NOTHING_COMMITTED,
-    CheckpointPath,
-    Staging,
-    Storage,
-    expected_files,
-    nothing_committed,
-)
 from ._background import SAVES, SaveHandle
 from ._checkpoint import LazyArray
 from ._distributed import Phases, is_multiprocess
@@ -32,7 +24,15 @@ from ._pack import PACK_MIN_LEAVES, PackedWrite, assign_offsets, packable, packe
 from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_record
 from ._progress import Progress, advance, reporting
 from ._source import LazyEntry, Source
-from ._storage import resolve
+from ._storage import (
+    NOTHING_COMMITTED,
+    CheckpointPath,
+    Staging,
+    Storage,
+    expected_files,
+    nothing_committed,
+    resolve,
+)
 from ._store import array_spec, chunk_budget, chunk_regions, is_storage_error, read_window, reason, shared_context
 from ._tree import flatten
 

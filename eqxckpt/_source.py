@@ -17,8 +17,8 @@ import numpy as np
 
 from ._errors import CheckpointChangedError, CheckpointError, ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
-from ._lease import LocalPin, Pin
 from ._paths import ancestors, depth, normalize_at, relative_to
+from ._storage import LocalPin, Pin
 from ._tree import build_plain_tree
 
 

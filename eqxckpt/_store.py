@@ -1,4 +1,4 @@
-"""How a checkpoint's arrays are laid out in TensorStore, and the filesystem calls saves need.
+"""How a checkpoint's arrays are laid out in TensorStore: chunk shapes, zarr3 specs, stored dtypes.
 
 The one place that builds zarr3 specs, picks chunk shapes and
 knows which dtypes are stored natively.
@@ -6,14 +6,9 @@ knows which dtypes are stored natively.
 
 import contextlib
 import contextvars
-import ctypes
-import errno
 import itertools
 import os
-import pathlib
 import re
-import stat
-import uuid
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -222,99 +217,3 @@ def check_dtype(dtype: np.dtype, where: str) -> None:
         raise CheckpointError(
             f"Leaf {where!r} has dtype {dtype.name}, which TensorStore's zarr3 cannot store natively.{hint}"
         )
-
-
-# --- local filesystem commit ---------------------------------------------------------
-
-# Hidden siblings of a checkpoint directory: a save being written ("tmp"), an
-# old checkpoint being replaced ("old") or deleted ("deleting"). None is ever
-# loaded; after a crash they are leftovers.
-# Exactly the names `hidden_sibling` makes: cleanup deletes only these.
-_HIDDEN_SIBLING = re.compile(r"^\.(.+)\.eqxckpt-(tmp|old|deleting)-[0-9a-f]{12}$")
-
-
-def hidden_sibling(final: pathlib.Path, purpose: str) -> pathlib.Path:
-    """A fresh hidden name beside ``final`` for ``purpose`` (tmp, old, deleting)."""
-    return final.parent / f".{final.name}.eqxckpt-{purpose}-{uuid.uuid4().hex[:12]}"
-
-
-def hidden_owner(name: str) -> str | None:
-    """The checkpoint name a hidden sibling belongs to, or None if ``name`` is not one."""
-    match = _HIDDEN_SIBLING.match(name)
-    return None if match is None else match.group(1)
-
-
-def read_capped(path: pathlib.Path | str, cap: int, dir_fd: int | None = None) -> bytes:
-    """A small local file's bytes, read without following a symlink; past ``cap``
-    only ``cap + 1`` bytes are read (the caller refuses it). ``OSError`` if it is
-    missing or not a regular file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        # Sized by the file (plus one byte, to see one that grew past the cap): reading
-        # ``cap + 1`` bytes would allocate that much for every small file.
-        return f.read(min(cap, info.st_size) + 1)
-
-
-def fsync_path(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sync_filesystem(root: pathlib.Path) -> None:
-    """Make every file and directory written below ``root`` durable.
-
-    Linux ``syncfs`` flushes the whole filesystem holding ``root`` in one call,
-    which lets the kernel write all chunk files in one pass and commit the
-    journal once. Elsewhere, every file and directory below ``root`` is fsync'd.
-    """
-    syncfs = _libc_function("syncfs", [ctypes.c_int])
-    if syncfs is None:
-        for dirpath, _, filenames in os.walk(root, topdown=False):
-            for name in filenames:
-                fsync_path(pathlib.Path(dirpath, name))
-            fsync_path(pathlib.Path(dirpath))
-        return
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        if syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), str(root))
-    finally:
-        os.close(fd)
-
-
-def _libc_function(name: str, argtypes: list):
-    """A function of the C library with errno captured, or None where it is missing."""
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = argtypes
-    return fn
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
-    """Atomically swap two directories (Linux ``renameat2(RENAME_EXCHANGE)``).
-
-    Returns False where the OS or filesystem cannot, so the caller falls back
-    to two renames.
-    """
-    fn = _libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: not supported here
-        return False
-    raise OSError(err, os.strerror(err), str(a))

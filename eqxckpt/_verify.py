@@ -6,13 +6,12 @@ import dataclasses
 import numpy as np
 import tensorstore as ts
 
-from ._backend import corrupt
 from ._checkpoint import Checkpoint, open_checkpoint, reading
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
 from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
-from ._storage import CheckpointPath, resolve
+from ._storage import CheckpointPath, corrupt, resolve
 from ._store import PACK_CHUNK_BYTES
 
 # Large leaves are read in slabs of whole chunks, so verifying needs little memory.

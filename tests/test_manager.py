@@ -10,8 +10,8 @@ import pytest
 from conftest import WORKERS, assert_trees_equal, kill_when
 
 import eqxckpt
-from eqxckpt._lease import Lease, read_lease
-from eqxckpt._objects import ObjectStorage
+from eqxckpt._storage._lease import Lease, read_lease
+from eqxckpt._storage._objects import ObjectStorage
 
 
 def tree(step: int) -> dict:

@@ -20,7 +20,7 @@ from conftest import BUCKET, assert_trees_equal, kill_when, s3_spec as spec
 import eqxckpt
 import eqxckpt._storage
 from eqxckpt._cli import main as cli
-from eqxckpt._lease import Lease, read_lease
+from eqxckpt._storage._lease import Lease, read_lease
 
 
 def keys(client, prefix: str) -> list[str]:
@@ -234,7 +234,7 @@ def test_an_endpoint_whose_name_does_not_resolve_fails_at_once(monkeypatch):
     the suite sends nothing beyond 127.0.0.1, not even a DNS query.)"""
     import socket
 
-    from eqxckpt import _objects
+    from eqxckpt._storage import _objects
 
     def unresolvable(host, *args, **kwargs):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
@@ -320,7 +320,7 @@ def test_a_lease_that_could_never_go_stale_is_not_taken_for_a_live_one(store, he
 
 
 KILLED_AT = """
-import os, signal, numpy as np, eqxckpt, eqxckpt._objects as objects
+import os, signal, numpy as np, eqxckpt, eqxckpt._storage._objects as objects
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 objects.{point} = die

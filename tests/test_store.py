@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt._storage import resolve
-from eqxckpt._store import chunk_regions, chunk_shape, exchange
+from eqxckpt._storage._fs import exchange
+from eqxckpt._store import chunk_regions, chunk_shape
 
 
 def test_resolve_forms(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import numpy as np
 
 from .._errors import CheckpointError, StructureMismatchError
 from .._manifest import parse_json_object
-from .._store import read_capped
+from .._storage import read_capped
 
 # config.json and operative_config.gin files are a few KiB; anything past this is not one.
 MAX_CONFIG_BYTES = 4 * 1024 * 1024

@@ -21,8 +21,7 @@ from .._load import load
 from .._progress import Progress
 from .._safetensors import INDEX_NAME, open_safetensors, save_safetensors, write_file
 from .._save import save
-from .._storage import CheckpointPath
-from .._store import fsync_path
+from .._storage import CheckpointPath, fsync_path
 from .._transform import Transform
 from .._translate import CheckpointTranslator, TranslatedSource
 from .._tree import flatten

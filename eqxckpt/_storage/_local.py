@@ -14,6 +14,17 @@ import stat
 
 import tensorstore as ts
 
+from .._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+)
+from .._leaf import StoredLeaf
+from .._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from .._paths import COMMIT_NAME, GROUP_METADATA, MANIFEST_NAME, group_file, group_locations
 from ._backend import (
     MAX_ZARR_JSON_BYTES,
     TRUST_SPARSE,
@@ -23,15 +34,7 @@ from ._backend import (
     check_complete,
     corrupt,
 )
-from ._errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    ManifestError,
-)
-from ._leaf import StoredLeaf
+from ._fs import exchange, fsync_path, hidden_sibling, read_capped, sync_filesystem
 from ._lease import (
     DirLock,
     LocalPin,
@@ -40,15 +43,6 @@ from ._lease import (
     join_staging,
     remove_abandoned,
     remove_tree,
-)
-from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from ._paths import COMMIT_NAME, GROUP_METADATA, MANIFEST_NAME, group_file, group_locations
-from ._store import (
-    exchange,
-    fsync_path,
-    hidden_sibling,
-    read_capped,
-    sync_filesystem,
 )
 
 

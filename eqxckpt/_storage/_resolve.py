@@ -1,21 +1,13 @@
-"""Where checkpoints live: `resolve` turns a user's path into a `Storage`.
-
-One `Storage` type per backend owns its side of the concurrency protocol (see
-`_lease`): how a save stages and commits, what cleanup may remove, how a
-checkpoint is deleted, how a directory of checkpoints is listed, how the
-manifest is read, and which checks a leaf's files get before TensorStore reads
-them. `_backend.py` holds the interface; `_local.py` and `_objects.py` the two
-implementations.
-"""
+"""`resolve`: a user's path argument as a `Storage` of the right backend."""
 
 import os
 import pathlib
 from typing import Any
 
-from ._backend import CheckpointPath, Storage
-from ._errors import (
+from .._errors import (
     CheckpointError,
 )
+from ._backend import CheckpointPath, Storage
 from ._local import LocalStorage
 from ._objects import ObjectStorage
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ._backend import ENDPOINT_SETTINGS, NOTHING_COMMITTED, Pin, Staging, Storage, check_complete
-from ._errors import (
+from .._errors import (
     CheckpointBusyError,
     CheckpointError,
     CheckpointExistsError,
@@ -25,7 +24,11 @@ from ._errors import (
     IncompleteCheckpointError,
     ManifestError,
 )
-from ._leaf import StoredLeaf
+from .._leaf import StoredLeaf
+from .._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from .._paths import ARRAYS_PREFIX, COMMIT_NAME, LEASE_NAME, MANIFEST_NAME, group_file, group_locations, is_arrays_name
+from .._store import is_storage_error, reason
+from ._backend import ENDPOINT_SETTINGS, NOTHING_COMMITTED, Pin, Staging, Storage, check_complete
 from ._lease import (
     Lease,
     StorePin,
@@ -41,12 +44,6 @@ from ._lease import (
     reclaim,
     roll_forward,
     warn_if_not_atomic,
-)
-from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from ._paths import ARRAYS_PREFIX, COMMIT_NAME, LEASE_NAME, MANIFEST_NAME, group_file, group_locations, is_arrays_name
-from ._store import (
-    is_storage_error,
-    reason,
 )
 
 

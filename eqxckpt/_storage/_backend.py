@@ -17,22 +17,17 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._errors import (
+from .._errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
 )
-from ._leaf import StoredLeaf
+from .._leaf import StoredLeaf
+from .._manifest import Manifest
+from .._paths import GROUP_METADATA, group_file, group_locations, validate_path
+from .._store import chunk_budget, chunk_shape, reason, shared_context
 from ._lease import (
     Pin,
-)
-from ._manifest import Manifest
-from ._paths import GROUP_METADATA, group_file, group_locations, validate_path
-from ._store import (
-    chunk_budget,
-    chunk_shape,
-    reason,
-    shared_context,
 )
 
 # Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.

@@ -76,9 +76,9 @@ from typing import Any, BinaryIO
 
 import tensorstore as ts
 
-from ._errors import CheckpointBusyError, CheckpointWriteError, ManifestError
-from ._manifest import MAX_MANIFEST_BYTES, parse_manifest
-from ._paths import (
+from .._errors import CheckpointBusyError, CheckpointWriteError, ManifestError
+from .._manifest import MAX_MANIFEST_BYTES, parse_manifest
+from .._paths import (
     COMMIT_NAME,
     GROUP_METADATA,
     LEASE_NAME,
@@ -88,7 +88,7 @@ from ._paths import (
     is_arrays_name,
     validate_path,
 )
-from ._store import fsync_path, hidden_owner, hidden_sibling
+from ._fs import fsync_path, hidden_owner, hidden_sibling
 
 # --- local filesystems: advisory locks on directories --------------------------------
 

@@ -1,0 +1,30 @@
+"""Where checkpoints live: `resolve` turns a user's path into a `Storage`.
+
+One `Storage` type per backend owns its side of the concurrency protocol (see
+`_lease`): how a save stages and commits, what cleanup may remove, how a
+checkpoint is deleted, how a directory of checkpoints is listed, how the
+manifest is read, and which checks a leaf's files get before TensorStore reads
+them. `_backend.py` holds the interface; `_local.py` and `_objects.py` the two
+implementations; `_lease.py` the concurrency primitives (locks, leases, pins);
+`_fs.py` the filesystem calls. Modules outside this package import only what
+this `__init__` exports.
+"""
+
+from ._backend import (
+    MAX_ZARR_JSON_BYTES as MAX_ZARR_JSON_BYTES,
+    NOTHING_COMMITTED as NOTHING_COMMITTED,
+    CheckpointPath as CheckpointPath,
+    Staging as Staging,
+    Storage as Storage,
+    corrupt as corrupt,
+    expected_files as expected_files,
+    nothing_committed as nothing_committed,
+)
+from ._fs import fsync_path as fsync_path, read_capped as read_capped
+from ._lease import (
+    LocalPin as LocalPin,
+    Pin as Pin,
+    create_locked_file as create_locked_file,
+    remove_abandoned_files as remove_abandoned_files,
+)
+from ._resolve import resolve as resolve
