@@ -57,10 +57,10 @@ class Checkpoint(Source):
 
     def _open_array(self, leaf: StoredLeaf) -> ts.Future:
         """Start opening a leaf's stored array: reads its ``zarr.json`` (at most
-        `MAX_ZARR_JSON_BYTES`); `_checked` validates it and opens the array."""
+        `MAX_ZARR_JSON_BYTES`); `_open_checked` validates it and opens the array."""
         return self._arrays.read_leaf_metadata(leaf)
 
-    def _checked(self, leaf: StoredLeaf, opened: ts.Future) -> ts.TensorStore:
+    def _open_checked(self, leaf: StoredLeaf, opened: ts.Future) -> ts.TensorStore:
         """The opened array, after checking its ``zarr.json`` is what eqxckpt writes
         for what the manifest says.
 
@@ -77,14 +77,14 @@ class Checkpoint(Source):
             spec = read_spec(self._arrays.child(leaf.path), metadata)
             return ts.open(spec, context=self._context, read=True).result()
 
-    def _store(self, leaf: StoredLeaf) -> ts.TensorStore:
-        return self._checked(leaf, self._open_array(leaf))
+    def _open_leaf(self, leaf: StoredLeaf) -> ts.TensorStore:
+        return self._open_checked(leaf, self._open_array(leaf))
 
     @functools.cached_property
     def _packed_store(self) -> ts.TensorStore:
         """The packed array, opened (and its files checked) once for every read of it."""
         assert self._packed is not None
-        return self._store(self._packed)
+        return self._open_leaf(self._packed)
 
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         """Read every selected leaf: all opens at once, then reads straight into the
@@ -94,7 +94,7 @@ class Checkpoint(Source):
         own = [i for i, (leaf, _) in enumerate(wanted) if leaf.offset is None]
         packed = [i for i, (leaf, _) in enumerate(wanted) if leaf.offset is not None]
         opens = [self._open_array(wanted[i][0]) for i in own]
-        stores = {i: self._checked(wanted[i][0], opened) for i, opened in zip(own, opens)}
+        stores = {i: self._open_checked(wanted[i][0], opened) for i, opened in zip(own, opens)}
         runs = read_runs([wanted[i][0] for i in packed], self._packed.shape[0]) if self._packed and packed else []
         sharded = {i for i in own if _sharded(*wanted[i])}
         check_allocation(
@@ -457,7 +457,7 @@ class LazyArray(LazyEntry):
         return LazyArray(self.source, self.leaf, self._index, dtype)
 
     def _view(self) -> ts.TensorStore:
-        store = self.source._store(self.leaf)
+        store = self.source._open_leaf(self.leaf)
         return store[self._index] if self._index != () else store
 
     def _stream(self) -> ts.TensorStore | np.ndarray:
@@ -480,7 +480,7 @@ class LazyArray(LazyEntry):
     def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
         """The leaf this array becomes when it is saved at ``path`` (copied from its checkpoint)."""
         changed = self._index != () or self._dtype is not None
-        return self.leaf.copied(path, keys, tuple(self.shape), self.dtype, changed)
+        return self.leaf.copied(path, keys, tuple(self.shape), self.dtype, changed=changed)
 
     def _start(self) -> ts.Future:
         # Opened first: that checks the stored files really hold what the manifest declares.

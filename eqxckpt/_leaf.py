@@ -142,7 +142,7 @@ class StoredLeaf(Leaf):
         raise NotImplementedError
 
     def copied(
-        self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, changed: bool
+        self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, *, changed: bool
     ) -> "StoredLeaf":
         """The leaf a lazy view of this one (``changed``: sliced or cast) becomes when saved at ``path``."""
         raise NotImplementedError
@@ -250,7 +250,7 @@ class ArrayLeaf(StoredLeaf):
         return math.prod(shape) * dtype.itemsize
 
     def copied(
-        self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, changed: bool
+        self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, *, changed: bool
     ) -> "ArrayLeaf":
         check_dtype(dtype, path)
         return ArrayLeaf(path, keys, shape, dtype.name, self.array_type if self.array_type in ARRAY_TYPES else "numpy")
@@ -332,7 +332,7 @@ class KeyLeaf(StoredLeaf):
         return self.nbytes
 
     def copied(
-        self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, changed: bool
+        self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, *, changed: bool
     ) -> "KeyLeaf":
         if changed:
             raise UnsupportedLeafError(

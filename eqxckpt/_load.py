@@ -24,7 +24,7 @@ from ._progress import Progress, reporting
 from ._source import LazyEntry, Source, nothing_under
 from ._storage import CheckpointPath
 from ._store import limited_host_memory
-from ._transform import Rule, keypath_string, plan_rules, readable_path
+from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path
 from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype
 
 MAX_LISTED = 50
@@ -252,13 +252,13 @@ def _match_rules(
     by_key = {readable_path(leaf.keys[depth(result.prefix) :]): leaf for leaf in available.values()}
     rules = plan_rules(paths, set(by_key), transforms, default_to_original)
     for slot, (path, target, rule) in enumerate(zip(paths, targets, rules)):
-        if rule.kind == "new":
+        if rule.kind is RuleKind.NEW:
             if isinstance(target, jax.ShapeDtypeStruct):
                 result.mismatched.append(
                     (path, f"expected {describe_like(target)}; no rule, checkpoint leaf or concrete value supplies it")
                 )
             result.values[slot] = target
-        elif rule.kind == "multi":
+        elif rule.kind is RuleKind.MULTI:
             result.computed.append(Computed(slot, path, rule, None, target))
         elif rule.key not in by_key:
             result.mismatched.append((path, f"rule points at {rule.key!r}, which is not in the checkpoint"))

@@ -179,7 +179,7 @@ class CheckpointManager:
     # -- where things are -------------------------------------------------------------
 
     def _step_location(self, step: int) -> CheckpointPath:
-        return self.location.sub(str(step)).argument()
+        return self.location.sub(str(step)).user_path()
 
     def _scan(self, warn: bool = True) -> dict[int, dict]:
         """Committed steps and their metrics, as stored now.

@@ -38,7 +38,7 @@ from ._tree import flatten
 
 
 @dataclasses.dataclass
-class _Leaf:
+class _WriteJob:
     """One array leaf to write: its record, the shard shape its chunks must tile,
     and the pieces this process writes as (index or None for whole, data)."""
 
@@ -70,7 +70,7 @@ def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
     return records, arrays
 
 
-def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) -> list[_Leaf]:
+def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) -> list[_WriteJob]:
     """The bytes this process must write, in host memory it owns.
 
     Only shards with ``replica_id == 0`` are taken, so every element is written
@@ -79,11 +79,11 @@ def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) ->
     private copy of numpy leaves, which the caller may mutate afterwards.
     """
     multiprocess = is_multiprocess()
-    leaves: list[_Leaf] = []
+    leaves: list[_WriteJob] = []
     for record, value in arrays:
         if isinstance(value, jax.Array) and isinstance(value.sharding, jax.sharding.SingleDeviceSharding):
             # The common case, without asking for shards (costly per leaf in a tree of many small ones).
-            leaves.append(_Leaf(record, None, [(None, value)] if leader or not multiprocess else []))
+            leaves.append(_WriteJob(record, None, [(None, value)] if leader or not multiprocess else []))
         elif isinstance(value, jax.Array):
             if multiprocess and value.is_fully_addressable and not leader:
                 shards = []
@@ -91,9 +91,9 @@ def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) ->
                 shards = [s for s in value.addressable_shards if s.replica_id == 0]
             whole = len(value.sharding.device_set) == 1
             shard = None if whole else tuple(value.sharding.shard_shape(value.shape))
-            leaves.append(_Leaf(record, shard, [(None if whole else s.index, s.data) for s in shards]))
+            leaves.append(_WriteJob(record, shard, [(None if whole else s.index, s.data) for s in shards]))
         else:
-            leaves.append(_Leaf(record, None, [(None, value)] if leader or not multiprocess else []))
+            leaves.append(_WriteJob(record, None, [(None, value)] if leader or not multiprocess else []))
     # Start every device-to-host transfer before waiting on any (a no-op on CPU).
     # A LazyArray stays as it is: it is copied from its checkpoint piece by piece.
     for leaf in leaves:
@@ -107,7 +107,7 @@ def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) ->
     return leaves
 
 
-def _pack(records: list[Leaf], leaves: list[_Leaf]) -> tuple[list[Leaf], list[_Leaf]]:
+def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], list[_WriteJob]]:
     """Small leaves written whole from host memory go into the packed array (see `_pack`)
     when there are enough of them to be worth it; the records say where each one is."""
     small = [
@@ -129,7 +129,7 @@ def _pack(records: list[Leaf], leaves: list[_Leaf]) -> tuple[list[Leaf], list[_L
     chosen = {id(leaf) for leaf in small}
     return (
         [where.get(id(record), record) for record in records],
-        [leaf for leaf in leaves if id(leaf) not in chosen] + [_Leaf(array, None, [(None, written)])],
+        [leaf for leaf in leaves if id(leaf) not in chosen] + [_WriteJob(array, None, [(None, written)])],
     )
 
 
@@ -205,7 +205,7 @@ def _settle(
     return results
 
 
-def _open_arrays(target: Storage, leaves: list[_Leaf], create: bool) -> list[ts.TensorStore]:
+def _open_arrays(target: Storage, leaves: list[_WriteJob], create: bool) -> list[ts.TensorStore]:
     # Every open is issued before any is awaited: TensorStore runs them concurrently.
     opens = [
         (
@@ -269,7 +269,7 @@ def _counts(writes: list, nbytes: int, leaves: int = 1) -> list[tuple[int, int]]
     return [(share, 0)] * (len(writes) - 1) + [(nbytes - share * (len(writes) - 1), leaves)]
 
 
-def _write_pieces(stores: list[ts.TensorStore], leaves: list[_Leaf]) -> None:
+def _write_pieces(stores: list[ts.TensorStore], leaves: list[_WriteJob]) -> None:
     # All writes are issued before any is awaited, so they run concurrently.
     # TensorStore may reference the source buffers instead of copying them
     # (a blocking save then adds ~2% to peak memory, not a whole copy): nothing
@@ -336,7 +336,9 @@ def _copy_from(data: LazyEntry) -> Any:
     return data._stream() if isinstance(data, LazyArray) else data.get()
 
 
-def _run(location: Storage, manifest: Manifest, leaves: list[_Leaf], overwrite: bool, phases: Phases | None) -> None:
+def _run(
+    location: Storage, manifest: Manifest, leaves: list[_WriteJob], overwrite: bool, phases: Phases | None
+) -> None:
     """Prepare, write, commit. With several processes each phase ends at a barrier,
     and process 0 alone prepares the layout and commits."""
     leader = phases is None or phases.rank == 0

@@ -256,7 +256,7 @@ class LazyEntry:
 
     def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
         """The leaf this array becomes when it is saved at ``path`` (copied from its source)."""
-        return self.leaf.copied(path, keys, tuple(self.shape), self.dtype, False)
+        return self.leaf.copied(path, keys, tuple(self.shape), self.dtype, changed=False)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         data = np.asarray(self.get())

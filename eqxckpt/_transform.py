@@ -8,6 +8,7 @@ Keys are matched as the leaves' keys joined by ``/`` (``layers/0/weight``,
 """
 
 import dataclasses
+import enum
 import re
 from collections.abc import Callable
 from typing import Any
@@ -43,11 +44,19 @@ class Transform:
     multi_value_fn: Callable[[str, Any], Any] | None = None
 
 
+class RuleKind(enum.Enum):
+    """Where a new leaf's value comes from."""
+
+    ORIGINAL = "original"  # the original leaf at the rule's key (through value_fn, if any)
+    NEW = "new"  # the new tree's own value (`like`'s)
+    MULTI = "multi"  # computed from every original leaf (multi_value_fn)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Where one new leaf's value comes from: ``original`` (at ``key``), ``new``, or ``multi``."""
+    """Where one new leaf's value comes from: an original leaf (at ``key``), the new tree, or all of them."""
 
-    kind: str
+    kind: RuleKind
     key: str = ""
     transform: Transform | None = None
 
@@ -111,9 +120,9 @@ def plan_rules(
             if match is None:
                 continue
             if transform.multi_value_fn is not None:
-                sources.append(Rule("multi", path, transform))
+                sources.append(Rule(RuleKind.MULTI, path, transform))
             elif transform.use_fallback:
-                sources.append(Rule("new") if default_to_original else Rule("original", path, transform))
+                sources.append(Rule(RuleKind.NEW) if default_to_original else Rule(RuleKind.ORIGINAL, path, transform))
             else:
                 original = path
                 if transform.original_key is not None:
@@ -124,17 +133,19 @@ def plan_rules(
                             f"Transformation {key!r} -> original_key {transform.original_key!r} cannot be "
                             f"applied to {path!r}: {e}. Check the backreferences against the regex's groups."
                         ) from None
-                sources.append(Rule("original", original, transform))
+                sources.append(Rule(RuleKind.ORIGINAL, original, transform))
             break
         else:
             in_both = path in original_paths
-            sources.append(Rule("original", path) if in_both and default_to_original else Rule("new"))
+            sources.append(Rule(RuleKind.ORIGINAL, path) if in_both and default_to_original else Rule(RuleKind.NEW))
     return sources
 
 
 def missing_originals(new_paths: list[str], sources: list[Rule], original_paths: set[str]) -> list[tuple[str, str]]:
     """(new path, original key) for rules that point at nothing."""
-    return [(p, s.key) for p, s in zip(new_paths, sources) if s.kind == "original" and s.key not in original_paths]
+    return [
+        (p, s.key) for p, s in zip(new_paths, sources) if s.kind is RuleKind.ORIGINAL and s.key not in original_paths
+    ]
 
 
 def apply_transformations(
@@ -174,7 +185,7 @@ def apply_transformations(
         )
     values = []
     for (_, new_value), rule in zip(with_path, sources):
-        if rule.kind == "new":
+        if rule.kind is RuleKind.NEW:
             values.append(new_value)
         elif rule.multi_value_fn is not None:
             values.append(rule.multi_value_fn(rule.key, original_tree))

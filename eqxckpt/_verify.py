@@ -160,7 +160,7 @@ def _start_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> list[ts.Future]:
     with reading(record):
         # Opened from its zarr.json only once that was checked to be what eqxckpt writes
         # (raw bytes plus a crc32c checksum), so every chunk read below checks its checksum.
-        store = checkpoint._store(record)
+        store = checkpoint._open_leaf(record)
         shape = store.shape
         if record.nbytes <= SLAB_BYTES or not shape:
             return [store.read()]

@@ -313,7 +313,7 @@ def test_a_step_deleted_during_a_load_is_a_clear_error(tmp_path, monkeypatch, le
 
     run = tmp_path / "run"
     eqxckpt.save(run / "1", state(1, leaves))
-    real = LocalStorage.stored_bytes
+    real = LocalStorage.check_leaf_files
     calls = []
 
     def delete_midway(root, record):
@@ -322,7 +322,7 @@ def test_a_step_deleted_during_a_load_is_a_clear_error(tmp_path, monkeypatch, le
             os.rename(run / "1", run / ".gone")
         return real(root, record)
 
-    monkeypatch.setattr(LocalStorage, "stored_bytes", delete_midway)
+    monkeypatch.setattr(LocalStorage, "check_leaf_files", delete_midway)
     monkeypatch.setattr(eqxckpt._load, "READ_ATTEMPTS", 1)
     with pytest.raises(eqxckpt.CheckpointChangedError, match="replaced or deleted by another process"):
         eqxckpt.load(run / "1", state(0, leaves))

@@ -93,7 +93,7 @@ class Storage(abc.ABC):
         """The storage of an entry of this directory (a manager's step)."""
 
     @abc.abstractmethod
-    def argument(self) -> CheckpointPath:
+    def user_path(self) -> CheckpointPath:
         """What `save`, `load` and `open` accept to name this place (a path, or a kvstore spec)."""
 
     # -- reading ------------------------------------------------------------------------

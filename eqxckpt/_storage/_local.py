@@ -63,7 +63,7 @@ class LocalStorage(Storage):
     def sub(self, name: str) -> "LocalStorage":
         return LocalStorage.at(self.path / name)
 
-    def argument(self) -> pathlib.Path:
+    def user_path(self) -> pathlib.Path:
         return self.path
 
     def __str__(self) -> str:
@@ -114,7 +114,7 @@ class LocalStorage(Storage):
             ) from None
 
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
-        self.stored_bytes(leaf)
+        self.check_leaf_files(leaf)
         promise, future = ts.Promise.new()
         try:
             promise.set_result(read_capped(f"{self.path}/{leaf.path}/zarr.json", MAX_ZARR_JSON_BYTES))
@@ -122,7 +122,7 @@ class LocalStorage(Storage):
             promise.set_exception(e)
         return future
 
-    def stored_bytes(self, leaf: StoredLeaf) -> int:
+    def check_leaf_files(self, leaf: StoredLeaf) -> int:
         """Check a leaf's files before TensorStore touches them; return their size.
 
         A checkpoint may come from anywhere: no component of the leaf's directory

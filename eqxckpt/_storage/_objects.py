@@ -69,7 +69,7 @@ class ObjectStorage(Storage):
     def sub(self, name: str) -> "ObjectStorage":
         return ObjectStorage(self.child(name))
 
-    def argument(self) -> dict[str, Any]:
+    def user_path(self) -> dict[str, Any]:
         return dict(self.kvstore)
 
     def __str__(self) -> str:
