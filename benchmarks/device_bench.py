@@ -24,17 +24,16 @@ import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
+import workloads  # beside this script
 
-import bench  # noqa: E402
+HERE = pathlib.Path(__file__).resolve()
 
 
 def device_state(gib: float, abstract: bool = False):
     """The benchmark's model + adam state, filled on the default device (deterministic)."""
     import jax
 
-    skeleton = bench.transformer_state(gib * 1024, abstract=True)
+    skeleton = workloads.transformer_state(gib * 1024, abstract=True)
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     leaves, treedef = jax.tree_util.tree_flatten(skeleton)
@@ -59,7 +58,7 @@ def restore(peer: str, path: pathlib.Path, skeleton):
 
     if peer == "raw":
         leaves, treedef = jax.tree_util.tree_flatten(skeleton)
-        host = bench._raw_restore(path, skeleton)
+        host = workloads._raw_restore(path, skeleton)
         return jax.tree_util.tree_unflatten(treedef, [jax.device_put(h, s.sharding) for h, s in zip(host, leaves)])
     if peer == "eqxckpt":
         return eqxckpt.load(path, skeleton)
@@ -71,15 +70,15 @@ def restore(peer: str, path: pathlib.Path, skeleton):
 def worker(peer: str, op: str, path: pathlib.Path, gib: float) -> dict:
     import jax
 
-    bench._warm_up(peer, path.parent)
+    workloads._warm_up(peer, path.parent)
     skeleton = device_state(gib, abstract=True)
     state = None if op == "restore" else device_state(gib)
     t0 = time.perf_counter()
     result: dict = {}
     if op == "save":
-        bench.op_save(peer, path, state)
+        workloads.op_save(peer, path, state)
     elif op == "async":
-        result["blocked"], _ = bench.op_async(peer, path, state)
+        result["blocked"], _ = workloads.op_async(peer, path, state)
     else:
         out = restore(peer, path, skeleton)
         jax.block_until_ready(out)
@@ -111,7 +110,7 @@ def main() -> int:
 
     def run(peer: str, op: str, path: pathlib.Path) -> dict:
         command = [sys.executable, str(HERE), "--worker", peer, op, str(path), "--gib", str(args.gib)]
-        out = bench.run_json(command, f"{peer} {op}")
+        out = workloads.run_json(command, f"{peer} {op}")
         print(f"  {peer} {op}: {out}", file=sys.stderr, flush=True)
         results["runs"].setdefault(f"{peer} {op}", []).append(out)
         return out
@@ -120,16 +119,16 @@ def main() -> int:
         for peer in ("raw", "eqxckpt", "orbax"):
             path = root / peer
             for _ in range(args.repeats):
-                bench.remove(path)
+                workloads.remove(path)
                 run(peer, "save", path)
             for _ in range(args.repeats):
-                bench.warm(path)
+                workloads.warm(path)
                 run(peer, "restore", path)
             if peer != "raw":
                 for _ in range(args.repeats):
-                    bench.remove(path)
+                    workloads.remove(path)
                     run(peer, "async", path)
-            bench.remove(path)
+            workloads.remove(path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(r["seconds"] for r in v) for k, v in results["runs"].items()}

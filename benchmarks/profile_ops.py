@@ -15,9 +15,7 @@ import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-import bench  # noqa: E402
+import workloads  # beside this script
 
 import eqxckpt  # noqa: E402
 
@@ -31,11 +29,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.many_leaves:
         state, skeleton = (
-            bench.many_leaf_state(args.many_leaves),
-            bench.many_leaf_state(args.many_leaves, abstract=True),
+            workloads.many_leaf_state(args.many_leaves),
+            workloads.many_leaf_state(args.many_leaves, abstract=True),
         )
     else:
-        state, skeleton = bench.transformer_state(args.mib), bench.transformer_state(args.mib, abstract=True)
+        state, skeleton = workloads.transformer_state(args.mib), workloads.transformer_state(args.mib, abstract=True)
     root = pathlib.Path(tempfile.mkdtemp(prefix="eqxckpt-profile-", dir=args.dir))
     try:
         for name, call in (
