@@ -31,6 +31,7 @@ from ._load import load as load
 from ._manager import CheckpointManager as CheckpointManager
 from ._safetensors import save_safetensors as save_safetensors
 from ._save import save as save
+from ._source import Source as Source
 from ._storage import CheckpointPath as CheckpointPath
 from ._transform import Transform as Transform, apply_transformations as apply_transformations
 from ._translate import CheckpointTranslator as CheckpointTranslator

@@ -24,6 +24,7 @@ from ._errors import (
 )
 from ._leaf import float_from_json, float_to_json
 from ._load import load
+from ._progress import Progress
 from ._save import save
 from ._storage import CheckpointPath, resolve
 from ._store import is_storage_error
@@ -264,6 +265,7 @@ class CheckpointManager:
         metadata: dict[str, Any] | None = None,
         metrics: dict[str, float] | None = None,
         force: bool = False,
+        progress: Progress = False,
     ) -> bool:
         """Save ``tree`` as step ``step`` (in the background unless ``blocking``).
 
@@ -274,6 +276,7 @@ class CheckpointManager:
         - `metadata`: a JSON-serialisable dict stored with the step.
         - `metrics`: ``{name: float}``, used by ``best_metric`` retention and `best_step`.
         - `force`: save even if the interval excludes ``step``.
+        - `progress`: as for `eqxckpt.save` (a bar on a terminal, or a callable).
 
         **Returns:** True if the step is being saved, False if the interval skipped it.
 
@@ -295,7 +298,7 @@ class CheckpointManager:
             return self._save_for_preemption(step, tree, metadata, metrics)
         if not (force or self.should_save(step)):
             return False
-        self._start(step, tree, metadata, metrics, self.blocking)
+        self._start(step, tree, metadata, metrics, self.blocking, progress)
         return True
 
     def _start(
@@ -305,6 +308,7 @@ class CheckpointManager:
         metadata: dict[str, Any] | None,
         metrics: dict[str, float] | None,
         blocking: bool,
+        progress: Progress = False,
     ) -> None:
         """Save ``step`` (after the save in flight), then retention; in the background
         unless ``blocking``."""
@@ -321,7 +325,7 @@ class CheckpointManager:
         metadata[MANAGER_KEY] = {"step": step, "metrics": {k: float_to_json(v) for k, v in metrics.items()}}
         # Never overwrite: a committed step is never replaced (another manager
         # that committed this step first makes this save fail instead).
-        handle = save(self._step_location(step), tree, metadata=metadata, blocking=blocking)
+        handle = save(self._step_location(step), tree, metadata=metadata, blocking=blocking, progress=progress)
         if blocking:
             self._committed(step, metrics)
             return

@@ -40,7 +40,7 @@ from ._errors import (
 from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
 from ._manifest import MAX_PARSE_FACTOR, parse_json_object
 from ._paths import encode_segment, key_entry_record
-from ._progress import advance
+from ._progress import Progress, advance, reporting
 from ._source import LazyEntry, Source, check_one_tree
 from ._storage import create_locked_file, fsync_path, read_capped, remove_abandoned_files
 from ._tree import flatten, is_prng_key_dtype
@@ -262,7 +262,12 @@ def open_safetensors(path: pathlib.Path) -> SafetensorsCheckpoint:
 
 
 def save_safetensors(
-    path: str | os.PathLike[str], tree: PyTree, *, metadata: dict[str, str] | None = None, overwrite: bool = False
+    path: str | os.PathLike[str],
+    tree: PyTree,
+    *,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+    progress: Progress = False,
 ) -> None:
     """Write a pytree's arrays as one safetensors file, atomically.
 
@@ -280,6 +285,8 @@ def save_safetensors(
     - `metadata`: string-to-string metadata, stored as ``__metadata__``.
     - `overwrite`: replace a file already at ``path`` (atomically). Without it,
       an existing file is never touched: `CheckpointExistsError`.
+    - `progress`: True for a progress bar on a terminal, or a callable called
+      with ``(bytes_done, bytes_total, leaves_done, leaves_total)``.
 
     **Returns:** nothing; the file is complete and durable on return.
 
@@ -348,7 +355,8 @@ def save_safetensors(
                 f.write(array.reshape(-1).view(np.uint8).data)
                 advance(array.nbytes)
 
-    write_file(final, body, overwrite)
+    with reporting(f"writing {final.name}", offset, len(arrays), progress):
+        write_file(final, body, overwrite)
 
 
 def write_file(final: pathlib.Path, body: Callable[[BinaryIO], object], overwrite: bool) -> None:

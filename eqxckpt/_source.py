@@ -23,10 +23,18 @@ from ._tree import build_plain_tree
 
 
 class Source(abc.ABC):
-    """A read-only, lazily read set of named leaves and their metadata.
+    """What `eqxckpt.open` returns for every format: a read-only, lazily read set of
+    named leaves and their metadata, which `eqxckpt.load` restores.
 
-    Subclasses provide `location`, `metadata`, `_leaves` (``{path: Leaf}`` in
-    saved order) and `read`; everything else is shared.
+    `Checkpoint` is the one for eqxckpt's own format; safetensors files, Orbax and
+    TensorFlow checkpoints and `CheckpointTranslator` views are the others. Index
+    it by leaf path for lazy leaves; `paths`, `metadata`, `records()`, `tree()`.
+
+    ```python
+    source = eqxckpt.open("model.safetensors")
+    assert isinstance(source, eqxckpt.Source)
+    print(source.paths[:3], source.metadata)
+    ```
     """
 
     location: Any

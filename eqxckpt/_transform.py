@@ -10,6 +10,7 @@ Keys are matched as the leaves' keys joined by ``/`` (``layers/0/weight``,
 import dataclasses
 import enum
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -149,7 +150,12 @@ def missing_originals(new_paths: list[str], sources: list[Rule], original_paths:
 
 
 def apply_transformations(
-    original_tree: PyTree, transformations: dict[str, Any], new_tree: PyTree, default_to_original: bool = True
+    original_tree: PyTree,
+    transforms: dict[str, Any] | None = None,
+    new_tree: PyTree = None,
+    default_to_original: bool = True,
+    *,
+    transformations: dict[str, Any] | None = None,
 ) -> PyTree:
     """Build ``new_tree``'s structure from ``original_tree``'s values by the rules.
 
@@ -160,7 +166,9 @@ def apply_transformations(
     **Arguments:**
 
     - `original_tree`: the pytree the values come from.
-    - `transformations`: ``{regex: Transform}`` (nested dicts join keys with ``/``).
+    - `transforms`: ``{regex: Transform}`` (nested dicts join keys with ``/``), as
+      `eqxckpt.load`'s ``transforms``. (``transformations=``, its name in eqxckpt
+      0.1, still works this release, with a `DeprecationWarning`.)
     - `new_tree`: the pytree whose structure the result has.
     - `default_to_original`: whether unmentioned keys in both trees take the original's value.
 
@@ -173,10 +181,20 @@ def apply_transformations(
     # {'a': 1, 'dense_1_kernel': 2}
     ```
     """
+    if transformations is not None:
+        warnings.warn(
+            "apply_transformations(transformations=...) is deprecated: the rules are `transforms`, as in "
+            "eqxckpt.load(transforms=...).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        transforms = transformations if transforms is None else transforms
+    if transforms is None:
+        raise TypeError("apply_transformations needs the rules: apply_transformations(original, transforms, new).")
     original = {keypath_string(kp): leaf for kp, leaf in jtu.tree_flatten_with_path(original_tree)[0]}
     with_path, treedef = jtu.tree_flatten_with_path(new_tree)
     new_paths = [keypath_string(kp) for kp, _ in with_path]
-    sources = plan_rules(new_paths, set(original), transformations, default_to_original)
+    sources = plan_rules(new_paths, set(original), transforms, default_to_original)
     missing = missing_originals(new_paths, sources, set(original))
     if missing:
         raise TransformError(

@@ -279,3 +279,20 @@ def test_a_stored_flag_that_differs_from_likes_wins_and_says_so(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert eqxckpt.load(tmp_path / "c", net).layers[1].inference is False  # the same flag: silent
+
+
+def test_every_format_opens_as_an_exported_source(tmp_path):
+    import safetensors.numpy
+
+    eqxckpt.save(tmp_path / "c", {"w": np.ones(2)})
+    safetensors.numpy.save_file({"w": np.ones(2)}, str(tmp_path / "m.safetensors"))
+    for where in (tmp_path / "c", tmp_path / "m.safetensors"):
+        assert isinstance(eqxckpt.open(where), eqxckpt.Source)
+
+
+def test_the_rules_are_transforms_everywhere():
+    original, rules, new = {"a": 1}, {"b": eqxckpt.Transform(original_key="a")}, {"b": 0}
+    assert eqxckpt.apply_transformations(original, rules, new) == {"b": 1}
+    assert eqxckpt.apply_transformations(original, transforms=rules, new_tree=new) == {"b": 1}
+    with pytest.warns(DeprecationWarning, match="transforms"):
+        assert eqxckpt.apply_transformations(original, transformations=rules, new_tree=new) == {"b": 1}

@@ -89,3 +89,17 @@ def test_an_exception_from_the_progress_callback_comes_through_as_itself(tmp_pat
     with pytest.raises(Stop, match="enough"):
         eqxckpt.load(tmp_path / "ok", tree, progress=stop_after_one)
     assert [p.name for p in tmp_path.iterdir()] == ["ok"]
+
+
+def test_safetensors_writes_and_manager_saves_report_progress(tmp_path):
+    calls = []
+    tree = {"a": np.ones(1000, np.float32), "b": np.zeros(10, np.float32)}
+    eqxckpt.save_safetensors(tmp_path / "m.safetensors", tree, progress=lambda *c: calls.append(c))
+    assert calls[-1] == (4040, 4040, 2, 2)
+    calls.clear()
+    with eqxckpt.CheckpointManager(tmp_path / "run", blocking=True) as manager:
+        manager.save(0, tree, progress=lambda *c: calls.append(c))
+        assert calls and calls[-1][0] == calls[-1][1] and calls[-1][2:] == (2, 2)
+        calls.clear()
+        manager.load(tree, progress=lambda *c: calls.append(c))
+    assert calls and calls[-1][0] == calls[-1][1]

@@ -67,7 +67,7 @@ def test_load_hf_reads_each_tensor_once_and_only_what_the_model_needs(tmp_path, 
 @pytest.mark.parametrize("directory", ["hf", "hf_bf16"])
 def test_save_hf_writes_huggingfaces_layout_and_round_trips_exactly(tmp_path, directory):
     model = t5.load_hf(FIXTURE / directory, dtype="auto")
-    t5.save_hf(model, tmp_path / "out")
+    t5.save_hf(tmp_path / "out", model)
     ours, theirs = (
         stn.load_file(str(tmp_path / "out/model.safetensors")),
         stn.load_file(str(FIXTURE / directory / "model.safetensors")),
@@ -95,7 +95,7 @@ def test_save_hf_writes_huggingfaces_layout_and_round_trips_exactly(tmp_path, di
 def test_tied_v10_model_round_trips_without_lm_head(tmp_path):
     config = t5.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=1, num_heads=3)
     model = t5.T5(config, key=jax.random.key(7))
-    t5.save_hf(model, tmp_path / "v10")
+    t5.save_hf(tmp_path / "v10", model)
     names = set(stn.load_file(str(tmp_path / "v10/model.safetensors")))
     assert "lm_head.weight" not in names and "encoder.block.0.layer.1.DenseReluDense.wi.weight" in names
     assert json.loads((tmp_path / "v10/config.json").read_text())["feed_forward_proj"] == "relu"
@@ -160,17 +160,17 @@ def test_save_hf_never_replaces_files_without_overwrite(tmp_path):
     model = t5.T5(
         t5.T5Config(vocab_size=20, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2), key=jax.random.key(0)
     )
-    t5.save_hf(model, tmp_path / "m")
+    t5.save_hf(tmp_path / "m", model)
     before = (tmp_path / "m/model.safetensors").read_bytes()
     other = t5.T5(model.config, key=jax.random.key(1))
     with pytest.raises(eqxckpt.CheckpointExistsError, match="overwrite=True"):
-        t5.save_hf(other, tmp_path / "m")
+        t5.save_hf(tmp_path / "m", other)
     assert (tmp_path / "m/model.safetensors").read_bytes() == before
-    t5.save_hf(other, tmp_path / "m", overwrite=True)
+    t5.save_hf(tmp_path / "m", other, overwrite=True)
     assert_trees_equal(t5.load_hf(tmp_path / "m"), other)
     per_layer = t5.T5(dataclasses.replace(model.config, relative_attention_per_layer=True), key=jax.random.key(0))
     with pytest.raises(eqxckpt.CheckpointError, match="one per stack"):
-        t5.save_hf(per_layer, tmp_path / "per_layer")
+        t5.save_hf(tmp_path / "per_layer", per_layer)
     assert not (tmp_path / "per_layer").exists()
 
 
@@ -248,3 +248,12 @@ def test_convert_hf_reports_progress_for_the_read_and_the_write(tmp_path):
     finals = [counts for counts in seen if counts[0] == counts[1]]
     assert len(finals) >= 2  # the load's report finished, then the save's
     assert finals[-1][1] == total and finals[-1][2] == finals[-1][3]
+
+
+def test_save_hf_takes_the_location_first_and_the_old_order_warns(tmp_path):
+    model = t5.load_hf(FIXTURE / "hf")
+    t5.save_hf(tmp_path / "new", model)
+    with pytest.warns(DeprecationWarning, match="location comes first"):
+        t5.save_hf(model, tmp_path / "old")
+    for where in ("new", "old"):
+        assert jnp.array_equal(t5.load_hf(tmp_path / where).shared, model.shared)

@@ -8,7 +8,7 @@ import eqxckpt.t5
 model = eqxckpt.t5.load_tf("t5_v1_1_tiny")  # or load_hf("t5_v1_1_tiny/hf"); float32 unless dtype= says otherwise
 logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=attention_mask)
 out = eqxckpt.t5.generate(model, input_ids, attention_mask, max_new_tokens=32, num_beams=4)
-eqxckpt.t5.save_hf(model, "my-t5")  # config.json + model.safetensors, as HuggingFace writes them
+eqxckpt.t5.save_hf("my-t5", model)  # config.json + model.safetensors, as HuggingFace writes them
 ```
 """
 

@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -307,7 +308,7 @@ def hf_config(config: T5Config, dtype: Any) -> dict[str, Any]:
     }
 
 
-def save_hf(model: T5, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False, progress: Progress = False) -> None:
     """Write a `T5` as a HuggingFace T5 directory, so a model trained in Equinox can be published.
 
     Writes ``model.safetensors`` (HuggingFace's tensor names and ``[out, in]``
@@ -318,19 +319,30 @@ def save_hf(model: T5, path: str | os.PathLike[str], *, overwrite: bool = False)
 
     **Arguments:**
 
+    - `path`: the directory (created if needed). The location comes first, as in
+      `eqxckpt.save`; ``save_hf(model, path)``, the order of eqxckpt 0.1, still
+      works this release, with a `DeprecationWarning`.
     - `model`: the `T5`. Per-block relative attention biases are refused:
       HuggingFace's T5 has one table per stack.
-    - `path`: the directory (created if needed).
     - `overwrite`: replace the files of a model already there. Without it,
       existing files are never touched: `CheckpointExistsError`.
+    - `progress`: as for `eqxckpt.save` (a bar on a terminal, or a callable).
 
     **Returns:** nothing.
 
     ```python
-    eqxckpt.t5.save_hf(model, "my-t5")
+    eqxckpt.t5.save_hf("my-t5", model)
     model = eqxckpt.t5.load_hf("my-t5")
     ```
     """
+    if isinstance(path, T5) and not isinstance(model, T5):
+        warnings.warn(
+            "t5.save_hf(model, path) is deprecated: the location comes first, as in eqxckpt.save. "
+            "Call t5.save_hf(path, model).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        path, model = model, path
     config = model.config
     if config.relative_attention_per_layer:
         raise CheckpointError(
@@ -355,7 +367,7 @@ def save_hf(model: T5, path: str | os.PathLike[str], *, overwrite: bool = False)
     if overwrite:  # the old config goes first (durably): until the new one is written, the directory is incomplete
         (root / CONFIG_NAME).unlink(missing_ok=True)
         fsync_path(root)
-    save_safetensors(root / WEIGHTS_NAME, tensors, metadata={"format": "pt"}, overwrite=overwrite)
+    save_safetensors(root / WEIGHTS_NAME, tensors, metadata={"format": "pt"}, overwrite=overwrite, progress=progress)
     generation = {"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
     _write_json(root / GENERATION_CONFIG_NAME, {**generation, "transformers_version": TRANSFORMERS_VERSION}, overwrite)
     _write_json(root / CONFIG_NAME, hf_config(config, model.shared.dtype), overwrite)  # each file is durable
