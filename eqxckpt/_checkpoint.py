@@ -283,7 +283,7 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
         return CorruptCheckpointError(
             f"Leaf {record.path!r}: its zarr.json {why}. eqxckpt never writes that: the checkpoint is damaged or "
             "crafted; do not trust it.",
-            path=record.path,
+            leaf_path=record.path,
         )
 
     if len(raw) > MAX_ZARR_JSON_BYTES:
@@ -303,7 +303,7 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
         raise CorruptCheckpointError(
             f"Leaf {record.path!r} is corrupt: the manifest says {record.dtype}{list(shape)} but its zarr.json says "
             f"{doc.get('data_type')}{doc.get('shape')}. Restore the checkpoint from a copy or load an earlier one.",
-            path=record.path,
+            leaf_path=record.path,
         )
     grid = doc.get("chunk_grid")
     chunk = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) else None
@@ -437,7 +437,7 @@ class LazyArray(LazyEntry):
             raise NotImplementedError("Index a LazyArray once; combine the indices into one expression.")
         if not self.leaf.sliceable:
             raise NotImplementedError(
-                f"Leaf {self.path!r} ({self.leaf.describe()}) cannot be sliced lazily; get() the whole array."
+                f"Leaf {self.leaf_path!r} ({self.leaf.describe()}) cannot be sliced lazily; get() the whole array."
             )
         return LazyArray(self.source, self.leaf, index, self._dtype)
 
@@ -489,7 +489,7 @@ class LazyArray(LazyEntry):
             view = self._view()
         else:  # just its bytes: the chunks of the packed array that hold them
             view = self.source._packed_store[offset : offset + self.leaf.nbytes]
-        check_allocation(self.nbytes, f"Reading leaf {self.path!r}")
+        check_allocation(self.nbytes, f"Reading leaf {self.leaf_path!r}")
         return view.read()
 
     def _finish(self, data: np.ndarray) -> Any:

@@ -4,6 +4,8 @@ All of them live here, and their structured fields are plain attributes, so an
 error pickles with them (it can cross from a worker process to its parent).
 """
 
+import warnings
+
 
 class CheckpointError(Exception):
     """Base class of every error eqxckpt raises on purpose.
@@ -56,19 +58,30 @@ class ManifestError(CheckpointError):
 class CorruptCheckpointError(CheckpointError):
     """A leaf's stored data is missing, truncated, or fails its checksum.
 
-    **Attributes:** `path`, the leaf's path when one leaf is at fault (else None).
+    **Attributes:** `leaf_path`, the leaf's path when one leaf is at fault (else
+    None). (``path``, its name in eqxckpt 0.1, still reads it, with a `DeprecationWarning`.)
 
     ```python
     try:
         ...
     except eqxckpt.CorruptCheckpointError as e:
-        print("damaged leaf:", e.path)
+        print("damaged leaf:", e.leaf_path)
     ```
     """
 
-    def __init__(self, message: str, *, path: str | None = None):
+    def __init__(self, message: str, *, leaf_path: str | None = None):
         super().__init__(message)
-        self.path = path
+        self.leaf_path = leaf_path
+
+    @property
+    def path(self) -> str | None:
+        warnings.warn(
+            "CorruptCheckpointError.path is deprecated: it is the leaf's path, `leaf_path` "
+            "(a checkpoint's location is never called a leaf path).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.leaf_path
 
 
 class PathError(CheckpointError, ValueError):

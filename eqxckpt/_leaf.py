@@ -267,7 +267,7 @@ def check_bool_bytes(data: np.ndarray, path: str) -> None:
         raise CorruptCheckpointError(
             f"Leaf {path!r}: its bool data holds bytes other than 0 and 1 (largest {data.view(np.uint8).max()}), "
             "which no writer of bools produces. The checkpoint is damaged or crafted.",
-            path=path,
+            leaf_path=path,
         )
 
 
@@ -349,7 +349,7 @@ class KeyLeaf(StoredLeaf):
             raise CorruptCheckpointError(
                 f"Leaf {self.path!r}: its stored key data {data.shape} does not fit PRNG implementation "
                 f"{self.impl!r} ({e}). The checkpoint is damaged or was edited.",
-                path=self.path,
+                leaf_path=self.path,
             ) from None
 
     def finish(self, data: np.ndarray, target: Any) -> Any:

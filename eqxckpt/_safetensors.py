@@ -145,7 +145,7 @@ def read_range(fd: int, offset: int, buffer: np.ndarray, path: str) -> None:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
             raise CorruptCheckpointError(
-                f"Leaf {path!r}: its file ended before the tensor's bytes (it was truncated in place).", path=path
+                f"Leaf {path!r}: its file ended before the tensor's bytes (it was truncated in place).", leaf_path=path
             )
         done += n
 

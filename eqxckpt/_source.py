@@ -10,6 +10,7 @@ translated views of either (`CheckpointTranslator.apply`) are sources, so
 import abc
 import contextlib
 import difflib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -118,12 +119,12 @@ class Source(abc.ABC):
         """
         return sum(leaf.nbytes for leaf in self._leaves.values())
 
-    def leaf(self, path: str) -> Leaf:
+    def leaf(self, leaf_path: str) -> Leaf:
         """The description of one leaf; a `KeyError` suggests near names.
 
         **Arguments:**
 
-        - `path`: the leaf's path.
+        - `leaf_path`: the leaf's path (``model/w``).
 
         **Returns:** its `Leaf`: ``kind``, ``describe()``, and for arrays ``shape`` and ``dtype``.
 
@@ -132,11 +133,11 @@ class Source(abc.ABC):
         ```
         """
         try:
-            return self._leaves[path]
+            return self._leaves[leaf_path]
         except KeyError:
-            close = difflib.get_close_matches(path, self._leaves, n=3)
+            close = difflib.get_close_matches(leaf_path, self._leaves, n=3)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise KeyError(f"No leaf {path!r} in {self.location}.{hint}") from None
+            raise KeyError(f"No leaf {leaf_path!r} in {self.location}.{hint}") from None
 
     def records(self, at: str | None = None) -> dict[str, Leaf]:
         """The leaves under ``at``.
@@ -222,15 +223,21 @@ class LazyEntry:
         self.leaf = leaf
 
     @property
-    def path(self) -> str:
+    def leaf_path(self) -> str:
         """The leaf's path in its source.
 
         **Returns:** the path (``model/w``).
 
         ```python
-        ckpt["model/w"].path  # 'model/w'
+        ckpt["model/w"].leaf_path  # 'model/w'
         ```
         """
+        return self.leaf.path
+
+    @property
+    def path(self) -> str:
+        """Deprecated: `leaf_path` (``path`` is a checkpoint's location elsewhere)."""
+        warnings.warn("LazyEntry.path is deprecated: use leaf_path.", DeprecationWarning, stacklevel=2)
         return self.leaf.path
 
     @property
@@ -271,7 +278,7 @@ class LazyEntry:
         return data if dtype is None else data.astype(dtype)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.path!r}, shape={self.shape}, dtype={self.dtype})"
+        return f"{type(self).__name__}({self.leaf_path!r}, shape={self.shape}, dtype={self.dtype})"
 
 
 def check_one_tree(leaves: dict[str, Leaf], location: Any, name: Any = None) -> None:

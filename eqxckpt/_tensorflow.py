@@ -56,13 +56,13 @@ class TFCheckpoint(Source):
                     f"Leaf {leaf.path!r}: TensorFlow could not read variable {name!r} of {self.location} "
                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). The checkpoint's data "
                     "files are truncated or damaged.",
-                    path=leaf.path,
+                    leaf_path=leaf.path,
                 ) from None
             if data.shape != leaf.shape or data.dtype != np.dtype(leaf.dtype):
                 raise CorruptCheckpointError(
                     f"Leaf {leaf.path!r}: variable {name!r} read as {data.dtype}{list(data.shape)}, but the index "
                     f"says {leaf.describe()}. The checkpoint is damaged.",
-                    path=leaf.path,
+                    leaf_path=leaf.path,
                 )
             values.append(leaf.finish(data, target))
             advance(leaf.nbytes)

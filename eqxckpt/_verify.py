@@ -218,7 +218,7 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
                     CorruptCheckpointError(
                         f"damaged: its bytes [{offset}, {offset + record.nbytes}) are in {PACKED_LOCATION}/c/"
                         f"{start // PACK_CHUNK_BYTES}, a chunk of the packed array that fails its check (below)",
-                        path=record.path,
+                        leaf_path=record.path,
                     )
                     for start, end, _ in failures
                     if offset < end and offset + record.nbytes > start

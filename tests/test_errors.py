@@ -24,7 +24,7 @@ def test_structure_mismatch_lists_every_difference_as_fields(tmp_path):
     "error",
     [
         eqxckpt.StructureMismatchError("m", missing=[("a", "x")], unexpected=[("b", "y")], mismatched=[("c", "z")]),
-        eqxckpt.CorruptCheckpointError("damaged", path="model/w"),
+        eqxckpt.CorruptCheckpointError("damaged", leaf_path="model/w"),
         eqxckpt.TransformError("bad rule"),
         eqxckpt.CheckpointWriteError(28, "No space left on device"),
         eqxckpt.CastError("would change"),
@@ -43,4 +43,6 @@ def test_a_corrupt_leaf_error_names_its_path(tmp_path):
     chunk.write_bytes(b"\0" * chunk.stat().st_size)
     with pytest.raises(eqxckpt.CorruptCheckpointError) as info:
         eqxckpt.load(tmp_path / "c")
-    assert info.value.path == "w"
+    assert info.value.leaf_path == "w"
+    with pytest.warns(DeprecationWarning, match="leaf_path"):
+        assert info.value.path == "w"  # the name of eqxckpt 0.1, still read

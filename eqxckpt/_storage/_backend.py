@@ -229,5 +229,5 @@ def corrupt(leaf: StoredLeaf | Any, error: BaseException | str) -> CorruptCheckp
     return CorruptCheckpointError(
         f"Leaf {leaf.path!r} is corrupt or missing on disk: {reason(error)}. Restore the checkpoint "
         "from a copy or load an earlier one; `eqxckpt inspect` still shows what it held.",
-        path=leaf.path,
+        leaf_path=leaf.path,
     )

@@ -333,7 +333,7 @@ def _unsafe(leaf: StoredLeaf, where: pathlib.Path) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"Leaf {leaf.path!r}: {where} is a symlink or special file, not the plain files eqxckpt writes. "
         "Refusing to read it (it could point outside the checkpoint). Do not trust this checkpoint.",
-        path=leaf.path,
+        leaf_path=leaf.path,
     )
 
 
