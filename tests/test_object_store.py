@@ -408,3 +408,10 @@ def test_a_copy_on_a_local_disk_reads_the_same(store, tmp_path):
         target.write_bytes(store.get(key))
     assert_trees_equal(eqxckpt.load(tmp_path / "copy"), tree)
     assert eqxckpt.verify(tmp_path / "copy").ok
+    # Its prefix moved out and linked back: never followed out of the checkpoint.
+    arrays = json.loads((tmp_path / "copy" / "eqxckpt.json").read_text())["arrays"]
+    (tmp_path / "copy" / arrays).rename(tmp_path / "outside")
+    (tmp_path / "copy" / arrays).symlink_to(tmp_path / "outside")
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="symlink or special file"):
+        eqxckpt.load(tmp_path / "copy")
+    assert not eqxckpt.verify(tmp_path / "copy").ok

@@ -63,6 +63,26 @@ class LocalStorage(Storage):
     def sub(self, name: str) -> "LocalStorage":
         return LocalStorage.at(self.path / name)
 
+    def arrays(self, manifest: Manifest) -> "LocalStorage":
+        """A copy of an object-store checkpoint keeps its arrays in the save's prefix: a
+        directory inside this one, never a symlink (it could lead out of the checkpoint)."""
+        if not manifest.arrays:
+            return self
+        where = self.path / manifest.arrays
+        try:
+            mode = os.lstat(where).st_mode
+        except OSError as e:
+            raise CorruptCheckpointError(
+                f"{self.path}: the manifest keeps the arrays in {manifest.arrays}, which cannot be read "
+                f"({e.strerror}). Restore the checkpoint from a copy or load an earlier one."
+            ) from None
+        if not stat.S_ISDIR(mode):
+            raise CorruptCheckpointError(
+                f"{where} is a symlink or special file, not the directory of arrays eqxckpt writes. Refusing to "
+                "read it (it could point outside the checkpoint). Do not trust this checkpoint."
+            )
+        return self.sub(manifest.arrays)
+
     def user_path(self) -> pathlib.Path:
         return self.path
 
