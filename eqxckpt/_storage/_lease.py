@@ -77,7 +77,7 @@ from typing import Any, BinaryIO
 import tensorstore as ts
 
 from .._errors import CheckpointBusyError, CheckpointWriteError, ManifestError
-from .._manifest import MAX_MANIFEST_BYTES, parse_manifest
+from .._manifest import MAX_MANIFEST_BYTES, parse_json_object, parse_manifest
 from .._paths import (
     COMMIT_NAME,
     GROUP_METADATA,
@@ -511,8 +511,7 @@ class Lease:
 
     def check(self) -> None:
         """Raise unless this process still holds the lease."""
-        current = self.store.read(LEASE_NAME).result()
-        doc = parse_lease(bytes(current.value)) if current.state == "value" else None
+        _, doc = read_lease(self.store)
         if self.lost or doc is None or doc.get("save_id") != self.save_id:
             self.lost = True
             raise CheckpointBusyError(LOST)
@@ -526,7 +525,8 @@ class Lease:
 
 def read_lease(store: ts.KvStore) -> tuple[Any, dict | None]:
     """The lease at a checkpoint's root: (read result, its document or None)."""
-    current = store.read(LEASE_NAME).result()
+    # Bounded: a lease lists at most a manifest's leaf paths; a huge object there is not one.
+    current = read_bounded(store, LEASE_NAME, MAX_MANIFEST_BYTES)
     return current, (parse_lease(bytes(current.value)) if current.state == "value" else None)
 
 
@@ -570,12 +570,12 @@ def finish(store: ts.KvStore, doc: dict) -> None:
         if roll_forward(store, name, base):
             delete_leaf_keys(store, paths)  # what the committed save replaced, if written before prefixes
     elif action == "delete":
-        top = store.read(MANIFEST_NAME).result()
+        top = stat(store, MANIFEST_NAME)
         if top.state == "value" and top.stamp.generation == base:
             store.write(MANIFEST_NAME, None, if_equal=base).result()  # uncommitted first: no reader sees a part
         delete_arrays(store, arrays)
         delete_leaf_keys(store, paths)
-    elif store.read(MANIFEST_NAME).result().state != "value":  # a save by an eqxckpt without prefixes
+    elif stat(store, MANIFEST_NAME).state != "value":  # a save by an eqxckpt without prefixes
         delete_leaf_keys(store, paths)
 
 
@@ -592,7 +592,7 @@ def roll_forward(store: ts.KvStore, name: str, base: bytes) -> bool:
     except ManifestError:
         return False  # not what a save stages: never made the checkpoint
     store.write(MANIFEST_NAME, raw, if_equal=base).result()  # fails harmlessly if already done
-    top = store.read(MANIFEST_NAME).result()
+    top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
     return top.state == "value" and bytes(top.value) == raw
 
 
@@ -610,21 +610,26 @@ def read_bounded(store: ts.KvStore, key: str, cap: int) -> Any:
     return store.read(key).result()
 
 
+def stat(store: ts.KvStore, key: str) -> Any:
+    """Whether ``key`` exists, and its generation, without downloading it."""
+    return store.read(key, byte_range=slice(0, 0)).result()
+
+
 def exists(store: ts.KvStore, key: str) -> bool:
-    return store.read(key, byte_range=slice(0, 0)).result().state == "value"
+    return stat(store, key).state == "value"
 
 
 def committed_arrays(store: ts.KvStore) -> str | None:
     """The arrays prefix the manifest at the root names ("" if none, or no manifest);
     None if a manifest is there that eqxckpt cannot read (then nothing is garbage)."""
-    top = store.read(MANIFEST_NAME).result()
+    top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
     if top.state != "value":
         return ""
     try:
-        doc = json.loads(bytes(top.value))
-    except (ValueError, RecursionError):
+        doc = parse_json_object(bytes(top.value), MANIFEST_NAME)  # size and density checked before parsing
+    except ManifestError:
         return None
-    arrays = doc.get("arrays", "") if isinstance(doc, dict) else None
+    arrays = doc.get("arrays", "")
     return arrays if arrays == "" or is_arrays_name(arrays) else None
 
 

@@ -136,7 +136,7 @@ class ObjectStorage(Storage):
         warn_if_not_atomic(self.kvstore)
         store = self.open_kvstore()
         reclaim(store)
-        self._check_place(store, overwrite)  # refuse before writing anything, if it must be refused
+        self._check_place(store, overwrite, listing=True)  # refuse before writing anything, if it must be refused
         current, doc = read_lease(store)
         if current.state == "value":
             if doc is None:
@@ -151,7 +151,7 @@ class ObjectStorage(Storage):
         name = ARRAYS_PREFIX + uuid.uuid4().hex
         lease = Lease(store, "save", current.stamp.generation, action="save", arrays=[name])
         try:
-            base = self._check_place(store, overwrite)
+            base = self._check_place(store, overwrite, listing=False)  # decided again under the lease
             collect_garbage(store)  # what earlier saves that never committed left
         except BaseException:
             lease.release()
@@ -159,12 +159,13 @@ class ObjectStorage(Storage):
         lease.start_heartbeat()
         return ObjectStaging(self, lease, name, base)
 
-    def _check_place(self, store: ts.KvStore, overwrite: bool) -> Base:
+    def _check_place(self, store: ts.KvStore, overwrite: bool, listing: bool) -> Base:
         """Whether a save may write here, and what it commits over.
 
         Refused: a committed checkpoint without ``overwrite``, one whose manifest is
-        damaged (which keys are its cannot be told), and a place without a
-        manifest that holds anything eqxckpt did not write.
+        damaged (which keys are its cannot be told), and (with ``listing``, which
+        lists every key of the place) a place without a manifest that holds
+        anything eqxckpt did not write.
         """
         top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
         legacy: list[str] = []
@@ -184,7 +185,7 @@ class ObjectStorage(Storage):
                     f"A checkpoint already exists at {self}. Pass overwrite=True to replace it."
                 )
             legacy = [] if old.arrays else old.stored_paths()
-        keys = [k.decode("utf-8", "replace") for k in store.list().result()]
+        keys = [k.decode("utf-8", "replace") for k in store.list().result()] if listing else []
         foreign = sorted(set(keys) - _owned_keys(keys, set(legacy)) - {MANIFEST_NAME, LEASE_NAME})
         if foreign and top.state != "value":
             raise CheckpointExistsError(
@@ -223,7 +224,7 @@ class ObjectStorage(Storage):
 
     def delete(self) -> bool:
         store = self.open_kvstore()
-        top = store.read(MANIFEST_NAME).result()
+        top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
         if top.state != "value":
             return True
         try:
