@@ -43,6 +43,11 @@ NOTHING_COMMITTED = (
 ENDPOINT_SETTINGS = "AWS_ENDPOINT_URL for S3, TENSORSTORE_GCS_HTTP_URL for a Cloud Storage emulator"
 
 
+def environment_endpoint() -> str | None:
+    """The S3-compatible endpoint AWS tools take from the environment, if any."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
 def nothing_committed(failure: str) -> str:
     """What to tell after a failed save, given why it failed: the usual fix for the cause."""
     if "NoSuchBucket" in failure or "NOT_FOUND" in failure:  # S3 names it; Cloud Storage answers 404

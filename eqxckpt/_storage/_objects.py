@@ -28,7 +28,15 @@ from .._leaf import StoredLeaf
 from .._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .._paths import ARRAYS_PREFIX, COMMIT_NAME, LEASE_NAME, MANIFEST_NAME, group_file, group_locations, is_arrays_name
 from .._store import is_storage_error, reason
-from ._backend import ENDPOINT_SETTINGS, NOTHING_COMMITTED, Pin, Staging, Storage, check_complete
+from ._backend import (
+    ENDPOINT_SETTINGS,
+    NOTHING_COMMITTED,
+    Pin,
+    Staging,
+    Storage,
+    check_complete,
+    environment_endpoint,
+)
 from ._lease import (
     Lease,
     StorePin,
@@ -292,7 +300,9 @@ class ObjectStaging(Staging):
 
     def abort(self, error: BaseException) -> None:
         """Remove what a failed save wrote: its own prefix, which no other save writes,
-        unless the commit had begun (then whoever rolls it forward or back decides)."""
+        unless the commit had begun. Then the manifest's write either landed (the save
+        is committed after all) or did not (the prefix is garbage that the next
+        collection removes): both are whole states, so the lease is simply released."""
         lease = self.lease
         if lease is None:
             return
@@ -306,15 +316,14 @@ class ObjectStaging(Staging):
 
 
 _PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-_REACHED: set[tuple[str, int]] = set()
+_PROBED: set[tuple[str, int]] = set()  # endpoints not refused: probed once per process
 
 
 def _endpoint(spec: dict[str, Any]) -> tuple[str, str, int] | None:
     """(what, host, port) of the server a kvstore spec talks to; None for the memory store."""
     if spec.get("driver") == "s3":
         what = "S3"
-        url = spec.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        url = url or "https://s3.amazonaws.com"
+        url = spec.get("endpoint") or environment_endpoint() or "https://s3.amazonaws.com"
     elif spec.get("driver") == "gcs":
         what, url = "Cloud Storage", os.environ.get("TENSORSTORE_GCS_HTTP_URL") or "https://storage.googleapis.com"
     else:
@@ -333,20 +342,20 @@ def check_reachable(spec: dict[str, Any], where: str) -> None:
     retries and the AWS library's log lines. Anything less certain (a timeout, a proxy in
     the way) is left to TensorStore and its bounded retries."""
     endpoint = _endpoint(spec)
-    if endpoint is None or endpoint[1:] in _REACHED or any(os.environ.get(name) for name in _PROXIES):
+    if endpoint is None or endpoint[1:] in _PROBED or any(os.environ.get(name) for name in _PROXIES):
         return
     what, host, port = endpoint
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         socket.create_connection((host, port), timeout=3).close()
     except socket.gaierror:
         why = "is a name that does not resolve"
     except ConnectionRefusedError:
         why = "refuses connections"
-    except OSError:
+    except OSError:  # a timeout: not certain, and not asked again (each open would wait)
+        _PROBED.add((host, port))
         return
     else:
-        _REACHED.add((host, port))
+        _PROBED.add((host, port))
         return
     raise CheckpointError(
         f"Cannot reach {where}: the {what} endpoint {host}:{port} {why}. Check the endpoint ({ENDPOINT_SETTINGS}) "

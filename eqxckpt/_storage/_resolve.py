@@ -7,7 +7,7 @@ from typing import Any
 from .._errors import (
     CheckpointError,
 )
-from ._backend import CheckpointPath, Storage
+from ._backend import CheckpointPath, Storage, environment_endpoint
 from ._local import LocalStorage
 from ._objects import ObjectStorage
 
@@ -59,7 +59,7 @@ def _s3_environment() -> dict[str, Any]:
     environment only (never from a cloud metadata service).
     """
     spec: dict[str, Any] = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = environment_endpoint()
     if endpoint:
         spec["endpoint"] = endpoint
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
