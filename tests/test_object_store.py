@@ -415,3 +415,24 @@ def test_a_copy_on_a_local_disk_reads_the_same(store, tmp_path):
     with pytest.raises(eqxckpt.CorruptCheckpointError, match="symlink or special file"):
         eqxckpt.load(tmp_path / "copy")
     assert not eqxckpt.verify(tmp_path / "copy").ok
+
+
+@pytest.mark.parametrize("arrays", [[], ["%arrays." + "1" * 32, "%arrays." + "2" * 32]])
+def test_an_abandoned_commit_lease_naming_no_single_prefix_is_not_eqxckpts(store, arrays):
+    """A commit names exactly its own prefix. A lease that says otherwise was not written by
+    eqxckpt: cleanup leaves it and everything else alone, and a save there is refused."""
+    prefix = f"runs/odd-commit-{len(arrays)}/"
+    lease = {
+        "format": "eqxckpt-lease",
+        "purpose": "save",
+        "action": "commit",
+        "arrays": arrays,
+        "paths": [],
+        "base": "",
+        "heartbeat_unix": 0.0,
+        "timeout_s": 1.0,
+    }
+    store.put(prefix + "eqxckpt.lease.json", json.dumps(lease).encode())
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="eqxckpt.lease.json that eqxckpt did not write"):
+        eqxckpt.save(store.spec(prefix), {"w": np.ones(2)})
+    assert store.keys(prefix) == [prefix + "eqxckpt.lease.json"]

@@ -329,7 +329,10 @@ def parse_lease(raw: bytes) -> dict | None:
         return None
     if not (isinstance(arrays, list) and all(is_arrays_name(a) for a in arrays) and _is_hex(base)):
         return None
-    if doc.setdefault("action", None) not in (*ACTIONS, None):
+    action = doc.setdefault("action", None)
+    # A save or its commit names exactly its own prefix; a deletion, the one it deletes (none
+    # for a checkpoint from before prefixes); a lease from before prefixes, none.
+    if action not in (*ACTIONS, None) or len(arrays) > 1 or (action in ("save", "commit") and len(arrays) != 1):
         return None
     # A NaN or infinite heartbeat (Python's JSON reads both) would never go stale.
     if not (_finite(heartbeat) and isinstance(timeout, (int, float)) and _finite(timeout) and timeout > 0):
