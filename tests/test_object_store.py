@@ -333,7 +333,7 @@ eqxckpt.save({spec!r}, {{"w": np.full((64, 64), 2.0, np.float32), "v": np.arange
     "point, committed",
     [
         ("check_complete", False),  # killed before it staged its manifest: cleanup deletes its prefix
-        ("roll_forward", True),  # killed after marking its lease as committing: cleanup commits it
+        ("write_manifest", True),  # killed after marking its lease as committing: cleanup commits it
     ],
 )
 def test_a_writer_killed_during_its_commit_is_finished_by_cleanup(store, monkeypatch, point, committed):

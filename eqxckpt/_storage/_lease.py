@@ -594,7 +594,15 @@ def roll_forward(store: ts.KvStore, name: str, base: bytes) -> bool:
             return False
     except ManifestError:
         return False  # not what a save stages: never made the checkpoint
-    store.write(MANIFEST_NAME, raw, if_equal=base).result()  # fails harmlessly if already done
+    return write_manifest(store, raw, base)
+
+
+def write_manifest(store: ts.KvStore, raw: bytes, base: bytes) -> bool:
+    """Write the manifest ``raw`` (the commit) on condition that the manifest is still
+    ``base``; True if ``raw`` is the committed manifest now (written here, or before)."""
+    if store.write(MANIFEST_NAME, raw, if_equal=base).result().generation:
+        return True
+    # The condition failed: done already (by the save itself, or by a cleanup), or not at all.
     top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
     return top.state == "value" and bytes(top.value) == raw
 

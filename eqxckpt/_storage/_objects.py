@@ -50,8 +50,8 @@ from ._lease import (
     read_bounded,
     read_lease,
     reclaim,
-    roll_forward,
     warn_if_not_atomic,
+    write_manifest,
 )
 
 
@@ -290,7 +290,7 @@ class ObjectStaging(Staging):
         lease.update(action="commit", base=base.generation.hex(), paths=base.legacy_paths)
         self.committing = True  # from here on, whoever finds the lease abandoned rolls the commit forward
         store = self.place.open_kvstore()
-        if not roll_forward(store, self.where, base.generation):
+        if not write_manifest(store, raw, base.generation):
             raise CheckpointBusyError(
                 f"Another process committed a checkpoint at {self.place} during this save. {NOTHING_COMMITTED}"
             )
