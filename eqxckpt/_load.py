@@ -18,7 +18,7 @@ from jaxtyping import PyTree
 from ._convert import checked_astype, narrowed
 from ._errors import CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
-from ._leaf import Leaf, StoredLeaf
+from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
 from ._source import LazyEntry, Source, nothing_under
@@ -83,6 +83,12 @@ class Plan:
             self.values[slot] = leaf.value(target)
             if isinstance(target, bool) and isinstance(self.values[slot], bool) and self.values[slot] != target:
                 self.flags.append(f"{leaf.path}: {self.values[slot]} (like: {target})")
+
+    def named(self, leaf: Leaf, what: str) -> str:
+        """``what`` about a source leaf, adding the name its own format gives it where that
+        is not its path here (a safetensors tensor, a translated foreign variable)."""
+        name = self.source.origin(leaf.path)
+        return what if name == leaf.path else f"{what}, stored as {name}"
 
     def check(self, strict: bool) -> None:
         """Raise one error listing every difference; warn about what ``strict=False`` let through."""
@@ -230,12 +236,14 @@ def _match_paths(
             continue
         used.add(rel)
         if (problem := leaf.mismatch(target, cast)) is not None:
-            result.mismatched.append((rel, problem))
+            result.mismatched.append((rel, result.named(leaf, problem)))
         else:
             result.supply(slot, leaf, target)
     # A None the source records where `like` has an empty subtree is no difference.
     result.unexpected = [
-        (rel, f"found {leaf.describe()}") for rel, leaf in available.items() if rel not in used and not leaf.is_none
+        (rel, result.named(leaf, f"found {leaf.describe()}"))
+        for rel, leaf in available.items()
+        if rel not in used and not leaf.is_none
     ]
 
 
@@ -251,6 +259,7 @@ def _match_rules(
     """Each leaf of `like` as the `Transform` rules say: planned on paths before anything is read."""
     by_key = {readable_path(leaf.keys[depth(result.prefix) :]): leaf for leaf in available.values()}
     rules = plan_rules(paths, set(by_key), transforms, default_to_original)
+    produced: dict[Any, tuple[int, ...] | None] = {}
     for slot, (path, target, rule) in enumerate(zip(paths, targets, rules)):
         if rule.kind is RuleKind.NEW:
             if isinstance(target, jax.ShapeDtypeStruct):
@@ -263,11 +272,36 @@ def _match_rules(
         elif rule.key not in by_key:
             result.mismatched.append((path, f"rule points at {rule.key!r}, which is not in the checkpoint"))
         elif rule.value_fn is not None:
-            result.computed.append(Computed(slot, path, rule, by_key[rule.key], target))
+            leaf = by_key[rule.key]
+            shape = _produced_shape(rule.value_fn, leaf, produced)
+            if shape is not None and is_array_like(target) and shape != tuple(target.shape):
+                found = f"found {leaf.describe()}, which value_fn makes shape {list(shape)}"
+                result.mismatched.append(
+                    (path, result.named(leaf, f"expected {describe_like(target)}, {found} (from {rule.key!r})"))
+                )
+            else:
+                result.computed.append(Computed(slot, path, rule, leaf, target))
         elif (problem := by_key[rule.key].mismatch(target, cast)) is not None:
-            result.mismatched.append((path, f"{problem} (from {rule.key!r})"))
+            result.mismatched.append((path, result.named(by_key[rule.key], f"{problem} (from {rule.key!r})")))
         else:
             result.supply(slot, by_key[rule.key], target)
+
+
+def _produced_shape(value_fn: Any, leaf: Leaf, known: dict[Any, tuple[int, ...] | None]) -> tuple[int, ...] | None:
+    """The shape ``value_fn`` gives a stored array, traced without reading it (one trace per
+    function, shape and dtype), so a misfit is in the plan's one error; None if unknown."""
+    if not isinstance(leaf, ArrayLeaf):
+        return None
+    key = (value_fn, leaf.shape, leaf.dtype)
+    if key not in known:
+        try:
+            out = jax.eval_shape(lambda x: value_fn(x), jax.ShapeDtypeStruct(leaf.shape, leaf.value_dtype))
+            known[key] = tuple(out.shape) if isinstance(out, jax.ShapeDtypeStruct) else None
+        except Exception:
+            # A value_fn that needs concrete values (numpy calls, branches on data) is
+            # checked when it has run, by `_place`.
+            known[key] = None
+    return known[key]
 
 
 def report(
@@ -282,17 +316,7 @@ def report(
 ) -> str:
     """The message of a `StructureMismatchError`: every difference, grouped, then what to do."""
     where = f"{location}" + (f" (at={at!r})" if at else "")
-    lines = [f"Checkpoint {where} does not match `like`:"]
-    for title, rows in (
-        ("missing from the checkpoint", missing),
-        ("in the checkpoint but not in `like`", unexpected),
-        ("shape/dtype/kind mismatch", mismatched),
-    ):
-        if rows:
-            lines.append(f"  {title} ({len(rows)}):")
-            lines.extend(f"    {path or '<root>'}: {what}" for path, what in rows[:MAX_LISTED])
-            if len(rows) > MAX_LISTED:
-                lines.append(f"    ... and {len(rows) - MAX_LISTED} more")
+    lines = [f"Checkpoint {where} does not match `like`:", *differences(missing, unexpected, mismatched)]
     if at_hint is not None:
         lines.append(f"Every missing leaf is in the checkpoint under {at_hint!r}: pass at={at_hint!r}.")
     remedies = ["at='prefix' selects a subtree"]
@@ -301,6 +325,23 @@ def report(
     remedies += ["cast=True converts dtypes", "transforms remap paths"]
     lines.append("To restore anyway: " + ", ".join(remedies) + ".")
     return "\n".join(lines)
+
+
+def differences(missing: Rows, unexpected: Rows, mismatched: Rows, like: str = "`like`") -> list[str]:
+    """The lines listing every difference, grouped (`MAX_LISTED` of each at most); ``like``
+    says what the checkpoint was restored into."""
+    lines = []
+    for title, rows in (
+        ("missing from the checkpoint", missing),
+        (f"in the checkpoint but not in {like}", unexpected),
+        ("shape/dtype/kind mismatch", mismatched),
+    ):
+        if rows:
+            lines.append(f"  {title} ({len(rows)}):")
+            lines.extend(f"    {path or '<root>'}: {what}" for path, what in rows[:MAX_LISTED])
+            if len(rows) > MAX_LISTED:
+                lines.append(f"    ... and {len(rows) - MAX_LISTED} more")
+    return lines
 
 
 def _place(path: str, value: Any, target: Any, cast: bool) -> Any:

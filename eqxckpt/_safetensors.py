@@ -97,7 +97,8 @@ class SafetensorsCheckpoint(Source):
         self._where: dict[str, tuple[int, int]] = {}  # path -> (open file, absolute offset)
         self._fds: list[int] = []
         weakref.finalize(self, _close_all, self._fds)
-        names: dict[str, str] = {}
+        self._names: dict[str, str] = {}  # path -> tensor name
+        names = self._names
         for shard, file in files.items():
             fd = open_file(file)
             self._fds.append(fd)
@@ -124,6 +125,10 @@ class SafetensorsCheckpoint(Source):
                     f"(e.g. {missing[0]!r}). The directory is incomplete."
                 )
         check_one_tree(self._leaves, location, lambda path: names[path])
+
+    def origin(self, leaf_path: str) -> str:
+        self.leaf(leaf_path)
+        return self._names[leaf_path]
 
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         check_allocation(sum(leaf.nbytes for leaf, _ in wanted), f"Restoring {len(wanted)} leaves from {self.location}")

@@ -139,6 +139,27 @@ class Source(abc.ABC):
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
             raise KeyError(f"No leaf {leaf_path!r} in {self.location}.{hint}") from None
 
+    def origin(self, leaf_path: str) -> str:
+        """The name the leaf at ``leaf_path`` has in the format that stores it, so errors
+        can name foreign tensors as their users know them.
+
+        **Arguments:**
+
+        - `leaf_path`: the leaf's path here (``encoder/block/0/layer/0/SelfAttention/q/weight``).
+
+        **Returns:** the stored name: the path itself for eqxckpt and TensorFlow
+        checkpoints, the dotted tensor name for safetensors
+        (``encoder.block.0.layer.0.SelfAttention.q.weight``), and for a
+        `CheckpointTranslator` view the original's name of a leaf a rule renamed
+        (followed by ``(transposed)`` where the rule transposed it).
+
+        ```python
+        eqxckpt.open("model.safetensors").origin("encoder/proj/weight")  # 'encoder.proj.weight'
+        ```
+        """
+        self.leaf(leaf_path)
+        return leaf_path
+
     def records(self, at: str | None = None) -> dict[str, Leaf]:
         """The leaves under ``at``.
 

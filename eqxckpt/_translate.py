@@ -8,8 +8,8 @@ from typing import Any, overload
 import numpy as np
 
 from ._errors import TransformError
-from ._leaf import StoredLeaf, leaf_of
-from ._source import Source, check_one_tree
+from ._leaf import ArrayLeaf, StoredLeaf, leaf_of
+from ._source import LazyEntry, Source, check_one_tree
 
 RuleFn = Callable[..., tuple[str | None, Any]]
 
@@ -118,6 +118,15 @@ class CheckpointTranslator:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Transposed:
+    """What a rule returns for a stored matrix kept the other way round (HuggingFace's
+    ``[out, in]``): the view's leaf has the reversed shape, so `load` checks it before
+    reading, and the transpose happens as the leaf is read."""
+
+    entry: LazyEntry
+
+
 class TranslatedSource(Source):
     """A source under translated names: a leaf whose value a rule passed on unchanged
     is read from the original source; a value a rule computed is held in memory."""
@@ -131,22 +140,32 @@ class TranslatedSource(Source):
         }
         self._origin: dict[str, StoredLeaf] = {}
         self._computed: dict[str, Any] = {}
+        self._transposed: set[str] = set()
         self._leaves = {}
         for path, value in translated.items():
             keys = tuple(("dict", part) for part in path.split("/"))
-            origin = by_value.get(id(value))
+            transposed = isinstance(value, Transposed)
+            origin = by_value.get(id(value.entry if transposed else value))
+            if transposed and not isinstance(origin, ArrayLeaf):
+                raise TransformError(f"The rule for {path!r} transposes something that is not an array of the source.")
             if origin is not None:
-                self._leaves[path] = dataclasses.replace(origin, path=path, keys=keys)
+                shape = origin.shape[::-1] if transposed else origin.shape
+                self._leaves[path] = dataclasses.replace(origin, path=path, keys=keys, shape=shape)
                 self._origin[path] = origin
+                if transposed:
+                    self._transposed.add(path)
             else:
                 leaf, data = leaf_of(path, keys, np.asarray(value) if hasattr(value, "__array__") else value)
                 self._leaves[path] = leaf
                 self._computed[path] = data
         check_one_tree(self._leaves, self.location)  # two rules may make a leaf and a subtree of one name
 
-    def origin(self, path: str) -> str:
-        """The name in the original source of the leaf now at ``path`` (``path`` for computed ones)."""
-        return self._origin[path].path if path in self._origin else path
+    def origin(self, leaf_path: str) -> str:
+        self.leaf(leaf_path)
+        if leaf_path in self._origin:
+            name = self.original.origin(self._origin[leaf_path].path)
+            return f"{name} (transposed)" if leaf_path in self._transposed else name
+        return leaf_path  # computed by a rule: it has no stored name
 
     def consistent(self) -> Any:
         return self.original.consistent()
@@ -156,8 +175,12 @@ class TranslatedSource(Source):
         passed = [
             (i, self._origin[leaf.path], target) for i, (leaf, target) in enumerate(wanted) if leaf.path in self._origin
         ]
-        stored = [(leaf, target) for _, leaf, target in passed]
-        for (i, _, _), value in zip(passed, self.original._read(stored)):
+        # A transposed leaf is read as stored, then turned and finished into its target here.
+        turned = {i for i, _, _ in passed if wanted[i][0].path in self._transposed}
+        stored = [(origin, None if i in turned else target) for i, origin, target in passed]
+        for (i, _, target), value in zip(passed, self.original._read(stored)):
+            if i in turned:
+                value = wanted[i][0].finish(np.ascontiguousarray(np.asarray(value).T), target)
             values[i] = value
         for i, (leaf, target) in enumerate(wanted):
             if leaf.path not in self._origin:

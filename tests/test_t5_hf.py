@@ -148,9 +148,14 @@ def test_misfits_are_named_by_their_huggingface_names(tmp_path):
     with pytest.raises(eqxckpt.StructureMismatchError) as info:
         t5.load_hf(directory)
     message = str(info.value)
-    assert "missing (1): expected decoder.block.1.layer.2.DenseReluDense.wo.weight" in message
-    assert "found encoder.block.0.layer.0.SelfAttention.extra.weight" in message
-    assert "encoder.block.0.layer.0.SelfAttention.q.weight is [64, 32], config.json needs [128, 32]" in message
+    assert "decoder/blocks/1/feed_forward/wo: expected float32[64,32], named decoder.block.1.layer.2.Dense" in message
+    assert "found float32[3], stored as encoder.block.0.layer.0.SelfAttention.extra.weight" in message
+    assert (
+        "encoder/blocks/0/self_attention/q: expected float32[32,128], found float32[32,64], "
+        "stored as encoder.block.0.layer.0.SelfAttention.q.weight (transposed)"
+    ) in message
+    assert message.endswith("Fix config.json or use the weights it describes.")
+    assert [path for path, _ in info.value.mismatched] == ["encoder/blocks/0/self_attention/q"]
     (directory / "config.json").unlink()
     with pytest.raises(eqxckpt.CheckpointNotFoundError, match="no config.json"):
         t5.load_hf(directory)

@@ -226,10 +226,37 @@ def test_unsupplied_like_leaf_is_an_error(saved_state):
         eqxckpt.load(path, like, transforms={})
     with pytest.raises(eqxckpt.StructureMismatchError, match="not in the checkpoint"):
         eqxckpt.load(path, {"x": jnp.ones(2)}, transforms={"x": Transform(original_key="model/nope")})
-    with pytest.raises(eqxckpt.StructureMismatchError, match="produced shape"):
+    with pytest.raises(eqxckpt.StructureMismatchError, match="produced shape"):  # untraceable: checked once run
         eqxckpt.load(
-            path, {"x": jnp.ones(2)}, transforms={"x": Transform(original_key="old_head", value_fn=lambda v: v)}
+            path,
+            {"x": jnp.ones(2)},
+            transforms={"x": Transform(original_key="old_head", value_fn=lambda v: np.asarray(v).copy())},
         )
+
+
+def test_a_value_fn_that_misfits_is_in_the_plans_one_error_before_anything_is_read(saved_state, monkeypatch):
+    """The shape a value_fn gives is traced from the stored shape, so its misfit is listed
+    with every other difference and nothing is read."""
+    path, _ = saved_state
+    read = _count_reads(monkeypatch)
+    like = {"x": jnp.ones(2), "w": jnp.ones((3, 16)), "gone": jnp.ones(1)}
+    rules = {
+        "x": Transform(original_key="old_head", value_fn=lambda v: v[:3]),
+        "w": Transform(original_key="model/layers/0/weight", value_fn=np.transpose),
+        "gone": Transform(original_key="model/nope"),
+    }
+    with pytest.raises(eqxckpt.StructureMismatchError) as e:
+        eqxckpt.load(path, like, transforms=rules)
+    assert dict(e.value.mismatched) == {
+        "x": "expected float32[2], found float32[5], which value_fn makes shape [3] (from 'old_head')",
+        "w": "expected float32[3,16], found float32[16,4], which value_fn makes shape [4, 16] "
+        "(from 'model/layers/0/weight')",
+        "gone": "rule points at 'model/nope', which is not in the checkpoint",
+    }
+    assert read == []
+    like = {"x": jnp.ones(3), "w": jnp.ones((4, 16))}
+    out = eqxckpt.load(path, like, transforms={k: v for k, v in rules.items() if k != "gone"})
+    assert out["x"].tolist() == [1.0, 1.0, 1.0] and out["w"].shape == (4, 16)
 
 
 def test_values_from_rules_meet_the_dtype_rules_of_stored_values(tmp_path):

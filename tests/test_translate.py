@@ -1,5 +1,8 @@
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 
 import eqxckpt
 
@@ -132,3 +135,41 @@ def test_rules_that_make_a_leaf_and_a_subtree_of_one_name_are_refused(tmp_path):
     translator.add("y")(lambda opts, key, value: ("a/b", value))
     with pytest.raises(eqxckpt.ManifestError, match="'a' is a tensor and also holds 'a/b'"):
         translator.apply(eqxckpt.open(tmp_path / "c"))
+
+
+def test_a_rule_can_transpose_a_stored_matrix_lazily_and_misfits_name_the_stored_tensor(tmp_path, monkeypatch):
+    """A rule returning `Transposed` (how HuggingFace's ``[out, in]`` matrices are read):
+    the view's leaf has the turned shape, is read only when restored, turned as it is
+    read and cast like any leaf; errors name the tensor as the file does."""
+    from eqxckpt._translate import Transposed
+
+    rng = np.random.default_rng(0)
+    tensors = {"proj.weight": rng.standard_normal((3, 5)).astype(np.float32), "proj.bias": np.ones(3, np.float32)}
+    safetensors.numpy.save_file(tensors, str(tmp_path / "m.safetensors"))
+    source = eqxckpt.open(tmp_path / "m.safetensors")
+    assert source.origin("proj/weight") == "proj.weight"
+    t = eqxckpt.CheckpointTranslator()
+    t.add(r"proj/weight")(lambda opts, key, value: ("dense/kernel", Transposed(value)))
+    t.add(r"proj/bias")(lambda opts, key, value: ("dense/bias", value))
+    view = t.apply(source)
+    assert view.leaf("dense/kernel").describe() == "float32[5,3]"
+    assert view.origin("dense/kernel") == "proj.weight (transposed)" and view.origin("dense/bias") == "proj.bias"
+    read = []
+    real = type(source)._read
+    monkeypatch.setattr(type(source), "_read", lambda self, wanted: (read.append(len(wanted)), real(self, wanted))[1])
+    like = {"kernel": jax.ShapeDtypeStruct((5, 3), jnp.bfloat16), "bias": jnp.zeros(3, jnp.float32)}
+    out = eqxckpt.load(view, like, at="dense", cast=True)
+    assert read == [2]
+    assert out["kernel"].dtype == jnp.bfloat16 and isinstance(out["kernel"], jax.Array)
+    np.testing.assert_array_equal(np.asarray(out["kernel"]), tensors["proj.weight"].T.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(view["dense/kernel"].get(), tensors["proj.weight"].T)
+    with pytest.raises(eqxckpt.StructureMismatchError) as e:
+        eqxckpt.load(view, {"kernel": np.zeros((3, 5), np.float32), "bias": np.zeros(3, np.float32)}, at="dense")
+    assert e.value.mismatched == [
+        ("kernel", "expected float32[3,5], found float32[5,3], stored as proj.weight (transposed)")
+    ]
+    assert read == [2, 1]  # the load and the get() above; nothing for the refused load
+    other = eqxckpt.CheckpointTranslator()
+    other.add(r".*")(lambda opts, key, value: (key, Transposed(np.ones(2))))
+    with pytest.raises(eqxckpt.TransformError, match="not an array of the source"):
+        other.apply(source)

@@ -9,17 +9,16 @@ import os
 import pathlib
 from typing import Any
 
-from .._errors import CheckpointError, StructureMismatchError
+from .._errors import CheckpointError
 from .._leaf import ArrayLeaf
 from .._load import load
 from .._progress import Progress
-from .._save import save
 from .._storage import CheckpointPath
 from .._tensorflow import TFCheckpoint, open_tf
 from .._translate import CheckpointTranslator, TranslatedSource
-from .._tree import flatten
-from ._config import T5Config, check_weights_fit, weights_dtype
-from ._model import T5, skeleton
+from ._config import T5Config
+from ._import import SUBLAYERS, read_t5, write_converted
+from ._model import T5
 
 SLOT_NAMES = {"v": "v", "vr": "v_row", "vc": "v_col"}
 
@@ -27,20 +26,14 @@ SLOT_NAMES = {"v": "v", "vr": "v_row", "vc": "v_col"}
 # --- names: Mesh TensorFlow -> the T5 module's paths -----------------------------------
 
 WEIGHTS = CheckpointTranslator()
-SUBLAYERS = {
-    "encoder": ("self_attention", "feed_forward"),
-    "decoder": ("self_attention", "cross_attention", "feed_forward"),
-}
 
 
-@WEIGHTS.add(r"shared/embedding")
+RENAMED = {"shared/embedding": "shared", "decoder/logits/kernel": "logits_kernel"}
+
+
+@WEIGHTS.add("|".join(RENAMED))
 def _(opts, key, value):
-    return "shared", value
-
-
-@WEIGHTS.add(r"decoder/logits/kernel")
-def _(opts, key, value):
-    return "logits_kernel", value
+    return RENAMED[key], value
 
 
 @WEIGHTS.add(r"(encoder|decoder)/block_(\d+)/layer_000/SelfAttention/relative_attention_bias")
@@ -184,45 +177,9 @@ def _from_shapes(shapes: dict[str, tuple]) -> dict[str, Any]:
 
 
 def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any, progress: Progress = False) -> T5:
-    """Check the variables fit ``config`` (one error naming every misfit), then read each
-    weight once into the model: floating weights in ``dtype`` (as `weights_dtype` reads it)."""
-    records = translated.records("params")
-    check_weights_fit(config, sum(leaf.nbytes for leaf in records.values()), translated.location)
-    stored = {path: leaf.dtype for path, leaf in records.items() if isinstance(leaf, ArrayLeaf)}
-    like = skeleton(config, weights_dtype(dtype), stored)
-    try:
-        return load(translated, like, at="params", cast=True, progress=progress)
-    except StructureMismatchError as e:
-        raise _misfit(e, translated, like, config) from None
-
-
-def _misfit(error: StructureMismatchError, translated: TranslatedSource, like: Any, config: T5Config) -> Exception:
-    """The pipeline's differences, said in terms of the TensorFlow variables and the T5 config."""
-    expected = {path: leaf for path, _, leaf in flatten(like)[0]}
-    name = lambda path: translated.origin(f"params/{path}")  # noqa: E731
-    problems = []
-    if error.missing:
-        problems.append(
-            f"missing from the checkpoint ({len(error.missing)}): " + ", ".join(p for p, _ in error.missing)
-        )
-    if error.unexpected:
-        problems.append(
-            f"variables with no place in a T5 of this config ({len(error.unexpected)}): "
-            + ", ".join(name(p) for p, _ in error.unexpected)
-        )
-    if error.mismatched:
-        wrong = [
-            f"{name(p)}: shape {list(translated.leaf(f'params/{p}').shape)}, but {config} needs "  # type: ignore[attr-defined]
-            f"{list(expected[p].shape)} at {p!r}"
-            for p, _ in error.mismatched
-        ]
-        problems.append("variables whose shape does not fit the config:\n    " + "\n    ".join(wrong))
-    return StructureMismatchError(
-        "The TensorFlow checkpoint does not match the T5 config:\n  " + "\n  ".join(problems),
-        missing=error.missing,
-        unexpected=error.unexpected,
-        mismatched=error.mismatched,
-    )
+    """The model under ``params``; one error names every misfit by its TensorFlow name."""
+    remedy = "Pass config= (a T5Config, config.json or .gin) that describes this checkpoint."
+    return read_t5(translated, config, dtype, at="params", progress=progress, remedy=remedy)
 
 
 def _open(path: Any, config: Any) -> tuple[TranslatedSource, T5Config]:
@@ -303,11 +260,4 @@ def convert_tf(
     slots = load(translated, at="adafactor", progress=progress) if translated.records("adafactor") else {}
     step = int(load(translated, at="step")) if "step" in translated else 0
     tree = {"params": model, "step": step, "adafactor": slots}
-    save(
-        out,
-        tree,
-        metadata={"t5_config": config.to_dict(), "source": str(path)},
-        overwrite=overwrite,
-        progress=progress,
-    )
-    return config
+    return write_converted(out, tree, config, path, overwrite, progress)

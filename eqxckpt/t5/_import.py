@@ -1,0 +1,70 @@
+"""One import path for foreign T5 weights: a translated view (Mesh TensorFlow's or
+HuggingFace's names under the `T5` module's paths) read through `eqxckpt.load`."""
+
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import StructureMismatchError
+from .._leaf import ArrayLeaf
+from .._load import differences, load
+from .._progress import Progress
+from .._save import save
+from .._storage import CheckpointPath
+from .._translate import TranslatedSource
+from ._config import T5Config, check_weights_fit, weights_dtype
+from ._model import T5, skeleton
+
+# The sub-layers of a block, in the order both formats number them.
+SUBLAYERS = {
+    "encoder": ("self_attention", "feed_forward"),
+    "decoder": ("self_attention", "cross_attention", "feed_forward"),
+}
+
+
+def read_t5(
+    view: TranslatedSource,
+    config: T5Config,
+    dtype: Any,
+    *,
+    at: str | None = None,
+    progress: Progress = False,
+    expected_name: Callable[[str], str] | None = None,
+    remedy: str,
+) -> T5:
+    """The `T5` of ``config`` from ``view`` (its parameters under ``at``), floating weights
+    in ``dtype`` (as `weights_dtype` reads it).
+
+    Refuses, before reading, weights too few for ``config``; then one
+    `StructureMismatchError` names every missing, unplaced or misfitting tensor,
+    found ones by the format's own names, missing ones by ``expected_name``.
+    """
+    records = view.records(at)
+    check_weights_fit(config, sum(leaf.nbytes for leaf in records.values()), view.location)
+    stored = {path: leaf.dtype for path, leaf in records.items() if isinstance(leaf, ArrayLeaf)}
+    like = skeleton(config, weights_dtype(dtype), stored)
+    try:
+        return load(view, like, at=at, cast=True, progress=progress)
+    except StructureMismatchError as e:
+        name = expected_name or (lambda path: path)
+        missing = (
+            [(path, f"{what}, named {name(path)} in the files") for path, what in e.missing]
+            if expected_name
+            else e.missing
+        )
+        lines = [
+            f"{view.location} does not hold the T5 its config describes ({config}):",
+            *differences(missing, e.unexpected, e.mismatched, like="a T5 of this config"),
+            remedy,
+        ]
+        raise StructureMismatchError(
+            "\n".join(lines), missing=missing, unexpected=e.unexpected, mismatched=e.mismatched
+        ) from None
+
+
+def write_converted(
+    out: CheckpointPath, tree: dict[str, Any], config: T5Config, source: Any, overwrite: bool, progress: Progress
+) -> T5Config:
+    """Save a converted T5 with its config (and where it came from) in the metadata."""
+    metadata = {"t5_config": config.to_dict(), "source": str(source)}
+    save(out, tree, metadata=metadata, overwrite=overwrite, progress=progress)
+    return config
