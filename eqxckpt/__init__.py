@@ -2,8 +2,8 @@
 
 ```python
 import eqxckpt
-eqxckpt.save("ckpt/step_100", {"model": model, "opt_state": opt_state})
-model = eqxckpt.load("ckpt/step_100", like=model_skeleton, at="model")
+eqxckpt.save("checkpoints/step_100", {"model": model, "opt_state": opt_state})
+model = eqxckpt.load("checkpoints/step_100", like=model_skeleton, at="model")
 ```
 """
 

@@ -30,7 +30,7 @@ class Checkpoint(Source):
     Nothing is read from the arrays until you ask for values.
 
     ```python
-    ckpt = eqxckpt.open("ckpt/step_100")
+    ckpt = eqxckpt.open("checkpoints/step_100")
     ckpt.paths                      # ['model/layers/0/weight', ...]
     ckpt.metadata["step"]           # 100
     w = ckpt["model/layers/0/weight"]  # LazyArray: shape and dtype, no data yet
@@ -356,7 +356,7 @@ class LazyArray(LazyEntry):
     selected elements are ever read.
 
     ```python
-    w = eqxckpt.open("ckpt")["model/layers/0/weight"]
+    w = eqxckpt.open("ckpt")["model/w"]
     w.shape, w.dtype          # no I/O beyond the manifest
     w[:2].astype("float32").get()
     ```
@@ -388,7 +388,7 @@ class LazyArray(LazyEntry):
         **Returns:** a tuple of ints.
 
         ```python
-        ckpt["model/w"][:2].shape  # (2, 4)
+        ckpt["model/w"][:2].shape  # (2, 3)
         ```
         """
         shape = self.leaf.shape

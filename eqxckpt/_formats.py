@@ -44,9 +44,9 @@ def open(path: CheckpointPath, *, format: str | None = None) -> Source:  # noqa:
     paths, metadata, and lazy leaves, which `eqxckpt.load` restores.
 
     ```python
-    ckpt = eqxckpt.open("ckpt/step_100")
+    ckpt = eqxckpt.open("checkpoints/step_100")
     print(ckpt.paths, ckpt.metadata)
-    hf = eqxckpt.open("t5-small/model.safetensors")  # encoder/block/0/layer/0/SelfAttention/q/weight, ...
+    hf = eqxckpt.open("t5_v1_1_tiny/hf/model.safetensors")  # encoder/block/0/layer/0/SelfAttention/q/weight, ...
     ```
     """
     if format is not None and format not in FORMATS:

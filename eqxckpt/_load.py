@@ -435,7 +435,7 @@ def load(
 
     ```python
     skeleton = eqx.filter_eval_shape(make_model, jax.random.key(0))
-    model = eqxckpt.load("ckpt/step_100", skeleton, at="model")
+    model = eqxckpt.load("checkpoints/step_100", skeleton, at="model")
     ```
     """
 

@@ -359,9 +359,11 @@ class CheckpointManager:
         **Returns:** True once `save` saved ``step`` because of a preemption notice.
 
         ```python
-        manager.save(step, state)
-        if manager.reached_preemption(step):
-            break
+        for step in range(start, num_steps):
+            state = train_step(state)
+            manager.save(step, state)
+            if manager.reached_preemption(step):
+                break
         ```
         """
         return self._preempted_at is not None and step >= self._preempted_at

@@ -449,8 +449,8 @@ def save(
 
     ```python
     model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
-    eqxckpt.save("ckpt/step_0", {"model": model}, metadata={"step": 0})
-    handle = eqxckpt.save("ckpt/step_1", {"model": model}, blocking=False)
+    eqxckpt.save("checkpoints/step_0", {"model": model}, metadata={"step": 0})
+    handle = eqxckpt.save("checkpoints/step_1", {"model": model}, blocking=False)
     handle.wait()
     ```
     """

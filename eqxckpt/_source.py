@@ -170,7 +170,7 @@ class Source(abc.ABC):
         **Returns:** ``{path relative to at: Leaf}``.
 
         ```python
-        ckpt.records("model").keys()  # dict_keys(['w', 'b'])
+        list(ckpt.records("model"))  # ['b', 'w']
         ```
         """
         prefix = normalize_at(at)

@@ -177,8 +177,7 @@ def apply_transformations(
     ```python
     original = {"a": 1, "dense_1": {"kernel": 2}}
     rules = {r"([a-z]+)_([0-9])_([a-z]+)": eqxckpt.Transform(original_key=r"\\1_\\2/\\3")}
-    eqxckpt.apply_transformations(original, rules, {"a": ..., "dense_1_kernel": ...})
-    # {'a': 1, 'dense_1_kernel': 2}
+    eqxckpt.apply_transformations(original, rules, {"a": ..., "dense_1_kernel": ...})  # {'a': 1, 'dense_1_kernel': 2}
     ```
     """
     if transformations is not None:

@@ -73,7 +73,7 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
     **Returns:** a `VerifyReport`; ``report.ok`` is True if nothing is wrong.
 
     ```python
-    report = eqxckpt.verify("ckpt/step_100")
+    report = eqxckpt.verify("checkpoints/step_100")
     assert report.ok, report
     ```
     """

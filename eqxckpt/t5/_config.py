@@ -149,7 +149,7 @@ class T5Config:
         **Returns:** a `T5Config`.
 
         ```python
-        config = T5Config.from_json("t5_v1_1_small/config.json")
+        config = T5Config.from_json("t5_v1_1_tiny/hf/config.json")
         ```
         """
         d = parse_json_object(read_capped(path, MAX_CONFIG_BYTES), str(path), MAX_CONFIG_BYTES)
@@ -173,7 +173,7 @@ class T5Config:
         **Returns:** a `T5Config`.
 
         ```python
-        config = T5Config.from_gin("t5_v1_1_small/operative_config.gin", vocab_size=32128)
+        config = T5Config.from_gin("t5_v1_1_tiny/operative_config.gin", vocab_size=512)
         ```
         """
         raw = read_capped(path, MAX_CONFIG_BYTES)

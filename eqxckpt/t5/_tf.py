@@ -218,7 +218,7 @@ def load_tf(
     **Returns:** the `T5` module.
 
     ```python
-    model = eqxckpt.t5.load_tf("gs-mirror/t5_v1_1_small/model.ckpt-1000000")  # float32
+    model = eqxckpt.t5.load_tf("t5_v1_1_tiny/model.ckpt-100")  # float32
     logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=mask)
     ```
     """
@@ -251,7 +251,7 @@ def convert_tf(
     **Returns:** the `T5Config` used.
 
     ```python
-    config = eqxckpt.t5.convert_tf("mtf_ckpt/", "t5_eqx")
+    config = eqxckpt.t5.convert_tf("t5_v1_1_tiny", "t5_eqx")
     model = eqxckpt.load("t5_eqx", lambda: T5(config, key=jax.random.key(0)), at="params")
     ```
     """
