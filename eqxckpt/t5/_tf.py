@@ -245,14 +245,14 @@ def convert_tf(
 
     - `path`, `config`, `dtype`, `progress`: as for `load_tf` (so the weights
       are written in float32 unless ``dtype`` says otherwise).
-    - `out`: where to save the eqxckpt checkpoint (as for `eqxckpt.save`).
-    - `overwrite`: replace a checkpoint already at ``out``.
+    - `out`, `overwrite`: as for `convert_hf`.
 
     **Returns:** the `T5Config` used.
 
     ```python
     config = eqxckpt.t5.convert_tf("t5_v1_1_tiny", "t5_eqx")
-    model = eqxckpt.load("t5_eqx", lambda: T5(config, key=jax.random.key(0)), at="params")
+    converted = eqxckpt.open("t5_eqx")
+    converted["step"], converted.metadata["t5_config"]["d_model"]  # (100, 32)
     ```
     """
     translated, config = _open(path, config)
