@@ -224,12 +224,18 @@ def test_every_public_docstring_has_its_examples_collected():
     assert set(SETUP) <= set(EXAMPLES) and set(PRINTS) <= set(EXAMPLES) and NEEDS_TF <= set(EXAMPLES)
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def marks(name: str) -> list:
+    """TensorFlow for the Mesh TensorFlow examples; slow for those that run the T5 (compiling)."""
+    runs_t5 = name.startswith("eqxckpt.t5") and not name.startswith("eqxckpt.t5.T5Config")
+    return [pytest.mark.tf] * (name in NEEDS_TF) + [pytest.mark.slow] * runs_t5
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=marks(name)) for name in sorted(EXAMPLES)])
 def test_docstring_example_runs(name, scaffold, tiny_t5, tmp_path, monkeypatch):
-    if name in NEEDS_TF:
-        pytest.importorskip("tensorflow", reason="the example reads a Mesh TensorFlow checkpoint")
     work = tmp_path / "work"
-    shutil.copytree(scaffold, work, symlinks=True)
+    # The T5 files are only read: hard links spare a copy per example (readers refuse symlinks).
+    link = lambda src, dst: os.link(src, dst) if "/t5_v1_1_tiny/" in src else shutil.copy2(src, dst)  # noqa: E731
+    shutil.copytree(scaffold, work, copy_function=link)
     monkeypatch.chdir(work)
     ns = namespace(name, work, tiny_t5)
     out = io.StringIO()
