@@ -83,9 +83,9 @@ def test_converting_to_and_from_safetensors_streams_it(saved):
 
 
 def test_a_sharded_restore_holds_at_most_its_host_memory_budget(tmp_path):
-    """2 GiB restored onto 8 (CPU) devices, rows split across them: the host holds the
-    result plus at most the budget and 100 MiB (it held 1.5 GiB more when every
-    slice was read before any was placed)."""
+    """1 GiB restored onto 8 (CPU) devices, rows split across them: the host holds the
+    result plus at most the budget and 100 MiB (it held 1.5 GiB more for 2 GiB when
+    every slice was read before any was placed)."""
     path = tmp_path / "large"
     env = dict(os.environ, MALLOC_TRIM_THRESHOLD_=str(128 * 1024), JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

@@ -3,7 +3,7 @@
     python memory_probe.py save|save_async|load|load_params|copy|to_safetensors|from_safetensors PATH
     python memory_probe.py save_large|load_sharded PATH [BUDGET_MIB]
 
-``load_sharded`` restores the 2 GiB ``save_large`` state onto every local device
+``load_sharded`` restores the 1 GiB ``save_large`` state onto every local device
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8`` makes 8 CPU devices),
 rows split across them, within ``host_memory_budget`` (BUDGET_MIB; default None).
 
@@ -44,7 +44,7 @@ def kib(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 
-LARGE = {"leaves": 16, "shape": (8192, 4096)}  # 16 x 128 MiB of float32: 2 GiB
+LARGE = {"leaves": 8, "shape": (8192, 4096)}  # 8 x 128 MiB of float32: 1 GiB
 
 
 def large(path, op, budget_mib=None):
