@@ -9,6 +9,7 @@ model = eqxckpt.load("checkpoints/step_100", like=model_skeleton, at="model")
 
 from ._background import SaveHandle as SaveHandle
 from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray
+from ._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
 from ._errors import (
     CastError as CastError,
     CheckpointBusyError as CheckpointBusyError,

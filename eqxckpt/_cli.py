@@ -107,6 +107,35 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _diff(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
+    from ._diff import diff
+
+    out = console()
+    result = diff(
+        open_source(checkpoint_path(args.a), format=args.format),
+        open_source(checkpoint_path(args.b), format=args.format_b or args.format),
+        at=args.at,
+        progress=True,
+    )
+    for path in result.added:
+        out.print(f"[green]+ {escape(path)}[/green]")
+    for path in result.removed:
+        out.print(f"[red]- {escape(path)}[/red]")
+    for path, was, now in result.retyped:
+        out.print(f"[yellow]~ {escape(path)}[/yellow]: {escape(was)} -> {escape(now)}")
+    for change in result.changed:
+        numbers = "" if change.max_abs is None else f": max abs {change.max_abs:.6g}, max rel {change.max_rel:.6g}"
+        out.print(f"[yellow]* {escape(change.leaf_path)}[/yellow]{numbers}")
+    out.print(
+        f"[bold {'green' if result.same else 'yellow'}]{'SAME' if result.same else 'DIFFERENT'}[/] "
+        f"{len(result.unchanged)} unchanged, {len(result.changed)} changed, {len(result.retyped)} retyped, "
+        f"{len(result.added)} added, {len(result.removed)} removed ({human_bytes(result.bytes_read)} read)"
+    )
+    return 0 if result.same else 1
+
+
 def _import_t5(args: argparse.Namespace) -> int:
     from .t5 import convert_hf, convert_tf
     from .t5._hf import is_hf_directory
@@ -212,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("verify", help="read every chunk and check it against the manifest; exit 1 if damaged")
     check.add_argument("path", help="checkpoint directory, URL or kvstore spec as JSON")
     check.set_defaults(run=_verify)
+    compare = sub.add_parser("diff", help="compare two checkpoints leaf by leaf (any formats); exit 1 if they differ")
+    compare.add_argument("a", help="the first checkpoint: directory, file, URL or kvstore spec as JSON")
+    compare.add_argument("b", help="the second checkpoint")
+    compare.add_argument("--at", default=None, help="only the subtree under this path prefix")
+    compare.add_argument("--format", default=None, choices=FORMATS, help="the format of A (default: detected)")
+    compare.add_argument("--format-b", default=None, choices=FORMATS, help="the format of B (default: as A's)")
+    compare.set_defaults(run=_diff)
     convert = sub.add_parser("convert", help="convert a checkpoint between formats (eqxckpt, safetensors)")
     convert.add_argument("src", help="checkpoint to read: eqxckpt, a .safetensors file or a HuggingFace directory")
     convert.add_argument("dst", help="where to write")

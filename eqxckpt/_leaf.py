@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from ._convert import adopt, checked_astype, narrowed, place_slices
+from ._digest import parse_digest
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, validate_path
 from ._store import STORED_DTYPES, check_dtype
@@ -99,6 +100,8 @@ class StoredLeaf(Leaf):
     shape: tuple[int, ...]
     dtype: str
     offset: int | None = dataclasses.field(default=None, kw_only=True)
+    # XXH3-128 of `digest_fields` and the stored bytes (see `_digest`); None: not recorded.
+    digest: str | None = dataclasses.field(default=None, kw_only=True)
     stored: ClassVar[bool] = True
     sliceable: ClassVar[bool] = True  # whether a lazy read may select part of it
 
@@ -155,9 +158,15 @@ class StoredLeaf(Leaf):
         """A global array from this process's slices (``slices[key(index)]``: a slice's data)."""
         raise NotImplementedError
 
+    def digest_fields(self) -> list[Any]:
+        """What the digest covers besides the bytes: the kind, the stored dtype and shape."""
+        return [self.kind, self.dtype, list(self.data_shape)]
+
     def _fields(self) -> dict[str, Any]:
         fields = {"shape": list(self.shape), "dtype": self.dtype, "location": self.location}
-        return fields if self.offset is None else {**fields, "offset": self.offset}
+        if self.offset is not None:
+            fields["offset"] = self.offset
+        return fields if self.digest is None else {**fields, "digest": self.digest}
 
     @staticmethod
     def _stored(doc: dict[str, Any], path: str) -> tuple[tuple[int, ...], str, int | None]:
@@ -200,7 +209,8 @@ class ArrayLeaf(StoredLeaf):
         shape, dtype, offset = cls._stored(doc, path)
         if doc.get("array_type") not in ARRAY_TYPES:
             raise ManifestError(f"Leaf {path!r}: unknown array_type {doc.get('array_type')!r}.")
-        return cls(path, keys, shape, dtype, doc["array_type"], offset=offset)
+        digest = parse_digest(doc.get("digest"), path)
+        return cls(path, keys, shape, dtype, doc["array_type"], offset=offset, digest=digest)
 
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if not is_array_like(target) or is_prng_key_dtype(target.dtype):
@@ -253,7 +263,8 @@ class ArrayLeaf(StoredLeaf):
         self, path: str, keys: tuple[KeyRecord, ...], shape: tuple[int, ...], dtype: np.dtype, *, changed: bool
     ) -> "ArrayLeaf":
         check_dtype(dtype, path)
-        return ArrayLeaf(path, keys, shape, dtype.name, self.array_type if self.array_type in ARRAY_TYPES else "numpy")
+        array_type = self.array_type if self.array_type in ARRAY_TYPES else "numpy"
+        return ArrayLeaf(path, keys, shape, dtype.name, array_type, digest=None if changed else self.digest)
 
     def assemble(self, target: Any, slices: Any, key: Any) -> jax.Array:
         dtype = np.dtype(target.dtype)
@@ -300,6 +311,9 @@ class KeyLeaf(StoredLeaf):
     def describe(self) -> str:
         return f"key<{self.impl}>[{','.join(map(str, self.shape))}]"
 
+    def digest_fields(self) -> list[Any]:
+        return [*super().digest_fields(), self.impl]
+
     def _fields(self) -> dict[str, Any]:
         return {**super()._fields(), "impl": self.impl, "key_shape": list(self.key_shape)}
 
@@ -309,7 +323,8 @@ class KeyLeaf(StoredLeaf):
         impl = doc.get("impl")
         if not isinstance(impl, str) or not impl.isidentifier():
             raise ManifestError(f"Leaf {path!r}: PRNG impl {impl!r} is not a name.")
-        return cls(path, keys, shape, dtype, impl, parse_shape(doc.get("key_shape"), path), offset=offset)
+        key_shape, digest = parse_shape(doc.get("key_shape"), path), parse_digest(doc.get("digest"), path)
+        return cls(path, keys, shape, dtype, impl, key_shape, offset=offset, digest=digest)
 
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if not is_array_like(target) or not is_prng_key_dtype(target.dtype) or key_dtype(self.impl) != target.dtype:

@@ -16,6 +16,7 @@ from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
 from ._checkpoint import LazyArray
+from ._digest import digest
 from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointError, CheckpointWriteError
 from ._leaf import Leaf, StoredLeaf, leaf_of
@@ -131,6 +132,32 @@ def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], lis
         [where.get(id(record), record) for record in records],
         [leaf for leaf in leaves if id(leaf) not in chosen] + [_WriteJob(array, None, [(None, written)])],
     )
+
+
+def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
+    """The manifest with the digest of each leaf this process holds whole in host memory
+    (a leaf whose shards several processes write gets none; a copied leaf keeps its
+    source's). Run where the writes run: off the caller's thread for a background save."""
+    packed = {r.offset: r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None}
+    digests: dict[str, str] = {}
+    for leaf in leaves:
+        if len(leaf.pieces) != 1:
+            continue
+        [(index, data)] = leaf.pieces
+        if isinstance(data, PackedWrite):
+            for offset, member in data.members:
+                digests[packed[offset].path] = digest(packed[offset].digest_fields(), member)
+        elif (
+            isinstance(data, np.ndarray)
+            and (index is None or all(part == slice(None) for part in index))
+            and data.shape == leaf.record.data_shape
+        ):
+            digests[leaf.record.path] = digest(leaf.record.digest_fields(), data)
+    records = [
+        dataclasses.replace(r, digest=digests[r.path]) if isinstance(r, StoredLeaf) and r.path in digests else r
+        for r in manifest.leaves
+    ]
+    return dataclasses.replace(manifest, leaves=tuple(records))
 
 
 @contextlib.contextmanager
@@ -481,7 +508,7 @@ def save(
     def run() -> None:
         counts = [len(data.members) if isinstance(data, PackedWrite) else 1 for data in pieces]
         with reporting(f"saving {key}", sum(data.nbytes for data in pieces), sum(counts), progress):
-            _run(location, manifest, leaves, overwrite, phases)
+            _run(location, _digested(manifest, leaves), leaves, overwrite, phases)
 
     if blocking:
         future: concurrent.futures.Future = concurrent.futures.Future()

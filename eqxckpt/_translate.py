@@ -149,8 +149,8 @@ class TranslatedSource(Source):
             if transposed and not isinstance(origin, ArrayLeaf):
                 raise TransformError(f"The rule for {path!r} transposes something that is not an array of the source.")
             if origin is not None:
-                shape = origin.shape[::-1] if transposed else origin.shape
-                self._leaves[path] = dataclasses.replace(origin, path=path, keys=keys, shape=shape)
+                shape, digest = (origin.shape[::-1], None) if transposed else (origin.shape, origin.digest)
+                self._leaves[path] = dataclasses.replace(origin, path=path, keys=keys, shape=shape, digest=digest)
                 self._origin[path] = origin
                 if transposed:
                     self._transposed.add(path)

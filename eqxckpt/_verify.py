@@ -7,6 +7,7 @@ import numpy as np
 import tensorstore as ts
 
 from ._checkpoint import Checkpoint, open_checkpoint, reading
+from ._digest import LeafDigest
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
 from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
@@ -146,16 +147,30 @@ def _settled(record: StoredLeaf, reads: list[ts.Future] | CheckpointError) -> Ch
         return reads
     try:
         with reading(record):
+            digest = LeafDigest(record.digest_fields())
             for read in reads:
-                read.result()
+                digest.update(read.result())
+            if reads:
+                _check_digest(record, digest)
     except CheckpointError as e:
         return e
     return None
 
 
+def _check_digest(record: StoredLeaf, digest: LeafDigest) -> None:
+    """The bytes read, in order, are the ones the save recorded (when it recorded a digest)."""
+    if record.digest is not None and digest.value != record.digest:
+        raise CorruptCheckpointError(
+            f"its bytes pass their chunks' checksums but are not the bytes saved (digest {digest.value}, the "
+            f"manifest records {record.digest}): chunks were swapped or rewritten. Restore it from a copy.",
+            leaf_path=record.path,
+        )
+
+
 def _start_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> list[ts.Future]:
     """Check a leaf's metadata and start reading it whole; a leaf over `SLAB_BYTES` is
-    read here, slab by slab (so verifying needs little memory), and nothing is left to wait on."""
+    read here, slab by slab (so verifying needs little memory; in C order, so its digest
+    is computed as it goes), and nothing is left to wait on."""
     record.check_known()  # e.g. a PRNG implementation this JAX knows
     with reading(record):
         # Opened from its zarr.json only once that was checked to be what eqxckpt writes
@@ -168,8 +183,10 @@ def _start_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> list[ts.Future]:
         rows = chunk[0] if chunk is not None and chunk[0] is not None else shape[0]
         row_bytes = record.nbytes // max(1, shape[0])
         step = max(1, SLAB_BYTES // max(1, row_bytes * rows)) * rows
+        digest = LeafDigest(record.digest_fields())
         for start in range(0, shape[0], step):
-            store[start : min(start + step, shape[0])].read().result()
+            digest.update(store[start : min(start + step, shape[0])].read().result())
+        _check_digest(record, digest)
         return []
 
 
@@ -181,8 +198,32 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
     assert array is not None
     length = array.shape[0]
     failures: list[tuple[int, int, str]] = []
-    bools = [record for record in packed if record.dtype == "bool"]
     bad_bools: dict[str, CheckpointError] = {}
+    digests = {record.path: LeafDigest(record.digest_fields()) for record in packed if record.digest is not None}
+    in_order, first = sorted(packed, key=lambda record: record.offset or 0), 0
+
+    def take(start: int, data: np.ndarray) -> None:
+        """The part of each leaf in ``data`` (bytes from ``start``; pieces come in order):
+        into its digest, and for bools, checked."""
+        nonlocal first
+        end = start + data.size
+        while first < len(in_order) and (in_order[first].offset or 0) + in_order[first].nbytes <= start:
+            first += 1
+        for record in in_order[first:]:
+            offset = record.offset or 0
+            if offset >= end:
+                break
+            low, high = max(offset, start), min(offset + record.nbytes, end)
+            if low >= high:
+                continue
+            if record.path in digests:
+                digests[record.path].update(data[low - start : high - start])
+            if record.dtype == "bool" and record.path not in bad_bools:
+                try:
+                    check_bool_bytes(data[low - start : high - start].view(np.bool_), record.path)
+                except CheckpointError as e:
+                    bad_bools[record.path] = e
+
     try:
         store = checkpoint._packed_store
         for start in range(0, length, SLAB_BYTES):
@@ -196,15 +237,10 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
                 for chunk, read in chunks:
                     if (error := read.exception()) is not None:
                         failures.append((chunk, chunk + PACK_CHUNK_BYTES, str(corrupt(array, error))))
+                    else:  # a leaf with bytes in a failed chunk is reported as damaged, its digest unchecked
+                        take(chunk, read.result())
                 continue
-            for record in bools:  # each byte on its own: the parts of a leaf in each slab
-                offset = record.offset or 0
-                low, high = max(offset, start), min(offset + record.nbytes, end)
-                if low < high and record.path not in bad_bools:
-                    try:
-                        check_bool_bytes(slab[low - start : high - start].view(np.bool_), record.path)
-                    except CheckpointError as e:
-                        bad_bools[record.path] = e
+            take(start, slab)
     except CheckpointError as e:
         failures.append((0, length, str(e)))
     for start, _, why in failures:
@@ -225,6 +261,8 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
                 ),
                 bad_bools.get(record.path),
             )
+            if problem is None and record.path in digests:
+                _check_digest(record, digests[record.path])
         except CheckpointError as e:
             problem = e
         _count(report, record, problem)

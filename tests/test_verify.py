@@ -152,3 +152,25 @@ def test_zarr_groups_are_eqxckpt_s_and_checked(tmp_path):
     assert not report.ok and report.problems == [
         ("model/zarr.json", "a zarr group's metadata that is not what eqxckpt writes")
     ]
+
+
+def test_chunks_that_pass_their_checksums_but_are_not_the_leafs_are_caught_by_its_digest(tmp_path, monkeypatch):
+    """Per-chunk CRCs cannot tell a chunk swapped in from another leaf, or an older save's
+    chunk put back, from the real one; each leaf's digest can: for own arrays (read whole or
+    in slabs) and for packed leaves, naming exactly the leaves hit."""
+    many = {f"s{i}": np.full(8, i, np.float32) for i in range(40)}  # packed
+    tree = {"p": np.zeros((300, 300), np.float32), "q": np.ones((300, 300), np.float32), **many}
+    eqxckpt.save(tmp_path / "c", tree)
+    eqxckpt.save(tmp_path / "older", {**tree, "s3": np.full(8, -1, np.float32)})
+    assert eqxckpt.verify(tmp_path / "c").ok
+    p, q = tmp_path / "c/p/c/0/0", tmp_path / "c/q/c/0/0"
+    p_bytes, q_bytes = p.read_bytes(), q.read_bytes()
+    p.write_bytes(q_bytes)
+    q.write_bytes(p_bytes)
+    shutil.copy(tmp_path / "older/%packed/c/0", tmp_path / "c/%packed/c/0")
+    for slab in (64 << 20, 100_000, 980):  # whole; in slabs of rows; packed leaves across slabs too
+        monkeypatch.setattr("eqxckpt._verify.SLAB_BYTES", slab)
+        report = eqxckpt.verify(tmp_path / "c")
+        assert sorted(path for path, _ in report.problems) == ["p", "q", "s3"], report
+        assert all("pass their chunks' checksums but are not the bytes saved" in why for _, why in report.problems)
+        assert report.arrays_checked == len(tree) - 3

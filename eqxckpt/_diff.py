@@ -1,0 +1,223 @@
+"""`diff`: what differs between two checkpoints, leaf by leaf, reading only what it must."""
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._checkpoint import LazyArray
+from ._errors import plural
+from ._formats import open as open_source
+from ._leaf import Leaf, ScalarLeaf, StoredLeaf
+from ._progress import Progress, advance, reporting
+from ._source import LazyEntry, Source
+from ._storage import CheckpointPath
+from ._tree import is_prng_key_dtype
+
+# Large eqxckpt leaves are compared a slab of rows at a time, so a diff holds little memory.
+SLAB_BYTES = 64 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class ChangedLeaf:
+    """A leaf whose value changed: the largest absolute difference ``|a - b|`` and relative
+    difference ``|a - b| / |b|`` over its elements (``inf`` where ``b`` is 0 and ``a`` is
+    not; ``nan`` where exactly one side is NaN; None for values that are not numbers).
+
+    ```python
+    eqxckpt.save("ckpt_later", {"model": {"w": np.zeros((4, 3), np.float32)}})
+    [(c.leaf_path, c.max_abs) for c in eqxckpt.diff("ckpt", "ckpt_later", at="model").changed]  # [('w', 11.0)]
+    ```
+    """
+
+    leaf_path: str
+    max_abs: float | None
+    max_rel: float | None
+
+
+@dataclasses.dataclass
+class Diff:
+    """What `diff` found: leaf paths added (only in ``b``), removed (only in ``a``),
+    retyped (``(path, a's description, b's)``: another shape, dtype or kind), changed
+    in value, and unchanged; with the bytes it read to tell.
+
+    ```python
+    result = eqxckpt.diff("ckpt", "ckpt")
+    assert result.same and result.bytes_read == 0  # equal digests: nothing read
+    ```
+    """
+
+    a: str
+    b: str
+    added: list[str] = dataclasses.field(default_factory=list)
+    removed: list[str] = dataclasses.field(default_factory=list)
+    retyped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    changed: list[ChangedLeaf] = dataclasses.field(default_factory=list)
+    unchanged: list[str] = dataclasses.field(default_factory=list)
+    bytes_read: int = 0
+
+    @property
+    def same(self) -> bool:
+        """Whether every leaf is in both, unchanged.
+
+        **Returns:** True when nothing differs.
+
+        ```python
+        assert eqxckpt.diff("ckpt", "ckpt").same
+        ```
+        """
+        return not (self.added or self.removed or self.retyped or self.changed)
+
+    def __str__(self) -> str:
+        head = (
+            f"{self.a} -> {self.b}: {len(self.unchanged)} unchanged, {len(self.changed)} changed, "
+            f"{len(self.retyped)} retyped, {len(self.added)} added, {len(self.removed)} removed "
+            f"({plural(self.bytes_read, 'byte')} read)"
+        )
+        lines = [f"  + {path}" for path in self.added] + [f"  - {path}" for path in self.removed]
+        lines += [f"  ~ {path}: {was} -> {now}" for path, was, now in self.retyped]
+        lines += [f"  * {c.leaf_path}: max abs {c.max_abs}, max rel {c.max_rel}" for c in self.changed]
+        return "\n".join([head, *lines])
+
+
+def diff(
+    a: CheckpointPath | Source,
+    b: CheckpointPath | Source,
+    *,
+    at: str | None = None,
+    progress: Progress = False,
+) -> Diff:
+    """Compare two checkpoints leaf by leaf: added, removed, retyped, changed and unchanged.
+
+    Leaves whose digests both checkpoints record (eqxckpt writes one per stored
+    leaf) are equal or not without reading a byte; only the changed ones are
+    read, to say by how much. Leaves without digests (older checkpoints,
+    safetensors, Orbax, TensorFlow) are read on both sides and compared byte
+    for byte. Large eqxckpt leaves are read a slab at a time.
+
+    **Arguments:**
+
+    - `a`, `b`: the checkpoints, as for `eqxckpt.open` (any format, mixed), or
+      sources already opened.
+    - `at`: compare only the subtree under this path prefix (in both).
+    - `progress`: as for `eqxckpt.save` (a bar of the bytes read). Off by default.
+
+    **Returns:** a `Diff`.
+
+    ```python
+    eqxckpt.save("ckpt_later", {"model": {"w": np.zeros((4, 3), np.float32)}})
+    result = eqxckpt.diff("ckpt", "ckpt_later")
+    result.removed, [c.leaf_path for c in result.changed]  # (['model/b', 'opt_state/mu'], ['model/w'])
+    ```
+    """
+    source_a = a if isinstance(a, Source) else open_source(a)
+    source_b = b if isinstance(b, Source) else open_source(b)
+    result = Diff(str(source_a.location), str(source_b.location))
+    leaves_a, leaves_b = source_a.records(at), source_b.records(at)
+    result.removed = [path for path in leaves_a if path not in leaves_b]
+    result.added = [path for path in leaves_b if path not in leaves_a]
+    to_read: list[tuple[str, StoredLeaf, StoredLeaf]] = []
+    for path, leaf_a in leaves_a.items():
+        leaf_b = leaves_b.get(path)
+        if leaf_b is None:
+            continue
+        if _retyped(leaf_a, leaf_b):
+            result.retyped.append((path, leaf_a.describe(), leaf_b.describe()))
+        elif isinstance(leaf_a, StoredLeaf) and isinstance(leaf_b, StoredLeaf):
+            if leaf_a.digest is not None and leaf_a.digest == leaf_b.digest:
+                result.unchanged.append(path)
+            else:
+                to_read.append((path, leaf_a, leaf_b))
+        elif _same_value(leaf_a, leaf_b):
+            result.unchanged.append(path)
+        else:
+            result.changed.append(ChangedLeaf(path, *_scalar_difference(leaf_a, leaf_b)))
+    total = sum(leaf_a.nbytes + leaf_b.nbytes for _, leaf_a, leaf_b in to_read)
+    with (
+        source_a.consistent(),
+        source_b.consistent(),
+        reporting(f"comparing {result.a} with {result.b}", total, len(to_read), progress),
+    ):
+        for path, leaf_a, leaf_b in to_read:
+            difference = _Difference(numbers=leaf_a.kind == "array")
+            for block_a, block_b in zip(_blocks(source_a[leaf_a.path]), _blocks(source_b[leaf_b.path])):
+                difference.add(np.asarray(block_a), np.asarray(block_b))
+                result.bytes_read += block_a.nbytes + block_b.nbytes
+                advance(block_a.nbytes + block_b.nbytes, 0)
+            advance(0, 1)
+            if difference.identical:
+                result.unchanged.append(path)
+            else:
+                result.changed.append(ChangedLeaf(path, difference.max_abs, difference.max_rel))
+    return result
+
+
+def _retyped(a: Leaf, b: Leaf) -> bool:
+    """Another kind, or for arrays another shape or dtype, or for scalars another type."""
+    if a.kind != b.kind:
+        return True
+    if isinstance(a, ScalarLeaf) and isinstance(b, ScalarLeaf):
+        return a.type_name != b.type_name
+    return isinstance(a, StoredLeaf) and a.describe() != b.describe()
+
+
+def _same_value(a: Leaf, b: Leaf) -> bool:
+    """Leaves without arrays (scalars, functions) are the same record."""
+    return a.to_json() | {"path": None, "keys": None} == b.to_json() | {"path": None, "keys": None}
+
+
+def _scalar_difference(a: Leaf, b: Leaf) -> tuple[float | None, float | None]:
+    if isinstance(a, ScalarLeaf) and isinstance(b, ScalarLeaf):
+        x, y = a.value(), b.value()
+        if isinstance(x, (int, float, complex)) and isinstance(y, (int, float, complex)):
+            gap = abs(complex(x) - complex(y))
+            return float(gap), (float(gap / abs(y)) if y else math.inf)
+    return None, None
+
+
+def _blocks(entry: Any) -> Iterator[Any]:
+    """A leaf's data in C order: a slab of rows at a time for eqxckpt's arrays, whole otherwise."""
+    if not isinstance(entry, LazyEntry):  # a value the source holds (a computed translation)
+        yield np.asarray(entry)
+        return
+    shape = entry.shape
+    if not isinstance(entry, LazyArray) or entry.nbytes <= SLAB_BYTES or not shape or not entry.leaf.sliceable:
+        value = entry.get()
+        yield jax.random.key_data(value) if is_prng_key_dtype(value.dtype) else value
+        return
+    rows = max(1, SLAB_BYTES // max(1, entry.nbytes // shape[0]))
+    for start in range(0, shape[0], rows):
+        yield entry[start : start + rows].get()
+
+
+class _Difference:
+    """The running comparison of one leaf's blocks."""
+
+    def __init__(self, numbers: bool) -> None:
+        self.identical = True
+        # PRNG keys' data and the like are equal or not, at no distance.
+        self.max_abs: float | None = 0.0 if numbers else None
+        self.max_rel: float | None = 0.0 if numbers else None
+
+    def add(self, a: np.ndarray, b: np.ndarray) -> None:
+        if a.dtype != b.dtype or a.shape != b.shape:  # cannot happen for leaves described alike
+            raise AssertionError((a.dtype, b.dtype, a.shape, b.shape))
+        if a.tobytes() == b.tobytes():
+            return
+        self.identical = False
+        if self.max_abs is None or self.max_rel is None:
+            return
+        wide = np.complex128 if np.iscomplexobj(a) else np.float64
+        x, y = a.astype(wide), b.astype(wide)
+        gap = np.abs(x - y)
+        gap[np.isnan(x) & np.isnan(y)] = 0.0  # NaN in both: unchanged there
+        scale = np.abs(y)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(gap == 0, 0.0, gap / scale)
+        self.max_abs = max(self.max_abs, float(np.max(gap)) if gap.size else 0.0)
+        self.max_rel = max(self.max_rel, float(np.max(rel)) if rel.size else 0.0)
+        if gap.size and np.isnan(gap).any():
+            self.max_abs = self.max_rel = math.nan

@@ -1,0 +1,99 @@
+"""`eqxckpt.diff` and ``eqxckpt diff``: every kind of difference with its numbers, equal
+digests costing no reads, other formats read and compared, large leaves in slabs."""
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+from conftest import run_cli
+
+import eqxckpt
+
+
+@pytest.fixture
+def pair(tmp_path):
+    rng = np.random.default_rng(0)
+    frozen = rng.standard_normal((256, 256)).astype(np.float32)
+    a = {
+        "frozen": frozen,
+        "adapter": np.array([1.0, 2.0, -4.0, 0.0, np.nan], np.float32),
+        "gone": np.zeros(2, np.int8),
+        "resized": np.zeros(3, np.float32),
+        "key": jax.random.key(0),
+        "step": 10,
+        "name": "run",
+    }
+    b = {
+        **{k: v for k, v in a.items() if k != "gone"},
+        "adapter": np.array([1.5, 2.0, -3.0, 1.0, np.nan], np.float32),
+        "resized": np.zeros(4, np.float32),
+        "key": jax.random.key(1),
+        "step": 12,
+        "new": np.ones(2, np.bool_),
+    }
+    eqxckpt.save(tmp_path / "a", a)
+    eqxckpt.save(tmp_path / "b", b)
+    return tmp_path / "a", tmp_path / "b"
+
+
+def test_every_kind_of_difference_with_its_numbers(pair):
+    result = eqxckpt.diff(*pair)
+    assert result.added == ["new"] and result.removed == ["gone"]
+    assert result.retyped == [("resized", "float32[3]", "float32[4]")]
+    changed = {c.leaf_path: (c.max_abs, c.max_rel) for c in result.changed}
+    # adapter: |a - b| = [0.5, 0, 1, 1, (NaN in both)], relative to |b| = [1.5, 2, 3, 1]; 0 -> 1 is 1/1.
+    assert changed == {"adapter": (1.0, 1.0), "key": (None, None), "step": (2.0, 2 / 12)}
+    assert sorted(result.unchanged) == ["frozen", "name"]
+    assert not result.same
+    # Only the two leaves whose digests differ were read, on both sides.
+    assert result.bytes_read == 2 * (5 * 4 + 2 * 4)
+
+
+def test_equal_digests_cost_no_reads(pair, monkeypatch):
+    read = []
+    real = eqxckpt.Checkpoint._open_array
+    monkeypatch.setattr(eqxckpt.Checkpoint, "_open_array", lambda self, r: (read.append(r.path), real(self, r))[1])
+    same = eqxckpt.diff(pair[0], pair[0])
+    assert same.same and same.bytes_read == 0 and read == []
+    eqxckpt.diff(*pair)
+    assert sorted(read) == ["adapter", "adapter", "key", "key"]
+
+
+def test_other_formats_are_read_and_compared(pair, tmp_path):
+    """A safetensors file has no digests: both sides are read and compared byte for byte."""
+    a = eqxckpt.open(pair[0])
+    tensors = {"frozen": a["frozen"].get(), "adapter": a["adapter"].get() * 2}
+    safetensors.numpy.save_file(tensors, str(tmp_path / "m.safetensors"))
+    result = eqxckpt.diff(tmp_path / "m.safetensors", pair[0])
+    assert result.unchanged == ["frozen"] and [c.leaf_path for c in result.changed] == ["adapter"]
+    [adapter] = result.changed
+    assert adapter.max_abs == 4.0 and adapter.max_rel == 1.0
+    assert result.bytes_read == 2 * (256 * 256 * 4 + 5 * 4)
+    assert eqxckpt.diff(pair[0], tmp_path / "m.safetensors", at="frozen").same  # at= may select one leaf
+
+
+def test_large_leaves_are_compared_in_slabs_with_the_same_result(tmp_path, monkeypatch):
+    x = np.linspace(-1, 1, 64 * 100, dtype=np.float64).reshape(64, 100)
+    y = x.copy()
+    y[63, 99] += 0.25
+    eqxckpt.save(tmp_path / "x", {"w": x})
+    eqxckpt.save(tmp_path / "y", {"w": y})
+    whole = eqxckpt.diff(tmp_path / "x", tmp_path / "y").changed
+    monkeypatch.setattr("eqxckpt._diff.SLAB_BYTES", 1000)
+    reads = []
+    real = eqxckpt.LazyArray.get
+    monkeypatch.setattr(eqxckpt.LazyArray, "get", lambda self: (reads.append(self.shape), real(self))[1])
+    slabs = eqxckpt.diff(tmp_path / "x", tmp_path / "y").changed
+    assert whole == slabs and whole[0].max_abs == pytest.approx(0.25)
+    assert len(reads) == 2 * 64 and set(reads) == {(1, 100)}  # one row (800 bytes) at a time
+
+
+def test_command_line_lists_the_differences_and_exits_1(pair):
+    status, out, err = run_cli("diff", str(pair[0]), str(pair[1]))
+    assert status == 1, err
+    lines = out.splitlines()
+    assert "+ new" in lines and "- gone" in lines and "~ resized: float32[3] -> float32[4]" in lines
+    assert "* adapter: max abs 1, max rel 1" in lines and "* key" in lines
+    assert lines[-1].startswith("DIFFERENT 2 unchanged, 3 changed, 1 retyped, 1 added, 1 removed")
+    status, out, _ = run_cli("diff", str(pair[0]), str(pair[0]))
+    assert status == 0 and out.splitlines()[-1].startswith("SAME 7 unchanged") and "(0 B read)" in out

@@ -1,0 +1,117 @@
+"""Leaf digests: what the format specification says they are, computed as bytes arrive
+in any split, recorded by every single-process save, and parsed strictly."""
+
+import json
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings, strategies as st
+
+import eqxckpt
+from eqxckpt._digest import LeafDigest, digest
+from eqxckpt._pack import PACK_MIN_LEAVES
+
+
+def by_the_spec(fields: list, data: np.ndarray) -> str:
+    """docs/format.md#digests, written out independently of eqxckpt's code."""
+    head = json.dumps(fields, separators=(",", ":")).encode() + b"\0"
+    return (
+        "xxh3-128:"
+        + xxhash.xxh3_128(head + np.ascontiguousarray(data).astype(data.dtype.newbyteorder("<")).tobytes()).hexdigest()
+    )
+
+
+DTYPES = st.sampled_from([np.bool_, np.int8, np.uint16, np.int64, np.float16, np.float32, np.float64, np.complex64])
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=hnp.arrays(DTYPES, hnp.array_shapes(min_dims=0, max_dims=3, max_side=7)), split=st.integers(1, 7))
+def test_a_digest_is_the_specs_hash_however_the_bytes_arrive(data, split):
+    fields = ["array", data.dtype.name, list(data.shape)]
+    expected = by_the_spec(fields, data)
+    assert digest(fields, data) == expected
+    streamed = LeafDigest(fields)
+    rows = data.reshape(-1) if data.ndim == 0 else data
+    for start in range(0, max(1, len(rows)), split):
+        streamed.update(rows[start : start + split])
+    assert streamed.value == expected
+    big_endian = data.astype(data.dtype.newbyteorder(">"))
+    assert digest(fields, big_endian) == expected  # the bytes as stored: little-endian
+
+
+def test_the_same_bytes_as_another_dtype_shape_or_kind_differ():
+    data = np.arange(12, dtype=np.float32).reshape(4, 3)
+    base = digest(["array", "float32", [4, 3]], data)
+    assert digest(["array", "float32", [3, 4]], data.reshape(3, 4)) != base
+    assert digest(["array", "int32", [4, 3]], data.view(np.int32)) != base
+    assert digest(["prng_key", "float32", [4, 3], "threefry2x32"], data) != base
+    assert digest(["array", "float32", [4, 3]], data) == base
+
+
+def test_every_stored_leaf_of_a_save_has_the_specs_digest(tmp_path):
+    tree = {
+        "w": jnp.arange(12, dtype=jnp.bfloat16).reshape(4, 3),
+        "flags": np.array([True, False, True]),
+        "scalar": np.float64(2.5),
+        "key": jax.random.key(3),
+        "big": np.ones((300, 300), np.float32),
+        "many": [np.full(i + 1, i, np.int16) for i in range(PACK_MIN_LEAVES)],
+        "step": 7,
+    }
+    eqxckpt.save(tmp_path / "c", tree)
+    manifest = json.loads((tmp_path / "c/eqxckpt.json").read_text())
+    leaves = {leaf["path"]: leaf for leaf in manifest["leaves"]}
+    assert "offset" in leaves["many/0"] and "offset" not in leaves["big"]  # both packed and own arrays
+    values = {
+        "w": np.asarray(tree["w"]).astype(ml_dtypes.bfloat16),
+        "flags": tree["flags"],
+        "scalar": np.asarray(tree["scalar"]),
+        "key": np.asarray(jax.random.key_data(tree["key"])),
+        "big": tree["big"],
+        **{f"many/{i}": leaf for i, leaf in enumerate(tree["many"])},
+    }
+    for path, value in values.items():
+        leaf = leaves[path]
+        fields = [leaf["kind"], leaf["dtype"], list(value.shape)] + (
+            [leaf["impl"]] if leaf["kind"] == "prng_key" else []
+        )
+        assert leaf["digest"] == by_the_spec(fields, value), path
+    assert "digest" not in leaves["step"]
+    # The same tree saved again: the same digests; a copied leaf keeps its source's, a sliced one has none.
+    eqxckpt.save(tmp_path / "again", tree)
+    again = {leaf["path"]: leaf for leaf in json.loads((tmp_path / "again/eqxckpt.json").read_text())["leaves"]}
+    assert all(again[path]["digest"] == leaves[path]["digest"] for path in values)
+    source = eqxckpt.open(tmp_path / "c")
+    eqxckpt.save(tmp_path / "copy", {"same": source["big"], "part": source["big"][:10]})
+    copied = {leaf["path"]: leaf for leaf in json.loads((tmp_path / "copy/eqxckpt.json").read_text())["leaves"]}
+    assert copied["same"]["digest"] == leaves["big"]["digest"] and "digest" not in copied["part"]
+    assert eqxckpt.verify(tmp_path / "copy").ok
+
+
+def test_digests_are_parsed_strictly_and_unknown_algorithms_ignored(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"w": np.ones(3, np.float32)})
+    path = tmp_path / "c/eqxckpt.json"
+    manifest = json.loads(path.read_text())
+    for value, outcome in (
+        ("sha256:" + "0" * 64, None),  # another algorithm: cannot be checked, not an error
+        ("xxh3-128:" + "A" * 32, "not xxh3-128: and 32 lowercase hex digits"),
+        ("xxh3-128:123", "not xxh3-128"),
+        (17, "not xxh3-128"),
+    ):
+        manifest["leaves"][0]["digest"] = value
+        path.write_text(json.dumps(manifest))
+        if outcome is None:
+            assert eqxckpt.open(tmp_path / "c").leaf("w").digest is None  # type: ignore[attr-defined]
+            assert eqxckpt.verify(tmp_path / "c").ok
+        else:
+            with pytest.raises(eqxckpt.ManifestError, match=outcome):
+                eqxckpt.open(tmp_path / "c")
+    # A manifest from before digests: loads and verifies.
+    del manifest["leaves"][0]["digest"]
+    path.write_text(json.dumps(manifest))
+    assert eqxckpt.load(tmp_path / "c")["w"].tolist() == [1.0, 1.0, 1.0] and eqxckpt.verify(tmp_path / "c").ok
