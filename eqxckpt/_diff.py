@@ -211,7 +211,7 @@ class _Difference:
         if self.max_abs is None or self.max_rel is None:
             return
         wide = np.complex128 if np.iscomplexobj(a) else np.float64
-        x, y = a.astype(wide), b.astype(wide)
+        x, y = a.astype(wide).reshape(-1), b.astype(wide).reshape(-1)  # 0-d arrays too
         gap = np.abs(x - y)
         gap[np.isnan(x) & np.isnan(y)] = 0.0  # NaN in both: unchanged there
         scale = np.abs(y)

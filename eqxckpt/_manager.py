@@ -325,7 +325,11 @@ class CheckpointManager:
         metadata[MANAGER_KEY] = {"step": step, "metrics": {k: float_to_json(v) for k, v in metrics.items()}}
         # Never overwrite: a committed step is never replaced (another manager
         # that committed this step first makes this save fail instead).
-        handle = save(self._step_location(step), tree, metadata=metadata, blocking=blocking, progress=progress)
+        # Leaves unchanged since the latest step are linked from it, not written again (local disks).
+        base = self._step_location(max(self._steps)) if self._steps else None
+        handle = save(
+            self._step_location(step), tree, metadata=metadata, blocking=blocking, progress=progress, base=base
+        )
         if blocking:
             self._committed(step, metrics)
             return

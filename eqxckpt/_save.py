@@ -15,10 +15,10 @@ import tensorstore as ts
 from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
-from ._checkpoint import LazyArray
+from ._checkpoint import Checkpoint, LazyArray, open_checkpoint
 from ._digest import digest
 from ._distributed import Phases, is_multiprocess
-from ._errors import CheckpointError, CheckpointWriteError
+from ._errors import CheckpointChangedError, CheckpointError, CheckpointWriteError
 from ._leaf import Leaf, StoredLeaf, leaf_of
 from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedWrite, assign_offsets, packable, packed_array
@@ -134,6 +134,18 @@ def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], lis
     )
 
 
+def _open_base(base: CheckpointPath | None, location: Storage) -> Checkpoint | None:
+    """The checkpoint a save may take unchanged leaves from: only from one committed on a
+    local disk, into another on a local disk; None where there is none to take from."""
+    if base is None or location.local is None:
+        return None
+    try:
+        source = open_checkpoint(base)
+    except CheckpointError:  # gone, damaged, not one: nothing is taken from it
+        return None
+    return source if source._arrays.local is not None else None
+
+
 def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
     """The manifest with the digest of each leaf this process holds whole in host memory
     (a leaf whose shards several processes write gets none; a copied leaf keeps its
@@ -158,6 +170,35 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
         for r in manifest.leaves
     ]
     return dataclasses.replace(manifest, leaves=tuple(records))
+
+
+def _reusable(base: Checkpoint | None, manifest: Manifest, leaves: list[_WriteJob]) -> list[_WriteJob]:
+    """The leaves ``base`` (a committed checkpoint on a local disk) already holds as this
+    save would write them: same path, kind, dtype, shape and digest, in an array of its own
+    whose files are plain files exactly as `expected_files` lays the leaf out."""
+    if base is None:
+        return []
+    arrays = base._arrays
+    recorded = {r.path: r for r in manifest.leaves if isinstance(r, StoredLeaf)}
+    reusable = []
+    for leaf in leaves:
+        new, old = recorded.get(leaf.record.path), base._leaves.get(leaf.record.path)
+        if (
+            new is not None  # the packed array is rewritten whole
+            and leaf.shard is None
+            and new.offset is None
+            and new.digest is not None
+            and isinstance(old, StoredLeaf)
+            and old.offset is None
+            and old.digest == new.digest
+            and (old.kind, old.dtype, old.data_shape) == (new.kind, new.dtype, new.data_shape)
+        ):
+            expected = {k: v for k, v in expected_files([(new, None)]).items() if k.startswith(f"{new.path}/")}
+            found = arrays.leaf_files(new.path)
+            if found is not None and found.keys() == expected.keys():
+                if all(size < 0 or found[key] == size for key, size in expected.items()):
+                    reusable.append(leaf)
+    return reusable
 
 
 @contextlib.contextmanager
@@ -364,10 +405,17 @@ def _copy_from(data: LazyEntry) -> Any:
 
 
 def _run(
-    location: Storage, manifest: Manifest, leaves: list[_WriteJob], overwrite: bool, phases: Phases | None
+    location: Storage,
+    manifest: Manifest,
+    leaves: list[_WriteJob],
+    overwrite: bool,
+    phases: Phases | None,
+    base: Checkpoint | None = None,
+    linked: Sequence[_WriteJob] = (),
 ) -> None:
     """Prepare, write, commit. With several processes each phase ends at a barrier,
-    and process 0 alone prepares the layout and commits."""
+    and process 0 alone prepares the layout and commits. ``linked`` leaves are taken
+    from ``base`` as they are, not written."""
     leader = phases is None or phases.rank == 0
     run = phases.run if phases is not None else (lambda _, work: [work()])
     staging: Staging | None = None
@@ -377,12 +425,18 @@ def _run(
         nonlocal staging, created
         if not leader:
             return None
-        staging = location.begin_save([leaf.record.path for leaf in leaves], overwrite)
+        everything = [*leaves, *linked]
+        staging = location.begin_save([leaf.record.path for leaf in everything], overwrite)
         # The directories above the arrays become zarr groups, written while the arrays are created.
         store = staging.storage.open_kvstore()
         groups = [
-            store.write(group_file(g), GROUP_METADATA) for g in group_locations(leaf.record.path for leaf in leaves)
+            store.write(group_file(g), GROUP_METADATA) for g in group_locations(leaf.record.path for leaf in everything)
         ]
+        for leaf in linked:
+            assert base is not None
+            staging.link_leaf(base._arrays, leaf.record.path)
+        if linked and base is not None and base._pin is not None and base._pin.changed():
+            raise base._changed()  # what was linked may not be what its manifest describes
         try:
             created = _open_arrays(staging.storage, leaves, create=True)
         finally:  # nothing may still be writing when a failed save removes its files
@@ -409,7 +463,7 @@ def _run(
 
     def commit() -> None:
         if leader and staging is not None:
-            staging.commit(manifest, expected_files([(leaf.record, leaf.shard) for leaf in leaves]))
+            staging.commit(manifest, expected_files([(leaf.record, leaf.shard) for leaf in [*leaves, *linked]]))
 
     try:
         # Ctrl-C waits while a staging directory is made and recorded, or committed:
@@ -444,6 +498,7 @@ def save(
     overwrite: bool = False,
     blocking: bool = True,
     progress: Progress = False,
+    base: CheckpointPath | None = None,
 ) -> SaveHandle:
     """Save a pytree as a checkpoint directory: one zarr3 array per array leaf.
 
@@ -467,6 +522,13 @@ def save(
       left) on stderr when it is a terminal; a callable receives
       ``(done_bytes, total_bytes, done_leaves, total_leaves)`` after each leaf.
       Off by default.
+    - `base`: an earlier checkpoint on the same local disk (`CheckpointManager`
+      passes its latest step). A leaf whose digest, dtype and shape equal
+      ``base``'s leaf at the same path is hard-linked from it (copied where
+      links are refused) instead of written again; the new checkpoint is still
+      complete on its own, and deleting ``base`` later leaves it whole. Ignored
+      on object stores, by several processes and for packed leaves: those are
+      written in full.
 
     With several JAX processes (``jax.process_count() > 1``) every process
     calls `save` with the same tree of global arrays; each writes only its own
@@ -503,12 +565,23 @@ def save(
     if phases is None:  # with several processes every leaf keeps its own array
         records, leaves = _pack(records, leaves)
     manifest = Manifest(tuple(records), metadata)
-    pieces = [data for leaf in leaves for _, data in leaf.pieces]
 
     def run() -> None:
-        counts = [len(data.members) if isinstance(data, PackedWrite) else 1 for data in pieces]
-        with reporting(f"saving {key}", sum(data.nbytes for data in pieces), sum(counts), progress):
-            _run(location, _digested(manifest, leaves), leaves, overwrite, phases)
+        digested = _digested(manifest, leaves)
+        with contextlib.ExitStack() as held:
+            # Opened here (off the caller's thread for a background save); one process only.
+            base_now = _open_base(base, location) if phases is None else None
+            if base_now is not None:
+                try:  # held, not deleted by retention, until its files are linked (and checked there)
+                    held.enter_context(base_now._held())
+                except CheckpointChangedError:
+                    base_now = None  # deleted meanwhile: everything is written
+            linked = _reusable(base_now, digested, leaves)
+            writing = [leaf for leaf in leaves if all(leaf is not other for other in linked)]
+            pieces = [data for leaf in writing for _, data in leaf.pieces]
+            counts = [len(data.members) if isinstance(data, PackedWrite) else 1 for data in pieces]
+            with reporting(f"saving {key}", sum(data.nbytes for data in pieces), sum(counts), progress):
+                _run(location, digested, writing, overwrite, phases, base_now, linked)
 
     if blocking:
         future: concurrent.futures.Future = concurrent.futures.Future()

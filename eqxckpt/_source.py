@@ -65,10 +65,7 @@ class Source(abc.ABC):
             w, b = ckpt["model/w"].get(), ckpt["model/b"].get()
         ```
         """
-        lock = self._pin.hold() if isinstance(self._pin, LocalPin) else None
-        if isinstance(self._pin, LocalPin) and lock is None:
-            raise self._changed()
-        try:
+        with self._held():
             try:
                 yield
             except CheckpointChangedError:
@@ -79,6 +76,16 @@ class Source(abc.ABC):
                 raise
             if self._pin is not None and self._pin.changed():
                 raise self._changed()
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """On a local disk, a shared lock that keeps eqxckpt's retention from deleting this
+        checkpoint while the block runs (`CheckpointChangedError` if it is gone already)."""
+        lock = self._pin.hold() if isinstance(self._pin, LocalPin) else None
+        if isinstance(self._pin, LocalPin) and lock is None:
+            raise self._changed()
+        try:
+            yield
         finally:
             if lock is not None:
                 lock.release()

@@ -81,6 +81,10 @@ def check_after_kill(directory: pathlib.Path, mode: str, last: int) -> str:
         manager.save(steps[-1] + 1, state(steps[-1] + 1))
         manager.wait()
         expect_step(manager.load(state(0)), steps[-1] + 1)
+        # The unchanged leaf is one file shared by every step (incremental saves), whatever
+        # the kill interrupted and whichever steps retention deleted since.
+        frozen = {os.stat(directory / "run" / str(step) / "frozen/c/0/0").st_ino for step in manager.all_steps()}
+        assert len(frozen) == 1, frozen
         return "in-flight save committed" if steps[-1] == last + 1 else "previous kept"
     # fresh paths: every reported one is complete; the interrupted one is all or nothing
     for step in range(1, last + 1):

@@ -1,4 +1,5 @@
 import os
+import pathlib
 import random
 import signal
 import subprocess
@@ -327,3 +328,62 @@ print("still running")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGTERM and "still running" not in done.stdout
+
+
+def test_incremental_saves_link_unchanged_leaves_and_survive_retention(tmp_path):
+    """A manager writes only the leaves that changed since its latest step: the others are
+    hard links to that step's files. Deleting the step that first wrote them leaves every
+    newer step whole; a leaf that changes dtype or shape, or changes back to an earlier
+    value, is written, and loads as saved."""
+    rng = np.random.default_rng(0)
+    frozen = rng.standard_normal((512, 256)).astype(np.float32)  # over the packing size
+    small = [np.full(4, i, np.float32) for i in range(40)]  # packed: written every step
+
+    def state(step: int) -> dict:
+        adapter = np.full((300, 300), step % 2, np.float32)  # 0, 1, 0, 1: back to an earlier value
+        odd = np.zeros(70_000, np.float64 if step >= 3 else np.float32)  # dtype changes at step 3
+        return {"frozen": frozen, "adapter": adapter, "odd": odd, "small": small, "step": step}
+
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run, max_to_keep=3, blocking=False) as manager:
+        for step in range(6):
+            manager.save(step, state(step), force=True)
+    inode = lambda step, leaf, chunk="c/0/0": os.stat(run / str(step) / leaf / chunk).st_ino  # noqa: E731
+    assert manager.all_steps() == [3, 4, 5] and not (run / "0").exists()  # the step that wrote `frozen` is gone
+    assert len({inode(step, "frozen") for step in (3, 4, 5)}) == 1 and os.stat(run / "5/frozen/c/0/0").st_nlink == 3
+    assert len({inode(step, "adapter") for step in (3, 4, 5)}) == 3  # 1, 0, 1: changed each time
+    assert len({inode(step, "odd", "c/0") for step in (3, 4, 5)}) == 1  # written at 3 as float64, then linked
+    for step in (3, 4, 5):
+        assert eqxckpt.verify(manager.path(step)).ok
+        assert_trees_equal(eqxckpt.load(manager.path(step), state(step)), state(step))
+    # Retention again: deleting 3 and 4 leaves 5 (and the new steps) whole.
+    with eqxckpt.CheckpointManager(run, max_to_keep=1, blocking=True) as manager:
+        manager.save(6, state(6))
+    assert manager.all_steps() == [6] and os.stat(run / "6/frozen/c/0/0").st_nlink == 1
+    assert_trees_equal(eqxckpt.load(manager.path(6), state(6)), state(6))
+    assert eqxckpt.verify(manager.path(6)).ok
+
+
+def test_a_leaf_is_linked_only_when_its_files_are_plain_and_as_expected(tmp_path):
+    """save(base=...) takes nothing it cannot vouch for: a base whose leaf holds a symlink
+    or a missing chunk has that leaf written again; across filesystems, files are copied."""
+    x = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    eqxckpt.save(tmp_path / "a", {"x": x, "y": x + 1})
+    chunk = tmp_path / "a/y/c/0/0"
+    outside = tmp_path / "outside"
+    outside.write_bytes(chunk.read_bytes())
+    chunk.unlink()
+    chunk.symlink_to(outside)
+    eqxckpt.save(tmp_path / "b", {"x": x, "y": x + 1}, base=tmp_path / "a")
+    assert os.stat(tmp_path / "b/x/c/0/0").st_ino == os.stat(tmp_path / "a/x/c/0/0").st_ino
+    assert not os.path.islink(tmp_path / "b/y/c/0/0") and os.stat(tmp_path / "b/y/c/0/0").st_nlink == 1
+    assert eqxckpt.verify(tmp_path / "b").ok
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as other:
+        with pytest.warns(UserWarning, match="copied instead of linked"):
+            eqxckpt.save(pathlib.Path(other) / "c", {"x": x}, base=tmp_path / "a")
+        assert os.stat(pathlib.Path(other) / "c/x/c/0/0").st_nlink == 1
+        np.testing.assert_array_equal(eqxckpt.load(pathlib.Path(other) / "c")["x"], x)

@@ -165,6 +165,12 @@ class Storage(abc.ABC):
     def clean_leftovers(self) -> None:
         """Remove what interrupted saves and deletions left, where provably abandoned and eqxckpt's."""
 
+    def leaf_files(self, path: str) -> dict[str, int] | None:
+        """``{key: size}`` of the files of the leaf at ``path``, keys as `expected_files`
+        names them, where a save may take them as they are (`Staging.link_leaf`); None
+        where it may not: not on a local disk, missing, or anything but plain files."""
+        return None
+
     @abc.abstractmethod
     def delete(self) -> bool:
         """Uncommit, then remove, this checkpoint; False if it is in use (try again later)."""
@@ -179,6 +185,11 @@ class Staging(abc.ABC):
     def sync(self) -> None:
         """Make what this process wrote durable."""
         return None
+
+    def link_leaf(self, base: "Storage", path: str) -> None:
+        """Make the leaf at ``path`` the one ``base`` (a committed checkpoint's arrays, whose
+        files `Storage.leaf_files` listed) holds, without writing it again."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take leaves from another checkpoint.")
 
     @abc.abstractmethod
     def commit(self, manifest: Manifest, expected: dict[str, int]) -> None:

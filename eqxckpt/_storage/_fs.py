@@ -6,8 +6,10 @@ import errno
 import os
 import pathlib
 import re
+import shutil
 import stat
 import uuid
+import warnings
 
 # --- local filesystem commit ---------------------------------------------------------
 
@@ -103,3 +105,27 @@ def exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
     if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: not supported here
         return False
     raise OSError(err, os.strerror(err), str(a))
+
+
+_COPY_WARNED = False
+
+
+def link_or_copy(source: pathlib.Path, target: pathlib.Path) -> None:
+    """A hard link to ``source`` at ``target`` (the files are shared, and never written in
+    place); a copy where the filesystem refuses links (another device, no link support),
+    said once per process."""
+    global _COPY_WARNED
+    try:
+        os.link(source, target, follow_symlinks=False)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        if not _COPY_WARNED:
+            _COPY_WARNED = True
+            warnings.warn(
+                f"Cannot hard-link {source} into the new checkpoint ({os.strerror(e.errno)}): unchanged leaves "
+                "are copied instead of linked, which costs their bytes again.",
+                stacklevel=2,
+            )
+    shutil.copyfile(source, target, follow_symlinks=False)

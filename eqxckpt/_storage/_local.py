@@ -34,7 +34,7 @@ from ._backend import (
     check_complete,
     corrupt,
 )
-from ._fs import exchange, fsync_path, hidden_sibling, read_capped, sync_filesystem
+from ._fs import exchange, fsync_path, hidden_sibling, link_or_copy, read_capped, sync_filesystem
 from ._lease import (
     DirLock,
     LocalPin,
@@ -259,6 +259,25 @@ class LocalStorage(Storage):
     def clean_leftovers(self) -> None:
         remove_abandoned(self.path)
 
+    def leaf_files(self, path: str) -> dict[str, int] | None:
+        found: dict[str, int] = {}
+        pending: list[tuple[str, str | pathlib.Path]] = [(f"{path}/", self.path / path)]
+        try:
+            while pending:
+                rel, where = pending.pop()
+                with os.scandir(where) as entries:
+                    for entry in entries:
+                        mode = entry.stat(follow_symlinks=False).st_mode
+                        if stat.S_ISDIR(mode):
+                            pending.append((f"{rel}{entry.name}/", entry.path))
+                        elif stat.S_ISREG(mode):
+                            found[rel + entry.name] = entry.stat(follow_symlinks=False).st_size
+                        else:
+                            return None  # a link or device: never taken into another checkpoint
+        except OSError:
+            return None
+        return found
+
     def delete(self) -> bool:
         return delete_local(self.path)
 
@@ -278,6 +297,15 @@ class LocalStaging(Staging):
     def sync(self) -> None:
         # Durable before the commit phase: every process syncs what it wrote.
         sync_filesystem(self.tmp)
+
+    def link_leaf(self, base: Storage, path: str) -> None:
+        assert isinstance(base, LocalStorage)
+        source = base.path / path
+        for directory, _, files in os.walk(source):  # symlinks are not followed (and were refused)
+            target = self.tmp / path / os.path.relpath(directory, source)
+            target.mkdir(parents=True, exist_ok=True)
+            for name in files:
+                link_or_copy(pathlib.Path(directory, name), target / name)
 
     def commit(self, manifest: Manifest, expected: dict[str, int]) -> None:
         check_complete(_local_files(self.tmp), expected)

@@ -18,6 +18,7 @@ def state(step: int) -> dict:
     rng = np.random.default_rng(step)
     return {
         "big": np.full((512, 1024), step, np.float32),  # 2 MiB: saves take long enough to be hit
+        "frozen": np.full((256, 1024), 7.0, np.float32),  # the same every step: a manager links it
         "layers": [
             {"w": rng.standard_normal((64, 64)).astype(np.float32), "b": np.full(64, step, np.int32)} for _ in range(6)
         ],

@@ -1,0 +1,100 @@
+"""Incremental checkpoints: a 1 GiB frozen base + a 16 MiB adapter with its adam state,
+saved by `CheckpointManager` every step (durable, blocking), against saving the adapter
+and its optimizer state alone; and a save where every leaf changed, with and without a
+base to compare against. Medians over the steps after the first.
+
+    .venv/bin/python benchmarks/incremental.py
+"""
+
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def disk_bytes(root: str, seen: set[int]) -> int:
+    """Bytes of files under ``root`` not counted before (hard links count once)."""
+    total = 0
+    for directory, _, files in os.walk(root):
+        for name in files:
+            info = os.stat(os.path.join(directory, name))
+            if info.st_ino not in seen:
+                seen.add(info.st_ino)
+                total += info.st_blocks * 512
+    return total
+
+
+def main() -> None:
+    import eqxckpt
+
+    rng = np.random.default_rng(0)
+    base = {f"layer{i}": rng.standard_normal((4096, 4096), np.float32) for i in range(16)}  # 16 x 64 MiB
+    adapter_shapes = {f"lora{i}": (4096, 32) for i in range(32)}  # 32 x 512 KiB = 16 MiB
+
+    def adapter_state(step: int) -> dict:
+        step_rng = np.random.default_rng(step)
+        adapter = {k: step_rng.standard_normal(s, np.float32) for k, s in adapter_shapes.items()}
+        return {
+            "adapter": adapter,
+            "opt": {"mu": {k: v * 0.1 for k, v in adapter.items()}, "nu": {k: v * v for k, v in adapter.items()}},
+            "count": np.int32(step),
+        }
+
+    steps = 10
+    with tempfile.TemporaryDirectory() as root:
+        seen: set[int] = set()
+        rows = []
+        with eqxckpt.CheckpointManager(f"{root}/run", max_to_keep=steps, blocking=True) as manager:
+            for step in range(steps):
+                start = time.perf_counter()
+                manager.save(step, {"base": base, **adapter_state(step)}, force=True)
+                seconds = time.perf_counter() - start
+                rows.append((seconds, disk_bytes(f"{root}/run", seen)))
+        alone = []
+        for step in range(steps):
+            start = time.perf_counter()
+            eqxckpt.save(f"{root}/alone{step}", adapter_state(step))
+            alone.append((time.perf_counter() - start, disk_bytes(f"{root}/alone{step}", set())))
+        total = disk_bytes(f"{root}/run", set())
+        print(f"first step: {rows[0][0]:.2f} s, {rows[0][1] / 2**20:.0f} MiB written")
+        later_s, later_b = statistics.median(r[0] for r in rows[1:]), statistics.median(r[1] for r in rows[1:])
+        alone_s, alone_b = statistics.median(r[0] for r in alone[1:]), statistics.median(r[1] for r in alone[1:])
+        print(f"later steps: {later_s:.3f} s, {later_b / 2**20:.1f} MiB written per step (median)")
+        print(f"adapter + optimizer alone: {alone_s:.3f} s, {alone_b / 2**20:.1f} MiB")
+        print(f"ratio: time {later_s / alone_s:.2f}x, bytes {later_b / alone_b:.2f}x")
+        print(
+            f"disk for {steps} kept steps: {total / 2**20:.0f} MiB (one base + {steps} adapters: "
+            f"{(rows[0][1] - alone_b + steps * alone_b) / 2**20:.0f} MiB)"
+        )
+        load_s = []
+        for step in (0, steps - 1):
+            start = time.perf_counter()
+            eqxckpt.load(manager.path(step))
+            load_s.append(time.perf_counter() - start)
+        print(
+            f"restore of step 0 (written whole) {load_s[0]:.2f} s, of step {steps - 1} (mostly links) {load_s[1]:.2f} s"
+        )
+
+        # Every leaf changed: the cost of looking at a base that has nothing to give.
+        changed = {"base": {k: v + 1 for k, v in base.items()}, **adapter_state(99)}
+        times = {"without base": [], "with base": []}
+        for i in range(5):
+            for label in times:
+                start = time.perf_counter()
+                eqxckpt.save(
+                    f"{root}/full{label[:4]}{i}",
+                    changed,
+                    base=None if label == "without base" else manager.path(steps - 1),
+                )
+                times[label].append(time.perf_counter() - start)
+        med = {label: statistics.median(found) for label, found in times.items()}
+        print(
+            f"full-change save: {med['with base']:.2f} s with a base, {med['without base']:.2f} s without "
+            f"({med['with base'] / med['without base']:.3f}x)"
+        )
+
+
+if __name__ == "__main__":
+    main()
