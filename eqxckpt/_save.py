@@ -527,8 +527,8 @@ def save(
       ``base``'s leaf at the same path is hard-linked from it (copied where
       links are refused) instead of written again; the new checkpoint is still
       complete on its own, and deleting ``base`` later leaves it whole. Ignored
-      on object stores, by several processes and for packed leaves: those are
-      written in full.
+      on object stores; leaves whose shards several processes write, and
+      packed leaves, are written in full.
 
     With several JAX processes (``jax.process_count() > 1``) every process
     calls `save` with the same tree of global arrays; each writes only its own
@@ -569,8 +569,9 @@ def save(
     def run() -> None:
         digested = _digested(manifest, leaves)
         with contextlib.ExitStack() as held:
-            # Opened here (off the caller's thread for a background save); one process only.
-            base_now = _open_base(base, location) if phases is None else None
+            # Opened here (off the caller's thread for a background save). With several
+            # processes, only process 0 holds whole leaves (and digests): it alone links.
+            base_now = _open_base(base, location)
             if base_now is not None:
                 try:  # held, not deleted by retention, until its files are linked (and checked there)
                     held.enter_context(base_now._held())

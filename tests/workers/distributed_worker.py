@@ -219,6 +219,11 @@ def main(scenario: str, port: int, num_processes: int, process_id: int, director
             for step in range(7):
                 manager.save(step, state, metrics={"loss": float(step)})
         assert manager.all_steps() == [0, 3, 5, 6], manager.all_steps()
+        # Incremental: the leaf process 0 writes whole is linked from step to step; the
+        # sharded ones (no digest: no one process holds them) are written by every step.
+        inode = lambda step, leaf: os.stat(f"{directory}/run/{step}/{leaf}").st_ino  # noqa: E731
+        assert inode(5, "host/c/0") == inode(6, "host/c/0") == inode(3, "host/c/0")
+        assert inode(5, "model/layers/0/weight/zarr.json") != inode(6, "model/layers/0/weight/zarr.json")
         restored = manager.load(skeleton(load_mesh))
         print(
             f"process {process_id}: manager steps {manager.all_steps()}, {check(restored, load_mesh)} elements checked"
