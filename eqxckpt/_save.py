@@ -6,6 +6,7 @@ import dataclasses
 import json
 import signal
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -46,6 +47,8 @@ class _WriteJob:
     record: StoredLeaf
     shard: tuple[int, ...] | None
     pieces: list[tuple[tuple[slice, ...] | None, Any]]
+    # The jax.Array it was taken from whole (immutable: its digest can be remembered).
+    array: jax.Array | None = None
 
 
 def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
@@ -84,7 +87,7 @@ def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) ->
     for record, value in arrays:
         if isinstance(value, jax.Array) and isinstance(value.sharding, jax.sharding.SingleDeviceSharding):
             # The common case, without asking for shards (costly per leaf in a tree of many small ones).
-            leaves.append(_WriteJob(record, None, [(None, value)] if leader or not multiprocess else []))
+            leaves.append(_WriteJob(record, None, [(None, value)] if leader or not multiprocess else [], value))
         elif isinstance(value, jax.Array):
             if multiprocess and value.is_fully_addressable and not leader:
                 shards = []
@@ -146,6 +149,27 @@ def _open_base(base: CheckpointPath | None, location: Storage) -> Checkpoint | N
     return source if source._arrays.local is not None else None
 
 
+# Digests of jax.Arrays saved before, by id while each array lives: an array never changes,
+# so a frozen model saved every step is hashed once, not every step.
+_ARRAY_DIGESTS: dict[int, tuple[list[Any], str]] = {}
+
+
+def _array_digest(leaf: _WriteJob, data: np.ndarray) -> str:
+    """``data``'s digest as ``leaf``'s; remembered for the jax.Array it came from."""
+    fields = leaf.record.digest_fields()
+    known = _ARRAY_DIGESTS.get(id(leaf.array)) if leaf.array is not None else None
+    if known is not None and known[0] == fields:
+        return known[1]
+    value = digest(fields, data)
+    if leaf.array is not None:
+        try:
+            weakref.finalize(leaf.array, _ARRAY_DIGESTS.pop, id(leaf.array), None)
+        except TypeError:  # an array type without weak references: not remembered
+            return value
+        _ARRAY_DIGESTS[id(leaf.array)] = (fields, value)
+    return value
+
+
 def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
     """The manifest with the digest of each leaf this process holds whole in host memory
     (a leaf whose shards several processes write gets none; a copied leaf keeps its
@@ -164,7 +188,7 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
             and (index is None or all(part == slice(None) for part in index))
             and data.shape == leaf.record.data_shape
         ):
-            digests[leaf.record.path] = digest(leaf.record.digest_fields(), data)
+            digests[leaf.record.path] = _array_digest(leaf, data)
     records = [
         dataclasses.replace(r, digest=digests[r.path]) if isinstance(r, StoredLeaf) and r.path in digests else r
         for r in manifest.leaves

@@ -115,3 +115,26 @@ def test_digests_are_parsed_strictly_and_unknown_algorithms_ignored(tmp_path):
     del manifest["leaves"][0]["digest"]
     path.write_text(json.dumps(manifest))
     assert eqxckpt.load(tmp_path / "c")["w"].tolist() == [1.0, 1.0, 1.0] and eqxckpt.verify(tmp_path / "c").ok
+
+
+def test_a_jax_arrays_digest_is_computed_once_while_it_lives(tmp_path, monkeypatch):
+    """jax.Arrays never change, so a frozen model saved every step is hashed once; a numpy
+    array (mutable) is hashed every time, and a dead array's entry goes with it."""
+    import gc
+
+    import eqxckpt._save as save_module
+
+    hashed = []
+    real = save_module.digest
+    monkeypatch.setattr(save_module, "digest", lambda fields, data: (hashed.append(fields), real(fields, data))[1])
+    frozen, mutable = jnp.arange(300_000, dtype=jnp.float32), np.ones(300_000, np.float32)
+    for step in range(3):
+        eqxckpt.save(tmp_path / str(step), {"frozen": frozen, "mutable": mutable})
+    assert len(hashed) == 1 + 3
+    recorded = [eqxckpt.open(tmp_path / str(step)).leaf("frozen").digest for step in range(3)]  # type: ignore[attr-defined]
+    assert len(set(recorded)) == 1 and recorded[0] == by_the_spec(["array", "float32", [300_000]], np.asarray(frozen))
+    remembered = id(frozen)
+    assert remembered in save_module._ARRAY_DIGESTS
+    del frozen
+    gc.collect()
+    assert remembered not in save_module._ARRAY_DIGESTS
