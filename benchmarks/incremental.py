@@ -91,6 +91,15 @@ def main() -> None:
             f"step {steps - 1} (mostly links) {statistics.median(loads[steps - 1]):.2f} s"
         )
 
+        start = time.perf_counter()
+        changes = eqxckpt.diff(manager.path(steps - 2), manager.path(steps - 1))
+        adapter_bytes = sum(v.nbytes for v in jax.tree.leaves(adapter_state(0)))
+        print(
+            f"diff of steps {steps - 2} and {steps - 1} ({len(changes.unchanged)} leaves unchanged, "
+            f"{len(changes.changed)} changed): {time.perf_counter() - start:.2f} s, read "
+            f"{changes.bytes_read / 2**20:.1f} MiB = {changes.bytes_read / adapter_bytes:.2f}x the changed leaves' bytes"
+        )
+
         # Every leaf changed: the cost of looking at a base that has nothing to give.
         changed = {"base": {k: v + 1 for k, v in base.items()}, **adapter_state(99)}
         times = {"without base": [], "with base": []}
