@@ -97,14 +97,20 @@ def _verify(args: argparse.Namespace) -> int:
     report = verify(checkpoint_path(args.path), progress=True)
     for path, message in report.problems + report.damaged_chunks:
         out.print(f"[bold red]{escape(path)}[/bold red]: {escape(message)}")
-    colour = "green" if report.ok else "red"
     damaged = f", {plural(len(report.problems), 'problem')}" if report.problems else ""
-    out.print(
-        f"[bold {colour}]{'OK' if report.ok else 'DAMAGED'}[/bold {colour}] {escape(report.location)}: "
-        f"{plural(report.leaves, 'leaf', 'leaves')}, {plural(report.arrays_checked, 'array')} intact "
-        f"({human_bytes(report.bytes_checked)} read and checked){damaged}"
+    summary = (
+        f"{escape(report.location)}: {plural(report.leaves, 'leaf', 'leaves')}, "
+        f"{plural(report.arrays_checked, 'array')} intact ({human_bytes(report.bytes_checked)} read and checked){damaged}"
     )
-    return 0 if report.ok else 1
+    return _verdict(out, report.ok, ("OK", "DAMAGED", "red"), summary)
+
+
+def _verdict(out: "Console", ok: bool, words: tuple[str, str, str], summary: str) -> int:
+    """A check's last line, ``words`` being (the word when ok, when not, its colour then),
+    and its exit status: 0 when ok, else 1."""
+    colour = "green" if ok else words[2]
+    out.print(f"[bold {colour}]{words[0] if ok else words[1]}[/bold {colour}] {summary}")
+    return 0 if ok else 1
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -119,21 +125,20 @@ def _diff(args: argparse.Namespace) -> int:
         at=args.at,
         progress=True,
     )
-    for path in result.added:
-        out.print(f"[green]+ {escape(path)}[/green]")
-    for path in result.removed:
-        out.print(f"[red]- {escape(path)}[/red]")
-    for path, was, now in result.retyped:
-        out.print(f"[yellow]~ {escape(path)}[/yellow]: {escape(was)} -> {escape(now)}")
+    lines = [f"[green]+ {escape(path)}[/green]" for path in result.added]
+    lines += [f"[red]- {escape(path)}[/red]" for path in result.removed]
+    lines += [f"[yellow]~ {escape(path)}[/yellow]: {escape(was)} -> {escape(now)}" for path, was, now in result.retyped]
     for change in result.changed:
         numbers = "" if change.max_abs is None else f": max abs {change.max_abs:.6g}, max rel {change.max_rel:.6g}"
-        out.print(f"[yellow]* {escape(change.leaf_path)}[/yellow]{numbers}")
-    out.print(
-        f"[bold {'green' if result.same else 'yellow'}]{'SAME' if result.same else 'DIFFERENT'}[/] "
-        f"{len(result.unchanged)} unchanged, {len(result.changed)} changed, {len(result.retyped)} retyped, "
-        f"{len(result.added)} added, {len(result.removed)} removed ({human_bytes(result.bytes_read)} read)"
+        lines.append(f"[yellow]* {escape(change.leaf_path)}[/yellow]{numbers}")
+    for line in lines:
+        out.print(line)
+    counts = zip(
+        ("unchanged", "changed", "retyped", "added", "removed"),
+        map(len, (result.unchanged, result.changed, result.retyped, result.added, result.removed)),
     )
-    return 0 if result.same else 1
+    summary = ", ".join(f"{n} {what}" for what, n in counts) + f" ({human_bytes(result.bytes_read)} read)"
+    return _verdict(out, result.same, ("SAME", "DIFFERENT", "yellow"), summary)
 
 
 def _import_t5(args: argparse.Namespace) -> int:

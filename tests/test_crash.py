@@ -101,7 +101,7 @@ def check_after_kill(directory: pathlib.Path, mode: str, last: int) -> str:
 
 
 def test_kill_writers_at_random_moments(tmp_path, request):
-    trials = 500 if request.config.getoption("--slow") else 32  # 8 per mode
+    trials = 500 if request.config.getoption("--slow") else 24  # 6 per mode
     rng = random.Random()
     seed = rng.randrange(10**9)
     rng.seed(seed)
@@ -134,12 +134,12 @@ eqxckpt.save(path, tree, overwrite=overwrite)
 """
 
 
-def test_ctrl_c_early_in_a_save_leaves_nothing_behind(tmp_path):
+def test_ctrl_c_early_in_a_save_leaves_nothing_behind(tmp_path, request):
     """SIGINT at moments from the very start of a save into its writes: the save stops, and
     neither a temporary directory nor a partial checkpoint is left; the old one is intact."""
     rng = random.Random(0)
     old = {"w0": np.zeros(4, np.float32)}
-    for trial in range(16):
+    for trial in range(40 if request.config.getoption("--slow") else 10):
         directory = tmp_path / str(trial)
         directory.mkdir()
         overwrite = trial % 2 == 1
