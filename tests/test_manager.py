@@ -1,6 +1,7 @@
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -378,6 +379,12 @@ def test_a_leaf_is_linked_only_when_its_files_are_plain_and_as_expected(tmp_path
     assert os.stat(tmp_path / "b/x/c/0/0").st_ino == os.stat(tmp_path / "a/x/c/0/0").st_ino
     assert not os.path.islink(tmp_path / "b/y/c/0/0") and os.stat(tmp_path / "b/y/c/0/0").st_nlink == 1
     assert eqxckpt.verify(tmp_path / "b").ok
+    # A leaf directory that is a link (to a copy of itself elsewhere) is not taken either.
+    eqxckpt.save(tmp_path / "e", {"x": x})
+    shutil.move(tmp_path / "e/x", tmp_path / "x_elsewhere")
+    (tmp_path / "e/x").symlink_to(tmp_path / "x_elsewhere")
+    eqxckpt.save(tmp_path / "d", {"x": x}, base=tmp_path / "e")
+    assert os.stat(tmp_path / "d/x/c/0/0").st_nlink == 1 and not os.path.islink(tmp_path / "d/x")
     if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
         return
     import tempfile

@@ -263,6 +263,10 @@ class LocalStorage(Storage):
         found: dict[str, int] = {}
         pending: list[tuple[str, str | pathlib.Path]] = [(f"{path}/", self.path / path)]
         try:
+            parts = path.split("/")
+            for depth in range(1, len(parts) + 1):  # the leaf's directory, and those above it, are no links
+                if not stat.S_ISDIR(os.lstat(self.path.joinpath(*parts[:depth])).st_mode):
+                    return None
             while pending:
                 rel, where = pending.pop()
                 with os.scandir(where) as entries:
