@@ -61,7 +61,9 @@ class VerifyReport:
 
 def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
     """Read every chunk of every leaf, checking checksums, shapes and dtypes
-    against the manifest; report each problem with its leaf path.
+    against the manifest, and each leaf's bytes against the digest the manifest
+    records for it (which catches chunks swapped between leaves or put back
+    from an older save); report each problem with its leaf path.
 
     Never raises for a damaged checkpoint: the report lists what is wrong.
     Raises `CheckpointNotFoundError` when there is no checkpoint at ``path``.
