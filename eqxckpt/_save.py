@@ -4,9 +4,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -47,8 +47,6 @@ class _WriteJob:
     record: StoredLeaf
     shard: tuple[int, ...] | None
     pieces: list[tuple[tuple[slice, ...] | None, Any]]
-    # The jax.Array it was taken from whole (immutable: its digest can be remembered).
-    array: jax.Array | None = None
 
 
 def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
@@ -87,7 +85,7 @@ def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) ->
     for record, value in arrays:
         if isinstance(value, jax.Array) and isinstance(value.sharding, jax.sharding.SingleDeviceSharding):
             # The common case, without asking for shards (costly per leaf in a tree of many small ones).
-            leaves.append(_WriteJob(record, None, [(None, value)] if leader or not multiprocess else [], value))
+            leaves.append(_WriteJob(record, None, [(None, value)] if leader or not multiprocess else []))
         elif isinstance(value, jax.Array):
             if multiprocess and value.is_fully_addressable and not leader:
                 shards = []
@@ -149,46 +147,55 @@ def _open_base(base: CheckpointPath | None, location: Storage) -> Checkpoint | N
     return source if source._arrays.local is not None else None
 
 
-# Digests of jax.Arrays saved before, by id while each array lives: an array never changes,
-# so a frozen model saved every step is hashed once, not every step.
-_ARRAY_DIGESTS: dict[int, tuple[list[Any], str]] = {}
-
-
-def _array_digest(leaf: _WriteJob, data: np.ndarray) -> str:
-    """``data``'s digest as ``leaf``'s; remembered for the jax.Array it came from."""
-    fields = leaf.record.digest_fields()
-    known = _ARRAY_DIGESTS.get(id(leaf.array)) if leaf.array is not None else None
-    if known is not None and known[0] == fields:
-        return known[1]
-    value = digest(fields, data)
-    if leaf.array is not None:
-        try:
-            weakref.finalize(leaf.array, _ARRAY_DIGESTS.pop, id(leaf.array), None)
-        except TypeError:  # an array type without weak references: not remembered
-            return value
-        _ARRAY_DIGESTS[id(leaf.array)] = (fields, value)
-    return value
+# A batch of leaves hashed by one thread: large enough that a tree of many small leaves
+# costs few tasks, small enough that two cores share a large tree's hashing.
+DIGEST_BATCH_BYTES = 16 * 1024 * 1024
 
 
 def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
     """The manifest with the digest of each leaf this process holds whole in host memory
     (a leaf whose shards several processes write gets none; a copied leaf keeps its
-    source's). Run where the writes run: off the caller's thread for a background save."""
-    packed = {r.offset: r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None}
-    digests: dict[str, str] = {}
+    source's). Run where the writes run: off the caller's thread for a background save;
+    batches of leaves are hashed on every core (the hash releases the GIL)."""
+    by_offset = {r.offset: r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None}
+    whole: list[tuple[StoredLeaf, np.ndarray]] = []
     for leaf in leaves:
         if len(leaf.pieces) != 1:
             continue
         [(index, data)] = leaf.pieces
         if isinstance(data, PackedWrite):
-            for offset, member in data.members:
-                digests[packed[offset].path] = digest(packed[offset].digest_fields(), member)
+            whole.extend((by_offset[offset], member) for offset, member in data.members)
         elif (
             isinstance(data, np.ndarray)
             and (index is None or all(part == slice(None) for part in index))
             and data.shape == leaf.record.data_shape
         ):
-            digests[leaf.record.path] = _array_digest(leaf, data)
+            whole.append((leaf.record, data))
+    batches: list[list[tuple[StoredLeaf, np.ndarray]]] = [[]]
+    size = 0
+    for record, data in whole:
+        if size >= DIGEST_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append((record, data))
+        size += data.nbytes
+    digests: dict[str, str] = {}
+
+    def hash_batches(share: list[list[tuple[StoredLeaf, np.ndarray]]]) -> None:
+        for batch in share:
+            digests.update((r.path, digest(r.digest_fields(), data)) for r, data in batch)
+
+    # Plain threads, not an executor: a background save may run while the interpreter
+    # exits, when executors take no new work.
+    workers = min(len(batches), os.cpu_count() or 1)
+    threads = [threading.Thread(target=hash_batches, args=(batches[i::workers],)) for i in range(1, workers)]
+    for thread in threads:
+        thread.start()
+    hash_batches(batches[0::workers])
+    for thread in threads:
+        thread.join()
+    if len(digests) != len(whole):
+        raise CheckpointWriteError(f"Hashing the leaves failed (see above). {NOTHING_COMMITTED}")
     records = [
         dataclasses.replace(r, digest=digests[r.path]) if isinstance(r, StoredLeaf) and r.path in digests else r
         for r in manifest.leaves
@@ -196,32 +203,30 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
     return dataclasses.replace(manifest, leaves=tuple(records))
 
 
-def _reusable(base: Checkpoint | None, manifest: Manifest, leaves: list[_WriteJob]) -> list[_WriteJob]:
+def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> dict[int, list[str]]:
     """The leaves ``base`` (a committed checkpoint on a local disk) already holds as this
-    save would write them: same path, kind, dtype, shape and digest, in an array of its own
-    whose files are plain files exactly as `expected_files` lays the leaf out."""
-    if base is None:
-        return []
-    arrays = base._arrays
+    save would write them, by ``id`` of their job, with the files to take: same path and
+    digest (so kind, dtype and shape), in an array of its own whose files are plain files
+    exactly as `expected_files` lays the leaf out."""
     recorded = {r.path: r for r in manifest.leaves if isinstance(r, StoredLeaf)}
-    reusable = []
+    reusable: dict[int, list[str]] = {}
     for leaf in leaves:
         new, old = recorded.get(leaf.record.path), base._leaves.get(leaf.record.path)
         if (
-            new is not None  # the packed array is rewritten whole
-            and leaf.shard is None
-            and new.offset is None
-            and new.digest is not None
-            and isinstance(old, StoredLeaf)
-            and old.offset is None
-            and old.digest == new.digest
-            and (old.kind, old.dtype, old.data_shape) == (new.kind, new.dtype, new.data_shape)
+            new is None  # the packed array: rewritten whole
+            or leaf.shard is not None
+            or new.offset is not None
+            or new.digest is None
+            or not isinstance(old, StoredLeaf)
+            or old.offset is not None
+            or (old.digest, old.digest_fields()) != (new.digest, new.digest_fields())
         ):
-            expected = {k: v for k, v in expected_files([(new, None)]).items() if k.startswith(f"{new.path}/")}
-            found = arrays.leaf_files(new.path)
-            if found is not None and found.keys() == expected.keys():
-                if all(size < 0 or found[key] == size for key, size in expected.items()):
-                    reusable.append(leaf)
+            continue
+        expected = {k: v for k, v in expected_files([(new, None)]).items() if k.startswith(f"{new.path}/")}
+        found = base._arrays.leaf_files(new.path)
+        if found is not None and found.keys() == expected.keys():
+            if all(size < 0 or found[key] == size for key, size in expected.items()):
+                reusable[id(leaf)] = sorted(found)
     return reusable
 
 
@@ -435,11 +440,11 @@ def _run(
     overwrite: bool,
     phases: Phases | None,
     base: Checkpoint | None = None,
-    linked: Sequence[_WriteJob] = (),
+    linked: Sequence[tuple[_WriteJob, list[str]]] = (),
 ) -> None:
     """Prepare, write, commit. With several processes each phase ends at a barrier,
     and process 0 alone prepares the layout and commits. ``linked`` leaves are taken
-    from ``base`` as they are, not written."""
+    from ``base`` as they are (those files), not written."""
     leader = phases is None or phases.rank == 0
     run = phases.run if phases is not None else (lambda _, work: [work()])
     staging: Staging | None = None
@@ -449,18 +454,18 @@ def _run(
         nonlocal staging, created
         if not leader:
             return None
-        everything = [*leaves, *linked]
+        everything = [*leaves, *(leaf for leaf, _ in linked)]
         staging = location.begin_save([leaf.record.path for leaf in everything], overwrite)
         # The directories above the arrays become zarr groups, written while the arrays are created.
         store = staging.storage.open_kvstore()
         groups = [
             store.write(group_file(g), GROUP_METADATA) for g in group_locations(leaf.record.path for leaf in everything)
         ]
-        for leaf in linked:
+        if linked:
             assert base is not None
-            staging.link_leaf(base._arrays, leaf.record.path)
-        if linked and base is not None and base._pin is not None and base._pin.changed():
-            raise base._changed()  # what was linked may not be what its manifest describes
+            staging.link_files(base._arrays, [key for _, keys in linked for key in keys])
+            if base._pin is not None and base._pin.changed():
+                raise base._changed()  # what was linked may not be what its manifest describes
         try:
             created = _open_arrays(staging.storage, leaves, create=True)
         finally:  # nothing may still be writing when a failed save removes its files
@@ -487,7 +492,8 @@ def _run(
 
     def commit() -> None:
         if leader and staging is not None:
-            staging.commit(manifest, expected_files([(leaf.record, leaf.shard) for leaf in [*leaves, *linked]]))
+            jobs = [*leaves, *(leaf for leaf, _ in linked)]
+            staging.commit(manifest, expected_files([(leaf.record, leaf.shard) for leaf in jobs]))
 
     try:
         # Ctrl-C waits while a staging directory is made and recorded, or committed:
@@ -593,20 +599,24 @@ def save(
     def run() -> None:
         digested = _digested(manifest, leaves)
         with contextlib.ExitStack() as held:
-            # Opened here (off the caller's thread for a background save). With several
-            # processes, only process 0 holds whole leaves (and digests): it alone links.
-            base_now = _open_base(base, location)
-            if base_now is not None:
-                try:  # held, not deleted by retention, until its files are linked (and checked there)
-                    held.enter_context(base_now._held())
+            # Opened here, off the caller's thread for a background save, and only by the
+            # process that holds whole leaves (and their digests): process 0.
+            source = _open_base(base, location) if phases is None or phases.rank == 0 else None
+            reusable: dict[int, list[str]] = {}
+            if source is not None:
+                try:  # held, not deleted by retention, while its files are checked and linked
+                    held.enter_context(source._held())
+                    reusable = _reusable(source, digested, leaves)
                 except CheckpointChangedError:
-                    base_now = None  # deleted meanwhile: everything is written
-            linked = _reusable(base_now, digested, leaves)
-            writing = [leaf for leaf in leaves if all(leaf is not other for other in linked)]
+                    pass  # deleted meanwhile: everything is written
+                if not reusable:
+                    held.close()
+            linked = [(leaf, reusable[id(leaf)]) for leaf in leaves if id(leaf) in reusable]
+            writing = [leaf for leaf in leaves if id(leaf) not in reusable]
             pieces = [data for leaf in writing for _, data in leaf.pieces]
             counts = [len(data.members) if isinstance(data, PackedWrite) else 1 for data in pieces]
             with reporting(f"saving {key}", sum(data.nbytes for data in pieces), sum(counts), progress):
-                _run(location, digested, writing, overwrite, phases, base_now, linked)
+                _run(location, digested, writing, overwrite, phases, source, linked)
 
     if blocking:
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -167,7 +167,7 @@ class Storage(abc.ABC):
 
     def leaf_files(self, path: str) -> dict[str, int] | None:
         """``{key: size}`` of the files of the leaf at ``path``, keys as `expected_files`
-        names them, where a save may take them as they are (`Staging.link_leaf`); None
+        names them, where a save may take them as they are (`Staging.link_files`); None
         where it may not: not on a local disk, missing, or anything but plain files."""
         return None
 
@@ -186,10 +186,10 @@ class Staging(abc.ABC):
         """Make what this process wrote durable."""
         return None
 
-    def link_leaf(self, base: "Storage", path: str) -> None:
-        """Make the leaf at ``path`` the one ``base`` (a committed checkpoint's arrays, whose
-        files `Storage.leaf_files` listed) holds, without writing it again."""
-        raise NotImplementedError(f"{type(self).__name__} cannot take leaves from another checkpoint.")
+    def link_files(self, base: "Storage", keys: list[str]) -> None:
+        """Take the files ``keys`` of ``base`` (a committed checkpoint's arrays, as
+        `Storage.leaf_files` listed and checked them) into this save as they are."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take files from another checkpoint.")
 
     @abc.abstractmethod
     def commit(self, manifest: Manifest, expected: dict[str, int]) -> None:

@@ -260,27 +260,16 @@ class LocalStorage(Storage):
         remove_abandoned(self.path)
 
     def leaf_files(self, path: str) -> dict[str, int] | None:
-        found: dict[str, int] = {}
-        pending: list[tuple[str, str | pathlib.Path]] = [(f"{path}/", self.path / path)]
+        parts = path.split("/")
         try:
-            parts = path.split("/")
-            for depth in range(1, len(parts) + 1):  # the leaf's directory, and those above it, are no links
-                if not stat.S_ISDIR(os.lstat(self.path.joinpath(*parts[:depth])).st_mode):
-                    return None
-            while pending:
-                rel, where = pending.pop()
-                with os.scandir(where) as entries:
-                    for entry in entries:
-                        mode = entry.stat(follow_symlinks=False).st_mode
-                        if stat.S_ISDIR(mode):
-                            pending.append((f"{rel}{entry.name}/", entry.path))
-                        elif stat.S_ISREG(mode):
-                            found[rel + entry.name] = entry.stat(follow_symlinks=False).st_size
-                        else:
-                            return None  # a link or device: never taken into another checkpoint
+            # The leaf's directory, and each above it, are real directories: never a way out.
+            if not all(
+                stat.S_ISDIR(os.lstat(self.path.joinpath(*parts[:n])).st_mode) for n in range(1, len(parts) + 1)
+            ):
+                return None
+            return _local_files(self.path / path, prefix=f"{path}/", plain=True)
         except OSError:
             return None
-        return found
 
     def delete(self) -> bool:
         return delete_local(self.path)
@@ -302,17 +291,14 @@ class LocalStaging(Staging):
         # Durable before the commit phase: every process syncs what it wrote.
         sync_filesystem(self.tmp)
 
-    def link_leaf(self, base: Storage, path: str) -> None:
+    def link_files(self, base: Storage, keys: list[str]) -> None:
         assert isinstance(base, LocalStorage)
-        source = base.path / path
-        for directory, _, files in os.walk(source):  # symlinks are not followed (and were refused)
-            target = self.tmp / path / os.path.relpath(directory, source)
-            target.mkdir(parents=True, exist_ok=True)
-            for name in files:
-                link_or_copy(pathlib.Path(directory, name), target / name)
+        for key in keys:
+            (self.tmp / key).parent.mkdir(parents=True, exist_ok=True)
+            link_or_copy(base.path / key, self.tmp / key)
 
     def commit(self, manifest: Manifest, expected: dict[str, int]) -> None:
-        check_complete(_local_files(self.tmp), expected)
+        check_complete(_local_files(self.tmp) or {}, expected)
         with open(self.tmp / MANIFEST_NAME, "wb") as f:
             f.write(manifest.to_bytes())
             f.flush()
@@ -366,9 +352,11 @@ class LocalStaging(Staging):
             self.lock = None
 
 
-def _local_files(root: pathlib.Path) -> dict[str, int]:
+def _local_files(root: pathlib.Path, prefix: str = "", plain: bool = False) -> dict[str, int] | None:
+    """``{prefix + relative path: size}`` of every file below ``root``, links not followed;
+    with ``plain``, None if anything there is neither a directory nor a regular file."""
     found: dict[str, int] = {}
-    pending = [("", str(root))]
+    pending = [(prefix, str(root))]
     while pending:
         rel, where = pending.pop()
         with os.scandir(where) as entries:
@@ -376,6 +364,8 @@ def _local_files(root: pathlib.Path) -> dict[str, int]:
                 key = f"{rel}{entry.name}"
                 if entry.is_dir(follow_symlinks=False):
                     pending.append((key + "/", entry.path))
+                elif plain and not entry.is_file(follow_symlinks=False):
+                    return None  # a link or device: never taken into another checkpoint
                 else:
                     found[key] = entry.stat(follow_symlinks=False).st_size
     return found
