@@ -149,19 +149,26 @@ def _settled(record: StoredLeaf, reads: list[ts.Future] | CheckpointError) -> Ch
         return reads
     try:
         with reading(record):
-            digest = LeafDigest(record.digest_fields())
+            digest = _digest_of(record)
             for read in reads:
-                digest.update(read.result())
-            if reads:
+                data = read.result()
+                if digest is not None:
+                    digest.update(data)
+            if reads and digest is not None:
                 _check_digest(record, digest)
     except CheckpointError as e:
         return e
     return None
 
 
+def _digest_of(record: StoredLeaf) -> LeafDigest | None:
+    """The digest to compute as ``record``'s bytes are read; None if the manifest records none."""
+    return None if record.digest is None else LeafDigest(record.digest_fields())
+
+
 def _check_digest(record: StoredLeaf, digest: LeafDigest) -> None:
-    """The bytes read, in order, are the ones the save recorded (when it recorded a digest)."""
-    if record.digest is not None and digest.value != record.digest:
+    """The bytes read, in order, are the ones the save recorded."""
+    if digest.value != record.digest:
         raise CorruptCheckpointError(
             f"its bytes pass their chunks' checksums but are not the bytes saved (digest {digest.value}, the "
             f"manifest records {record.digest}): chunks were swapped or rewritten. Restore it from a copy.",
@@ -185,10 +192,13 @@ def _start_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> list[ts.Future]:
         rows = chunk[0] if chunk is not None and chunk[0] is not None else shape[0]
         row_bytes = record.nbytes // max(1, shape[0])
         step = max(1, SLAB_BYTES // max(1, row_bytes * rows)) * rows
-        digest = LeafDigest(record.digest_fields())
+        digest = _digest_of(record)
         for start in range(0, shape[0], step):
-            digest.update(store[start : min(start + step, shape[0])].read().result())
-        _check_digest(record, digest)
+            slab = store[start : min(start + step, shape[0])].read().result()
+            if digest is not None:
+                digest.update(slab)
+        if digest is not None:
+            _check_digest(record, digest)
         return []
 
 
@@ -201,7 +211,7 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
     length = array.shape[0]
     failures: list[tuple[int, int, str]] = []
     bad_bools: dict[str, CheckpointError] = {}
-    digests = {record.path: LeafDigest(record.digest_fields()) for record in packed if record.digest is not None}
+    digests = {record.path: digest for record in packed if (digest := _digest_of(record)) is not None}
     in_order, first = sorted(packed, key=lambda record: record.offset or 0), 0
 
     def take(start: int, data: np.ndarray) -> None:
@@ -211,8 +221,8 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
         end = start + data.size
         while first < len(in_order) and (in_order[first].offset or 0) + in_order[first].nbytes <= start:
             first += 1
-        for record in in_order[first:]:
-            offset = record.offset or 0
+        for i in range(first, len(in_order)):
+            record, offset = in_order[i], in_order[i].offset or 0
             if offset >= end:
                 break
             low, high = max(offset, start), min(offset + record.nbytes, end)

@@ -61,6 +61,12 @@ def hf_name(path: str, config: T5Config) -> str:
 NAMES = CheckpointTranslator()
 
 
+def _placed(path: str, value: Any) -> tuple[str, Any]:
+    """A T5 path and its tensor, turned as it is read where HuggingFace stores the
+    transpose (`TRANSPOSED`, the one list both directions follow)."""
+    return path, (Transposed(value) if TRANSPOSED.fullmatch(path) else value)
+
+
 @NAMES.add(r"shared/weight")
 def _(opts, key, value):
     return "shared", value
@@ -68,7 +74,7 @@ def _(opts, key, value):
 
 @NAMES.add(r"lm_head/weight")
 def _(opts, key, value):
-    return (None if opts["tied"] else "logits_kernel"), Transposed(value)  # tied: an alias, see `_check_aliases`
+    return (None, value) if opts["tied"] else _placed("logits_kernel", value)  # tied: an alias, see `_check_aliases`
 
 
 @NAMES.add(r"(encoder|decoder)/embed_tokens/weight")
@@ -90,11 +96,11 @@ def _(opts, key, value, stack, block, layer, kind, name):
         return f"{where}/{sublayer}_norm/scale", value
     if name == "relative_attention_bias" and kind == "SelfAttention" and sublayer == "self_attention":
         per_block = opts["per_layer"] or int(block) != 0
-        return (f"{where}" if per_block else stack) + "/relative_attention_bias", Transposed(value)
+        return _placed((where if per_block else stack) + "/relative_attention_bias", value)
     if sublayer is not None and ATTENTION.get(sublayer) == kind and name in ("q", "k", "v", "o"):
-        return f"{where}/{sublayer}/{name}", Transposed(value)
+        return _placed(f"{where}/{sublayer}/{name}", value)
     if sublayer == "feed_forward" and kind == "DenseReluDense" and name in ("wi", "wi_0", "wi_1", "wo"):
-        return f"{where}/feed_forward/{'wi_0' if name == 'wi' else name}", Transposed(value)
+        return _placed(f"{where}/feed_forward/{'wi_0' if name == 'wi' else name}", value)
     return f"{where}/unknown/{key}", value  # no place in a T5: refused by `load`, by its HuggingFace name
 
 

@@ -45,12 +45,9 @@ def read_t5(
     try:
         return load(view, like, at=at, cast=True, progress=progress)
     except StructureMismatchError as e:
-        name = expected_name or (lambda path: path)
-        missing = (
-            [(path, f"{what}, named {name(path)} in the files") for path, what in e.missing]
-            if expected_name
-            else e.missing
-        )
+        missing = e.missing
+        if expected_name is not None:
+            missing = [(path, f"{what}, named {expected_name(path)} in the files") for path, what in missing]
         lines = [
             f"{view.location} does not hold the T5 its config describes ({config}):",
             *differences(missing, e.unexpected, e.mismatched, like="a T5 of this config"),
