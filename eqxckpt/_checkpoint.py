@@ -41,6 +41,8 @@ class Checkpoint(Source):
     def __init__(self, location: Storage, manifest: Manifest, pin: Pin | None = None):
         self.location = location
         self._arrays = location.arrays(manifest)
+        # Leaves an incremental save took unchanged from earlier checkpoints are in theirs.
+        self._referenced = {ref: location.referenced(ref) for ref in manifest.references()}
         self._manifest = manifest
         self.metadata = manifest.metadata
         self._leaves = {leaf.path: leaf for leaf in manifest.leaves}
@@ -58,7 +60,11 @@ class Checkpoint(Source):
     def _open_array(self, leaf: StoredLeaf) -> ts.Future:
         """Start opening a leaf's stored array: reads its ``zarr.json`` (at most
         `MAX_ZARR_JSON_BYTES`); `_open_checked` validates it and opens the array."""
-        return self._arrays.read_leaf_metadata(leaf)
+        return self._arrays_of(leaf).read_leaf_metadata(leaf)
+
+    def _arrays_of(self, leaf: StoredLeaf) -> Storage:
+        """Where the leaf's array is: this checkpoint's arrays, or an earlier one's."""
+        return self._arrays if leaf.arrays is None else self._referenced[leaf.arrays]
 
     def _open_checked(self, leaf: StoredLeaf, opened: ts.Future) -> ts.TensorStore:
         """The opened array, after checking its ``zarr.json`` is what eqxckpt writes
@@ -74,7 +80,7 @@ class Checkpoint(Source):
             raise corrupt(leaf, "its zarr.json is missing")
         metadata = validate_array_metadata(raw, leaf)
         with reading(leaf):
-            spec = read_spec(self._arrays.child(leaf.path), metadata)
+            spec = read_spec(self._arrays_of(leaf).child(leaf.path), metadata)
             return ts.open(spec, context=self._context, read=True).result()
 
     def _open_leaf(self, leaf: StoredLeaf) -> ts.TensorStore:

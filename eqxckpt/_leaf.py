@@ -24,7 +24,7 @@ import numpy as np
 from ._convert import adopt, checked_astype, narrowed, place_slices
 from ._digest import parse_digest
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
-from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, validate_path
+from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
 from ._store import STORED_DTYPES, check_dtype
 from ._tree import (
     SCALAR_TYPES,
@@ -102,6 +102,9 @@ class StoredLeaf(Leaf):
     offset: int | None = dataclasses.field(default=None, kw_only=True)
     # XXH3-128 of `digest_fields` and the stored bytes (see `_digest`); None: not recorded.
     digest: str | None = dataclasses.field(default=None, kw_only=True)
+    # Where its array is when not in this checkpoint's own prefix: a sibling checkpoint's
+    # (an incremental save on an object store; see `_paths.parse_reference`).
+    arrays: str | None = dataclasses.field(default=None, kw_only=True)
     stored: ClassVar[bool] = True
     sliceable: ClassVar[bool] = True  # whether a lazy read may select part of it
 
@@ -166,11 +169,14 @@ class StoredLeaf(Leaf):
         fields = {"shape": list(self.shape), "dtype": self.dtype, "location": self.location}
         if self.offset is not None:
             fields["offset"] = self.offset
+        if self.arrays is not None:
+            fields["arrays"] = self.arrays
         return fields if self.digest is None else {**fields, "digest": self.digest}
 
     @staticmethod
-    def _stored(doc: dict[str, Any], path: str) -> tuple[tuple[int, ...], str, int | None]:
-        """Shape, dtype and packed offset (None: its own array at its path)."""
+    def _stored(doc: dict[str, Any], path: str) -> tuple[tuple[int, ...], str, dict[str, Any]]:
+        """Shape, dtype, and the keyword fields: packed offset (None: its own array at its
+        path), digest, and the sibling prefix its array is in (None: this checkpoint's)."""
         location, offset = doc.get("location"), doc.get("offset")
         if location == PACKED_LOCATION:
             if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset % PACK_ALIGNMENT:
@@ -186,7 +192,13 @@ class StoredLeaf(Leaf):
         dtype = doc.get("dtype")
         if not isinstance(dtype, str) or dtype not in STORED_DTYPES:
             raise ManifestError(f"Leaf {path!r}: unknown dtype {dtype!r}.")
-        return parse_shape(doc.get("shape"), path), dtype, offset
+        arrays = doc.get("arrays")
+        if arrays is not None:
+            if offset is not None:
+                raise ManifestError(f"Leaf {path!r}: a packed leaf cannot name arrays of its own ({arrays!r}).")
+            parse_reference(arrays, path)
+        fields = {"offset": offset, "digest": parse_digest(doc.get("digest"), path), "arrays": arrays}
+        return parse_shape(doc.get("shape"), path), dtype, fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,11 +218,10 @@ class ArrayLeaf(StoredLeaf):
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "ArrayLeaf":
-        shape, dtype, offset = cls._stored(doc, path)
+        shape, dtype, fields = cls._stored(doc, path)
         if doc.get("array_type") not in ARRAY_TYPES:
             raise ManifestError(f"Leaf {path!r}: unknown array_type {doc.get('array_type')!r}.")
-        digest = parse_digest(doc.get("digest"), path)
-        return cls(path, keys, shape, dtype, doc["array_type"], offset=offset, digest=digest)
+        return cls(path, keys, shape, dtype, doc["array_type"], **fields)
 
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if not is_array_like(target) or is_prng_key_dtype(target.dtype):
@@ -319,12 +330,11 @@ class KeyLeaf(StoredLeaf):
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "KeyLeaf":
-        shape, dtype, offset = cls._stored(doc, path)
+        shape, dtype, fields = cls._stored(doc, path)
         impl = doc.get("impl")
         if not isinstance(impl, str) or not impl.isidentifier():
             raise ManifestError(f"Leaf {path!r}: PRNG impl {impl!r} is not a name.")
-        key_shape, digest = parse_shape(doc.get("key_shape"), path), parse_digest(doc.get("digest"), path)
-        return cls(path, keys, shape, dtype, impl, key_shape, offset=offset, digest=digest)
+        return cls(path, keys, shape, dtype, impl, parse_shape(doc.get("key_shape"), path), **fields)
 
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if not is_array_like(target) or not is_prng_key_dtype(target.dtype) or key_dtype(self.impl) != target.dtype:

@@ -222,8 +222,10 @@ class CheckpointManager:
         """(name, None) for each candidate step, (name, why not) for other entries."""
         out: list[tuple[str, str | None]] = []
         for name, state in self.location.entries():
-            if state == "busy" and _STEP_NAME.match(name):
-                continue  # a save or deletion in progress, or cleanup's to finish
+            if state in ("busy", "retired") and _STEP_NAME.match(name):
+                # A save or deletion in progress, or cleanup's to finish; or a deleted
+                # step's arrays that newer steps still refer to (object stores).
+                continue
             if not _STEP_NAME.match(name):
                 out.append((name, "not a step number"))
             else:
@@ -325,7 +327,7 @@ class CheckpointManager:
         metadata[MANAGER_KEY] = {"step": step, "metrics": {k: float_to_json(v) for k, v in metrics.items()}}
         # Never overwrite: a committed step is never replaced (another manager
         # that committed this step first makes this save fail instead).
-        # Leaves unchanged since the latest step are linked from it, not written again (local disks).
+        # Leaves unchanged since the latest step are taken from it, not written again.
         base = self._step_location(max(self._steps)) if self._steps else None
         handle = save(
             self._step_location(step), tree, metadata=metadata, blocking=blocking, progress=progress, base=base

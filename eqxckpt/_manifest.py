@@ -16,11 +16,12 @@ from ._paths import ARRAYS_PREFIX, PACKED_LOCATION, is_arrays_name, record_segme
 from ._version import __version__
 
 FORMAT = "eqxckpt"
-# Version 2 adds packed leaves; version 3 the "arrays" prefix (object stores). Each
-# manifest is written with the lowest version that holds it, so that older eqxckpt
-# reads what it can, and refuses what it would read from the wrong place.
-VERSION = 3
-VERSIONS = (1, 2, 3)
+# Version 2 adds packed leaves; version 3 the "arrays" prefix (object stores); version 4
+# leaves whose arrays are in a sibling checkpoint's prefix (incremental saves on object
+# stores). Each manifest is written with the lowest version that holds it, so that older
+# eqxckpt reads what it can, and refuses what it would read from the wrong place.
+VERSION = 4
+VERSIONS = (1, 2, 3, 4)
 KEY_KINDS = ("attr", "dict", "seq", "index")
 # 64 MiB hold the manifest of about 250,000 leaves (about 250 bytes each).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -52,10 +53,15 @@ class Manifest:
         packed = [PACKED_LOCATION] if any(leaf.offset is not None for leaf in stored) else []
         return [leaf.path for leaf in stored if leaf.offset is None] + packed
 
+    def references(self) -> list[str]:
+        """The sibling checkpoints' prefixes that some leaves' arrays are in, in order."""
+        found = (leaf.arrays for leaf in self.leaves if isinstance(leaf, StoredLeaf) and leaf.arrays is not None)
+        return list(dict.fromkeys(found))
+
     @property
     def version(self) -> int:
         if self.arrays:
-            return 3
+            return 4 if self.references() else 3
         packed = any(isinstance(leaf, StoredLeaf) and leaf.offset is not None for leaf in self.leaves)
         return 2 if packed else 1
 
@@ -245,10 +251,17 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
         raise ManifestError(f"The manifest of {where} has a non-boolean 'sequences_complete'.")
     _check_containers(records, where, complete)
     arrays = doc.get("arrays", "")
-    if (version == 3) != (arrays != "") or (arrays and not is_arrays_name(arrays)):
+    if (version >= 3) != (arrays != "") or (arrays and not is_arrays_name(arrays)):
         raise ManifestError(
-            f"The manifest of {where} has version {version} and arrays {arrays!r}: version 3 names where its "
-            f"arrays are ({ARRAYS_PREFIX}<32 hex digits>), earlier versions do not. It is corrupt or crafted."
+            f"The manifest of {where} has version {version} and arrays {arrays!r}: versions 3 and 4 name where "
+            f"its arrays are ({ARRAYS_PREFIX}<32 hex digits>), earlier versions do not. It is corrupt or crafted."
+        )
+    referring = any(isinstance(r, StoredLeaf) and r.arrays is not None for r in records)
+    if referring != (version == 4):
+        raise ManifestError(
+            f"The manifest of {where} has version {version}"
+            + (" and leaves in another checkpoint's arrays" if referring else " but no leaf in another checkpoint")
+            + ": only version 4 has such leaves, and each version-4 manifest has one. It is corrupt or crafted."
         )
     created = doc.get("created_unix", 0.0)
     save_id = doc.get("save_id", "")

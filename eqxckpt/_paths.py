@@ -57,6 +57,40 @@ def is_arrays_name(name: Any) -> bool:
     return isinstance(name, str) and _ARRAYS_NAME.fullmatch(name) is not None
 
 
+# An incremental save on an object store refers to an unchanged leaf in a sibling
+# checkpoint's prefix (a manager's earlier step) instead of writing it again: the
+# leaf's "arrays" field is "../<entry>/%arrays.<hex>" (format version 4). Inside
+# that prefix, each save that refers to it records a hold, and a deleter marks it
+# doomed before deleting it (see `_lease.delete_unheld`). Neither name can be a
+# leaf's path: `encode_segment` never makes a "%" without two hex digits after it.
+HOLDS_NAME = "%holds"
+DOOMED_NAME = "%doomed"
+_ENTRY_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,119}$")
+_REFERENCE = re.compile(r"^\.\./([^/]+)/([^/]+)$")
+
+
+def is_entry_name(name: Any) -> bool:
+    """Whether ``name`` may name a checkpoint beside another (a manager's step)."""
+    return isinstance(name, str) and _ENTRY_NAME.fullmatch(name) is not None and name not in (MANIFEST_NAME, LEASE_NAME)
+
+
+def reference(entry: str, arrays: str) -> str:
+    """How a leaf names the prefix ``arrays`` of the sibling checkpoint ``entry``."""
+    return f"../{entry}/{arrays}"
+
+
+def parse_reference(ref: Any, where: str) -> tuple[str, str]:
+    """(entry, arrays) of a leaf's reference to a sibling checkpoint's prefix; a
+    `ManifestError` for anything else (a reference can name nothing but that)."""
+    match = _REFERENCE.fullmatch(ref) if isinstance(ref, str) else None
+    if match is None or not is_entry_name(match[1]) or not is_arrays_name(match[2]):
+        raise ManifestError(
+            f"Leaf {where!r}: its arrays {ref!r} must be '../<checkpoint beside this one>/{ARRAYS_PREFIX}<32 hex "
+            "digits>'. The manifest is corrupt or crafted."
+        )
+    return match[1], match[2]
+
+
 # Packed leaves start at multiples of this, so each can be adopted by XLA without a copy.
 PACK_ALIGNMENT = 64
 

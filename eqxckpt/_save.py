@@ -23,7 +23,7 @@ from ._errors import CheckpointChangedError, CheckpointError, CheckpointWriteErr
 from ._leaf import Leaf, StoredLeaf, leaf_of
 from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedWrite, assign_offsets, packable, packed_array
-from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_record
+from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_record, reference
 from ._progress import Progress, advance, reporting
 from ._source import LazyEntry, Source
 from ._storage import (
@@ -136,15 +136,18 @@ def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], lis
 
 
 def _open_base(base: CheckpointPath | None, location: Storage) -> Checkpoint | None:
-    """The checkpoint a save may take unchanged leaves from: only from one committed on a
-    local disk, into another on a local disk; None where there is none to take from."""
-    if base is None or location.local is None:
+    """The checkpoint a save may take unchanged leaves from: one committed on a local disk,
+    into another on a local disk (its files are linked), or one beside it on an object
+    store (referred to); None where there is none to take from."""
+    if base is None:
         return None
     try:
         source = open_checkpoint(base)
     except CheckpointError:  # gone, damaged, not one: nothing is taken from it
         return None
-    return source if source._arrays.local is not None else None
+    if location.local is not None:
+        return source if source._arrays.local is not None else None
+    return source if location.sibling_name(source.location) is not None and source._manifest.arrays else None
 
 
 # A batch of leaves hashed by one thread: large enough that a tree of many small leaves
@@ -203,16 +206,13 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
     return dataclasses.replace(manifest, leaves=tuple(records))
 
 
-def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> dict[int, list[str]]:
-    """The leaves ``base`` (a committed checkpoint on a local disk) already holds as this
-    save would write them, by ``id`` of their job, with the files to take: same path and
-    digest (so kind, dtype and shape), in an array of its own whose files are plain files
-    exactly as `expected_files` lays the leaf out."""
+def _unchanged(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> Iterator[tuple[_WriteJob, StoredLeaf]]:
+    """The jobs whose leaf ``base`` already holds as this save would write it, with base's
+    leaf: same path and digest (so kind, dtype and shape), each in an array of its own."""
     recorded = {r.path: r for r in manifest.leaves if isinstance(r, StoredLeaf)}
-    reusable: dict[int, list[str]] = {}
     for leaf in leaves:
         new, old = recorded.get(leaf.record.path), base._leaves.get(leaf.record.path)
-        if (
+        if not (
             new is None  # the packed array: rewritten whole
             or leaf.shard is not None
             or new.offset is not None
@@ -221,13 +221,31 @@ def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> 
             or old.offset is not None
             or (old.digest, old.digest_fields()) != (new.digest, new.digest_fields())
         ):
-            continue
-        expected = {k: v for k, v in expected_files([(new, None)]).items() if k.startswith(f"{new.path}/")}
-        found = base._arrays.leaf_files(new.path)
+            yield leaf, old
+
+
+def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> dict[int, list[str]]:
+    """The unchanged leaves of ``base`` (a committed checkpoint on a local disk) whose files
+    are plain files exactly as `expected_files` lays the leaf out, by ``id`` of their job,
+    with the files to take."""
+    reusable: dict[int, list[str]] = {}
+    for leaf, old in _unchanged(base, manifest, leaves):
+        expected = {k: v for k, v in expected_files([(old, None)]).items() if k.startswith(f"{old.path}/")}
+        found = base._arrays.leaf_files(old.path)
         if found is not None and found.keys() == expected.keys():
             if all(size < 0 or found[key] == size for key, size in expected.items()):
                 reusable[id(leaf)] = sorted(found)
     return reusable
+
+
+def _referable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob], location: Storage) -> dict[int, str]:
+    """The unchanged leaves of ``base`` (a committed checkpoint beside this one on an object
+    store), by ``id`` of their job, with the prefix their array is in (base's own, or the
+    one base refers to: references are never chained)."""
+    entry = location.sibling_name(base.location)
+    assert entry is not None
+    own = reference(entry, base._manifest.arrays)
+    return {id(leaf): old.arrays or own for leaf, old in _unchanged(base, manifest, leaves)}
 
 
 @contextlib.contextmanager
@@ -441,11 +459,15 @@ def _run(
     phases: Phases | None,
     base: Checkpoint | None = None,
     linked: Sequence[tuple[_WriteJob, list[str]]] = (),
+    referred: Sequence[tuple[_WriteJob, str]] = (),
 ) -> None:
     """Prepare, write, commit. With several processes each phase ends at a barrier,
     and process 0 alone prepares the layout and commits. ``linked`` leaves are taken
-    from ``base`` as they are (those files), not written."""
+    from ``base`` as they are (those files), not written; ``referred`` ones stay in the
+    sibling prefix named with each (object stores), unless it cannot be held for this
+    save: then they are written."""
     leader = phases is None or phases.rank == 0
+    leaves = list(leaves)
     run = phases.run if phases is not None else (lambda _, work: [work()])
     staging: Staging | None = None
     created: list[ts.TensorStore] | None = None
@@ -454,12 +476,25 @@ def _run(
         nonlocal staging, created
         if not leader:
             return None
-        everything = [*leaves, *(leaf for leaf, _ in linked)]
+        nonlocal manifest
+        everything = [*leaves, *(leaf for leaf, _ in linked), *(leaf for leaf, _ in referred)]
         staging = location.begin_save([leaf.record.path for leaf in everything], overwrite)
+        if referred:
+            held = staging.refer(sorted({ref for _, ref in referred}))
+            refs = {leaf.record.path: ref for leaf, ref in referred if ref in held}
+            manifest = dataclasses.replace(
+                manifest,
+                leaves=tuple(
+                    dataclasses.replace(r, arrays=refs[r.path]) if isinstance(r, StoredLeaf) and r.path in refs else r
+                    for r in manifest.leaves
+                ),
+            )
+            leaves.extend(leaf for leaf, ref in referred if ref not in held)  # doomed meanwhile: written
         # The directories above the arrays become zarr groups, written while the arrays are created.
         store = staging.storage.open_kvstore()
+        written = [*leaves, *(leaf for leaf, _ in linked)]
         groups = [
-            store.write(group_file(g), GROUP_METADATA) for g in group_locations(leaf.record.path for leaf in everything)
+            store.write(group_file(g), GROUP_METADATA) for g in group_locations(leaf.record.path for leaf in written)
         ]
         if linked:
             assert base is not None
@@ -552,13 +587,16 @@ def save(
       left) on stderr when it is a terminal; a callable receives
       ``(done_bytes, total_bytes, done_leaves, total_leaves)`` after each leaf.
       Off by default.
-    - `base`: an earlier checkpoint on the same local disk (`CheckpointManager`
-      passes its latest step). A leaf whose digest, dtype and shape equal
-      ``base``'s leaf at the same path is hard-linked from it (copied where
-      links are refused) instead of written again; the new checkpoint is still
-      complete on its own, and deleting ``base`` later leaves it whole. Ignored
-      on object stores; leaves whose shards several processes write, and
-      packed leaves, are written in full.
+    - `base`: an earlier checkpoint (`CheckpointManager` passes its latest
+      step). A leaf whose digest, dtype and shape equal ``base``'s leaf at the
+      same path is not written again. On a local disk (``base`` on the same
+      disk) it is hard-linked from ``base`` (copied where links are refused):
+      the new checkpoint is complete on its own, and deleting ``base`` later
+      leaves it whole. On an object store (``base`` beside ``path``, in the
+      same directory) the manifest refers to ``base``'s copy, which eqxckpt's
+      deletions then keep while any checkpoint refers to it (see the format
+      specification). Ignored otherwise; leaves whose shards several
+      processes write, and packed leaves, are written in full.
 
     With several JAX processes (``jax.process_count() > 1``) every process
     calls `save` with the same tree of global arrays; each writes only its own
@@ -603,7 +641,10 @@ def save(
             # process that holds whole leaves (and their digests): process 0.
             source = _open_base(base, location) if phases is None or phases.rank == 0 else None
             reusable: dict[int, list[str]] = {}
-            if source is not None:
+            referable: dict[int, str] = {}
+            if source is not None and source._arrays.local is None:
+                referable = _referable(source, digested, leaves, location)
+            elif source is not None:
                 try:  # held, not deleted by retention, while its files are checked and linked
                     held.enter_context(source._held())
                     reusable = _reusable(source, digested, leaves)
@@ -612,11 +653,12 @@ def save(
                 if not reusable:
                     held.close()
             linked = [(leaf, reusable[id(leaf)]) for leaf in leaves if id(leaf) in reusable]
-            writing = [leaf for leaf in leaves if id(leaf) not in reusable]
+            referred = [(leaf, referable[id(leaf)]) for leaf in leaves if id(leaf) in referable]
+            writing = [leaf for leaf in leaves if id(leaf) not in reusable and id(leaf) not in referable]
             pieces = [data for leaf in writing for _, data in leaf.pieces]
             counts = [len(data.members) if isinstance(data, PackedWrite) else 1 for data in pieces]
             with reporting(f"saving {key}", sum(data.nbytes for data in pieces), sum(counts), progress):
-                _run(location, digested, writing, overwrite, phases, source, linked)
+                _run(location, digested, writing, overwrite, phases, source, linked, referred)
 
     if blocking:
         future: concurrent.futures.Future = concurrent.futures.Future()

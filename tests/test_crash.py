@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ WRITER = WORKERS / "crash_writer.py"
 MODES = ["sync", "async", "manager", "fresh"]
 
 
-def run_and_kill(directory: pathlib.Path, mode: str, delay: float) -> int:
+def run_and_kill(directory: pathlib.Path | str, mode: str, delay: float) -> int:
     """Start a writer, SIGKILL it ``delay`` seconds after its first commit; return the last step it reported."""
     writer = subprocess.Popen(
         [sys.executable, str(WRITER), str(directory), mode],
@@ -121,6 +122,47 @@ def test_kill_writers_at_random_moments(tmp_path, request):
     summary = {"seed": seed, "trials": trials, "all correct": True, "outcomes": tally}
     print("crash trials:", json.dumps(summary))
     assert sum(sum(v.values()) for v in tally.values()) == trials
+
+
+def test_kill_an_incremental_manager_on_s3_at_random_moments(s3, request, monkeypatch):
+    """A manager on S3 whose steps refer to an unchanged leaf in an earlier step's prefix,
+    killed at a random moment (holding, saving, committing, deleting). Once the killed
+    save's lease is stale, a new manager finishes what it left: every step loads
+    bit-exact, the next save and its retention work, and every prefix left in the run is
+    a committed step's own or one that committed steps refer to."""
+    endpoint, client = s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("EQXCKPT_LEASE_TIMEOUT_S", "2")  # the killed writer's lease goes stale soon
+    trials = 40 if request.config.getoption("--slow") else 4
+    rng = random.Random()
+    seed = rng.randrange(10**9)
+    rng.seed(seed)
+    outcomes: dict = {}
+    for i in range(trials):
+        top = f"crash-{seed}/trial{i}/run/"
+        last = run_and_kill(f"s3://eqxckpt-test/crash-{seed}/trial{i}", "manager", rng.uniform(0.0, 1.0))
+        time.sleep(2.5)
+        manager = eqxckpt.CheckpointManager(f"s3://eqxckpt-test/{top}", max_to_keep=2)  # cleans up on open
+        steps = manager.all_steps()
+        assert steps and steps[-1] in (last, last + 1) and set(steps) <= {last - 1, last, last + 1}, (steps, last)
+        manager.save(steps[-1] + 1, state(steps[-1] + 1))
+        manager.wait()
+        for step in manager.all_steps():
+            expect_step(manager.load(state(0), step=step), step)
+        listing = [o["Key"][len(top) :] for o in client.list_objects_v2(Bucket="eqxckpt-test", Prefix=top)["Contents"]]
+        live = set()
+        for step in manager.all_steps():
+            manifest = json.loads(
+                client.get_object(Bucket="eqxckpt-test", Key=f"{top}{step}/eqxckpt.json")["Body"].read()
+            )
+            live |= {f"{step}/{manifest['arrays']}"} | {
+                leaf["arrays"][3:] for leaf in manifest["leaves"] if "arrays" in leaf
+            }
+        assert {"/".join(key.split("/")[:2]) for key in listing if "/%arrays." in key} == live
+        assert len({key.split("/")[0] for key in listing if key.endswith("/frozen/zarr.json")}) == 1  # stored once
+        outcome = "in-flight save committed" if steps[-1] == last + 1 else "previous kept"
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print("s3 manager kills:", json.dumps({"seed": seed, "trials": trials, "outcomes": outcomes}))
 
 
 INTERRUPTED = """

@@ -106,9 +106,16 @@ def test_format_spec_names_every_field_eqxckpt_writes(tmp_path):
     eqxckpt.save("memory://spec/c", {"w": np.ones(2)})
     on_object_store = json.loads(resolve("memory://spec/c").open_kvstore().read("eqxckpt.json").result().value)
     assert {name for (name,) in spec_fields("Manifest")} == set(manifest) | set(on_object_store)
+    # An incremental save there adds, to each unchanged leaf, the prefix it is in.
+    unchanged = {"w": np.ones(2), "key": jax.random.key(0)}
+    eqxckpt.save("memory://spec/d1", unchanged)
+    eqxckpt.save("memory://spec/d2", unchanged, base="memory://spec/d1")
+    referring = json.loads(resolve("memory://spec/d2").open_kvstore().read("eqxckpt.json").result().value)
+    assert all("arrays" in leaf for leaf in referring["leaves"])
     by_kind = spec_fields("Leaf records", columns=2)
     common = {name for (name,) in spec_fields("Leaf records")} - {kind for kind, _ in by_kind}
-    written_by_kind = {(leaf["kind"], field) for leaf in manifest["leaves"] for field in leaf if field not in common}
+    leaves = manifest["leaves"] + referring["leaves"]
+    written_by_kind = {(leaf["kind"], field) for leaf in leaves for field in leaf if field not in common}
     assert common == {"path", "keys", "kind"} and {k for leaf in manifest["leaves"] for k in leaf} >= common
     assert written_by_kind == by_kind, written_by_kind ^ by_kind
     scalar_types = {leaf["type"] for leaf in manifest["leaves"] if leaf["kind"] == "scalar"}

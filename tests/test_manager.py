@@ -1,3 +1,4 @@
+import json
 import os
 import pathlib
 import random
@@ -6,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -363,6 +365,58 @@ def test_incremental_saves_link_unchanged_leaves_and_survive_retention(tmp_path)
     assert manager.all_steps() == [6] and os.stat(run / "6/frozen/c/0/0").st_nlink == 1
     assert_trees_equal(eqxckpt.load(manager.path(6), state(6)), state(6))
     assert eqxckpt.verify(manager.path(6)).ok
+
+
+def test_incremental_saves_on_object_stores_refer_to_unchanged_leaves(store):
+    """On an object store a manager's step refers to the unchanged leaves in the step that
+    wrote them instead of writing them again. Retention deleting that step keeps what newer
+    steps refer to (a retired prefix, which listings skip) and deletes it with the last
+    step that refers to it; every step loads and verifies bit-exact meanwhile."""
+    rng = np.random.default_rng(1)
+    frozen = rng.standard_normal((512, 256)).astype(np.float32)
+    small = [np.full(4, i, np.float32) for i in range(40)]
+
+    def state(step: int, shift: float = 0.0) -> dict:
+        adapter = np.full((300, 300), step % 2, np.float32)  # 0, 1, 0, 1: back to an earlier value
+        odd = np.zeros(70_000, np.float64 if step >= 3 else np.float32)  # dtype changes at step 3
+        return {"frozen": frozen + shift, "adapter": adapter, "odd": odd, "small": small, "step": step}
+
+    top = f"incremental-{store.name}/run/"
+    run = store.spec(top)
+
+    def written(leaf: str) -> list[str]:  # the steps whose own prefix holds the leaf's array
+        return sorted(k[len(top) :].split("/")[0] for k in store.keys(top) if k.endswith(f"/{leaf}/zarr.json"))
+
+    def arrays(step: int) -> dict:
+        manifest = json.loads(store.get(f"{top}{step}/eqxckpt.json"))
+        return {leaf["path"]: leaf.get("arrays") for leaf in manifest["leaves"] if "location" in leaf}
+
+    with eqxckpt.CheckpointManager(run, max_to_keep=3, blocking=False) as manager:
+        for step in range(6):
+            manager.save(step, state(step), force=True)
+    assert manager.all_steps() == [3, 4, 5]
+    assert written("frozen") == ["0"] and written("odd") == ["0", "3"]  # float64 from 3 on
+    assert written("adapter") == ["0", "3", "4", "5"]  # 1, 0, 1: changed each time
+    assert not any(key.endswith("/0/eqxckpt.json") for key in store.keys(top))  # step 0 is deleted...
+    refs = {step: arrays(step) for step in (3, 4, 5)}
+    assert {refs[step]["frozen"].split("/")[1] for step in (3, 4, 5)} == {"0"}  # ...but what it wrote is kept
+    assert refs[3]["odd"] is None and refs[4]["odd"] == refs[5]["odd"] and refs[5]["odd"].startswith("../3/")
+    assert all(refs[step]["adapter"] is None for step in (3, 4, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the retired step 0 is no odd entry
+        assert eqxckpt.CheckpointManager(run).all_steps() == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert eqxckpt.verify(manager.path(step)).ok
+        assert_trees_equal(eqxckpt.load(manager.path(step), state(step)), state(step))
+    # Keep one step: 3 and 4 go (3's prefix stays for 5's `odd`), then 5.
+    with eqxckpt.CheckpointManager(run, max_to_keep=1, blocking=True) as manager:
+        manager.save(6, state(6))
+        assert written("odd") == ["0", "3"] and arrays(6)["odd"] == refs[5]["odd"]
+        manager.save(7, state(7, shift=1.0))  # the frozen leaf changes: nothing needs 0's prefix now
+    assert manager.all_steps() == [7] and written("frozen") == ["7"] and written("odd") == ["3"]
+    assert {key[len(top) :].split("/")[0] for key in store.keys(top)} == {"3", "7"}  # 3 retired, 0 collected
+    assert eqxckpt.verify(manager.path(7)).ok
+    assert_trees_equal(eqxckpt.load(manager.path(7), state(7, shift=1.0)), state(7, shift=1.0))
 
 
 def test_a_leaf_is_linked_only_when_its_files_are_plain_and_as_expected(tmp_path):

@@ -42,15 +42,36 @@ def test_the_arrays_prefix_round_trips_and_sets_version_3(hex_digits, named):
 
 @pytest.mark.parametrize(
     "version, arrays",
-    [(3, None), (2, "%arrays." + "0" * 32), (3, "%arrays." + "0" * 31), (3, "%arrays." + "A" * 32), (3, "../x")],
+    [
+        (3, None),
+        (4, None),
+        (2, "%arrays." + "0" * 32),
+        (3, "%arrays." + "0" * 31),
+        (3, "%arrays." + "A" * 32),
+        (3, "../x"),
+    ],
 )
 def test_the_arrays_prefix_comes_with_version_3_and_its_exact_form(version, arrays):
-    """Version 3 names where the arrays are; an older reader refuses it rather than look beside the manifest."""
+    """Versions 3 and 4 name where the arrays are; an older reader refuses them rather than look beside the manifest."""
     extra = {} if arrays is None else {"arrays": arrays}
-    with pytest.raises(ManifestError, match="version 3 names where its arrays are"):
+    with pytest.raises(ManifestError, match="versions 3 and 4 name where its arrays are"):
         parse_manifest(
             json.dumps({"format": "eqxckpt", "version": version, "metadata": {}, "leaves": [GOOD], **extra}).encode()
         )
+
+
+def test_a_leaf_in_a_sibling_checkpoint_comes_with_version_4():
+    """Leaves an incremental save refers to round-trip; the version is the lowest that holds them."""
+    own, theirs = "%arrays." + "1" * 32, "../7/%arrays." + "2" * 32
+    leaves = (
+        ArrayLeaf("w", (("dict", "w"),), (2, 3), "float32", "numpy", arrays=theirs),
+        ArrayLeaf("v", (("dict", "v"),), (4,), "int8", "numpy"),
+    )
+    manifest = Manifest(leaves, {}, arrays=own)
+    assert manifest.version == 4 and manifest.references() == [theirs]
+    parsed = parse_manifest(manifest.to_bytes())
+    assert parsed.leaves == leaves and parsed.arrays == own and parsed.version == 4
+    assert Manifest(leaves[1:], {}, arrays=own).version == 3
 
 
 @pytest.mark.parametrize(

@@ -290,7 +290,24 @@ def test_crafted_objects_are_refused(store):
         eqxckpt.load(where)
     for arrays in ("../elsewhere", "%arrays.x", "%packed"):  # only a save's own prefix, by its exact form
         store.put("runs/crafted/eqxckpt.json", json.dumps({**manifest, "arrays": arrays}).encode())
-        with pytest.raises(eqxckpt.ManifestError, match="version 3 names where its arrays are"):
+        with pytest.raises(eqxckpt.ManifestError, match="versions 3 and 4 name where its arrays are"):
+            eqxckpt.load(where)
+    # A leaf may name only a sibling checkpoint's own prefix, and only in a version-4 manifest.
+    prefix = "%arrays." + "0" * 32
+    for ref in ("../../x/" + prefix, "/" + prefix, "../1/%packed", "../eqxckpt.json/" + prefix, f"../../{prefix}"):
+        crafted = json.loads(json.dumps(manifest))
+        crafted["version"] = 4
+        next(leaf for leaf in crafted["leaves"] if leaf["path"] == "w")["arrays"] = ref
+        store.put("runs/crafted/eqxckpt.json", json.dumps(crafted).encode())
+        with pytest.raises(eqxckpt.ManifestError, match="must be '../<checkpoint beside this one>/"):
+            eqxckpt.load(where)
+    for version, ref in ((3, f"../1/{prefix}"), (4, None)):
+        crafted = json.loads(json.dumps(manifest))
+        crafted["version"] = version
+        if ref is not None:
+            next(leaf for leaf in crafted["leaves"] if leaf["path"] == "w")["arrays"] = ref
+        store.put("runs/crafted/eqxckpt.json", json.dumps(crafted).encode())
+        with pytest.raises(eqxckpt.ManifestError, match="only version 4 has such leaves"):
             eqxckpt.load(where)
     store.put("runs/crafted/eqxckpt.json", json.dumps(manifest).encode())
     leaf_metadata = f"runs/crafted/{manifest['arrays']}/w/zarr.json"
@@ -436,3 +453,96 @@ def test_an_abandoned_commit_lease_naming_no_single_prefix_is_not_eqxckpts(store
     with pytest.raises(eqxckpt.CheckpointExistsError, match="eqxckpt.lease.json that eqxckpt did not write"):
         eqxckpt.save(store.spec(prefix), {"w": np.ones(2)})
     assert store.keys(prefix) == [prefix + "eqxckpt.lease.json"]
+
+
+# --- incremental saves: holds on a sibling's prefix, and deleting around them -------------
+
+
+def test_a_deletion_never_removes_what_a_save_in_flight_refers_to(store, monkeypatch, tmp_path):
+    """The hold protocol, each interleaving made to happen: a save in flight holds the
+    prefix it refers to, so deleting that checkpoint keeps the prefix (retired) until the
+    save ends; a save that finds the prefix marked doomed, or gone, writes the leaf itself;
+    a hold taken after the deleter looked but before it marked the prefix doomed is seen
+    by the deleter's second look."""
+    from eqxckpt._storage import _lease
+
+    top = f"holds-{store.name}/"
+    frozen = np.arange(50_000, dtype=np.float32)
+    eqxckpt.save(store.spec(top + "1"), {"frozen": frozen})
+    prefix = arrays_of(store, top + "1/")
+    ref = f"../1/{prefix}"
+
+    def begin(step: str):  # a save to `step` that has taken its lease and holds the prefix
+        staging = eqxckpt._storage.resolve(store.spec(top + step)).begin_save(["frozen"], False)
+        return staging, staging.refer([ref])
+
+    def holds() -> list[str]:
+        return [k.split("%holds/")[1] for k in store.keys(f"{top}1/{prefix}/%holds/")]
+
+    staging, held = begin("2")
+    assert held == {ref} and holds() == [f"2/{staging.where}"]
+    assert eqxckpt._storage.resolve(store.spec(top + "1")).delete()
+    assert f"{top}1/{prefix}/frozen/zarr.json" in store.keys(top + "1/")  # kept for the save in flight
+    assert dict(eqxckpt._storage.resolve(store.spec(top)).entries())["1"] == "retired"
+    with pytest.raises(eqxckpt.IncompleteCheckpointError, match="has data but no eqxckpt.json"):
+        eqxckpt.load(store.spec(top + "1"))
+    staging.abort(RuntimeError("stopped"))  # the save ends without committing: its hold is dead
+    eqxckpt.CheckpointManager(store.spec(top))  # opening a run collects what nothing holds
+    assert store.keys(top) == []
+
+    # Marked doomed (a deleter between its mark and its deletion): the save writes the leaf.
+    eqxckpt.save(store.spec(top + "1"), {"frozen": frozen})
+    prefix = arrays_of(store, top + "1/")
+    ref = f"../1/{prefix}"
+    store.put(f"{top}1/{prefix}/%doomed", b"")
+    eqxckpt.save(store.spec(top + "2"), {"frozen": frozen}, base=store.spec(top + "1"))
+    assert "arrays" not in json.loads(store.get(top + "2/eqxckpt.json"))["leaves"][0]
+    assert holds() == []  # the refused hold was taken back
+    np.testing.assert_array_equal(eqxckpt.load(store.spec(top + "2"))["frozen"], frozen)
+    store.delete(f"{top}1/{prefix}/%doomed")
+
+    # A hold taken in the deleter's blind spot: after its first look, before its mark.
+    look = _lease._holds_live
+    late: list = []
+
+    def first_look_then_a_save_holds(s, run, name):
+        found = look(s, run, name)
+        if not late:
+            late.append(begin("3"))
+        return found
+
+    monkeypatch.setattr(_lease, "_holds_live", first_look_then_a_save_holds)
+    assert _lease.delete_unheld(eqxckpt._storage.resolve(store.spec(top + "1")).open_kvstore(), [prefix]) == []
+    monkeypatch.setattr(_lease, "_holds_live", look)
+    [(staging, held)] = late
+    assert held == {ref} and f"{top}1/{prefix}/%doomed" in store.keys(top)  # kept, and stays doomed
+    staging.abort(RuntimeError("stopped"))
+    eqxckpt.save(store.spec(top + "4"), {"frozen": frozen}, base=store.spec(top + "1"))  # doomed: written
+    assert "arrays" not in json.loads(store.get(top + "4/eqxckpt.json"))["leaves"][0]
+
+    # A prefix gone altogether: nothing to hold.
+    eqxckpt.save(store.spec(top + "5"), {"frozen": frozen})
+    gone = arrays_of(store, top + "5/")
+    for key in store.keys(f"{top}5/{gone}/"):
+        store.delete(key)
+    _, held = begin("6")
+    assert held == set()
+
+
+def test_references_reach_only_siblings_and_only_object_stores_keep_them(store, tmp_path):
+    """A base that is not beside the new checkpoint is not referred to (everything is written);
+    a copy of a referring step on a local disk is refused at open, with what to do."""
+    x = np.arange(10_000, dtype=np.float32)
+    top = f"siblings-{store.name}/"
+    eqxckpt.save(store.spec(top + "a/1"), {"x": x})
+    eqxckpt.save(store.spec(top + "b/2"), {"x": x}, base=store.spec(top + "a/1"))  # another directory
+    assert "arrays" not in json.loads(store.get(top + "b/2/eqxckpt.json"))["leaves"][0]
+    eqxckpt.save(store.spec(top + "a/3"), {"x": x}, base=store.spec(top + "a/1"))
+    manifest = json.loads(store.get(top + "a/3/eqxckpt.json"))
+    assert manifest["version"] == 4 and manifest["leaves"][0]["arrays"].startswith("../1/%arrays.")
+    np.testing.assert_array_equal(eqxckpt.load(store.spec(top + "a/3"))["x"], x)
+    for key in store.keys(top + "a/"):  # the whole run, copied to a local disk
+        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / key).write_bytes(store.get(key))
+    with pytest.raises(eqxckpt.CheckpointError, match="can only be read and managed there"):
+        eqxckpt.load(tmp_path / top / "a/3")

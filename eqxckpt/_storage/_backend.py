@@ -18,6 +18,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
@@ -114,6 +115,21 @@ class Storage(abc.ABC):
         checkpoint on a local disk keeps that layout, and reads the same)."""
         return self.sub(manifest.arrays) if manifest.arrays else self
 
+    def referenced(self, ref: str) -> "Storage":
+        """Where a leaf whose ``arrays`` is ``ref`` (a sibling checkpoint's prefix) is.
+        Only object stores have such leaves: their protocol keeps what a live checkpoint
+        refers to, which a local disk's retention would not."""
+        raise CheckpointError(
+            f"{self} refers to leaves in another checkpoint ({ref}): an incremental save on an object store "
+            "wrote it, and it can only be read and managed there. Load it from the object store (or convert "
+            "it there to a checkpoint of its own with eqxckpt.save(new_path, eqxckpt.open(path)...))."
+        )
+
+    def sibling_name(self, other: "Storage") -> str | None:
+        """``other``'s name if it is a checkpoint beside this one (an entry of the same
+        directory, on the same store) to which this one's leaves may refer; else None."""
+        return None
+
     @abc.abstractmethod
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
         """Start reading a leaf's ``zarr.json``, after checking its files may be read."""
@@ -141,7 +157,8 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def entries(self) -> list[tuple[str, str]]:
         """(name, state) for each visible entry, sorted: ``committed`` (holds a committed
-        checkpoint), ``busy`` (a save or deletion holds it) or ``other``."""
+        checkpoint), ``busy`` (a save or deletion holds it), ``retired`` (only the arrays
+        of a deleted checkpoint, which newer ones still refer to) or ``other``."""
 
     def run_directory_error(self) -> CheckpointNotFoundError | None:
         """If this place is no checkpoint but holds committed ones (a run directory, passed
@@ -190,6 +207,12 @@ class Staging(abc.ABC):
         """Take the files ``keys`` of ``base`` (a committed checkpoint's arrays, as
         `Storage.leaf_files` listed and checked them) into this save as they are."""
         raise NotImplementedError(f"{type(self).__name__} cannot take files from another checkpoint.")
+
+    def refer(self, refs: list[str]) -> set[str]:
+        """Of ``refs`` (sibling checkpoints' prefixes, see `Storage.referenced`), those this
+        save's leaves may refer to instead of being written: held for it until it ends
+        or its checkpoint is deleted. None on local disks, which link files instead."""
+        return set()
 
     @abc.abstractmethod
     def commit(self, manifest: Manifest, expected: dict[str, int]) -> None:

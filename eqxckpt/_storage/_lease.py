@@ -55,6 +55,13 @@ have conditional writes. There:
   one taken over too early makes its live holder's next conditional write fail.
 - A load remembers the manifest's generation (its ETag) and checks it after
   reading; each manifest holds a unique ``save_id``, so generations differ.
+- An incremental save may refer to unchanged leaves in a sibling checkpoint's
+  prefix instead of writing them. It first writes a hold into that prefix
+  (``%holds/<its entry>/<its prefix>``), then checks the prefix is neither
+  doomed nor gone. A deleter deletes a prefix only if no hold in it is live
+  (its save holds its lease, or its checkpoint's manifest names it), after
+  marking it ``%doomed`` and finding no live hold again; it deletes the doom
+  mark last. So a save that passed its check is always seen by the deleter.
 
 Nothing else is ever deleted, on any backend.
 """
@@ -80,12 +87,15 @@ from .._errors import CheckpointBusyError, CheckpointWriteError, ManifestError
 from .._manifest import MAX_MANIFEST_BYTES, parse_json_object, parse_manifest
 from .._paths import (
     COMMIT_NAME,
+    DOOMED_NAME,
     GROUP_METADATA,
+    HOLDS_NAME,
     LEASE_NAME,
     MANIFEST_NAME,
     group_file,
     group_locations,
     is_arrays_name,
+    is_entry_name,
     validate_path,
 )
 from ._fs import fsync_path, hidden_owner, hidden_sibling
@@ -397,9 +407,113 @@ def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
 
 
 def delete_arrays(store: ts.KvStore, names: list[str]) -> None:
-    """Delete saves' own prefixes (``%arrays.<hex>/``): keys no other save ever writes."""
+    """Delete saves' own prefixes (``%arrays.<hex>/``): keys no other save ever writes.
+    Only for prefixes that were never committed (no save refers to those); committed
+    ones are deleted by `delete_unheld`."""
     for future in [store.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")) for name in names]:
         future.result()
+
+
+# -- holds: incremental saves referring to a sibling checkpoint's prefix ------------------
+
+
+def run_store(store: ts.KvStore) -> tuple[ts.KvStore, str] | None:
+    """The directory above a checkpoint's store, and the checkpoint's name in it; None
+    for a checkpoint at the root of its store (it has no siblings to refer to it)."""
+    head, _, name = store.path.rstrip("/").rpartition("/")
+    if not name or not is_entry_name(name):
+        return None
+    run = store.copy()
+    run.path = f"{head}/" if head else ""
+    return run, name
+
+
+def take_hold(run: ts.KvStore, entry: str, arrays: str, holder: tuple[str, str]) -> bool:
+    """Record that the save writing ``holder`` (its entry, its prefix) refers to leaves in
+    ``entry``'s prefix ``arrays``; True if it may: that prefix is neither doomed nor gone.
+
+    The order makes this safe against `delete_unheld`: the hold is written before the
+    doom mark is read, and the deleter writes the doom mark before looking for holds and
+    deletes it after everything else, so either this save sees the mark (or the prefix
+    gone) or the deleter sees this hold.
+    """
+    prefix = f"{entry}/{arrays}"
+    key = f"{prefix}/{HOLDS_NAME}/{holder[0]}/{holder[1]}"
+    run.write(key, b"").result()
+    if not exists(run, f"{prefix}/{DOOMED_NAME}") and exists(run, f"{prefix}/{COMMIT_NAME}"):
+        return True
+    release_hold(run, entry, arrays, holder)
+    return False
+
+
+def release_hold(run: ts.KvStore, entry: str, arrays: str, holder: tuple[str, str]) -> None:
+    """Remove a hold a save took but will not use (else it would keep the prefix while that save's checkpoint lives)."""
+    run.write(f"{entry}/{arrays}/{HOLDS_NAME}/{holder[0]}/{holder[1]}", None).result()
+
+
+def _hold_is_live(run: ts.KvStore, holder: str) -> bool:
+    """Whether the save a hold names (``<entry>/<prefix>``) may refer to the prefix it is in:
+    its lease names that prefix (the save is in flight, or being finished or deleted), or
+    its checkpoint's manifest does. Read in that order: a save holds its lease until its
+    manifest is written, so a save seen in neither has ended without committing, or its
+    checkpoint was replaced or deleted: the hold can never be live again."""
+    entry, _, arrays = holder.partition("/")
+    if not is_entry_name(entry) or not is_arrays_name(arrays):
+        return False  # not a hold eqxckpt writes: it keeps nothing
+    store = run.copy()
+    store.path = f"{run.path}{entry}/"
+    current, doc = read_lease(store)
+    if current.state == "value" and (doc is None or arrays in doc["arrays"]):
+        return True  # (a lease eqxckpt cannot read: nothing is proven, so it is kept)
+    named = committed_arrays(store)
+    return named is None or named == arrays
+
+
+def _holds_live(store: ts.KvStore, run: ts.KvStore, name: str) -> bool:
+    """Whether any hold in the prefix ``name`` is live; holds found dead are removed."""
+    start = f"{name}/{HOLDS_NAME}/"
+    keys = [key.decode("utf-8", "replace") for key in store.list(ts.KvStore.KeyRange(start, start[:-1] + "0")).result()]
+    for key in keys:
+        if _hold_is_live(run, key[len(start) :]):
+            return True
+        store.write(key, None).result()
+    return False
+
+
+def collect_prefix(store: ts.KvStore, name: str) -> bool:
+    """Delete the prefix ``name`` of the checkpoint at ``store`` if neither its lease nor its
+    manifest names it (a retired prefix) and no live hold is in it; True if deleted. Run
+    after deleting a checkpoint that referred to it, without listing the whole checkpoint."""
+    current, doc = read_lease(store)
+    if current.state == "value" and (doc is None or name in doc["arrays"]):
+        return False
+    committed = committed_arrays(store)
+    return committed is not None and committed != name and bool(delete_unheld(store, [name]))
+
+
+def delete_unheld(store: ts.KvStore, names: list[str]) -> list[str]:
+    """Delete the committed prefixes ``names`` of the checkpoint at ``store`` that no live
+    save or checkpoint refers to; returns those deleted. A prefix with a live hold is left
+    whole (its checkpoint's manifest may be gone: a retired prefix), to be collected when
+    its last holder is gone (`collect_garbage`)."""
+    place = run_store(store)
+    if place is None:
+        delete_arrays(store, names)
+        return list(names)
+    run, _ = place
+    deleted = []
+    for name in names:
+        if _holds_live(store, run, name):
+            continue
+        store.write(f"{name}/{DOOMED_NAME}", b"").result()
+        if _holds_live(store, run, name):
+            continue  # a save took a hold meanwhile and may use it; the prefix stays doomed
+        doomed = f"{name}/{DOOMED_NAME}"
+        store.delete_range(ts.KvStore.KeyRange(f"{name}/", doomed)).result()
+        store.delete_range(ts.KvStore.KeyRange(doomed + "\0", f"{name}0")).result()
+        store.write(doomed, None).result()  # last: until now a save that looks sees it doomed
+        deleted.append(name)
+    return deleted
 
 
 _warned_endpoints: set[str] = set()
@@ -576,7 +690,7 @@ def finish(store: ts.KvStore, doc: dict) -> None:
         top = stat(store, MANIFEST_NAME)
         if top.state == "value" and top.stamp.generation == base:
             store.write(MANIFEST_NAME, None, if_equal=base).result()  # uncommitted first: no reader sees a part
-        delete_arrays(store, arrays)
+        delete_unheld(store, arrays)
         delete_leaf_keys(store, paths)
     elif stat(store, MANIFEST_NAME).state != "value":  # a save by an eqxckpt without prefixes
         delete_leaf_keys(store, paths)
@@ -645,7 +759,9 @@ def committed_arrays(store: ts.KvStore) -> str | None:
 
 
 def collect_garbage(store: ts.KvStore) -> list[str]:
-    """Delete the prefixes of saves that can never commit; returns their names.
+    """Delete the prefixes of saves that can never commit, or whose checkpoint was
+    replaced or deleted, unless a live save or checkpoint refers to them (`delete_unheld`);
+    returns the names deleted.
 
     A prefix is kept if the manifest or the lease names it. Any other can never
     become committed: its save's lease is gone, and only that lease's holder (or
@@ -664,9 +780,7 @@ def collect_garbage(store: ts.KvStore) -> list[str]:
     committed = committed_arrays(store)
     if committed is None:
         return []
-    dead = sorted(listed - keep - {committed})
-    delete_arrays(store, dead)
-    return dead
+    return delete_unheld(store, sorted(listed - keep - {committed}))
 
 
 # --- readers: one checkpoint, never a mix -------------------------------------------------

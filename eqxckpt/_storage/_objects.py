@@ -26,7 +26,17 @@ from .._errors import (
 )
 from .._leaf import StoredLeaf
 from .._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from .._paths import ARRAYS_PREFIX, COMMIT_NAME, LEASE_NAME, MANIFEST_NAME, group_file, group_locations, is_arrays_name
+from .._paths import (
+    ARRAYS_PREFIX,
+    COMMIT_NAME,
+    LEASE_NAME,
+    MANIFEST_NAME,
+    group_file,
+    group_locations,
+    is_arrays_name,
+    is_entry_name,
+    parse_reference,
+)
 from .._store import is_storage_error, reason
 from ._backend import (
     ENDPOINT_SETTINGS,
@@ -41,6 +51,7 @@ from ._lease import (
     Lease,
     StorePin,
     collect_garbage,
+    collect_prefix,
     delete_arrays,
     delete_leaf_keys,
     describe_lease,
@@ -50,6 +61,8 @@ from ._lease import (
     read_bounded,
     read_lease,
     reclaim,
+    run_store,
+    take_hold,
     warn_if_not_atomic,
     write_manifest,
 )
@@ -64,6 +77,7 @@ class Base:
     generation: bytes
     committed: bool
     legacy_paths: list[str]
+    references: list[str] = dataclasses.field(default_factory=list)  # what its leaves refer to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +111,13 @@ class ObjectStorage(Storage):
                         "were deleted (a deletion by retention, or a writer that resumed after it). Load another "
                         "checkpoint; saving here again replaces it."
                     )
+                for ref in manifest.references():
+                    if not exists(self.referenced(ref).open_kvstore(), COMMIT_NAME):
+                        raise IncompleteCheckpointError(
+                            f"{self} refers to unchanged leaves in {ref}, which is gone: something other than "
+                            "eqxckpt (or an eqxckpt older than format version 4) deleted it. Load another "
+                            "checkpoint."
+                        )
                 return manifest, StorePin(self, result.stamp.generation)
             _, lease = read_lease(store)
             listed = store.list().result()
@@ -129,6 +150,25 @@ class ObjectStorage(Storage):
         raise CheckpointNotFoundError(
             f"No checkpoint at {self}: nothing is stored under that prefix (check the bucket's name and the path)."
         )
+
+    def _parent(self) -> tuple[dict[str, Any], str]:
+        """The directory this checkpoint is in (a kvstore spec), and its name there."""
+        head, _, name = str(self.kvstore.get("path", "")).rstrip("/").rpartition("/")
+        return {**self.kvstore, "path": f"{head}/" if head else ""}, name
+
+    def _sibling(self, entry: str) -> "ObjectStorage":
+        parent, _ = self._parent()
+        return ObjectStorage({**parent, "path": f"{parent['path']}{entry}/"})
+
+    def referenced(self, ref: str) -> "ObjectStorage":
+        entry, arrays = parse_reference(ref, str(self))
+        return self._sibling(entry).sub(arrays)
+
+    def sibling_name(self, other: Storage) -> str | None:
+        if not isinstance(other, ObjectStorage):
+            return None
+        (mine, name), (theirs, entry) = self._parent(), other._parent()
+        return entry if name and entry and entry != name and mine == theirs and is_entry_name(entry) else None
 
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
         # Object stores cannot cap a read without a second request: the size is
@@ -177,6 +217,7 @@ class ObjectStorage(Storage):
         """
         top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
         legacy: list[str] = []
+        references: list[str] = []
         committed = False
         if top.state == "value":
             try:
@@ -193,6 +234,7 @@ class ObjectStorage(Storage):
                     f"A checkpoint already exists at {self}. Pass overwrite=True to replace it."
                 )
             legacy = [] if old.arrays else old.stored_paths()
+            references = old.references()
         keys = [k.decode("utf-8", "replace") for k in store.list().result()] if listing else []
         foreign = sorted(set(keys) - _owned_keys(keys, set(legacy)) - {MANIFEST_NAME, LEASE_NAME})
         if foreign and top.state != "value":
@@ -200,7 +242,7 @@ class ObjectStorage(Storage):
                 f"{self} is not an eqxckpt checkpoint: it holds data that eqxckpt did not write (e.g. "
                 f"{foreign[0]!r}, {len(foreign)} keys); refusing to save there. Choose another path."
             )
-        return Base(top.stamp.generation, committed, legacy)
+        return Base(top.stamp.generation, committed, legacy, references)
 
     def join_save(self, where: str) -> "ObjectStaging":
         if not is_arrays_name(where):
@@ -216,10 +258,7 @@ class ObjectStorage(Storage):
 
     def entries(self) -> list[tuple[str, str]]:
         # An entry with a lease and no manifest is a save or deletion in progress, or cleanup's to finish.
-        return [
-            (head, "committed" if _committed(rests) else "busy" if LEASE_NAME in rests else "other")
-            for head, rests in sorted(self._groups().items())
-        ]
+        return [(head, _state(rests)) for head, rests in sorted(self._groups().items())]
 
     def clean_leftovers(self) -> None:
         for head, rests in self._groups().items():
@@ -257,7 +296,15 @@ class ObjectStorage(Storage):
         finish(store, lease.doc)
         lease.release()
         collect_garbage(store)
+        self.collect_references(old.references())
         return True
+
+    def collect_references(self, refs: list[str]) -> None:
+        """Delete the sibling prefixes in ``refs`` (what a deleted or replaced checkpoint here
+        referred to) where they were kept for it alone (`collect_prefix`)."""
+        for ref in refs:
+            entry, arrays = parse_reference(ref, str(self))
+            collect_prefix(self._sibling(entry).open_kvstore(), arrays)
 
 
 class ObjectStaging(Staging):
@@ -297,6 +344,21 @@ class ObjectStaging(Staging):
         delete_leaf_keys(store, base.legacy_paths)
         lease.release()
         collect_garbage(store)  # the arrays of the checkpoint this one replaced
+        self.place.collect_references(base.references)  # and what it alone referred to
+
+    def refer(self, refs: list[str]) -> set[str]:
+        """Hold each sibling prefix in ``refs`` for this save (`take_hold`); those it may
+        refer to. A save that does not commit leaves holds no one sees as live."""
+        place = run_store(self.place.open_kvstore())
+        if place is None:
+            return set()
+        run, name = place
+        accepted: set[str] = set()
+        for ref in refs:
+            entry, arrays = parse_reference(ref, str(self.place))
+            if take_hold(run, entry, arrays, (name, self.where)):
+                accepted.add(ref)
+        return accepted
 
     def abort(self, error: BaseException) -> None:
         """Remove what a failed save wrote: its own prefix, which no other save writes,
@@ -361,6 +423,16 @@ def check_reachable(spec: dict[str, Any], where: str) -> None:
         f"Cannot reach {where}: the {what} endpoint {host}:{port} {why}. Check the endpoint ({ENDPOINT_SETTINGS}) "
         "and the network."
     )
+
+
+def _state(rests: set[str]) -> str:
+    """An entry's state (see `Storage.entries`) from its keys, relative to it."""
+    if _committed(rests):
+        return "committed"
+    if LEASE_NAME in rests:
+        return "busy"
+    # What deleting a checkpoint keeps while newer checkpoints refer to its arrays.
+    return "retired" if rests and all(is_arrays_name(rest.split("/")[0]) for rest in rests) else "other"
 
 
 def _committed(rests: set[str]) -> bool:

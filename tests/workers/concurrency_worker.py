@@ -16,8 +16,9 @@ WHERE is a local path or a JSON kvstore spec (S3 on moto). Roles:
 - ``steps WHERE STEPS``: save each step's state to ``WHERE/STEP`` with
   ``overwrite=True`` (racing a manager's retention there).
 
-Every state is a pure function of its step (every array is filled with it), so
-a tree mixing two saves is detected. Each role prints one ``summary {json}``
+Every state is a pure function of its step (every array is filled with it, but
+``frozen``, the same in every step: a manager's incremental saves take it from the
+step before), so a tree mixing two saves is detected. Each role prints one ``summary {json}``
 line; a role that fails prints the traceback and exits 1.
 """
 
@@ -35,8 +36,12 @@ import eqxckpt
 LEAVES = int(os.environ.get("EQXCKPT_TEST_LEAVES", "100"))
 
 
+FROZEN = np.arange(64 * 1024, dtype=np.float32)
+
+
 def state(step: int, leaves: int = LEAVES) -> dict:
     return {
+        "frozen": FROZEN,
         "layers": [
             {"w": np.full((32, 64), step, np.float32), "b": np.full(64, step, np.int64)} for _ in range(leaves // 2)
         ],
@@ -53,6 +58,8 @@ def one_save(tree: dict) -> int:
     step = tree["step"]
     values = {float(np.asarray(leaf).reshape(-1)[0]) for layer in tree["layers"] for leaf in layer.values()}
     bad = [layer for layer in tree["layers"] for leaf in layer.values() if not (np.asarray(leaf) == step).all()]
+    if not np.array_equal(tree["frozen"], FROZEN):
+        raise AssertionError(f"step {step}: the frozen leaf is not what every step saves")
     if bad or values != {float(step)}:
         raise AssertionError(f"a mix of saves: step {step}, array values {sorted(values)}")
     return step
