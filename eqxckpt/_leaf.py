@@ -102,8 +102,9 @@ class StoredLeaf(Leaf):
     offset: int | None = dataclasses.field(default=None, kw_only=True)
     # XXH3-128 of `digest_fields` and the stored bytes (see `_digest`); None: not recorded.
     digest: str | None = dataclasses.field(default=None, kw_only=True)
-    # Where its array is when not in this checkpoint's own prefix: a sibling checkpoint's
-    # (an incremental save on an object store; see `_paths.parse_reference`).
+    # Where its array (for a packed leaf: the packed array) is when not in this checkpoint's
+    # own prefix: a sibling checkpoint's (an incremental save on an object store; see
+    # `_paths.parse_reference`).
     arrays: str | None = dataclasses.field(default=None, kw_only=True)
     stored: ClassVar[bool] = True
     sliceable: ClassVar[bool] = True  # whether a lazy read may select part of it
@@ -194,8 +195,6 @@ class StoredLeaf(Leaf):
             raise ManifestError(f"Leaf {path!r}: unknown dtype {dtype!r}.")
         arrays = doc.get("arrays")
         if arrays is not None:
-            if offset is not None:
-                raise ManifestError(f"Leaf {path!r}: a packed leaf cannot name arrays of its own ({arrays!r}).")
             parse_reference(arrays, path)
         fields = {"offset": offset, "digest": parse_digest(doc.get("digest"), path), "arrays": arrays}
         return parse_shape(doc.get("shape"), path), dtype, fields

@@ -256,6 +256,11 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
             f"The manifest of {where} has version {version} and arrays {arrays!r}: versions 3 and 4 name where "
             f"its arrays are ({ARRAYS_PREFIX}<32 hex digits>), earlier versions do not. It is corrupt or crafted."
         )
+    if len({r.arrays for r in records if isinstance(r, StoredLeaf) and r.offset is not None}) > 1:
+        raise ManifestError(
+            f"The manifest of {where} has packed leaves in different arrays: they share one packed array, "
+            "so all name the same prefix or none does. It is corrupt or crafted."
+        )
     referring = any(isinstance(r, StoredLeaf) and r.arrays is not None for r in records)
     if referring != (version == 4):
         raise ManifestError(

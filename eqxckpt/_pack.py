@@ -40,9 +40,13 @@ def packable(record: StoredLeaf) -> bool:
 
 def packed_array(leaves: Iterable[Leaf]) -> ArrayLeaf | None:
     """The packed array of a checkpoint's leaves, as the record of a uint8 array just
-    long enough to hold them all; None if none is packed."""
-    ends = [leaf.offset + leaf.nbytes for leaf in leaves if isinstance(leaf, StoredLeaf) and leaf.offset is not None]
-    return ArrayLeaf(PACKED_LOCATION, (), (max(ends),), "uint8", "numpy") if ends else None
+    long enough to hold them all (in the prefix they name, if any); None if none is packed."""
+    packed = [leaf for leaf in leaves if isinstance(leaf, StoredLeaf) and leaf.offset is not None]
+    if not packed:
+        return None
+    end = max(leaf.offset + leaf.nbytes for leaf in packed if leaf.offset is not None)
+    # Taken whole from an earlier checkpoint (an incremental save), every packed leaf says where.
+    return ArrayLeaf(PACKED_LOCATION, (), (end,), "uint8", "numpy", arrays=packed[0].arrays)
 
 
 def assign_offsets(records: Sequence[StoredLeaf]) -> list[StoredLeaf]:

@@ -23,7 +23,7 @@ from ._errors import CheckpointChangedError, CheckpointError, CheckpointWriteErr
 from ._leaf import Leaf, StoredLeaf, leaf_of
 from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedWrite, assign_offsets, packable, packed_array
-from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_record, reference
+from ._paths import GROUP_METADATA, PACKED_LOCATION, group_file, group_locations, key_entry_record, reference
 from ._progress import Progress, advance, reporting
 from ._source import LazyEntry, Source
 from ._storage import (
@@ -211,6 +211,10 @@ def _unchanged(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) ->
     leaf: same path and digest (so kind, dtype and shape), each in an array of its own."""
     recorded = {r.path: r for r in manifest.leaves if isinstance(r, StoredLeaf)}
     for leaf in leaves:
+        if leaf.record.path == PACKED_LOCATION:
+            if base._packed is not None and _same_packing(manifest, base._manifest):
+                yield leaf, base._packed
+            continue
         new, old = recorded.get(leaf.record.path), base._leaves.get(leaf.record.path)
         if not (
             new is None  # the packed array: rewritten whole
@@ -222,6 +226,20 @@ def _unchanged(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) ->
             or (old.digest, old.digest_fields()) != (new.digest, new.digest_fields())
         ):
             yield leaf, old
+
+
+def _same_packing(new: Manifest, old: Manifest) -> bool:
+    """Whether two manifests pack the same leaves, with the same digests, at the same offsets:
+    then the packed arrays are the same bytes."""
+
+    def packing(manifest: Manifest) -> set[tuple[Any, ...]] | None:
+        packed = [r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
+        if any(r.digest is None for r in packed):
+            return None
+        return {(r.path, r.offset, r.digest, json.dumps(r.digest_fields())) for r in packed}
+
+    found = packing(new)
+    return found is not None and found == packing(old)
 
 
 def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> dict[int, list[str]]:
@@ -482,10 +500,14 @@ def _run(
         if referred:
             held = staging.refer(sorted({ref for _, ref in referred}))
             refs = {leaf.record.path: ref for leaf, ref in referred if ref in held}
+
+            def where(r: StoredLeaf) -> str | None:  # packed leaves: where the packed array is
+                return refs.get(PACKED_LOCATION if r.offset is not None else r.path)
+
             manifest = dataclasses.replace(
                 manifest,
                 leaves=tuple(
-                    dataclasses.replace(r, arrays=refs[r.path]) if isinstance(r, StoredLeaf) and r.path in refs else r
+                    dataclasses.replace(r, arrays=where(r)) if isinstance(r, StoredLeaf) and where(r) else r
                     for r in manifest.leaves
                 ),
             )
@@ -595,8 +617,9 @@ def save(
       leaves it whole. On an object store (``base`` beside ``path``, in the
       same directory) the manifest refers to ``base``'s copy, which eqxckpt's
       deletions then keep while any checkpoint refers to it (see the format
-      specification). Ignored otherwise; leaves whose shards several
-      processes write, and packed leaves, are written in full.
+      specification). Ignored otherwise. Leaves whose shards several
+      processes write are written in full, and packed small leaves are
+      taken only all together, when none of them changed.
 
     With several JAX processes (``jax.process_count() > 1``) every process
     calls `save` with the same tree of global arrays; each writes only its own

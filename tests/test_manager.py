@@ -340,11 +340,11 @@ def test_incremental_saves_link_unchanged_leaves_and_survive_retention(tmp_path)
     value, is written, and loads as saved."""
     rng = np.random.default_rng(0)
     frozen = rng.standard_normal((512, 256)).astype(np.float32)  # over the packing size
-    small = [np.full(4, i, np.float32) for i in range(40)]  # packed: written every step
 
     def state(step: int) -> dict:
         adapter = np.full((300, 300), step % 2, np.float32)  # 0, 1, 0, 1: back to an earlier value
         odd = np.zeros(70_000, np.float64 if step >= 3 else np.float32)  # dtype changes at step 3
+        small = [np.full(4, i + (step >= 5), np.float32) for i in range(40)]  # packed; changes at step 5
         return {"frozen": frozen, "adapter": adapter, "odd": odd, "small": small, "step": step}
 
     run = tmp_path / "run"
@@ -356,6 +356,7 @@ def test_incremental_saves_link_unchanged_leaves_and_survive_retention(tmp_path)
     assert len({inode(step, "frozen") for step in (3, 4, 5)}) == 1 and os.stat(run / "5/frozen/c/0/0").st_nlink == 3
     assert len({inode(step, "adapter") for step in (3, 4, 5)}) == 3  # 1, 0, 1: changed each time
     assert len({inode(step, "odd", "c/0") for step in (3, 4, 5)}) == 1  # written at 3 as float64, then linked
+    assert inode(3, "%packed", "c/0") == inode(4, "%packed", "c/0") != inode(5, "%packed", "c/0")  # taken whole
     for step in (3, 4, 5):
         assert eqxckpt.verify(manager.path(step)).ok
         assert_trees_equal(eqxckpt.load(manager.path(step), state(step)), state(step))
@@ -374,11 +375,11 @@ def test_incremental_saves_on_object_stores_refer_to_unchanged_leaves(store):
     step that refers to it; every step loads and verifies bit-exact meanwhile."""
     rng = np.random.default_rng(1)
     frozen = rng.standard_normal((512, 256)).astype(np.float32)
-    small = [np.full(4, i, np.float32) for i in range(40)]
 
     def state(step: int, shift: float = 0.0) -> dict:
         adapter = np.full((300, 300), step % 2, np.float32)  # 0, 1, 0, 1: back to an earlier value
         odd = np.zeros(70_000, np.float64 if step >= 3 else np.float32)  # dtype changes at step 3
+        small = [np.full(4, i + (step >= 5), np.float32) for i in range(40)]  # packed; changes at step 5
         return {"frozen": frozen + shift, "adapter": adapter, "odd": odd, "small": small, "step": step}
 
     top = f"incremental-{store.name}/run/"
@@ -397,6 +398,7 @@ def test_incremental_saves_on_object_stores_refer_to_unchanged_leaves(store):
     assert manager.all_steps() == [3, 4, 5]
     assert written("frozen") == ["0"] and written("odd") == ["0", "3"]  # float64 from 3 on
     assert written("adapter") == ["0", "3", "4", "5"]  # 1, 0, 1: changed each time
+    assert written("%packed") == ["0", "5"]  # the small leaves' packed array, taken whole until they change
     assert not any(key.endswith("/0/eqxckpt.json") for key in store.keys(top))  # step 0 is deleted...
     refs = {step: arrays(step) for step in (3, 4, 5)}
     assert {refs[step]["frozen"].split("/")[1] for step in (3, 4, 5)} == {"0"}  # ...but what it wrote is kept
@@ -414,7 +416,7 @@ def test_incremental_saves_on_object_stores_refer_to_unchanged_leaves(store):
         assert written("odd") == ["0", "3"] and arrays(6)["odd"] == refs[5]["odd"]
         manager.save(7, state(7, shift=1.0))  # the frozen leaf changes: nothing needs 0's prefix now
     assert manager.all_steps() == [7] and written("frozen") == ["7"] and written("odd") == ["3"]
-    assert {key[len(top) :].split("/")[0] for key in store.keys(top)} == {"3", "7"}  # 3 retired, 0 collected
+    assert {key[len(top) :].split("/")[0] for key in store.keys(top)} == {"3", "5", "7"}  # 3, 5 retired; 0 gone
     assert eqxckpt.verify(manager.path(7)).ok
     assert_trees_equal(eqxckpt.load(manager.path(7), state(7, shift=1.0)), state(7, shift=1.0))
 

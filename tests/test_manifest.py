@@ -72,6 +72,13 @@ def test_a_leaf_in_a_sibling_checkpoint_comes_with_version_4():
     parsed = parse_manifest(manifest.to_bytes())
     assert parsed.leaves == leaves and parsed.arrays == own and parsed.version == 4
     assert Manifest(leaves[1:], {}, arrays=own).version == 3
+    # Packed leaves share one packed array: all in the same prefix, or none named.
+    packed = [
+        ArrayLeaf(name, (("dict", name),), (2,), "float32", "numpy", offset=64 * i, arrays=ref)
+        for i, (name, ref) in enumerate([("a", theirs), ("b", None)])
+    ]
+    with pytest.raises(ManifestError, match="packed leaves in different arrays"):
+        parse_manifest(Manifest(tuple(packed), {}, arrays=own).to_bytes())
 
 
 @pytest.mark.parametrize(
