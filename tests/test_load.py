@@ -156,9 +156,9 @@ def test_missing_path(tmp_path):
 def test_unknown_version_is_refused(state_ckpt):
     path, _ = state_ckpt
     doc = json.loads((path / "eqxckpt.json").read_text())
-    doc["version"] = 4
+    doc["version"] = 5
     (path / "eqxckpt.json").write_text(json.dumps(doc))
-    with pytest.raises(eqxckpt.ManifestError, match="version 4.*Upgrade eqxckpt"):
+    with pytest.raises(eqxckpt.ManifestError, match="version 5.*Upgrade eqxckpt"):
         eqxckpt.load(path)
 
 
