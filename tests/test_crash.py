@@ -133,7 +133,7 @@ def test_kill_an_incremental_manager_on_s3_at_random_moments(s3, request, monkey
     endpoint, client = s3
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     monkeypatch.setenv("EQXCKPT_LEASE_TIMEOUT_S", "2")  # the killed writer's lease goes stale soon
-    trials = 40 if request.config.getoption("--slow") else 4
+    trials = 40 if request.config.getoption("--slow") else 3
     rng = random.Random()
     seed = rng.randrange(10**9)
     rng.seed(seed)
