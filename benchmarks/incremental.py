@@ -14,6 +14,7 @@ import tempfile
 import time
 
 import numpy as np
+from workloads import adapter_state, frozen_base  # beside this script
 
 
 def disk_bytes(root: str, seen: set[int]) -> int:
@@ -33,21 +34,10 @@ def main() -> None:
 
     import eqxckpt
 
-    rng = np.random.default_rng(0)
     # The frozen base as the jax.Arrays training holds (16 x 64 MiB); "numpy base" below
     # saves the same bytes as numpy arrays, which may change in place, so are hashed each step.
-    numpy_base = {f"layer{i}": rng.standard_normal((4096, 4096), np.float32) for i in range(16)}
-    base = {k: jax.device_put(v) for k, v in numpy_base.items()}
-    adapter_shapes = {f"lora{i}": (4096, 32) for i in range(32)}  # 32 x 512 KiB = 16 MiB
-
-    def adapter_state(step: int) -> dict:
-        step_rng = np.random.default_rng(step)
-        adapter = {k: jax.device_put(step_rng.standard_normal(s, np.float32)) for k, s in adapter_shapes.items()}
-        return {
-            "adapter": adapter,
-            "opt": {"mu": {k: v * 0.1 for k, v in adapter.items()}, "nu": {k: v * v for k, v in adapter.items()}},
-            "count": np.int32(step),
-        }
+    base = frozen_base(1024)
+    numpy_base = {k: np.asarray(v).copy() for k, v in base.items()}
 
     steps = 10
     with tempfile.TemporaryDirectory() as root:

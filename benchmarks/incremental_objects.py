@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.request
 
-import numpy as np
+from workloads import adapter_state, frozen_base  # beside this script
 
 BUCKET = "bench"
 
@@ -52,7 +52,6 @@ def main() -> None:
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     try:
         import boto3
-        import jax
 
         import eqxckpt
 
@@ -69,20 +68,7 @@ def main() -> None:
                 if not token:
                     return total
 
-        rng = np.random.default_rng(0)
-        base = {
-            f"layer{i}": jax.device_put(rng.standard_normal((4096, 4096), np.float32)) for i in range(base_mib // 64)
-        }
-        adapter_shapes = {f"lora{i}": (4096, 32) for i in range(32)}  # 32 x 512 KiB = 16 MiB
-
-        def adapter_state(step: int) -> dict:
-            step_rng = np.random.default_rng(step)
-            adapter = {k: jax.device_put(step_rng.standard_normal(s, np.float32)) for k, s in adapter_shapes.items()}
-            return {
-                "adapter": adapter,
-                "opt": {"mu": {k: v * 0.1 for k, v in adapter.items()}, "nu": {k: v * v for k, v in adapter.items()}},
-                "count": np.int32(step),
-            }
+        base = frozen_base(base_mib)
 
         steps = 6
         rows = []

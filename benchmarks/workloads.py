@@ -1,6 +1,7 @@
 """The benchmarks' shared parts: the workloads (built identically in every process), each
 library's save and restore, and the file and process helpers. `bench.py`,
-`device_bench.py` and `profile_ops.py` import it; run as scripts, they find it beside them."""
+`device_bench.py`, `profile_ops.py` and the incremental benchmarks import it; run as
+scripts, they find it beside them."""
 
 import json
 import os
@@ -94,6 +95,30 @@ def many_leaf_state(count: int, abstract: bool = False):
             f"p{i}": fill(int(sizes[b * per_block + i])) for i in range(min(per_block, count - b * per_block))
         }
         for b in range((count + per_block - 1) // per_block)
+    }
+
+
+def frozen_base(mib: int) -> dict:
+    """The frozen model of the incremental benchmarks: ``mib // 64`` jax.Arrays of 64 MiB."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return {f"layer{i}": jax.device_put(rng.standard_normal((4096, 4096), np.float32)) for i in range(mib // 64)}
+
+
+def adapter_state(step: int) -> dict:
+    """The trained part of the incremental benchmarks at ``step``: a 16 MiB adapter (32
+    leaves of 512 KiB) with its adam state (mu, nu), 48 MiB in all; new values each step."""
+    import jax
+    import numpy as np
+
+    step_rng = np.random.default_rng(step)
+    adapter = {f"lora{i}": jax.device_put(step_rng.standard_normal((4096, 32), np.float32)) for i in range(32)}
+    return {
+        "adapter": adapter,
+        "opt": {"mu": {k: v * 0.1 for k, v in adapter.items()}, "nu": {k: v * v for k, v in adapter.items()}},
+        "count": np.int32(step),
     }
 
 
