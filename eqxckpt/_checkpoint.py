@@ -1,25 +1,23 @@
 """`open` and `Checkpoint`: a read-only, lazy view of a committed eqxckpt checkpoint."""
 
-import builtins
 import collections
-import contextlib
 import functools
 import json
 import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
 from ._convert import aligned_empty
-from ._errors import CheckpointError, CorruptCheckpointError
-from ._leaf import KeyRecord, Leaf, StoredLeaf, check_bool_bytes
+from ._errors import CorruptCheckpointError
+from ._leaf import KeyRecord, StoredLeaf, check_bool_bytes
 from ._manifest import Manifest
 from ._pack import member, packed_array, read_runs, unpack
 from ._progress import advance
-from ._source import LazyEntry, Source
+from ._source import LazyEntry, Source, check_allocation, reading
 from ._storage import MAX_ZARR_JSON_BYTES, CheckpointPath, Pin, Storage, corrupt, resolve
 from ._store import CHUNK_BYTES, read_spec, read_window, shared_context
 
@@ -241,26 +239,6 @@ class SliceReads:
         return data[tuple(slice(start - b, stop - b) for (start, stop), (b, _) in zip(key, block))]
 
 
-def check_allocation(nbytes: int, what: str) -> None:
-    """Refuse, before allocating, to hold more than this machine has available."""
-    available = available_memory()
-    if available is not None and nbytes > available:
-        raise CheckpointError(
-            f"{what} needs {nbytes / 2**30:.2f} GiB of host memory, but only {available / 2**30:.2f} GiB is "
-            "available. Restore a part (at=, transforms=), restore onto sharded devices, or free memory."
-        )
-
-
-def available_memory() -> int | None:
-    """Bytes the kernel says can still be allocated (MemAvailable + SwapFree), if known."""
-    try:
-        with builtins.open("/proc/meminfo", "rb") as f:
-            fields = {line.split(b":")[0]: int(line.split()[1]) * 1024 for line in f}
-    except (OSError, ValueError, IndexError):
-        return None
-    return fields.get(b"MemAvailable", 0) + fields.get(b"SwapFree", 0) or None
-
-
 _ZARR_KEYS = {
     "zarr_format",
     "node_type",
@@ -342,17 +320,6 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
         for key in ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs", "fill_value")
         if key in doc
     }
-
-
-@contextlib.contextmanager
-def reading(record: Leaf) -> Iterator[None]:
-    """Any failure while reading ``record`` becomes a `CorruptCheckpointError` naming it."""
-    try:
-        yield
-    except CheckpointError:  # already says what is wrong
-        raise
-    except Exception as e:
-        raise corrupt(record, e) from None
 
 
 class LazyArray(LazyEntry):

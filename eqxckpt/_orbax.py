@@ -20,13 +20,12 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._checkpoint import check_allocation, reading
 from ._errors import CheckpointNotFoundError, ManifestError
 from ._leaf import ArrayLeaf, KeyRecord, Leaf, ScalarLeaf, StoredLeaf, parse_shape, scalar_to_json
 from ._manifest import MAX_MANIFEST_BYTES, parse_json_object
 from ._paths import record_segment
 from ._progress import advance
-from ._source import Source, check_one_tree
+from ._source import Source, check_allocation, check_one_tree, reading
 from ._storage import LocalPin, read_capped
 from ._store import STORED_DTYPES, shared_context
 

@@ -26,7 +26,6 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checkpoint import check_allocation
 from ._convert import aligned_empty
 from ._errors import (
     CheckpointError,
@@ -41,7 +40,7 @@ from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
 from ._manifest import MAX_PARSE_FACTOR, parse_json_object
 from ._paths import encode_segment, key_entry_record
 from ._progress import Progress, advance, reporting
-from ._source import LazyEntry, Source, check_one_tree
+from ._source import LazyEntry, Source, check_allocation, check_one_tree
 from ._storage import create_locked_file, fsync_path, read_capped, remove_abandoned_files
 from ._tree import flatten, is_prng_key_dtype
 

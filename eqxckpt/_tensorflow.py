@@ -16,7 +16,7 @@ from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ._leaf import UNKNOWN, ArrayLeaf, StoredLeaf
 from ._paths import encode_segment
 from ._progress import advance
-from ._source import Source, check_one_tree
+from ._source import Source, check_allocation, check_one_tree
 
 # TF2 checkpoints' record of the Python object graph: a serialised proto, not a variable.
 OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -46,6 +46,8 @@ class TFCheckpoint(Source):
         check_one_tree(self._leaves, self.location, lambda path: self._names[path])
 
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+        # The index's shapes, before TensorFlow allocates a tensor of each.
+        check_allocation(sum(leaf.nbytes for leaf, _ in wanted), f"Restoring {len(wanted)} leaves from {self.location}")
         values = []
         for leaf, target in wanted:
             name = self._names[leaf.path]

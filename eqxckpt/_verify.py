@@ -6,12 +6,13 @@ import dataclasses
 import numpy as np
 import tensorstore as ts
 
-from ._checkpoint import Checkpoint, open_checkpoint, reading
+from ._checkpoint import Checkpoint, open_checkpoint
 from ._digest import LeafDigest
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
 from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
+from ._source import reading
 from ._storage import CheckpointPath, corrupt, resolve
 from ._store import PACK_CHUNK_BYTES
 
