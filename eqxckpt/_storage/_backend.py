@@ -121,8 +121,8 @@ class Storage(abc.ABC):
         refers to, which a local disk's retention would not."""
         raise CheckpointError(
             f"{self} refers to leaves in another checkpoint ({ref}): an incremental save on an object store "
-            "wrote it, and it can only be read and managed there. Load it from the object store (or convert "
-            "it there to a checkpoint of its own with eqxckpt.save(new_path, eqxckpt.open(path)...))."
+            "wrote it, and it can only be read and managed there. Load it from the object store, or make a "
+            "checkpoint of its own from there with eqxckpt.save(new_path, eqxckpt.open(step_path).tree())."
         )
 
     def sibling_name(self, other: "Storage") -> str | None:
