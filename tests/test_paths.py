@@ -13,6 +13,8 @@ from eqxckpt._paths import (
     decode_segment,
     encode_segment,
     keypath_to_path,
+    parse_reference,
+    reference,
     validate_path,
 )
 from eqxckpt._tree import flatten
@@ -124,3 +126,34 @@ def test_keys_that_fold_to_eqxckpt_files_are_refused(tmp_path, key):
     assert not (tmp_path / "c").exists()
     eqxckpt.save(tmp_path / "ok", {"eqxckpt.json": np.ones(2)})  # the exact name is escaped, as before
     assert eqxckpt.open(tmp_path / "ok").paths == ["eqxckpt%2Ejson"]
+
+
+NAMES = st.text(alphabet="abc09_.-/%~ Ωx\x00", max_size=12)
+
+
+@given(
+    st.one_of(NAMES, st.builds(lambda a, b: f"../{a}/%arrays.{b}", NAMES, st.text("0123456789abcdefA", max_size=33)))
+)
+def test_a_leaf_reference_parses_only_in_its_exact_form(text):
+    """Any string is either a sibling's own prefix, which round-trips, or a ManifestError."""
+    try:
+        entry, arrays = parse_reference(text, "w")
+    except ManifestError:
+        return
+    assert reference(entry, arrays) == text
+    assert "/" not in entry and entry not in (".", "..") and re.fullmatch(r"%arrays\.[0-9a-f]{32}", arrays)
+
+
+def test_a_leaf_reference_accepts_a_step_and_refuses_what_leads_elsewhere():
+    prefix = "%arrays." + "0" * 32
+    assert parse_reference(f"../12/{prefix}", "w") == ("12", prefix)
+    for bad in (
+        f"../../{prefix}",
+        f"/{prefix}",
+        f".././{prefix}",
+        f"../../x/{prefix}",
+        f"../a/b/{prefix}",
+        "../7/%packed",
+    ):
+        with pytest.raises(ManifestError, match="must be '../<checkpoint beside this one>/"):
+            parse_reference(bad, "w")
