@@ -462,9 +462,16 @@ def _hold_is_live(run: ts.KvStore, holder: str) -> bool:
         return False  # not a hold eqxckpt writes: it keeps nothing
     store = run.copy()
     store.path = f"{run.path}{entry}/"
+    return _named(store, arrays)
+
+
+def _named(store: ts.KvStore, arrays: str) -> bool:
+    """Whether the checkpoint at ``store`` may still use its prefix ``arrays``: its lease or
+    its manifest names it, read in that order; one eqxckpt cannot read keeps it (nothing
+    is proven)."""
     current, doc = read_lease(store)
     if current.state == "value" and (doc is None or arrays in doc["arrays"]):
-        return True  # (a lease eqxckpt cannot read: nothing is proven, so it is kept)
+        return True
     named = committed_arrays(store)
     return named is None or named == arrays
 
@@ -473,22 +480,22 @@ def _holds_live(store: ts.KvStore, run: ts.KvStore, name: str) -> bool:
     """Whether any hold in the prefix ``name`` is live; holds found dead are removed."""
     start = f"{name}/{HOLDS_NAME}/"
     keys = [key.decode("utf-8", "replace") for key in store.list(ts.KvStore.KeyRange(start, start[:-1] + "0")).result()]
+    dead, live = [], False
     for key in keys:
         if _hold_is_live(run, key[len(start) :]):
-            return True
-        store.write(key, None).result()
-    return False
+            live = True
+            break
+        dead.append(key)
+    for removed in [store.write(key, None) for key in dead]:  # together, not one request at a time
+        removed.result()
+    return live
 
 
 def collect_prefix(store: ts.KvStore, name: str) -> bool:
     """Delete the prefix ``name`` of the checkpoint at ``store`` if neither its lease nor its
     manifest names it (a retired prefix) and no live hold is in it; True if deleted. Run
     after deleting a checkpoint that referred to it, without listing the whole checkpoint."""
-    current, doc = read_lease(store)
-    if current.state == "value" and (doc is None or name in doc["arrays"]):
-        return False
-    committed = committed_arrays(store)
-    return committed is not None and committed != name and bool(delete_unheld(store, [name]))
+    return not _named(store, name) and bool(delete_unheld(store, [name]))
 
 
 def delete_unheld(store: ts.KvStore, names: list[str]) -> list[str]:

@@ -152,9 +152,10 @@ class ObjectStorage(Storage):
         )
 
     def _parent(self) -> tuple[dict[str, Any], str]:
-        """The directory this checkpoint is in (a kvstore spec), and its name there."""
+        """The directory this checkpoint is in (a kvstore spec), and its name there: "" if
+        it is no name a sibling may refer to (as `_lease.run_store` decides for holds)."""
         head, _, name = str(self.kvstore.get("path", "")).rstrip("/").rpartition("/")
-        return {**self.kvstore, "path": f"{head}/" if head else ""}, name
+        return {**self.kvstore, "path": f"{head}/" if head else ""}, name if is_entry_name(name) else ""
 
     def _sibling(self, entry: str) -> "ObjectStorage":
         parent, _ = self._parent()
@@ -168,7 +169,7 @@ class ObjectStorage(Storage):
         if not isinstance(other, ObjectStorage):
             return None
         (mine, name), (theirs, entry) = self._parent(), other._parent()
-        return entry if name and entry and entry != name and mine == theirs and is_entry_name(entry) else None
+        return entry if name and entry and entry != name and mine == theirs else None
 
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
         # Object stores cannot cap a read without a second request: the size is
