@@ -469,6 +469,17 @@ def _copy_from(data: LazyEntry) -> Any:
     return data._stream() if isinstance(data, LazyArray) else data.get()
 
 
+def _referring(manifest: Manifest, refs: dict[str, str]) -> Manifest:
+    """The manifest with each leaf at a path in ``refs`` naming the prefix its array is in
+    (every packed leaf, if the packed array is in ``refs``)."""
+    where = lambda r: refs.get(PACKED_LOCATION if r.offset is not None else r.path)  # noqa: E731
+    records = [
+        dataclasses.replace(r, arrays=where(r)) if isinstance(r, StoredLeaf) and where(r) else r
+        for r in manifest.leaves
+    ]
+    return dataclasses.replace(manifest, leaves=tuple(records))
+
+
 def _run(
     location: Storage,
     manifest: Manifest,
@@ -499,25 +510,12 @@ def _run(
         staging = location.begin_save([leaf.record.path for leaf in everything], overwrite)
         if referred:
             held = staging.refer(sorted({ref for _, ref in referred}))
-            refs = {leaf.record.path: ref for leaf, ref in referred if ref in held}
-
-            def where(r: StoredLeaf) -> str | None:  # packed leaves: where the packed array is
-                return refs.get(PACKED_LOCATION if r.offset is not None else r.path)
-
-            manifest = dataclasses.replace(
-                manifest,
-                leaves=tuple(
-                    dataclasses.replace(r, arrays=where(r)) if isinstance(r, StoredLeaf) and where(r) else r
-                    for r in manifest.leaves
-                ),
-            )
+            manifest = _referring(manifest, {leaf.record.path: ref for leaf, ref in referred if ref in held})
             leaves.extend(leaf for leaf, ref in referred if ref not in held)  # doomed meanwhile: written
         # The directories above the arrays become zarr groups, written while the arrays are created.
         store = staging.storage.open_kvstore()
-        written = [*leaves, *(leaf for leaf, _ in linked)]
-        groups = [
-            store.write(group_file(g), GROUP_METADATA) for g in group_locations(leaf.record.path for leaf in written)
-        ]
+        own = [*leaves, *(leaf for leaf, _ in linked)]
+        groups = [store.write(group_file(g), GROUP_METADATA) for g in group_locations(leaf.record.path for leaf in own)]
         if linked:
             assert base is not None
             staging.link_files(base._arrays, [key for _, keys in linked for key in keys])
