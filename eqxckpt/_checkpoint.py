@@ -1,25 +1,28 @@
 """`open` and `Checkpoint`: a read-only, lazy view of a committed eqxckpt checkpoint."""
 
+import asyncio
 import collections
 import functools
 import json
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
+from ._chunks import ChunkLayout, Region, read_chunk
 from ._convert import aligned_empty
 from ._errors import CorruptCheckpointError
 from ._leaf import KeyRecord, StoredLeaf, check_bool_bytes
 from ._manifest import Manifest
-from ._pack import member, packed_array, read_runs, unpack
+from ._pack import packed_array, read_runs, unpack
 from ._progress import advance
 from ._source import LazyEntry, Source, check_allocation, reading
 from ._storage import MAX_ZARR_JSON_BYTES, CheckpointPath, Pin, Storage, corrupt, resolve
 from ._store import CHUNK_BYTES, read_spec, read_window, shared_context
+from ._window import Task, run_windowed
 
 
 class Checkpoint(Source):
@@ -64,109 +67,118 @@ class Checkpoint(Source):
         """Where the leaf's array is: this checkpoint's arrays, or an earlier one's."""
         return self._arrays if leaf.arrays is None else self._referenced[leaf.arrays]
 
-    def _open_checked(self, leaf: StoredLeaf, opened: ts.Future) -> ts.TensorStore:
-        """The opened array, after checking its ``zarr.json`` is what eqxckpt writes
-        for what the manifest says.
-
-        TensorStore then opens it from that validated metadata alone, without
-        reading ``zarr.json`` again: what was checked is what is used.
-        """
+    def _checked_metadata(self, leaf: StoredLeaf, opened: ts.Future) -> dict[str, Any]:
+        """The leaf's ``zarr.json`` (being read by ``opened``), checked to be what eqxckpt
+        writes for what the manifest says. What was checked is what is used: chunks are
+        read by the layout it gives, and TensorStore opens the array from it alone."""
         with reading(leaf):
-            result = opened.result()
-        raw = result if isinstance(result, bytes) else bytes(result.value) if result.state == "value" else None
+            raw = opened.result()
         if raw is None:
             raise corrupt(leaf, "its zarr.json is missing")
-        metadata = validate_array_metadata(raw, leaf)
+        return validate_array_metadata(raw, leaf)
+
+    def _layout(self, leaf: StoredLeaf) -> ChunkLayout:
+        return ChunkLayout.stored(leaf, self._checked_metadata(leaf, self._open_array(leaf)))
+
+    def _open_store(self, leaf: StoredLeaf, metadata: dict[str, Any]) -> ts.TensorStore:
+        """The array as a TensorStore, for reads of slices of it (lazy indexing, sharded restores)."""
         with reading(leaf):
             spec = read_spec(self._arrays_of(leaf).child(leaf.path), metadata)
             return ts.open(spec, context=self._context, read=True).result()
 
     def _open_leaf(self, leaf: StoredLeaf) -> ts.TensorStore:
-        return self._open_checked(leaf, self._open_array(leaf))
+        return self._open_store(leaf, self._checked_metadata(leaf, self._open_array(leaf)))
 
     @functools.cached_property
-    def _packed_store(self) -> ts.TensorStore:
-        """The packed array, opened (and its files checked) once for every read of it."""
+    def _packed_layout(self) -> ChunkLayout:
+        """The packed array's layout, its metadata (and its files) checked once for every read of it."""
         assert self._packed is not None
-        return self._open_leaf(self._packed)
+        return self._layout(self._packed)
+
+    def _chunk_reads(
+        self, record: StoredLeaf, layout: ChunkLayout, region: Region | None, out: np.ndarray, done: Callable[[], None]
+    ) -> list[Task]:
+        """Tasks that read the chunks of ``region`` (None: all; chunk-aligned) of ``record``'s
+        array into ``out`` (shaped like it), checking each one's checksum, then call ``done``."""
+        files = self._arrays_of(record).chunk_files()
+        parts = layout.regions(region)
+        origin = [0] * len(layout.shape) if region is None else [s.start for s in region]
+        tasks: list[Task] = []
+        for n, (key, part) in enumerate(parts):
+            into = out[(*(slice(p.start - o, p.stop - o) for p, o in zip(part, origin)), ...)]  # a view, even 0-d
+
+            def work(key: str = key, part: Region = part, into: np.ndarray = into) -> None:
+                with reading(record):
+                    read_chunk(files, f"{record.path}/{key}", layout, part, into)
+
+            tasks.append((into.nbytes, work, (lambda _: done()) if n == len(parts) - 1 else None))
+        return tasks or [(0, lambda: None, lambda _: done())]
+
+    def _fetch(self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], what: str) -> None:
+        """Read each of ``leaves`` whole, as stored, calling ``done(i, data)`` in order: all
+        their metadata at once, then their chunks straight into the final buffers within a
+        `read_window`. Packed leaves are read as runs of the packed array's chunks, each once.
+        ``what`` names the read in the error if there is not the memory for it."""
+        own = [i for i, leaf in enumerate(leaves) if leaf.offset is None]
+        packed = [i for i, leaf in enumerate(leaves) if leaf.offset is not None]
+        opens = [self._open_array(leaves[i]) for i in own]
+        layouts = {i: ChunkLayout.stored(leaves[i], self._checked_metadata(leaves[i], o)) for i, o in zip(own, opens)}
+        runs = []
+        if packed:
+            assert self._packed is not None  # a bad chunk names the packed array; verify names its leaves
+            runs = read_runs([leaves[i] for i in packed], self._packed.shape[0], self._packed_layout.chunk[0])
+        # Checked once the files were: those must hold what the manifest declares.
+        check_allocation(sum(leaves[i].nbytes for i in own) + sum(end - start for start, end, _ in runs), what)
+        tasks: list[Task] = []
+        for i in own:
+            layout = layouts[i]
+            buffer = aligned_empty(layout.shape, layout.dtype)  # aligned: the jax array adopts it
+            tasks += self._chunk_reads(leaves[i], layout, None, buffer, lambda i=i, buffer=buffer: done(i, buffer))
+        if packed:
+            assert self._packed is not None
+            layout = self._packed_layout
+            for start, end, members in runs:
+                indices = [packed[m] for m in members]
+                buffer = aligned_empty((end - start,), np.dtype(np.uint8))
+
+                def unpacked(start: int = start, buffer: np.ndarray = buffer, indices: list[int] = indices) -> None:
+                    for i, data in zip(indices, unpack(buffer, start, [leaves[i] for i in indices])):
+                        done(i, data)
+
+                tasks += self._chunk_reads(self._packed, layout, (slice(start, end),), buffer, unpacked)
+        run_windowed(tasks, read_window(sum(leaf.nbytes for leaf in leaves)))
+
+    def _stored(self, leaf: StoredLeaf) -> np.ndarray:
+        """One leaf's stored array, read whole."""
+        found: list[np.ndarray] = []
+        self._fetch([leaf], lambda _, data: found.append(data), f"Reading leaf {leaf.path!r}")
+        return found[0]
 
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        """Read every selected leaf: all opens at once, then reads straight into the
-        final buffers, concurrently within a `read_window`. A target whose sharding
-        spans several devices is read slice by slice, each on its own process.
-        Packed leaves are read as runs of the packed array's chunks, each once."""
-        own = [i for i, (leaf, _) in enumerate(wanted) if leaf.offset is None]
-        packed = [i for i, (leaf, _) in enumerate(wanted) if leaf.offset is not None]
-        opens = [self._open_array(wanted[i][0]) for i in own]
-        stores = {i: self._open_checked(wanted[i][0], opened) for i, opened in zip(own, opens)}
-        runs = read_runs([wanted[i][0] for i in packed], self._packed.shape[0]) if self._packed and packed else []
-        sharded = {i for i in own if _sharded(*wanted[i])}
-        check_allocation(
-            sum(wanted[i][0].nbytes for i in own if i not in sharded) + sum(end - start for start, end, _ in runs),
-            f"Restoring {len(wanted)} leaves from {self.location}",
-        )
+        """Read every selected leaf (see `_fetch`). A target whose sharding spans several
+        devices is read slice by slice, each on its own process."""
+        sharded = [i for i, (leaf, target) in enumerate(wanted) if leaf.offset is None and _sharded(leaf, target)]
+        whole = [i for i in range(len(wanted)) if i not in set(sharded)]
         values: list[Any] = [None] * len(wanted)
 
-        def finish(indices: list[int], data: list[np.ndarray]) -> None:
-            for i, value in zip(indices, data):
-                leaf, target = wanted[i]
-                with reading(leaf):
-                    values[i] = leaf.finish(value, target)
-                advance(leaf.nbytes)
+        def finish(n: int, data: np.ndarray) -> None:
+            leaf, target = wanted[whole[n]]
+            with reading(leaf):
+                values[whole[n]] = leaf.finish(data, target)
+            advance(leaf.nbytes)
 
-        # Each read: what a failure names, the view read, the buffer's shape and dtype, and
-        # what the buffer holds for which leaves. TensorStore copies into our aligned buffer,
-        # which the jax arrays then adopt.
-        reads: list[tuple[StoredLeaf, ts.TensorStore, tuple[int, ...], np.dtype, Any]] = []
-        for i in own:
-            if i not in sharded:
-                leaf = wanted[i][0]
-                done = lambda buffer, i=i: finish([i], [buffer])  # noqa: E731
-                reads.append((leaf, stores[i], leaf.data_shape, np.dtype(leaf.dtype), done))
-        for start, end, members in runs:
-            assert self._packed is not None  # a bad chunk names the packed array; verify names its leaves
-            indices = [packed[m] for m in members]
-            leaves = [wanted[i][0] for i in indices]
-            reads.append(
-                (
-                    self._packed,
-                    self._packed_store[start:end],
-                    (end - start,),
-                    np.dtype(np.uint8),
-                    lambda buffer, start=start, indices=indices, leaves=leaves: finish(
-                        indices, unpack(buffer, start, leaves)
-                    ),
-                )
-            )
-        pending: collections.deque = collections.deque()
-        in_flight = 0
-        window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
-
-        def finish_oldest() -> None:
-            nonlocal in_flight
-            record, buffer, copied, done = pending.popleft()
-            with reading(record):
-                copied.result()
-            done(buffer)
-            in_flight -= buffer.nbytes
-
-        for record, view, shape, dtype, done in reads:
-            while pending and in_flight + math.prod(shape) * dtype.itemsize > window:
-                finish_oldest()
-            buffer = aligned_empty(shape, dtype)
-            pending.append((record, buffer, ts.array(buffer, copy=False, write=True).write(view), done))
-            in_flight += buffer.nbytes
-        while pending:
-            finish_oldest()
+        self._fetch([wanted[i][0] for i in whole], finish, f"Restoring {len(wanted)} leaves from {self.location}")
         # Sharded targets last, a leaf at a time, their slices read ahead within the window
         # and each placed on its device before it is let go: the host holds a window.
+        window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
         for i in sharded:
             leaf, target = wanted[i]
+            store = self._open_leaf(leaf)
             with reading(leaf):
                 values[i] = leaf.assemble(
                     target,
                     # Half the window: a local read also maps the chunk files it reads.
-                    SliceReads(leaf, target, stores[i], window // 2),
+                    SliceReads(leaf, target, store, window // 2),
                     lambda index, shape=leaf.shape: _slice_key(index, shape),
                 )
             advance(leaf.nbytes)
@@ -434,41 +446,32 @@ class LazyArray(LazyEntry):
         return store[self._index] if self._index != () else store
 
     def _stream(self) -> ts.TensorStore | np.ndarray:
-        """The stored array as a TensorStore view (indexed and cast as this
+        """The stored array as a TensorStore view from 0 (indexed and cast as this
         LazyArray is), to copy from without reading it all into memory; a
         packed leaf (small) is read whole."""
         if self.leaf.offset is not None:
             with reading(self.leaf):
-                data = self._packed_data(self._start().result())
+                data = self._data()
             return data if self._dtype is None else data.astype(self._dtype)
-        view = self._view()
+        view = self._view().translate_to[0]
         return view if self._dtype is None else ts.cast(view, self._dtype)
-
-    def _packed_data(self, raw: np.ndarray) -> np.ndarray:
-        """The stored array (indexed) from a packed leaf's bytes."""
-        data = member(raw, self.leaf.offset or 0, self.leaf)
-        check_bool_bytes(data, self.leaf.path)
-        return data[self._index] if self._index != () else data
 
     def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
         """The leaf this array becomes when it is saved at ``path`` (copied from its checkpoint)."""
         changed = self._index != () or self._dtype is not None
         return self.leaf.copied(path, keys, tuple(self.shape), self.dtype, changed=changed)
 
-    def _start(self) -> ts.Future:
-        # Opened first: that checks the stored files really hold what the manifest declares.
-        offset = self.leaf.offset
-        if offset is None:
-            view = self._view()
-        else:  # just its bytes: the chunks of the packed array that hold them
-            view = self.source._packed_store[offset : offset + self.leaf.nbytes]
-        check_allocation(self.nbytes, f"Reading leaf {self.leaf_path!r}")
-        return view.read()
-
-    def _finish(self, data: np.ndarray) -> Any:
-        if self.leaf.offset is not None:
-            data = self._packed_data(data)
-        return self.leaf.host_value(data, self._dtype)
+    def _data(self) -> np.ndarray:
+        """The selected stored values: the whole leaf read chunk by chunk (a packed one from
+        the chunks holding it), a selection through TensorStore, which reads only the
+        chunks it needs."""
+        if self.leaf.offset is None and self._index != ():
+            view = self._view()  # opened first: that checks the stored files hold what the manifest declares
+            check_allocation(self.nbytes, f"Reading leaf {self.leaf_path!r}")
+            return view.read().result()
+        data = self.source._stored(self.leaf)
+        check_bool_bytes(data, self.leaf.path)  # all of it: a selection could skip a damaged byte
+        return data[self._index] if self._index != () else data
 
     def get(self) -> Any:
         """Read the data.
@@ -480,8 +483,8 @@ class LazyArray(LazyEntry):
         ```
         """
         with self.source.consistent(), reading(self.leaf):
-            data = self._start().result()
-        return self._finish(data)
+            data = self._data()
+        return self.leaf.host_value(data, self._dtype)
 
     async def get_async(self) -> Any:
         """Read without blocking the event loop.
@@ -492,9 +495,7 @@ class LazyArray(LazyEntry):
         w = await ckpt["model/w"].get_async()
         ```
         """
-        with self.source.consistent(), reading(self.leaf):
-            data = await self._start()
-        return self._finish(data)
+        return await asyncio.to_thread(self.get)
 
 
 def open_checkpoint(path: CheckpointPath | Storage) -> Checkpoint:

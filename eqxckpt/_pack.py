@@ -11,23 +11,23 @@ its path, keys, shape and dtype; any zarr v3 reader gets one back as
 ``packed[offset:offset + nbytes].view(dtype).reshape(shape)``.
 """
 
+import bisect
 import dataclasses
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ._chunks import ChunkLayout
 from ._convert import aligned_empty
 from ._errors import CheckpointError
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION
+from ._pieces import ChunkWrite, Piece
 from ._store import PACK_CHUNK_BYTES
 
 PACK_MAX_BYTES = 256 * 1024
 PACK_MIN_LEAVES = 32
-# A save assembles the packed array this many bytes (whole chunks) at a time: the
-# next batch while the one before is being written.
-WRITE_BATCH_BYTES = 16 * PACK_CHUNK_BYTES
 # A load reads runs of adjacent chunks of at most this many bytes.
 MAX_RUN_BYTES = 16 * PACK_CHUNK_BYTES
 
@@ -81,48 +81,57 @@ def unpack(buffer: np.ndarray, start: int, leaves: Sequence[StoredLeaf]) -> list
     return copies
 
 
-@dataclasses.dataclass
-class PackedWrite:
-    """The data of the packed leaves, ``(offset, host array)`` in offset order."""
+class PackedWrite(Piece):
+    """The data of the packed leaves, ``(offset, host array)`` in offset order; each chunk
+    of the packed array is assembled only when it is written, so packing never holds a
+    second copy of all the leaves."""
 
-    members: list[tuple[int, np.ndarray]]
+    def __init__(self, members: list[tuple[int, np.ndarray]]):
+        self.members = members
+        self._offsets = [offset for offset, _ in members]
+        offset, data = members[-1]
+        self.nbytes = offset + data.nbytes  # the packed array's length: up to the end of the last member
+        self.leaves = len(members)
 
-    @property
-    def nbytes(self) -> int:
-        """The packed array's length: up to the end of the last member."""
-        offset, data = self.members[-1]
-        return offset + data.nbytes
+    def hashed(self) -> list[tuple[int | None, np.ndarray]]:
+        return [(offset, data) for offset, data in self.members]
 
-    def batches(self) -> Iterator[tuple[int, np.ndarray, int]]:
-        """The packed array's bytes as ``(start, bytes, leaves completed)``, a batch of whole
-        chunks at a time, assembled only when asked for: packing never holds a second copy
-        of all the leaves."""
-        first = 0  # the first member not yet copied whole
-        for start in range(0, self.nbytes, WRITE_BATCH_BYTES):
-            end = min(start + WRITE_BATCH_BYTES, self.nbytes)
-            batch = np.zeros(end - start, np.uint8)  # alignment gaps are zeros
-            done, i = first, first
-            while i < len(self.members) and self.members[i][0] < end:
-                offset, data = self.members[i]
-                raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-                low, high = max(offset, start), min(offset + raw.size, end)
-                batch[low - start : high - start] = raw[low - offset : high - offset]
-                if offset + raw.size <= end:
-                    first = i + 1
-                i += 1
-            yield start, batch, first - done
+    def assemble(self, start: int, end: int) -> np.ndarray:
+        """Bytes ``start:end`` of the packed array; alignment gaps are zeros."""
+        out = np.zeros(end - start, np.uint8)
+        i = max(0, bisect.bisect_right(self._offsets, start) - 1)
+        while i < len(self.members) and self.members[i][0] < end:
+            offset, data = self.members[i]
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            low, high = max(offset, start), min(offset + raw.size, end)
+            if low < high:
+                out[low - start : high - start] = raw[low - offset : high - offset]
+            i += 1
+        return out
+
+    def chunks(self, layout: ChunkLayout) -> list[ChunkWrite]:
+        ends = [offset + data.nbytes for offset, data in self.members]
+        writes: list[ChunkWrite] = []
+        for key, part in layout.regions():
+            [run] = part
+            done = bisect.bisect_right(ends, run.stop) - bisect.bisect_right(ends, run.start)
+            writes.append((key, part, lambda run=run: self.assemble(run.start, run.stop), done))
+        return writes
 
 
-def read_runs(leaves: Sequence[StoredLeaf], length: int) -> list[tuple[int, int, list[int]]]:
-    """Runs of whole chunks of the packed array (of ``length`` bytes) that hold
-    ``leaves``: ``(start, end, indices of the leaves in it)``, each read once."""
+def read_runs(
+    leaves: Sequence[StoredLeaf], length: int, chunk: int = PACK_CHUNK_BYTES
+) -> list[tuple[int, int, list[int]]]:
+    """Runs of whole chunks (of ``chunk`` bytes) of the packed array (of ``length`` bytes)
+    that hold ``leaves``: ``(start, end, indices of the leaves in it)``, each read once."""
     runs: list[tuple[int, int, list[int]]] = []
+    longest = max(chunk, MAX_RUN_BYTES // chunk * chunk)
     for i in sorted(range(len(leaves)), key=lambda i: leaves[i].offset or 0):
         leaf = leaves[i]
         assert leaf.offset is not None
-        first = leaf.offset // PACK_CHUNK_BYTES * PACK_CHUNK_BYTES
-        last = min(length, -(-(leaf.offset + leaf.nbytes) // PACK_CHUNK_BYTES) * PACK_CHUNK_BYTES)
-        if runs and first <= runs[-1][1] and last - runs[-1][0] <= MAX_RUN_BYTES:
+        first = leaf.offset // chunk * chunk
+        last = min(length, -(-(leaf.offset + leaf.nbytes) // chunk) * chunk)
+        if runs and first <= runs[-1][1] and last - runs[-1][0] <= longest:
             start, end, members = runs[-1]
             runs[-1] = (start, max(end, last), members + [i])
         else:

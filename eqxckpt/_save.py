@@ -4,28 +4,28 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import jax
 import numpy as np
-import tensorstore as ts
 from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
-from ._checkpoint import Checkpoint, LazyArray, open_checkpoint
+from ._checkpoint import Checkpoint, open_checkpoint
+from ._chunks import ChunkLayout, encode
 from ._digest import digest
 from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointWriteError
-from ._leaf import Leaf, StoredLeaf, leaf_of
+from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedWrite, assign_offsets, packable, packed_array
 from ._paths import GROUP_METADATA, PACKED_LOCATION, group_file, group_locations, key_entry_record, reference
+from ._pieces import Piece, record_of, snapshot
 from ._progress import Progress, advance, reporting
-from ._source import LazyEntry, Source
 from ._storage import (
     NOTHING_COMMITTED,
     CheckpointPath,
@@ -35,18 +35,24 @@ from ._storage import (
     nothing_committed,
     resolve,
 )
-from ._store import array_spec, chunk_budget, chunk_regions, is_storage_error, read_window, reason, shared_context
+from ._store import is_storage_error, read_window, reason
 from ._tree import flatten
+from ._window import Task, run_windowed
 
 
 @dataclasses.dataclass
 class _WriteJob:
-    """One array leaf to write: its record, the shard shape its chunks must tile,
-    and the pieces this process writes as (index or None for whole, data)."""
+    """One array leaf to write: its record, the shard shape its chunks must tile
+    (None: whole), its chunk layout (planned once, from those), and the pieces this
+    process writes."""
 
     record: StoredLeaf
     shard: tuple[int, ...] | None
-    pieces: list[tuple[tuple[slice, ...] | None, Any]]
+    pieces: list[Piece]
+    layout: ChunkLayout = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.layout = ChunkLayout.planned(self.record, self.shard)
 
 
 def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
@@ -62,10 +68,7 @@ def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
                 "wrap a single array, e.g. save(path, {'x': array})."
             )
         keys = tuple(tuple(key_entry_record(e)) for e in keypath)
-        if isinstance(value, LazyEntry):
-            record, data = value._saved_as(path, keys), value
-        else:
-            record, data = leaf_of(path, keys, value)
+        record, data = record_of(path, keys, value)
         records.append(record)
         if isinstance(record, StoredLeaf):
             arrays.append((record, data))
@@ -73,40 +76,8 @@ def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
 
 
 def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) -> list[_WriteJob]:
-    """The bytes this process must write, in host memory it owns.
-
-    Only shards with ``replica_id == 0`` are taken, so every element is written
-    by exactly one process; host-local leaves (numpy, fully addressable arrays
-    in a multi-process run) are written by process 0 alone. ``copy``: take a
-    private copy of numpy leaves, which the caller may mutate afterwards.
-    """
-    multiprocess = is_multiprocess()
-    leaves: list[_WriteJob] = []
-    for record, value in arrays:
-        if isinstance(value, jax.Array) and isinstance(value.sharding, jax.sharding.SingleDeviceSharding):
-            # The common case, without asking for shards (costly per leaf in a tree of many small ones).
-            leaves.append(_WriteJob(record, None, [(None, value)] if leader or not multiprocess else []))
-        elif isinstance(value, jax.Array):
-            if multiprocess and value.is_fully_addressable and not leader:
-                shards = []
-            else:
-                shards = [s for s in value.addressable_shards if s.replica_id == 0]
-            whole = len(value.sharding.device_set) == 1
-            shard = None if whole else tuple(value.sharding.shard_shape(value.shape))
-            leaves.append(_WriteJob(record, shard, [(None if whole else s.index, s.data) for s in shards]))
-        else:
-            leaves.append(_WriteJob(record, None, [(None, value)] if leader or not multiprocess else []))
-    # Start every device-to-host transfer before waiting on any (a no-op on CPU).
-    # A LazyArray stays as it is: it is copied from its checkpoint piece by piece.
-    for leaf in leaves:
-        for _, data in leaf.pieces:
-            if isinstance(data, jax.Array) and not _on_cpu(data):
-                data.copy_to_host_async()
-    for leaf in leaves:
-        leaf.pieces = [
-            (index, data if isinstance(data, LazyEntry) else _host(data, copy)) for index, data in leaf.pieces
-        ]
-    return leaves
+    """The pieces this process must write, in host memory it owns (see `_pieces.snapshot`)."""
+    return [_WriteJob(record, shard, pieces) for record, shard, pieces in snapshot(arrays, copy, leader)]
 
 
 def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], list[_WriteJob]]:
@@ -115,11 +86,7 @@ def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], lis
     small = [
         leaf
         for leaf in leaves
-        if leaf.shard is None
-        and len(leaf.pieces) == 1
-        and leaf.pieces[0][0] is None
-        and isinstance(leaf.pieces[0][1], np.ndarray)
-        and packable(leaf.record)
+        if leaf.shard is None and len(leaf.pieces) == 1 and leaf.pieces[0].whole is not None and packable(leaf.record)
     ]
     if len(small) < PACK_MIN_LEAVES:
         return records, leaves
@@ -127,11 +94,17 @@ def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], lis
     where = {id(leaf.record): record for leaf, record in zip(small, placed)}
     array = packed_array(placed)
     assert array is not None
-    written = PackedWrite([(record.offset or 0, leaf.pieces[0][1]) for leaf, record in zip(small, placed)])
+    written = PackedWrite(
+        [
+            (record.offset or 0, whole)
+            for leaf, record in zip(small, placed)
+            if (whole := leaf.pieces[0].whole) is not None
+        ]
+    )
     chosen = {id(leaf) for leaf in small}
     return (
         [where.get(id(record), record) for record in records],
-        [leaf for leaf in leaves if id(leaf) not in chosen] + [_WriteJob(array, None, [(None, written)])],
+        [leaf for leaf in leaves if id(leaf) not in chosen] + [_WriteJob(array, None, [written])],
     )
 
 
@@ -165,15 +138,11 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
     for leaf in leaves:
         if len(leaf.pieces) != 1:
             continue
-        [(index, data)] = leaf.pieces
-        if isinstance(data, PackedWrite):
-            whole.extend((by_offset[offset], member) for offset, member in data.members)
-        elif (
-            isinstance(data, np.ndarray)
-            and (index is None or all(part == slice(None) for part in index))
-            and data.shape == leaf.record.data_shape
-        ):
-            whole.append((leaf.record, data))
+        for offset, data in leaf.pieces[0].hashed():
+            if offset is not None:
+                whole.append((by_offset[offset], data))
+            elif data.shape == leaf.record.data_shape:
+                whole.append((leaf.record, data))
     batches: list[list[tuple[StoredLeaf, np.ndarray]]] = [[]]
     size = 0
     for record, data in whole:
@@ -248,7 +217,9 @@ def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> 
     with the files to take."""
     reusable: dict[int, list[str]] = {}
     for leaf, old in _unchanged(base, manifest, leaves):
-        expected = {k: v for k, v in expected_files([(old, None)]).items() if k.startswith(f"{old.path}/")}
+        expected = {
+            k: v for k, v in expected_files([(old, ChunkLayout.planned(old))]).items() if k.startswith(f"{old.path}/")
+        }
         found = base._arrays.leaf_files(old.path)
         if found is not None and found.keys() == expected.keys():
             if all(size < 0 or found[key] == size for key, size in expected.items()):
@@ -285,188 +256,44 @@ def interrupts_deferred() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
-def _on_cpu(array: jax.Array) -> bool:
-    return all(d.platform == "cpu" for d in array.sharding.device_set)
+def _write(target: Storage, leaves: list[_WriteJob], *, metadata: bool, chunks: bool) -> None:
+    """Write each leaf's ``zarr.json`` (``metadata``) and its pieces' chunks (``chunks``),
+    all through one window: a chunk's values are produced (a view of host memory, a packed
+    chunk assembled, a copied chunk read) on an I/O thread just before it is written.
 
+    Views reference the source buffers rather than copy them: nothing changes them while
+    we wait, since jax arrays are immutable, an async save copied its numpy leaves, and
+    a blocking save returns only afterwards. Nothing is still writing when this returns
+    or raises, so a failed save can remove its files."""
+    files = target.chunk_files()
 
-def _host(value: Any, copy: bool) -> np.ndarray:
-    """``value`` in host memory that nothing else will change.
-
-    A device array's host copy is fresh. A CPU jax array needs no copy: the
-    numpy view holds an external reference to its buffer, which keeps the
-    buffer alive and unchanged if the caller deletes the array or donates it
-    to a jitted step (XLA then writes the step's output elsewhere). This is
-    what lets an async save return in ~0.01 s instead of ~0.8 s for 792 MiB
-    (`tests/test_save.py` checks donation and deletion). Numpy arrays are
-    mutable, so an async save copies them.
-    """
-    if isinstance(value, jax.Array):
-        return np.asarray(value)
-    return np.array(value, copy=True) if copy else np.asarray(value)
-
-
-def _settle(
-    futures: Sequence[tuple[Leaf, Any]], action: str, done: Sequence[tuple[int, int]] | None = None
-) -> list[Any]:
-    """Every future's result. On failure, raise only once all have finished, so
-    nothing is still writing into a directory that the caller then removes.
-    ``done``: the (bytes, leaves) each future completes, counted (progress) as it settles."""
-    results: list[Any] = []
-    failure: BaseException | None = None
-    # Ctrl-C waits until every future has settled: a write still running could
-    # recreate files of a save that the interrupt then removes.
-    with interrupts_deferred():
-        for i, (record, future) in enumerate(futures):
+    def written(record: StoredLeaf, key: str, produce: Callable[[], list[np.ndarray]]) -> Callable[[], None]:
+        def work() -> None:
             try:
-                results.append(future.result())
-            except Exception as e:  # noqa: BLE001 - the first is raised below, after the rest settle
-                results.append(None)
-                if failure is None:
-                    why = reason(e)
-                    failure = CheckpointWriteError(
-                        f"{action} leaf {record.path!r} failed: {why}. {nothing_committed(why)}"
-                    )
-                    failure.__cause__ = e
-                continue
-            if done is not None and failure is None:
-                try:
-                    advance(*done[i])
-                except BaseException as e:  # noqa: BLE001 - the user's progress callback: raised as itself
-                    failure = e
-    if failure is not None:
-        raise failure
-    return results
+                files.write(f"{record.path}/{key}", produce())
+            except CheckpointError:
+                raise
+            except Exception as e:
+                why = reason(e)
+                error = CheckpointWriteError(f"Writing leaf {record.path!r} failed: {why}. {nothing_committed(why)}")
+                error.errno = getattr(e, "errno", None)
+                raise error from e
 
+        return work
 
-def _open_arrays(target: Storage, leaves: list[_WriteJob], create: bool) -> list[ts.TensorStore]:
-    # Every open is issued before any is awaited: TensorStore runs them concurrently.
-    opens = [
-        (
-            leaf.record,
-            ts.open(
-                array_spec(
-                    target.child(leaf.record.path),
-                    leaf.record.data_shape,
-                    np.dtype(leaf.record.dtype),
-                    leaf.shard,
-                    create=create,
-                    budget=chunk_budget(leaf.record.path),
-                ),
-                context=shared_context(),
-            ),
-        )
-        for leaf in leaves
-    ]
-    return _settle(opens, "Creating the array of" if create else "Opening the array of")
-
-
-def _write_chunks(
-    store: ts.TensorStore, record: StoredLeaf, index: tuple[slice, ...] | None, data: Any, reference: bool
-) -> list[tuple[StoredLeaf, Any]]:
-    """Write ``data`` at ``index`` (None: the whole array) with one write per chunk.
-
-    A write of several chunks can report a failure while its other chunks are still
-    being written, so a failed save could remove its files and see them recreated;
-    a one-chunk write has settled when its future has. ``reference``: TensorStore may
-    keep referencing ``data`` (host memory nothing changes) instead of copying it.
-    """
-    shape = store.shape
-    if index is None:
-        region = tuple(slice(0, n) for n in shape)
-    else:
-        region = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
-    chunk = store.chunk_layout.write_chunk.shape or ()
-    known = len(chunk) == len(region) and all(c is not None for c in chunk)
-    parts = chunk_regions([int(c or 0) for c in chunk], region) if known else [region]
-    if len(parts) == 1:
-        return [(record, store[region].write(data, can_reference_source_data_indefinitely=reference))]
-    if isinstance(data, ts.TensorStore):
-        data = data.translate_to[0]  # a lazy selection keeps its origin; index it from 0 like the region
-    return [
-        (
-            record,
-            store[part].write(
-                data[tuple(slice(p.start - r.start, p.stop - r.start) for p, r in zip(part, region))],
-                can_reference_source_data_indefinitely=reference,
-            ),
-        )
-        for part in parts
-    ]
-
-
-def _counts(writes: list, nbytes: int, leaves: int = 1) -> list[tuple[int, int]]:
-    """What each write of one piece completes (progress): its bytes spread over them, its leaves on the last."""
-    if not writes:
-        return []
-    share = nbytes // len(writes)
-    return [(share, 0)] * (len(writes) - 1) + [(nbytes - share * (len(writes) - 1), leaves)]
-
-
-def _write_pieces(stores: list[ts.TensorStore], leaves: list[_WriteJob]) -> None:
-    # All writes are issued before any is awaited, so they run concurrently.
-    # TensorStore may reference the source buffers instead of copying them
-    # (a blocking save then adds ~2% to peak memory, not a whole copy): nothing
-    # changes them while we wait, since jax arrays are immutable, an async
-    # save copied its numpy leaves, and a blocking save returns only afterwards.
-    writes: list = []
-    done: list = []
-    try:
-        for store, leaf in zip(stores, leaves):
-            for index, data in leaf.pieces:
-                if not isinstance(data, (LazyEntry, PackedWrite)):
-                    piece = _write_chunks(store, leaf.record, index, data, reference=True)
-                    writes += piece
-                    done += _counts(piece, data.nbytes)
-        for store, leaf in zip(stores, leaves):
-            for _, data in leaf.pieces:
-                if isinstance(data, PackedWrite):
-                    _write_packed(store, leaf.record, data)
-    finally:  # nothing may still be writing when a failed save removes its files
-        _settle(writes, "Writing", done)
-    # Leaves from another checkpoint are streamed, a window of bytes at a time,
-    # so copying a checkpoint never holds the whole of it in memory.
-    copies = [
-        (store, leaf.record, data)
-        for store, leaf in zip(stores, leaves)
-        for _, data in leaf.pieces
-        if isinstance(data, LazyEntry)
-    ]
-    window = read_window(sum(data.nbytes for _, _, data in copies))
-    batches: list[list] = [[]]
-    size = 0
-    for copy in copies:
-        if batches[-1] and size + copy[2].nbytes > window:
-            batches.append([])
-            size = 0
-        batches[-1].append(copy)
-        size += copy[2].nbytes
-    for batch in batches:
-        writes, done = [], []
-        try:
-            for store, record, data in batch:
-                piece = _write_chunks(store, record, None, _copy_from(data), reference=False)
-                writes += piece
-                done += _counts(piece, data.nbytes)
-        finally:
-            _settle(writes, "Copying", done)
-
-
-def _write_packed(store: ts.TensorStore, record: StoredLeaf, packed: PackedWrite) -> None:
-    """The packed array, a batch at a time: the next batch is assembled while the one
-    before is being written, and only then is that one settled."""
-    writing: list = []
-    done: list = []
-    for start, batch, leaves in packed.batches():  # assembled while the batch before is written
-        _settle(writing, "Writing", done)  # and settled before more is issued: a failure leaves nothing running
-        writing = _write_chunks(store, record, (slice(start, start + batch.size),), batch, reference=True)
-        done = _counts(writing, batch.size, leaves)
-    _settle(writing, "Writing", done)
-
-
-def _copy_from(data: LazyEntry) -> Any:
-    """What a copy writes: an eqxckpt leaf as a TensorStore view (streamed chunk by
-    chunk), a foreign format's tensor read whole (one at a time, within the batch)."""
-    return data._stream() if isinstance(data, LazyArray) else data.get()
+    tasks: list[Task] = []
+    for leaf in leaves if metadata else []:
+        doc = np.frombuffer(leaf.layout.zarr_json(), np.uint8)
+        tasks.append((0, written(leaf.record, "zarr.json", lambda doc=doc: [doc]), None))
+    for leaf in leaves if chunks else []:
+        layout = leaf.layout
+        for piece in leaf.pieces:
+            for key, part, values, done in piece.chunks(layout):
+                nbytes = math.prod(s.stop - s.start for s in part) * layout.dtype.itemsize
+                produce = lambda layout=layout, part=part, values=values: encode(layout, part, values())  # noqa: E731
+                report = lambda _, nbytes=nbytes, done=done: advance(nbytes, done)  # noqa: E731
+                tasks.append((nbytes, written(leaf.record, key, produce), report))
+    run_windowed(tasks, read_window(sum(nbytes for nbytes, _, _ in tasks)))
 
 
 def _referring(manifest: Manifest, refs: dict[str, str]) -> Manifest:
@@ -499,10 +326,9 @@ def _run(
     leaves = list(leaves)
     run = phases.run if phases is not None else (lambda _, work: [work()])
     staging: Staging | None = None
-    created: list[ts.TensorStore] | None = None
 
     def prepare() -> str | None:
-        nonlocal staging, created
+        nonlocal staging
         if not leader:
             return None
         nonlocal manifest
@@ -521,8 +347,8 @@ def _run(
             staging.link_files(base._arrays, [key for _, keys in linked for key in keys])
             if base._pin is not None and base._pin.changed():
                 raise base._changed()  # what was linked may not be what its manifest describes
-        try:
-            created = _open_arrays(staging.storage, leaves, create=True)
+        try:  # every process then writes its chunks into these arrays
+            _write(staging.storage, leaves, metadata=True, chunks=False)
         finally:  # nothing may still be writing when a failed save removes its files
             failures = [written.exception() for written in groups]  # (Ctrl-C is held back here)
         for failure in failures:
@@ -534,21 +360,18 @@ def _run(
         nonlocal staging
         if staging is None:
             staging = location.join_save(where)
-        mine = leaves if created is not None else [leaf for leaf in leaves if leaf.pieces]
         with contextlib.ExitStack() as sources:
             # Leaves copied from other checkpoints: those must stay the same until written.
-            copied: dict[int, Source] = {
-                id(d.source): d.source for leaf in mine for _, d in leaf.pieces if isinstance(d, LazyEntry)
-            }
+            copied = {id(p.source): p.source for leaf in leaves for p in leaf.pieces if p.source is not None}
             for source in copied.values():
                 sources.enter_context(source.consistent())
-            _write_pieces(created if created is not None else _open_arrays(staging.storage, mine, create=False), mine)
+            _write(staging.storage, leaves, metadata=False, chunks=True)
         staging.sync()
 
     def commit() -> None:
         if leader and staging is not None:
             jobs = [*leaves, *(leaf for leaf, _ in linked)]
-            staging.commit(manifest, expected_files([(leaf.record, leaf.shard) for leaf in jobs]))
+            staging.commit(manifest, expected_files([(leaf.record, leaf.layout) for leaf in jobs]))
 
     try:
         # Ctrl-C waits while a staging directory is made and recorded, or committed:
@@ -676,9 +499,8 @@ def save(
             linked = [(leaf, reusable[id(leaf)]) for leaf in leaves if id(leaf) in reusable]
             referred = [(leaf, referable[id(leaf)]) for leaf in leaves if id(leaf) in referable]
             writing = [leaf for leaf in leaves if id(leaf) not in reusable and id(leaf) not in referable]
-            pieces = [data for leaf in writing for _, data in leaf.pieces]
-            counts = [len(data.members) if isinstance(data, PackedWrite) else 1 for data in pieces]
-            with reporting(f"saving {key}", sum(data.nbytes for data in pieces), sum(counts), progress):
+            pieces = [piece for leaf in writing for piece in leaf.pieces]
+            with reporting(f"saving {key}", sum(p.nbytes for p in pieces), sum(p.leaves for p in pieces), progress):
                 _run(location, digested, writing, overwrite, phases, source, linked, referred)
 
     if blocking:

@@ -20,7 +20,7 @@ import numpy as np
 from ._errors import CheckpointChangedError, CheckpointError, ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._paths import ancestors, depth, normalize_at, relative_to
-from ._storage import LocalPin, Pin, corrupt
+from ._storage import NoLock, Pin, corrupt
 from ._tree import build_plain_tree
 
 
@@ -82,14 +82,13 @@ class Source(abc.ABC):
     def _held(self) -> Iterator[None]:
         """On a local disk, a shared lock that keeps eqxckpt's retention from deleting this
         checkpoint while the block runs (`CheckpointChangedError` if it is gone already)."""
-        lock = self._pin.hold() if isinstance(self._pin, LocalPin) else None
-        if isinstance(self._pin, LocalPin) and lock is None:
+        lock = self._pin.hold() if self._pin is not None else NoLock()
+        if lock is None:
             raise self._changed()
         try:
             yield
         finally:
-            if lock is not None:
-                lock.release()
+            lock.release()
 
     def _changed(self) -> CheckpointChangedError:
         return CheckpointChangedError(
@@ -297,6 +296,10 @@ class LazyEntry:
         """Read the data (a numpy array; a jax key array for PRNG keys)."""
         with self.source.consistent():
             return self.source._read([(self.leaf, None)])[0]
+
+    def _stream(self) -> Any:
+        """The stored values, to copy from by chunks (`_pieces.CopiedPiece`): read whole."""
+        return np.asarray(self.get())
 
     def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
         """The leaf this array becomes when it is saved at ``path`` (copied from its source)."""

@@ -1,7 +1,7 @@
-"""How a checkpoint's arrays are laid out in TensorStore: chunk shapes, zarr3 specs, stored dtypes.
+"""How a checkpoint's arrays are laid out: chunk shapes, stored dtypes, and TensorStore's
+context and read specs (for reads of slices; whole chunks go through `_chunks`).
 
-The one place that builds zarr3 specs, picks chunk shapes and
-knows which dtypes are stored natively.
+The one place that picks chunk shapes and knows which dtypes are stored natively.
 """
 
 import contextlib
@@ -151,38 +151,6 @@ def _largest_divisor(n: int, at_most: int) -> int:
 def chunk_budget(path: str) -> int:
     """The most bytes a chunk of the array at ``path`` holds."""
     return PACK_CHUNK_BYTES if path == PACKED_LOCATION else CHUNK_BYTES
-
-
-def array_spec(
-    kvstore: dict,
-    shape: tuple[int, ...],
-    dtype: np.dtype,
-    shard: tuple[int, ...] | None = None,
-    create: bool = True,
-    budget: int | None = None,
-) -> dict:
-    """zarr3 spec for one leaf's array: little-endian, crc32c-checked, chunks of at most ``budget`` bytes.
-
-    ``create=False`` opens the array another process created (same metadata).
-    """
-    return {
-        "driver": "zarr3",
-        "kvstore": kvstore,
-        "metadata": {
-            "shape": list(shape),
-            "data_type": dtype.name,
-            "chunk_grid": {
-                "name": "regular",
-                "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize, shard, budget)},
-            },
-            "chunk_key_encoding": {"name": "default"},
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-        },
-        # Store every chunk, even all-zero ones: a missing chunk must read as an
-        # error (deleted or lost data), never as zeros.
-        "store_data_equal_to_fill_value": True,
-        "create" if create else "open": True,
-    }
 
 
 def read_spec(kvstore: dict, metadata: dict | None = None) -> dict:

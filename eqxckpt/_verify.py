@@ -1,20 +1,21 @@
 """`verify`: read every byte of a checkpoint and check it against its manifest."""
 
-import collections
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from ._checkpoint import Checkpoint, open_checkpoint
+from ._chunks import ChunkLayout, Region
 from ._digest import LeafDigest
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
 from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
-from ._source import reading
-from ._storage import CheckpointPath, corrupt, resolve
+from ._storage import CheckpointPath, resolve
 from ._store import PACK_CHUNK_BYTES
+from ._window import Task, run_windowed
 
 # Large leaves are read in slabs of whole chunks, so verifying needs little memory.
 SLAB_BYTES = 64 * 1024 * 1024
@@ -120,46 +121,79 @@ def _count(report: VerifyReport, record: StoredLeaf, problem: CheckpointError | 
 
 
 def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: VerifyReport) -> None:
-    """Leaves with arrays of their own, checked in order but read concurrently within
-    SLAB_BYTES: one at a time, a tree of many small leaves waits on each open and read."""
-    pending: collections.deque = collections.deque()
-    in_flight = 0
-
-    def settle_oldest() -> None:
-        nonlocal in_flight
-        record, reads = pending.popleft()
-        in_flight -= min(record.nbytes, SLAB_BYTES)
-        _count(report, record, _settled(record, reads))
-
+    """Leaves with arrays of their own: every chunk read and its checksum checked, all in
+    one window, each leaf's digest computed over slabs of whole rows of chunks in order."""
+    problems: dict[str, CheckpointError] = {}
+    tasks: list[Task] = []
     for record in records:
-        while pending and in_flight + min(record.nbytes, SLAB_BYTES) > SLAB_BYTES:
-            settle_oldest()
         try:
-            reads: list[ts.Future] | CheckpointError = _start_leaf(checkpoint, record)
+            record.check_known()  # e.g. a PRNG implementation this JAX knows
+            # Read by the layout of its zarr.json once that was checked to be what eqxckpt
+            # writes (raw bytes plus a crc32c checksum): every chunk's checksum is checked.
+            layout = checkpoint._layout(record)
         except CheckpointError as e:
-            reads = e
-        pending.append((record, reads))
-        in_flight += min(record.nbytes, SLAB_BYTES)
-    while pending:
-        settle_oldest()
+            _count(report, record, e)
+            continue
+        digest = _digest_of(record)
+        slabs = _slabs(layout)
+        for n, slab in enumerate(slabs):
+            buffer = np.empty(tuple(s.stop - s.start for s in slab), layout.dtype)
+
+            def slab_read(
+                buffer: np.ndarray = buffer,
+                digest: LeafDigest | None = digest,
+                last: bool = n == len(slabs) - 1,
+                record: StoredLeaf = record,
+            ) -> None:
+                if record.path not in problems and digest is not None:
+                    digest.update(buffer)
+                if last:
+                    problem = problems.pop(record.path, None)
+                    if problem is None and digest is not None:
+                        try:
+                            _check_digest(record, digest)
+                        except CheckpointError as e:
+                            problem = e
+                    _count(report, record, problem)
+
+            tasks += _tolerant(checkpoint._chunk_reads(record, layout, slab, buffer, slab_read), record, problems)
+    run_windowed(tasks, SLAB_BYTES)
 
 
-def _settled(record: StoredLeaf, reads: list[ts.Future] | CheckpointError) -> CheckpointError | None:
-    """What went wrong with a leaf's reads (or before they started), or None."""
-    if isinstance(reads, CheckpointError):
-        return reads
-    try:
-        with reading(record):
-            digest = _digest_of(record)
-            for read in reads:
-                data = read.result()
-                if digest is not None:
-                    digest.update(data)
-            if reads and digest is not None:
-                _check_digest(record, digest)
-    except CheckpointError as e:
-        return e
-    return None
+def _slabs(layout: ChunkLayout) -> list[Region]:
+    """An array's rows of chunks, in order: each holds a run of the array's C-order bytes."""
+    if not layout.shape or 0 in layout.shape:
+        return [tuple(slice(0, n) for n in layout.shape)]
+    rest = tuple(slice(0, n) for n in layout.shape[1:])
+    rows = layout.chunk[0]
+    return [(slice(start, min(start + rows, layout.shape[0])), *rest) for start in range(0, layout.shape[0], rows)]
+
+
+def _tolerant(tasks: list[Task], record: StoredLeaf, problems: dict[str, CheckpointError]) -> list[Task]:
+    """``tasks`` (one leaf's chunk reads), failing into ``problems`` instead of raising: a
+    damaged leaf is reported, and every other leaf still checked. Their last settlement
+    still runs (it counts the leaf)."""
+
+    def guarded(work: Callable[[], Any]) -> Callable[[], CheckpointError | None]:
+        def run() -> CheckpointError | None:
+            try:
+                work()
+            except CheckpointError as e:
+                return e
+            return None
+
+        return run
+
+    def settled(then: Callable[[Any], None] | None) -> Callable[[Any], None]:
+        def settle(failure: CheckpointError | None) -> None:
+            if failure is not None:
+                problems.setdefault(record.path, failure)
+            if then is not None:
+                then(None)
+
+        return settle
+
+    return [(nbytes, guarded(work), settled(then)) for nbytes, work, then in tasks]
 
 
 def _digest_of(record: StoredLeaf) -> LeafDigest | None:
@@ -175,32 +209,6 @@ def _check_digest(record: StoredLeaf, digest: LeafDigest) -> None:
             f"manifest records {record.digest}): chunks were swapped or rewritten. Restore it from a copy.",
             leaf_path=record.path,
         )
-
-
-def _start_leaf(checkpoint: Checkpoint, record: StoredLeaf) -> list[ts.Future]:
-    """Check a leaf's metadata and start reading it whole; a leaf over `SLAB_BYTES` is
-    read here, slab by slab (so verifying needs little memory; in C order, so its digest
-    is computed as it goes), and nothing is left to wait on."""
-    record.check_known()  # e.g. a PRNG implementation this JAX knows
-    with reading(record):
-        # Opened from its zarr.json only once that was checked to be what eqxckpt writes
-        # (raw bytes plus a crc32c checksum), so every chunk read below checks its checksum.
-        store = checkpoint._open_leaf(record)
-        shape = store.shape
-        if record.nbytes <= SLAB_BYTES or not shape:
-            return [store.read()]
-        chunk = store.chunk_layout.read_chunk.shape
-        rows = chunk[0] if chunk is not None and chunk[0] is not None else shape[0]
-        row_bytes = record.nbytes // max(1, shape[0])
-        step = max(1, SLAB_BYTES // max(1, row_bytes * rows)) * rows
-        digest = _digest_of(record)
-        for start in range(0, shape[0], step):
-            slab = store[start : min(start + step, shape[0])].read().result()
-            if digest is not None:
-                digest.update(slab)
-        if digest is not None:
-            _check_digest(record, digest)
-        return []
 
 
 def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: VerifyReport) -> None:
@@ -237,27 +245,28 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
                 except CheckpointError as e:
                     bad_bools[record.path] = e
 
+    chunk = PACK_CHUNK_BYTES  # what names a damaged chunk, once the layout is known
     try:
-        store = checkpoint._packed_store
-        for start in range(0, length, SLAB_BYTES):
-            end = min(start + SLAB_BYTES, length)
-            try:
-                slab = store[start:end].read().result()
-            except Exception:  # noqa: BLE001 - found again below, chunk by chunk
-                chunks = [
-                    (c, store[c : min(c + PACK_CHUNK_BYTES, end)].read()) for c in range(start, end, PACK_CHUNK_BYTES)
-                ]
-                for chunk, read in chunks:
-                    if (error := read.exception()) is not None:
-                        failures.append((chunk, chunk + PACK_CHUNK_BYTES, str(corrupt(array, error))))
-                    else:  # a leaf with bytes in a failed chunk is reported as damaged, its digest unchecked
-                        take(chunk, read.result())
-                continue
-            take(start, slab)
+        layout = checkpoint._packed_layout
+        chunk = layout.chunk[0]
+        tasks: list[Task] = []
+        for _, part in layout.regions():
+            [run] = part
+            buffer = np.empty(run.stop - run.start, np.uint8)
+            found: dict[str, CheckpointError] = {}
+
+            def chunk_read(run: slice = run, buffer: np.ndarray = buffer, found: dict = found) -> None:
+                if (error := found.get(array.path)) is not None:
+                    failures.append((run.start, run.stop, str(error)))
+                else:  # a leaf with bytes in a failed chunk is reported as damaged, its digest unchecked
+                    take(run.start, buffer)
+
+            tasks += _tolerant(checkpoint._chunk_reads(array, layout, part, buffer, chunk_read), array, found)
+        run_windowed(tasks, SLAB_BYTES)
     except CheckpointError as e:
         failures.append((0, length, str(e)))
     for start, _, why in failures:
-        report.damaged_chunks.append((f"{PACKED_LOCATION}/c/{start // PACK_CHUNK_BYTES}", why))
+        report.damaged_chunks.append((f"{PACKED_LOCATION}/c/{start // chunk}", why))
     for record in packed:
         offset = record.offset or 0
         try:
@@ -266,7 +275,7 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
                 (
                     CorruptCheckpointError(
                         f"damaged: its bytes [{offset}, {offset + record.nbytes}) are in {PACKED_LOCATION}/c/"
-                        f"{start // PACK_CHUNK_BYTES}, a chunk of the packed array that fails its check (below)",
+                        f"{start // chunk}, a chunk of the packed array that fails its check (below)",
                         leaf_path=record.path,
                     )
                     for start, end, _ in failures

@@ -202,7 +202,7 @@ def test_verify_of_a_damaged_packed_chunk_is_one_short_line_per_damaged_leaf(tmp
     lines = capsys.readouterr().out.splitlines()
     leaf_lines = [line for line in lines if line.startswith("small")]
     assert len(leaf_lines) == 40 and all(len(line) < 140 for line in leaf_lines)
-    assert sum("Digest mismatch" in line for line in lines) == 1  # the chunk's reason, once
+    assert sum("fails its CRC-32C checksum" in line for line in lines) == 1  # the chunk's reason, once
     assert lines[-1] == f"DAMAGED {tmp_path / 'c'}: 41 leaves, 1 array intact (703.1 KiB read and checked), 40 problems"
     capsys.readouterr()
     eqxckpt.save(tmp_path / "one", {"w": np.ones(2)})

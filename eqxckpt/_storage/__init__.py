@@ -23,6 +23,7 @@ from ._backend import (
 from ._fs import fsync_path as fsync_path, read_capped as read_capped
 from ._lease import (
     LocalPin as LocalPin,
+    NoLock as NoLock,
     Pin as Pin,
     create_locked_file as create_locked_file,
     remove_abandoned_files as remove_abandoned_files,

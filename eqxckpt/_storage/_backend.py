@@ -8,15 +8,15 @@ The implementations: `LocalStorage` (`_local.py`) and `ObjectStorage`
 import abc
 import dataclasses
 import functools
-import itertools
-import math
 import os
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
+from .._chunks import ChunkFileError, ChunkFiles, ChunkLayout
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -26,7 +26,7 @@ from .._errors import (
 from .._leaf import StoredLeaf
 from .._manifest import Manifest
 from .._paths import GROUP_METADATA, group_file, group_locations, validate_path
-from .._store import chunk_budget, chunk_shape, reason, shared_context
+from .._store import reason, shared_context
 from ._lease import (
     Pin,
 )
@@ -94,6 +94,10 @@ class Storage(abc.ABC):
         """The directory, for local storage; None for object stores."""
         return None
 
+    def chunk_files(self) -> ChunkFiles:
+        """The chunk files of the arrays here, read and written as bytes (see `_chunks`)."""
+        return KvChunkFiles(self.open_kvstore())
+
     @abc.abstractmethod
     def sub(self, name: str) -> "Storage":
         """The storage of an entry of this directory (a manager's step)."""
@@ -132,7 +136,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
-        """Start reading a leaf's ``zarr.json``, after checking its files may be read."""
+        """Start reading a leaf's ``zarr.json``, after checking its files may be read: its
+        bytes, or None if there is none."""
 
     def unlisted(self, stored: set[str]) -> list[tuple[str, str]]:
         """Files a checkpoint holds that its manifest does not name (where they can be listed)."""
@@ -227,27 +232,39 @@ class Staging(abc.ABC):
         return None
 
 
-def expected_files(leaves: list[tuple[StoredLeaf, tuple[int, ...] | None]]) -> dict[str, int]:
+class KvChunkFiles(ChunkFiles):
+    """Chunk files in a TensorStore kvstore (object stores, memory)."""
+
+    def __init__(self, store: ts.KvStore):
+        self._store = store
+
+    def write(self, key: str, pieces: Sequence[np.ndarray]) -> None:
+        self._store.write(key, b"".join(piece.data for piece in pieces)).result()
+
+    def read(self, key: str, into: Sequence[np.ndarray]) -> None:
+        result = self._store.read(key).result()
+        if result.state != "value":
+            raise ChunkFileError(f"chunk file {key} is missing")
+        data = np.frombuffer(result.value, np.uint8)
+        wanted = sum(buffer.nbytes for buffer in into)
+        if data.size != wanted:
+            raise ChunkFileError(f"chunk file {key} holds {data.size} bytes, not {wanted}")
+        offset = 0
+        for buffer in into:
+            buffer[...] = data[offset : offset + buffer.size]
+            offset += buffer.size
+
+
+def expected_files(leaves: list[tuple[StoredLeaf, ChunkLayout]]) -> dict[str, int]:
     """``{key: size}`` of every file the arrays must consist of: each leaf's
     ``zarr.json`` (size -1: any) and every chunk (the chunk's bytes + a crc32c),
-    and the groups' ``zarr.json`` above them.
-    Each leaf comes with the shard shape its chunks tile (None: whole)."""
+    and the groups' ``zarr.json`` above them."""
     expected: dict[str, int] = {
         group_file(group): len(GROUP_METADATA) for group in group_locations(leaf.path for leaf, _ in leaves)
     }
-    for leaf, shard in leaves:
-        shape, itemsize = leaf.data_shape, np.dtype(leaf.dtype).itemsize
-        chunk = chunk_shape(shape, itemsize, shard, chunk_budget(leaf.path))
+    for leaf, layout in leaves:
         expected[f"{leaf.path}/zarr.json"] = -1
-        if 0 in shape:
-            continue
-        size = math.prod(chunk) * itemsize + 4
-        if not shape:
-            expected[f"{leaf.path}/c"] = size
-            continue
-        grid = [range(-(-n // c)) for n, c in zip(shape, chunk)]
-        for index in itertools.product(*grid):
-            expected[f"{leaf.path}/c/" + "/".join(map(str, index))] = size
+        expected.update(layout.files(leaf.path))
     return expected
 
 

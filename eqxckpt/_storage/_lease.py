@@ -841,10 +841,19 @@ class StorePin:
             return False
         return current.state != "value" or current.stamp.generation != self.generation
 
-    def hold(self) -> None:
-        return None
+    def hold(self) -> "NoLock":
+        """Nothing to hold: a deleter on a store may remove it meanwhile, which `changed`
+        then tells."""
+        return NoLock()
 
     def close(self) -> None:
+        pass
+
+
+class NoLock:
+    """What holding a checkpoint takes where nothing can be held."""
+
+    def release(self) -> None:
         pass
 
 

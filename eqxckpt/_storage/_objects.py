@@ -174,7 +174,18 @@ class ObjectStorage(Storage):
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
         # Object stores cannot cap a read without a second request: the size is
         # checked before parsing, so memory stays bounded by the file's size.
-        return self.open_kvstore().read(f"{leaf.path}/zarr.json")
+        read = self.open_kvstore().read(f"{leaf.path}/zarr.json")
+        promise, future = ts.Promise.new()
+
+        def settle(done: ts.Future) -> None:
+            try:
+                result = done.result()
+                promise.set_result(bytes(result.value) if result.state == "value" else None)
+            except Exception as e:  # noqa: BLE001 - handed to the reader
+                promise.set_exception(e)
+
+        read.add_done_callback(settle)
+        return future
 
     def begin_save(self, paths: list[str], overwrite: bool) -> "ObjectStaging":
         """Take the lease on this place, for a save into a new prefix of its own.

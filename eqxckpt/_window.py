@@ -1,0 +1,99 @@
+"""The I/O threads, and the one bounded window of work in flight that saves, restores,
+`verify` and copies all go through."""
+
+import collections
+import concurrent.futures
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+# Chunk reads and writes block in the kernel or on the network and checksums run in C
+# with the GIL released: more threads than cores keeps a disk's queue and a store's
+# connections busy.
+IO_THREADS = 16
+
+
+class _Pool:
+    """Daemon worker threads. Not a `concurrent.futures` executor: a background save may
+    still be writing while the interpreter exits, when executors take no new work."""
+
+    def __init__(self, size: int):
+        self._size = size
+        self._lock = threading.Lock()
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, work: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if len(self._threads) < self._size:
+                thread = threading.Thread(target=self._serve, name="eqxckpt-io", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        self._tasks.put((work, future))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            work, future = self._tasks.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(work())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+            del work, future  # an idle thread must not keep the last task's buffers alive
+
+    def _forget(self) -> None:  # a forked child has none of its parent's threads
+        self.__init__(self._size)
+
+
+_POOL = _Pool(IO_THREADS)
+os.register_at_fork(after_in_child=_POOL._forget)
+
+
+# One unit of work: the bytes it holds while in flight, the work (run on an I/O thread),
+# and what to do with its result (on the caller's thread, in order).
+Task = tuple[int, Callable[[], Any], Callable[[Any], None] | None]
+
+
+def run_windowed(tasks: Iterable[Task], window: int) -> None:
+    """Run ``tasks`` on the I/O threads in order, with at most ``window`` bytes started and
+    not yet settled (always at least one task), settling them in order.
+
+    If one fails, no further task starts; every started one is waited for (nothing still
+    reads or writes when the caller cleans up or returns), then the first failure is
+    raised. A ``KeyboardInterrupt`` waits the same way.
+
+    ```python
+    run_windowed([(n, lambda n=n: n * 2, print) for n in (1, 2, 3)], window=2)  # prints 2, 4, 6
+    ```
+    """
+    pending: collections.deque[tuple[int, concurrent.futures.Future, Callable[[Any], None] | None]]
+    pending = collections.deque()
+    in_flight = 0
+    try:
+        for nbytes, work, then in tasks:
+            while pending and in_flight + nbytes > window:
+                done, future, settle = pending.popleft()
+                in_flight -= done
+                result = future.result()
+                if settle is not None:
+                    settle(result)
+            pending.append((nbytes, _POOL.submit(work), then))
+            in_flight += nbytes
+        while pending:
+            done, future, settle = pending.popleft()
+            result = future.result()
+            if settle is not None:
+                settle(result)
+    except BaseException:
+        while True:  # every started task settles before the failure is raised
+            try:
+                concurrent.futures.wait([future for _, future, _ in pending])
+                break
+            except KeyboardInterrupt:
+                continue
+        raise

@@ -1,0 +1,162 @@
+"""Chunk files, written and checked by eqxckpt itself (`_chunks`), are zarr v3 ``bytes`` +
+``crc32c`` byte for byte: the same files TensorStore's codec wrote before, which
+zarr-python and TensorStore still open and verify."""
+
+import json
+import os
+import pathlib
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+import zarr
+from conftest import assert_trees_equal
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import eqxckpt
+import eqxckpt._pack as pack_module
+import eqxckpt._store as store_module
+from eqxckpt._chunks import ChunkFileError, ChunkLayout, encode, read_chunk
+from eqxckpt._storage._local import LocalChunkFiles
+from eqxckpt._store import chunk_shape
+
+BEFORE = pathlib.Path(__file__).parent / "fixtures" / "written_before_25"
+
+
+def fixture_tree():
+    """Every kind of chunk the writer makes, with 4 KiB chunks: several chunks with a
+    padded edge chunk along rows and along the last dimension, one-byte dtypes, a
+    scalar, an empty array, a PRNG key and packed small leaves."""
+    rng = np.random.default_rng(25)
+    return {
+        "rows": rng.standard_normal((37, 50)).astype(np.float32),
+        "wide": rng.standard_normal((3, 2000)).astype(np.float32),
+        "cube": rng.integers(-9, 9, (5, 7, 90)).astype(np.int16),
+        "half": rng.standard_normal(3000).astype(ml_dtypes.bfloat16),
+        "nibbles": rng.integers(-8, 8, 3000).astype(ml_dtypes.int4),
+        "flags": rng.random(5000) > 0.5,
+        "z": (rng.standard_normal(700) + 1j * rng.standard_normal(700)).astype(np.complex64),
+        "bytes": rng.integers(0, 256, 4097).astype(np.uint8),
+        "scalar": np.float64(2.5),
+        "empty": np.zeros((0, 3), np.float32),
+        "key": jax.random.key(7),
+        "nested": {"small": [rng.standard_normal(i + 1).astype(np.float32) for i in range(40)]},
+    }
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """The layout `fixture_tree` was saved with: 4 KiB chunks, 1 KiB packed chunks."""
+    monkeypatch.setattr(store_module, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(store_module, "PACK_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(pack_module, "PACK_MAX_BYTES", 1024)
+
+
+def files_of(root: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_checkpoints_are_the_same_bytes_as_before(tmp_path, small_chunks):
+    """`tests/fixtures/written_before_25` was saved by 368ac9b, whose chunks went through
+    TensorStore's crc32c codec. The same tree saved today is the same files, byte for byte
+    (the manifest differs only in its time and save id), and the old checkpoint loads."""
+    eqxckpt.save(tmp_path / "now", fixture_tree())
+    before, now = files_of(BEFORE), files_of(tmp_path / "now")
+    assert sorted(before) == sorted(now) and len(now) == 36
+    for name in before:
+        if name == "eqxckpt.json":
+            old, new = json.loads(before[name]), json.loads(now[name])
+            for varying in ("created_unix", "save_id"):
+                assert old.pop(varying) != new.pop(varying)
+            assert old == new
+        else:
+            assert before[name] == now[name], name
+    assert_trees_equal(eqxckpt.load(BEFORE, fixture_tree()), fixture_tree())
+    assert eqxckpt.verify(BEFORE).ok
+
+
+DTYPES = [np.float32, np.float64, np.int8, np.uint16, np.complex128, np.bool_, ml_dtypes.bfloat16, ml_dtypes.int4]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple),
+    budget=st.integers(1, 200),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_property_chunk_files_are_what_tensorstore_writes(tmp_path_factory, dtype, shape, budget, seed):
+    """Any shape and dtype, any chunk shape `chunk_shape` picks (edges padded along any
+    dimension): `encode` gives TensorStore's files, and `read_chunk` reads them back."""
+    root = tmp_path_factory.mktemp("chunks")
+    dtype = np.dtype(dtype)
+    raw = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    if dtype in (np.bool_, ml_dtypes.int4):
+        raw &= 1
+    data = raw.view(dtype).reshape(shape)
+    layout = ChunkLayout(shape, dtype, tuple(chunk_shape(shape, dtype.itemsize, budget=budget)))
+    ours = LocalChunkFiles(str(root / "ours"))
+    ours.write("x/zarr.json", [np.frombuffer(layout.zarr_json(), np.uint8)])
+    for key, part in layout.regions():
+        ours.write(f"x/{key}", encode(layout, part, data[part]))
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(root / "theirs" / "x") + "/"},
+        "metadata": layout.metadata(),
+        "store_data_equal_to_fill_value": True,
+        "create": True,
+    }
+    ts.open(spec).result().write(data).result()
+    assert files_of(root / "ours") == files_of(root / "theirs")
+    back = np.empty(shape, dtype)
+    for key, part in layout.regions():
+        read_chunk(ours, f"x/{key}", layout, part, back[(*part, ...)])
+    assert back.tobytes() == data.tobytes()
+
+
+def test_zarr_python_and_tensorstore_read_every_array_and_catch_a_flipped_byte(tmp_path, small_chunks):
+    tree = fixture_tree()
+    eqxckpt.save(tmp_path / "c", tree)
+    plain = ["rows", "wide", "cube", "flags", "z", "bytes"]  # dtypes zarr-python knows
+    for name in plain:
+        expected = np.asarray(tree[name])
+        np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "c" / name), mode="r")[...], expected)
+        store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c" / name)}}).result()
+        np.testing.assert_array_equal(store.read().result(), expected)
+    packed = zarr.open_array(str(tmp_path / "c" / "%packed"), mode="r")[...]
+    manifest = json.loads((tmp_path / "c" / "eqxckpt.json").read_text())
+    first = next(leaf for leaf in manifest["leaves"] if leaf["path"] == "nested/small/3")
+    got = packed[first["offset"] : first["offset"] + 16].view(np.float32)
+    np.testing.assert_array_equal(got, tree["nested"]["small"][3])
+
+    chunk = tmp_path / "c" / "rows" / "c" / "1" / "0"  # the padded edge chunk
+    damaged = bytearray(chunk.read_bytes())
+    damaged[5] ^= 0x10
+    chunk.write_bytes(bytes(damaged))
+    with pytest.raises(Exception, match="(?i)checksum"):
+        zarr.open_array(str(tmp_path / "c" / "rows"), mode="r")[...]
+    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c" / "rows")}}).result()
+    with pytest.raises(ValueError, match="(?i)digest mismatch|checksum"):
+        store.read().result()
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="rows/c/1/0 fails its CRC-32C checksum"):
+        eqxckpt.load(tmp_path / "c", tree)
+    report = eqxckpt.verify(tmp_path / "c")
+    assert [path for path, _ in report.problems] == ["rows"]
+
+
+def test_a_chunk_file_of_the_wrong_size_or_missing_is_named(tmp_path):
+    layout = ChunkLayout((4,), np.dtype(np.float32), (4,))
+    files = LocalChunkFiles(str(tmp_path))
+    files.write("x/c/0", encode(layout, (slice(0, 4),), np.arange(4, dtype=np.float32)))
+    out = np.empty(4, np.float32)
+    os.truncate(tmp_path / "x" / "c" / "0", 19)
+    with pytest.raises(ChunkFileError, match="x/c/0 holds 19 bytes, not 20"):
+        read_chunk(files, "x/c/0", layout, (slice(0, 4),), out)
+    os.remove(tmp_path / "x" / "c" / "0")
+    with pytest.raises(ChunkFileError, match="x/c/0 is missing"):
+        read_chunk(files, "x/c/0", layout, (slice(0, 4),), out)
+    os.symlink("/etc/passwd", tmp_path / "x" / "c" / "0")
+    with pytest.raises(ChunkFileError, match="cannot be read"):
+        read_chunk(files, "x/c/0", layout, (slice(0, 4),), out)
