@@ -114,11 +114,12 @@ class Checkpoint(Source):
             tasks.append((into.nbytes, work, (lambda _: done()) if n == len(parts) - 1 else None))
         return tasks or [(0, lambda: None, lambda _: done())]
 
-    def _fetch(self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], what: str) -> None:
+    def _fetch(
+        self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
+    ) -> None:
         """Read each of ``leaves`` whole, as stored, calling ``done(i, data)`` in order: all
         their metadata at once, then their chunks straight into the final buffers within a
-        `read_window`. Packed leaves are read as runs of the packed array's chunks, each once.
-        ``what`` names the read in the error if there is not the memory for it."""
+        `read_window`. Packed leaves are read as runs of the packed array's chunks, each once."""
         own = [i for i, leaf in enumerate(leaves) if leaf.offset is None]
         packed = [i for i, leaf in enumerate(leaves) if leaf.offset is not None]
         opens = [self._open_array(leaves[i]) for i in own]
@@ -127,8 +128,8 @@ class Checkpoint(Source):
         if packed:
             assert self._packed is not None  # a bad chunk names the packed array; verify names its leaves
             runs = read_runs([leaves[i] for i in packed], self._packed.shape[0], self._packed_layout.chunk[0])
-        # Checked once the files were: those must hold what the manifest declares.
-        check_allocation(sum(leaves[i].nbytes for i in own) + sum(end - start for start, end, _ in runs), what)
+        # Reserved once the files were checked: those must hold what the manifest declares.
+        reserve(sum(leaves[i].nbytes for i in own) + sum(end - start for start, end, _ in runs))
         tasks: list[Task] = []
         for i in own:
             layout = layouts[i]
@@ -151,27 +152,22 @@ class Checkpoint(Source):
     def _stored(self, leaf: StoredLeaf) -> np.ndarray:
         """One leaf's stored array, read whole."""
         found: list[np.ndarray] = []
-        self._fetch([leaf], lambda _, data: found.append(data), f"Reading leaf {leaf.path!r}")
+        reserve = lambda nbytes: check_allocation(nbytes, f"Reading leaf {leaf.path!r}")  # noqa: E731
+        self._fetch([leaf], lambda _, data: found.append(data), reserve)
         return found[0]
 
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        """Read every selected leaf (see `_fetch`). A target whose sharding spans several
-        devices is read slice by slice, each on its own process."""
-        sharded = [i for i, (leaf, target) in enumerate(wanted) if leaf.offset is None and _sharded(leaf, target)]
-        whole = [i for i in range(len(wanted)) if i not in set(sharded)]
+        """Read every selected leaf (see `Source._read` and `_fetch`). A target whose sharding
+        spans several devices is read slice by slice instead, each on its own process."""
+        sharded = {i for i, (leaf, target) in enumerate(wanted) if leaf.offset is None and _sharded(leaf, target)}
+        whole = [i for i in range(len(wanted)) if i not in sharded]
         values: list[Any] = [None] * len(wanted)
-
-        def finish(n: int, data: np.ndarray) -> None:
-            leaf, target = wanted[whole[n]]
-            with reading(leaf):
-                values[whole[n]] = leaf.finish(data, target)
-            advance(leaf.nbytes)
-
-        self._fetch([wanted[i][0] for i in whole], finish, f"Restoring {len(wanted)} leaves from {self.location}")
+        for i, value in zip(whole, super()._read([wanted[i] for i in whole])):
+            values[i] = value
         # Sharded targets last, a leaf at a time, their slices read ahead within the window
         # and each placed on its device before it is let go: the host holds a window.
         window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
-        for i in sharded:
+        for i in sorted(sharded):
             leaf, target = wanted[i]
             store = self._open_leaf(leaf)
             with reading(leaf):

@@ -14,7 +14,7 @@ import pathlib
 import re
 import stat
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,8 +24,7 @@ from ._errors import CheckpointNotFoundError, ManifestError
 from ._leaf import ArrayLeaf, KeyRecord, Leaf, ScalarLeaf, StoredLeaf, parse_shape, scalar_to_json
 from ._manifest import MAX_MANIFEST_BYTES, parse_json_object
 from ._paths import record_segment
-from ._progress import advance
-from ._source import Source, check_allocation, check_one_tree, reading
+from ._source import Source, check_one_tree, reading
 from ._storage import LocalPin, read_capped
 from ._store import STORED_DTYPES, shared_context
 
@@ -119,15 +118,15 @@ class OrbaxCheckpoint(Source):
             self._leaves[path] = leaf
         check_one_tree(self._leaves, self.location, lambda path: ".".join(str(k[1]) for k in self._leaves[path].keys))
 
-    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        check_allocation(sum(leaf.nbytes for leaf, _ in wanted), f"Restoring {len(wanted)} leaves from {self.location}")
-        reads = [(leaf, target, self._stores[leaf.path].read()) for leaf, target in wanted]
-        values = []
-        for leaf, target, future in reads:
+    def _fetch(
+        self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
+    ) -> None:
+        reserve(sum(leaf.nbytes for leaf in leaves))
+        reads = [self._stores[leaf.path].read() for leaf in leaves]  # all issued: TensorStore runs them together
+        for i, (leaf, read) in enumerate(zip(leaves, reads)):
             with reading(leaf):
-                values.append(leaf.finish(np.ascontiguousarray(future.result()).reshape(leaf.shape), target))
-            advance(leaf.nbytes)
-        return values
+                data = np.ascontiguousarray(read.result()).reshape(leaf.shape)
+            done(i, data)
 
 
 def _entry(entry: Any, root: pathlib.Path) -> tuple[tuple[KeyRecord, ...], str, str | None, Any]:

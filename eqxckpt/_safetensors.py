@@ -40,9 +40,11 @@ from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
 from ._manifest import MAX_PARSE_FACTOR, parse_json_object
 from ._paths import encode_segment, key_entry_record
 from ._progress import Progress, advance, reporting
-from ._source import LazyEntry, Source, check_allocation, check_one_tree
+from ._source import LazyEntry, Source, check_one_tree
 from ._storage import create_locked_file, fsync_path, read_capped, remove_abandoned_files
+from ._store import read_window
 from ._tree import flatten, is_prng_key_dtype
+from ._window import Task, run_windowed
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -129,16 +131,19 @@ class SafetensorsCheckpoint(Source):
         self.leaf(leaf_path)
         return self._names[leaf_path]
 
-    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        check_allocation(sum(leaf.nbytes for leaf, _ in wanted), f"Restoring {len(wanted)} leaves from {self.location}")
-        values = []
-        for leaf, target in wanted:
+    def _fetch(
+        self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
+    ) -> None:
+        # Each tensor with one ranged read straight into the buffer it is restored in,
+        # on the I/O threads (a fresh process's page faults are spread over the cores).
+        reserve(sum(leaf.nbytes for leaf in leaves))
+        tasks: list[Task] = []
+        for i, leaf in enumerate(leaves):
             fd, offset = self._where[leaf.path]
             buffer = aligned_empty(leaf.data_shape, np.dtype(leaf.dtype))
-            read_range(fd, offset, buffer, leaf.path)
-            values.append(leaf.finish(buffer, target))
-            advance(leaf.nbytes)
-        return values
+            read = lambda fd=fd, offset=offset, buffer=buffer, path=leaf.path: read_range(fd, offset, buffer, path)  # noqa: E731
+            tasks.append((buffer.nbytes, read, lambda _, i=i, buffer=buffer: done(i, buffer)))
+        run_windowed(tasks, read_window(sum(leaf.nbytes for leaf in leaves)))
 
 
 def read_range(fd: int, offset: int, buffer: np.ndarray, path: str) -> None:

@@ -12,7 +12,7 @@ import builtins
 import contextlib
 import difflib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ import numpy as np
 from ._errors import CheckpointChangedError, CheckpointError, ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._paths import ancestors, depth, normalize_at, relative_to
+from ._progress import advance
 from ._storage import NoLock, Pin, corrupt
 from ._tree import build_plain_tree
 
@@ -45,9 +46,35 @@ class Source(abc.ABC):
 
     _pin: Pin | None = None  # what proves the source read is the one opened (None: nothing to check)
 
-    @abc.abstractmethod
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        """Read stored leaves, each into what its target asks for (None: as saved)."""
+        """Read stored leaves, each into what its target asks for (None: as saved).
+
+        The one read contract: this checks the memory a restore needs before it is
+        allocated, names the leaf in any failure, finishes each array into its target
+        (checked casts included) and reports progress; a format's source only fetches
+        stored arrays (`_fetch`)."""
+        values: list[Any] = [None] * len(wanted)
+
+        def done(i: int, data: np.ndarray) -> None:
+            leaf, target = wanted[i]
+            with reading(leaf):
+                values[i] = leaf.finish(data, target)
+            advance(leaf.nbytes)
+
+        def reserve(nbytes: int) -> None:
+            check_allocation(nbytes, f"Restoring {len(wanted)} leaves from {self.location}")
+
+        self._fetch([leaf for leaf, _ in wanted], done, reserve)
+        return values
+
+    def _fetch(
+        self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
+    ) -> None:
+        """Read each of ``leaves`` whole, as stored (its dtype, its ``data_shape``), and call
+        ``done(i, data)`` for each, in any order; call ``reserve(nbytes)`` with the bytes it
+        will hold before it allocates them (once the files were checked to hold them).
+        Failures may be raised as they are: `_read` names the leaf."""
+        raise NotImplementedError(f"{type(self).__name__} reads through another source.")
 
     @contextlib.contextmanager
     def consistent(self) -> Iterator[None]:

@@ -7,7 +7,7 @@ Variable names are paths already (``encoder/block_000/layer_000/SelfAttention/q`
 
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,8 +15,7 @@ import numpy as np
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from ._leaf import UNKNOWN, ArrayLeaf, StoredLeaf
 from ._paths import encode_segment
-from ._progress import advance
-from ._source import Source, check_allocation, check_one_tree
+from ._source import Source, check_one_tree
 
 # TF2 checkpoints' record of the Python object graph: a serialised proto, not a variable.
 OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -45,11 +44,12 @@ class TFCheckpoint(Source):
             self._leaves[path] = ArrayLeaf(path, keys, tuple(shapes[name]), dtype, UNKNOWN)
         check_one_tree(self._leaves, self.location, lambda path: self._names[path])
 
-    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+    def _fetch(
+        self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
+    ) -> None:
         # The index's shapes, before TensorFlow allocates a tensor of each.
-        check_allocation(sum(leaf.nbytes for leaf, _ in wanted), f"Restoring {len(wanted)} leaves from {self.location}")
-        values = []
-        for leaf, target in wanted:
+        reserve(sum(leaf.nbytes for leaf in leaves))
+        for i, leaf in enumerate(leaves):
             name = self._names[leaf.path]
             try:
                 data = np.asarray(self._reader.get_tensor(name))
@@ -66,9 +66,7 @@ class TFCheckpoint(Source):
                     f"says {leaf.describe()}. The checkpoint is damaged.",
                     leaf_path=leaf.path,
                 )
-            values.append(leaf.finish(data, target))
-            advance(leaf.nbytes)
-        return values
+            done(i, data)
 
 
 def open_tf(path: Any) -> TFCheckpoint:

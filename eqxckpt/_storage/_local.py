@@ -375,11 +375,7 @@ class LocalChunkFiles(ChunkFiles):
         try:
             buffers = [piece.data.cast("B") for piece in pieces]
             while buffers:
-                written = os.writev(fd, buffers)
-                while buffers and written >= len(buffers[0]):
-                    written -= len(buffers.pop(0))
-                if buffers:
-                    buffers[0] = buffers[0][written:]
+                buffers = _past(buffers, os.writev(fd, buffers))
         finally:
             os.close(fd)
 
@@ -402,12 +398,19 @@ class LocalChunkFiles(ChunkFiles):
                 if got == 0:
                     raise ChunkFileError(f"chunk file {key} was cut short while it was read")
                 offset += got
-                while buffers and got >= len(buffers[0]):
-                    got -= len(buffers.pop(0))
-                if buffers:
-                    buffers[0] = buffers[0][got:]
+                buffers = _past(buffers, got)
         finally:
             os.close(fd)
+
+
+def _past(buffers: list[memoryview], done: int) -> list[memoryview]:
+    """What is left of ``buffers`` once the first ``done`` bytes were moved (a short
+    ``writev`` or ``preadv``)."""
+    while buffers and done >= len(buffers[0]):
+        done -= len(buffers.pop(0))
+    if buffers:
+        buffers[0] = buffers[0][done:]
+    return buffers
 
 
 def _local_files(root: pathlib.Path, prefix: str = "", plain: bool = False) -> dict[str, int] | None:
