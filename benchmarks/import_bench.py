@@ -1,7 +1,9 @@
 """Reading other libraries' checkpoints: eqxckpt against the libraries' own readers.
 
-- a ~500 MiB safetensors file into numpy arrays: `safetensors.numpy.load_file`,
-  `safe_open` + `get_tensor` per tensor, and `eqxckpt.load(file)`;
+- a safetensors file into jax arrays: `safetensors.flax.load_file`,
+  `safetensors.numpy.load_file` + `jax.device_put`, and `eqxckpt.load(file, skeleton)`
+  (the skeleton of `jax.ShapeDtypeStruct` built from `eqxckpt.open(file)` inside the
+  timed region);
 - the same tensors as an Orbax checkpoint (default OCDBT layout) into jax
   arrays: Orbax's `StandardCheckpointer().restore` and `eqxckpt.load(dir)`.
 
@@ -22,7 +24,7 @@ import tempfile
 import time
 
 READERS = {
-    "safetensors": ["safetensors.load_file", "safetensors.safe_open", "eqxckpt"],
+    "safetensors": ["safetensors.flax.load_file", "safetensors.numpy.load_file+device_put", "eqxckpt"],
     "orbax": ["orbax.restore", "eqxckpt"],
 }
 
@@ -63,19 +65,22 @@ def read(kind: str, reader: str, root: pathlib.Path) -> float:
     import eqxckpt
 
     if reader.startswith("safetensors"):
-        import safetensors
+        import safetensors.flax
         import safetensors.numpy
     if reader.startswith("orbax"):
         import orbax.checkpoint as ocp
     path = root / ("model.safetensors" if kind == "safetensors" else "orbax")
     start = time.perf_counter()
-    if reader == "safetensors.load_file":
-        values = list(safetensors.numpy.load_file(str(path)).values())
-    elif reader == "safetensors.safe_open":
-        with safetensors.safe_open(str(path), framework="np") as f:
-            values = [f.get_tensor(name) for name in f.keys()]
+    if reader == "safetensors.flax.load_file":
+        values = list(safetensors.flax.load_file(str(path)).values())
+    elif reader == "safetensors.numpy.load_file+device_put":
+        values = jax.device_put(list(safetensors.numpy.load_file(str(path)).values()))
     elif reader == "orbax.restore":
         values = jax.tree_util.tree_leaves(ocp.StandardCheckpointer().restore(str(path)))
+    elif kind == "safetensors":
+        skeleton = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), eqxckpt.open(path).tree())
+        values = jax.tree_util.tree_leaves(eqxckpt.load(path, skeleton))
+        assert all(isinstance(v, jax.Array) for v in values)
     else:
         values = jax.tree_util.tree_leaves(eqxckpt.load(path))
     jax.block_until_ready([v for v in values if isinstance(v, jax.Array)])
@@ -127,11 +132,7 @@ def main() -> None:
     for kind, readers in READERS.items():
         ours = results[f"{kind}: eqxckpt"]["median"]
         fastest = min(results[f"{kind}: {r}"]["median"] for r in readers if r != "eqxckpt")
-        verdict = "PASS" if ours <= 1.2 * fastest else "MISS"
-        print(
-            f"  {verdict}  {kind}: eqxckpt within 1.2x of the faster peer: {ours:.3f} s vs {fastest:.3f} s "
-            f"({ours / fastest:.2f}x)"
-        )
+        print(f"  {kind}: eqxckpt {ours:.3f} s, the faster peer {fastest:.3f} s ({ours / fastest:.2f}x)")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"mib": size, "results": results}, indent=1))
 
