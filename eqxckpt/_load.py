@@ -461,10 +461,13 @@ def load(
     # A checkpoint replaced while it is read is read again (a few times); in a
     # multi-process load the processes would have to agree on a retry, so there
     # the change is raised instead. An opened source is read once.
-    retries = 0 if jax.process_count() > 1 or isinstance(path, Source) else READ_ATTEMPTS - 1
-    for _ in range(retries):
+    # (Asked only after a change: a first restore's reads then overlap JAX's start-up.)
+    if isinstance(path, Source):
+        return attempt()
+    for tries in range(1, READ_ATTEMPTS + 1):
         try:
             return attempt()
         except CheckpointChangedError:
-            pass
-    return attempt()
+            if tries == READ_ATTEMPTS or jax.process_count() > 1:
+                raise
+    raise AssertionError("unreachable")

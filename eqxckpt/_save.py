@@ -274,7 +274,7 @@ def _write(target: Storage, leaves: list[_WriteJob], *, metadata: bool, chunks: 
             except CheckpointError:
                 raise
             except Exception as e:
-                why = reason(e)
+                why = reason(e) or type(e).__name__
                 error = CheckpointWriteError(f"Writing leaf {record.path!r} failed: {why}. {nothing_committed(why)}")
                 error.errno = getattr(e, "errno", None)
                 raise error from e

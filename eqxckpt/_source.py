@@ -23,6 +23,7 @@ from ._paths import ancestors, depth, normalize_at, relative_to
 from ._progress import advance
 from ._storage import NoLock, Pin, corrupt
 from ._tree import build_plain_tree
+from ._window import start_jax
 
 
 class Source(abc.ABC):
@@ -53,6 +54,7 @@ class Source(abc.ABC):
         allocated, names the leaf in any failure, finishes each array into its target
         (checked casts included) and reports progress; a format's source only fetches
         stored arrays (`_fetch`)."""
+        start_jax()
         values: list[Any] = [None] * len(wanted)
 
         def done(i: int, data: np.ndarray) -> None:

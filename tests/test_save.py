@@ -214,11 +214,13 @@ def test_failed_save_leaves_previous_intact(tmp_path):
 
 
 def test_all_writes_are_issued_before_any_is_awaited(tmp_path, monkeypatch):
-    """Writes run concurrently: every leaf's chunk is being written before any has finished
-    (each write waits until all ten are in flight; written one at a time, the barrier breaks)."""
+    """Writes run concurrently: as many leaves' chunks as there are I/O threads are being
+    written at once (each write waits until all are in flight; written one at a time, the
+    barrier breaks)."""
     from eqxckpt._storage._local import LocalChunkFiles
+    from eqxckpt._window import IO_THREADS
 
-    together = threading.Barrier(10, timeout=60)
+    together = threading.Barrier(IO_THREADS, timeout=60)
     real_write = LocalChunkFiles.write
 
     def write(self, key, pieces):
@@ -227,7 +229,7 @@ def test_all_writes_are_issued_before_any_is_awaited(tmp_path, monkeypatch):
         real_write(self, key, pieces)
 
     monkeypatch.setattr(LocalChunkFiles, "write", write)
-    eqxckpt.save(tmp_path / "c", {f"w{i}": np.full((64,), i) for i in range(10)})
+    eqxckpt.save(tmp_path / "c", {f"w{i}": np.full((64,), i) for i in range(IO_THREADS)})
     monkeypatch.undo()
     assert eqxckpt.load(tmp_path / "c")["w7"][0] == 7
 
