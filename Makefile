@@ -44,6 +44,9 @@ docs: $(VENV)/.test-installed
 # Sizes, leaf counts and the rest are chosen with BENCH_ARGS, e.g.
 # make bench BENCH_ARGS="--sizes 64 336 --leaf-counts 10000 --repeats 3 --no-s3"
 bench: $(VENV)/.bench-installed
+	@# The checkout's bytecode, as pip writes it for an installed package: where
+	@# PYTHONDONTWRITEBYTECODE is set, an editable install compiles every module at each start.
+	$(BIN)/python -m compileall -q eqxckpt
 	$(BIN)/python benchmarks/bench.py --json benchmarks/results-2cpu.json $(BENCH_ARGS)
 	$(BIN)/python benchmarks/checksum_cost.py
 	$(BIN)/python benchmarks/skipped_bytes.py

@@ -2,6 +2,7 @@
 
 import asyncio
 import collections
+import contextlib
 import functools
 import json
 import math
@@ -22,7 +23,7 @@ from ._progress import advance
 from ._source import LazyEntry, Source, check_allocation, reading
 from ._storage import MAX_ZARR_JSON_BYTES, CheckpointPath, Pin, Storage, corrupt, resolve
 from ._store import CHUNK_BYTES, read_spec, read_window, shared_context
-from ._window import Task, run_windowed
+from ._window import Task, run_windowed, windowed
 
 
 class Checkpoint(Source):
@@ -169,14 +170,8 @@ class Checkpoint(Source):
         window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
         for i in sorted(sharded):
             leaf, target = wanted[i]
-            store = self._open_leaf(leaf)
-            with reading(leaf):
-                values[i] = leaf.assemble(
-                    target,
-                    # Half the window: a local read also maps the chunk files it reads.
-                    SliceReads(leaf, target, store, window // 2),
-                    lambda index, shape=leaf.shape: _slice_key(index, shape),
-                )
+            with contextlib.closing(SliceReads(self, leaf, target, window)) as slices, reading(leaf):
+                values[i] = leaf.assemble(target, slices, lambda index, shape=leaf.shape: _slice_key(index, shape))
             advance(leaf.nbytes)
         return values
 
@@ -196,55 +191,55 @@ def _slice_key(index: tuple, shape: tuple[int, ...]) -> tuple:
 
 class SliceReads:
     """The slices of one leaf that this process's devices hold, read ahead in the order
-    the assembly asks for them, with at most ``window`` bytes read and not yet handed
-    over (at least one read). Slices are read as the chunk-aligned blocks that hold
-    them: each stored chunk is decoded (and its checksum checked) once, however many
-    devices' slices it holds."""
+    the assembly asks for them, through the one window (`_window.windowed`). Slices are
+    read as the chunk-aligned blocks that hold them: each stored chunk is read (and its
+    checksum checked) once, however many devices' slices it holds."""
 
-    def __init__(self, leaf: StoredLeaf, target: Any, store: ts.TensorStore, window: int):
-        self._store, self._window = store, window
-        self._itemsize = np.dtype(leaf.dtype).itemsize * math.prod(leaf.data_shape[len(leaf.shape) :])
-        chunk = store.chunk_layout.read_chunk.shape or ()
-        chunk = tuple(chunk[: len(leaf.shape)]) if len(chunk) >= len(leaf.shape) else (None,) * len(leaf.shape)
+    def __init__(self, checkpoint: Checkpoint, leaf: StoredLeaf, target: Any, window: int):
+        layout = checkpoint._layout(leaf)
+        files = checkpoint._arrays_of(leaf).chunk_files()
+        rank = len(leaf.shape)
         self._block: dict[tuple, tuple] = {}  # slice key -> the block read for it
         self._uses: collections.Counter = collections.Counter()  # block -> slices still to hand over
         for index in target.sharding.addressable_devices_indices_map(leaf.shape).values():
             key = _slice_key(index, leaf.shape)
             block = tuple(
-                (start, stop) if not c else (start // c * c, min(n, -(-stop // c) * c))
-                for (start, stop), c, n in zip(key, chunk, leaf.shape)
+                (start // c * c, min(n, -(-stop // c) * c))
+                for (start, stop), c, n in zip(key, layout.chunk, leaf.shape)
             )
             self._block[key] = block
             self._uses[block] += 1
-        self._order = list(self._uses)  # blocks, in the order their first slice is asked for
-        self._started: dict[tuple, ts.Future] = {}
+        order = list(self._uses)  # blocks, in the order their first slice is asked for
+
+        def read(block: tuple) -> np.ndarray:
+            region = (*(slice(start, stop) for start, stop in block), *(slice(0, n) for n in layout.shape[rank:]))
+            out = np.empty(tuple(r.stop - r.start for r in region), layout.dtype)
+            for key, part in layout.regions(region):
+                into = out[(*(slice(p.start - r.start, p.stop - r.start) for p, r in zip(part, region)), ...)]
+                read_chunk(files, f"{leaf.path}/{key}", layout, part, into)
+            return out
+
+        itemsize = layout.dtype.itemsize * math.prod(layout.shape[rank:])
+        tasks = (
+            (math.prod(b - a for a, b in block) * itemsize, lambda block=block: read(block), None) for block in order
+        )
+        self._reads = windowed(tasks, window)
+        self._order = iter(order)
         self._held: dict[tuple, np.ndarray] = {}
-        self._next = 0
-        self._in_flight = 0
-
-    def _nbytes(self, block: tuple) -> int:
-        return math.prod(stop - start for start, stop in block) * self._itemsize
-
-    def _top_up(self) -> None:
-        while self._next < len(self._order):
-            block = self._order[self._next]
-            if self._in_flight and self._in_flight + self._nbytes(block) > self._window:
-                return
-            self._started[block] = self._store[tuple(slice(start, stop) for start, stop in block)].read()
-            self._in_flight += self._nbytes(block)
-            self._next += 1
 
     def __getitem__(self, key: tuple) -> np.ndarray:
-        self._top_up()
         block = self._block[key]
-        if block not in self._held:
-            self._held[block] = self._started.pop(block).result()
+        while block not in self._held:  # blocks arrive in the order they are first asked for
+            _, self._held[next(self._order)] = next(self._reads)
         data = self._held[block]
         self._uses[block] -= 1
         if not self._uses[block]:  # every slice in it was handed over: let it go
             del self._held[block]
-            self._in_flight -= self._nbytes(block)
         return data[tuple(slice(start - b, stop - b) for (start, stop), (b, _) in zip(key, block))]
+
+    def close(self) -> None:
+        """Wait for the reads still in flight (an assembly that failed part-way)."""
+        self._reads.close()
 
 
 _ZARR_KEYS = {

@@ -3,6 +3,7 @@
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -49,10 +50,11 @@ class _WriteJob:
     record: StoredLeaf
     shard: tuple[int, ...] | None
     pieces: list[Piece]
-    layout: ChunkLayout = dataclasses.field(init=False)
 
-    def __post_init__(self) -> None:
-        self.layout = ChunkLayout.planned(self.record, self.shard)
+    @functools.cached_property
+    def layout(self) -> ChunkLayout:
+        # Planned on first use: by a background save, off the caller's thread.
+        return ChunkLayout.planned(self.record, self.shard)
 
 
 def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:

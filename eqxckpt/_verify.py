@@ -1,7 +1,7 @@
 """`verify`: read every byte of a checkpoint and check it against its manifest."""
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -124,8 +124,11 @@ def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: Verify
     """Leaves with arrays of their own: every chunk read and its checksum checked, all in
     one window, each leaf's digest computed over slabs of whole rows of chunks in order."""
     problems: dict[str, CheckpointError] = {}
-    tasks: list[Task] = []
-    for record in records:
+
+    def reads() -> Iterator[Task]:  # buffers made as the window takes each task, let go as it settles
+        yield from (task for record in records for task in leaf_reads(record))
+
+    def leaf_reads(record: StoredLeaf) -> Iterator[Task]:
         try:
             record.check_known()  # e.g. a PRNG implementation this JAX knows
             # Read by the layout of its zarr.json once that was checked to be what eqxckpt
@@ -133,7 +136,7 @@ def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: Verify
             layout = checkpoint._layout(record)
         except CheckpointError as e:
             _count(report, record, e)
-            continue
+            return
         digest = _digest_of(record)
         slabs = _slabs(layout)
         for n, slab in enumerate(slabs):
@@ -156,8 +159,9 @@ def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: Verify
                             problem = e
                     _count(report, record, problem)
 
-            tasks += _tolerant(checkpoint._chunk_reads(record, layout, slab, buffer, slab_read), record, problems)
-    run_windowed(tasks, SLAB_BYTES)
+            yield from _tolerant(checkpoint._chunk_reads(record, layout, slab, buffer, slab_read), record, problems)
+
+    run_windowed(reads(), SLAB_BYTES)
 
 
 def _slabs(layout: ChunkLayout) -> list[Region]:
@@ -249,20 +253,22 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
     try:
         layout = checkpoint._packed_layout
         chunk = layout.chunk[0]
-        tasks: list[Task] = []
-        for _, part in layout.regions():
-            [run] = part
-            buffer = np.empty(run.stop - run.start, np.uint8)
-            found: dict[str, CheckpointError] = {}
 
-            def chunk_read(run: slice = run, buffer: np.ndarray = buffer, found: dict = found) -> None:
-                if (error := found.get(array.path)) is not None:
-                    failures.append((run.start, run.stop, str(error)))
-                else:  # a leaf with bytes in a failed chunk is reported as damaged, its digest unchecked
-                    take(run.start, buffer)
+        def reads() -> Iterator[Task]:  # buffers made as the window takes each task, let go as it settles
+            for _, part in layout.regions():
+                [run] = part
+                buffer = np.empty(run.stop - run.start, np.uint8)
+                found: dict[str, CheckpointError] = {}
 
-            tasks += _tolerant(checkpoint._chunk_reads(array, layout, part, buffer, chunk_read), array, found)
-        run_windowed(tasks, SLAB_BYTES)
+                def chunk_read(run: slice = run, buffer: np.ndarray = buffer, found: dict = found) -> None:
+                    if (error := found.get(array.path)) is not None:
+                        failures.append((run.start, run.stop, str(error)))
+                    else:  # a leaf with bytes in a failed chunk is reported as damaged, its digest unchecked
+                        take(run.start, buffer)
+
+                yield from _tolerant(checkpoint._chunk_reads(array, layout, part, buffer, chunk_read), array, found)
+
+        run_windowed(reads(), SLAB_BYTES)
     except CheckpointError as e:
         failures.append((0, length, str(e)))
     for start, _, why in failures:

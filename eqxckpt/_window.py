@@ -3,10 +3,11 @@
 
 import collections
 import concurrent.futures
+import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 # Chunk reads and writes block in the kernel or on the network and checksums run in C
@@ -70,7 +71,8 @@ Task = tuple[int, Callable[[], Any], Callable[[Any], None] | None]
 
 def run_windowed(tasks: Iterable[Task], window: int) -> None:
     """Run ``tasks`` on the I/O threads in order, with at most ``window`` bytes started and
-    not yet settled (always at least one task), settling them in order.
+    not yet settled (always at least one task), settling them in order: each task's
+    ``then`` gets its result on the caller's thread.
 
     If one fails, no further task starts; every started one is waited for (nothing still
     reads or writes when the caller cleans up or returns), then the first failure is
@@ -81,13 +83,22 @@ def run_windowed(tasks: Iterable[Task], window: int) -> None:
     run_windowed([(n, lambda n=n: n * 2, print) for n in (1, 2, 3)], window=2)  # prints 2, 4, 6
     ```
     """
+    with contextlib.closing(windowed(tasks, window)) as results:
+        for then, result in results:
+            if then is not None:
+                then(result)
+
+
+def windowed(tasks: Iterable[Task], window: int) -> Generator[tuple[Callable[[Any], None] | None, Any], None, None]:
+    """``(then, result)`` of each of ``tasks`` in order, as `run_windowed` runs them: the
+    window is kept full while the caller consumes them, so it may pull them one at a
+    time (a sharded restore places each slice as it arrives). Close it
+    (``contextlib.closing``) to wait for what it started."""
     if getattr(_worker, "active", False):
         # Called from a task (a copy reading its source): run inline, in order. Waiting
         # on the pool from inside it could leave every thread waiting on queued work.
         for _, work, then in tasks:
-            result = work()
-            if then is not None:
-                then(result)
+            yield then, work()
         return
     pending: collections.deque[tuple[int, concurrent.futures.Future, Callable[[Any], None] | None]]
     pending = collections.deque()
@@ -97,24 +108,20 @@ def run_windowed(tasks: Iterable[Task], window: int) -> None:
             while pending and in_flight + nbytes > window:
                 done, future, settle = pending.popleft()
                 in_flight -= done
-                result = future.result()
-                if settle is not None:
-                    settle(result)
+                yield settle, future.result()
             pending.append((nbytes, _POOL.submit(work), then))
             in_flight += nbytes
         while pending:
             done, future, settle = pending.popleft()
-            result = future.result()
-            if settle is not None:
-                settle(result)
-    except BaseException:
-        while True:  # every started task settles before the failure is raised
+            in_flight -= done
+            yield settle, future.result()
+    finally:  # a failure, an interrupt or a consumer that stopped: every started task settles
+        while True:
             try:
                 concurrent.futures.wait([future for _, future, _ in pending])
                 break
             except KeyboardInterrupt:
                 continue
-        raise
 
 
 _jax_started = threading.Event()

@@ -1,0 +1,83 @@
+"""The one window of I/O work in flight (`_window`): order, the bound, failures, nesting."""
+
+import threading
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from eqxckpt._window import IO_THREADS, run_windowed, windowed
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 50), min_size=0, max_size=40), window=st.integers(1, 120))
+def test_property_tasks_settle_in_order_within_the_window(sizes, window):
+    """Results come back in order, and the bytes started but not settled never exceed the
+    window, except for a single task larger than it."""
+    lock = threading.Lock()
+    in_flight, worst, settled = [0], [0], []
+
+    def work(i: int, n: int) -> int:
+        with lock:
+            in_flight[0] += n
+            worst[0] = max(worst[0], in_flight[0] if in_flight[0] > n else 0)
+        return i
+
+    def then(i: int) -> None:
+        with lock:
+            in_flight[0] -= sizes[i]
+        settled.append(i)
+
+    run_windowed([(n, lambda i=i, n=n: work(i, n), then) for i, n in enumerate(sizes)], window)
+    assert settled == list(range(len(sizes)))
+    assert worst[0] <= window
+
+
+def test_a_failure_stops_new_tasks_and_waits_for_started_ones():
+    started, finished = [], []
+    release = threading.Event()
+
+    def slow(i: int) -> None:
+        started.append(i)
+        release.wait(30)
+        finished.append(i)
+
+    def fail() -> None:
+        release.set()
+        raise OSError(28, "No space left on device")
+
+    tasks = [(1, lambda: slow(0), None), (1, lambda: slow(1), None), (1, fail, None)]
+    tasks += [(1, lambda i=i: slow(i), None) for i in range(3, 40)]
+    with pytest.raises(OSError, match="No space"):
+        run_windowed(tasks, window=3)
+    assert sorted(finished) == sorted(started)  # nothing still running when it raised
+    assert len(started) <= 5  # the window (3) and the two started while the failing one ran
+
+
+def test_a_task_that_runs_a_window_itself_does_not_wait_on_the_pool():
+    """More nested windows than I/O threads: each runs inline on its thread (a copy that
+    reads its source), where waiting on the pool would leave every thread waiting."""
+    results = []
+
+    def outer(i: int) -> int:
+        inner = []
+        run_windowed([(1, lambda j=j: i * 100 + j, inner.append) for j in range(3)], window=1)
+        return sum(inner)
+
+    run_windowed([(1, lambda i=i: outer(i), results.append) for i in range(IO_THREADS * 2)], window=IO_THREADS * 2)
+    assert results == [i * 300 + 3 for i in range(IO_THREADS * 2)]
+
+
+def test_closing_a_window_part_way_waits_for_what_it_started():
+    release = threading.Event()
+    finished = []
+
+    def work(i: int) -> int:
+        release.wait(30)
+        finished.append(i)
+        return i
+
+    reads = windowed(((1, lambda i=i: work(i), None) for i in range(10)), window=4)
+    release.set()
+    assert next(reads) == (None, 0)
+    reads.close()
+    assert sorted(finished) == list(range(len(finished))) and len(finished) >= 4
