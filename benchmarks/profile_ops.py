@@ -2,9 +2,10 @@
 
     python benchmarks/profile_ops.py --mib 769 [--many-leaves 0] [--top 15]
 
-Most of the time is spent in TensorStore's C++ threads, which cProfile sees as
-time waiting on futures (``Future.result``) and in ``syncfs``; the Python-side
-costs (planning, manifest, opening arrays) are listed by name.
+Chunk reads and writes run on eqxckpt's I/O threads, which cProfile (main
+thread only) sees as time waiting on their futures (``lock.acquire``), and
+in ``syncfs``; the Python-side costs (planning, manifest, opening arrays,
+making jax arrays) are listed by name.
 """
 
 import argparse

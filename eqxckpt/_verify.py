@@ -14,11 +14,17 @@ from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
-from ._store import PACK_CHUNK_BYTES
+from ._store import PACK_CHUNK_BYTES, read_window
 from ._window import Task, run_windowed
 
-# Large leaves are read in slabs of whole chunks, so verifying needs little memory.
+# Reads in flight: an eighth of what is verified, at least this and at most the host
+# memory budget (`read_window`): a large checkpoint's 64 MiB chunks are checked two or
+# more at a time, and verifying holds a small part of it.
 SLAB_BYTES = 64 * 1024 * 1024
+
+
+def _window(nbytes: int) -> int:
+    return max(SLAB_BYTES, min(read_window(nbytes), nbytes // 8))
 
 
 @dataclasses.dataclass
@@ -161,7 +167,7 @@ def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: Verify
 
             yield from _tolerant(checkpoint._chunk_reads(record, layout, slab, buffer, slab_read), record, problems)
 
-    run_windowed(reads(), SLAB_BYTES)
+    run_windowed(reads(), _window(sum(record.nbytes for record in records)))
 
 
 def _slabs(layout: ChunkLayout) -> list[Region]:
@@ -268,7 +274,7 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
 
                 yield from _tolerant(checkpoint._chunk_reads(array, layout, part, buffer, chunk_read), array, found)
 
-        run_windowed(reads(), SLAB_BYTES)
+        run_windowed(reads(), _window(length))
     except CheckpointError as e:
         failures.append((0, length, str(e)))
     for start, _, why in failures:
