@@ -1,6 +1,7 @@
 """`verify`: read every byte of a checkpoint and check it against its manifest."""
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,31 @@ SLAB_BYTES = 64 * 1024 * 1024
 
 def _window(nbytes: int) -> int:
     return max(SLAB_BYTES, min(read_window(nbytes), nbytes // 8))
+
+
+class _Buffers:
+    """Buffers handed back once their bytes were checked, for the next reads: a fresh buffer
+    costs a page fault per page (on a VM, often a fault in the host too), more than reading
+    into it. Holds at most ``limit`` bytes of free buffers."""
+
+    def __init__(self, limit: int):
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._held, self._limit = 0, limit
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = math.prod(shape) * dtype.itemsize
+        free = self._free.get(nbytes)
+        if free:
+            raw = free.pop()
+            self._held -= nbytes
+        else:
+            raw = np.empty(nbytes, np.uint8)
+        return raw.view(dtype).reshape(shape)
+
+    def give(self, buffer: np.ndarray) -> None:
+        if buffer.nbytes and self._held + buffer.nbytes <= self._limit:
+            self._free.setdefault(buffer.nbytes, []).append(buffer.reshape(-1).view(np.uint8))
+            self._held += buffer.nbytes
 
 
 @dataclasses.dataclass
@@ -130,6 +156,8 @@ def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: Verify
     """Leaves with arrays of their own: every chunk read and its checksum checked, all in
     one window, each leaf's digest computed over slabs of whole rows of chunks in order."""
     problems: dict[str, CheckpointError] = {}
+    window = _window(sum(record.nbytes for record in records))
+    buffers = _Buffers(window)
 
     def reads() -> Iterator[Task]:  # buffers made as the window takes each task, let go as it settles
         yield from (task for record in records for task in leaf_reads(record))
@@ -146,7 +174,7 @@ def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: Verify
         digest = _digest_of(record)
         slabs = _slabs(layout)
         for n, slab in enumerate(slabs):
-            buffer = np.empty(tuple(s.stop - s.start for s in slab), layout.dtype)
+            buffer = buffers.take(tuple(s.stop - s.start for s in slab), layout.dtype)
 
             def slab_read(
                 buffer: np.ndarray = buffer,
@@ -156,6 +184,7 @@ def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: Verify
             ) -> None:
                 if record.path not in problems and digest is not None:
                     digest.update(buffer)
+                buffers.give(buffer)
                 if last:
                     problem = problems.pop(record.path, None)
                     if problem is None and digest is not None:
@@ -167,7 +196,7 @@ def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: Verify
 
             yield from _tolerant(checkpoint._chunk_reads(record, layout, slab, buffer, slab_read), record, problems)
 
-    run_windowed(reads(), _window(sum(record.nbytes for record in records)))
+    run_windowed(reads(), window)
 
 
 def _slabs(layout: ChunkLayout) -> list[Region]:
@@ -259,11 +288,13 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
     try:
         layout = checkpoint._packed_layout
         chunk = layout.chunk[0]
+        window = _window(length)
+        buffers = _Buffers(window)
 
         def reads() -> Iterator[Task]:  # buffers made as the window takes each task, let go as it settles
             for _, part in layout.regions():
                 [run] = part
-                buffer = np.empty(run.stop - run.start, np.uint8)
+                buffer = buffers.take((run.stop - run.start,), np.dtype(np.uint8))
                 found: dict[str, CheckpointError] = {}
 
                 def chunk_read(run: slice = run, buffer: np.ndarray = buffer, found: dict = found) -> None:
@@ -271,10 +302,11 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
                         failures.append((run.start, run.stop, str(error)))
                     else:  # a leaf with bytes in a failed chunk is reported as damaged, its digest unchecked
                         take(run.start, buffer)
+                    buffers.give(buffer)
 
                 yield from _tolerant(checkpoint._chunk_reads(array, layout, part, buffer, chunk_read), array, found)
 
-        run_windowed(reads(), _window(length))
+        run_windowed(reads(), window)
     except CheckpointError as e:
         failures.append((0, length, str(e)))
     for start, _, why in failures:
