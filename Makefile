@@ -49,6 +49,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python -m compileall -q eqxckpt
 	$(BIN)/python benchmarks/bench.py --json benchmarks/results-2cpu.json $(BENCH_ARGS)
 	$(BIN)/python benchmarks/checksum_cost.py
+	$(BIN)/python benchmarks/verify_speed.py
 	$(BIN)/python benchmarks/skipped_bytes.py
 	$(BIN)/python benchmarks/decode_bench.py
 	$(BIN)/python benchmarks/plot.py
