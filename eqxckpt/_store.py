@@ -42,14 +42,12 @@ def shared_context() -> ts.Context:
 
     One context for everything, because a ``memory://`` store lives in its
     context, and shared pools bound total concurrency across saves and loads.
-    TensorStore does not fsync each chunk file (``file_io_sync``): a save makes
-    its files durable at once with `sync_filesystem`, one journal commit
-    instead of one per file (measured: 0.38 s -> 0.32 s for 512 MiB in 64
-    leaves, and the gap grows with the number of files). Local files are read
-    through memory maps, so a chunk goes from the page cache straight into the
-    restored array, with no intermediate buffer (792 MiB: 0.61 s at a 1.14x
-    peak -> 0.40 s at 1.06x). Checkpoint files are never modified in place
-    (saves write new directories), so a mapping never sees a file shrink.
+    TensorStore does not fsync each file (``file_io_sync``): a save makes its
+    files durable at once with `sync_filesystem`. Whole chunks are read and
+    written by `_chunks` (local files with ``preadv``/``writev``); TensorStore
+    reads slices (lazy indexing) through memory maps, and checkpoint files are
+    never modified in place (saves write new directories), so a mapping never
+    sees a file shrink.
     """
     global _CONTEXT
     if _CONTEXT is None:
