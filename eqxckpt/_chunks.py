@@ -88,16 +88,13 @@ class ChunkLayout:
     def metadata(self) -> dict[str, Any]:
         """The array's ``zarr.json``, as TensorStore's zarr3 driver writes it."""
         name = self.dtype.name
-        fill: Any = False if name == "bool" else [0.0, 0.0] if name.startswith("complex") else 0
-        if "float" in name:
-            fill = 0.0
         endian = {} if self.dtype.itemsize == 1 else {"configuration": {"endian": "little"}}
         return {
             "chunk_grid": {"configuration": {"chunk_shape": list(self.chunk)}, "name": "regular"},
             "chunk_key_encoding": {"name": "default"},
             "codecs": [{**endian, "name": "bytes"}, {"name": "crc32c"}],
             "data_type": name,
-            "fill_value": fill,
+            "fill_value": _zero(name),
             "node_type": "array",
             "shape": list(self.shape),
             "zarr_format": 3,
@@ -122,6 +119,16 @@ class ChunkLayout:
     def files(self, path: str) -> dict[str, int]:
         """``{key: size}`` of every chunk file of the array at ``path``."""
         return {f"{path}/{key}": self.chunk_nbytes + CRC_BYTES for key, _ in self.regions()}
+
+
+def _zero(name: str) -> Any:
+    """Zero of the data type ``name`` as TensorStore writes a ``fill_value`` (``0.0`` for
+    bfloat16 and float8 too)."""
+    if name == "bool":
+        return False
+    if name.startswith("complex"):
+        return [0.0, 0.0]
+    return 0.0 if "float" in name else 0
 
 
 def _leads(extent: Sequence[int], chunk: Sequence[int]) -> bool:
