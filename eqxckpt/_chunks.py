@@ -155,7 +155,7 @@ def encode(layout: ChunkLayout, part: Region, data: np.ndarray) -> list[np.ndarr
     """The pieces of the file of the chunk holding ``part``, whose values are ``data``:
     views of ``data`` where its bytes lead the chunk, then the padding and the checksum."""
     extent = tuple(s.stop - s.start for s in part)
-    if data.dtype != layout.dtype:  # e.g. a big-endian numpy array: stored little-endian
+    if data.dtype != layout.dtype:  # pieces give little-endian values of the leaf's dtype; a net
         data = data.astype(layout.dtype)
     if _leads(extent, layout.chunk):
         body = _bytes_of(np.ascontiguousarray(data))

@@ -10,6 +10,7 @@ import numpy as np
 import xxhash
 
 from ._errors import ManifestError
+from ._store import little_endian
 
 ALGORITHM = "xxh3-128"
 _FORMAT = re.compile(rf"{ALGORITHM}:[0-9a-f]{{32}}")
@@ -25,10 +26,8 @@ class LeafDigest:
         self._hash.update(json.dumps(fields, separators=(",", ":")).encode() + b"\0")
 
     def update(self, data: np.ndarray) -> None:
-        """Add ``data``'s bytes, little-endian, in C order."""
-        if data.dtype.byteorder == ">":
-            data = data.astype(data.dtype.newbyteorder("<"))
-        self._hash.update(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+        """Add ``data``'s bytes as they are stored (`little_endian`), in C order."""
+        self._hash.update(np.ascontiguousarray(little_endian(data)).reshape(-1).view(np.uint8).data)
 
     @property
     def value(self) -> str:

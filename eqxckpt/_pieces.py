@@ -14,6 +14,7 @@ import numpy as np
 from ._chunks import ChunkLayout, Region
 from ._distributed import is_multiprocess
 from ._leaf import KeyRecord, Leaf, StoredLeaf, leaf_of
+from ._store import little_endian
 
 if TYPE_CHECKING:  # `_source` reads checkpoints, whose module packs leaves with these pieces
     from ._source import LazyEntry, Source
@@ -86,7 +87,7 @@ class CopiedPiece(Piece):
             self._left -= 1
             if not self._left:  # let a tensor read whole go once its last chunk is taken
                 self._stream = None
-        return np.asarray(stream[part])
+        return little_endian(stream[part])
 
     def chunks(self, layout: ChunkLayout) -> list[ChunkWrite]:
         regions = layout.regions()
@@ -155,7 +156,8 @@ def _on_cpu(array: jax.Array) -> bool:
 
 
 def _host(value: Any, copy: bool) -> np.ndarray:
-    """``value`` in host memory that nothing else will change.
+    """``value`` in host memory that nothing else will change, little-endian (`little_endian`:
+    a piece's bytes are the stored bytes, so a packed leaf and its digest are right too).
 
     A device array's host copy is fresh. A CPU jax array needs no copy: the
     numpy view holds an external reference to its buffer, which keeps the
@@ -165,6 +167,4 @@ def _host(value: Any, copy: bool) -> np.ndarray:
     (`tests/test_save.py` checks donation and deletion). Numpy arrays are
     mutable, so an async save copies them.
     """
-    if isinstance(value, jax.Array):
-        return np.asarray(value)
-    return np.array(value, copy=True) if copy else np.asarray(value)
+    return little_endian(value, copy=copy and not isinstance(value, jax.Array))

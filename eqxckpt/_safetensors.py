@@ -42,7 +42,7 @@ from ._paths import encode_segment, key_entry_record
 from ._progress import Progress, advance, reporting
 from ._source import LazyEntry, Source, check_one_tree
 from ._storage import create_locked_file, fsync_path, read_capped, remove_abandoned_files
-from ._store import read_window
+from ._store import little_endian, read_window
 from ._tree import flatten, is_prng_key_dtype
 from ._window import Task, run_windowed
 
@@ -290,7 +290,8 @@ def save_safetensors(
     - `tree`: a pytree whose leaves are arrays (other leaves are refused: a
       safetensors file holds tensors only; filter them out first with
       ``eqx.filter(tree, eqx.is_array)``). Lazy arrays of an opened checkpoint
-      (``eqxckpt.open(src).tree()``) are read one at a time while writing.
+      (``eqxckpt.open(src).tree()``) are read one at a time while writing. Arrays
+      of any byte order are written little-endian, as safetensors' data are.
     - `metadata`: string-to-string metadata, stored as ``__metadata__``.
     - `overwrite`: replace a file already at ``path`` (atomically). Without it,
       an existing file is never touched: `CheckpointExistsError`.
@@ -339,8 +340,7 @@ def save_safetensors(
                 f"Leaf {leaf_path!r} is a typed PRNG key array, which safetensors cannot hold. Save its key data "
                 "(jax.random.key_data(x)) instead, or use eqxckpt.save, which stores keys."
             )
-        # np.asarray with order="C", not np.ascontiguousarray: that turns 0-d arrays into shape [1].
-        array = leaf if isinstance(leaf, LazyEntry) else np.asarray(leaf, order="C")
+        array = leaf if isinstance(leaf, LazyEntry) else _stored(leaf)
         dtype = NAMES.get(np.dtype(array.dtype).name)
         if dtype is None:
             raise CheckpointError(f"Leaf {leaf_path!r} has dtype {array.dtype}, which safetensors cannot hold.")
@@ -360,12 +360,18 @@ def save_safetensors(
                 sources.enter_context(source.consistent())
             for array in arrays:
                 if isinstance(array, LazyEntry):
-                    array = np.asarray(array.get(), order="C")
+                    array = _stored(array.get())
                 f.write(array.reshape(-1).view(np.uint8).data)
                 advance(array.nbytes)
 
     with reporting(f"writing {final.name}", offset, len(arrays), progress):
         write_file(final, body, overwrite)
+
+
+def _stored(value: Any) -> np.ndarray:
+    """The array whose bytes a tensor's data are: little-endian (`little_endian`), in C order
+    (np.asarray with order="C", not np.ascontiguousarray: that makes 0-d arrays shape [1])."""
+    return np.asarray(little_endian(value), order="C")
 
 
 def write_file(final: pathlib.Path, body: Callable[[BinaryIO], object], overwrite: bool) -> None:

@@ -417,9 +417,10 @@ def save(
     - `path`: a local directory, a ``file://``/``memory://``/``s3://``/``gs://`` URL,
       or a TensorStore kvstore spec dict (e.g. an S3 endpoint and credentials).
     - `tree`: any pytree (Equinox modules, optax states, dicts, lists...). Array
-      leaves are stored at their key path (``model/layers/0/weight``); Python
-      scalars and strings go into the manifest; other leaves (functions) are
-      recorded by type and restored from ``like`` on load.
+      leaves are stored at their key path (``model/layers/0/weight``), little-endian
+      whatever their byte order (a big-endian numpy array loads as the same values,
+      native); Python scalars and strings go into the manifest; other leaves
+      (functions) are recorded by type and restored from ``like`` on load.
     - `metadata`: a JSON-serialisable dict stored with the checkpoint.
     - `overwrite`: replace an existing checkpoint (atomically on local disks).
     - `blocking`: if False, return as soon as the arrays are in host memory

@@ -1,7 +1,8 @@
 """How a checkpoint's arrays are laid out: chunk shapes, stored dtypes, and TensorStore's
 context and read specs (for reads of slices; whole chunks go through `_chunks`).
 
-The one place that picks chunk shapes and knows which dtypes are stored natively.
+The one place that picks chunk shapes, knows which dtypes are stored natively, and
+turns a host value into the little-endian array whose bytes every writer stores.
 """
 
 import contextlib
@@ -10,6 +11,7 @@ import itertools
 import os
 import re
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -175,6 +177,22 @@ def is_storage_error(error: BaseException) -> bool:
 def reason(error: BaseException | str) -> str:
     """A TensorStore error's message without the spec dump that follows it."""
     return str(error).split(" [tensorstore_spec=")[0].split(" [http_response_body=")[0]
+
+
+def little_endian(value: Any, copy: bool = False) -> np.ndarray:
+    """``value`` as a host array in the byte order every format eqxckpt writes holds
+    (little-endian: the zarr3 ``bytes`` codec as eqxckpt configures it, the packed array,
+    safetensors) and its digests cover. Every writer takes the values it stores from here,
+    so their bytes, their digest and what a load returns agree: the array itself where its
+    bytes are that already, else a byte-swapped copy (a big-endian numpy array).
+
+    ``copy``: a fresh array in any case (one pass, swapping as it copies).
+    """
+    array = np.asarray(value)
+    little = array.dtype.newbyteorder("<")  # equal to the dtype itself unless it is big-endian
+    if copy or array.dtype != little:
+        return np.array(array, dtype=little, copy=True)
+    return array
 
 
 def check_dtype(dtype: np.dtype, where: str) -> None:

@@ -152,6 +152,35 @@ def test_save_safetensors_loads_in_safetensors_bit_exact(tmp_path):
     assert eqxckpt.open(tmp_path / "out.safetensors").metadata == {"step": "3"}
 
 
+def test_save_safetensors_stores_big_endian_arrays_little_endian(tmp_path):
+    # safetensors data are little-endian: big-endian host arrays, and lazy reads cast to a
+    # big-endian dtype, are written as the values they hold, not as their raw bytes.
+    values = {
+        "f4": np.array([1.5, -2.0, np.inf], np.float32),
+        "f8": np.array([[np.pi, -0.0]], np.float64),
+        "i4": np.array([1, -2, 2**31 - 1], np.int32),
+        "u2": np.array([1, 2, 65535], np.uint16),
+        "i8": np.array(-(2**40), np.int64),  # 0-d: keeps its shape
+        "bf16": np.array([1.5, -2.0], ml_dtypes.bfloat16),
+        "f16": np.array([0.5, 65504.0], np.float16),
+    }
+    big = {name: value.astype(value.dtype.newbyteorder(">")) for name, value in values.items()}
+    assert all(big[name].tobytes() != value.tobytes() for name, value in values.items())
+    eqxckpt.save_safetensors(tmp_path / "big.safetensors", big)
+    eqxckpt.save(tmp_path / "c", values)
+    lazy = eqxckpt.open(tmp_path / "c")
+    casts = {name: lazy[name].astype(value.dtype.newbyteorder(">")) for name, value in values.items()}
+    eqxckpt.save_safetensors(tmp_path / "lazy.safetensors", casts)
+    for file in ["big.safetensors", "lazy.safetensors"]:
+        loaded = stn.load_file(str(tmp_path / file))
+        assert sorted(loaded) == sorted(values)
+        for name, value in values.items():
+            assert loaded[name].dtype == value.dtype and loaded[name].shape == value.shape
+            assert loaded[name].tobytes() == value.tobytes(), (file, name, loaded[name], value)
+        back = eqxckpt.load(tmp_path / file)
+        assert all(back[name].tobytes() == value.tobytes() for name, value in values.items())
+
+
 def test_save_safetensors_refuses_ambiguous_names_and_non_arrays(tmp_path):
     with pytest.raises(eqxckpt.PathError, match="ambiguous"):
         eqxckpt.save_safetensors(tmp_path / "a.safetensors", {"a.b": np.ones(2), "a": {"b": np.zeros(2)}})
