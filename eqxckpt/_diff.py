@@ -96,7 +96,10 @@ def diff(
     leaf) are equal or not without reading a byte; only the changed ones are
     read, to say by how much. Leaves without digests (older checkpoints,
     safetensors, Orbax, TensorFlow) are read on both sides and compared byte
-    for byte. Large eqxckpt leaves are read a slab at a time.
+    for byte. Large eqxckpt leaves are read a slab at a time, small ones in
+    batches, so that each chunk of the array small leaves are packed in is
+    read once. Scalars are compared by their bits, as arrays are: ``0.0`` and
+    ``-0.0`` differ, and so do NaNs of another sign or payload.
 
     **Arguments:**
 
@@ -131,10 +134,16 @@ def diff(
                 result.unchanged.append(path)
             else:
                 to_read.append((path, leaf_a, leaf_b))
-        elif _same_value(leaf_a, leaf_b):
+        elif isinstance(leaf_a, ScalarLeaf) and isinstance(leaf_b, ScalarLeaf):
+            difference = _scalar_difference(leaf_a.value(), leaf_b.value())
+            if difference.identical:
+                result.unchanged.append(path)
+            else:
+                result.changed.append(ChangedLeaf(path, difference.max_abs, difference.max_rel))
+        elif _same_record(leaf_a, leaf_b):
             result.unchanged.append(path)
         else:
-            result.changed.append(ChangedLeaf(path, *_scalar_difference(leaf_a, leaf_b)))
+            result.changed.append(ChangedLeaf(path, None, None))
     total = sum(leaf_a.nbytes + leaf_b.nbytes for _, leaf_a, leaf_b in to_read)
     with (
         source_a.consistent(),
@@ -163,18 +172,30 @@ def _retyped(a: Leaf, b: Leaf) -> bool:
     return isinstance(a, StoredLeaf) and a.describe() != b.describe()
 
 
-def _same_value(a: Leaf, b: Leaf) -> bool:
-    """Leaves without arrays (scalars, functions) are the same record."""
+def _same_record(a: Leaf, b: Leaf) -> bool:
+    """Leaves with no value of their own (functions, classes) are the same record."""
     return a.to_json() | {"path": None, "keys": None} == b.to_json() | {"path": None, "keys": None}
 
 
-def _scalar_difference(a: Leaf, b: Leaf) -> tuple[float | None, float | None]:
-    if isinstance(a, ScalarLeaf) and isinstance(b, ScalarLeaf):
-        x, y = a.value(), b.value()
-        if isinstance(x, (int, float, complex)) and isinstance(y, (int, float, complex)):
-            gap = abs(complex(x) - complex(y))
-            return float(gap), (float(gap / abs(y)) if y else math.inf)
-    return None, None
+def _scalar_difference(x: Any, y: Any) -> "_Difference":
+    """Two scalars of one type compared as the 0-d arrays numpy makes of them (bool, int64,
+    float64, complex128): by their bits, as stored arrays are, so that ``0.0`` and ``-0.0``
+    differ, and NaNs of another sign or payload, for scalars as for arrays. Strings, None
+    and ints no numpy integer holds are compared by value."""
+    numbers = isinstance(x, (int, float, complex)) and isinstance(y, (int, float, complex))
+    difference = _Difference(numbers=numbers)
+    a, b = np.asarray(x), np.asarray(y)
+    if numbers and a.dtype == b.dtype and a.dtype != object:
+        difference.add(a, b)
+    elif x != y:
+        difference.identical = False
+        if numbers:  # huge ints: their exact gap, as a float
+            gap = abs(x - y)
+            try:
+                difference.max_abs, difference.max_rel = float(gap), float(gap / abs(y)) if y else math.inf
+            except OverflowError:
+                difference.max_abs = difference.max_rel = math.inf
+    return difference
 
 
 Pair = tuple[str, StoredLeaf, StoredLeaf]
@@ -266,11 +287,10 @@ class _Difference:
             return
         wide = np.complex128 if np.iscomplexobj(a) else np.float64
         x, y = a.astype(wide).reshape(-1), b.astype(wide).reshape(-1)  # 0-d arrays too
-        gap = np.abs(x - y)
-        gap[np.isnan(x) & np.isnan(y)] = 0.0  # NaN in both: unchanged there
-        scale = np.abs(y)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.where(gap == 0, 0.0, gap / scale)
+        with np.errstate(divide="ignore", invalid="ignore"):  # inf - inf, 0 / 0: NaN, as it should
+            gap = np.abs(x - y)
+            gap[np.isnan(x) & np.isnan(y)] = 0.0  # NaN in both: unchanged there
+            rel = np.where(gap == 0, 0.0, gap / np.abs(y))
         self.max_abs = max(self.max_abs, float(np.max(gap)) if gap.size else 0.0)
         self.max_rel = max(self.max_rel, float(np.max(rel)) if rel.size else 0.0)
         if gap.size and np.isnan(gap).any():

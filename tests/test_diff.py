@@ -2,7 +2,10 @@
 digests costing no reads, other formats read and compared, large leaves in slabs."""
 
 import collections
+import itertools
+import math
 import pathlib
+import struct
 from collections.abc import Sequence
 
 import jax
@@ -10,6 +13,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from conftest import run_cli
+from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt import _store as store_module
@@ -159,3 +163,84 @@ def test_a_large_leaf_against_another_format_is_compared_whole(tmp_path, monkeyp
     [changed] = eqxckpt.diff(tmp_path / "x", tmp_path / "y.safetensors").changed
     assert changed.leaf_path == "w" and changed.max_abs == pytest.approx(3.0 - x[40, 7])
     assert eqxckpt.diff(tmp_path / "y.safetensors", tmp_path / "y.safetensors").same
+
+
+def nan_with(sign: int, payload: int) -> float:
+    """The float64 NaN of this sign and (non-zero) payload."""
+    return struct.unpack("<d", struct.pack("<Q", sign << 63 | 0x7FF << 52 | payload))[0]
+
+
+def bits(x: float) -> int:
+    return struct.unpack("<Q", struct.pack("<d", x))[0]
+
+
+def outcome(result: eqxckpt.Diff) -> tuple:
+    """What `diff` said of the one leaf ``v``: retyped, unchanged, or changed and by how much."""
+    if result.retyped:
+        return ("retyped",)
+    if result.unchanged:
+        return ("unchanged",)
+    [changed] = result.changed
+    return ("changed", repr(changed.max_abs), repr(changed.max_rel))  # repr: NaN equals NaN
+
+
+def test_scalars_differ_where_their_bits_do(tmp_path):
+    """0.0 and -0.0, and NaNs of another sign or payload, are changed scalars as they are
+    changed arrays (#37: scalars were compared with ==); the NaNs' bits survive a save."""
+    minus_nan = math.inf - math.inf  # -nan on x86; float("nan") everywhere is +nan
+    signalling = nan_with(0, 1)
+    a = {"zero": 0.0, "nan": math.nan, "odd": signalling, "same": minus_nan, "c": complex(0.0, math.nan), "n": 2}
+    b = {"zero": -0.0, "nan": -math.nan, "odd": nan_with(0, 2), "same": minus_nan, "c": complex(-0.0, math.nan), "n": 2}
+    eqxckpt.save(tmp_path / "a", a)
+    eqxckpt.save(tmp_path / "b", b)
+    result = eqxckpt.diff(tmp_path / "a", tmp_path / "b")
+    assert sorted(result.unchanged) == ["n", "same"]
+    changed = {c.leaf_path: (c.max_abs, c.max_rel) for c in result.changed}
+    assert changed == {"zero": (0.0, 0.0), "nan": (0.0, 0.0), "odd": (0.0, 0.0), "c": (0.0, 0.0)}
+    loaded = eqxckpt.load(tmp_path / "a")
+    assert bits(loaded["same"]) == bits(minus_nan) != bits(math.nan) and bits(loaded["odd"]) == bits(signalling)
+    assert bits(eqxckpt.load(tmp_path / "b")["zero"]) == bits(-0.0)
+    # Exactly what the same values give as arrays.
+    eqxckpt.save(tmp_path / "x", {k: np.asarray(v) for k, v in a.items()})
+    eqxckpt.save(tmp_path / "y", {k: np.asarray(v) for k, v in b.items()})
+    arrays = eqxckpt.diff(tmp_path / "x", tmp_path / "y")
+    assert sorted(arrays.unchanged) == sorted(result.unchanged)
+    assert {c.leaf_path: (c.max_abs, c.max_rel) for c in arrays.changed} == changed
+
+
+NUMBERS = st.one_of(
+    st.floats(),
+    st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, math.inf - math.inf]),
+    st.builds(nan_with, st.integers(0, 1), st.integers(1, 2**52 - 1)),
+    st.integers(-(2**63), 2**63 - 1),
+    st.booleans(),
+)
+
+
+@st.composite
+def number_pairs(draw):
+    x = draw(NUMBERS)
+    twins = [st.just(x), NUMBERS] + ([st.just(-x), st.just(abs(x))] if isinstance(x, float) else [])
+    return x, draw(st.one_of(twins))
+
+
+def test_property_scalars_and_arrays_of_the_same_values_get_the_same_verdict(tmp_path, request):
+    """For any two numbers (floats with every sign of zero and NaN payload, int64s, bools),
+    `diff` says of them as Python scalars what it says of them as 0-d arrays: retyped,
+    unchanged, or changed by as much."""
+    n = itertools.count()
+
+    @settings(max_examples=1000 if request.config.getoption("--slow") else 40, deadline=None)
+    @given(number_pairs())
+    def check(pair):
+        verdicts = []
+        for as_value in (lambda v: v, lambda v: np.asarray(v, {bool: np.bool_, int: np.int64}.get(type(v), None))):
+            a, b = tmp_path / f"{next(n)}", tmp_path / f"{next(n)}"
+            eqxckpt.save(a, {"v": as_value(pair[0])})
+            eqxckpt.save(b, {"v": as_value(pair[1])})
+            verdicts.append(outcome(eqxckpt.diff(a, b)))
+        assert verdicts[0] == verdicts[1]
+        same_bits = type(pair[0]) is type(pair[1]) and np.asarray(pair[0]).tobytes() == np.asarray(pair[1]).tobytes()
+        assert (verdicts[0] == ("unchanged",)) == same_bits
+
+    check()
