@@ -151,15 +151,18 @@ def diff(
         # Leaves read on both sides: each pair counts twice.
         reporting(f"comparing {result.a} with {result.b}", total, 2 * len(to_read), progress),
     ):
+        found: dict[str, _Difference] = {}
         for (path, leaf_a, _), blocks in _compared(source_a, source_b, to_read):
-            difference = _Difference(numbers=leaf_a.kind == "array")
+            found[path] = difference = _Difference(numbers=leaf_a.kind == "array")
             for block_a, block_b in blocks:
                 difference.add(block_a, block_b)
                 result.bytes_read += block_a.nbytes + block_b.nbytes
-            if difference.identical:
-                result.unchanged.append(path)
-            else:
-                result.changed.append(ChangedLeaf(path, difference.max_abs, difference.max_rel))
+    for path, _, _ in to_read:  # in a's order, whatever order they were read in
+        difference = found[path]
+        if difference.identical:
+            result.unchanged.append(path)
+        else:
+            result.changed.append(ChangedLeaf(path, difference.max_abs, difference.max_rel))
     return result
 
 
