@@ -290,7 +290,8 @@ class _Difference:
             return
         wide = np.complex128 if np.iscomplexobj(a) else np.float64
         x, y = a.astype(wide).reshape(-1), b.astype(wide).reshape(-1)  # 0-d arrays too
-        with np.errstate(divide="ignore", invalid="ignore"):  # inf - inf, 0 / 0: NaN, as it should
+        # inf - inf is NaN; x / 0, overflows and x / tiny are inf: as they should be.
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             gap = np.abs(x - y)
             gap[np.isnan(x) & np.isnan(y)] = 0.0  # NaN in both: unchanged there
             rel = np.where(gap == 0, 0.0, gap / np.abs(y))
