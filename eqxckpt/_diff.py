@@ -11,9 +11,9 @@ import numpy as np
 from ._checkpoint import LazyArray
 from ._errors import plural
 from ._formats import open as open_source
-from ._leaf import Leaf, ScalarLeaf, StoredLeaf
+from ._leaf import ArrayLeaf, Leaf, ScalarLeaf, StoredLeaf
 from ._progress import Progress, advance, reporting
-from ._source import LazyEntry, Source
+from ._source import Source
 from ._storage import CheckpointPath
 from ._tree import is_prng_key_dtype
 
@@ -96,7 +96,10 @@ def diff(
     leaf) are equal or not without reading a byte; only the changed ones are
     read, to say by how much. Leaves without digests (older checkpoints,
     safetensors, Orbax, TensorFlow) are read on both sides and compared byte
-    for byte. Large eqxckpt leaves are read a slab at a time.
+    for byte. Large eqxckpt leaves are read a slab at a time, small ones in
+    batches, so that each chunk of the array small leaves are packed in is
+    read once. Scalars are compared by their bits, as arrays are: ``0.0`` and
+    ``-0.0`` differ, and so do NaNs of another sign or payload.
 
     **Arguments:**
 
@@ -131,27 +134,35 @@ def diff(
                 result.unchanged.append(path)
             else:
                 to_read.append((path, leaf_a, leaf_b))
-        elif _same_value(leaf_a, leaf_b):
-            result.unchanged.append(path)
-        else:
-            result.changed.append(ChangedLeaf(path, *_scalar_difference(leaf_a, leaf_b)))
-    total = sum(leaf_a.nbytes + leaf_b.nbytes for _, leaf_a, leaf_b in to_read)
-    with (
-        source_a.consistent(),
-        source_b.consistent(),
-        reporting(f"comparing {result.a} with {result.b}", total, len(to_read), progress),
-    ):
-        for path, leaf_a, leaf_b in to_read:
-            difference = _Difference(numbers=leaf_a.kind == "array")
-            for block_a, block_b in zip(_blocks(source_a[leaf_a.path]), _blocks(source_b[leaf_b.path])):
-                difference.add(np.asarray(block_a), np.asarray(block_b))
-                result.bytes_read += block_a.nbytes + block_b.nbytes
-                advance(block_a.nbytes + block_b.nbytes, 0)
-            advance(0, 1)
+        elif isinstance(leaf_a, ScalarLeaf) and isinstance(leaf_b, ScalarLeaf):
+            difference = _scalar_difference(leaf_a.value(), leaf_b.value())
             if difference.identical:
                 result.unchanged.append(path)
             else:
                 result.changed.append(ChangedLeaf(path, difference.max_abs, difference.max_rel))
+        elif _same_record(leaf_a, leaf_b):
+            result.unchanged.append(path)
+        else:
+            result.changed.append(ChangedLeaf(path, None, None))
+    total = sum(leaf_a.nbytes + leaf_b.nbytes for _, leaf_a, leaf_b in to_read)
+    with (
+        source_a.consistent(),
+        source_b.consistent(),
+        # Leaves read on both sides: each pair counts twice.
+        reporting(f"comparing {result.a} with {result.b}", total, 2 * len(to_read), progress),
+    ):
+        found: dict[str, _Difference] = {}
+        for (path, leaf_a, _), blocks in _compared(source_a, source_b, to_read):
+            found[path] = difference = _Difference(numbers=leaf_a.kind == "array")
+            for block_a, block_b in blocks:
+                difference.add(block_a, block_b)
+                result.bytes_read += block_a.nbytes + block_b.nbytes
+    for path, _, _ in to_read:  # in a's order, whatever order they were read in
+        difference = found[path]
+        if difference.identical:
+            result.unchanged.append(path)
+        else:
+            result.changed.append(ChangedLeaf(path, difference.max_abs, difference.max_rel))
     return result
 
 
@@ -164,33 +175,100 @@ def _retyped(a: Leaf, b: Leaf) -> bool:
     return isinstance(a, StoredLeaf) and a.describe() != b.describe()
 
 
-def _same_value(a: Leaf, b: Leaf) -> bool:
-    """Leaves without arrays (scalars, functions) are the same record."""
+def _same_record(a: Leaf, b: Leaf) -> bool:
+    """Leaves with no value of their own (functions, classes) are the same record."""
     return a.to_json() | {"path": None, "keys": None} == b.to_json() | {"path": None, "keys": None}
 
 
-def _scalar_difference(a: Leaf, b: Leaf) -> tuple[float | None, float | None]:
-    if isinstance(a, ScalarLeaf) and isinstance(b, ScalarLeaf):
-        x, y = a.value(), b.value()
-        if isinstance(x, (int, float, complex)) and isinstance(y, (int, float, complex)):
-            gap = abs(complex(x) - complex(y))
-            return float(gap), (float(gap / abs(y)) if y else math.inf)
-    return None, None
+def _scalar_difference(x: Any, y: Any) -> "_Difference":
+    """Two scalars of one type compared as the 0-d arrays numpy makes of them (bool, int64,
+    float64, complex128): by their bits, as stored arrays are, so that ``0.0`` and ``-0.0``
+    differ, and NaNs of another sign or payload, for scalars as for arrays. Strings, None
+    and ints no numpy integer holds are compared by value."""
+    numbers = isinstance(x, (int, float, complex)) and isinstance(y, (int, float, complex))
+    difference = _Difference(numbers=numbers)
+    a, b = np.asarray(x), np.asarray(y)
+    if numbers and a.dtype == b.dtype and a.dtype != object:
+        difference.add(a, b)
+    elif x != y:
+        difference.identical = False
+        if numbers:  # huge ints: their exact gap, as a float
+            gap = abs(x - y)
+            try:
+                difference.max_abs, difference.max_rel = float(gap), float(gap / abs(y)) if y else math.inf
+            except OverflowError:
+                difference.max_abs = difference.max_rel = math.inf
+    return difference
 
 
-def _blocks(entry: Any) -> Iterator[Any]:
-    """A leaf's data in C order: a slab of rows at a time for eqxckpt's arrays, whole otherwise."""
-    if not isinstance(entry, LazyEntry):  # a value the source holds (a computed translation)
-        yield np.asarray(entry)
-        return
-    shape = entry.shape
-    if not isinstance(entry, LazyArray) or entry.nbytes <= SLAB_BYTES or not shape or not entry.leaf.sliceable:
-        value = entry.get()
-        yield jax.random.key_data(value) if is_prng_key_dtype(value.dtype) else value
-        return
-    rows = max(1, SLAB_BYTES // max(1, entry.nbytes // shape[0]))
-    for start in range(0, shape[0], rows):
-        yield entry[start : start + rows].get()
+Pair = tuple[str, StoredLeaf, StoredLeaf]
+
+
+def _compared(source_a: Source, source_b: Source, pairs: list[Pair]) -> Iterator[tuple[Pair, Any]]:
+    """Each pair with its data on both sides, as ``(block_a, block_b)`` host arrays in C order.
+
+    Large eqxckpt leaves come a slab of rows at a time. The others are read in batches
+    of about `SLAB_BYTES` per side, each batch in one read of each source: a batch of
+    packed leaves reads every chunk of the packed array that holds them once, where
+    reading them one by one would read a whole chunk for each.
+    """
+    whole: list[Pair] = []
+    for pair in pairs:
+        if _slabbed(source_a[pair[1].path]) and _slabbed(source_b[pair[2].path]):
+            yield pair, _slabs(source_a[pair[1].path], source_b[pair[2].path])
+        else:
+            whole.append(pair)
+    # In the order of a's packed array (b's, saved from the same tree, mostly follows),
+    # so that the leaves sharing a chunk share a batch.
+    whole.sort(key=lambda pair: (pair[1].location, pair[1].offset or 0))
+    for batch in _batches(whole):
+        values_a = source_a._read([(leaf_a, _host_target(leaf_a)) for _, leaf_a, _ in batch])
+        values_b = source_b._read([(leaf_b, _host_target(leaf_b)) for _, _, leaf_b in batch])
+        for pair, value_a, value_b in zip(batch, values_a, values_b):
+            yield pair, [(_host(value_a), _host(value_b))]
+
+
+def _batches(pairs: list[Pair]) -> Iterator[list[Pair]]:
+    """``pairs`` in runs of at most `SLAB_BYTES` a side (a larger leaf alone)."""
+    batch: list[Pair] = []
+    nbytes = 0
+    for pair in pairs:
+        size = max(pair[1].nbytes, pair[2].nbytes)
+        if batch and nbytes + size > SLAB_BYTES:
+            yield batch
+            batch, nbytes = [], 0
+        batch.append(pair)
+        nbytes += size
+    if batch:
+        yield batch
+
+
+def _slabbed(entry: Any) -> bool:
+    """Whether a leaf is read a slab of rows at a time: eqxckpt's large sliceable arrays."""
+    return isinstance(entry, LazyArray) and entry.nbytes > SLAB_BYTES and bool(entry.shape) and entry.leaf.sliceable
+
+
+def _slabs(a: LazyArray, b: LazyArray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Two arrays of one shape and dtype, a slab of rows of each at a time."""
+    rows = max(1, SLAB_BYTES // max(1, a.nbytes // a.shape[0]))
+    for start in range(0, a.shape[0], rows):
+        block_a, block_b = a[start : start + rows].get(), b[start : start + rows].get()
+        advance(block_a.nbytes + block_b.nbytes, 0)
+        yield block_a, block_b
+    advance(0, 2)
+
+
+def _host_target(leaf: StoredLeaf) -> Any:
+    """What to read ``leaf`` into: a host array like it (no memory of its own) for arrays,
+    so nothing is put on a device; PRNG keys are read as keys (their data is compared)."""
+    if isinstance(leaf, ArrayLeaf):
+        return np.broadcast_to(np.empty((), leaf.dtype), leaf.shape)
+    return None
+
+
+def _host(value: Any) -> np.ndarray:
+    """A value `Source._read` gave, as host data: a PRNG key array's key data."""
+    return np.asarray(jax.random.key_data(value) if is_prng_key_dtype(value.dtype) else value)
 
 
 class _Difference:
@@ -212,11 +290,11 @@ class _Difference:
             return
         wide = np.complex128 if np.iscomplexobj(a) else np.float64
         x, y = a.astype(wide).reshape(-1), b.astype(wide).reshape(-1)  # 0-d arrays too
-        gap = np.abs(x - y)
-        gap[np.isnan(x) & np.isnan(y)] = 0.0  # NaN in both: unchanged there
-        scale = np.abs(y)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.where(gap == 0, 0.0, gap / scale)
+        # inf - inf is NaN; x / 0, overflows and x / tiny are inf: as they should be.
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            gap = np.abs(x - y)
+            gap[np.isnan(x) & np.isnan(y)] = 0.0  # NaN in both: unchanged there
+            rel = np.where(gap == 0, 0.0, gap / np.abs(y))
         self.max_abs = max(self.max_abs, float(np.max(gap)) if gap.size else 0.0)
         self.max_rel = max(self.max_rel, float(np.max(rel)) if rel.size else 0.0)
         if gap.size and np.isnan(gap).any():

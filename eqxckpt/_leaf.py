@@ -16,6 +16,7 @@ A new kind is one class here, registered in `KINDS`.
 import dataclasses
 import functools
 import math
+import struct
 from typing import Any, ClassVar
 
 import jax
@@ -393,25 +394,39 @@ class KeyLeaf(StoredLeaf):
 
 @dataclasses.dataclass(frozen=True)
 class ScalarLeaf(Leaf):
-    """A Python scalar, string or None, kept in the manifest as ``type_name`` and a JSON value."""
+    """A Python scalar, string or None, kept in the manifest as ``type_name`` and a JSON
+    value, plus ``bits`` (see `nan_bits`) for a NaN the JSON value cannot tell apart."""
 
     type_name: str = "none"
     json_value: Any = None
+    bits: Any = None
     kind: ClassVar[str] = "scalar"
+
+    @classmethod
+    def of(cls, path: str, keys: tuple[KeyRecord, ...], value: Any) -> "ScalarLeaf":
+        """The leaf of a Python scalar, string or None, bit for bit."""
+        return cls(path, keys, *scalar_to_json(value), nan_bits(value))
 
     def describe(self) -> str:
         return f"{self.type_name} = {self.value()!r}"
 
     def _fields(self) -> dict[str, Any]:
-        return {"type": self.type_name, "value": self.json_value}
+        fields = {"type": self.type_name, "value": self.json_value}
+        return fields if self.bits is None else {**fields, "bits": self.bits}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "ScalarLeaf":
         type_name = _type_name(doc, path)
         if type_name not in SCALAR_NAMES:
             raise ManifestError(f"Leaf {path!r}: unknown scalar type {type_name!r}.")
-        scalar_from_json(type_name, doc.get("value"))  # validates
-        return cls(path, keys, type_name, doc.get("value"))
+        value = scalar_from_json(type_name, doc.get("value"))  # validates
+        bits = doc.get("bits")
+        if bits is not None and not _bits_fit(value, bits):
+            raise ManifestError(
+                f"Leaf {path!r}: its bits {bits!r} are not those of a NaN other than float('nan') where its "
+                f"{type_name} value {doc.get('value')!r} has one. The checkpoint is damaged or crafted."
+            )
+        return cls(path, keys, type_name, doc.get("value"), bits)
 
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if is_array_like(target) or not isinstance(target, SCALAR_TYPES) or self.type_name != scalar_to_json(target)[0]:
@@ -419,7 +434,8 @@ class ScalarLeaf(Leaf):
         return None
 
     def value(self, target: Any = None) -> Any:
-        return scalar_from_json(self.type_name, self.json_value)
+        value = scalar_from_json(self.type_name, self.json_value)
+        return value if self.bits is None else with_bits(value, self.bits)
 
     @property
     def is_none(self) -> bool:
@@ -515,7 +531,7 @@ def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, A
     if isinstance(value, SCALAR_TYPES) or is_empty_subtree(value):
         # An empty subtree in a sequence is recorded as None: it keeps the indices whole.
         scalar = None if is_empty_subtree(value) else str(value) if isinstance(value, np.str_) else value
-        return ScalarLeaf(path, keys, *scalar_to_json(scalar)), None
+        return ScalarLeaf.of(path, keys, scalar), None
     if is_code(value) or holds_no_data(value):
         return OpaqueLeaf(path, keys, type_name(value), code_name(value)), None
     raise UnsupportedLeafError(_refusal(path, value))
@@ -556,7 +572,8 @@ def float_to_json(x: float) -> float | str:
 
 
 def scalar_to_json(value: Any) -> tuple[str, Any]:
-    """(type name, JSON value) of a Python scalar leaf; floats survive bit for bit."""
+    """(type name, JSON value) of a Python scalar leaf; floats survive bit for bit, but for
+    the sign and payload of a NaN (see `nan_bits`)."""
     if value is None:
         return "none", None
     if isinstance(value, bool):
@@ -570,6 +587,54 @@ def scalar_to_json(value: Any) -> tuple[str, Any]:
     if isinstance(value, str):
         return "str", value
     raise TypeError(type(value))
+
+
+# The bits of float("nan"), the NaN a JSON "nan" reads back as.
+_NAN_BITS = struct.unpack("<Q", struct.pack("<d", math.nan))[0]
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<Q", struct.pack("<d", x))[0]
+
+
+def nan_bits(value: Any) -> Any:
+    """What JSON loses of a float or complex scalar: the IEEE-754 bits (16 lowercase hex
+    digits) of a NaN that is not float("nan") (another sign or payload: ``inf - inf`` is
+    ``-nan`` on x86), for a complex ``[real's or None, imag's or None]``; None when
+    `scalar_to_json` keeps every bit."""
+    parts = [value.real, value.imag] if isinstance(value, complex) else [value] if isinstance(value, float) else []
+    bits = [f"{_float_bits(x):016x}" if math.isnan(x) and _float_bits(x) != _NAN_BITS else None for x in parts]
+    if not any(bits):
+        return None
+    return bits if isinstance(value, complex) else bits[0]
+
+
+def with_bits(value: Any, bits: Any) -> Any:
+    """``value`` (as `scalar_from_json` gives it) with the NaNs that `nan_bits` recorded;
+    `ManifestError` for ``bits`` of another form."""
+
+    def part(x: float, hex_bits: Any) -> float:
+        if hex_bits is None:
+            return x
+        if not math.isnan(x):
+            raise ManifestError(f"Bits {hex_bits!r} recorded for {x!r}, which is not a NaN.")
+        if not (isinstance(hex_bits, str) and len(hex_bits) == 16 and all(c in "0123456789abcdef" for c in hex_bits)):
+            raise ManifestError(f"Expected 16 lowercase hex digits of a NaN's bits, found {hex_bits!r}.")
+        return struct.unpack("<d", struct.pack("<Q", int(hex_bits, 16)))[0]
+
+    if isinstance(value, complex) and isinstance(bits, list) and len(bits) == 2:
+        return complex(part(value.real, bits[0]), part(value.imag, bits[1]))
+    if isinstance(value, float) and not isinstance(bits, list):
+        return part(value, bits)
+    raise ManifestError(f"Expected the bits of a {type(value).__name__}'s NaNs, found {bits!r}.")
+
+
+def _bits_fit(value: Any, bits: Any) -> bool:
+    """Whether ``bits`` are what `nan_bits` records for a value read back as ``value``."""
+    try:
+        return nan_bits(with_bits(value, bits)) == bits
+    except ManifestError:
+        return False
 
 
 def float_from_json(x: Any) -> float:

@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from ._errors import CheckpointNotFoundError, ManifestError
-from ._leaf import ArrayLeaf, KeyRecord, Leaf, ScalarLeaf, StoredLeaf, parse_shape, scalar_to_json
+from ._leaf import ArrayLeaf, KeyRecord, Leaf, ScalarLeaf, StoredLeaf, parse_shape
 from ._manifest import MAX_MANIFEST_BYTES, parse_json_object
 from ._paths import record_segment
 from ._source import Source, check_one_tree, reading
@@ -114,7 +114,7 @@ class OrbaxCheckpoint(Source):
                     value = np.asarray(read.result()).reshape(-1)[0].item()
                 if not isinstance(value, (bool, int, float, complex)):
                     raise ManifestError(f"{self.location}: scalar leaf {path!r} holds {type(value).__name__}.")
-                leaf = ScalarLeaf(path, keys, *scalar_to_json(value))
+                leaf = ScalarLeaf.of(path, keys, value)
             self._leaves[path] = leaf
         check_one_tree(self._leaves, self.location, lambda path: ".".join(str(k[1]) for k in self._leaves[path].keys))
 

@@ -95,7 +95,7 @@ def test_format_spec_names_every_field_eqxckpt_writes(tmp_path):
         "numpy": np.zeros(4, np.int8),
         "numpy_scalar": np.float32(2.5),
         "key": jax.random.key(0),
-        "ints": [1, 2.5, True, 1 + 2j, "text", None],
+        "ints": [1, 2.5, True, 1 + 2j, "text", None, -float("nan")],  # -nan: its `bits` are written
         "function": jax.nn.relu,
         # Enough small leaves to be packed: every array and key above is, so `offset` is written.
         "many": [np.arange(i + 1, dtype=np.float32) for i in range(PACK_MIN_LEAVES)],

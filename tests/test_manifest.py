@@ -1,4 +1,6 @@
 import json
+import math
+import struct
 
 import pytest
 from hypothesis import given, strategies as st
@@ -119,3 +121,47 @@ def test_scalars_round_trip(value):
     back = scalar_from_json(kind, json.loads(json.dumps(encoded, allow_nan=False)))
     assert type(back) is type(value)
     assert repr(back) == repr(value)
+
+
+def nan_with(sign: int, payload: int) -> float:
+    return struct.unpack("<d", struct.pack("<Q", sign << 63 | 0x7FF << 52 | payload))[0]
+
+
+def parts(v: float | complex) -> list[float]:
+    return [v.real, v.imag] if isinstance(v, complex) else [v]
+
+
+FLOATS = st.one_of(st.floats(), st.builds(nan_with, st.integers(0, 1), st.integers(1, 2**52 - 1)))
+
+
+@given(st.one_of(FLOATS, st.builds(complex, FLOATS, FLOATS)))
+def test_scalar_leaves_keep_every_bit(value):
+    """A NaN's sign and payload, which its JSON value ("nan") loses, are kept in ``bits``:
+    a manifest gives back the float bit for bit."""
+    [leaf] = parse_manifest(Manifest((ScalarLeaf.of("s", (("dict", "s"),), value),), {}).to_bytes()).leaves
+    back = leaf.value()
+    assert type(back) is type(value)
+    assert [struct.pack("<d", x) for x in parts(back)] == [struct.pack("<d", x) for x in parts(value)]
+    assert ("bits" in leaf.to_json()) == any(
+        math.isnan(x) and struct.pack("<d", x) != struct.pack("<d", math.nan) for x in parts(value)
+    )
+
+
+@pytest.mark.parametrize(
+    "type_name, value, bits",
+    [
+        ("float", 1.0, "7ff0000000000001"),  # bits of a value that is no NaN
+        ("float", "nan", "7ff8000000000000"),  # float("nan") itself: never written
+        ("float", "nan", "3ff0000000000000"),  # not a NaN
+        ("float", "nan", "7FF0000000000001"),  # not lowercase
+        ("float", "nan", ["fff8000000000000", None]),
+        ("int", 1, "7ff0000000000001"),
+        ("complex", ["nan", 1.0], "fff8000000000000"),
+        ("complex", ["nan", 1.0], [None, None]),
+        ("complex", ["nan", 1.0], [None, "fff8000000000000"]),
+    ],
+)
+def test_bits_that_do_not_fit_the_value_are_refused(type_name, value, bits):
+    leaf = {"path": "s", "keys": [["dict", "s"]], "kind": "scalar", "type": type_name, "value": value, "bits": bits}
+    with pytest.raises(ManifestError, match=r"Leaf 's': its bits .* damaged or crafted"):
+        parse_manifest(doc(leaf))
