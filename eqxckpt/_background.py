@@ -105,13 +105,17 @@ class BackgroundSaves:
             if self._in_flight.get(key) is handle and handle.error() is None:
                 del self._in_flight[key]
 
-    def settle(self) -> None:
-        """Wait for all work in flight (so at most one snapshot is held in memory), then
-        raise an error no one has seen yet, so that a failed save is never silently lost."""
+    def wait_idle(self) -> None:
+        """Wait for all work submitted so far to finish; its errors stay for whoever waits on it."""
         with self._lock:
             previous = list(self._in_flight.values())
         for handle in previous:
             handle.error()
+
+    def settle(self) -> None:
+        """Wait for all work in flight (so at most one snapshot is held in memory), then
+        raise an error no one has seen yet, so that a failed save is never silently lost."""
+        self.wait_idle()
         with self._lock:
             failed = [h for h in self._in_flight.values() if h.done() and h.error() is not None]
             for handle in failed:

@@ -1,12 +1,14 @@
 """`CheckpointManager`: a directory of numbered steps, retention, and resume."""
 
 import collections
+import contextlib
 import math
 import re
 import signal
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -24,58 +26,11 @@ from ._errors import (
 )
 from ._leaf import float_from_json, float_to_json
 from ._load import load
+from ._preemption import Preemption
 from ._progress import Progress
 from ._save import save
 from ._storage import CheckpointPath, resolve
 from ._store import is_storage_error
-
-
-class Preemption:
-    """Whether the job has been told it will be stopped.
-
-    With the JAX distributed runtime and its preemption service, JAX's own notice (it
-    handles SIGTERM and tells every process), asked through
-    `multihost_utils.reached_preemption_sync_point` so that every process answers True
-    at the same step. In a single process, ``signals`` (SIGTERM) set a flag; the
-    handlers are installed only from the main thread, and a handler already set by
-    the program is called after the flag is set. Several processes without the
-    service get no notice: one process alone saving would leave the rest waiting.
-    """
-
-    def __init__(self, signals: tuple[int, ...]):
-        self.noticed = False
-        self._jax = jax.process_count() > 1
-        self._previous: dict[int, Any] = {}
-        if self._jax or threading.current_thread() is not threading.main_thread():
-            return
-        for signum in signals:
-            previous = signal.getsignal(signum)
-
-            def handler(signum: int, frame: Any, previous: Any = previous) -> None:
-                self.noticed = True
-                if callable(previous):
-                    previous(signum, frame)
-
-            signal.signal(signum, handler)
-            self._previous[signum] = previous
-
-    def close(self) -> None:
-        """Give the signals back to the handlers they had (from the main thread)."""
-        if threading.current_thread() is threading.main_thread():
-            for signum, previous in self._previous.items():
-                signal.signal(signum, previous)
-        self._previous.clear()
-
-    def reached(self, step: int) -> bool:
-        if not self._jax:
-            return self.noticed
-        from jax.experimental import multihost_utils
-
-        try:
-            return multihost_utils.reached_preemption_sync_point(step)
-        except RuntimeError:  # the preemption service is off: no notice can come
-            return False
-
 
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
 MANAGER_KEY = "eqxckpt.manager"
@@ -109,7 +64,24 @@ class CheckpointManager:
       JAX distributed runtime, JAX's preemption service (it takes SIGTERM on any
       process to every process), so every process saves the same step. True by
       default. The manager listens from its first `save` until it is closed
-      (the end of its ``with`` block).
+      (`close`, or the end of its ``with`` block) or garbage-collected. If that
+      save fails, the notice stands: the next `save` saves for it.
+    - `exit_on_preemption`: if False, `save` returns after saving for a notice
+      instead of ending the process.
+    - `preemption_signals`: the signals that are a notice in a single process.
+      One handler per process serves every manager: installed (from the main
+      thread) at the first save that listens, it also calls the handler the
+      program had set; it is put back when the last manager stops listening,
+      unless the program has set its own handler since (which stays). A
+      handler the program sets after the first save should call the one it
+      found (`signal.getsignal`) for managers to hear the notice.
+    - `preemption_grace_s`: a notice (of a signal whose action was the default,
+      which for SIGTERM ends the process) that no `save` answers within this
+      many seconds (30 by default; counted again from the end of a save the
+      notice came during, or of a failed save for it) ends the process as the
+      signal would have, once the saves in flight finish: the signal is never
+      swallowed. With no manager listening (all closed), a signal acts as it
+      would without eqxckpt.
 
     Several managers and processes may use one directory (a trainer saving, an
     evaluator polling `latest_step` and loading); see the concurrency protocol
@@ -142,12 +114,19 @@ class CheckpointManager:
         save_on_preemption: bool = True,
         exit_on_preemption: bool = True,
         preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
+        preemption_grace_s: float = 30.0,
     ):
         for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every), ("keep_best", keep_best)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}.")
+        if (
+            not isinstance(preemption_grace_s, (int, float))
+            or isinstance(preemption_grace_s, bool)
+            or not 0 < preemption_grace_s < math.inf
+        ):
+            raise ValueError(f"preemption_grace_s must be a positive number of seconds, got {preemption_grace_s!r}.")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}.")
         if keep_best is not None and best_metric is None:
@@ -169,7 +148,11 @@ class CheckpointManager:
         self._pending: SaveHandle | None = None
         self.exit_on_preemption = exit_on_preemption
         self._preemption_signals = preemption_signals if save_on_preemption else None
-        self._preemption: Preemption | None = None  # listening from the first save until the manager closes
+        self.preemption_grace_s = float(preemption_grace_s)
+        # Listening from the first save until the manager is closed or collected (the
+        # finalizer: a manager dropped unclosed must not keep the signal).
+        self._preemption: Preemption | None = None
+        self._stop_listening: weakref.finalize | None = None
         self._preempted_at: int | None = None
         if jax.process_index() == 0:
             self._clean_leftovers()
@@ -293,14 +276,17 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}.")
         if self._preemption is None and self._preemption_signals is not None:
-            self._preemption = Preemption(self._preemption_signals)
+            self._preemption = Preemption(self._preemption_signals, self.preemption_grace_s)
+            self._stop_listening = weakref.finalize(self, self._preemption.close)
         # Asked at every step, by every process: with several, they agree on the step to save.
         preempted = self._preempted_at is None and self._preemption is not None and self._preemption.reached(step)
         if preempted:
-            return self._save_for_preemption(step, tree, metadata, metrics)
+            return self._save_for_preemption(step, tree, metadata, metrics, progress)
         if not (force or self.should_save(step)):
             return False
-        self._start(step, tree, metadata, metrics, self.blocking, progress)
+        # A notice's grace period does not end the process in the middle of this save.
+        with self._preemption.saving(for_notice=False) if self._preemption else contextlib.nullcontext():
+            self._start(step, tree, metadata, metrics, self.blocking, progress)
         return True
 
     def _start(
@@ -341,14 +327,22 @@ class CheckpointManager:
         self._pending = SAVES.submit(handle.path, self._after_save, handle, step, metrics)
 
     def _save_for_preemption(
-        self, step: int, tree: PyTree, metadata: dict[str, Any] | None, metrics: dict[str, float] | None
+        self,
+        step: int,
+        tree: PyTree,
+        metadata: dict[str, Any] | None,
+        metrics: dict[str, float] | None,
+        progress: Progress,
     ) -> bool:
         """The job will be stopped: save ``step`` now (unless it is saved already), make it
-        durable, then end the process (or return, with ``exit_on_preemption=False``)."""
+        durable, then end the process (or return, with ``exit_on_preemption=False``).
+        If the save fails, the notice stands: the next `save` tries again."""
+        assert self._preemption is not None
+        with self._preemption.saving(for_notice=True):
+            self.wait()
+            if step not in self._steps:
+                self._start(step, tree, metadata, metrics, blocking=True, progress=progress)  # committed, durable
         self._preempted_at = step
-        self.wait()
-        if step not in self._steps:
-            self._start(step, tree, metadata, metrics, blocking=True)  # committed and durable on return
         if self.exit_on_preemption:
             print(f"eqxckpt: preemption notice; step {step} saved to {self.location}, exiting.", file=sys.stderr)
             raise SystemExit(0)
@@ -608,12 +602,28 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error), and stop listening for
+        preemption notices; what `with` does at the end of its block.
+
+        A manager dropped without closing stops listening when it is garbage-collected.
+        A later `save` listens again.
+
+        ```python
+        manager = eqxckpt.CheckpointManager("run")
+        manager.save(0, {"w": np.zeros(3)})
+        manager.close()
+        ```
+        """
         try:
             self.wait()
         finally:
-            if self._preemption is not None:
-                self._preemption.close()
+            if self._stop_listening is not None:
+                self._stop_listening()  # Preemption.close, once
+            self._preemption, self._stop_listening = None, None
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.location)!r}, steps={self.all_steps()})"

@@ -1,0 +1,240 @@
+"""Preemption notices: one process-wide signal listener that managers join and leave."""
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from ._background import SAVES
+
+
+class _Listener:
+    """The handler eqxckpt installs for preemption signals, shared by the whole process.
+
+    Installed once per signal, from the main thread, chaining to the disposition found
+    then; put back when the last manager listening for that signal leaves, and only if
+    ours is still the current handler (a handler the program set since stays, and is
+    never replaced). With no manager listening, the signal does what it would have
+    done without eqxckpt. A notice that no manager's save answers within the grace
+    period ends the process as the signal would have, once the saves in flight finish.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # re-entrant: the handler runs in whichever frame the main thread was in
+        self._members: frozenset[Preemption] = frozenset()
+        self._found: dict[int, Any] = {}  # signal -> the disposition found when ours was installed
+        self._armed: dict[int, float] = {}  # signal -> when a notice no save has answered ends the process
+        self._ending: set[int] = set()  # signals the watchdog sent itself: the handler passes them on
+        self._saving = 0  # managers' saves running now: the process is not ended under them
+        self._notices = 0  # notices armed so far (a save tells whether one came while it ran)
+        self._wake = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        # One bound method, so that `signal.getsignal(s) is self.handler` says whether ours is current.
+        self.handler = self._handle
+
+    def join(self, member: "Preemption") -> None:
+        """Deliver ``member.signals`` to ``member`` from now on (installing the handler from
+        the main thread; a handler cannot be installed from another thread)."""
+        with self._lock:
+            self._members |= {member}
+            if threading.current_thread() is threading.main_thread():
+                for signum in member.signals:
+                    if signum in self._found:
+                        continue  # installed once: installing again would chain ours to itself
+                    found = signal.getsignal(signum)
+                    if found is None:
+                        continue  # set outside Python: it could be neither called nor put back
+                    signal.signal(signum, self.handler)
+                    self._found[signum] = found
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="eqxckpt-preemption", daemon=True)
+                self._watchdog.start()
+
+    def leave(self, member: "Preemption") -> None:
+        """Stop delivering to ``member``; put back what ours replaced if no one else listens
+        and ours is still current (from the main thread; elsewhere ours stays, passing
+        signals on as they would have gone)."""
+        with self._lock:
+            self._members -= {member}
+            if threading.current_thread() is not threading.main_thread():
+                return
+            for signum, found in list(self._found.items()):
+                if any(signum in m.signals for m in self._members):
+                    continue
+                if signal.getsignal(signum) is self.handler:
+                    signal.signal(signum, found)
+                    del self._found[signum]
+                # Otherwise the program set its own handler since: it stays (and ours stays in
+                # its chain, passing the signal on, if it calls the handler it found).
+        self._wake.set()  # the watchdog ends when no one listens and no notice is pending
+
+    @contextlib.contextmanager
+    def saving(self, grace_s: float, for_notice: bool) -> Iterator[None]:
+        """A manager's save runs: no grace period ends the process until it is done.
+
+        ``for_notice``: the save for the notice, which answers it if it succeeds. If it
+        fails, or if the notice came while it ran, the notice gets another ``grace_s``
+        from its end for the next save to answer it.
+        """
+        with self._lock:
+            self._saving += 1
+            notices = self._notices
+        succeeded = False
+        try:
+            yield
+            succeeded = True
+        finally:
+            with self._lock:
+                self._saving -= 1
+                if succeeded and for_notice:
+                    self._armed.clear()
+                elif for_notice or self._notices != notices:
+                    due = time.monotonic() + grace_s
+                    for signum in self._armed:
+                        self._armed[signum] = max(self._armed[signum], due)
+            self._wake.set()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        with self._lock:
+            found = self._found.get(signum, signal.SIG_DFL)
+            if signum in self._ending:  # sent by the watchdog: the grace period ran out
+                self._ending.discard(signum)
+                if signum not in self._armed or self._saving:  # answered meanwhile, or a save runs
+                    self._wake.set()
+                    return
+                del self._armed[signum]
+                members = []
+                _announce(signum)
+            else:
+                members = [m for m in self._members if signum in m.signals]
+            # Called by the signal itself, or by a handler the program set later that calls
+            # the one it found (then the program's handler has already done its part).
+            direct = signal.getsignal(signum) is self.handler
+            for member in members:
+                member.noticed = True
+            arm = bool(members) and direct and found == signal.SIG_DFL and signum not in self._armed
+            if arm:
+                self._armed[signum] = time.monotonic() + max(m.grace_s for m in members)
+                self._notices += 1
+        if arm:
+            self._wake.set()
+        if members:
+            if callable(found):
+                found(signum, frame)
+        elif direct:
+            self._pass_on(signum, found, frame)
+
+    def _pass_on(self, signum: int, found: Any, frame: Any) -> None:
+        """Do what the signal would have done without eqxckpt (in the main thread)."""
+        if callable(found):
+            found(signum, frame)
+        elif found == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)  # ends the process, if that is what the default does
+            signal.signal(signum, self.handler)
+
+    def _watch(self) -> None:
+        """The watchdog thread: ends the process once a notice's grace period is over and
+        no save runs; it stops when no one listens and no notice is pending."""
+        while True:
+            self._wake.clear()  # before reading the state: a change after this wakes the wait below
+            with self._lock:
+                if not self._members and not self._armed:
+                    self._watchdog = None  # the next join starts another
+                    return
+                waiting = [due for signum, due in self._armed.items() if signum not in self._ending]
+                due = None if self._saving or not waiting else min(waiting)
+            if due is None or due > time.monotonic():
+                self._wake.wait(None if due is None else due - time.monotonic())
+                continue
+            SAVES.wait_idle()
+            self._end()
+
+    def _end(self) -> None:
+        send: list[int] = []
+        with self._lock:
+            if self._saving:
+                return  # a save started meanwhile: it may answer the notice
+            now = time.monotonic()
+            for signum, due in list(self._armed.items()):
+                if due > now or signum in self._ending:
+                    continue
+                current = signal.getsignal(signum)
+                if current is self.handler:
+                    self._ending.add(signum)  # the handler (main thread) passes it on
+                    send.append(signum)
+                elif current == signal.SIG_DFL:
+                    del self._armed[signum]  # ours was put back: the default ends the process
+                    _announce(signum)
+                    send.append(signum)
+                else:
+                    del self._armed[signum]  # the program handles the signal itself now
+        for signum in send:
+            os.kill(os.getpid(), signum)
+
+
+def _announce(signum: int) -> None:
+    print(
+        f"eqxckpt: {signal.Signals(signum).name} received and no checkpoint saved for it within "
+        "preemption_grace_s; ending the process as the signal would have.",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+LISTENER = _Listener()
+
+
+class Preemption:
+    """Whether the job has been told it will be stopped: one manager's view of the notice.
+
+    With the JAX distributed runtime and its preemption service, JAX's own notice (it
+    handles SIGTERM and tells every process), asked through
+    `multihost_utils.reached_preemption_sync_point` so that every process answers True
+    at the same step. In a single process, ``signals`` (SIGTERM) caught by the one
+    process-wide handler (installed from the main thread), which tells every manager
+    listening; a handler the program had set is still called. Several processes
+    without the service get no notice: one process alone saving would leave the rest
+    waiting.
+    """
+
+    def __init__(self, signals: tuple[int, ...], grace_s: float):
+        self.signals = frozenset(signals)
+        self.grace_s = grace_s
+        self.noticed = False  # a notice no save of this manager has answered yet
+        self._jax = jax.process_count() > 1
+        self._listening = not self._jax
+        if self._listening:
+            LISTENER.join(self)
+
+    def reached(self, step: int) -> bool:
+        """Whether a notice came that this manager has not saved for yet."""
+        if not self._jax:
+            return self.noticed
+        from jax.experimental import multihost_utils
+
+        try:
+            return multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:  # the preemption service is off: no notice can come
+            return False
+
+    @contextlib.contextmanager
+    def saving(self, for_notice: bool) -> Iterator[None]:
+        """A save of this manager runs; ``for_notice``: it is the save for the notice, which
+        it answers if it succeeds, and leaves standing (for the next save) if it fails."""
+        with LISTENER.saving(self.grace_s, for_notice):
+            yield
+        if for_notice:
+            self.noticed = False
+
+    def close(self) -> None:
+        """Stop listening (idempotent; also called when the manager is garbage-collected)."""
+        if self._listening:
+            self._listening = False
+            LISTENER.leave(self)
