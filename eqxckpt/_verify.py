@@ -2,7 +2,7 @@
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -140,6 +140,22 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
         # What was checked may belong to another checkpoint: say so, and nothing else.
         report.problems[:] = [(MANIFEST_NAME, str(e))]
     return report
+
+
+def damaged_leaves(checkpoint: Checkpoint, records: Sequence[StoredLeaf]) -> dict[str, str]:
+    """Of ``records`` (stored leaves of ``checkpoint``), those whose stored bytes fail the
+    checks `verify` makes (every chunk's CRC-32C, the leaf's digest, a packed chunk holding
+    any of its bytes), with why: what a save checks before it shares them (`_save`).
+
+    Raises `CheckpointChangedError` if ``checkpoint`` was replaced or deleted meanwhile.
+    """
+    report = VerifyReport(str(checkpoint.location))
+    with checkpoint.consistent():
+        _check_own(checkpoint, [record for record in records if record.offset is None], report)
+        if packed := [record for record in records if record.offset is not None]:
+            _check_packed(checkpoint, packed, report)
+    why = dict(report.damaged_chunks)  # a packed leaf's own line points at its chunk's
+    return {path: "; ".join([message, *why.values()]) if why else message for path, message in report.problems}
 
 
 def _count(report: VerifyReport, record: StoredLeaf, problem: CheckpointError | None) -> None:
