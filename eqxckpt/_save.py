@@ -261,16 +261,12 @@ def _intact(base: Checkpoint, taken: list[tuple[_WriteJob, StoredLeaf]]) -> list
         what = f"Leaf {bad[0]!r}" if old.path != PACKED_LOCATION else f"Packed leaf {bad[0]!r}"
         others = f" (and {plural(len(bad) - 1, 'other packed leaf', 'other packed leaves')})" if len(bad) > 1 else ""
         warnings.warn(
-            f"{what}{others} of {base.location}, which this save would share unchanged, is damaged there: "
-            f"{_first_line(damaged[bad[0]])} This save writes it again from the values being saved; "
-            f"{base.location} itself stays damaged (eqxckpt verify names what it holds).",
+            f"{what}{others} of {base.location}, which this save would share unchanged, is damaged there "
+            f"({damaged[bad[0]].rstrip('.')}). This save writes it again from the values being saved; "
+            f"{base.location} itself stays damaged (eqxckpt verify names every checkpoint sharing it).",
             stacklevel=2,
         )
     return intact
-
-
-def _first_line(message: str) -> str:
-    return message.splitlines()[0] if message else message
 
 
 @contextlib.contextmanager
