@@ -467,10 +467,10 @@ def save(
       same path is not written again, once its bytes in ``base`` pass every
       check `verify` makes (each chunk's CRC-32C, the leaf's digest): a
       damaged one is written from the values being saved, with a warning
-      naming it, so damage in ``base`` never spreads. On a local disk (``base`` on the same
-      disk) it is hard-linked from ``base`` (copied where links are refused):
-      the new checkpoint is complete on its own, and deleting ``base`` later
-      leaves it whole. On an object store (``base`` beside ``path``, in the
+      naming it, so damage in ``base`` never spreads. On a local disk
+      (``base`` on the same disk) it is hard-linked from ``base`` (copied
+      where links are refused): the new checkpoint is complete on its own,
+      and deleting ``base`` later leaves it whole. On an object store (``base`` beside ``path``, in the
       same directory) the manifest refers to ``base``'s copy, which eqxckpt's
       deletions then keep while any checkpoint refers to it (see the format
       specification). Ignored otherwise. Leaves whose shards several
