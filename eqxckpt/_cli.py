@@ -121,14 +121,18 @@ def _verify_run(out: "Console", run: "Storage", steps: list[str]) -> int:
     all, rather than once per checkpoint."""
     from rich.markup import escape
 
-    from ._errors import plural
+    from ._errors import CheckpointNotFoundError, plural
     from ._verify import verify
 
     told: set[tuple[str, str, tuple[str, ...]]] = set()
     damaged: list[str] = []
-    checked = 0
+    checked, verified = 0, 0
     for step in steps:
-        report = verify(run.sub(step).user_path(), progress=True)
+        try:
+            report = verify(run.sub(step).user_path(), progress=True)
+        except CheckpointNotFoundError:
+            continue  # deleted since the directory was listed (retention)
+        verified += 1
         checked += report.bytes_checked
         if not report.ok:
             damaged.append(step)
@@ -141,7 +145,7 @@ def _verify_run(out: "Console", run: "Storage", steps: list[str]) -> int:
             for detail in details:
                 out.print(f"  {escape(detail)}")
     summary = (
-        f"{escape(str(run))}: {plural(len(steps), 'checkpoint')}, "
+        f"{escape(str(run))}: {plural(verified, 'checkpoint')}, "
         + (f"{len(damaged)} damaged ({', '.join(damaged)}), " if damaged else "all intact, ")
         + f"{human_bytes(checked)} read and checked"
     )

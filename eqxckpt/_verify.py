@@ -55,7 +55,9 @@ class _Buffers:
 
 @dataclasses.dataclass
 class VerifyReport:
-    """What `verify` checked and every problem it found, as ``(path, message)``.
+    """What `verify` checked and every problem it found, as ``(path, message)``;
+    ``shared_with`` names, for each damaged leaf, the checkpoints beside this one that
+    hold the very same files (incremental saves share unchanged leaves), so damaged too.
 
     ```python
     report = eqxckpt.verify("ckpt")
@@ -140,7 +142,10 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
     records for it (which catches chunks swapped between leaves or put back
     from an older save); report each problem with its leaf path.
 
-    Never raises for a damaged checkpoint: the report lists what is wrong.
+    Never raises for a damaged checkpoint: the report lists what is wrong, and
+    for a damaged leaf whose files other checkpoints in the same directory share
+    (hard links or references made by incremental saves), names them
+    (``report.shared_with``): one damaged file, not one per checkpoint.
     Raises `CheckpointNotFoundError` when there is no checkpoint at ``path``.
 
     **Arguments:**
