@@ -90,19 +90,66 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
-    from ._errors import plural
+    from ._errors import CheckpointNotFoundError, plural
+    from ._storage import resolve
     from ._verify import verify
 
     out = console()
-    report = verify(checkpoint_path(args.path), progress=True)
-    for path, message in report.problems + report.damaged_chunks:
-        out.print(f"[bold red]{escape(path)}[/bold red]: {escape(message)}")
+    path = checkpoint_path(args.path)
+    try:
+        report = verify(path, progress=True)
+    except CheckpointNotFoundError:
+        steps = resolve(path).committed_entries()
+        if not steps:
+            raise
+        return _verify_run(out, resolve(path), steps)
+    for leaf, message, details in report.lines():
+        out.print(f"[bold red]{escape(leaf)}[/bold red]: {escape(message)}")
+        for detail in details:
+            out.print(f"  {escape(detail)}")
     damaged = f", {plural(len(report.problems), 'problem')}" if report.problems else ""
     summary = (
         f"{escape(report.location)}: {plural(report.leaves, 'leaf', 'leaves')}, "
         f"{plural(report.arrays_checked, 'array')} intact ({human_bytes(report.bytes_checked)} read and checked){damaged}"
     )
     return _verdict(out, report.ok, ("OK", "DAMAGED", "red"), summary)
+
+
+def _verify_run(out: "Console", run: "Storage", steps: list[str]) -> int:
+    """``eqxckpt verify`` of a directory of checkpoints (a manager's run): each one verified,
+    and a problem in files several of them share (incremental saves) told once, naming them
+    all, rather than once per checkpoint."""
+    from rich.markup import escape
+
+    from ._errors import CheckpointNotFoundError, plural
+    from ._verify import verify
+
+    told: set[tuple[str, str, tuple[str, ...]]] = set()
+    damaged: list[str] = []
+    checked, verified = 0, 0
+    for step in steps:
+        try:
+            report = verify(run.sub(step).user_path(), progress=True)
+        except CheckpointNotFoundError:
+            continue  # deleted since the directory was listed (retention)
+        verified += 1
+        checked += report.bytes_checked
+        if not report.ok:
+            damaged.append(step)
+        for leaf, message, details in report.lines():
+            holders = tuple([step, *report.shared_with.get(leaf, [])])
+            if (leaf, message, tuple(sorted(holders))) in told:
+                continue  # the same damaged files, told with a checkpoint that shares them
+            told.add((leaf, message, tuple(sorted(holders))))
+            out.print(f"[bold red]{escape(step)}/{escape(leaf)}[/bold red]: {escape(message)}")
+            for detail in details:
+                out.print(f"  {escape(detail)}")
+    summary = (
+        f"{escape(str(run))}: {plural(verified, 'checkpoint')}, "
+        + (f"{len(damaged)} damaged ({', '.join(damaged)}), " if damaged else "all intact, ")
+        + f"{human_bytes(checked)} read and checked"
+    )
+    return _verdict(out, not damaged, ("OK", "DAMAGED", "red"), summary)
 
 
 def _verdict(out: "Console", ok: bool, words: tuple[str, str, str], summary: str) -> int:
@@ -244,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--format", default=None, choices=FORMATS, help="the format (default: detected)")
     inspect.set_defaults(run=_inspect)
     check = sub.add_parser("verify", help="read every chunk and check it against the manifest; exit 1 if damaged")
-    check.add_argument("path", help="checkpoint directory, URL or kvstore spec as JSON")
+    check.add_argument(
+        "path", help="checkpoint directory, URL or kvstore spec as JSON; a directory of checkpoints verifies each"
+    )
     check.set_defaults(run=_verify)
     compare = sub.add_parser("diff", help="compare two checkpoints leaf by leaf (any formats); exit 1 if they differ")
     compare.add_argument("a", help="the first checkpoint: directory, file, URL or kvstore spec as JSON")

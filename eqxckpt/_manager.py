@@ -82,6 +82,14 @@ class CheckpointManager:
       signal would have, once the saves in flight finish: the signal is never
       swallowed. With no manager listening (all closed), a signal acts as it
       would without eqxckpt.
+    - `incremental`: if True (default), leaves unchanged since the latest step
+      are shared with it instead of written again (`eqxckpt.save`'s ``base``):
+      hard-linked on a local disk, referred to on an object store. What is
+      shared is checked first (every chunk's checksum, the leaf's digest): a
+      damaged leaf is written again from the values being saved, with a
+      warning. False writes every leaf of every step: no step shares a file
+      with another, at the cost of writing and storing the unchanged leaves
+      each time.
 
     Several managers and processes may use one directory (a trainer saving, an
     evaluator polling `latest_step` and loading); see the concurrency protocol
@@ -115,6 +123,7 @@ class CheckpointManager:
         exit_on_preemption: bool = True,
         preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
         preemption_grace_s: float = 30.0,
+        incremental: bool = True,
     ):
         for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every), ("keep_best", keep_best)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -139,6 +148,7 @@ class CheckpointManager:
         self.best_mode = best_mode
         self.keep_best = keep_best
         self.blocking = blocking
+        self.incremental = incremental
         self._lock = threading.RLock()
         # Steps being loaded in this process, and steps retention dropped that
         # are not deleted yet: a step being read (here, or on a local disk by
@@ -313,8 +323,9 @@ class CheckpointManager:
         metadata[MANAGER_KEY] = {"step": step, "metrics": {k: float_to_json(v) for k, v in metrics.items()}}
         # Never overwrite: a committed step is never replaced (another manager
         # that committed this step first makes this save fail instead).
-        # Leaves unchanged since the latest step are taken from it, not written again.
-        base = self._step_location(max(self._steps)) if self._steps else None
+        # Leaves unchanged since the latest step are taken from it, not written again
+        # (unless the manager is not incremental).
+        base = self._step_location(max(self._steps)) if self._steps and self.incremental else None
         handle = save(
             self._step_location(step), tree, metadata=metadata, blocking=blocking, progress=progress, base=base
         )

@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from ._checkpoint import Checkpoint, open_checkpoint
 from ._chunks import ChunkLayout, encode
 from ._digest import digest
 from ._distributed import Phases, is_multiprocess
-from ._errors import CheckpointChangedError, CheckpointError, CheckpointWriteError
+from ._errors import CheckpointChangedError, CheckpointError, CheckpointWriteError, plural
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedWrite, assign_offsets, packable, packed_array
@@ -38,6 +39,7 @@ from ._storage import (
 )
 from ._store import is_storage_error, read_window, reason
 from ._tree import flatten
+from ._verify import damaged_leaves
 from ._window import Task, run_windowed
 
 
@@ -215,9 +217,10 @@ def _same_packing(new: Manifest, old: Manifest) -> bool:
 
 def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> dict[int, list[str]]:
     """The unchanged leaves of ``base`` (a committed checkpoint on a local disk) whose files
-    are plain files exactly as `expected_files` lays the leaf out, by ``id`` of their job,
-    with the files to take."""
-    reusable: dict[int, list[str]] = {}
+    are plain files exactly as `expected_files` lays the leaf out, and intact (`_intact`),
+    by ``id`` of their job, with the files to take."""
+    laid_out: list[tuple[_WriteJob, StoredLeaf]] = []
+    files: dict[int, list[str]] = {}
     for leaf, old in _unchanged(base, manifest, leaves):
         expected = {
             k: v for k, v in expected_files([(old, ChunkLayout.planned(old))]).items() if k.startswith(f"{old.path}/")
@@ -225,18 +228,45 @@ def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> 
         found = base._arrays.leaf_files(old.path)
         if found is not None and found.keys() == expected.keys():
             if all(size < 0 or found[key] == size for key, size in expected.items()):
-                reusable[id(leaf)] = sorted(found)
-    return reusable
+                laid_out.append((leaf, old))
+                files[id(leaf)] = sorted(found)
+    return {id(leaf): files[id(leaf)] for leaf, _ in _intact(base, laid_out)}
 
 
 def _referable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob], location: Storage) -> dict[int, str]:
-    """The unchanged leaves of ``base`` (a committed checkpoint beside this one on an object
-    store), by ``id`` of their job, with the prefix their array is in (base's own, or the
-    one base refers to: references are never chained)."""
+    """The unchanged and intact (`_intact`) leaves of ``base`` (a committed checkpoint beside
+    this one on an object store), by ``id`` of their job, with the prefix their array is in
+    (base's own, or the one base refers to: references are never chained)."""
     entry = location.sibling_name(base.location)
     assert entry is not None
     own = reference(entry, base._manifest.arrays)
-    return {id(leaf): old.arrays or own for leaf, old in _unchanged(base, manifest, leaves)}
+    return {id(leaf): old.arrays or own for leaf, old in _intact(base, list(_unchanged(base, manifest, leaves)))}
+
+
+def _intact(base: Checkpoint, taken: list[tuple[_WriteJob, StoredLeaf]]) -> list[tuple[_WriteJob, StoredLeaf]]:
+    """Of ``taken`` (unchanged leaves, each with ``base``'s record of it), those whose bytes
+    in ``base`` pass every check `verify` makes (chunks' CRC-32C, digests): a save shares
+    nothing unchecked, or one bit flipped in ``base`` would be in every later checkpoint.
+    The others are written afresh from the values being saved, with a warning naming them.
+    Raises `CheckpointChangedError` if ``base`` was replaced or deleted meanwhile."""
+    members = [r for r in base._manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
+    records = {id(leaf): members if old.path == PACKED_LOCATION else [old] for leaf, old in taken}
+    damaged = damaged_leaves(base, [r for group in records.values() for r in group]) if taken else {}
+    intact: list[tuple[_WriteJob, StoredLeaf]] = []
+    for leaf, old in taken:
+        bad = [r.path for r in records[id(leaf)] if r.path in damaged]
+        if not bad:
+            intact.append((leaf, old))
+            continue
+        what = f"Leaf {bad[0]!r}" if old.path != PACKED_LOCATION else f"Packed leaf {bad[0]!r}"
+        others = f" (and {plural(len(bad) - 1, 'other packed leaf', 'other packed leaves')})" if len(bad) > 1 else ""
+        warnings.warn(
+            f"{what}{others} of {base.location}, which this save would share unchanged, is damaged there "
+            f"({damaged[bad[0]].rstrip('.')}). This save writes it again from the values being saved; "
+            f"{base.location} itself stays damaged (eqxckpt verify names every checkpoint sharing it).",
+            stacklevel=2,
+        )
+    return intact
 
 
 @contextlib.contextmanager
@@ -435,10 +465,13 @@ def save(
       Off by default.
     - `base`: an earlier checkpoint (`CheckpointManager` passes its latest
       step). A leaf whose digest, dtype and shape equal ``base``'s leaf at the
-      same path is not written again. On a local disk (``base`` on the same
-      disk) it is hard-linked from ``base`` (copied where links are refused):
-      the new checkpoint is complete on its own, and deleting ``base`` later
-      leaves it whole. On an object store (``base`` beside ``path``, in the
+      same path is not written again, once its bytes in ``base`` pass every
+      check `verify` makes (each chunk's CRC-32C, the leaf's digest): a
+      damaged one is written from the values being saved, with a warning
+      naming it, so damage in ``base`` never spreads. On a local disk
+      (``base`` on the same disk) it is hard-linked from ``base`` (copied
+      where links are refused): the new checkpoint is complete on its own,
+      and deleting ``base`` later leaves it whole. On an object store (``base`` beside ``path``, in the
       same directory) the manifest refers to ``base``'s copy, which eqxckpt's
       deletions then keep while any checkpoint refers to it (see the format
       specification). Ignored otherwise. Leaves whose shards several
@@ -490,7 +523,10 @@ def save(
             reusable: dict[int, list[str]] = {}
             referable: dict[int, str] = {}
             if source is not None and source._arrays.local is None:
-                referable = _referable(source, digested, leaves, location)
+                try:
+                    referable = _referable(source, digested, leaves, location)
+                except CheckpointChangedError:
+                    pass  # replaced or deleted meanwhile: everything is written
             elif source is not None:
                 try:  # held, not deleted by retention, while its files are checked and linked
                     held.enter_context(source._held())

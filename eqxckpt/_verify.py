@@ -2,13 +2,13 @@
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ._checkpoint import Checkpoint, open_checkpoint
-from ._chunks import ChunkLayout, Region
+from ._chunks import ChunkFileError, ChunkLayout, Region
 from ._digest import LeafDigest
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
 from ._leaf import StoredLeaf, check_bool_bytes
@@ -55,7 +55,9 @@ class _Buffers:
 
 @dataclasses.dataclass
 class VerifyReport:
-    """What `verify` checked and every problem it found, as ``(path, message)``.
+    """What `verify` checked and every problem it found, as ``(path, message)``;
+    ``shared_with`` names, for each damaged leaf, the checkpoints beside this one that
+    hold the very same files (incremental saves share unchanged leaves), so damaged too.
 
     ```python
     report = eqxckpt.verify("ckpt")
@@ -71,6 +73,12 @@ class VerifyReport:
     # Damaged chunks of the packed array, with why: each is named once here, and each
     # leaf with bytes in one has a short line in `problems`.
     damaged_chunks: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    # For each damaged leaf (and packed chunk) whose stored files other checkpoints beside
+    # this one hold too (incremental saves share unchanged leaves): their names, in order.
+    # The damage is theirs as well: one file, not one per checkpoint.
+    shared_with: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    _packed: set[str] = dataclasses.field(default_factory=set, repr=False)  # packed leaves' paths
+    _reasons: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)  # problems, briefly
 
     @property
     def ok(self) -> bool:
@@ -84,12 +92,47 @@ class VerifyReport:
         """
         return not self.problems
 
+    def lines(self) -> list[tuple[str, str, list[str]]]:
+        """Each problem as ``(path, what, details)``: one line naming a damaged leaf or packed
+        chunk, and the further lines that say more (why a chunk failed, which checkpoints
+        share the damaged files). What `__str__` and ``eqxckpt verify`` print.
+
+        **Returns:** a list of ``(path, message, details)``.
+
+        ```python
+        for path, what, details in eqxckpt.verify("ckpt").lines():
+            print(f"{path}: {what}", *details)
+        ```
+        """
+        out: list[tuple[str, str, list[str]]] = []
+        for path, message in self.problems:  # a packed leaf's line points at its chunk's, which says it
+            out.append((path, message, [] if path in self._packed else self._sharing(path)))
+        for key, why in self.damaged_chunks:
+            out.append(
+                (
+                    key,
+                    "a damaged chunk of the packed array (the leaves with bytes in it are above)",
+                    [why, *self._sharing(key)],
+                )
+            )
+        return out
+
+    def _sharing(self, path: str) -> list[str]:
+        names = self.shared_with.get(path)
+        if not names:
+            return []
+        return [f"the same stored files are in {', '.join(names)} beside it (shared unchanged): damaged there too"]
+
     def __str__(self) -> str:
         head = (
             f"{self.location}: {plural(self.leaves, 'leaf', 'leaves')}, {plural(self.arrays_checked, 'array')} "
             f"intact, {self.bytes_checked} bytes checked, {plural(len(self.problems), 'problem')}"
         )
-        lines = [f"  {path}: {message}" for path, message in self.problems + self.damaged_chunks]
+        lines = [
+            line
+            for path, what, details in self.lines()
+            for line in [f"  {path}: {what}", *(f"    {detail}" for detail in details)]
+        ]
         return "\n".join([head] + lines)
 
 
@@ -99,7 +142,10 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
     records for it (which catches chunks swapped between leaves or put back
     from an older save); report each problem with its leaf path.
 
-    Never raises for a damaged checkpoint: the report lists what is wrong.
+    Never raises for a damaged checkpoint: the report lists what is wrong, and
+    for a damaged leaf whose files other checkpoints in the same directory share
+    (hard links or references made by incremental saves), names them
+    (``report.shared_with``): one damaged file, not one per checkpoint.
     Raises `CheckpointNotFoundError` when there is no checkpoint at ``path``.
 
     **Arguments:**
@@ -136,10 +182,46 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
             if packed:
                 _check_packed(checkpoint, packed, report)
             report.problems.extend(checkpoint._arrays.unlisted(set(checkpoint._manifest.stored_paths())))
+            _find_sharers(checkpoint, report)
     except CheckpointChangedError as e:
         # What was checked may belong to another checkpoint: say so, and nothing else.
         report.problems[:] = [(MANIFEST_NAME, str(e))]
     return report
+
+
+def _find_sharers(checkpoint: Checkpoint, report: VerifyReport) -> None:
+    """Name, for each damaged leaf and packed chunk, the checkpoints beside this one that
+    hold the same stored files (`Storage.sharers`): asked only where something is damaged."""
+    location, manifest = checkpoint.location, checkpoint._manifest
+    damaged = [r for path, _ in report.problems if isinstance(r := checkpoint._leaves.get(path), StoredLeaf)]
+    report._packed.update(r.path for r in damaged if r.offset is not None)
+    packed = checkpoint._packed
+    in_packed = location.sharers(manifest, packed) if packed and (report._packed or report.damaged_chunks) else []
+    for record in damaged:
+        if names := in_packed if record.offset is not None else location.sharers(manifest, record):
+            report.shared_with[record.path] = names
+    if in_packed:
+        report.shared_with.update((key, in_packed) for key, _ in report.damaged_chunks)
+
+
+def damaged_leaves(checkpoint: Checkpoint, records: Sequence[StoredLeaf]) -> dict[str, str]:
+    """Of ``records`` (stored leaves of ``checkpoint``), those whose stored bytes fail the
+    checks `verify` makes (every chunk's CRC-32C, the leaf's digest, a packed chunk holding
+    any of its bytes), with why: what a save checks before it shares them (`_save`).
+
+    Raises `CheckpointChangedError` if ``checkpoint`` was replaced or deleted meanwhile.
+    """
+    report = VerifyReport(str(checkpoint.location))
+    with checkpoint.consistent():
+        _check_own(checkpoint, [record for record in records if record.offset is None], report)
+        if packed := [record for record in records if record.offset is not None]:
+            _check_packed(checkpoint, packed, report)
+    chunks = " ".join(why for _, why in report.damaged_chunks)  # what a packed leaf's line points at
+    return {
+        path: chunks if chunks and record.offset is not None else report._reasons.get(path, message)
+        for path, message in report.problems
+        if (record := checkpoint._leaves.get(path)) is not None and isinstance(record, StoredLeaf)
+    }
 
 
 def _count(report: VerifyReport, record: StoredLeaf, problem: CheckpointError | None) -> None:
@@ -149,6 +231,7 @@ def _count(report: VerifyReport, record: StoredLeaf, problem: CheckpointError | 
         report.bytes_checked += record.nbytes
     else:
         report.problems.append((record.path, str(problem)))
+        report._reasons[record.path] = _chunk_reason(problem)
     advance(record.nbytes)
 
 
@@ -240,6 +323,13 @@ def _digest_of(record: StoredLeaf) -> LeafDigest | None:
     return None if record.digest is None else LeafDigest(record.digest_fields())
 
 
+def _chunk_reason(error: CheckpointError) -> str:
+    """What is wrong with a chunk file, as the read found it (`ChunkFileError`), without the
+    words that name the leaf: a damaged packed chunk's line names the chunk."""
+    found = error.__context__
+    return f"{found}." if isinstance(found, ChunkFileError) else str(error)
+
+
 def _check_digest(record: StoredLeaf, digest: LeafDigest) -> None:
     """The bytes read, in order, are the ones the save recorded."""
     if digest.value != record.digest:
@@ -299,7 +389,7 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
 
                 def chunk_read(run: slice = run, buffer: np.ndarray = buffer, found: dict = found) -> None:
                     if (error := found.get(array.path)) is not None:
-                        failures.append((run.start, run.stop, str(error)))
+                        failures.append((run.start, run.stop, _chunk_reason(error)))
                     else:  # a leaf with bytes in a failed chunk is reported as damaged, its digest unchecked
                         take(run.start, buffer)
                     buffers.give(buffer)

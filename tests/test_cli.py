@@ -203,6 +203,8 @@ def test_verify_of_a_damaged_packed_chunk_is_one_short_line_per_damaged_leaf(tmp
     leaf_lines = [line for line in lines if line.startswith("small")]
     assert len(leaf_lines) == 40 and all(len(line) < 140 for line in leaf_lines)
     assert sum("fails its CRC-32C checksum" in line for line in lines) == 1  # the chunk's reason, once
+    assert all(len(line) < 140 for line in lines[:-1])  # the chunk's line too: details on a line of their own
+    assert lines[-3].startswith(f"{PACKED_LOCATION}/c/0: a damaged chunk of the packed array")
     assert lines[-1] == f"DAMAGED {tmp_path / 'c'}: 41 leaves, 1 array intact (703.1 KiB read and checked), 40 problems"
     capsys.readouterr()
     eqxckpt.save(tmp_path / "one", {"w": np.ones(2)})
@@ -236,3 +238,25 @@ def test_import_t5_prints_no_tensorflow_log_lines(tmp_path):
     assert done.returncode == 0, done.stderr
     noise = [line for line in done.stderr.splitlines() if "oneDNN" in line or line[:1] in "IWE" and line[1:5].isdigit()]
     assert not noise and "wrote" in done.stdout
+
+
+def test_verify_of_a_run_directory_tells_a_shared_damaged_file_once(tmp_path, capsys):
+    """``eqxckpt verify run/`` verifies every step; a damaged file that incremental steps
+    share is told once, naming every step that holds it, not once per step."""
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run, blocking=True) as manager:
+        for step in range(3):
+            manager.save(step, {"frozen": np.arange(50_000, dtype=np.float32), "step": np.full(70_000, step)})
+    assert main(["verify", str(run)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"OK {run}: 3 checkpoints, all intact, ")
+    damaged = bytearray((run / "2/frozen/c/0").read_bytes())
+    damaged[0] ^= 1
+    (run / "2/frozen/c/0").write_bytes(bytes(damaged))
+    (run / "2/step/c/0").write_bytes(b"")  # a leaf of step 2 alone
+    assert main(["verify", str(run)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    told = [line for line in lines if "/frozen: " in line]
+    assert len(told) == 1 and told[0].startswith("0/frozen: ") and "fails its CRC-32C checksum" in told[0]
+    assert lines[lines.index(told[0]) + 1].strip().startswith("the same stored files are in 1, 2 beside it")
+    assert [line.split(":")[0] for line in lines if "/step: " in line] == ["2/step"]
+    assert lines[-1].startswith(f"DAMAGED {run}: 3 checkpoints, 3 damaged (0, 1, 2), ")

@@ -2,6 +2,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -450,3 +451,91 @@ def test_a_leaf_is_linked_only_when_its_files_are_plain_and_as_expected(tmp_path
             eqxckpt.save(pathlib.Path(other) / "c", {"x": x}, base=tmp_path / "a")
         assert os.stat(pathlib.Path(other) / "c/x/c/0/0").st_nlink == 1
         np.testing.assert_array_equal(eqxckpt.load(pathlib.Path(other) / "c")["x"], x)
+
+
+def _flip_bit(data: bytes, at: int = 0) -> bytes:
+    """``data`` with one bit of its byte ``at`` flipped (bit rot)."""
+    return data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1 :]
+
+
+def _rotting_state(step: int) -> dict:
+    """A 512 KiB frozen leaf (one chunk, its own array), a leaf that changes every step (too
+    large to be packed), and enough small frozen leaves to be packed."""
+    frozen = np.random.default_rng(7).standard_normal(131072).astype(np.float32)
+    small = [np.full(4, i, np.float32) for i in range(40)]
+    return {"frozen": frozen, "adapter": np.full(70_000, step, np.float32), "small": small, "step": step}
+
+
+@pytest.mark.parametrize("damaged", ["frozen/c/0", "%packed/c/0"])
+def test_bit_rot_in_a_base_step_is_not_spread_into_later_steps(tmp_path, damaged):
+    """Issue #37: one bit of step 0's frozen leaf (or of its packed small leaves) flips; steps
+    1-3 are saved with the right values. Step 1 checks what it would share, finds it damaged,
+    writes it afresh from the caller's values and says so; after retention, the kept steps
+    hold what the caller saved."""
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run, max_to_keep=2, blocking=True) as manager:
+        manager.save(0, _rotting_state(0))
+        chunk = run / "0" / damaged
+        chunk.write_bytes(_flip_bit(chunk.read_bytes()))
+        leaf = "frozen" if damaged.startswith("frozen") else "small/"
+        with pytest.warns(UserWarning, match=rf"{re.escape(leaf)}.*{re.escape(str(run / '0'))}") as caught:
+            manager.save(1, _rotting_state(1))
+        assert len([w for w in caught if "damaged" in str(w.message)]) == 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # step 1's copy is intact: shared without a word
+            manager.save(2, _rotting_state(2))
+            manager.save(3, _rotting_state(3))
+    assert manager.all_steps() == [2, 3]
+    assert os.stat(run / "2" / damaged).st_ino == os.stat(run / "3" / damaged).st_ino  # shared again from step 1
+    for step in (2, 3):
+        assert eqxckpt.verify(manager.path(step)).ok
+        assert_trees_equal(eqxckpt.load(manager.path(step), _rotting_state(step)), _rotting_state(step))
+
+
+@pytest.mark.parametrize("damaged", ["frozen/c/0", "%packed/c/0"])
+def test_bit_rot_in_a_base_step_on_an_object_store_is_not_referred_to(store, damaged):
+    """The same on an object store: step 1 does not refer to step 0's damaged prefix but
+    writes the leaf in its own, and the kept steps load what the caller saved."""
+    top = f"rot-{store.name}-{damaged[:3]}/run/"
+    with eqxckpt.CheckpointManager(store.spec(top), max_to_keep=2, blocking=True) as manager:
+        manager.save(0, _rotting_state(0))
+        [key] = [k for k in store.keys(f"{top}0/") if k.endswith(f"/{damaged}")]
+        store.put(key, _flip_bit(store.get(key)))
+        leaf = "frozen" if damaged.startswith("frozen") else "small/"
+        with pytest.warns(UserWarning, match=rf"{re.escape(leaf)}.*0"):
+            manager.save(1, _rotting_state(1))
+        manager.save(2, _rotting_state(2))
+        manager.save(3, _rotting_state(3))
+    assert manager.all_steps() == [2, 3]
+    for step in (2, 3):
+        manifest = json.loads(store.get(f"{top}{step}/eqxckpt.json"))
+        arrays = {r["path"]: r.get("arrays") for r in manifest["leaves"] if "location" in r}
+        assert (arrays["frozen" if leaf == "frozen" else "small/0"] or "").startswith(
+            "../1/"
+        )  # step 1's fresh copy, not step 0's damaged one
+        assert eqxckpt.verify(manager.path(step)).ok
+        assert_trees_equal(eqxckpt.load(manager.path(step), _rotting_state(step)), _rotting_state(step))
+
+
+def test_a_manager_that_is_not_incremental_shares_nothing(tmp_path):
+    """incremental=False: every step writes every leaf; no file is shared between steps."""
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run, blocking=True, incremental=False) as manager:
+        for step in range(3):
+            manager.save(step, _rotting_state(step))
+    for leaf in ("frozen/c/0", "%packed/c/0"):
+        assert len({os.stat(run / str(step) / leaf).st_ino for step in range(3)}) == 3
+        assert all(os.stat(run / str(step) / leaf).st_nlink == 1 for step in range(3))
+    for step in range(3):
+        assert_trees_equal(eqxckpt.load(manager.path(step), _rotting_state(step)), _rotting_state(step))
+
+
+def test_a_manager_that_is_not_incremental_refers_to_nothing_on_an_object_store(store):
+    top = f"whole-{store.name}/run/"
+    with eqxckpt.CheckpointManager(store.spec(top), blocking=True, incremental=False) as manager:
+        for step in range(2):
+            manager.save(step, _rotting_state(step))
+    for step in range(2):
+        manifest = json.loads(store.get(f"{top}{step}/eqxckpt.json"))
+        assert not [r for r in manifest["leaves"] if r.get("arrays")]  # each leaf in the step's own prefix
+        assert_trees_equal(eqxckpt.load(manager.path(step), _rotting_state(step)), _rotting_state(step))

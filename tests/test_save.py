@@ -766,3 +766,29 @@ eqxckpt.save({str(tmp_path / "ckpt")!r}, tree, blocking=False)
     restored = eqxckpt.load(tmp_path / "ckpt")
     assert set(restored) == {f"w{i}" for i in range(32)} and all(restored[f"w{i}"][0, 0] == i for i in range(32))
     assert eqxckpt.verify(tmp_path / "ckpt").ok
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(position=st.integers(0, 70_000 * 4 + 3), bit=st.integers(0, 7), packed=st.booleans())
+def test_any_flipped_bit_in_a_base_is_written_again_not_shared(tmp_path_factory, position, bit, packed):
+    """save(base=...) takes no byte of ``base`` unchecked: whichever bit of a chunk file of an
+    unchanged leaf (its values or its checksum; or the packed array's) flipped, the new
+    checkpoint holds the values saved, and intact ones are still linked."""
+    root = tmp_path_factory.mktemp("rot")
+    tree = {
+        "big": np.random.default_rng(0).standard_normal(70_000).astype(np.float32),  # one chunk, not packed
+        "other": np.arange(70_000, dtype=np.float32),
+        "small": [np.full(4, i, np.float32) for i in range(40)],
+    }
+    eqxckpt.save(root / "a", tree)
+    damaged = root / "a" / ("%packed/c/0" if packed else "big/c/0")
+    data = bytearray(damaged.read_bytes())
+    data[position % len(data)] ^= 1 << bit
+    damaged.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="small/" if packed else "'big'"):
+        eqxckpt.save(root / "b", tree, base=root / "a")
+    assert_trees_equal(eqxckpt.load(root / "b", tree), tree)
+    assert eqxckpt.verify(root / "b").ok
+    other = "big/c/0" if packed else "%packed/c/0"
+    assert os.stat(root / "b" / other).st_ino == os.stat(root / "a" / other).st_ino  # intact: still shared
+    assert os.stat(root / "b" / damaged.relative_to(root / "a")).st_nlink == 1

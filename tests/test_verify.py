@@ -174,3 +174,71 @@ def test_chunks_that_pass_their_checksums_but_are_not_the_leafs_are_caught_by_it
         assert sorted(path for path, _ in report.problems) == ["p", "q", "s3"], report
         assert all("pass their chunks' checksums but are not the bytes saved" in why for _, why in report.problems)
         assert report.arrays_checked == len(tree) - 3
+
+
+def shared_state(step: int) -> dict:
+    """A frozen leaf with an array of its own, frozen small leaves (packed), and a leaf that
+    changes every step (too large to be packed)."""
+    return {
+        "frozen": np.arange(131072, dtype=np.float32),
+        "small": [np.full(4, i, np.float32) for i in range(40)],
+        "adapter": np.full(70_000, step, np.float32),
+    }
+
+
+def flip_first_bit(file) -> None:
+    data = bytearray(file.read_bytes())
+    data[0] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def test_verify_names_every_checkpoint_that_shares_a_damaged_file(tmp_path):
+    """Incremental steps hard-link one file: damage to it is damage to each of them, and
+    verify of any one says which others hold the same file. A step that wrote its own
+    copy (incremental=False) shares nothing and is not named; neither is a leaf that
+    changed."""
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run, blocking=True) as manager:
+        for step in range(3):
+            manager.save(step, shared_state(step))
+    with eqxckpt.CheckpointManager(run, blocking=True, incremental=False) as manager:
+        manager.save(3, shared_state(3))
+    for damaged in ("frozen/c/0", "%packed/c/0", "adapter/c/0"):
+        flip_first_bit(run / "1" / damaged)  # 1's frozen and packed files are 0's and 2's too
+    for step, others in ((0, ["1", "2"]), (1, ["0", "2"]), (2, ["0", "1"])):
+        report = eqxckpt.verify(run / str(step))
+        damaged = {path for path, _ in report.problems}
+        assert {"frozen", "small/0", "small/39"} <= damaged and ("adapter" in damaged) == (step == 1)
+        assert report.shared_with == {"frozen": others, "%packed/c/0": others} | {
+            f"small/{i}": others for i in range(40)
+        }
+        lines = {path: (what, details) for path, what, details in report.lines()}
+        assert any(", ".join(others) in detail for detail in lines["frozen"][1])
+        what, details = lines["%packed/c/0"]
+        assert len(f"%packed/c/0: {what}") < 100 and "fails its CRC-32C checksum" in details[0]
+        assert all(len(detail) < 140 for detail in details) and ", ".join(others) in details[1]
+        assert str(report).count(f"in {', '.join(others)} beside") == 2  # the frozen file, the packed chunk
+    assert eqxckpt.verify(run / "3").ok and eqxckpt.verify(run / "3").shared_with == {}
+
+
+def test_verify_names_every_checkpoint_that_refers_to_a_damaged_prefix(store):
+    """On an object store: the steps whose manifests refer to the damaged prefix, the step
+    that wrote it included while it is kept, are named; after retention deleted that step,
+    the steps that still refer to its prefix are."""
+    top = f"shared-{store.name}/run/"
+    with eqxckpt.CheckpointManager(store.spec(top), blocking=True) as manager:
+        for step in range(3):
+            manager.save(step, shared_state(step))
+    [key] = [k for k in store.keys(f"{top}0/") if k.endswith("/frozen/c/0")]
+    data = bytearray(store.get(key))
+    data[0] ^= 0x01
+    store.put(key, bytes(data))
+    report = eqxckpt.verify(store.spec(f"{top}1"))
+    assert [path for path, _ in report.problems] == ["frozen"] and report.shared_with == {"frozen": ["0", "2"]}
+    with eqxckpt.CheckpointManager(store.spec(top), blocking=True, max_to_keep=2) as manager:
+        with pytest.warns(UserWarning, match=r"Leaf 'frozen' of .*run/2/.* is damaged"):
+            manager.save(3, shared_state(3))  # its frozen leaf is written afresh; 0 and 1 go
+    assert manager.all_steps() == [2, 3]
+    report = eqxckpt.verify(store.spec(f"{top}2"))
+    assert report.shared_with == {} and not report.ok  # 0 is retired; 3 did not share the damage
+    assert eqxckpt.verify(store.spec(f"{top}3")).ok

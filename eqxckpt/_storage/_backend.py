@@ -165,13 +165,17 @@ class Storage(abc.ABC):
         checkpoint), ``busy`` (a save or deletion holds it), ``retired`` (only the arrays
         of a deleted checkpoint, which newer ones still refer to) or ``other``."""
 
+    def committed_entries(self) -> list[str]:
+        """The names of the committed checkpoints in this directory (a manager's steps), steps
+        by number first."""
+        return sorted((name for name, state in self.entries() if state == "committed"), key=entry_order)
+
     def run_directory_error(self) -> CheckpointNotFoundError | None:
         """If this place is no checkpoint but holds committed ones (a run directory, passed
         where one of its steps was meant): the error that names them; else None."""
-        inside = [name for name, state in self.entries() if state == "committed"]
+        inside = self.committed_entries()
         if not inside:
             return None
-        inside.sort(key=lambda name: (not name.isdigit(), int(name) if name.isdigit() else 0, name))
         numbered = all(name.isdigit() for name in inside)
         listed = ", ".join(inside[:20]) + (f", ... ({len(inside)} in all)" if len(inside) > 20 else "")
         example = str(self).rstrip("/") + "/" + inside[-1]
@@ -192,6 +196,14 @@ class Storage(abc.ABC):
         names them, where a save may take them as they are (`Staging.link_files`); None
         where it may not: not on a local disk, missing, or anything but plain files."""
         return None
+
+    def sharers(self, manifest: Manifest, leaf: StoredLeaf) -> list[str]:
+        """The names of the checkpoints beside this one (entries of the same directory,
+        numbers in order) that hold the very files ``leaf`` of this one (``manifest``) is
+        stored in: hard links to them on a local disk, references to the same prefix on
+        an object store (incremental saves). Damage to those files is damage to each of
+        them. Empty where none does."""
+        return []
 
     @abc.abstractmethod
     def delete(self) -> bool:
@@ -266,6 +278,11 @@ def expected_files(leaves: list[tuple[StoredLeaf, ChunkLayout]]) -> dict[str, in
         expected[f"{leaf.path}/zarr.json"] = -1
         expected.update(layout.files(leaf.path))
     return expected
+
+
+def entry_order(name: str) -> tuple[bool, int, str]:
+    """Entries of a directory in the order a user reads them: steps by number, then the rest."""
+    return (not name.isdigit(), int(name) if name.isdigit() else 0, name)
 
 
 def check_complete(found: dict[str, int], expected: dict[str, int]) -> None:

@@ -36,6 +36,7 @@ from ._backend import (
     Storage,
     check_complete,
     corrupt,
+    entry_order,
 )
 from ._fs import exchange, fsync_path, hidden_sibling, link_or_copy, read_capped, sync_filesystem
 from ._lease import (
@@ -278,6 +279,33 @@ class LocalStorage(Storage):
             return _local_files(self.path / path, prefix=f"{path}/", plain=True)
         except OSError:
             return None
+
+    def sharers(self, manifest: Manifest, leaf: StoredLeaf) -> list[str]:
+        linked: dict[str, tuple[int, int]] = {}  # the leaf's files that have other names
+        try:
+            directory = self.arrays(manifest).path / leaf.path
+            for key in _local_files(directory) or {}:
+                info = os.lstat(directory / key)
+                if info.st_nlink > 1:
+                    linked[key] = (info.st_dev, info.st_ino)
+        except (OSError, CheckpointError):
+            return []
+        if not linked:
+            return []  # the common case: no sibling to look at
+        found = []
+        parent = LocalStorage.at(self.path.parent)
+        for name, state in parent.entries():
+            if state != "committed" or name == self.path.name:
+                continue
+            for key, inode in linked.items():
+                try:
+                    info = os.lstat(self.path.parent / name / leaf.path / key)
+                except OSError:
+                    continue
+                if (info.st_dev, info.st_ino) == inode:
+                    found.append(name)
+                    break
+        return sorted(found, key=entry_order)
 
     def delete(self) -> bool:
         return delete_local(self.path)

@@ -45,6 +45,7 @@ from ._backend import (
     Staging,
     Storage,
     check_complete,
+    entry_order,
     environment_endpoint,
 )
 from ._lease import (
@@ -170,6 +171,33 @@ class ObjectStorage(Storage):
             return None
         (mine, name), (theirs, entry) = self._parent(), other._parent()
         return entry if name and entry and entry != name and mine == theirs else None
+
+    def _prefix_of(self, manifest: Manifest, leaf: StoredLeaf) -> tuple[str, str] | None:
+        """(entry, arrays): the sibling's (or this checkpoint's own) prefix ``leaf`` is in;
+        None where it cannot be named (not an entry of a directory, or no prefix)."""
+        if leaf.arrays:
+            return parse_reference(leaf.arrays, str(self))
+        _, name = self._parent()
+        return (name, manifest.arrays) if name and manifest.arrays else None
+
+    def sharers(self, manifest: Manifest, leaf: StoredLeaf) -> list[str]:
+        parent, name = self._parent()
+        mine = self._prefix_of(manifest, leaf)
+        if mine is None:
+            return []
+        found = []
+        for entry, state in ObjectStorage(parent).entries():
+            if state != "committed" or entry == name:
+                continue
+            sibling = self._sibling(entry)
+            try:
+                theirs, _ = sibling.read_manifest()
+                record = {r.path: r for r in theirs.leaves}.get(leaf.path)
+                if isinstance(record, StoredLeaf) and sibling._prefix_of(theirs, record) == mine:
+                    found.append(entry)
+            except CheckpointError:
+                continue  # deleted or replaced meanwhile, or damaged: it shares nothing that can be told
+        return sorted(found, key=entry_order)
 
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
         # Object stores cannot cap a read without a second request: the size is
