@@ -546,3 +546,54 @@ def test_references_reach_only_siblings_and_only_object_stores_keep_them(store, 
         (tmp_path / key).write_bytes(store.get(key))
     with pytest.raises(eqxckpt.CheckpointError, match="can only be read and managed there"):
         eqxckpt.load(tmp_path / top / "a/3")
+
+
+# --- reads are bounded before they allocate ------------------------------------------------
+
+
+def probe_in_a_child(store, ops: str, prefix: str) -> dict:
+    """Run ``bomb_probe.py`` (a fresh process) on the checkpoint at ``prefix``: {op: result}."""
+    from conftest import WORKERS
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if store.name == "s3":
+        env["AWS_ENDPOINT_URL_S3"] = store.endpoint
+    done = subprocess.run(
+        [sys.executable, str(WORKERS / "bomb_probe.py"), ops, store.url(prefix)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    for result in results:  # the figures, for the record (-s)
+        print(f"{store.name} {result['op']}: {result['error']}, peak {result['peak_mib']:.1f} MiB")
+    return {result["op"]: result for result in results}
+
+
+@pytest.mark.multiprocess
+def test_an_oversized_object_is_refused_without_downloading_it(store):
+    """256 MiB where a 4 KiB chunk should be, then 128 MiB where a zarr.json should be:
+    load, get and verify refuse each after downloading at most a few bytes more than
+    expected (peak memory measured in a fresh process; it was 3x the object's size)."""
+    prefix = f"bombs-{store.name}/"
+    eqxckpt.save(store.spec(prefix), {"w": np.arange(1024, dtype=np.float32)})
+    arrays = arrays_of(store, prefix)
+    chunk = f"{prefix}{arrays}/w/c/0"
+    assert len(store.get(chunk)) == 4100  # 4 KiB of float32 and a CRC-32C
+    store.put(chunk, bytes(256 << 20))
+    for op, result in probe_in_a_child(store, "load,get,verify", prefix).items():
+        assert result["error"] in ("CorruptCheckpointError", "VerifyReport"), (op, result)
+        assert "holds more than 4100 bytes, not 4100" in result["message"], (op, result)
+        assert result["peak_mib"] < 64, (op, result)  # MiB: nothing near the object's size
+    store.put(chunk, bytes(4099))  # one byte short: its size is named
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="holds 4099 bytes, not 4100"):
+        eqxckpt.load(store.spec(prefix))
+
+    eqxckpt.save(store.spec(prefix), {"w": np.arange(1024, dtype=np.float32)}, overwrite=True)
+    arrays = arrays_of(store, prefix)
+    store.put(f"{prefix}{arrays}/w/zarr.json", b" " * (128 << 20))
+    result = probe_in_a_child(store, "load", prefix)["load"]
+    assert result["error"] == "CorruptCheckpointError" and "over 65536 bytes" in result["message"], result
+    assert result["peak_mib"] < 64, result

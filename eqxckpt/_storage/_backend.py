@@ -27,9 +27,7 @@ from .._leaf import StoredLeaf
 from .._manifest import Manifest
 from .._paths import GROUP_METADATA, group_file, group_locations, validate_path
 from .._store import reason, shared_context
-from ._lease import (
-    Pin,
-)
+from ._lease import Pin, SizeError, read_exact
 
 # Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.
 CheckpointPath = str | os.PathLike[str] | dict[str, Any]
@@ -242,13 +240,16 @@ class KvChunkFiles(ChunkFiles):
         self._store.write(key, b"".join(piece.data for piece in pieces)).result()
 
     def read(self, key: str, into: Sequence[np.ndarray]) -> None:
-        result = self._store.read(key).result()
+        wanted = sum(buffer.nbytes for buffer in into)
+        try:
+            # Never more than the chunk's size is downloaded: a larger object is refused unread.
+            result = read_exact(self._store, key, wanted).result()
+        except SizeError as e:
+            held = f"more than {wanted}" if e.size is None else str(e.size)
+            raise ChunkFileError(f"chunk file {key} holds {held} bytes, not {wanted}") from None
         if result.state != "value":
             raise ChunkFileError(f"chunk file {key} is missing")
         data = np.frombuffer(result.value, np.uint8)
-        wanted = sum(buffer.nbytes for buffer in into)
-        if data.size != wanted:
-            raise ChunkFileError(f"chunk file {key} holds {data.size} bytes, not {wanted}")
         offset = 0
         for buffer in into:
             buffer[...] = data[offset : offset + buffer.size]

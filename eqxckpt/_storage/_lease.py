@@ -72,6 +72,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import socket
 import threading
@@ -83,7 +84,7 @@ from typing import Any, BinaryIO
 
 import tensorstore as ts
 
-from .._errors import CheckpointBusyError, CheckpointWriteError, ManifestError
+from .._errors import CheckpointBusyError, CheckpointChangedError, CheckpointWriteError, ManifestError
 from .._manifest import MAX_MANIFEST_BYTES, parse_json_object, parse_manifest
 from .._paths import (
     COMMIT_NAME,
@@ -393,10 +394,13 @@ def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
     for future in futures:
         future.result()
     keys = [group_file(group) for group in group_locations(paths)]
-    reads = [(key, store.read(key)) for key in keys]
+    reads = [(key, read_exact(store, key, len(GROUP_METADATA))) for key in keys]
     deletes = []
     for key, read in reads:
-        found = read.result()
+        try:
+            found = read.result()
+        except SizeError:
+            continue  # not what eqxckpt writes
         if found.state == "value" and bytes(found.value) == GROUP_METADATA:  # unchanged since eqxckpt wrote it
             deletes.append(store.write(key, None, if_equal=found.stamp.generation))
     for future in deletes:
@@ -728,18 +732,109 @@ def write_manifest(store: ts.KvStore, raw: bytes, base: bytes) -> bool:
     return top.state == "value" and bytes(top.value) == raw
 
 
-def read_bounded(store: ts.KvStore, key: str, cap: int) -> Any:
-    """Read ``key``, downloading at most ``cap + 1`` bytes of it (then the caller refuses it).
+class SizeError(Exception):
+    """A value is not of the size asked for: ``size`` is what it holds (None: more)."""
 
-    A ranged read past the end of a smaller value fails, so a small value
-    (the usual case) is read again whole; a huge one is never downloaded.
+    def __init__(self, size: int | None):
+        super().__init__(size)
+        self.size = size
+
+
+# The size a store reports when it refuses a byte range past a value's end ("... total
+# size N" from S3 and Cloud Storage, "... of size N" from the memory store). A range
+# refused without one (S3's and Cloud Storage's 416) starts past the end of an empty value.
+_REFUSED_SIZE = re.compile(r"\bsize (\d+)\b")
+
+
+def _refused(error: BaseException) -> bool:
+    return isinstance(error, ValueError) and str(error).startswith("OUT_OF_RANGE")
+
+
+def read_exact(store: ts.KvStore, key: str, size: int) -> ts.Future:
+    """Start reading ``key`` if it holds exactly ``size`` bytes, downloading no more than that.
+
+    Two ranged reads at once: ``[0, size)`` (refused if the value is smaller) and the
+    one byte after it (found only if it is larger). The future's result is the read
+    result (state ``missing`` if absent); its exception a `SizeError` if the value is
+    of another size.
     """
-    try:
-        return store.read(key, byte_range=slice(0, cap + 1)).result()
-    except ValueError as e:
-        if not str(e).startswith("OUT_OF_RANGE"):
-            raise
-    return store.read(key).result()
+    promise, future = ts.Promise.new()
+    data = store.read(key, byte_range=slice(0, size))
+    beyond = store.read(key, byte_range=slice(size, size + 1))
+
+    def settle(_: ts.Future) -> None:  # once both are done
+        try:
+            try:
+                result = data.result()
+            except ValueError as e:
+                if not _refused(e):
+                    raise
+                match = _REFUSED_SIZE.search(str(e))
+                raise SizeError(int(match[1]) if match else 0) from None
+            if result.state == "value":
+                try:
+                    if beyond.result().state == "value":
+                        raise SizeError(None)
+                except ValueError as e:
+                    if not _refused(e):
+                        raise
+            promise.set_result(result)
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            promise.set_exception(e)
+
+    data.add_done_callback(lambda _: beyond.add_done_callback(settle))
+    return future
+
+
+def read_bounded_future(store: ts.KvStore, key: str, cap: int, attempts: int = 4) -> ts.Future:
+    """Start reading ``key``, downloading at most ``cap + 1`` bytes of it (more: the
+    caller refuses it); the future's result is the read result.
+
+    A ranged read past the end of a smaller value (the usual case) is refused with its
+    size, which is then read exactly (`read_exact`): no read ever downloads more than it
+    asked for, even if the value is replaced in between (then it is read again).
+    """
+    promise, future = ts.Promise.new()
+
+    def start(left: int) -> None:
+        first = store.read(key, byte_range=slice(0, cap + 1))
+
+        def on_first(done: ts.Future) -> None:
+            try:
+                promise.set_result(done.result())
+                return
+            except ValueError as e:
+                if not _refused(e):
+                    promise.set_exception(e)
+                    return
+                match = _REFUSED_SIZE.search(str(e))
+            except Exception as e:  # noqa: BLE001 - handed to the reader
+                promise.set_exception(e)
+                return
+            read_exact(store, key, int(match[1]) if match else 0).add_done_callback(on_exact)
+
+        def on_exact(done: ts.Future) -> None:
+            try:
+                promise.set_result(done.result())
+            except SizeError:
+                if left > 1:
+                    start(left - 1)  # replaced in between: read it again
+                else:
+                    promise.set_exception(
+                        CheckpointChangedError(f"{key} changed size {attempts} times while it was read; try again.")
+                    )
+            except Exception as e:  # noqa: BLE001 - handed to the reader
+                promise.set_exception(e)
+
+        first.add_done_callback(on_first)
+
+    start(attempts)
+    return future
+
+
+def read_bounded(store: ts.KvStore, key: str, cap: int) -> Any:
+    """Read ``key``, downloading at most ``cap + 1`` bytes of it (`read_bounded_future`)."""
+    return read_bounded_future(store, key, cap).result()
 
 
 def stat(store: ts.KvStore, key: str) -> Any:
@@ -831,7 +926,11 @@ class StorePin:
 
     def changed(self) -> bool:
         try:
-            current = self.location.open_kvstore().read(MANIFEST_NAME, if_not_equal=self.generation).result()
+            current = (
+                self.location.open_kvstore()
+                .read(MANIFEST_NAME, if_not_equal=self.generation, byte_range=slice(0, 0))  # the generation alone
+                .result()
+            )
         except Exception:  # noqa: BLE001 - unreachable now: nothing proves it is unchanged
             return True
         # "Not modified" (unspecified) where the store honours the condition; a store that

@@ -40,6 +40,7 @@ from .._paths import (
 from .._store import is_storage_error, reason
 from ._backend import (
     ENDPOINT_SETTINGS,
+    MAX_ZARR_JSON_BYTES,
     NOTHING_COMMITTED,
     Pin,
     Staging,
@@ -59,6 +60,7 @@ from ._lease import (
     finish,
     is_stale,
     read_bounded,
+    read_bounded_future,
     read_lease,
     reclaim,
     run_store,
@@ -172,9 +174,8 @@ class ObjectStorage(Storage):
         return entry if name and entry and entry != name and mine == theirs else None
 
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
-        # Object stores cannot cap a read without a second request: the size is
-        # checked before parsing, so memory stays bounded by the file's size.
-        read = self.open_kvstore().read(f"{leaf.path}/zarr.json")
+        # At most MAX_ZARR_JSON_BYTES + 1 bytes are downloaded: more is refused unparsed.
+        read = read_bounded_future(self.open_kvstore(), f"{leaf.path}/zarr.json", MAX_ZARR_JSON_BYTES)
         promise, future = ts.Promise.new()
 
         def settle(done: ts.Future) -> None:
