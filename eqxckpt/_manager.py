@@ -233,8 +233,16 @@ class CheckpointManager:
         return out
 
     def _clean_leftovers(self) -> None:
-        """Remove what interrupted saves and deletions left, if provably abandoned and ours."""
-        self.location.clean_leftovers()
+        """Remove what interrupted saves and deletions of steps left, if provably abandoned and
+        ours; nothing else (a copy named ``007``, a user's files) is touched."""
+        left = self.location.clean_leftovers(lambda name: _STEP_NAME.match(name) is not None)
+        if left:
+            warnings.warn(
+                f"CheckpointManager({str(self.location)!r}): left alone {len(left)} save prefixes that no lease or "
+                f"manifest beside them explains: {', '.join(left[:20])}{' ...' if len(left) > 20 else ''}. A "
+                "copy in progress or someone's files look like that; remove them yourself if they are not needed.",
+                stacklevel=3,
+            )
 
     def _read_metrics(self, step: int) -> dict:
         record = open_checkpoint(self._step_location(step)).metadata.get(MANAGER_KEY, {})

@@ -185,14 +185,21 @@ def test_manager_on_object_stores(store, monkeypatch):
     # provably eqxckpt's: it is skipped with a warning naming it, and never deleted.
     for key in ("managed/9/w/c/0/0", "managed/9/w/zarr.json", "managed/9/zarr.json"):
         store.put(key, b"{}")
-    # A save's prefix that no manifest or lease names can never be committed: removed on open.
+    # A save's prefix that no manifest or lease names, and that eqxckpt never retired, is
+    # not provably eqxckpt's either (a copy in progress looks the same): named, and kept.
     eqxckpt.save({**spec, "path": "managed/10/"}, tree(10))
     store.delete("managed/10/eqxckpt.json")
-    with pytest.warns(UserWarning, match=r"9 \(no committed checkpoint in it\)"):
+    copied = store.keys("managed/10/")
+    with pytest.warns(UserWarning) as caught:
         again = eqxckpt.CheckpointManager(spec, max_to_keep=2)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "9 (no committed checkpoint in it)" in messages
+    assert "left alone 1 save prefixes that no lease or manifest beside them explains: 10/%arrays." in messages
     assert again.all_steps() == [2, 3]
     assert store.keys("managed/9/") == ["managed/9/w/c/0/0", "managed/9/w/zarr.json", "managed/9/zarr.json"]
-    assert store.keys("managed/10/") == []
+    assert store.keys("managed/10/") == copied
+    for key in copied:
+        store.delete(key)
     np.testing.assert_array_equal(again.load(tree(0))["w"], np.full((4, 3), 3.0))
     # An abandoned save (its lease's heartbeat older than its timeout) is reclaimed
     # on open: the prefix its lease names, then the lease.
@@ -450,3 +457,39 @@ def test_a_leaf_is_linked_only_when_its_files_are_plain_and_as_expected(tmp_path
             eqxckpt.save(pathlib.Path(other) / "c", {"x": x}, base=tmp_path / "a")
         assert os.stat(pathlib.Path(other) / "c/x/c/0/0").st_nlink == 1
         np.testing.assert_array_equal(eqxckpt.load(pathlib.Path(other) / "c")["x"], x)
+
+
+def test_opening_a_run_never_deletes_a_copy_or_a_users_files(store):
+    """A copy of step 5 in progress (its prefix copied key by key, its manifest not yet) named
+    007, another named 6, and a user's export that uses a prefix's name: no lease or manifest
+    beside them names those prefixes, and eqxckpt never retired them, so opening the run
+    (a trainer's manager, an evaluator's) leaves every key, and the copies finish loading."""
+    top = f"copies-{store.name}/"
+    run = store.spec(top)
+    with eqxckpt.CheckpointManager(run, blocking=True) as manager:
+        manager.save(5, tree(5))
+    step5 = sorted(key[len(top) + 2 :] for key in store.keys(top + "5/"))
+    for copy in ("007", "6"):
+        for key in step5:
+            if key != "eqxckpt.json":  # the manifest last: not copied yet
+                store.put(f"{top}{copy}/{key}", store.get(f"{top}5/{key}"))
+    export = f"{top}exports/%arrays.{'ab' * 16}/weights.bin"
+    store.put(export, b"mine")
+    before = store.keys(top)
+    with pytest.warns(UserWarning) as caught:
+        manager = eqxckpt.CheckpointManager(run, max_to_keep=1)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "007 (not a step number)" in messages and "exports (not a step number)" in messages
+    assert "6 (no committed checkpoint in it)" in messages and "left alone 1 save prefixes" in messages
+    assert manager.all_steps() == [5]
+    assert store.keys(top) == before  # nothing deleted
+    for copy in ("007", "6"):  # the copies finish, and load as step 5 does
+        store.put(f"{top}{copy}/eqxckpt.json", store.get(f"{top}5/eqxckpt.json"))
+        assert_trees_equal(eqxckpt.load({**run, "path": f"{top}{copy}/"}), tree(5))
+    # Retention still deletes what is provably its own (a step it replaces), and nothing else.
+    manager.save(8, tree(8))
+    manager.wait()
+    assert manager.all_steps() == [8] and not store.keys(top + "5/")
+    assert store.get(export) == b"mine"
+    for copy in ("007", "6"):
+        assert_trees_equal(eqxckpt.load({**run, "path": f"{top}{copy}/"}), tree(5))

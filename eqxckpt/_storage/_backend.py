@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -182,8 +182,11 @@ class Storage(abc.ABC):
         )
 
     @abc.abstractmethod
-    def clean_leftovers(self) -> None:
-        """Remove what interrupted saves and deletions left, where provably abandoned and eqxckpt's."""
+    def clean_leftovers(self, entries: Callable[[str], bool]) -> list[str]:
+        """Remove what interrupted saves and deletions left for the entries of this directory
+        that ``entries`` accepts (a manager's steps), where provably abandoned and eqxckpt's;
+        nothing of any other entry is touched. Returns what looks like eqxckpt's but was left
+        alone, not provably so (object stores: a prefix no lease or manifest explains)."""
 
     def leaf_files(self, path: str) -> dict[str, int] | None:
         """``{key: size}`` of the files of the leaf at ``path``, keys as `expected_files`

@@ -79,7 +79,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 import tensorstore as ts
@@ -93,6 +93,7 @@ from .._paths import (
     HOLDS_NAME,
     LEASE_NAME,
     MANIFEST_NAME,
+    RETIRED_NAME,
     group_file,
     group_locations,
     is_arrays_name,
@@ -197,9 +198,9 @@ def remove_tree(path: pathlib.Path) -> bool:
     return not os.path.lexists(path)
 
 
-def remove_abandoned(parent: pathlib.Path, owner: str | None = None) -> list[str]:
-    """Remove hidden siblings in ``parent`` (of checkpoint ``owner``, or of any)
-    that no live process holds. Returns the names removed."""
+def remove_abandoned(parent: pathlib.Path, owners: Callable[[str], bool]) -> list[str]:
+    """Remove hidden siblings in ``parent`` of the checkpoints whose names ``owners``
+    accepts, that no live process holds. Returns the names removed."""
     removed = []
     try:
         entries = list(os.scandir(parent))
@@ -207,7 +208,7 @@ def remove_abandoned(parent: pathlib.Path, owner: str | None = None) -> list[str
         return removed
     for entry in entries:
         name = hidden_owner(entry.name)
-        if name is None or (owner is not None and name != owner) or not entry.is_dir(follow_symlinks=False):
+        if name is None or not owners(name) or not entry.is_dir(follow_symlinks=False):
             continue
         lock = DirLock.take(entry.path, exclusive=True)
         if lock is None or not lock.supported:
@@ -339,6 +340,10 @@ def parse_lease(raw: bytes) -> dict | None:
     if not (isinstance(paths, list) and all(isinstance(p, str) for p in paths)):
         return None
     if not (isinstance(arrays, list) and all(is_arrays_name(a) for a in arrays) and _is_hex(base)):
+        return None
+    # A commit: the prefix of the checkpoint it replaces, retired once it has committed.
+    retire = doc.setdefault("retire", [])
+    if not (isinstance(retire, list) and len(retire) <= 1 and all(is_arrays_name(a) for a in retire)):
         return None
     action = doc.setdefault("action", None)
     # A save or its commit names exactly its own prefix; a deletion, the one it deletes (none
@@ -503,10 +508,12 @@ def collect_prefix(store: ts.KvStore, name: str) -> bool:
 
 
 def delete_unheld(store: ts.KvStore, names: list[str]) -> list[str]:
-    """Delete the committed prefixes ``names`` of the checkpoint at ``store`` that no live
-    save or checkpoint refers to; returns those deleted. A prefix with a live hold is left
-    whole (its checkpoint's manifest may be gone: a retired prefix), to be collected when
-    its last holder is gone (`collect_garbage`)."""
+    """Retire the committed prefixes ``names`` of the checkpoint at ``store`` (which it no
+    longer names), then delete those that no live save or checkpoint refers to; returns
+    those deleted. A prefix with a live hold is left whole, marked retired, to be
+    collected when its last holder is gone (`collect_prefix`, `collect_garbage`)."""
+    for marked in [store.write(f"{name}/{RETIRED_NAME}", b"") for name in names]:
+        marked.result()  # first: whatever stops this, the prefix is provably garbage now
     place = run_store(store)
     if place is None:
         delete_arrays(store, names)
@@ -568,6 +575,7 @@ class Lease:
         arrays: Sequence[str] = (),
         paths: Sequence[str] = (),
         base: bytes = b"",
+        retire: Sequence[str] = (),
     ):
         """Take the lease, on condition that the lease object is still what was
         read (``seen``: the generation of a read that found none, or of the
@@ -588,6 +596,7 @@ class Lease:
             "arrays": list(arrays),
             "paths": sorted(set(paths)),
             "base": base.hex(),
+            "retire": list(retire),
         }
         generation = self._write(seen)
         if generation is None:
@@ -676,7 +685,7 @@ def reclaim(store: ts.KvStore) -> str:
     if doc is None or not is_stale(doc):
         return "alive"
     try:
-        fields = {k: doc[k] for k in ("arrays", "paths")}
+        fields = {k: doc[k] for k in ("arrays", "paths", "retire")}
         lease = Lease(
             store, "reclaim", current.stamp.generation, action=doc["action"], base=bytes.fromhex(doc["base"]), **fields
         )
@@ -697,6 +706,9 @@ def finish(store: ts.KvStore, doc: dict) -> None:
         [name] = arrays
         if roll_forward(store, name, base):
             delete_leaf_keys(store, paths)  # what the committed save replaced, if written before prefixes
+            delete_unheld(store, doc["retire"])  # and the prefix of the one it replaced
+        else:
+            delete_arrays(store, arrays)  # its manifest is not the base any more: it can never commit
     elif action == "delete":
         top = stat(store, MANIFEST_NAME)
         if top.state == "value" and top.stamp.generation == base:
@@ -861,15 +873,18 @@ def committed_arrays(store: ts.KvStore) -> str | None:
 
 
 def collect_garbage(store: ts.KvStore) -> list[str]:
-    """Delete the prefixes of saves that can never commit, or whose checkpoint was
-    replaced or deleted, unless a live save or checkpoint refers to them (`delete_unheld`);
-    returns the names deleted.
+    """Delete the retired prefixes of the checkpoint at ``store`` (`delete_unheld` marked
+    them: their checkpoint was replaced or deleted) that no live save or checkpoint refers
+    to. Returns the prefixes that nothing explains, left alone.
 
-    A prefix is kept if the manifest or the lease names it. Any other can never
-    become committed: its save's lease is gone, and only that lease's holder (or
-    whoever takes it over, who then names the prefix) commits it. The order
-    matters: list first, then read the lease, then the manifest, so that a save
-    whose prefix is listed is seen holding its lease or, after, committed.
+    A prefix that neither the manifest nor the lease names, and that is not marked
+    retired, is not provably eqxckpt's garbage: a copy of a checkpoint in progress (its
+    prefix is copied before its manifest) or a user's files look just like it. What
+    eqxckpt's own saves leave is finished by their leases (`reclaim`): a save that
+    never commits is named by its lease until its prefix is deleted, a commit names
+    the prefix it replaces until that is retired. The order matters: list first, then
+    read the lease, then the manifest, so that a save whose prefix is listed is seen
+    holding its lease or, after, committed.
     """
     listed = {key.decode("utf-8", "replace").split("/")[0] for key in store.list().result()}
     listed = {name for name in listed if is_arrays_name(name)}
@@ -882,7 +897,12 @@ def collect_garbage(store: ts.KvStore) -> list[str]:
     committed = committed_arrays(store)
     if committed is None:
         return []
-    return delete_unheld(store, sorted(listed - keep - {committed}))
+    unnamed = sorted(listed - keep - {committed})
+    marks = [(name, store.read(f"{name}/{RETIRED_NAME}", byte_range=slice(0, 0))) for name in unnamed]
+    retired = [name for name, mark in marks if mark.result().state == "value"]
+    delete_unheld(store, retired)
+    being_retired = set(doc["retire"]) if doc is not None else set()  # by the commit holding the lease
+    return [name for name in unnamed if name not in retired and name not in being_retired]
 
 
 # --- readers: one checkpoint, never a mix -------------------------------------------------

@@ -11,6 +11,7 @@ import os
 import socket
 import urllib.parse
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import tensorstore as ts
@@ -31,6 +32,7 @@ from .._paths import (
     COMMIT_NAME,
     LEASE_NAME,
     MANIFEST_NAME,
+    RETIRED_NAME,
     group_file,
     group_locations,
     is_arrays_name,
@@ -55,6 +57,7 @@ from ._lease import (
     collect_prefix,
     delete_arrays,
     delete_leaf_keys,
+    delete_unheld,
     describe_lease,
     exists,
     finish,
@@ -80,6 +83,7 @@ class Base:
     committed: bool
     legacy_paths: list[str]
     references: list[str] = dataclasses.field(default_factory=list)  # what its leaves refer to
+    arrays: str = ""  # its prefix: retired once the save commits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +235,7 @@ class ObjectStorage(Storage):
         top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
         legacy: list[str] = []
         references: list[str] = []
+        arrays = ""
         committed = False
         if top.state == "value":
             try:
@@ -248,6 +253,7 @@ class ObjectStorage(Storage):
                 )
             legacy = [] if old.arrays else old.stored_paths()
             references = old.references()
+            arrays = old.arrays
         keys = [k.decode("utf-8", "replace") for k in store.list().result()] if listing else []
         foreign = sorted(set(keys) - _owned_keys(keys, set(legacy)) - {MANIFEST_NAME, LEASE_NAME})
         if foreign and top.state != "value":
@@ -255,7 +261,7 @@ class ObjectStorage(Storage):
                 f"{self} is not an eqxckpt checkpoint: it holds data that eqxckpt did not write (e.g. "
                 f"{foreign[0]!r}, {len(foreign)} keys); refusing to save there. Choose another path."
             )
-        return Base(top.stamp.generation, committed, legacy, references)
+        return Base(top.stamp.generation, committed, legacy, references, arrays)
 
     def join_save(self, where: str) -> "ObjectStaging":
         if not is_arrays_name(where):
@@ -273,14 +279,17 @@ class ObjectStorage(Storage):
         # An entry with a lease and no manifest is a save or deletion in progress, or cleanup's to finish.
         return [(head, _state(rests)) for head, rests in sorted(self._groups().items())]
 
-    def clean_leftovers(self) -> None:
-        for head, rests in self._groups().items():
+    def clean_leftovers(self, entries: Callable[[str], bool]) -> list[str]:
+        left: list[str] = []
+        for head, rests in sorted(self._groups().items()):
+            if not entries(head):
+                continue  # not the caller's: whatever is there is someone else's
+            prefixes = {rest.split("/")[0] for rest in rests if is_arrays_name(rest.split("/")[0])}
             if LEASE_NAME in rests:
                 reclaim(self.sub(head).open_kvstore())
-            elif len({rest.split("/")[0] for rest in rests if is_arrays_name(rest.split("/")[0])}) > int(
-                _committed(rests)
-            ):
-                collect_garbage(self.sub(head).open_kvstore())
+            elif len(prefixes) > int(_committed(rests)):
+                left += [f"{head}/{name}" for name in collect_garbage(self.sub(head).open_kvstore())]
+        return left
 
     def delete(self) -> bool:
         store = self.open_kvstore()
@@ -347,16 +356,19 @@ class ObjectStaging(Staging):
             raise
         raw = dataclasses.replace(manifest, arrays=self.where).to_bytes()
         arrays.write(COMMIT_NAME, raw).result()
-        lease.update(action="commit", base=base.generation.hex(), paths=base.legacy_paths)
+        retire = [base.arrays] if base.arrays else []
+        lease.update(action="commit", base=base.generation.hex(), paths=base.legacy_paths, retire=retire)
         self.committing = True  # from here on, whoever finds the lease abandoned rolls the commit forward
         store = self.place.open_kvstore()
         if not write_manifest(store, raw, base.generation):
             raise CheckpointBusyError(
                 f"Another process committed a checkpoint at {self.place} during this save. {NOTHING_COMMITTED}"
             )
+        # What the replaced checkpoint held, under the lease that names it: should this
+        # process stop here, cleanup finishes it (`finish`).
         delete_leaf_keys(store, base.legacy_paths)
+        delete_unheld(store, retire)
         lease.release()
-        collect_garbage(store)  # the arrays of the checkpoint this one replaced
         self.place.collect_references(base.references)  # and what it alone referred to
 
     def refer(self, refs: list[str]) -> set[str]:
@@ -444,8 +456,11 @@ def _state(rests: set[str]) -> str:
         return "committed"
     if LEASE_NAME in rests:
         return "busy"
-    # What deleting a checkpoint keeps while newer checkpoints refer to its arrays.
-    return "retired" if rests and all(is_arrays_name(rest.split("/")[0]) for rest in rests) else "other"
+    # What deleting a checkpoint keeps while newer checkpoints refer to its arrays: marked
+    # retired (a copy of a checkpoint, its prefix copied before its manifest, is not).
+    prefixes = {rest.split("/")[0] for rest in rests}
+    retired = all(is_arrays_name(name) and f"{name}/{RETIRED_NAME}" in rests for name in prefixes)
+    return "retired" if rests and retired else "other"
 
 
 def _committed(rests: set[str]) -> bool:
