@@ -188,12 +188,14 @@ class CheckpointManager:
         Entries that are not committed steps (a copy named ``007``, a damaged
         manifest, someone else's files) are skipped with one warning naming
         them; a step that disappears while it is read (another process's
-        retention) is skipped silently.
+        retention) is skipped silently. Steps whose checkpoint cannot be read
+        (a damaged manifest) are remembered in ``_unreadable``: never saved over.
         """
         steps: dict[int, dict] = {}
         skipped: list[str] = []
+        unreadable: dict[int, str] = {}
         for _ in range(3):
-            steps, skipped = {}, []
+            steps, skipped, unreadable = {}, [], {}
             vanished = False
             for name, problem in self._entries():
                 if problem is not None:
@@ -204,11 +206,13 @@ class CheckpointManager:
                 except (CheckpointNotFoundError, IncompleteCheckpointError, CheckpointChangedError):
                     vanished = True  # deleted meanwhile
                 except CheckpointError as e:
-                    skipped.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+                    unreadable[int(name)] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    skipped.append(f"{name} ({unreadable[int(name)]})")
             # A listing is no snapshot: a step committed and its predecessor deleted
             # while it ran can both be missed. Look again if anything moved.
             if steps and not vanished:
                 break
+        self._unreadable: dict[int, str] = unreadable  # steps holding a checkpoint that cannot be read -> why
         if skipped and warn:
             warnings.warn(
                 f"CheckpointManager({str(self.location)!r}): skipped {len(skipped)} entries that are not committed "
@@ -327,6 +331,12 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"Step {step} is already saved in {self.location}. Steps are saved once; resume from "
                 f"latest_step() + 1, or delete the step first."
+            )
+        if step in self._unreadable:
+            raise CheckpointExistsError(
+                f"Step {step} of {self.location} holds a checkpoint that cannot be read "
+                f"({self._unreadable[step]}); the manager never saves over it. Restore or delete "
+                f"{self.location.sub(str(step))} yourself, then open the manager again."
             )
         metadata = dict(metadata or {})
         if MANAGER_KEY in metadata:

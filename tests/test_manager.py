@@ -493,3 +493,55 @@ def test_opening_a_run_never_deletes_a_copy_or_a_users_files(store):
     assert store.get(export) == b"mine"
     for copy in ("007", "6"):
         assert_trees_equal(eqxckpt.load({**run, "path": f"{top}{copy}/"}), tree(5))
+
+
+def refused_and_kept(run, step: object) -> None:
+    """The manager on ``run``, whose step 2 (at ``step``) holds a damaged manifest: warned
+    about, not listed, and never saved over, by a resumed loop or by `save` itself."""
+    with pytest.warns(UserWarning, match=r"skipped 1 entries .*2 \(ManifestError"):
+        manager = eqxckpt.CheckpointManager(run)
+    assert manager.all_steps() == [0, 1] and manager.latest_step() == 1
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="Step 2 of .* cannot be read .* never saves over it"):
+        manager.save(manager.latest_step() + 1, tree(2))  # at once, though saves run in the background
+    manager.save(3, tree(3))
+    manager.wait()
+    assert manager.all_steps() == [0, 1, 3]
+    with pytest.raises(eqxckpt.ManifestError):
+        eqxckpt.load(step)
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="damaged manifest|already exists"):
+        eqxckpt.save(step, tree(2))
+
+
+def test_a_step_with_a_damaged_manifest_is_named_and_never_saved_over(store):
+    """One hex digit of "arrays" flipped in step 2's manifest: it names arrays that do not
+    exist, beside the intact ones it should name. Warned about, never saved over without
+    overwrite=True; an overwrite replaces the manifest and leaves the arrays alone."""
+    top = f"damaged-{store.name}/"
+    run = store.spec(top)
+    with eqxckpt.CheckpointManager(run, blocking=True) as manager:
+        for step in range(3):
+            manager.save(step, tree(step))
+    before = store.keys(top + "2/")
+    manifest = json.loads(store.get(top + "2/eqxckpt.json"))
+    intact = manifest["arrays"]
+    manifest["arrays"] = intact[:-1] + ("0" if intact[-1] != "0" else "1")
+    store.put(top + "2/eqxckpt.json", json.dumps(manifest).encode())
+    step = {**run, "path": top + "2/"}
+    refused_and_kept(run, step)
+    assert store.keys(top + "2/") == before
+    eqxckpt.save(step, tree(9), overwrite=True)
+    assert_trees_equal(eqxckpt.load(step), tree(9))
+    assert [key for key in store.keys(top + "2/") if intact in key] == [k for k in before if intact in k]
+
+
+def test_a_step_with_a_damaged_manifest_on_a_local_disk(tmp_path):
+    """The same on a local disk, with step 2's manifest cut short."""
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run, blocking=True) as manager:
+        for step in range(3):
+            manager.save(step, tree(step))
+    manifest = run / "2" / "eqxckpt.json"
+    manifest.write_bytes(manifest.read_bytes()[:-20])
+    before = {str(p): p.read_bytes() for p in (run / "2").rglob("*") if p.is_file()}
+    refused_and_kept(run, run / "2")
+    assert {str(p): p.read_bytes() for p in (run / "2").rglob("*") if p.is_file()} == before

@@ -112,6 +112,11 @@ class ObjectStorage(Storage):
             if result.state == "value":
                 manifest = parse_manifest(bytes(result.value), str(self))
                 if manifest.arrays and not exists(store, f"{manifest.arrays}/{COMMIT_NAME}"):
+                    if others := _unexplained_commits(store):
+                        raise ManifestError(
+                            f"{_damaged(self, manifest.arrays, others)} Restore the manifest from a copy, or delete "
+                            "the checkpoint (its files are yours to remove), or save over it with overwrite=True."
+                        )
                     raise IncompleteCheckpointError(
                         f"No committed checkpoint at {self}: its manifest names arrays ({manifest.arrays}) that "
                         "were deleted (a deletion by retention, or a writer that resumed after it). Load another "
@@ -245,8 +250,14 @@ class ObjectStorage(Storage):
                     f"The checkpoint at {self} has a damaged manifest, so eqxckpt cannot tell which keys are its; "
                     f"refusing to replace it ({e}). Remove it yourself or save elsewhere."
                 ) from None
-            # A manifest whose arrays were deleted is no checkpoint: a save replaces it.
+            # A manifest whose arrays were deleted is no checkpoint: a save replaces it. One
+            # beside another save's committed arrays is a damaged checkpoint: only an overwrite does.
             committed = not old.arrays or exists(store, f"{old.arrays}/{COMMIT_NAME}")
+            if not committed and not overwrite and (others := _unexplained_commits(store)):
+                raise CheckpointExistsError(
+                    f"{_damaged(self, old.arrays, others)} Refusing to replace it: delete it yourself, or pass "
+                    f"overwrite=True to replace its manifest (leaving {others[0]} for you to remove)."
+                )
             if committed and not overwrite:
                 raise CheckpointExistsError(
                     f"A checkpoint already exists at {self}. Pass overwrite=True to replace it."
@@ -447,6 +458,29 @@ def check_reachable(spec: dict[str, Any], where: str) -> None:
     raise CheckpointError(
         f"Cannot reach {where}: the {what} endpoint {host}:{port} {why}. Check the endpoint ({ENDPOINT_SETTINGS}) "
         "and the network."
+    )
+
+
+def _unexplained_commits(store: ts.KvStore) -> list[str]:
+    """The prefixes at ``store`` that hold a committed save's staged manifest, which neither
+    the lease names nor eqxckpt retired: arrays that a manifest there should name."""
+    keys = {key.decode("utf-8", "replace") for key in store.list().result()}
+    _, lease = read_lease(store)
+    explained = set(lease["arrays"]) | set(lease["retire"]) if lease is not None else set()
+    return sorted(
+        name
+        for name in {key.split("/")[0] for key in keys}
+        if is_arrays_name(name)
+        and f"{name}/{COMMIT_NAME}" in keys
+        and f"{name}/{RETIRED_NAME}" not in keys
+        and name not in explained
+    )
+
+
+def _damaged(place: ObjectStorage, named: str, others: list[str]) -> str:
+    return (
+        f"The checkpoint at {place} has a damaged manifest: it names arrays {named}, which do not exist, while "
+        f"{', '.join(others)} there holds a committed save's arrays (a manifest edited, or corrupted in storage)."
     )
 
 
