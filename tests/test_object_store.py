@@ -351,6 +351,7 @@ eqxckpt.save({spec!r}, {{"w": np.full((64, 64), 2.0, np.float32), "v": np.arange
     [
         ("check_complete", False),  # killed before it staged its manifest: cleanup deletes its prefix
         ("write_manifest", True),  # killed after marking its lease as committing: cleanup commits it
+        ("delete_unheld", True),  # killed once committed, before retiring what it replaced: cleanup retires it
     ],
 )
 def test_a_writer_killed_during_its_commit_is_finished_by_cleanup(store, monkeypatch, point, committed):
@@ -366,7 +367,9 @@ def test_a_writer_killed_during_its_commit_is_finished_by_cleanup(store, monkeyp
     )
     assert done.returncode == -9
     assert "eqxckpt.lease.json" in [k.split("/")[-1] for k in store.keys(run["path"] + "5/")]
-    np.testing.assert_array_equal(eqxckpt.load(step)["w"], np.full((64, 64), 1.0))  # the old one, whole
+    # The old one, whole, until the commit's write; after it, the new one (the old one's
+    # prefix stays until cleanup finishes what the lease names).
+    np.testing.assert_array_equal(eqxckpt.load(step)["w"], np.full((64, 64), 2.0 if point == "delete_unheld" else 1.0))
     time.sleep(1.1)
     with eqxckpt.CheckpointManager(run) as manager:
         assert manager.all_steps() == [5]

@@ -526,9 +526,11 @@ def delete_unheld(store: ts.KvStore, names: list[str]) -> list[str]:
         store.write(f"{name}/{DOOMED_NAME}", b"").result()
         if _holds_live(store, run, name):
             continue  # a save took a hold meanwhile and may use it; the prefix stays doomed
-        doomed = f"{name}/{DOOMED_NAME}"
+        doomed, retired = f"{name}/{DOOMED_NAME}", f"{name}/{RETIRED_NAME}"  # doomed < retired
         store.delete_range(ts.KvStore.KeyRange(f"{name}/", doomed)).result()
-        store.delete_range(ts.KvStore.KeyRange(doomed + "\0", f"{name}0")).result()
+        store.delete_range(ts.KvStore.KeyRange(doomed + "\0", retired)).result()
+        store.delete_range(ts.KvStore.KeyRange(retired + "\0", f"{name}0")).result()
+        store.write(retired, None).result()  # until now, listings see a retired prefix
         store.write(doomed, None).result()  # last: until now a save that looks sees it doomed
         deleted.append(name)
     return deleted
