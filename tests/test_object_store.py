@@ -16,6 +16,7 @@ import optax
 import pytest
 import tensorstore as ts
 from conftest import BUCKET, assert_trees_equal, kill_when, s3_spec as spec
+from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 import eqxckpt._storage
@@ -600,3 +601,26 @@ def test_an_oversized_object_is_refused_without_downloading_it(store):
     result = probe_in_a_child(store, "load", prefix)["load"]
     assert result["error"] == "CorruptCheckpointError" and "over 65536 bytes" in result["message"], result
     assert result["peak_mib"] < 64, result
+
+
+@given(size=st.integers(0, 300), asked=st.integers(0, 300))
+@settings(max_examples=150, deadline=None)
+def test_bounded_reads_return_exactly_the_value_or_refuse_it(size, asked):
+    """`read_exact` returns a value of exactly ``asked`` bytes and refuses any other, saying
+    its size (or that it is larger); `read_bounded` returns a value of at most ``asked``
+    bytes whole and more than that cut to ``asked + 1`` bytes (memory store: the same
+    ranged reads as S3 and Cloud Storage)."""
+    from eqxckpt._storage._lease import SizeError, read_bounded, read_exact
+
+    store = ts.KvStore.open({"driver": "memory"}).result()
+    value = bytes(range(256)) * 2
+    store.write("k", value[:size]).result()
+    if size == asked:
+        assert read_exact(store, "k", asked).result().value == value[:size]
+    else:
+        with pytest.raises(SizeError) as refused:
+            read_exact(store, "k", asked).result()
+        assert refused.value.size == (size if size < asked else None)
+    assert bytes(read_bounded(store, "k", asked).value) == value[: min(size, asked + 1)]
+    assert read_exact(store, "absent", asked).result().state == "missing"
+    assert read_bounded(store, "absent", asked).state == "missing"
