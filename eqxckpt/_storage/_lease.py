@@ -49,10 +49,15 @@ have conditional writes. There:
 - A lease whose heartbeat is older than its timeout is abandoned: cleanup
   takes it over (a conditional write, so its holder can no longer commit) and
   finishes its action: deletes a save's prefix, rolls a commit forward from
-  the manifest staged in its prefix, completes a deletion.
-- A prefix that neither the manifest nor the lease names can never be
-  committed, and is deleted. Clocks only decide when a lease looks abandoned;
-  one taken over too early makes its live holder's next conditional write fail.
+  the manifest staged in its prefix (then retires the prefix it replaced,
+  which the commit's lease names), completes a deletion. Clocks only decide
+  when a lease looks abandoned; one taken over too early makes its live
+  holder's next conditional write fail.
+- A prefix its checkpoint no longer names (replaced or deleted) is marked
+  ``%retired`` before anything of it is deleted. Cleanup deletes a prefix only
+  if an abandoned lease at its place names it or it is so marked: any other
+  prefix that neither the manifest nor the lease names (a copy of a
+  checkpoint in progress, its prefix copied first; a user's files) is left alone.
 - A load remembers the manifest's generation (its ETag) and checks it after
   reading; each manifest holds a unique ``save_id``, so generations differ.
 - An incremental save may refer to unchanged leaves in a sibling checkpoint's
