@@ -181,12 +181,14 @@ class CheckpointManager:
         Entries that are not committed steps (a copy named ``007``, a damaged
         manifest, someone else's files) are skipped with one warning naming
         them; a step that disappears while it is read (another process's
-        retention) is skipped silently.
+        retention) is skipped silently. Steps whose checkpoint cannot be read
+        (a damaged manifest) are remembered in ``_unreadable``: never saved over.
         """
         steps: dict[int, dict] = {}
         skipped: list[str] = []
+        unreadable: dict[int, str] = {}
         for _ in range(3):
-            steps, skipped = {}, []
+            steps, skipped, unreadable = {}, [], {}
             vanished = False
             for name, problem in self._entries():
                 if problem is not None:
@@ -197,11 +199,13 @@ class CheckpointManager:
                 except (CheckpointNotFoundError, IncompleteCheckpointError, CheckpointChangedError):
                     vanished = True  # deleted meanwhile
                 except CheckpointError as e:
-                    skipped.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+                    unreadable[int(name)] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    skipped.append(f"{name} ({unreadable[int(name)]})")
             # A listing is no snapshot: a step committed and its predecessor deleted
             # while it ran can both be missed. Look again if anything moved.
             if steps and not vanished:
                 break
+        self._unreadable: dict[int, str] = unreadable  # steps holding a checkpoint that cannot be read -> why
         if skipped and warn:
             warnings.warn(
                 f"CheckpointManager({str(self.location)!r}): skipped {len(skipped)} entries that are not committed "
@@ -226,8 +230,16 @@ class CheckpointManager:
         return out
 
     def _clean_leftovers(self) -> None:
-        """Remove what interrupted saves and deletions left, if provably abandoned and ours."""
-        self.location.clean_leftovers()
+        """Remove what interrupted saves and deletions of steps left, if provably abandoned and
+        ours; nothing else (a copy named ``007``, a user's files) is touched."""
+        left = self.location.clean_leftovers(lambda name: _STEP_NAME.match(name) is not None)
+        if left:
+            warnings.warn(
+                f"CheckpointManager({str(self.location)!r}): left alone {len(left)} save prefixes that no lease or "
+                f"manifest beside them explains: {', '.join(left[:20])}{' ...' if len(left) > 20 else ''}. A "
+                "copy in progress or someone's files look like that; remove them yourself if they are not needed.",
+                stacklevel=3,
+            )
 
     def _read_metrics(self, step: int) -> dict:
         record = open_checkpoint(self._step_location(step)).metadata.get(MANAGER_KEY, {})
@@ -315,6 +327,12 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"Step {step} is already saved in {self.location}. Steps are saved once; resume from "
                 f"latest_step() + 1, or delete the step first."
+            )
+        if step in self._unreadable:
+            raise CheckpointExistsError(
+                f"Step {step} of {self.location} holds a checkpoint that cannot be read "
+                f"({self._unreadable[step]}); the manager never saves over it. Restore or delete "
+                f"{self.location.sub(str(step))} yourself, then open the manager again."
             )
         metadata = dict(metadata or {})
         if MANAGER_KEY in metadata:

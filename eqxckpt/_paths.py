@@ -61,10 +61,13 @@ def is_arrays_name(name: Any) -> bool:
 # checkpoint's prefix (a manager's earlier step) instead of writing it again: the
 # leaf's "arrays" field is "../<entry>/%arrays.<hex>" (format version 4). Inside
 # that prefix, each save that refers to it records a hold, and a deleter marks it
-# doomed before deleting it (see `_lease.delete_unheld`). Neither name can be a
-# leaf's path: `encode_segment` never makes a "%" without two hex digits after it.
+# doomed before deleting it (see `_lease.delete_unheld`). A prefix that its checkpoint
+# no longer names (replaced or deleted) is first marked retired: cleanup deletes no
+# other prefix that no lease names (a copy, a user's files). None of these names can
+# be a leaf's path: `encode_segment` never makes a "%" without two hex digits after it.
 HOLDS_NAME = "%holds"
 DOOMED_NAME = "%doomed"
+RETIRED_NAME = "%retired"
 _ENTRY_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,119}$")
 _REFERENCE = re.compile(r"^\.\./([^/]+)/([^/]+)$")
 

@@ -186,14 +186,21 @@ def test_manager_on_object_stores(store, monkeypatch):
     # provably eqxckpt's: it is skipped with a warning naming it, and never deleted.
     for key in ("managed/9/w/c/0/0", "managed/9/w/zarr.json", "managed/9/zarr.json"):
         store.put(key, b"{}")
-    # A save's prefix that no manifest or lease names can never be committed: removed on open.
+    # A save's prefix that no manifest or lease names, and that eqxckpt never retired, is
+    # not provably eqxckpt's either (a copy in progress looks the same): named, and kept.
     eqxckpt.save({**spec, "path": "managed/10/"}, tree(10))
     store.delete("managed/10/eqxckpt.json")
-    with pytest.warns(UserWarning, match=r"9 \(no committed checkpoint in it\)"):
+    copied = store.keys("managed/10/")
+    with pytest.warns(UserWarning) as caught:
         again = eqxckpt.CheckpointManager(spec, max_to_keep=2)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "9 (no committed checkpoint in it)" in messages
+    assert "left alone 1 save prefixes that no lease or manifest beside them explains: 10/%arrays." in messages
     assert again.all_steps() == [2, 3]
     assert store.keys("managed/9/") == ["managed/9/w/c/0/0", "managed/9/w/zarr.json", "managed/9/zarr.json"]
-    assert store.keys("managed/10/") == []
+    assert store.keys("managed/10/") == copied
+    for key in copied:
+        store.delete(key)
     np.testing.assert_array_equal(again.load(tree(0))["w"], np.full((4, 3), 3.0))
     # An abandoned save (its lease's heartbeat older than its timeout) is reclaimed
     # on open: the prefix its lease names, then the lease.
@@ -539,3 +546,91 @@ def test_a_manager_that_is_not_incremental_refers_to_nothing_on_an_object_store(
         manifest = json.loads(store.get(f"{top}{step}/eqxckpt.json"))
         assert not [r for r in manifest["leaves"] if r.get("arrays")]  # each leaf in the step's own prefix
         assert_trees_equal(eqxckpt.load(manager.path(step), _rotting_state(step)), _rotting_state(step))
+
+
+def test_opening_a_run_never_deletes_a_copy_or_a_users_files(store):
+    """A copy of step 5 in progress (its prefix copied key by key, its manifest not yet) named
+    007, another named 6, and a user's export that uses a prefix's name: no lease or manifest
+    beside them names those prefixes, and eqxckpt never retired them, so opening the run
+    (a trainer's manager, an evaluator's) leaves every key, and the copies finish loading."""
+    top = f"copies-{store.name}/"
+    run = store.spec(top)
+    with eqxckpt.CheckpointManager(run, blocking=True) as manager:
+        manager.save(5, tree(5))
+    step5 = sorted(key[len(top) + 2 :] for key in store.keys(top + "5/"))
+    for copy in ("007", "6"):
+        for key in step5:
+            if key != "eqxckpt.json":  # the manifest last: not copied yet
+                store.put(f"{top}{copy}/{key}", store.get(f"{top}5/{key}"))
+    export = f"{top}exports/%arrays.{'ab' * 16}/weights.bin"
+    store.put(export, b"mine")
+    before = store.keys(top)
+    with pytest.warns(UserWarning) as caught:
+        manager = eqxckpt.CheckpointManager(run, max_to_keep=1)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "007 (not a step number)" in messages and "exports (not a step number)" in messages
+    assert "6 (no committed checkpoint in it)" in messages and "left alone 1 save prefixes" in messages
+    assert manager.all_steps() == [5]
+    assert store.keys(top) == before  # nothing deleted
+    for copy in ("007", "6"):  # the copies finish, and load as step 5 does
+        store.put(f"{top}{copy}/eqxckpt.json", store.get(f"{top}5/eqxckpt.json"))
+        assert_trees_equal(eqxckpt.load({**run, "path": f"{top}{copy}/"}), tree(5))
+    # Retention still deletes what is provably its own (a step it replaces), and nothing else.
+    manager.save(8, tree(8))
+    manager.wait()
+    assert manager.all_steps() == [8] and not store.keys(top + "5/")
+    assert store.get(export) == b"mine"
+    for copy in ("007", "6"):
+        assert_trees_equal(eqxckpt.load({**run, "path": f"{top}{copy}/"}), tree(5))
+
+
+def refused_and_kept(run, step: object) -> None:
+    """The manager on ``run``, whose step 2 (at ``step``) holds a damaged manifest: warned
+    about, not listed, and never saved over, by a resumed loop or by `save` itself."""
+    with pytest.warns(UserWarning, match=r"skipped 1 entries .*2 \(ManifestError"):
+        manager = eqxckpt.CheckpointManager(run)
+    assert manager.all_steps() == [0, 1] and manager.latest_step() == 1
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="Step 2 of .* cannot be read .* never saves over it"):
+        manager.save(manager.latest_step() + 1, tree(2))  # at once, though saves run in the background
+    manager.save(3, tree(3))
+    manager.wait()
+    assert manager.all_steps() == [0, 1, 3]
+    with pytest.raises(eqxckpt.ManifestError):
+        eqxckpt.load(step)
+    with pytest.raises(eqxckpt.CheckpointExistsError, match="damaged manifest|already exists"):
+        eqxckpt.save(step, tree(2))
+
+
+def test_a_step_with_a_damaged_manifest_is_named_and_never_saved_over(store):
+    """One hex digit of "arrays" flipped in step 2's manifest: it names arrays that do not
+    exist, beside the intact ones it should name. Warned about, never saved over without
+    overwrite=True; an overwrite replaces the manifest and leaves the arrays alone."""
+    top = f"damaged-{store.name}/"
+    run = store.spec(top)
+    with eqxckpt.CheckpointManager(run, blocking=True) as manager:
+        for step in range(3):
+            manager.save(step, tree(step))
+    before = store.keys(top + "2/")
+    manifest = json.loads(store.get(top + "2/eqxckpt.json"))
+    intact = manifest["arrays"]
+    manifest["arrays"] = intact[:-1] + ("0" if intact[-1] != "0" else "1")
+    store.put(top + "2/eqxckpt.json", json.dumps(manifest).encode())
+    step = {**run, "path": top + "2/"}
+    refused_and_kept(run, step)
+    assert store.keys(top + "2/") == before
+    eqxckpt.save(step, tree(9), overwrite=True)
+    assert_trees_equal(eqxckpt.load(step), tree(9))
+    assert [key for key in store.keys(top + "2/") if intact in key] == [k for k in before if intact in k]
+
+
+def test_a_step_with_a_damaged_manifest_on_a_local_disk(tmp_path):
+    """The same on a local disk, with step 2's manifest cut short."""
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run, blocking=True) as manager:
+        for step in range(3):
+            manager.save(step, tree(step))
+    manifest = run / "2" / "eqxckpt.json"
+    manifest.write_bytes(manifest.read_bytes()[:-20])
+    before = {str(p): p.read_bytes() for p in (run / "2").rglob("*") if p.is_file()}
+    refused_and_kept(run, run / "2")
+    assert {str(p): p.read_bytes() for p in (run / "2").rglob("*") if p.is_file()} == before

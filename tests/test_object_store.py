@@ -16,6 +16,7 @@ import optax
 import pytest
 import tensorstore as ts
 from conftest import BUCKET, assert_trees_equal, kill_when, s3_spec as spec
+from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 import eqxckpt._storage
@@ -351,6 +352,7 @@ eqxckpt.save({spec!r}, {{"w": np.full((64, 64), 2.0, np.float32), "v": np.arange
     [
         ("check_complete", False),  # killed before it staged its manifest: cleanup deletes its prefix
         ("write_manifest", True),  # killed after marking its lease as committing: cleanup commits it
+        ("delete_unheld", True),  # killed once committed, before retiring what it replaced: cleanup retires it
     ],
 )
 def test_a_writer_killed_during_its_commit_is_finished_by_cleanup(store, monkeypatch, point, committed):
@@ -366,7 +368,9 @@ def test_a_writer_killed_during_its_commit_is_finished_by_cleanup(store, monkeyp
     )
     assert done.returncode == -9
     assert "eqxckpt.lease.json" in [k.split("/")[-1] for k in store.keys(run["path"] + "5/")]
-    np.testing.assert_array_equal(eqxckpt.load(step)["w"], np.full((64, 64), 1.0))  # the old one, whole
+    # The old one, whole, until the commit's write; after it, the new one (the old one's
+    # prefix stays until cleanup finishes what the lease names).
+    np.testing.assert_array_equal(eqxckpt.load(step)["w"], np.full((64, 64), 2.0 if point == "delete_unheld" else 1.0))
     time.sleep(1.1)
     with eqxckpt.CheckpointManager(run) as manager:
         assert manager.all_steps() == [5]
@@ -546,3 +550,77 @@ def test_references_reach_only_siblings_and_only_object_stores_keep_them(store, 
         (tmp_path / key).write_bytes(store.get(key))
     with pytest.raises(eqxckpt.CheckpointError, match="can only be read and managed there"):
         eqxckpt.load(tmp_path / top / "a/3")
+
+
+# --- reads are bounded before they allocate ------------------------------------------------
+
+
+def probe_in_a_child(store, ops: str, prefix: str) -> dict:
+    """Run ``bomb_probe.py`` (a fresh process) on the checkpoint at ``prefix``: {op: result}."""
+    from conftest import WORKERS
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if store.name == "s3":
+        env["AWS_ENDPOINT_URL_S3"] = store.endpoint
+    done = subprocess.run(
+        [sys.executable, str(WORKERS / "bomb_probe.py"), ops, store.url(prefix)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    for result in results:  # the figures, for the record (-s)
+        print(f"{store.name} {result['op']}: {result['error']}, peak {result['peak_mib']:.1f} MiB")
+    return {result["op"]: result for result in results}
+
+
+@pytest.mark.multiprocess
+def test_an_oversized_object_is_refused_without_downloading_it(store):
+    """256 MiB where a 4 KiB chunk should be, then 128 MiB where a zarr.json should be:
+    load, get and verify refuse each after downloading at most a few bytes more than
+    expected (peak memory measured in a fresh process; it was 3x the object's size)."""
+    prefix = f"bombs-{store.name}/"
+    eqxckpt.save(store.spec(prefix), {"w": np.arange(1024, dtype=np.float32)})
+    arrays = arrays_of(store, prefix)
+    chunk = f"{prefix}{arrays}/w/c/0"
+    assert len(store.get(chunk)) == 4100  # 4 KiB of float32 and a CRC-32C
+    store.put(chunk, bytes(256 << 20))
+    for op, result in probe_in_a_child(store, "load,get,verify", prefix).items():
+        assert result["error"] in ("CorruptCheckpointError", "VerifyReport"), (op, result)
+        assert "holds more than 4100 bytes, not 4100" in result["message"], (op, result)
+        assert result["peak_mib"] < 64, (op, result)  # MiB: nothing near the object's size
+    store.put(chunk, bytes(4099))  # one byte short: its size is named
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="holds 4099 bytes, not 4100"):
+        eqxckpt.load(store.spec(prefix))
+
+    eqxckpt.save(store.spec(prefix), {"w": np.arange(1024, dtype=np.float32)}, overwrite=True)
+    arrays = arrays_of(store, prefix)
+    store.put(f"{prefix}{arrays}/w/zarr.json", b" " * (128 << 20))
+    result = probe_in_a_child(store, "load", prefix)["load"]
+    assert result["error"] == "CorruptCheckpointError" and "over 65536 bytes" in result["message"], result
+    assert result["peak_mib"] < 64, result
+
+
+@given(size=st.integers(0, 300), asked=st.integers(0, 300))
+@settings(max_examples=150, deadline=None)
+def test_bounded_reads_return_exactly_the_value_or_refuse_it(size, asked):
+    """`read_exact` returns a value of exactly ``asked`` bytes and refuses any other, saying
+    its size (or that it is larger); `read_bounded` returns a value of at most ``asked``
+    bytes whole and more than that cut to ``asked + 1`` bytes (memory store: the same
+    ranged reads as S3 and Cloud Storage)."""
+    from eqxckpt._storage._lease import SizeError, read_bounded, read_exact
+
+    store = ts.KvStore.open({"driver": "memory"}).result()
+    value = bytes(range(256)) * 2
+    store.write("k", value[:size]).result()
+    if size == asked:
+        assert read_exact(store, "k", asked).result().value == value[:size]
+    else:
+        with pytest.raises(SizeError) as refused:
+            read_exact(store, "k", asked).result()
+        assert refused.value.size == (size if size < asked else None)
+    assert bytes(read_bounded(store, "k", asked).value) == value[: min(size, asked + 1)]
+    assert read_exact(store, "absent", asked).result().state == "missing"
+    assert read_bounded(store, "absent", asked).state == "missing"

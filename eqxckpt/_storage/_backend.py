@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,9 +27,7 @@ from .._leaf import StoredLeaf
 from .._manifest import Manifest
 from .._paths import GROUP_METADATA, group_file, group_locations, validate_path
 from .._store import reason, shared_context
-from ._lease import (
-    Pin,
-)
+from ._lease import Pin, SizeError, read_exact
 
 # Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.
 CheckpointPath = str | os.PathLike[str] | dict[str, Any]
@@ -188,8 +186,11 @@ class Storage(abc.ABC):
         )
 
     @abc.abstractmethod
-    def clean_leftovers(self) -> None:
-        """Remove what interrupted saves and deletions left, where provably abandoned and eqxckpt's."""
+    def clean_leftovers(self, entries: Callable[[str], bool]) -> list[str]:
+        """Remove what interrupted saves and deletions left for the entries of this directory
+        that ``entries`` accepts (a manager's steps), where provably abandoned and eqxckpt's;
+        nothing of any other entry is touched. Returns what looks like eqxckpt's but was left
+        alone, not provably so (object stores: a prefix no lease or manifest explains)."""
 
     def leaf_files(self, path: str) -> dict[str, int] | None:
         """``{key: size}`` of the files of the leaf at ``path``, keys as `expected_files`
@@ -254,13 +255,16 @@ class KvChunkFiles(ChunkFiles):
         self._store.write(key, b"".join(piece.data for piece in pieces)).result()
 
     def read(self, key: str, into: Sequence[np.ndarray]) -> None:
-        result = self._store.read(key).result()
+        wanted = sum(buffer.nbytes for buffer in into)
+        try:
+            # Never more than the chunk's size is downloaded: a larger object is refused unread.
+            result = read_exact(self._store, key, wanted).result()
+        except SizeError as e:
+            held = f"more than {wanted}" if e.size is None else str(e.size)
+            raise ChunkFileError(f"chunk file {key} holds {held} bytes, not {wanted}") from None
         if result.state != "value":
             raise ChunkFileError(f"chunk file {key} is missing")
         data = np.frombuffer(result.value, np.uint8)
-        wanted = sum(buffer.nbytes for buffer in into)
-        if data.size != wanted:
-            raise ChunkFileError(f"chunk file {key} holds {data.size} bytes, not {wanted}")
         offset = 0
         for buffer in into:
             buffer[...] = data[offset : offset + buffer.size]

@@ -49,10 +49,15 @@ have conditional writes. There:
 - A lease whose heartbeat is older than its timeout is abandoned: cleanup
   takes it over (a conditional write, so its holder can no longer commit) and
   finishes its action: deletes a save's prefix, rolls a commit forward from
-  the manifest staged in its prefix, completes a deletion.
-- A prefix that neither the manifest nor the lease names can never be
-  committed, and is deleted. Clocks only decide when a lease looks abandoned;
-  one taken over too early makes its live holder's next conditional write fail.
+  the manifest staged in its prefix (then retires the prefix it replaced,
+  which the commit's lease names), completes a deletion. Clocks only decide
+  when a lease looks abandoned; one taken over too early makes its live
+  holder's next conditional write fail.
+- A prefix its checkpoint no longer names (replaced or deleted) is marked
+  ``%retired`` before anything of it is deleted. Cleanup deletes a prefix only
+  if an abandoned lease at its place names it or it is so marked: any other
+  prefix that neither the manifest nor the lease names (a copy of a
+  checkpoint in progress, its prefix copied first; a user's files) is left alone.
 - A load remembers the manifest's generation (its ETag) and checks it after
   reading; each manifest holds a unique ``save_id``, so generations differ.
 - An incremental save may refer to unchanged leaves in a sibling checkpoint's
@@ -72,18 +77,19 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import socket
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 import tensorstore as ts
 
-from .._errors import CheckpointBusyError, CheckpointWriteError, ManifestError
+from .._errors import CheckpointBusyError, CheckpointChangedError, CheckpointWriteError, ManifestError
 from .._manifest import MAX_MANIFEST_BYTES, parse_json_object, parse_manifest
 from .._paths import (
     COMMIT_NAME,
@@ -92,6 +98,7 @@ from .._paths import (
     HOLDS_NAME,
     LEASE_NAME,
     MANIFEST_NAME,
+    RETIRED_NAME,
     group_file,
     group_locations,
     is_arrays_name,
@@ -196,9 +203,9 @@ def remove_tree(path: pathlib.Path) -> bool:
     return not os.path.lexists(path)
 
 
-def remove_abandoned(parent: pathlib.Path, owner: str | None = None) -> list[str]:
-    """Remove hidden siblings in ``parent`` (of checkpoint ``owner``, or of any)
-    that no live process holds. Returns the names removed."""
+def remove_abandoned(parent: pathlib.Path, owners: Callable[[str], bool]) -> list[str]:
+    """Remove hidden siblings in ``parent`` of the checkpoints whose names ``owners``
+    accepts, that no live process holds. Returns the names removed."""
     removed = []
     try:
         entries = list(os.scandir(parent))
@@ -206,7 +213,7 @@ def remove_abandoned(parent: pathlib.Path, owner: str | None = None) -> list[str
         return removed
     for entry in entries:
         name = hidden_owner(entry.name)
-        if name is None or (owner is not None and name != owner) or not entry.is_dir(follow_symlinks=False):
+        if name is None or not owners(name) or not entry.is_dir(follow_symlinks=False):
             continue
         lock = DirLock.take(entry.path, exclusive=True)
         if lock is None or not lock.supported:
@@ -339,6 +346,10 @@ def parse_lease(raw: bytes) -> dict | None:
         return None
     if not (isinstance(arrays, list) and all(is_arrays_name(a) for a in arrays) and _is_hex(base)):
         return None
+    # A commit: the prefix of the checkpoint it replaces, retired once it has committed.
+    retire = doc.setdefault("retire", [])
+    if not (isinstance(retire, list) and len(retire) <= 1 and all(is_arrays_name(a) for a in retire)):
+        return None
     action = doc.setdefault("action", None)
     # A save or its commit names exactly its own prefix; a deletion, the one it deletes (none
     # for a checkpoint from before prefixes); a lease from before prefixes, none.
@@ -393,10 +404,13 @@ def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
     for future in futures:
         future.result()
     keys = [group_file(group) for group in group_locations(paths)]
-    reads = [(key, store.read(key)) for key in keys]
+    reads = [(key, read_exact(store, key, len(GROUP_METADATA))) for key in keys]
     deletes = []
     for key, read in reads:
-        found = read.result()
+        try:
+            found = read.result()
+        except SizeError:
+            continue  # not what eqxckpt writes
         if found.state == "value" and bytes(found.value) == GROUP_METADATA:  # unchanged since eqxckpt wrote it
             deletes.append(store.write(key, None, if_equal=found.stamp.generation))
     for future in deletes:
@@ -499,10 +513,12 @@ def collect_prefix(store: ts.KvStore, name: str) -> bool:
 
 
 def delete_unheld(store: ts.KvStore, names: list[str]) -> list[str]:
-    """Delete the committed prefixes ``names`` of the checkpoint at ``store`` that no live
-    save or checkpoint refers to; returns those deleted. A prefix with a live hold is left
-    whole (its checkpoint's manifest may be gone: a retired prefix), to be collected when
-    its last holder is gone (`collect_garbage`)."""
+    """Retire the committed prefixes ``names`` of the checkpoint at ``store`` (which it no
+    longer names), then delete those that no live save or checkpoint refers to; returns
+    those deleted. A prefix with a live hold is left whole, marked retired, to be
+    collected when its last holder is gone (`collect_prefix`, `collect_garbage`)."""
+    for marked in [store.write(f"{name}/{RETIRED_NAME}", b"") for name in names]:
+        marked.result()  # first: whatever stops this, the prefix is provably garbage now
     place = run_store(store)
     if place is None:
         delete_arrays(store, names)
@@ -515,9 +531,11 @@ def delete_unheld(store: ts.KvStore, names: list[str]) -> list[str]:
         store.write(f"{name}/{DOOMED_NAME}", b"").result()
         if _holds_live(store, run, name):
             continue  # a save took a hold meanwhile and may use it; the prefix stays doomed
-        doomed = f"{name}/{DOOMED_NAME}"
+        doomed, retired = f"{name}/{DOOMED_NAME}", f"{name}/{RETIRED_NAME}"  # doomed < retired
         store.delete_range(ts.KvStore.KeyRange(f"{name}/", doomed)).result()
-        store.delete_range(ts.KvStore.KeyRange(doomed + "\0", f"{name}0")).result()
+        store.delete_range(ts.KvStore.KeyRange(doomed + "\0", retired)).result()
+        store.delete_range(ts.KvStore.KeyRange(retired + "\0", f"{name}0")).result()
+        store.write(retired, None).result()  # until now, listings see a retired prefix
         store.write(doomed, None).result()  # last: until now a save that looks sees it doomed
         deleted.append(name)
     return deleted
@@ -564,6 +582,7 @@ class Lease:
         arrays: Sequence[str] = (),
         paths: Sequence[str] = (),
         base: bytes = b"",
+        retire: Sequence[str] = (),
     ):
         """Take the lease, on condition that the lease object is still what was
         read (``seen``: the generation of a read that found none, or of the
@@ -584,6 +603,7 @@ class Lease:
             "arrays": list(arrays),
             "paths": sorted(set(paths)),
             "base": base.hex(),
+            "retire": list(retire),
         }
         generation = self._write(seen)
         if generation is None:
@@ -672,7 +692,7 @@ def reclaim(store: ts.KvStore) -> str:
     if doc is None or not is_stale(doc):
         return "alive"
     try:
-        fields = {k: doc[k] for k in ("arrays", "paths")}
+        fields = {k: doc[k] for k in ("arrays", "paths", "retire")}
         lease = Lease(
             store, "reclaim", current.stamp.generation, action=doc["action"], base=bytes.fromhex(doc["base"]), **fields
         )
@@ -693,6 +713,9 @@ def finish(store: ts.KvStore, doc: dict) -> None:
         [name] = arrays
         if roll_forward(store, name, base):
             delete_leaf_keys(store, paths)  # what the committed save replaced, if written before prefixes
+            delete_unheld(store, doc["retire"])  # and the prefix of the one it replaced
+        else:
+            delete_arrays(store, arrays)  # its manifest is not the base any more: it can never commit
     elif action == "delete":
         top = stat(store, MANIFEST_NAME)
         if top.state == "value" and top.stamp.generation == base:
@@ -728,18 +751,109 @@ def write_manifest(store: ts.KvStore, raw: bytes, base: bytes) -> bool:
     return top.state == "value" and bytes(top.value) == raw
 
 
-def read_bounded(store: ts.KvStore, key: str, cap: int) -> Any:
-    """Read ``key``, downloading at most ``cap + 1`` bytes of it (then the caller refuses it).
+class SizeError(Exception):
+    """A value is not of the size asked for: ``size`` is what it holds (None: more)."""
 
-    A ranged read past the end of a smaller value fails, so a small value
-    (the usual case) is read again whole; a huge one is never downloaded.
+    def __init__(self, size: int | None):
+        super().__init__(size)
+        self.size = size
+
+
+# The size a store reports when it refuses a byte range past a value's end ("... total
+# size N" from S3 and Cloud Storage, "... of size N" from the memory store). A range
+# refused without one (S3's and Cloud Storage's 416) starts past the end of an empty value.
+_REFUSED_SIZE = re.compile(r"\bsize (\d+)\b")
+
+
+def _refused(error: BaseException) -> bool:
+    return isinstance(error, ValueError) and str(error).startswith("OUT_OF_RANGE")
+
+
+def read_exact(store: ts.KvStore, key: str, size: int) -> ts.Future:
+    """Start reading ``key`` if it holds exactly ``size`` bytes, downloading no more than that.
+
+    Two ranged reads at once: ``[0, size)`` (refused if the value is smaller) and the
+    one byte after it (found only if it is larger). The future's result is the read
+    result (state ``missing`` if absent); its exception a `SizeError` if the value is
+    of another size.
     """
-    try:
-        return store.read(key, byte_range=slice(0, cap + 1)).result()
-    except ValueError as e:
-        if not str(e).startswith("OUT_OF_RANGE"):
-            raise
-    return store.read(key).result()
+    promise, future = ts.Promise.new()
+    data = store.read(key, byte_range=slice(0, size))
+    beyond = store.read(key, byte_range=slice(size, size + 1))
+
+    def settle(_: ts.Future) -> None:  # once both are done
+        try:
+            try:
+                result = data.result()
+            except ValueError as e:
+                if not _refused(e):
+                    raise
+                match = _REFUSED_SIZE.search(str(e))
+                raise SizeError(int(match[1]) if match else 0) from None
+            if result.state == "value":
+                try:
+                    if beyond.result().state == "value":
+                        raise SizeError(None)
+                except ValueError as e:
+                    if not _refused(e):
+                        raise
+            promise.set_result(result)
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            promise.set_exception(e)
+
+    data.add_done_callback(lambda _: beyond.add_done_callback(settle))
+    return future
+
+
+def read_bounded_future(store: ts.KvStore, key: str, cap: int, attempts: int = 4) -> ts.Future:
+    """Start reading ``key``, downloading at most ``cap + 1`` bytes of it (more: the
+    caller refuses it); the future's result is the read result.
+
+    A ranged read past the end of a smaller value (the usual case) is refused with its
+    size, which is then read exactly (`read_exact`): no read ever downloads more than it
+    asked for, even if the value is replaced in between (then it is read again).
+    """
+    promise, future = ts.Promise.new()
+
+    def start(left: int) -> None:
+        first = store.read(key, byte_range=slice(0, cap + 1))
+
+        def on_first(done: ts.Future) -> None:
+            try:
+                promise.set_result(done.result())
+                return
+            except ValueError as e:
+                if not _refused(e):
+                    promise.set_exception(e)
+                    return
+                match = _REFUSED_SIZE.search(str(e))
+            except Exception as e:  # noqa: BLE001 - handed to the reader
+                promise.set_exception(e)
+                return
+            read_exact(store, key, int(match[1]) if match else 0).add_done_callback(on_exact)
+
+        def on_exact(done: ts.Future) -> None:
+            try:
+                promise.set_result(done.result())
+            except SizeError:
+                if left > 1:
+                    start(left - 1)  # replaced in between: read it again
+                else:
+                    promise.set_exception(
+                        CheckpointChangedError(f"{key} changed size {attempts} times while it was read; try again.")
+                    )
+            except Exception as e:  # noqa: BLE001 - handed to the reader
+                promise.set_exception(e)
+
+        first.add_done_callback(on_first)
+
+    start(attempts)
+    return future
+
+
+def read_bounded(store: ts.KvStore, key: str, cap: int) -> Any:
+    """Read ``key``, downloading at most ``cap + 1`` bytes of it (`read_bounded_future`)."""
+    return read_bounded_future(store, key, cap).result()
 
 
 def stat(store: ts.KvStore, key: str) -> Any:
@@ -766,15 +880,18 @@ def committed_arrays(store: ts.KvStore) -> str | None:
 
 
 def collect_garbage(store: ts.KvStore) -> list[str]:
-    """Delete the prefixes of saves that can never commit, or whose checkpoint was
-    replaced or deleted, unless a live save or checkpoint refers to them (`delete_unheld`);
-    returns the names deleted.
+    """Delete the retired prefixes of the checkpoint at ``store`` (`delete_unheld` marked
+    them: their checkpoint was replaced or deleted) that no live save or checkpoint refers
+    to. Returns the prefixes that nothing explains, left alone.
 
-    A prefix is kept if the manifest or the lease names it. Any other can never
-    become committed: its save's lease is gone, and only that lease's holder (or
-    whoever takes it over, who then names the prefix) commits it. The order
-    matters: list first, then read the lease, then the manifest, so that a save
-    whose prefix is listed is seen holding its lease or, after, committed.
+    A prefix that neither the manifest nor the lease names, and that is not marked
+    retired, is not provably eqxckpt's garbage: a copy of a checkpoint in progress (its
+    prefix is copied before its manifest) or a user's files look just like it. What
+    eqxckpt's own saves leave is finished by their leases (`reclaim`): a save that
+    never commits is named by its lease until its prefix is deleted, a commit names
+    the prefix it replaces until that is retired. The order matters: list first, then
+    read the lease, then the manifest, so that a save whose prefix is listed is seen
+    holding its lease or, after, committed.
     """
     listed = {key.decode("utf-8", "replace").split("/")[0] for key in store.list().result()}
     listed = {name for name in listed if is_arrays_name(name)}
@@ -787,7 +904,12 @@ def collect_garbage(store: ts.KvStore) -> list[str]:
     committed = committed_arrays(store)
     if committed is None:
         return []
-    return delete_unheld(store, sorted(listed - keep - {committed}))
+    unnamed = sorted(listed - keep - {committed})
+    marks = [(name, store.read(f"{name}/{RETIRED_NAME}", byte_range=slice(0, 0))) for name in unnamed]
+    retired = [name for name, mark in marks if mark.result().state == "value"]
+    delete_unheld(store, retired)
+    being_retired = set(doc["retire"]) if doc is not None else set()  # by the commit holding the lease
+    return [name for name in unnamed if name not in retired and name not in being_retired]
 
 
 # --- readers: one checkpoint, never a mix -------------------------------------------------
@@ -831,7 +953,11 @@ class StorePin:
 
     def changed(self) -> bool:
         try:
-            current = self.location.open_kvstore().read(MANIFEST_NAME, if_not_equal=self.generation).result()
+            current = (
+                self.location.open_kvstore()
+                .read(MANIFEST_NAME, if_not_equal=self.generation, byte_range=slice(0, 0))  # the generation alone
+                .result()
+            )
         except Exception:  # noqa: BLE001 - unreachable now: nothing proves it is unchanged
             return True
         # "Not modified" (unspecified) where the store honours the condition; a store that

@@ -11,7 +11,7 @@ import errno
 import os
 import pathlib
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -243,7 +243,7 @@ class LocalStorage(Storage):
 
     def begin_save(self, paths: list[str], overwrite: bool) -> "LocalStaging":
         self.check_target(overwrite)
-        remove_abandoned(self.path.parent, owner=self.path.name)
+        remove_abandoned(self.path.parent, lambda owner: owner == self.path.name)
         tmp, lock = create_staging(self.path)
         return LocalStaging(self, tmp, lock, owner=True, overwrite=overwrite)
 
@@ -265,8 +265,9 @@ class LocalStorage(Storage):
             out.append((entry.name, "committed" if committed else "other"))
         return out
 
-    def clean_leftovers(self) -> None:
-        remove_abandoned(self.path)
+    def clean_leftovers(self, entries: Callable[[str], bool]) -> list[str]:
+        remove_abandoned(self.path, entries)
+        return []
 
     def leaf_files(self, path: str) -> dict[str, int] | None:
         parts = path.split("/")

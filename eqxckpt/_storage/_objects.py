@@ -11,6 +11,7 @@ import os
 import socket
 import urllib.parse
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import tensorstore as ts
@@ -31,6 +32,7 @@ from .._paths import (
     COMMIT_NAME,
     LEASE_NAME,
     MANIFEST_NAME,
+    RETIRED_NAME,
     group_file,
     group_locations,
     is_arrays_name,
@@ -40,6 +42,7 @@ from .._paths import (
 from .._store import is_storage_error, reason
 from ._backend import (
     ENDPOINT_SETTINGS,
+    MAX_ZARR_JSON_BYTES,
     NOTHING_COMMITTED,
     Pin,
     Staging,
@@ -55,11 +58,13 @@ from ._lease import (
     collect_prefix,
     delete_arrays,
     delete_leaf_keys,
+    delete_unheld,
     describe_lease,
     exists,
     finish,
     is_stale,
     read_bounded,
+    read_bounded_future,
     read_lease,
     reclaim,
     run_store,
@@ -79,6 +84,7 @@ class Base:
     committed: bool
     legacy_paths: list[str]
     references: list[str] = dataclasses.field(default_factory=list)  # what its leaves refer to
+    arrays: str = ""  # its prefix: retired once the save commits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +113,11 @@ class ObjectStorage(Storage):
             if result.state == "value":
                 manifest = parse_manifest(bytes(result.value), str(self))
                 if manifest.arrays and not exists(store, f"{manifest.arrays}/{COMMIT_NAME}"):
+                    if others := _unexplained_commits(store):
+                        raise ManifestError(
+                            f"{_damaged(self, manifest.arrays, others)} Restore the manifest from a copy, or delete "
+                            "the checkpoint (its files are yours to remove), or save over it with overwrite=True."
+                        )
                     raise IncompleteCheckpointError(
                         f"No committed checkpoint at {self}: its manifest names arrays ({manifest.arrays}) that "
                         "were deleted (a deletion by retention, or a writer that resumed after it). Load another "
@@ -200,9 +211,8 @@ class ObjectStorage(Storage):
         return sorted(found, key=entry_order)
 
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
-        # Object stores cannot cap a read without a second request: the size is
-        # checked before parsing, so memory stays bounded by the file's size.
-        read = self.open_kvstore().read(f"{leaf.path}/zarr.json")
+        # At most MAX_ZARR_JSON_BYTES + 1 bytes are downloaded: more is refused unparsed.
+        read = read_bounded_future(self.open_kvstore(), f"{leaf.path}/zarr.json", MAX_ZARR_JSON_BYTES)
         promise, future = ts.Promise.new()
 
         def settle(done: ts.Future) -> None:
@@ -258,6 +268,7 @@ class ObjectStorage(Storage):
         top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
         legacy: list[str] = []
         references: list[str] = []
+        arrays = ""
         committed = False
         if top.state == "value":
             try:
@@ -267,14 +278,21 @@ class ObjectStorage(Storage):
                     f"The checkpoint at {self} has a damaged manifest, so eqxckpt cannot tell which keys are its; "
                     f"refusing to replace it ({e}). Remove it yourself or save elsewhere."
                 ) from None
-            # A manifest whose arrays were deleted is no checkpoint: a save replaces it.
+            # A manifest whose arrays were deleted is no checkpoint: a save replaces it. One
+            # beside another save's committed arrays is a damaged checkpoint: only an overwrite does.
             committed = not old.arrays or exists(store, f"{old.arrays}/{COMMIT_NAME}")
+            if not committed and not overwrite and (others := _unexplained_commits(store)):
+                raise CheckpointExistsError(
+                    f"{_damaged(self, old.arrays, others)} Refusing to replace it: delete it yourself, or pass "
+                    f"overwrite=True to replace its manifest (leaving {others[0]} for you to remove)."
+                )
             if committed and not overwrite:
                 raise CheckpointExistsError(
                     f"A checkpoint already exists at {self}. Pass overwrite=True to replace it."
                 )
             legacy = [] if old.arrays else old.stored_paths()
             references = old.references()
+            arrays = old.arrays
         keys = [k.decode("utf-8", "replace") for k in store.list().result()] if listing else []
         foreign = sorted(set(keys) - _owned_keys(keys, set(legacy)) - {MANIFEST_NAME, LEASE_NAME})
         if foreign and top.state != "value":
@@ -282,7 +300,7 @@ class ObjectStorage(Storage):
                 f"{self} is not an eqxckpt checkpoint: it holds data that eqxckpt did not write (e.g. "
                 f"{foreign[0]!r}, {len(foreign)} keys); refusing to save there. Choose another path."
             )
-        return Base(top.stamp.generation, committed, legacy, references)
+        return Base(top.stamp.generation, committed, legacy, references, arrays)
 
     def join_save(self, where: str) -> "ObjectStaging":
         if not is_arrays_name(where):
@@ -300,14 +318,17 @@ class ObjectStorage(Storage):
         # An entry with a lease and no manifest is a save or deletion in progress, or cleanup's to finish.
         return [(head, _state(rests)) for head, rests in sorted(self._groups().items())]
 
-    def clean_leftovers(self) -> None:
-        for head, rests in self._groups().items():
+    def clean_leftovers(self, entries: Callable[[str], bool]) -> list[str]:
+        left: list[str] = []
+        for head, rests in sorted(self._groups().items()):
+            if not entries(head):
+                continue  # not the caller's: whatever is there is someone else's
+            prefixes = {rest.split("/")[0] for rest in rests if is_arrays_name(rest.split("/")[0])}
             if LEASE_NAME in rests:
                 reclaim(self.sub(head).open_kvstore())
-            elif len({rest.split("/")[0] for rest in rests if is_arrays_name(rest.split("/")[0])}) > int(
-                _committed(rests)
-            ):
-                collect_garbage(self.sub(head).open_kvstore())
+            elif len(prefixes) > int(_committed(rests)):
+                left += [f"{head}/{name}" for name in collect_garbage(self.sub(head).open_kvstore())]
+        return left
 
     def delete(self) -> bool:
         store = self.open_kvstore()
@@ -374,16 +395,19 @@ class ObjectStaging(Staging):
             raise
         raw = dataclasses.replace(manifest, arrays=self.where).to_bytes()
         arrays.write(COMMIT_NAME, raw).result()
-        lease.update(action="commit", base=base.generation.hex(), paths=base.legacy_paths)
+        retire = [base.arrays] if base.arrays else []
+        lease.update(action="commit", base=base.generation.hex(), paths=base.legacy_paths, retire=retire)
         self.committing = True  # from here on, whoever finds the lease abandoned rolls the commit forward
         store = self.place.open_kvstore()
         if not write_manifest(store, raw, base.generation):
             raise CheckpointBusyError(
                 f"Another process committed a checkpoint at {self.place} during this save. {NOTHING_COMMITTED}"
             )
+        # What the replaced checkpoint held, under the lease that names it: should this
+        # process stop here, cleanup finishes it (`finish`).
         delete_leaf_keys(store, base.legacy_paths)
+        delete_unheld(store, retire)
         lease.release()
-        collect_garbage(store)  # the arrays of the checkpoint this one replaced
         self.place.collect_references(base.references)  # and what it alone referred to
 
     def refer(self, refs: list[str]) -> set[str]:
@@ -465,14 +489,40 @@ def check_reachable(spec: dict[str, Any], where: str) -> None:
     )
 
 
+def _unexplained_commits(store: ts.KvStore) -> list[str]:
+    """The prefixes at ``store`` that hold a committed save's staged manifest, which neither
+    the lease names nor eqxckpt retired: arrays that a manifest there should name."""
+    keys = {key.decode("utf-8", "replace") for key in store.list().result()}
+    _, lease = read_lease(store)
+    explained = set(lease["arrays"]) | set(lease["retire"]) if lease is not None else set()
+    return sorted(
+        name
+        for name in {key.split("/")[0] for key in keys}
+        if is_arrays_name(name)
+        and f"{name}/{COMMIT_NAME}" in keys
+        and f"{name}/{RETIRED_NAME}" not in keys
+        and name not in explained
+    )
+
+
+def _damaged(place: ObjectStorage, named: str, others: list[str]) -> str:
+    return (
+        f"The checkpoint at {place} has a damaged manifest: it names arrays {named}, which do not exist, while "
+        f"{', '.join(others)} there holds a committed save's arrays (a manifest edited, or corrupted in storage)."
+    )
+
+
 def _state(rests: set[str]) -> str:
     """An entry's state (see `Storage.entries`) from its keys, relative to it."""
     if _committed(rests):
         return "committed"
     if LEASE_NAME in rests:
         return "busy"
-    # What deleting a checkpoint keeps while newer checkpoints refer to its arrays.
-    return "retired" if rests and all(is_arrays_name(rest.split("/")[0]) for rest in rests) else "other"
+    # What deleting a checkpoint keeps while newer checkpoints refer to its arrays: marked
+    # retired (a copy of a checkpoint, its prefix copied before its manifest, is not).
+    prefixes = {rest.split("/")[0] for rest in rests}
+    retired = all(is_arrays_name(name) and f"{name}/{RETIRED_NAME}" in rests for name in prefixes)
+    return "retired" if rests and retired else "other"
 
 
 def _committed(rests: set[str]) -> bool:

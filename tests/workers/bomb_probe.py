@@ -1,9 +1,10 @@
 """Run one reader on a (crafted) checkpoint in a fresh process; print what it raised and its peak memory.
 
-    python bomb_probe.py OP PATH     OP: load | get | verify | open
+    python bomb_probe.py OP PATH     OP: load | get | verify | open, or several: load,get,verify
 
-Prints one JSON line: {"error": class name or null, "message": ..., "peak_mib": peak RSS
-growth during the operation}. A crash (abort, OOM kill) shows as a non-zero exit.
+Prints one JSON line per operation: {"op": OP, "error": class name or null, "message": ...,
+"peak_mib": peak RSS growth during the operation}. PATH may be a URL (s3://, gs://), its
+endpoint taken from the environment. A crash (abort, OOM kill) shows as a non-zero exit.
 """
 
 import json
@@ -17,7 +18,12 @@ def rss_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 
-def main(op: str, path: str) -> None:
+def main(names: str, path: str) -> None:
+    for op in names.split(","):
+        run(op, path)
+
+
+def run(op: str, path: str) -> None:
     ops = {
         "load": lambda: eqxckpt.load(path),
         "get": lambda: [
@@ -37,7 +43,7 @@ def main(op: str, path: str) -> None:
     except eqxckpt.CheckpointError as e:
         error = (type(e).__name__, str(e))
     peak = (rss_kib("VmHWM") - before) / 1024
-    print(json.dumps({"error": error and error[0], "message": error and error[1], "peak_mib": peak}))
+    print(json.dumps({"op": op, "error": error and error[0], "message": error and error[1], "peak_mib": peak}))
 
 
 if __name__ == "__main__":
