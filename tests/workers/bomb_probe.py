@@ -1,6 +1,8 @@
 """Run one reader on a (crafted) checkpoint in a fresh process; print what it raised and its peak memory.
 
-    python bomb_probe.py OP PATH     OP: load | get | verify | open
+    python bomb_probe.py OP PATH     OP: load | get | slice | verify | open
+
+``slice`` reads ``[3:7]`` of every array leaf lazily (a selection: only its chunks).
 
 Prints one JSON line: {"error": class name or null, "message": ..., "peak_mib": peak RSS
 growth during the operation}. A crash (abort, OOM kill) shows as a non-zero exit.
@@ -22,6 +24,11 @@ def main(op: str, path: str) -> None:
         "load": lambda: eqxckpt.load(path),
         "get": lambda: [
             leaf.get() for leaf in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths) if hasattr(leaf, "get")
+        ],
+        "slice": lambda: [
+            leaf[3:7].get()
+            for leaf in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths)
+            if getattr(leaf, "ndim", 0)
         ],
         "verify": lambda: eqxckpt.verify(path),
         "open": lambda: eqxckpt.open(path),
