@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._chunks import ChunkLayout, Region, read_into
+from ._chunks import ChunkLayout, Region, read_into, read_scattered
 from ._convert import aligned_empty
 from ._errors import CorruptCheckpointError
 from ._leaf import KeyRecord, StoredLeaf, check_bool_bytes
@@ -264,15 +264,8 @@ class BlockReads:
                 wanted.setdefault(chunk, (part, []))[1].append((blocks[key], take, put))
 
         def work(chunk: str, part: Region, into: list[tuple[np.ndarray, Region, Region]]) -> None:
-            with reading(leaf):
-                if len(into) == 1:
-                    block, take, put = into[0]
-                    read_into(files, f"{leaf.path}/{chunk}", layout, part, take, block[put])
-                    return
-                whole = np.empty(tuple(s.stop - s.start for s in part), layout.dtype)
-                read_into(files, f"{leaf.path}/{chunk}", layout, part, tuple(slice(0, n) for n in whole.shape), whole)
-                for block, take, put in into:  # chunks fill disjoint parts of a block: threads may share it
-                    block[put] = whole[take]
+            with reading(leaf):  # chunks fill disjoint parts of a block: threads may share it
+                read_scattered(files, f"{leaf.path}/{chunk}", layout, part, [(take, b[put]) for b, take, put in into])
 
         order = sorted(wanted.items(), key=lambda item: tuple(s.start for s in item[1][0]))  # C order: sequential
         itemsize = layout.dtype.itemsize

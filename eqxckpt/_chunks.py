@@ -233,12 +233,7 @@ def read_chunk(files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, o
         pieces = [_bytes_of(whole)]
         files.read(key, [*pieces, stored])
         out[...] = whole[tuple(slice(0, n) for n in extent)]
-    computed = _crc(pieces)
-    if computed != int.from_bytes(stored.tobytes(), "little"):
-        raise ChunkFileError(
-            f"chunk {key} fails its CRC-32C checksum (stored {int.from_bytes(stored.tobytes(), 'little'):08x}, "
-            f"computed {computed:08x}): its bytes changed after they were written"
-        )
+    _check(key, pieces, stored)
 
 
 def read_into(files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, take: Region, into: np.ndarray) -> None:
@@ -251,3 +246,83 @@ def read_into(files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, ta
     whole = np.empty(layout.chunk, layout.dtype)  # the file's bytes, padding and all: read straight in
     read_chunk(files, key, layout, tuple(slice(s.start, s.start + c) for s, c in zip(part, layout.chunk)), whole)
     into[...] = whole[take]
+
+
+def read_scattered(
+    files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, targets: list[tuple[Region, np.ndarray]]
+) -> None:
+    """Read the chunk file ``key`` holding ``part``, check it, and put each ``(take, into)``
+    of ``targets`` (disjoint selections of the part, relative to it) into ``into``.
+
+    Where the targets split the chunk along one dimension and take whole what follows it
+    (rows of a leaf split by rows or by columns between devices), the file is read straight
+    into their buffers, a run each, with no buffer of the whole chunk: a sharded restore
+    then holds no more than its window. Otherwise through a buffer of the chunk."""
+    pieces = _scatter(layout, part, targets)
+    if pieces is None:
+        whole = np.empty(tuple(s.stop - s.start for s in part), layout.dtype)
+        read_into(files, key, layout, part, tuple(slice(0, n) for n in whole.shape), whole)
+        for take, into in targets:
+            into[...] = whole[take]
+        return
+    stored = np.empty(CRC_BYTES, np.uint8)
+    files.read(key, [*pieces, stored])
+    _check(key, pieces, stored)
+
+
+def _scatter(layout: ChunkLayout, part: Region, targets: list[tuple[Region, np.ndarray]]) -> list[np.ndarray] | None:
+    """The byte runs of the chunk file, in order, as views of the targets' buffers (and
+    scratch for padding and bytes no target takes); None where that is not a few runs."""
+    extent = tuple(s.stop - s.start for s in part)
+    rank = len(extent)
+    if not rank or not targets:
+        return None
+    # The dimension the targets split: the last along which any take is not whole.
+    split = max(
+        (d for take, _ in targets for d in range(rank) if (take[d].start, take[d].stop) != (0, extent[d])), default=0
+    )
+    if any(take[d].step not in (None, 1) for take, _ in targets for d in range(rank)):
+        return None
+    if any((take[d].start, take[d].stop) != (0, extent[d]) for take, _ in targets for d in range(split)):
+        return None  # split along several dimensions (a 2-D mesh): through a buffer
+    # Padding must be the file's tail: the part is the chunk's but for one dimension,
+    # with only ones before it (eqxckpt's C-ordered chunks).
+    short = [d for d in range(rank) if extent[d] != layout.chunk[d]]
+    if short and (len(short) > 1 or any(extent[d] != 1 for d in range(short[0]))):
+        return None
+    outer = math.prod(extent[:split])
+    if outer * len(targets) > 1 << 16:  # each run costs a view, an iovec and a CRC call
+        return None
+    ordered = sorted(targets, key=lambda target: target[0][split].start)
+    itemsize = layout.dtype.itemsize
+    row = math.prod(extent[split + 1 :]) * itemsize  # bytes of one index along the split dimension
+    pieces: list[np.ndarray] = []
+    for i in range(outer):
+        at = 0
+        for take, into in ordered:
+            start, stop = take[split].start, take[split].stop
+            if start > at:
+                pieces.append(np.empty((start - at) * row, np.uint8))  # taken by no block here
+            if start < at:
+                return None  # overlapping takes
+            view = into[np.unravel_index(i, extent[:split])] if split else into
+            if not view.flags.c_contiguous:
+                return None
+            pieces.append(_bytes_of(view))
+            at = stop
+        if at < extent[split]:
+            pieces.append(np.empty((extent[split] - at) * row, np.uint8))
+    padding = layout.chunk_nbytes - math.prod(extent) * itemsize
+    if padding:
+        pieces.append(np.empty(padding, np.uint8))
+    return [piece for piece in pieces if piece.size]
+
+
+def _check(key: str, pieces: Sequence[np.ndarray], stored: np.ndarray) -> None:
+    """Raise unless ``stored`` is the CRC-32C of ``pieces``."""
+    computed = _crc(pieces)
+    if computed != int.from_bytes(stored.tobytes(), "little"):
+        raise ChunkFileError(
+            f"chunk {key} fails its CRC-32C checksum (stored {int.from_bytes(stored.tobytes(), 'little'):08x}, "
+            f"computed {computed:08x}): its bytes changed after they were written"
+        )

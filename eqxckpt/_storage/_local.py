@@ -394,13 +394,16 @@ class LocalChunkFiles(ChunkFiles):
             buffers = [buffer.data.cast("B") for buffer in into]
             offset = 0
             while buffers:
-                got = os.preadv(fd, buffers, offset)
+                got = os.preadv(fd, buffers[:_IOV_MAX], offset)
                 if got == 0:
                     raise ChunkFileError(f"chunk file {key} was cut short while it was read")
                 offset += got
                 buffers = _past(buffers, got)
         finally:
             os.close(fd)
+
+
+_IOV_MAX = 1024  # buffers one preadv may take (Linux)
 
 
 def _past(buffers: list[memoryview], done: int) -> list[memoryview]:
