@@ -50,7 +50,7 @@ def worker(path: str, gib: float, budget_mib: int, spec: str = "rows") -> None:
     import time
 
     started = time.perf_counter()
-    budget = {} if budget_mib == 0 else {"host_memory_budget": budget_mib << 20}  # 0: load's default
+    budget: dict = {} if budget_mib == 0 else {"host_memory_budget": budget_mib << 20}  # 0: load's default
     out = jax.block_until_ready(eqxckpt.load(path, like, **budget))
     seconds = time.perf_counter() - started
     peak = (kib("VmHWM") - before) * 1024

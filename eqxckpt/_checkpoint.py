@@ -158,10 +158,11 @@ class Checkpoint(Source):
         self._fetch([leaf], lambda _, data: found.append(data), reserve)
         return found[0]
 
-    def _selected(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
+    def _selected(self, leaf: StoredLeaf, selection: Selection, layout: ChunkLayout | None = None) -> np.ndarray:
         """The elements ``selection`` takes of a leaf with its own array: only the chunks
-        holding them are read, each checked as a whole read checks it."""
-        layout = self._layout(leaf)
+        holding them are read, each checked as a whole read checks it. ``layout``: the
+        leaf's, if it was checked already."""
+        layout = self._layout(leaf) if layout is None else layout
         box = selection.box()
         assert len(box) == len(layout.shape), (box, layout.shape)
         nbytes = math.prod(len(r) for r in box) * layout.dtype.itemsize
@@ -212,12 +213,13 @@ class BlockReads:
     block is put on its devices and let go. A block for CPU devices becomes the result
     itself (`jax.device_put` keeps an aligned host buffer), so those are all one group,
     however the leaf is split. Blocks for other devices are staged in host memory: a group
-    holds at most the host memory budget less the window (at least one block), so a leaf
-    split by columns, whose every chunk holds part of every block, is read once per group.
+    holds at most the host memory budget (at least one block), and its reads in flight what
+    is left of it, so a leaf split by columns, whose every chunk holds part of every block,
+    is read once per group.
     """
 
     def __init__(self, checkpoint: Checkpoint, leaf: StoredLeaf, target: Any, window: int):
-        self._checkpoint, self._leaf, self._window = checkpoint, leaf, window
+        self._checkpoint, self._leaf = checkpoint, leaf
         self._layout = layout = checkpoint._layout(leaf)
         self._trailing = layout.shape[len(leaf.shape) :]  # a PRNG key's key data: whole in every block
         devices: dict[tuple, list[Any]] = {}
@@ -226,16 +228,18 @@ class BlockReads:
         self._uses = {key: len(on) for key, on in devices.items()}  # slices still to hand over
         self._group: dict[tuple, int] = {}
         groups: list[list[tuple]] = [[]]
-        staged, allowed = 0, max(0, host_memory_budget() - window)
+        staged, budget = [0], host_memory_budget()
         for key, on in devices.items():
             cost = 0 if all(device.platform == "cpu" for device in on) else self._nbytes(key)
-            if groups[-1] and staged + cost > allowed:
+            if groups[-1] and staged[-1] + cost > budget:
                 groups.append([])
-                staged = 0
+                staged.append(0)
             groups[-1].append(key)
-            staged += cost
+            staged[-1] += cost
             self._group[key] = len(groups) - 1
         self._groups = groups
+        # A group's reads in flight: what its staged blocks leave of the budget (one at least).
+        self._windows = [min(window, max(1, budget - nbytes)) for nbytes in staged]
         self._held: dict[tuple, np.ndarray] = {}
 
     def _nbytes(self, key: tuple) -> int:
@@ -243,14 +247,15 @@ class BlockReads:
 
     def __getitem__(self, key: tuple) -> np.ndarray:
         if key not in self._held:
-            self._read(self._groups[self._group[key]])
+            group = self._group[key]
+            self._read(self._groups[group], self._windows[group])
         data = self._held[key]
         self._uses[key] -= 1
         if not self._uses[key]:  # on every device that holds it: let it go
             del self._held[key]
         return data
 
-    def _read(self, keys: list[tuple]) -> None:
+    def _read(self, keys: list[tuple], window: int) -> None:
         """Fill the blocks ``keys``, reading each chunk they need once."""
         layout, leaf = self._layout, self._leaf
         files = self._checkpoint._arrays_of(leaf).chunk_files()
@@ -273,7 +278,7 @@ class BlockReads:
             (math.prod(s.stop - s.start for s in part) * itemsize, functools.partial(work, c, part, into), None)
             for c, (part, into) in order
         )
-        run_windowed(tasks, self._window)
+        run_windowed(tasks, window)
         self._held.update(blocks)
 
 
@@ -553,8 +558,14 @@ class SelectionStream:
     def __init__(self, checkpoint: Checkpoint, leaf: StoredLeaf, selection: Selection, dtype: np.dtype | None):
         self._checkpoint, self._leaf, self._selection, self._dtype = checkpoint, leaf, selection, dtype
 
+    @functools.cached_property
+    def _layout(self) -> ChunkLayout:  # checked once, not once per part
+        return self._checkpoint._layout(self._leaf)
+
     def __getitem__(self, part: Region) -> np.ndarray:
-        data = self._checkpoint._selected(self._leaf, self._selection.sub(part))
+        with reading(self._leaf):
+            layout = self._layout
+        data = self._checkpoint._selected(self._leaf, self._selection.sub(part), layout)
         return data if self._dtype is None else data.astype(self._dtype)
 
 

@@ -294,24 +294,29 @@ def _scatter(layout: ChunkLayout, part: Region, targets: list[tuple[Region, np.n
     if outer * len(targets) > 1 << 16:  # each run costs a view, an iovec and a CRC call
         return None
     ordered = sorted(targets, key=lambda target: target[0][split].start)
+    if any(not into.flags.c_contiguous for _, into in ordered):
+        return None
     itemsize = layout.dtype.itemsize
     row = math.prod(extent[split + 1 :]) * itemsize  # bytes of one index along the split dimension
+    runs = [into.reshape(outer, -1).view(np.uint8) for _, into in ordered]  # run i: at outer index i
+    gaps, at = [], 0  # bytes before each run (and after the last) that no block here takes
+    for take, _ in ordered:
+        if take[split].start < at:
+            return None  # overlapping takes
+        gaps.append((take[split].start - at) * row)
+        at = take[split].stop
+    gaps.append((extent[split] - at) * row)
+    # Each gap gets bytes of its own (another process's part): the checksum covers them all.
+    scratch = np.empty(sum(gaps) * outer, np.uint8)
     pieces: list[np.ndarray] = []
+    used = 0
     for i in range(outer):
-        at = 0
-        for take, into in ordered:
-            start, stop = take[split].start, take[split].stop
-            if start > at:
-                pieces.append(np.empty((start - at) * row, np.uint8))  # taken by no block here
-            if start < at:
-                return None  # overlapping takes
-            view = into[np.unravel_index(i, extent[:split])] if split else into
-            if not view.flags.c_contiguous:
-                return None
-            pieces.append(_bytes_of(view))
-            at = stop
-        if at < extent[split]:
-            pieces.append(np.empty((extent[split] - at) * row, np.uint8))
+        for gap, run in zip(gaps, [*runs, None]):
+            if gap:
+                pieces.append(scratch[used : used + gap])
+                used += gap
+            if run is not None:
+                pieces.append(run[i])
     padding = layout.chunk_nbytes - math.prod(extent) * itemsize
     if padding:
         pieces.append(np.empty(padding, np.uint8))
