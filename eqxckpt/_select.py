@@ -22,7 +22,7 @@ class Selection:
     ```python
     selection = Selection.of((1, slice(None, None, -2)), (3, 5))
     selection.shape  # (3,)
-    selection.box()  # (range(1, 2), range(0, 5, 2))
+    selection.box()  # (range(1, 2), range(0, 6, 2)): rows 1, columns 0, 2, 4
     ```
     """
 
