@@ -1,11 +1,12 @@
 """Host memory and time of a restore onto several devices, at several host-memory budgets.
 
-    python benchmarks/host_budget.py --gib 2 --devices 8 --budgets 64 256 4096 --repeats 3
+    python benchmarks/host_budget.py --gib 2 --devices 8 --budgets 64 256 4096 --repeats 3 [--spec columns]
 
 Saves a float32 state of ``--gib`` GiB (16 leaves) once, then restores it in a
 fresh process per run onto ``--devices`` devices (CPU devices made by
-``--xla_force_host_platform_device_count`` unless a GPU is present), rows split
-across them, with ``load(..., host_memory_budget=...)`` (0: the argument is not
+``--xla_force_host_platform_device_count`` unless a GPU is present), split by
+``--spec``: rows (``P("x", None)``, the default), columns (``P(None, "x")``) or
+replicated (``P()``: every device holds the whole leaf), with ``load(..., host_memory_budget=...)`` (0: the argument is not
 passed, so eqxckpt versions without it can be measured the same way, with
 ``PYTHONPATH`` pointing at their checkout). Reports the peak RSS
 above the RSS before the load (``VmHWM``, reset first), minus the restored
@@ -23,7 +24,10 @@ import tempfile
 LEAVES = 16
 
 
-def worker(path: str, gib: float, budget_mib: int) -> None:
+SPECS = {"rows": ("x", None), "columns": (None, "x"), "replicated": ()}
+
+
+def worker(path: str, gib: float, budget_mib: int, spec: str = "rows") -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -33,7 +37,7 @@ def worker(path: str, gib: float, budget_mib: int) -> None:
     rows = int(gib * 2**30 / LEAVES / 4 / 4096) // 8 * 8
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*SPECS[spec]))
     like = {f"w{i}": jax.ShapeDtypeStruct((rows, 4096), jnp.float32, sharding=sharding) for i in range(LEAVES)}
 
     def kib(field: str) -> int:
@@ -46,7 +50,7 @@ def worker(path: str, gib: float, budget_mib: int) -> None:
     import time
 
     started = time.perf_counter()
-    budget = {} if budget_mib == 0 else {"host_memory_budget": budget_mib << 20}  # 0: load's default
+    budget: dict = {} if budget_mib == 0 else {"host_memory_budget": budget_mib << 20}  # 0: load's default
     out = jax.block_until_ready(eqxckpt.load(path, like, **budget))
     seconds = time.perf_counter() - started
     peak = (kib("VmHWM") - before) * 1024
@@ -64,10 +68,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 4096])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", choices=sorted(SPECS), default="rows")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], float(args.worker[1]), int(args.worker[2]))
+        worker(args.worker[0], float(args.worker[1]), int(args.worker[2]), args.worker[3])
         return
     env = dict(os.environ, MALLOC_TRIM_THRESHOLD_=str(128 * 1024))
     env.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
@@ -79,13 +84,13 @@ def main() -> None:
 
         rows = int(args.gib * 2**30 / LEAVES / 4 / 4096) // 8 * 8
         eqxckpt.save(path, {f"w{i}": np.full((rows, 4096), i, np.float32) for i in range(LEAVES)})
-        print(f"{args.gib} GiB in {LEAVES} leaves onto {args.devices} devices; median of {args.repeats}")
+        print(f"{args.gib} GiB in {LEAVES} leaves onto {args.devices} devices by {args.spec}; median of {args.repeats}")
         print(f"{'budget MiB':>10} {'seconds':>8} {'host MiB beyond the result':>27}")
         for budget in args.budgets:
             runs = []
             for _ in range(args.repeats):
                 done = subprocess.run(
-                    [sys.executable, __file__, "--worker", path, str(args.gib), str(budget)],
+                    [sys.executable, __file__, "--worker", path, str(args.gib), str(budget), args.spec],
                     capture_output=True,
                     text=True,
                     check=True,

@@ -1,29 +1,28 @@
 """`open` and `Checkpoint`: a read-only, lazy view of a committed eqxckpt checkpoint."""
 
 import asyncio
-import collections
-import contextlib
 import functools
 import json
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
-from ._chunks import ChunkLayout, Region, read_chunk
+from ._chunks import ChunkLayout, Region, read_into, read_scattered
 from ._convert import aligned_empty
 from ._errors import CorruptCheckpointError
 from ._leaf import KeyRecord, StoredLeaf, check_bool_bytes
 from ._manifest import Manifest
 from ._pack import packed_array, read_runs, unpack
 from ._progress import advance
+from ._select import Selection
 from ._source import LazyEntry, Source, check_allocation, reading
 from ._storage import MAX_ZARR_JSON_BYTES, CheckpointPath, Pin, Storage, corrupt, resolve
-from ._store import CHUNK_BYTES, read_spec, read_window, shared_context
-from ._window import Task, run_windowed, windowed
+from ._store import CHUNK_BYTES, host_memory_budget, read_window
+from ._window import Task, run_windowed
 
 
 class Checkpoint(Source):
@@ -49,7 +48,6 @@ class Checkpoint(Source):
         self.metadata = manifest.metadata
         self._leaves = {leaf.path: leaf for leaf in manifest.leaves}
         self._packed = packed_array(manifest.leaves)  # the array small leaves are packed in, if any
-        self._context = shared_context()
         self._pin = pin
         if pin is not None:
             weakref.finalize(self, pin.close)
@@ -70,8 +68,8 @@ class Checkpoint(Source):
 
     def _checked_metadata(self, leaf: StoredLeaf, opened: ts.Future) -> dict[str, Any]:
         """The leaf's ``zarr.json`` (being read by ``opened``), checked to be what eqxckpt
-        writes for what the manifest says. What was checked is what is used: chunks are
-        read by the layout it gives, and TensorStore opens the array from it alone."""
+        writes for what the manifest says. What was checked is what is used: every read,
+        whole or a selection, goes through the layout it gives (`_layout`)."""
         with reading(leaf):
             raw = opened.result()
         if raw is None:
@@ -81,15 +79,6 @@ class Checkpoint(Source):
     def _layout(self, leaf: StoredLeaf) -> ChunkLayout:
         return ChunkLayout.stored(leaf, self._checked_metadata(leaf, self._open_array(leaf)))
 
-    def _open_store(self, leaf: StoredLeaf, metadata: dict[str, Any]) -> ts.TensorStore:
-        """The array as a TensorStore, for reads of slices of it (lazy indexing, sharded restores)."""
-        with reading(leaf):
-            spec = read_spec(self._arrays_of(leaf).child(leaf.path), metadata)
-            return ts.open(spec, context=self._context, read=True).result()
-
-    def _open_leaf(self, leaf: StoredLeaf) -> ts.TensorStore:
-        return self._open_store(leaf, self._checked_metadata(leaf, self._open_array(leaf)))
-
     @functools.cached_property
     def _packed_layout(self) -> ChunkLayout:
         """The packed array's layout, its metadata (and its files) checked once for every read of it."""
@@ -98,22 +87,32 @@ class Checkpoint(Source):
 
     def _chunk_reads(
         self, record: StoredLeaf, layout: ChunkLayout, region: Region | None, out: np.ndarray, done: Callable[[], None]
-    ) -> list[Task]:
+    ) -> Iterator[Task]:
         """Tasks that read the chunks of ``region`` (None: all; chunk-aligned) of ``record``'s
-        array into ``out`` (shaped like it), checking each one's checksum, then call ``done``."""
+        array into ``out`` (shaped like it), checking each one's checksum, then call ``done``.
+        Made as the window takes them: a read that fails stops before the rest are made."""
+        box = tuple(range(n) for n in layout.shape) if region is None else tuple(range(s.start, s.stop) for s in region)
+        yield from self._selection_reads(record, layout, box, out, done)
+
+    def _selection_reads(
+        self, record: StoredLeaf, layout: ChunkLayout, box: Sequence[range], out: np.ndarray, done: Callable[[], None]
+    ) -> Iterator[Task]:
+        """Tasks that read the elements ``box`` selects (`ChunkLayout.parts`) of ``record``'s
+        array into ``out`` (shaped like ``box``), each chunk once, then call ``done``."""
         files = self._arrays_of(record).chunk_files()
-        parts = layout.regions(region)
-        origin = [0] * len(layout.shape) if region is None else [s.start for s in region]
-        tasks: list[Task] = []
-        for n, (key, part) in enumerate(parts):
-            into = out[(*(slice(p.start - o, p.stop - o) for p, o in zip(part, origin)), ...)]  # a view, even 0-d
+        task: Task | None = None
+        for key, part, take, put in layout.parts(box):
+            if task is not None:
+                yield task
+            into = out[(*put, ...)]  # a view, even 0-d
 
-            def work(key: str = key, part: Region = part, into: np.ndarray = into) -> None:
+            def work(key: str = key, part: Region = part, take: Region = take, into: np.ndarray = into) -> None:
                 with reading(record):
-                    read_chunk(files, f"{record.path}/{key}", layout, part, into)
+                    read_into(files, f"{record.path}/{key}", layout, part, take, into)
 
-            tasks.append((into.nbytes, work, (lambda _: done()) if n == len(parts) - 1 else None))
-        return tasks or [(0, lambda: None, lambda _: done())]
+            task = (math.prod(s.stop - s.start for s in part) * layout.dtype.itemsize, work, None)
+        last: Task = (0, lambda: None, None) if task is None else task
+        yield (last[0], last[1], lambda _: done())  # the last one settles after all the others
 
     def _fetch(
         self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
@@ -131,24 +130,26 @@ class Checkpoint(Source):
             runs = read_runs([leaves[i] for i in packed], self._packed.shape[0], self._packed_layout.chunk[0])
         # Reserved once the files were checked: those must hold what the manifest declares.
         reserve(sum(leaves[i].nbytes for i in own) + sum(end - start for start, end, _ in runs))
-        tasks: list[Task] = []
-        for i in own:
-            layout = layouts[i]
-            buffer = aligned_empty(layout.shape, layout.dtype)  # aligned: the jax array adopts it
-            tasks += self._chunk_reads(leaves[i], layout, None, buffer, lambda i=i, buffer=buffer: done(i, buffer))
-        if packed:
-            assert self._packed is not None
-            layout = self._packed_layout
-            for start, end, members in runs:
-                indices = [packed[m] for m in members]
-                buffer = aligned_empty((end - start,), np.dtype(np.uint8))
 
-                def unpacked(start: int = start, buffer: np.ndarray = buffer, indices: list[int] = indices) -> None:
-                    for i, data in zip(indices, unpack(buffer, start, [leaves[i] for i in indices])):
-                        done(i, data)
+        def tasks() -> Iterator[Task]:  # buffers made as the window takes their first chunk
+            for i in own:
+                layout = layouts[i]
+                buffer = aligned_empty(layout.shape, layout.dtype)  # aligned: the jax array adopts it
+                yield from self._chunk_reads(leaves[i], layout, None, buffer, lambda i=i, b=buffer: done(i, b))
+            if packed:
+                assert self._packed is not None
+                layout = self._packed_layout
+                for start, end, members in runs:
+                    indices = [packed[m] for m in members]
+                    buffer = aligned_empty((end - start,), np.dtype(np.uint8))
 
-                tasks += self._chunk_reads(self._packed, layout, (slice(start, end),), buffer, unpacked)
-        run_windowed(tasks, read_window(sum(leaf.nbytes for leaf in leaves)))
+                    def unpacked(start: int = start, buffer: np.ndarray = buffer, indices: list[int] = indices) -> None:
+                        for i, data in zip(indices, unpack(buffer, start, [leaves[i] for i in indices])):
+                            done(i, data)
+
+                    yield from self._chunk_reads(self._packed, layout, (slice(start, end),), buffer, unpacked)
+
+        run_windowed(tasks(), read_window(sum(leaf.nbytes for leaf in leaves)))
 
     def _stored(self, leaf: StoredLeaf) -> np.ndarray:
         """One leaf's stored array, read whole."""
@@ -157,27 +158,41 @@ class Checkpoint(Source):
         self._fetch([leaf], lambda _, data: found.append(data), reserve)
         return found[0]
 
+    def _selected(self, leaf: StoredLeaf, selection: Selection, layout: ChunkLayout | None = None) -> np.ndarray:
+        """The elements ``selection`` takes of a leaf with its own array: only the chunks
+        holding them are read, each checked as a whole read checks it. ``layout``: the
+        leaf's, if it was checked already."""
+        layout = self._layout(leaf) if layout is None else layout
+        box = selection.box()
+        assert len(box) == len(layout.shape), (box, layout.shape)
+        nbytes = math.prod(len(r) for r in box) * layout.dtype.itemsize
+        check_allocation(nbytes, f"Reading leaf {leaf.path!r}")
+        out = np.empty(tuple(len(r) for r in box), layout.dtype)
+        run_windowed(self._selection_reads(leaf, layout, box, out, lambda: None), read_window(nbytes))
+        return selection.finish(out)
+
     def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         """Read every selected leaf (see `Source._read` and `_fetch`). A target whose sharding
-        spans several devices is read slice by slice instead, each on its own process."""
+        spans several devices is read block by block instead (`BlockReads`)."""
         sharded = {i for i, (leaf, target) in enumerate(wanted) if leaf.offset is None and _sharded(leaf, target)}
         whole = [i for i in range(len(wanted)) if i not in sharded]
         values: list[Any] = [None] * len(wanted)
         for i, value in zip(whole, super()._read([wanted[i] for i in whole])):
             values[i] = value
-        # Sharded targets last, a leaf at a time, their slices read ahead within the window
-        # and each placed on its device before it is let go: the host holds a window.
+        # Sharded targets last, a leaf at a time, each block placed on its devices before it
+        # is let go: the host holds the reads' window and the blocks being filled.
         window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
         for i in sorted(sharded):
             leaf, target = wanted[i]
-            with contextlib.closing(SliceReads(self, leaf, target, window)) as slices, reading(leaf):
-                values[i] = leaf.assemble(target, slices, lambda index, shape=leaf.shape: _slice_key(index, shape))
+            with reading(leaf):
+                blocks = BlockReads(self, leaf, target, window)
+                values[i] = leaf.assemble(target, blocks, lambda index, shape=leaf.shape: _slice_key(index, shape))
             advance(leaf.nbytes)
         return values
 
 
 def _sharded(leaf: StoredLeaf, target: Any) -> bool:
-    """Whether to read ``target`` slice by slice: each device's slice, on its process."""
+    """Whether to read ``target`` block by block: each device's block, on its process."""
     sharding = getattr(target, "sharding", None)
     if sharding is None or (len(sharding.device_set) == 1 and sharding.is_fully_addressable):
         return False
@@ -189,57 +204,82 @@ def _slice_key(index: tuple, shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
-class SliceReads:
-    """The slices of one leaf that this process's devices hold, read ahead in the order
-    the assembly asks for them, through the one window (`_window.windowed`). Slices are
-    read as the chunk-aligned blocks that hold them: each stored chunk is read (and its
-    checksum checked) once, however many devices' slices it holds."""
+class BlockReads:
+    """The blocks of one leaf that this process's devices hold (one per distinct slice:
+    replicas share theirs), handed to the assembly in the order it asks for them.
+
+    Blocks are read in groups: every chunk that a group's blocks need is read once (its
+    checksum checked), within the window, and its part of each block copied in; then each
+    block is put on its devices and let go. A block for CPU devices becomes the result
+    itself (`jax.device_put` keeps an aligned host buffer), so those are all one group,
+    however the leaf is split. Blocks for other devices are staged in host memory: a group
+    holds at most the host memory budget (at least one block), and its reads in flight what
+    is left of it, so a leaf split by columns, whose every chunk holds part of every block,
+    is read once per group.
+    """
 
     def __init__(self, checkpoint: Checkpoint, leaf: StoredLeaf, target: Any, window: int):
-        layout = checkpoint._layout(leaf)
-        files = checkpoint._arrays_of(leaf).chunk_files()
-        rank = len(leaf.shape)
-        self._block: dict[tuple, tuple] = {}  # slice key -> the block read for it
-        self._uses: collections.Counter = collections.Counter()  # block -> slices still to hand over
-        for index in target.sharding.addressable_devices_indices_map(leaf.shape).values():
-            key = _slice_key(index, leaf.shape)
-            block = tuple(
-                (start // c * c, min(n, -(-stop // c) * c))
-                for (start, stop), c, n in zip(key, layout.chunk, leaf.shape)
-            )
-            self._block[key] = block
-            self._uses[block] += 1
-        order = list(self._uses)  # blocks, in the order their first slice is asked for
-
-        def read(block: tuple) -> np.ndarray:
-            region = (*(slice(start, stop) for start, stop in block), *(slice(0, n) for n in layout.shape[rank:]))
-            out = np.empty(tuple(r.stop - r.start for r in region), layout.dtype)
-            for key, part in layout.regions(region):
-                into = out[(*(slice(p.start - r.start, p.stop - r.start) for p, r in zip(part, region)), ...)]
-                read_chunk(files, f"{leaf.path}/{key}", layout, part, into)
-            return out
-
-        itemsize = layout.dtype.itemsize * math.prod(layout.shape[rank:])
-        tasks = (
-            (math.prod(b - a for a, b in block) * itemsize, lambda block=block: read(block), None) for block in order
-        )
-        self._reads = windowed(tasks, window)
-        self._order = iter(order)
+        self._checkpoint, self._leaf = checkpoint, leaf
+        self._layout = layout = checkpoint._layout(leaf)
+        self._trailing = layout.shape[len(leaf.shape) :]  # a PRNG key's key data: whole in every block
+        devices: dict[tuple, list[Any]] = {}
+        for device, index in target.sharding.addressable_devices_indices_map(leaf.shape).items():
+            devices.setdefault(_slice_key(index, leaf.shape), []).append(device)
+        self._uses = {key: len(on) for key, on in devices.items()}  # slices still to hand over
+        self._group: dict[tuple, int] = {}
+        groups: list[list[tuple]] = [[]]
+        staged, budget = [0], host_memory_budget()
+        for key, on in devices.items():
+            cost = 0 if all(device.platform == "cpu" for device in on) else self._nbytes(key)
+            if groups[-1] and staged[-1] + cost > budget:
+                groups.append([])
+                staged.append(0)
+            groups[-1].append(key)
+            staged[-1] += cost
+            self._group[key] = len(groups) - 1
+        self._groups = groups
+        # A group's reads in flight: what its staged blocks leave of the budget (one at least).
+        self._windows = [min(window, max(1, budget - nbytes)) for nbytes in staged]
         self._held: dict[tuple, np.ndarray] = {}
 
-    def __getitem__(self, key: tuple) -> np.ndarray:
-        block = self._block[key]
-        while block not in self._held:  # blocks arrive in the order they are first asked for
-            _, self._held[next(self._order)] = next(self._reads)
-        data = self._held[block]
-        self._uses[block] -= 1
-        if not self._uses[block]:  # every slice in it was handed over: let it go
-            del self._held[block]
-        return data[tuple(slice(start - b, stop - b) for (start, stop), (b, _) in zip(key, block))]
+    def _nbytes(self, key: tuple) -> int:
+        return math.prod(stop - start for start, stop in key) * math.prod(self._trailing) * self._layout.dtype.itemsize
 
-    def close(self) -> None:
-        """Wait for the reads still in flight (an assembly that failed part-way)."""
-        self._reads.close()
+    def __getitem__(self, key: tuple) -> np.ndarray:
+        if key not in self._held:
+            group = self._group[key]
+            self._read(self._groups[group], self._windows[group])
+        data = self._held[key]
+        self._uses[key] -= 1
+        if not self._uses[key]:  # on every device that holds it: let it go
+            del self._held[key]
+        return data
+
+    def _read(self, keys: list[tuple], window: int) -> None:
+        """Fill the blocks ``keys``, reading each chunk they need once."""
+        layout, leaf = self._layout, self._leaf
+        files = self._checkpoint._arrays_of(leaf).chunk_files()
+        blocks = {}
+        for key in keys:  # aligned: on a CPU device the jax array keeps the buffer
+            blocks[key] = aligned_empty(tuple(b - a for a, b in key) + self._trailing, layout.dtype)
+        wanted: dict[str, tuple[Region, list[tuple[np.ndarray, Region, Region]]]] = {}
+        for key in keys:
+            box = (*(range(a, b) for a, b in key), *(range(n) for n in self._trailing))
+            for chunk, part, take, put in layout.parts(box):
+                wanted.setdefault(chunk, (part, []))[1].append((blocks[key], take, put))
+
+        def work(chunk: str, part: Region, into: list[tuple[np.ndarray, Region, Region]]) -> None:
+            with reading(leaf):  # chunks fill disjoint parts of a block: threads may share it
+                read_scattered(files, f"{leaf.path}/{chunk}", layout, part, [(take, b[put]) for b, take, put in into])
+
+        order = sorted(wanted.items(), key=lambda item: tuple(s.start for s in item[1][0]))  # C order: sequential
+        itemsize = layout.dtype.itemsize
+        tasks = (
+            (math.prod(s.stop - s.start for s in part) * itemsize, functools.partial(work, c, part, into), None)
+            for c, (part, into) in order
+        )
+        run_windowed(tasks, window)
+        self._held.update(blocks)
 
 
 _ZARR_KEYS = {
@@ -261,9 +301,11 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
     """A leaf's ``zarr.json``, checked against what eqxckpt writes for ``record``.
 
     Only the codec chain eqxckpt writes (raw little-endian bytes plus a crc32c
-    checksum) and a regular grid of chunks of at most `CHUNK_BYTES` are
-    accepted, so a crafted file can neither skip the checksum nor make a read
-    allocate more than the array's own size plus one chunk.
+    checksum), a zero fill value, and a regular grid of chunks of at most
+    `CHUNK_BYTES` and at most `ChunkLayout.max_count` of them are accepted, so a
+    crafted file can neither skip the checksum, nor make a read allocate more than
+    the array's own size plus one chunk, nor cut a leaf into a million chunks. Every
+    read (whole, lazy selection, sharded, `verify`) goes through this one check.
     """
 
     def bad(why: str) -> CorruptCheckpointError:
@@ -304,6 +346,14 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
         raise bad(f"has a chunk grid {grid!r} that does not fit the shape {list(shape)}")
     if math.prod(chunk) * np.dtype(record.dtype).itemsize > CHUNK_BYTES:
         raise bad(f"has chunks of {chunk} (over {CHUNK_BYTES} bytes)")
+    layout = ChunkLayout.stored(record, {"chunk_grid": grid})
+    if layout.count > layout.max_count:  # each chunk costs a file, a read and a task, whatever its size
+        raise bad(
+            f"splits its {record.nbytes} bytes into {layout.count} chunks of {chunk} (at most {layout.max_count} "
+            "are accepted: one per 4 KiB, or 65536)"
+        )
+    if not _is_zero(doc.get("fill_value", None), record.dtype):
+        raise bad(f"has a fill_value of {doc.get('fill_value', '(none)')!r}, not the zero eqxckpt writes")
     encoding = doc.get("chunk_key_encoding")
     if encoding not in ({"name": "default"}, {"name": "default", "configuration": {"separator": "/"}}):
         raise bad(f"has a chunk key encoding {encoding!r}")
@@ -325,6 +375,22 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
     }
 
 
+def _is_zero(value: Any, dtype: str) -> bool:
+    """Whether ``value`` is a zarr ``fill_value`` of zero for ``dtype``, as eqxckpt and
+    TensorStore write it (``0``, ``0.0``, ``false``, ``[0.0, 0.0]``)."""
+
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
+
+    if dtype == "bool":
+        return value is False
+    if dtype.startswith("complex"):
+        return isinstance(value, list) and len(value) == 2 and all(number(x) for x in value)
+    if np.dtype(dtype).kind in "iu":
+        return number(value) and isinstance(value, int)
+    return number(value)
+
+
 class LazyArray(LazyEntry):
     """One stored array: ``shape``, ``dtype`` and ``nbytes`` now, data on ``get()``.
 
@@ -343,6 +409,7 @@ class LazyArray(LazyEntry):
     def __init__(self, checkpoint: Checkpoint, leaf: StoredLeaf, index: Any = (), dtype: Any = None):
         super().__init__(checkpoint, leaf)
         self._index = index
+        self._indexed = not (isinstance(index, tuple) and not index)  # compared without ==: numpy ints
         self._dtype = None if dtype is None else np.dtype(dtype)
 
     @property
@@ -368,9 +435,9 @@ class LazyArray(LazyEntry):
         ```
         """
         shape = self.leaf.shape
-        if self._index == ():
+        if not self._indexed:
             return shape
-        return np.broadcast_to(np.empty((), np.int8), shape)[self._index].shape
+        return Selection.of(self._index, shape).shape
 
     @property
     def dtype(self) -> np.dtype:
@@ -401,20 +468,22 @@ class LazyArray(LazyEntry):
 
         **Arguments:**
 
-        - `index`: a basic numpy index (ints, slices, ``...``), applied once.
+        - `index`: a basic numpy index (ints, slices, ``...``, ``None``), applied once.
 
-        **Returns:** a `LazyArray`.
+        **Returns:** a `LazyArray`. An index out of range raises numpy's `IndexError`
+        now; arrays and masks raise `NotImplementedError` (index what `get` returns).
 
         ```python
         first_rows = ckpt["model/embedding"][:16].get()
         ```
         """
-        if self._index != ():
+        if self._indexed:
             raise NotImplementedError("Index a LazyArray once; combine the indices into one expression.")
         if not self.leaf.sliceable:
             raise NotImplementedError(
                 f"Leaf {self.leaf_path!r} ({self.leaf.describe()}) cannot be sliced lazily; get() the whole array."
             )
+        Selection.of(index, self.leaf.shape)  # refused now, not when read
         return LazyArray(self.source, self.leaf, index, self._dtype)
 
     def astype(self, dtype: Any) -> "LazyArray":
@@ -432,37 +501,30 @@ class LazyArray(LazyEntry):
         """
         return LazyArray(self.source, self.leaf, self._index, dtype)
 
-    def _view(self) -> ts.TensorStore:
-        store = self.source._open_leaf(self.leaf)
-        return store[self._index] if self._index != () else store
-
-    def _stream(self) -> ts.TensorStore | np.ndarray:
-        """The stored array as a TensorStore view from 0 (indexed and cast as this
-        LazyArray is), to copy from without reading it all into memory; a
-        packed leaf (small) is read whole."""
+    def _stream(self) -> "SelectionStream | np.ndarray":
+        """What to copy this array (indexed and cast as it is) from a part at a time,
+        without reading it all into memory; a packed leaf (small) is read whole."""
         if self.leaf.offset is not None:
             with reading(self.leaf):
                 data = self._data()
             return data if self._dtype is None else data.astype(self._dtype)
-        view = self._view().translate_to[0]
-        return view if self._dtype is None else ts.cast(view, self._dtype)
+        # The stored shape: a PRNG key array (never indexed) is copied as its key data.
+        return SelectionStream(self.source, self.leaf, Selection.of(self._index, self.leaf.data_shape), self._dtype)
 
     def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
         """The leaf this array becomes when it is saved at ``path`` (copied from its checkpoint)."""
-        changed = self._index != () or self._dtype is not None
+        changed = self._indexed or self._dtype is not None
         return self.leaf.copied(path, keys, tuple(self.shape), self.dtype, changed=changed)
 
     def _data(self) -> np.ndarray:
         """The selected stored values: the whole leaf read chunk by chunk (a packed one from
-        the chunks holding it), a selection through TensorStore, which reads only the
-        chunks it needs."""
-        if self.leaf.offset is None and self._index != ():
-            view = self._view()  # opened first: that checks the stored files hold what the manifest declares
-            check_allocation(self.nbytes, f"Reading leaf {self.leaf_path!r}")
-            return view.read().result()
+        the chunks holding it), a selection from only the chunks holding it, through the
+        same reader and checks."""
+        if self.leaf.offset is None and self._indexed:
+            return self.source._selected(self.leaf, Selection.of(self._index, self.leaf.shape))
         data = self.source._stored(self.leaf)
         check_bool_bytes(data, self.leaf.path)  # all of it: a selection could skip a damaged byte
-        return data[self._index] if self._index != () else data
+        return data[self._index] if self._indexed else data
 
     def get(self) -> Any:
         """Read the data.
@@ -487,6 +549,24 @@ class LazyArray(LazyEntry):
         ```
         """
         return await asyncio.to_thread(self.get)
+
+
+class SelectionStream:
+    """A lazy selection of a leaf with its own array, to copy from a part at a time:
+    ``stream[part]`` (slices from 0) reads only the chunks that part needs."""
+
+    def __init__(self, checkpoint: Checkpoint, leaf: StoredLeaf, selection: Selection, dtype: np.dtype | None):
+        self._checkpoint, self._leaf, self._selection, self._dtype = checkpoint, leaf, selection, dtype
+
+    @functools.cached_property
+    def _layout(self) -> ChunkLayout:  # checked once, not once per part
+        return self._checkpoint._layout(self._leaf)
+
+    def __getitem__(self, part: Region) -> np.ndarray:
+        with reading(self._leaf):
+            layout = self._layout
+        data = self._checkpoint._selected(self._leaf, self._selection.sub(part), layout)
+        return data if self._dtype is None else data.astype(self._dtype)
 
 
 def open_checkpoint(path: CheckpointPath | Storage) -> Checkpoint:

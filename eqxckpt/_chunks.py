@@ -12,10 +12,11 @@ TensorStore's zarr3 driver still open and verify every checkpoint.
 
 import abc
 import dataclasses
+import itertools
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,13 @@ from ._store import chunk_budget, chunk_regions, chunk_shape
 
 CRC_BYTES = 4
 Region = tuple[slice, ...]
+# Most chunks a leaf's array may have: at most one per MIN_MEAN_CHUNK_BYTES of it, or
+# MIN_CHUNK_LIMIT, whichever is more. Each chunk costs a file, a read and a task whatever
+# its size; eqxckpt's own layouts have 64 MiB chunks, or one (or a few) per shard of a
+# save sharded over at most MIN_CHUNK_LIMIT devices. A crafted zarr.json could otherwise
+# declare a 4 MiB leaf in a million one-element chunks.
+MIN_CHUNK_LIMIT = 1 << 16
+MIN_MEAN_CHUNK_BYTES = 4096
 
 
 class ChunkFiles(abc.ABC):
@@ -85,6 +93,16 @@ class ChunkLayout:
     def chunk_nbytes(self) -> int:
         return math.prod(self.chunk) * self.dtype.itemsize
 
+    @property
+    def count(self) -> int:
+        """How many chunks (files) the array has."""
+        return math.prod(-(-n // c) for n, c in zip(self.shape, self.chunk))
+
+    @property
+    def max_count(self) -> int:
+        """The most chunks a reader accepts for this array (`MIN_CHUNK_LIMIT`)."""
+        return max(MIN_CHUNK_LIMIT, math.prod(self.shape) * self.dtype.itemsize // MIN_MEAN_CHUNK_BYTES)
+
     def metadata(self) -> dict[str, Any]:
         """The array's ``zarr.json``, as TensorStore's zarr3 driver writes it."""
         name = self.dtype.name
@@ -111,6 +129,37 @@ class ChunkLayout:
         if region is None:
             region = tuple(slice(0, n) for n in self.shape)
         return [(self.key(part), part) for part in chunk_regions(self.chunk, region)]
+
+    def parts(self, box: Sequence[range]) -> Iterator[tuple[str, Region, Region, Region]]:
+        """For every chunk holding elements of ``box`` (a range of indices with a positive
+        step per dimension), in C order: its key, its part of the array (what its file
+        holds, as `read_chunk` takes it), which of those elements ``box`` selects (relative
+        to the part) and where they go in an array shaped like ``box``. Lazily: a read
+        stops at the first bad chunk without listing the others.
+
+        ```python
+        layout = ChunkLayout((10,), np.dtype("float32"), (4,))
+        [(key, take, put) for key, _, take, put in layout.parts([range(3, 10, 3)])]
+        # [('c/0', (slice(3, 4, 3),), (slice(0, 1),)), ('c/1', (slice(2, 4, 3),), (slice(1, 2),)),
+        #  ('c/2', (slice(1, 2, 3),), (slice(2, 3),))]
+        ```
+        """
+        dims = []
+        for r, c, n in zip(box, self.chunk, self.shape):
+            entries = []
+            if len(r):
+                for k in range(r[0] // c, r[-1] // c + 1):
+                    start, stop = k * c, min(n, k * c + c)
+                    first = r.start + max(0, -(-(start - r.start) // r.step)) * r.step  # first index in the chunk
+                    end = min(stop, r.stop)
+                    if first < end:
+                        at = (first - r.start) // r.step
+                        taken = slice(first - start, end - start, r.step)
+                        entries.append((slice(start, stop), taken, slice(at, at + len(range(first, end, r.step)))))
+            dims.append(entries)
+        for combo in itertools.product(*dims):
+            part = tuple(entry[0] for entry in combo)
+            yield self.key(part), part, tuple(entry[1] for entry in combo), tuple(entry[2] for entry in combo)
 
     def key(self, part: Region) -> str:
         """The key of the chunk holding ``part``: ``c/i/j`` (``c`` for a scalar)."""
@@ -184,6 +233,98 @@ def read_chunk(files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, o
         pieces = [_bytes_of(whole)]
         files.read(key, [*pieces, stored])
         out[...] = whole[tuple(slice(0, n) for n in extent)]
+    _check(key, pieces, stored)
+
+
+def read_into(files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, take: Region, into: np.ndarray) -> None:
+    """Read the chunk file ``key`` holding ``part`` (see `ChunkLayout.parts`), check it, and
+    put its elements ``take`` into ``into``: straight in when that is the whole part."""
+    extent = tuple(s.stop - s.start for s in part)
+    if all(t.start == 0 and t.stop == n and t.step in (None, 1) for t, n in zip(take, extent)):
+        read_chunk(files, key, layout, part, into)
+        return
+    whole = np.empty(layout.chunk, layout.dtype)  # the file's bytes, padding and all: read straight in
+    read_chunk(files, key, layout, tuple(slice(s.start, s.start + c) for s, c in zip(part, layout.chunk)), whole)
+    into[...] = whole[take]
+
+
+def read_scattered(
+    files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, targets: list[tuple[Region, np.ndarray]]
+) -> None:
+    """Read the chunk file ``key`` holding ``part``, check it, and put each ``(take, into)``
+    of ``targets`` (disjoint selections of the part, relative to it) into ``into``.
+
+    Where the targets split the chunk along one dimension and take whole what follows it
+    (rows of a leaf split by rows or by columns between devices), the file is read straight
+    into their buffers, a run each, with no buffer of the whole chunk: a sharded restore
+    then holds no more than its window. Otherwise through a buffer of the chunk."""
+    pieces = _scatter(layout, part, targets)
+    if pieces is None:
+        whole = np.empty(tuple(s.stop - s.start for s in part), layout.dtype)
+        read_into(files, key, layout, part, tuple(slice(0, n) for n in whole.shape), whole)
+        for take, into in targets:
+            into[...] = whole[take]
+        return
+    stored = np.empty(CRC_BYTES, np.uint8)
+    files.read(key, [*pieces, stored])
+    _check(key, pieces, stored)
+
+
+def _scatter(layout: ChunkLayout, part: Region, targets: list[tuple[Region, np.ndarray]]) -> list[np.ndarray] | None:
+    """The byte runs of the chunk file, in order, as views of the targets' buffers (and
+    scratch for padding and bytes no target takes); None where that is not a few runs."""
+    extent = tuple(s.stop - s.start for s in part)
+    rank = len(extent)
+    if not rank or not targets:
+        return None
+    # The dimension the targets split: the last along which any take is not whole.
+    split = max(
+        (d for take, _ in targets for d in range(rank) if (take[d].start, take[d].stop) != (0, extent[d])), default=0
+    )
+    if any(take[d].step not in (None, 1) for take, _ in targets for d in range(rank)):
+        return None
+    if any((take[d].start, take[d].stop) != (0, extent[d]) for take, _ in targets for d in range(split)):
+        return None  # split along several dimensions (a 2-D mesh): through a buffer
+    # Padding must be the file's tail: the part is the chunk's but for one dimension,
+    # with only ones before it (eqxckpt's C-ordered chunks).
+    short = [d for d in range(rank) if extent[d] != layout.chunk[d]]
+    if short and (len(short) > 1 or any(extent[d] != 1 for d in range(short[0]))):
+        return None
+    outer = math.prod(extent[:split])
+    if outer * len(targets) > 1 << 16:  # each run costs a view, an iovec and a CRC call
+        return None
+    ordered = sorted(targets, key=lambda target: target[0][split].start)
+    if any(not into.flags.c_contiguous for _, into in ordered):
+        return None
+    itemsize = layout.dtype.itemsize
+    row = math.prod(extent[split + 1 :]) * itemsize  # bytes of one index along the split dimension
+    runs = [into.reshape(outer, -1).view(np.uint8) for _, into in ordered]  # run i: at outer index i
+    gaps, at = [], 0  # bytes before each run (and after the last) that no block here takes
+    for take, _ in ordered:
+        if take[split].start < at:
+            return None  # overlapping takes
+        gaps.append((take[split].start - at) * row)
+        at = take[split].stop
+    gaps.append((extent[split] - at) * row)
+    # Each gap gets bytes of its own (another process's part): the checksum covers them all.
+    scratch = np.empty(sum(gaps) * outer, np.uint8)
+    pieces: list[np.ndarray] = []
+    used = 0
+    for i in range(outer):
+        for gap, run in zip(gaps, [*runs, None]):
+            if gap:
+                pieces.append(scratch[used : used + gap])
+                used += gap
+            if run is not None:
+                pieces.append(run[i])
+    padding = layout.chunk_nbytes - math.prod(extent) * itemsize
+    if padding:
+        pieces.append(np.empty(padding, np.uint8))
+    return [piece for piece in pieces if piece.size]
+
+
+def _check(key: str, pieces: Sequence[np.ndarray], stored: np.ndarray) -> None:
+    """Raise unless ``stored`` is the CRC-32C of ``pieces``."""
     computed = _crc(pieces)
     if computed != int.from_bytes(stored.tobytes(), "little"):
         raise ChunkFileError(

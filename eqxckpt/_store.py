@@ -1,5 +1,5 @@
 """How a checkpoint's arrays are laid out: chunk shapes, stored dtypes, and TensorStore's
-context and read specs (for reads of slices; whole chunks go through `_chunks`).
+context and read specs (every chunk of eqxckpt's own arrays is read through `_chunks`).
 
 The one place that picks chunk shapes, knows which dtypes are stored natively, and
 turns a host value into the little-endian array whose bytes every writer stores.
@@ -46,8 +46,8 @@ def shared_context() -> ts.Context:
     context, and shared pools bound total concurrency across saves and loads.
     TensorStore does not fsync each file (``file_io_sync``): a save makes its
     files durable at once with `sync_filesystem`. Whole chunks are read and
-    written by `_chunks` (local files with ``preadv``/``writev``); TensorStore
-    reads slices (lazy indexing) through memory maps, and checkpoint files are
+    written by `_chunks` (local files with ``preadv``/``writev``), lazy
+    selections too; TensorStore maps foreign arrays (Orbax), and checkpoint files are
     never modified in place (saves write new directories), so a mapping never
     sees a file shrink.
     """
@@ -83,6 +83,11 @@ def limited_host_memory(nbytes: int | None) -> Iterator[None]:
         yield
     finally:
         _HOST_MEMORY_BUDGET.reset(token)
+
+
+def host_memory_budget() -> int:
+    """The host memory a restore may hold beyond its result, here (`limited_host_memory`)."""
+    return _HOST_MEMORY_BUDGET.get()
 
 
 def read_window(total_bytes: int) -> int:
@@ -151,18 +156,6 @@ def _largest_divisor(n: int, at_most: int) -> int:
 def chunk_budget(path: str) -> int:
     """The most bytes a chunk of the array at ``path`` holds."""
     return PACK_CHUNK_BYTES if path == PACKED_LOCATION else CHUNK_BYTES
-
-
-def read_spec(kvstore: dict, metadata: dict | None = None) -> dict:
-    """zarr3 spec for opening a stored leaf; a missing chunk is an error.
-
-    With ``metadata`` (already read and validated), TensorStore uses it as it
-    is instead of reading ``zarr.json`` itself.
-    """
-    spec: dict = {"driver": "zarr3", "kvstore": kvstore, "open": True, "fill_missing_data_reads": False}
-    if metadata is not None:
-        spec.update(metadata=metadata, assume_metadata=True)
-    return spec
 
 
 _STATUS = re.compile(r"^[A-Z][A-Z_]+: ")

@@ -2,7 +2,7 @@
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -291,7 +291,7 @@ def _slabs(layout: ChunkLayout) -> list[Region]:
     return [(slice(start, min(start + rows, layout.shape[0])), *rest) for start in range(0, layout.shape[0], rows)]
 
 
-def _tolerant(tasks: list[Task], record: StoredLeaf, problems: dict[str, CheckpointError]) -> list[Task]:
+def _tolerant(tasks: Iterable[Task], record: StoredLeaf, problems: dict[str, CheckpointError]) -> Iterator[Task]:
     """``tasks`` (one leaf's chunk reads), failing into ``problems`` instead of raising: a
     damaged leaf is reported, and every other leaf still checked. Their last settlement
     still runs (it counts the leaf)."""
@@ -315,7 +315,7 @@ def _tolerant(tasks: list[Task], record: StoredLeaf, problems: dict[str, Checkpo
 
         return settle
 
-    return [(nbytes, guarded(work), settled(then)) for nbytes, work, then in tasks]
+    return ((nbytes, guarded(work), settled(then)) for nbytes, work, then in tasks)
 
 
 def _digest_of(record: StoredLeaf) -> LeafDigest | None:

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 
@@ -64,3 +65,54 @@ def test_unknown_leaf_suggests(ckpt):
     c, _ = ckpt
     with pytest.raises(KeyError, match="model/w"):
         c["model/ww"]
+
+
+SLICED = {  # small chunks (CHUNK_BYTES 64: 16 float32), so a selection spans and skips chunks
+    "v": np.arange(37, dtype=np.float32),
+    "m": np.arange(63, dtype=np.float32).reshape(9, 7),
+    "t": np.arange(120, dtype=np.int16).reshape(5, 4, 6),
+    "s": np.float32(2.5),
+}
+
+
+@pytest.fixture(scope="module")
+def sliced(tmp_path_factory):
+    import eqxckpt._store as store_module
+
+    path = tmp_path_factory.mktemp("sliced") / "c"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(store_module, "CHUNK_BYTES", 64)
+        eqxckpt.save(path, {**SLICED, "many": np.arange(4096, dtype=np.float32).reshape(64, 64)})
+    return eqxckpt.open(path)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_lazy_slices_equal_numpy_slices_of_the_loaded_array(sliced, data):
+    """Any basic index (ints, slices with any step, ..., None) read lazily, through the
+    chunks that hold it, is what numpy gives for the loaded array; a part of a selection
+    (what a copy reads a chunk at a time) too."""
+    import hypothesis.extra.numpy as hnp
+
+    name = data.draw(st.sampled_from(["v", "m", "t", "s", "many"]))
+    whole = sliced[name].get()
+    index = data.draw(hnp.basic_indices(whole.shape, allow_newaxis=True, allow_ellipsis=True))
+    lazy = sliced[name][index]
+    expected = whole[index]
+    assert lazy.shape == expected.shape
+    got = lazy.get()
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(got, expected)
+    if expected.ndim:
+        part = tuple(slice(0, max(1, n // 2)) if n else slice(0, 0) for n in expected.shape)
+        np.testing.assert_array_equal(lazy._stream()[part], expected[part])
+
+
+def test_lazy_indices_numpy_refuses_are_refused_at_once(sliced):
+    with pytest.raises(IndexError):
+        sliced["m"][9]
+    with pytest.raises(IndexError):
+        sliced["m"][0, 0, 0]
+    with pytest.raises(NotImplementedError, match="basic indices"):
+        sliced["m"][[0, 1]]
+    np.testing.assert_array_equal(sliced["m"][np.int64(-1)].get(), SLICED["m"][-1])

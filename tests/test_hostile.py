@@ -38,6 +38,11 @@ def every_reader(path):
         "lazy get": lambda: [
             v.get() for v in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths) if hasattr(v, "get")
         ],
+        "lazy slice": lambda: [  # a selection reads only its chunks, through the same checks
+            v[1:].get()
+            for v in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths)
+            if getattr(v, "ndim", 0) and v.leaf.sliceable
+        ],
         "inspect": lambda: cli(["inspect", str(path)]),
         "verify": lambda: eqxckpt.verify(path),
     }.items():
@@ -539,8 +544,14 @@ def test_fuzz_zarr_json(tmp_path, request):
             doc[field] = value
         (path / "w/zarr.json").write_text(json.dumps(doc))
         outcomes = every_reader(path)
-        if not isinstance(outcomes["load"], eqxckpt.CheckpointError):
+        refused = isinstance(outcomes["load"], eqxckpt.CheckpointError)
+        if not refused:
             np.testing.assert_array_equal(outcomes["load"]["w"], np.arange(6, dtype=np.float32).reshape(2, 3))
+            np.testing.assert_array_equal(outcomes["lazy slice"][0], np.arange(3, 6, dtype=np.float32).reshape(1, 3))
+        # One validation for every path: a whole read, a selection and verify agree.
+        assert isinstance(outcomes["lazy slice"], eqxckpt.CheckpointError) == refused, (field, delete, value)
+        assert isinstance(outcomes["lazy get"], eqxckpt.CheckpointError) == refused, (field, delete, value)
+        assert outcomes["verify"].ok == (not refused), (field, delete, value)
 
     run()
 
@@ -572,15 +583,58 @@ def test_fuzz_chunk_files(tmp_path, request):
             raw = bytearray(junk)
         chunk.write_bytes(bytes(raw))
         outcomes = every_reader(path)
-        # The data read is exactly what was saved (TensorStore reads a chunk's known size, so
-        # bytes appended after it change nothing), or the damage is reported.
-        for name, got in (("load", outcomes["load"]), ("lazy get", outcomes["lazy get"])):
-            if not isinstance(got, eqxckpt.CheckpointError):
-                np.testing.assert_array_equal(got["w"] if name == "load" else got[0], expected, err_msg=name)
-        assert outcomes["verify"].ok == (not isinstance(outcomes["load"], eqxckpt.CheckpointError))
-        if how != "extend":
-            assert isinstance(outcomes["load"], eqxckpt.CheckpointError)
+        # Every change, bytes appended included, is refused by every reader alike.
+        for name in ("load", "lazy get", "lazy slice"):
+            assert isinstance(outcomes[name], eqxckpt.CorruptCheckpointError) == (raw != original), name
+        assert outcomes["verify"].ok == (raw == original)
 
     run()
     chunk.write_bytes(original)
     np.testing.assert_array_equal(eqxckpt.load(path)["w"], expected)
+
+
+@pytest.mark.multiprocess
+def test_one_element_chunks_are_refused_before_any_read(tmp_path):
+    """A 4 MiB leaf whose zarr.json declares 1,048,576 one-element chunks: every reader
+    refuses it at once, naming the leaf, at no memory cost (it used to build a million
+    chunk reads first: a MemoryError under a 2 GiB cap, or 75 s of verify)."""
+    ckpt = tmp_path / "c"
+    eqxckpt.save(ckpt, {"w": np.arange(1 << 20, dtype=np.float32)})
+    meta = json.loads((ckpt / "w/zarr.json").read_text())
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [1]
+    (ckpt / "w/zarr.json").write_text(json.dumps(meta))
+    for op in ("load", "get", "slice", "verify"):
+        error, message, peak = probe(op, ckpt)
+        assert error in ("CorruptCheckpointError", "VerifyReport"), (op, error, message)
+        assert "'w'" in message and "1048576 chunks" in message, (op, message)
+        assert peak < 32, (op, peak)  # MiB
+
+
+def damage_appended(ckpt):
+    """A chunk file with 64 MiB appended (sparse: costs no disk)."""
+    chunk = ckpt / "w/c/0/0"
+    os.truncate(chunk, chunk.stat().st_size + (64 << 20))
+
+
+def damage_fill_value(ckpt):
+    meta = json.loads((ckpt / "w/zarr.json").read_text())
+    meta["fill_value"] = "NaN"
+    (ckpt / "w/zarr.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", [damage_appended, damage_fill_value], ids=["64-MiB-appended", "uint8-NaN-fill"])
+def test_every_path_gives_one_verdict(tmp_path, damage):
+    """load, a whole lazy read, a lazy slice, verify and diff refuse the same damage alike
+    (a lazy slice went through TensorStore, which read past appended bytes and refused a
+    fill value the others accepted)."""
+    ckpt = tmp_path / "c"
+    eqxckpt.save(ckpt, {"w": np.arange(48, dtype=np.uint8).reshape(6, 8)})
+    eqxckpt.save(tmp_path / "other", {"w": np.ones((6, 8), np.uint8)})
+    damage(ckpt)
+    outcomes = every_reader(ckpt)
+    for name in ("load", "lazy get", "lazy slice"):
+        assert isinstance(outcomes[name], eqxckpt.CorruptCheckpointError), (name, outcomes[name])
+        assert outcomes[name].leaf_path == "w", name
+    assert not outcomes["verify"].ok and outcomes["verify"].problems[0][0] == "w"
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="'w'"):
+        eqxckpt.diff(ckpt, tmp_path / "other")

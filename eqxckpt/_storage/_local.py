@@ -423,7 +423,7 @@ class LocalChunkFiles(ChunkFiles):
             buffers = [buffer.data.cast("B") for buffer in into]
             offset = 0
             while buffers:
-                got = os.preadv(fd, buffers, offset)
+                got = os.preadv(fd, buffers[:_IOV_MAX], offset)
                 if got == 0:
                     raise ChunkFileError(f"chunk file {key} was cut short while it was read")
                 offset += got
@@ -432,14 +432,21 @@ class LocalChunkFiles(ChunkFiles):
             os.close(fd)
 
 
+_IOV_MAX = 1024  # buffers one preadv may take (Linux)
+
+
 def _past(buffers: list[memoryview], done: int) -> list[memoryview]:
     """What is left of ``buffers`` once the first ``done`` bytes were moved (a short
-    ``writev`` or ``preadv``)."""
-    while buffers and done >= len(buffers[0]):
-        done -= len(buffers.pop(0))
-    if buffers:
-        buffers[0] = buffers[0][done:]
-    return buffers
+    ``writev`` or ``preadv``). One copy of the list per call: a chunk read straight into
+    several devices' blocks may have thousands of buffers."""
+    k = 0
+    while k < len(buffers) and done >= len(buffers[k]):
+        done -= len(buffers[k])
+        k += 1
+    rest = buffers[k:]
+    if rest:
+        rest[0] = rest[0][done:]
+    return rest
 
 
 def _local_files(root: pathlib.Path, prefix: str = "", plain: bool = False) -> dict[str, int] | None:

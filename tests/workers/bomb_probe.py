@@ -1,6 +1,8 @@
 """Run one reader on a (crafted) checkpoint in a fresh process; print what it raised and its peak memory.
 
-    python bomb_probe.py OP PATH     OP: load | get | verify | open, or several: load,get,verify
+    python bomb_probe.py OP PATH     OP: load | get | slice | verify | open, or several: load,get,verify
+
+``slice`` reads ``[3:7]`` of every array leaf lazily (a selection: only its chunks).
 
 Prints one JSON line per operation: {"op": OP, "error": class name or null, "message": ...,
 "peak_mib": peak RSS growth during the operation}. PATH may be a URL (s3://, gs://), its
@@ -28,6 +30,11 @@ def run(op: str, path: str) -> None:
         "load": lambda: eqxckpt.load(path),
         "get": lambda: [
             leaf.get() for leaf in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths) if hasattr(leaf, "get")
+        ],
+        "slice": lambda: [
+            leaf[3:7].get()
+            for leaf in (eqxckpt.open(path)[p] for p in eqxckpt.open(path).paths)
+            if getattr(leaf, "ndim", 0)
         ],
         "verify": lambda: eqxckpt.verify(path),
         "open": lambda: eqxckpt.open(path),

@@ -2,10 +2,15 @@
 
     python memory_probe.py save|save_async|load|load_params|copy|to_safetensors|from_safetensors PATH
     python memory_probe.py save_large|load_sharded PATH [BUDGET_MIB]
+    python memory_probe.py save_leaf PATH
+    python memory_probe.py load_leaf PATH BUDGET_MIB rows|columns|replicated
 
 ``load_sharded`` restores the 1 GiB ``save_large`` state onto every local device
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8`` makes 8 CPU devices),
 rows split across them, within ``host_memory_budget`` (BUDGET_MIB; default None).
+``load_leaf`` restores the one 256 MiB leaf of ``save_leaf`` onto every local
+device, split by rows (``P("x", None)``), by columns (``P(None, "x")``) or
+replicated (``P()``), within BUDGET_MIB.
 
 Prints JSON: the peak RSS above the level just before the operation, and the
 bytes saved or restored.
@@ -69,9 +74,41 @@ def large(path, op, budget_mib=None):
     print(json.dumps({"peak": peak, "bytes": leaves * 4 * shape[0] * shape[1], "devices": len(devices)}))
 
 
+LEAF = (8192, 8192)  # float32: 256 MiB
+SPECS = {"rows": ("x", None), "columns": (None, "x"), "replicated": ()}
+
+
+def one_leaf(path, op, budget_mib="16", spec="rows"):
+    expected = np.arange(LEAF[0], dtype=np.float32)[:, None] + np.arange(LEAF[1], dtype=np.float32)[None, :] * 1e4
+    if op == "save_leaf":
+        eqxckpt.save(path, {"w": expected})
+        print(json.dumps({"peak": 0, "bytes": expected.nbytes}))
+        return
+    nbytes = expected.nbytes
+    del expected
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*SPECS[spec]))
+    like = {"w": jax.ShapeDtypeStruct(LEAF, jnp.float32, sharding=sharding)}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = kib("VmRSS")
+    out = jax.block_until_ready(eqxckpt.load(path, like, host_memory_budget=int(budget_mib) << 20))
+    peak = (kib("VmHWM") - before) * 1024
+    assert out["w"].sharding == sharding and len(out["w"].addressable_shards) == len(devices)
+    rows, cols = np.arange(LEAF[0], dtype=np.float32), np.arange(LEAF[1], dtype=np.float32) * 1e4
+    for shard in out["w"].addressable_shards:  # every value, on every device
+        r, c = shard.index
+        assert (np.asarray(shard.data) == rows[r][:, None] + cols[c][None, :]).all()
+    print(json.dumps({"peak": peak, "bytes": nbytes, "devices": len(devices)}))
+
+
 def main(op, path, *args):
     if op in ("save_large", "load_sharded"):
         large(path, op, *args)
+        return
+    if op in ("save_leaf", "load_leaf"):
+        one_leaf(path, op, *args)
         return
 
     def nbytes(t):
