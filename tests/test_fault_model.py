@@ -292,8 +292,10 @@ class FaultModel(RuleBasedStateMachine):
         exists = number in self.model.versions
         try:
             eqxckpt.save(self.where.step(number), tree(version), overwrite=overwrite, blocking=blocking).wait()
-        except eqxckpt.CheckpointExistsError:
-            assert exists and not overwrite, f"save of step {number} refused (exists: {exists})"
+        except eqxckpt.CheckpointError as e:
+            # A step whose manifest is damaged may be refused as damaged rather than as existing.
+            refused = isinstance(e, eqxckpt.CheckpointExistsError) or not self.model.clean(number)
+            assert refused and exists and not overwrite, f"save of step {number} failed (exists: {exists}): {e!r}"
             return
         assert overwrite or not exists, f"save replaced step {number} without overwrite=True"
         self.model.saved(number, version)
@@ -529,22 +531,20 @@ class FaultModel(RuleBasedStateMachine):
         self.users_files_untouched()
 
 
-def profile(request) -> settings:
+def run_machine(request, make_run, examples: int, steps: int) -> None:
+    """Run the machine: ``examples`` runs of ``steps`` rules, one child process each (the
+    short profile); with ``--slow``, 200 runs of 25 rules, two child processes each."""
     slow = request.config.getoption("--slow")
-    return settings(
-        max_examples=200 if slow else 4,
-        stateful_step_count=25 if slow else 8,
+    machine = type("FaultModel", (FaultModel,), {"make_run": classmethod(lambda cls: make_run())})
+    machine.children = 2 if slow else 1
+    profile = settings(
+        max_examples=200 if slow else examples,
+        stateful_step_count=25 if slow else steps,
         deadline=None,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )
-
-
-def run_machine(request, make_run, children_short: int = 1, children_slow: int = 2) -> None:
-    slow = request.config.getoption("--slow")
-    machine = type("FaultModel", (FaultModel,), {"make_run": classmethod(lambda cls: make_run())})
-    machine.children = children_slow if slow else children_short
-    run_state_machine_as_test(machine, settings=profile(request))
+    run_state_machine_as_test(machine, settings=profile)
 
 
 def test_fault_model_on_a_local_disk(tmp_path, request):
@@ -553,8 +553,8 @@ def test_fault_model_on_a_local_disk(tmp_path, request):
         root.mkdir()
         return LocalRun(root)
 
-    run_machine(request, make_run)
+    run_machine(request, make_run, examples=4, steps=8)
 
 
 def test_fault_model_on_object_stores(store, request):
-    run_machine(request, lambda: StoreRun(store, f"fault-model/{uuid.uuid4().hex[:8]}/"))
+    run_machine(request, lambda: StoreRun(store, f"fault-model/{uuid.uuid4().hex[:8]}/"), examples=3, steps=6)
