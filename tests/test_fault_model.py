@@ -1,0 +1,560 @@
+"""A model-based fault harness: hypothesis drives saves, deletions, bit rot, killed and
+stopped writers, preemption and users' own files in one run directory (a local disk,
+S3 on moto, Cloud Storage on fake-gcs-server), against a reference model of what each
+step must hold. After every rule:
+
+- every load of a step returns exactly the model's values or raises a `CheckpointError`,
+  and a step the model says is undamaged loads exactly;
+- `eqxckpt.verify` flags exactly the damaged steps;
+- nothing eqxckpt did not write is changed or deleted;
+- a fresh `CheckpointManager` lists exactly the committed steps, less those whose manifest
+  was damaged, each named in its warning.
+
+The model decides damage from the outside, at the moment of the fault: a fault damages
+every step that holds the file (same inode on a local disk, same key on an object store,
+where a step holds its own keys and those its manifest refers to). A step saved after a
+fault is undamaged: whatever it takes from an earlier step must be sound.
+
+SIGSTOP past a lease runs on S3 only: local disks have no leases (a stopped writer keeps
+its lock), and fake-gcs-server ignores the preconditions leases rely on.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import posixpath
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+
+import numpy as np
+from conftest import WORKERS
+from fault_model_worker import train_version, tree  # pyright: ignore[reportMissingImports]
+from hypothesis import HealthCheck, note, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+import eqxckpt
+from eqxckpt._storage import resolve
+
+STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
+# Objects eqxckpt reads only for their presence or protocol, not a step's data.
+NOT_DATA = {"eqxckpt.lease.json", "eqxckpt.commit.json", "%doomed"}
+# How long a child writer's lease lasts (so that one killed or stopped is soon abandoned).
+LEASE_S = 1.0
+
+STEPS = st.integers(0, 5)
+VERSIONS = st.integers(0, 3)
+
+
+# Choices among what exists are drawn as indices (taken modulo how many there are), and
+# every rule draws the same whatever the state: a run whose timing differs (a killed
+# writer that did or did not commit) replays as the same choices, not as a flaky strategy.
+INDEX = st.integers(0, 2**16)
+
+
+def same_values(got: dict, want: dict) -> bool:
+    """Same leaves, bit for bit."""
+    if not isinstance(got, dict) or sorted(got) != sorted(want):
+        return False
+    for name, value in want.items():
+        x = np.asarray(got[name])
+        if x.dtype != value.dtype or x.shape != value.shape or x.tobytes() != value.tobytes():
+            return False
+    return True
+
+
+# -- where the run is, reached from the outside ---------------------------------------------
+
+
+class LocalRun:
+    """A run directory on a local disk: files, identified by inode."""
+
+    name = "local"
+
+    def __init__(self, root: pathlib.Path):
+        self.run = root / "run"
+
+    def location(self):
+        return str(self.run)
+
+    def step(self, number: int):
+        return str(self.run / str(number))
+
+    def keys(self) -> list[str]:
+        found = []
+        for directory, _, files in os.walk(self.run):
+            for name in files:
+                found.append(os.path.relpath(os.path.join(directory, name), self.run))
+        return sorted(found)
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return (self.run / key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, key: str, body: bytes) -> None:
+        """In place: every hard link to the file sees the change, as bit rot would."""
+        path = self.run / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "r+b" if path.exists() else "wb") as f:
+            f.write(body)
+            f.truncate()
+
+    def identity(self, key: str):
+        st_ = os.stat(self.run / key)
+        return (st_.st_dev, st_.st_ino)
+
+    def held(self, number: int, keys: list[str]) -> set:
+        return {self.identity(k) for k in keys if k.startswith(f"{number}/")}
+
+
+class StoreRun:
+    """A run under a prefix of an object store: objects, identified by key. A step holds
+    its own keys and the keys of the leaves its manifest refers to in another prefix."""
+
+    def __init__(self, store, prefix: str):
+        self.store, self.name = store, store.name
+        self.top = f"{prefix}run/"
+
+    def location(self):
+        return self.store.spec(self.top)
+
+    def step(self, number: int):
+        return self.store.spec(f"{self.top}{number}/")
+
+    def keys(self) -> list[str]:
+        return [key[len(self.top) :] for key in self.store.keys(self.top)]
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return self.store.get(self.top + key)
+        except Exception:  # noqa: BLE001 - boto's NoSuchKey or urllib's 404: the object is gone
+            return None
+
+    def write(self, key: str, body: bytes) -> None:
+        self.store.put(self.top + key, body)
+
+    def identity(self, key: str):
+        return key
+
+    def held(self, number: int, keys: list[str]) -> set:
+        own = {k for k in keys if k.startswith(f"{number}/")}
+        try:
+            manifest = json.loads(self.read(f"{number}/eqxckpt.json") or b"")
+            leaves = [leaf for leaf in manifest["leaves"] if isinstance(leaf, dict) and "arrays" in leaf]
+            prefixes = [posixpath.normpath(f"{number}/{leaf['arrays']}/{leaf['location']}") + "/" for leaf in leaves]
+        except (ValueError, KeyError, TypeError):
+            prefixes = []  # a damaged manifest refers to nothing
+        return own | {k for k in keys for p in prefixes if k.startswith(p)}
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Model:
+    """What each step must hold. ``versions``: every step whose manifest exists, and the
+    values it was saved with (`tree`). ``damaged``: certainly damaged data (verify flags it,
+    a manager lists it); ``broken``: a manifest that is no longer JSON (a manager skips the
+    step, warning); ``suspect``: a JSON file changed into other valid JSON, which may be
+    harmless (it loads exactly or raises; verify passing it means it loads exactly);
+    ``listed``: the suspects a manager was seen to list. ``foreign``: users' files."""
+
+    versions: dict[int, int] = dataclasses.field(default_factory=dict)
+    damaged: set[int] = dataclasses.field(default_factory=set)
+    broken: set[int] = dataclasses.field(default_factory=set)
+    suspect: set[int] = dataclasses.field(default_factory=set)
+    listed: set[int] = dataclasses.field(default_factory=set)
+    foreign: dict[str, bytes] = dataclasses.field(default_factory=dict)
+
+    def saved(self, number: int, version: int) -> None:
+        """A step committed afresh: whole, whatever it held before."""
+        self.versions[number] = version
+        for flags in (self.damaged, self.broken, self.suspect, self.listed):
+            flags.discard(number)
+
+    def gone(self, number: int) -> None:
+        self.versions.pop(number, None)
+        for flags in (self.damaged, self.broken, self.suspect, self.listed):
+            flags.discard(number)
+
+    def clean(self, number: int) -> bool:
+        return number in self.versions and number not in self.damaged | self.broken | self.suspect
+
+    def manager_steps(self) -> set[int]:
+        """The steps a manager lists: committed, less broken manifests and unlisted suspects."""
+        return set(self.versions) - self.broken - (self.suspect - self.listed)
+
+
+def classify(key: str, read) -> str | None:
+    """What a stored file is to a step: ``manifest``, ``metadata`` (an array's zarr.json),
+    ``chunk``, or None (group metadata, protocol objects: not a step's data). ``read``
+    gives a file's bytes (only a zarr.json's are needed)."""
+    parts = key.split("/")
+    if not STEP_NAME.match(parts[0]) or parts[-1] in NOT_DATA or "%holds" in parts:
+        return None
+    if parts[-1] == "eqxckpt.json":
+        return "manifest" if len(parts) == 2 else None
+    if parts[-1] == "zarr.json":
+        try:
+            return "metadata" if json.loads(read(key) or b"").get("node_type") == "array" else None
+        except (ValueError, AttributeError):
+            return None  # damaged already
+    return "chunk" if "c" in parts[1:-1] or parts[-1] == "c" else None
+
+
+def effect(kind: str, before: bytes, after: bytes) -> str | None:
+    """What changing a file does to the steps that hold it: ``damaged``, ``broken`` (a
+    manifest that is no JSON), ``suspect`` (other valid JSON), or None (the same JSON)."""
+    if kind == "chunk":
+        return "damaged"  # its CRC-32C covers every byte; its size is known
+    try:
+        same = json.loads(after) == json.loads(before)
+    except (ValueError, RecursionError):
+        return "broken" if kind == "manifest" else "damaged"
+    return None if same else "suspect"
+
+
+def quiet_manager(location, **kwargs) -> tuple[eqxckpt.CheckpointManager, list[str]]:
+    """A fresh manager on the run (which cleans up what interrupted saves left) and its warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager = eqxckpt.CheckpointManager(location, **kwargs)
+    return manager, [str(w.message) for w in caught]
+
+
+def start_worker(job: dict, *, pipe: bool = True) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", EQXCKPT_LEASE_TIMEOUT_S=str(LEASE_S))
+    return subprocess.Popen(
+        [sys.executable, str(WORKERS / "fault_model_worker.py"), json.dumps(job)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def is_stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+class FaultModel(RuleBasedStateMachine):
+    """The machine; `make_run` (a fresh run per example) and `children` (how many child
+    processes an example may start) are set by each test."""
+
+    @classmethod
+    def make_run(cls) -> "LocalRun | StoreRun":
+        raise NotImplementedError
+
+    children = 1
+
+    def __init__(self):
+        super().__init__()
+        self.where = self.make_run()
+        self.model = Model()
+        self.started = 0
+
+    # -- saving and deleting ---------------------------------------------------------------
+
+    @rule(number=STEPS, version=VERSIONS, keep=st.sampled_from([None, 2, 3]), blocking=st.booleans())
+    def manager_save(self, number, version, keep, blocking):
+        """A manager saves the step; unchanged leaves are taken from its latest step."""
+        manager, _ = quiet_manager(self.where.location(), max_to_keep=keep, blocking=blocking)
+        listed = set(manager.all_steps())
+        exists = number in self.model.versions
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with manager:
+                    manager.save(number, tree(version))
+        except eqxckpt.CheckpointExistsError:
+            assert exists, f"step {number} does not exist, but the manager refused to save it"
+            return
+        assert not exists, f"the manager saved step {number} over an existing one without overwrite=True"
+        self.model.saved(number, version)
+        if keep is not None:
+            for old in sorted(listed | {number})[:-keep]:
+                self.model.gone(old)
+
+    @rule(number=STEPS, version=VERSIONS, overwrite=st.booleans(), blocking=st.booleans())
+    def plain_save(self, number, version, overwrite, blocking):
+        """``eqxckpt.save`` to the step's path."""
+        exists = number in self.model.versions
+        try:
+            eqxckpt.save(self.where.step(number), tree(version), overwrite=overwrite, blocking=blocking).wait()
+        except eqxckpt.CheckpointError as e:
+            # A step whose manifest is damaged may be refused as damaged rather than as existing.
+            refused = isinstance(e, eqxckpt.CheckpointExistsError) or not self.model.clean(number)
+            assert refused and exists and not overwrite, f"save of step {number} failed (exists: {exists}): {e!r}"
+            return
+        assert overwrite or not exists, f"save replaced step {number} without overwrite=True"
+        self.model.saved(number, version)
+
+    @rule(which=INDEX)
+    def delete(self, which):
+        """Delete a step the manager lists, as retention does."""
+        listed = sorted(self.model.manager_steps())
+        if not listed:
+            return
+        number = listed[which % len(listed)]
+        note(f"delete step {number}")
+        assert resolve(self.where.step(number)).delete()
+        self.model.gone(number)
+
+    # -- faults -------------------------------------------------------------------------------
+
+    @rule(pick=INDEX, at=st.integers(0, 2**20), bit=st.integers(0, 7), truncate=st.booleans())
+    def rot(self, pick, at, bit, truncate):
+        """Flip one bit of, or truncate, a file or object eqxckpt wrote."""
+        keys = self.where.keys()
+        kinds = {key: classify(key, self.where.read) for key in keys if key not in self.model.foreign}
+        candidates = sorted(key for key, kind in kinds.items() if kind is not None)
+        if not candidates:
+            return
+        key = candidates[pick % len(candidates)]
+        kind, body = kinds[key] or "", self.where.read(key)
+        if not body:
+            return
+        identity = self.where.identity(key)
+        # Who holds it, from the outside, now: later steps that take it must not trust it.
+        holders = [n for n in self.model.versions if identity in self.where.held(n, keys)]
+        at %= len(body)
+        after = body[:at] if truncate else body[:at] + bytes([body[at] ^ (1 << bit)]) + body[at + 1 :]
+        self.where.write(key, after)
+        outcome = effect(kind, body, after)
+        how = f"truncated to {at} bytes" if truncate else f"bit {bit} of byte {at} flipped"
+        note(f"{key} ({kind}, held by steps {sorted(holders)}): {how}: {outcome}")
+        for number in holders:
+            if outcome == "damaged":
+                self.model.damaged.add(number)
+            elif outcome == "broken":
+                self.model.broken.add(number)
+            elif outcome == "suspect":
+                self.model.suspect.add(number)
+
+    # -- users' files -------------------------------------------------------------------------
+
+    @rule(
+        kind=st.sampled_from(["copy", "export", "notes"]),
+        which=INDEX,
+        manifest=st.booleans(),
+        body=st.binary(min_size=1, max_size=64),
+    )
+    def put_foreign(self, kind, which, manifest, body):
+        """A user's copy of a step (key by key, its arrays first, the manifest perhaps not
+        yet), an export named like a save's arrays, or notes, in the run directory."""
+        if kind == "copy":
+            steps = sorted(self.model.versions)
+            if not steps:
+                return
+            number = steps[which % len(steps)]
+            name = f"00{number}"
+            keys = [k for k in self.where.keys() if k.startswith(f"{number}/") and "eqxckpt.lease.json" not in k]
+            keys.sort(key=lambda k: k.endswith("/eqxckpt.json"))  # the manifest last
+            if not manifest:
+                keys = [k for k in keys if not k.endswith("/eqxckpt.json")]
+            files = {f"{name}/{k.split('/', 1)[1]}": self.where.read(k) for k in keys}
+        elif kind == "export":
+            files = {f"exports/%arrays.{which:032x}/weights.bin": body}
+        else:
+            files = {"notes.txt": body}
+        for key, content in list(files.items()):
+            if key in self.model.foreign or content is None:
+                del files[key]
+                continue
+            self.where.write(key, content)
+            self.model.foreign[key] = content
+        note(f"user's files: {sorted(files)}")
+
+    # -- writers in other processes -----------------------------------------------------------
+
+    def _child(self) -> bool:
+        return self.started < self.children
+
+    @precondition(_child)
+    @rule(
+        number=STEPS,
+        version=VERSIONS,
+        manager=st.booleans(),
+        when=st.one_of(
+            st.tuples(st.just("report"), st.integers(0, 4)), st.tuples(st.just("delay"), st.floats(0.0, 1.5))
+        ),
+    )
+    def kill_writer(self, number, version, manager, when):
+        """SIGKILL a child saving a step (a new one, or overwriting a whole one) at its
+        k-th progress report or after a delay; then see whether it committed."""
+        if number in self.model.versions and not self.model.clean(number):
+            return
+        self.started += 1
+        old = self.model.versions.get(number)
+        mode = "overwrite" if old is not None else ("manager" if manager else "plain")
+        job = {"run": self.where.location(), "step": self.where.step(number), "number": number, "version": version}
+        job["mode"] = mode
+        if when[0] == "report":
+            job["signal_at"] = [when[1], "KILL"]
+        child = start_worker(job)
+        try:
+            if when[0] == "delay":
+                assert child.stdout is not None
+                child.stdout.readline()  # "ready"
+                time.sleep(when[1])
+                if child.poll() is None:
+                    child.send_signal(signal.SIGKILL)
+            out, err = child.communicate(timeout=180)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        assert child.returncode in (0, -signal.SIGKILL), err[-3000:]
+        if self.where.name != "local":
+            time.sleep(LEASE_S * 1.5)  # its lease is abandoned: the next manager finishes its action
+        manager_, _ = quiet_manager(self.where.location())
+        listed = set(manager_.all_steps())
+        note(f"killed {mode} writer of step {number}: exit {child.returncode}, listed: {number in listed}")
+        if old is not None:
+            assert number in listed, f"a killed overwrite of step {number} left it uncommitted"
+            got = eqxckpt.load(self.where.step(number), tree(0))
+            matches = [v for v in (old, version) if same_values(got, tree(v))]
+            assert matches, f"a killed overwrite of step {number} left neither the old nor the new values"
+            self.model.saved(number, matches[-1])
+        elif number in listed:
+            self.model.saved(number, version)
+        else:
+            assert child.returncode != 0, f"the writer finished, but step {number} is not committed"
+
+    @precondition(lambda self: self._child() and self.where.name == "s3")
+    @rule(number=STEPS, version=VERSIONS, other=VERSIONS, report=st.integers(1, 4))
+    def pause_writer(self, number, version, other, report):
+        """SIGSTOP a child overwriting a step at its k-th progress report, past its lease;
+        another save replaces the step; the child resumes and must not commit."""
+        self.started += 1
+        job = {"run": self.where.location(), "step": self.where.step(number), "number": number, "version": version}
+        job |= {"mode": "overwrite", "signal_at": [report, "STOP"]}
+        child = start_worker(job)
+        try:
+            while child.poll() is None and not is_stopped(child.pid):
+                time.sleep(0.01)
+            stopped = child.poll() is None
+            if stopped:
+                time.sleep(LEASE_S * 1.5)
+            eqxckpt.save(self.where.step(number), tree(other), overwrite=True)
+            child.send_signal(signal.SIGCONT)
+            out, err = child.communicate(timeout=180)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if stopped:
+            assert child.returncode == 3, f"a writer stopped past its lease was not refused: {out}{err[-3000:]}"
+        else:
+            assert child.returncode == 0, err[-3000:]
+        self.model.saved(number, other)
+
+    @precondition(_child)
+    @rule(after=st.integers(0, 2))
+    def preempt(self, after):
+        """SIGTERM a training loop whose manager saves on preemption: it saves the step it
+        is at and exits 0."""
+        self.started += 1
+        first = max(self.model.versions, default=0) + 1
+        job = {"run": self.where.location(), "step": None, "number": first, "version": 0, "mode": "train"}
+        child = start_worker(job)
+        try:
+            assert child.stdout is not None
+            while (line := child.stdout.readline()) and line.strip() != f"step {first + after}":
+                pass
+            child.send_signal(signal.SIGTERM)
+            out, err = child.communicate(timeout=180)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        assert child.returncode == 0, err[-3000:]
+        found = re.search(r"preemption notice; step (\d+) saved", err)
+        assert found, err[-3000:]
+        number = int(found.group(1))
+        assert number > first + after - 1, (number, first, after)
+        self.model.saved(number, train_version(number))
+
+    # -- what must hold after every rule ------------------------------------------------------
+
+    @invariant()
+    def users_files_untouched(self):
+        for key, body in self.model.foreign.items():
+            found = self.where.read(key)
+            assert found == body, f"{key!r}, which eqxckpt did not write, was {'changed' if found else 'deleted'}"
+
+    @invariant()
+    def steps_are_what_the_model_says(self):
+        manager, caught = quiet_manager(self.where.location())
+        listed = set(manager.all_steps())
+        model = self.model
+        expected = set(model.versions) - model.broken - model.suspect
+        assert expected <= listed and listed <= expected | model.suspect, (
+            f"the manager lists {sorted(listed)}; committed: {sorted(expected)}, damaged manifests: "
+            f"{sorted(model.broken)}, maybe: {sorted(model.suspect)}"
+        )
+        model.listed = listed & model.suspect
+        for number in model.broken:
+            assert any(f"{number} (" in message for message in caught), (
+                f"step {number}'s manifest is damaged, but the manager did not warn: {caught}"
+            )
+        for number, version in sorted(model.versions.items()):
+            want = tree(version)
+            try:
+                exact = same_values(eqxckpt.load(self.where.step(number), tree(0)), want)
+                assert exact, f"step {number} loaded other values than it was saved with (version {version})"
+            except eqxckpt.CheckpointError as e:
+                exact = False
+                assert not model.clean(number), f"step {number} is undamaged but does not load: {e!r}"
+            try:
+                ok = eqxckpt.verify(self.where.step(number)).ok
+            except eqxckpt.CheckpointError as e:
+                assert not model.clean(number), f"verify of undamaged step {number} raised {e!r}"
+                ok = False
+            if number in model.damaged | model.broken:
+                assert not ok, f"verify passed step {number}, which is damaged"
+            elif number in model.suspect:
+                assert exact or not ok, f"verify passed step {number}, which does not load exactly"
+            else:
+                assert ok, f"verify flagged step {number}, which is undamaged"
+        self.users_files_untouched()
+
+
+def run_machine(request, make_run, examples: int, steps: int) -> None:
+    """Run the machine: ``examples`` runs of ``steps`` rules, one child process each (the
+    short profile); with ``--slow``, 200 runs of 25 rules, two child processes each."""
+    slow = request.config.getoption("--slow")
+    machine = type("FaultModel", (FaultModel,), {"make_run": classmethod(lambda cls: make_run())})
+    machine.children = 2 if slow else 1
+    profile = settings(
+        max_examples=200 if slow else examples,
+        stateful_step_count=25 if slow else steps,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )
+    run_state_machine_as_test(machine, settings=profile)
+
+
+def test_fault_model_on_a_local_disk(tmp_path, request):
+    def make_run():
+        root = tmp_path / uuid.uuid4().hex[:8]
+        root.mkdir()
+        return LocalRun(root)
+
+    run_machine(request, make_run, examples=4, steps=8)
+
+
+def test_fault_model_on_object_stores(store, request):
+    run_machine(request, lambda: StoreRun(store, f"fault-model/{uuid.uuid4().hex[:8]}/"), examples=3, steps=6)
