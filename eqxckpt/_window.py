@@ -128,11 +128,25 @@ _jax_started = threading.Event()
 
 
 def start_jax() -> None:
-    """Start JAX's backend on an I/O thread, once per process, so that a process's first
-    restore reads while JAX starts (tens of milliseconds, mostly finding its plugins)
-    instead of before or after."""
+    """Start JAX's backend on a thread of its own, once per process, so that a process's
+    first restore reads while JAX starts (tens of milliseconds, mostly finding its plugins)
+    instead of before or after.
+
+    Not a daemon: the interpreter waits for it at exit. A daemon thread still inside
+    XLA's client creation when the interpreter finalizes is unwound by ``pthread_exit``
+    as it takes the GIL back, through C++ that catches and does not rethrow: the process
+    aborts ("FATAL: exception not rethrown"), e.g. one whose load was refused at once."""
     if not _jax_started.is_set():
         _jax_started.set()
         import jax
 
-        _POOL.submit(jax.local_devices)
+        def start() -> None:
+            try:
+                jax.local_devices()
+            except Exception:  # noqa: BLE001 - the restore that needs JAX raises it, on its own thread
+                pass
+
+        try:
+            threading.Thread(target=start, name="eqxckpt-jax-start").start()
+        except RuntimeError:  # the interpreter is exiting: whoever needs JAX starts it
+            pass

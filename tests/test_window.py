@@ -1,5 +1,9 @@
 """The one window of I/O work in flight (`_window`): order, the bound, failures, nesting."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -81,3 +85,30 @@ def test_closing_a_window_part_way_waits_for_what_it_started():
     assert next(reads) == (None, 0)
     reads.close()
     assert sorted(finished) == list(range(len(finished))) and len(finished) >= 4
+
+
+def test_a_process_exiting_while_jax_starts_waits_for_it():
+    """A restore starts JAX's backend on another thread (`start_jax`); a process that exits
+    at once (its load refused) must not finalize while that thread is inside XLA's client
+    creation, where being unwound at exit aborted it ("FATAL: exception not rethrown", rc
+    -6, one run in three of the oversized-object probe on Cloud Storage). At exit, after
+    Python joins its threads, JAX's start-up has finished: nothing is left to unwind."""
+    child = textwrap.dedent(
+        """
+        import atexit
+        from jax._src import xla_bridge
+        from eqxckpt._window import start_jax
+
+        atexit.register(lambda: print("jax started:", xla_bridge.backends_are_initialized()))
+        start_jax()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["jax started: True"], done.stdout
