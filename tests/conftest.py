@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from eqxckpt._manifest import with_checksum
 from eqxckpt._tree import is_prng_key_dtype
 
 # The scripts tests start in other processes (and whose helpers some tests import).
@@ -43,6 +44,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if no_tf and item.get_closest_marker("tf"):
             item.add_marker(pytest.mark.skip(reason="needs TensorFlow: pip install -e '.[tf]'"))
+
+
+def crafted_manifest(doc: dict) -> bytes:
+    """The manifest ``doc`` (changed by a test), with a checksum that matches: as someone
+    crafting it would write it, so that a reader's checks after the checksum are tested."""
+    return with_checksum(json.dumps({k: v for k, v in doc.items() if k != "crc32c"}).encode())
 
 
 def _bits(x):

@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import WORKERS, assert_trees_equal, kill_when
+from conftest import WORKERS, assert_trees_equal, crafted_manifest, kill_when
 
 import eqxckpt
 from eqxckpt._storage._lease import Lease, read_lease
@@ -614,7 +614,7 @@ def test_a_step_with_a_damaged_manifest_is_named_and_never_saved_over(store):
     manifest = json.loads(store.get(top + "2/eqxckpt.json"))
     intact = manifest["arrays"]
     manifest["arrays"] = intact[:-1] + ("0" if intact[-1] != "0" else "1")
-    store.put(top + "2/eqxckpt.json", json.dumps(manifest).encode())
+    store.put(top + "2/eqxckpt.json", crafted_manifest(manifest))
     step = {**run, "path": top + "2/"}
     refused_and_kept(run, step)
     assert store.keys(top + "2/") == before
