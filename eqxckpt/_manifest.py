@@ -6,9 +6,12 @@ use: types, paths (never outside the checkpoint), dtypes, shapes and sizes.
 
 import dataclasses
 import json
+import re
 import time
 import uuid
 from typing import Any
+
+from crc32c import crc32c
 
 from ._errors import ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf, parse_leaf
@@ -23,6 +26,11 @@ FORMAT = "eqxckpt"
 VERSION = 4
 VERSIONS = (1, 2, 3, 4)
 KEY_KINDS = ("attr", "dict", "seq", "index")
+# A manifest begins with the CRC-32C of its bytes (these 8 hex digits read as "00000000"),
+# so that no flipped bit in a value goes unnoticed. Manifests written before begin with
+# "format" and have none: still read (and older readers ignore the field).
+CHECKSUM_HEAD = b'{"crc32c": "'
+CHECKSUM_DIGITS = slice(len(CHECKSUM_HEAD), len(CHECKSUM_HEAD) + 8)
 # 64 MiB hold the manifest of about 250,000 leaves (about 250 bytes each).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_PARSE_FACTOR = 16
@@ -79,7 +87,37 @@ class Manifest:
         # One leaf per line: easy to read, grep and diff.
         lines = [json.dumps(leaf.to_json(), allow_nan=False) for leaf in self.leaves]
         body = json.dumps(head, indent=1, allow_nan=False)[:-2]
-        return (body + ',\n "leaves": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n").encode()
+        return with_checksum((body + ',\n "leaves": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n").encode())
+
+
+def with_checksum(raw: bytes) -> bytes:
+    """The JSON object ``raw`` (without a ``crc32c``), with its checksum put first."""
+    unsigned = CHECKSUM_HEAD + b'00000000",' + raw[1:]
+    crc = crc32c(unsigned)
+    return unsigned[: CHECKSUM_DIGITS.start] + b"%08x" % crc + unsigned[CHECKSUM_DIGITS.stop :]
+
+
+def check_checksum(raw: bytes, doc: dict[str, Any], where: str) -> None:
+    """Refuse (`ManifestError`) the manifest ``raw`` (parsed: ``doc``) if its bytes do not
+    match its ``crc32c``. A manifest without one (written before there was one) passes if
+    it begins with its ``"format"``, as every such manifest does: one whose checksum's name
+    lost a bit does not pass for one written before."""
+    stated = doc.get("crc32c")
+    if stated is None:
+        if doc.get("format") == FORMAT and next(iter(doc)) != "format":
+            raise ManifestError(
+                f"The manifest of {where} is damaged: it begins with {next(iter(doc))!r}, where eqxckpt writes "
+                '"crc32c" (or, before manifests had a checksum, "format"). Load an earlier checkpoint or '
+                "restore this one from a copy."
+            )
+        return
+    head = CHECKSUM_HEAD + (stated.encode() if isinstance(stated, str) else b"")
+    ok = isinstance(stated, str) and re.fullmatch("[0-9a-f]{8}", stated) is not None and raw.startswith(head)
+    if not ok or crc32c(raw[: CHECKSUM_DIGITS.start] + b"00000000" + raw[CHECKSUM_DIGITS.stop :]) != int(stated, 16):
+        raise ManifestError(
+            f"The manifest of {where} is damaged (checksum mismatch): its bytes are not those its crc32c was "
+            "computed over, so none of it is trusted. Load an earlier checkpoint or restore this one from a copy."
+        )
 
 
 # --- parsing --------------------------------------------------------------------------
@@ -223,6 +261,8 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
             f"The manifest of {where} is not valid JSON ({e}); the checkpoint is corrupt. "
             "Load an earlier checkpoint or restore this one from a copy."
         ) from None
+    if isinstance(doc, dict):
+        check_checksum(raw, doc, where)  # before anything of it is trusted
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError(f'{where} does not hold an eqxckpt manifest (no "format": "{FORMAT}").')
     version = doc.get("version")

@@ -45,6 +45,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs TensorFlow: pip install -e '.[tf]'"))
 
 
+def crafted_manifest(doc: dict) -> bytes:
+    """The manifest ``doc`` (changed by a test), with a checksum that matches: as someone
+    crafting it would write it, so that a reader's checks after the checksum are tested."""
+    from eqxckpt._manifest import with_checksum  # here: the new tests also run on code from before it
+
+    return with_checksum(json.dumps({k: v for k, v in doc.items() if k != "crc32c"}).encode())
+
+
 def _bits(x):
     if isinstance(x, jax.Array) and is_prng_key_dtype(x.dtype):
         return ("key", str(jax.random.key_impl(x)), np.asarray(jax.random.key_data(x)))

@@ -61,7 +61,8 @@ def files_of(root: pathlib.Path) -> dict[str, bytes]:
 def test_checkpoints_are_the_same_bytes_as_before(tmp_path, small_chunks):
     """`tests/fixtures/written_before_25` was saved by 368ac9b, whose chunks went through
     TensorStore's crc32c codec. The same tree saved today is the same files, byte for byte
-    (the manifest differs only in its time and save id), and the old checkpoint loads."""
+    (the manifest differs only in its time and save id, and in the checksum it begins with
+    now, which the old one lacks: an old manifest still loads), and the old checkpoint loads."""
     eqxckpt.save(tmp_path / "now", fixture_tree())
     before, now = files_of(BEFORE), files_of(tmp_path / "now")
     assert sorted(before) == sorted(now) and len(now) == 36
@@ -70,6 +71,7 @@ def test_checkpoints_are_the_same_bytes_as_before(tmp_path, small_chunks):
             old, new = json.loads(before[name]), json.loads(now[name])
             for varying in ("created_unix", "save_id"):
                 assert old.pop(varying) != new.pop(varying)
+            assert "crc32c" not in old and len(new.pop("crc32c")) == 8
             assert old == new
         else:
             assert before[name] == now[name], name

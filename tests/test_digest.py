@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import xxhash
+from conftest import crafted_manifest
 from hypothesis import given, settings, strategies as st
 
 import eqxckpt
@@ -104,7 +105,7 @@ def test_digests_are_parsed_strictly_and_unknown_algorithms_ignored(tmp_path):
         (17, "not xxh3-128"),
     ):
         manifest["leaves"][0]["digest"] = value
-        path.write_text(json.dumps(manifest))
+        path.write_bytes(crafted_manifest(manifest))
         if outcome is None:
             assert eqxckpt.open(tmp_path / "c").leaf("w").digest is None  # type: ignore[attr-defined]
             assert eqxckpt.verify(tmp_path / "c").ok
@@ -113,7 +114,7 @@ def test_digests_are_parsed_strictly_and_unknown_algorithms_ignored(tmp_path):
                 eqxckpt.open(tmp_path / "c")
     # A manifest from before digests: loads and verifies.
     del manifest["leaves"][0]["digest"]
-    path.write_text(json.dumps(manifest))
+    path.write_bytes(crafted_manifest(manifest))
     assert eqxckpt.load(tmp_path / "c")["w"].tolist() == [1.0, 1.0, 1.0] and eqxckpt.verify(tmp_path / "c").ok
 
 

@@ -161,9 +161,9 @@ class StoreRun:
 class Model:
     """What each step must hold. ``versions``: every step whose manifest exists, and the
     values it was saved with (`tree`). ``damaged``: certainly damaged data (verify flags it,
-    a manager lists it); ``broken``: a manifest that is no longer JSON (a manager skips the
-    step, warning); ``suspect``: a JSON file changed into other valid JSON, which may be
-    harmless (it loads exactly or raises; verify passing it means it loads exactly);
+    a manager lists it); ``broken``: a manifest changed in any byte (its CRC-32C covers
+    them all: a manager skips the step, warning); ``suspect``: an array's ``zarr.json``
+    changed into other valid JSON, which may be harmless (it loads exactly or raises; verify passing it means it loads exactly);
     ``listed``: the suspects a manager was seen to list. ``foreign``: users' files."""
 
     versions: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -211,13 +211,15 @@ def classify(key: str, read) -> str | None:
 
 def effect(kind: str, before: bytes, after: bytes) -> str | None:
     """What changing a file does to the steps that hold it: ``damaged``, ``broken`` (a
-    manifest that is no JSON), ``suspect`` (other valid JSON), or None (the same JSON)."""
+    changed manifest), ``suspect`` (other valid JSON), or None (the same JSON)."""
     if kind == "chunk":
         return "damaged"  # its CRC-32C covers every byte; its size is known
+    if kind == "manifest":
+        return "broken"  # so does its CRC-32C (and a change is never to the same bytes)
     try:
         same = json.loads(after) == json.loads(before)
     except (ValueError, RecursionError):
-        return "broken" if kind == "manifest" else "damaged"
+        return "damaged"
     return None if same else "suspect"
 
 

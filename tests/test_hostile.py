@@ -8,7 +8,7 @@ import stat
 
 import numpy as np
 import pytest
-from conftest import WORKERS
+from conftest import WORKERS, crafted_manifest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
@@ -66,7 +66,7 @@ def world(tmp_path):
 def rewrite_manifest(ckpt, edit):
     doc = json.loads((ckpt / "eqxckpt.json").read_text())
     edit(doc)
-    (ckpt / "eqxckpt.json").write_text(json.dumps(doc))
+    (ckpt / "eqxckpt.json").write_bytes(crafted_manifest(doc))
 
 
 @pytest.mark.parametrize(
@@ -219,7 +219,7 @@ def test_fuzz_mutated_manifests(tmp_path_factory, leaf_index, action, field, val
         leaf.pop(field, None)
     else:
         leaf[action] = value
-    parses_or_refuses(json.dumps(doc).encode())
+    parses_or_refuses(crafted_manifest(doc))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -258,7 +258,7 @@ def test_fuzz_crafted_checkpoints_end_to_end(tmp_path_factory, leaf_index, field
             "s": "x",
         },
     )
-    (path / "eqxckpt.json").write_text(json.dumps(doc))
+    (path / "eqxckpt.json").write_bytes(crafted_manifest(doc))
     every_reader(path)  # raises if anything but a CheckpointError escapes
 
 
@@ -267,7 +267,7 @@ def test_leaves_must_describe_one_tree(world):
     eqxckpt.save(ckpt, {"a": {"0": np.ones(2), "x": np.zeros(2)}}, overwrite=True)
     doc = json.loads((ckpt / "eqxckpt.json").read_text())
     doc["leaves"][0]["keys"][1] = ["seq", 0]  # "a" is now both a list and a dict
-    (ckpt / "eqxckpt.json").write_text(json.dumps(doc))
+    (ckpt / "eqxckpt.json").write_bytes(crafted_manifest(doc))
     with pytest.raises(eqxckpt.ManifestError, match="inconsistent at 'a'"):
         eqxckpt.load(ckpt)
 
@@ -402,7 +402,7 @@ def test_sparse_chunk_files_do_not_count_as_data(tmp_path):
     eqxckpt.save(ckpt, {"w": np.zeros(16, np.float32)})
     doc = json.loads((ckpt / "eqxckpt.json").read_text())
     doc["leaves"][0]["shape"] = [1 << 29]
-    (ckpt / "eqxckpt.json").write_text(json.dumps(doc))
+    (ckpt / "eqxckpt.json").write_bytes(crafted_manifest(doc))
     shutil.rmtree(ckpt / "w")
     chunk = 1 << 24  # 64 MiB chunks: a chunk grid eqxckpt could have written
     ts.open(

@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import WORKERS, assert_trees_equal, kill_when
+from conftest import WORKERS, assert_trees_equal, crafted_manifest, kill_when
 
 import eqxckpt
 from eqxckpt._storage._lease import Lease, read_lease
@@ -602,8 +602,9 @@ def refused_and_kept(run, step: object) -> None:
 
 
 def test_a_step_with_a_damaged_manifest_is_named_and_never_saved_over(store):
-    """One hex digit of "arrays" flipped in step 2's manifest: it names arrays that do not
-    exist, beside the intact ones it should name. Warned about, never saved over without
+    """One hex digit of "arrays" changed in step 2's manifest, its checksum computed again
+    (so that what is tested is the arrays it names): it names arrays that do not exist,
+    beside the intact ones it should name. Warned about, never saved over without
     overwrite=True; an overwrite replaces the manifest and leaves the arrays alone."""
     top = f"damaged-{store.name}/"
     run = store.spec(top)
@@ -614,7 +615,7 @@ def test_a_step_with_a_damaged_manifest_is_named_and_never_saved_over(store):
     manifest = json.loads(store.get(top + "2/eqxckpt.json"))
     intact = manifest["arrays"]
     manifest["arrays"] = intact[:-1] + ("0" if intact[-1] != "0" else "1")
-    store.put(top + "2/eqxckpt.json", json.dumps(manifest).encode())
+    store.put(top + "2/eqxckpt.json", crafted_manifest(manifest))
     step = {**run, "path": top + "2/"}
     refused_and_kept(run, step)
     assert store.keys(top + "2/") == before
@@ -623,14 +624,21 @@ def test_a_step_with_a_damaged_manifest_is_named_and_never_saved_over(store):
     assert [key for key in store.keys(top + "2/") if intact in key] == [k for k in before if intact in k]
 
 
-def test_a_step_with_a_damaged_manifest_on_a_local_disk(tmp_path):
-    """The same on a local disk, with step 2's manifest cut short."""
+def flip_save_id(raw: bytes) -> bytes:
+    at = raw.index(b'"save_id": "') + len(b'"save_id": "')
+    return raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1 :]  # still a hex digit, or a letter
+
+
+@pytest.mark.parametrize("damage", [lambda raw: raw[:-20], flip_save_id], ids=["cut short", "one bit flipped"])
+def test_a_step_with_a_damaged_manifest_on_a_local_disk(tmp_path, damage):
+    """The same on a local disk, with step 2's manifest cut short, or one bit of it flipped
+    (still valid JSON: its checksum tells)."""
     run = tmp_path / "run"
     with eqxckpt.CheckpointManager(run, blocking=True) as manager:
         for step in range(3):
             manager.save(step, tree(step))
     manifest = run / "2" / "eqxckpt.json"
-    manifest.write_bytes(manifest.read_bytes()[:-20])
+    manifest.write_bytes(damage(manifest.read_bytes()))
     before = {str(p): p.read_bytes() for p in (run / "2").rglob("*") if p.is_file()}
     refused_and_kept(run, run / "2")
     assert {str(p): p.read_bytes() for p in (run / "2").rglob("*") if p.is_file()} == before

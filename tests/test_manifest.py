@@ -1,13 +1,20 @@
 import json
 import math
+import pathlib
 import struct
 
+import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from conftest import assert_trees_equal
+from hypothesis import HealthCheck, given, settings, strategies as st
 
+import eqxckpt
+from eqxckpt._digest import ALGORITHM
 from eqxckpt._errors import ManifestError
 from eqxckpt._leaf import ArrayLeaf, ScalarLeaf, scalar_from_json, scalar_to_json
 from eqxckpt._manifest import Manifest, parse_manifest
+
+BEFORE = pathlib.Path(__file__).parent / "fixtures" / "written_before_25"
 
 GOOD = {
     "path": "model/w",
@@ -165,3 +172,104 @@ def test_bits_that_do_not_fit_the_value_are_refused(type_name, value, bits):
     leaf = {"path": "s", "keys": [["dict", "s"]], "kind": "scalar", "type": type_name, "value": value, "bits": bits}
     with pytest.raises(ManifestError, match=r"Leaf 's': its bits .* damaged or crafted"):
         parse_manifest(doc(leaf))
+
+
+# --- the manifest's checksum ----------------------------------------------------------------
+
+
+def flipped(raw: bytes, bit: int) -> bytes:
+    at = (bit // 8) % len(raw)
+    return raw[:at] + bytes([raw[at] ^ (1 << bit % 8)]) + raw[at + 1 :]
+
+
+MANIFESTS = st.builds(
+    lambda ints, floats, sizes, arrays: Manifest(
+        (
+            *(ScalarLeaf.of(f"i{k}", (("dict", f"i{k}"),), v) for k, v in enumerate(ints)),
+            *(ScalarLeaf.of(f"f{k}", (("dict", f"f{k}"),), v) for k, v in enumerate(floats)),
+            *(
+                ArrayLeaf(
+                    f"p{k}",
+                    (("dict", f"p{k}"),),
+                    (n,),
+                    "float32",
+                    "numpy",
+                    offset=64 * k,
+                    digest=f"{ALGORITHM}:" + "ab" * 16,
+                )
+                for k, n in enumerate(sizes)
+            ),
+            ArrayLeaf("w", (("dict", "w"),), (3, 4), "bfloat16", "jax"),
+        ),
+        {"step": len(ints)},
+        arrays=f"%arrays.{arrays}" if arrays else "",
+    ),
+    st.lists(st.integers(-(2**40), 2**40), max_size=3),
+    st.lists(st.floats(allow_nan=False), max_size=2),
+    st.lists(st.integers(1, 16), max_size=3),
+    st.one_of(st.none(), st.text("0123456789abcdef", min_size=32, max_size=32)),
+)
+
+
+@given(MANIFESTS, st.integers(0, 2**24))
+def test_every_flipped_bit_of_a_manifest_is_caught(manifest, bit):
+    """A manifest's CRC-32C covers every byte (the name of the field included: a manifest
+    whose ``crc32c`` lost a bit does not pass for one written before there was one)."""
+    raw = manifest.to_bytes()
+    assert raw.startswith(b'{"crc32c": "') and parse_manifest(raw) == manifest
+    with pytest.raises(ManifestError):
+        parse_manifest(flipped(raw, bit % (8 * len(raw))), "ckpt")
+
+
+def test_a_changed_value_is_refused_naming_the_checkpoint(tmp_path):
+    """A scalar leaf's ``"value": 1`` become 3 (one bit) loads as 3 and verifies as ok
+    without a checksum; with one, load and verify both say the manifest is damaged."""
+    eqxckpt.save(tmp_path / "c", {"n": 1, "w": np.ones(3, np.float32)})
+    manifest = tmp_path / "c" / "eqxckpt.json"
+    raw = manifest.read_bytes()
+    assert raw.count(b'"value": 1') == 1
+    manifest.write_bytes(raw.replace(b'"value": 1', b'"value": 3'))
+    with pytest.raises(eqxckpt.ManifestError, match=r"c is damaged \(checksum mismatch\).*earlier checkpoint"):
+        eqxckpt.load(tmp_path / "c", {"n": 0, "w": np.zeros(3, np.float32)})
+    report = eqxckpt.verify(tmp_path / "c")
+    assert not report.ok and [name for name, _ in report.problems] == ["eqxckpt.json"]
+    assert "checksum mismatch" in report.problems[0][1]
+
+
+def test_a_saved_checkpoint_with_a_flipped_manifest_bit_never_loads(tmp_path):
+    """Scalars, packed leaves and arrays: every single-bit flip of the manifest is refused
+    by load and reported by verify (never other values, never ok)."""
+    tree = {
+        "n": 1,
+        "lr": 0.5,
+        "small": [np.full(3, i, np.float32) for i in range(40)],  # packed
+        "w": np.arange(12, dtype=np.int16).reshape(3, 4),
+    }
+    eqxckpt.save(tmp_path / "c", tree)
+    manifest = tmp_path / "c" / "eqxckpt.json"
+    raw = manifest.read_bytes()
+    assert b'"offset"' in raw and b'"value": 1' in raw
+    assert_trees_equal(eqxckpt.load(tmp_path / "c", tree), tree)
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.integers(0, 8 * len(raw) - 1))
+    def flip(bit):
+        manifest.write_bytes(flipped(raw, bit))
+        with pytest.raises(eqxckpt.CheckpointError):
+            eqxckpt.load(tmp_path / "c", tree)
+        assert not eqxckpt.verify(tmp_path / "c").ok
+
+    flip()
+    manifest.write_bytes(raw)
+    assert eqxckpt.verify(tmp_path / "c").ok
+
+
+def test_a_manifest_written_before_checksums_still_loads():
+    """Manifests without ``crc32c`` (written before it) are read, as they were; one that
+    begins with anything else than its checksum or its format is refused."""
+    raw = (BEFORE / "eqxckpt.json").read_bytes()
+    assert b"crc32c" not in raw and raw.startswith(b'{\n "format"')
+    assert len(parse_manifest(raw).leaves) > 10 and eqxckpt.verify(BEFORE).ok
+    renamed = Manifest((), {}).to_bytes().replace(b'"crc32c"', b'"crc32b"')  # one bit
+    with pytest.raises(ManifestError, match="it begins with 'crc32b'"):
+        parse_manifest(renamed)

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import tensorstore as ts
-from conftest import BUCKET, assert_trees_equal, kill_when, s3_spec as spec
+from conftest import BUCKET, assert_trees_equal, crafted_manifest, kill_when, s3_spec as spec
 from hypothesis import given, settings, strategies as st
 
 import eqxckpt
@@ -281,16 +281,16 @@ def test_crafted_objects_are_refused(store):
     manifest = json.loads(store.get("runs/crafted/eqxckpt.json"))
     outside = json.loads(json.dumps(manifest))
     outside["leaves"][0]["path"] = outside["leaves"][0]["location"] = "../elsewhere"
-    store.put("runs/crafted/eqxckpt.json", json.dumps(outside).encode())
+    store.put("runs/crafted/eqxckpt.json", crafted_manifest(outside))
     with pytest.raises(eqxckpt.ManifestError, match="unsafe segment"):
         eqxckpt.load(where)
     huge = json.loads(json.dumps(manifest))
     next(leaf for leaf in huge["leaves"] if leaf["path"] == "w")["shape"] = [1 << 40]
-    store.put("runs/crafted/eqxckpt.json", json.dumps(huge).encode())
+    store.put("runs/crafted/eqxckpt.json", crafted_manifest(huge))
     with pytest.raises(eqxckpt.CorruptCheckpointError, match="Leaf 'w'"):
         eqxckpt.load(where)
     for arrays in ("../elsewhere", "%arrays.x", "%packed"):  # only a save's own prefix, by its exact form
-        store.put("runs/crafted/eqxckpt.json", json.dumps({**manifest, "arrays": arrays}).encode())
+        store.put("runs/crafted/eqxckpt.json", crafted_manifest({**manifest, "arrays": arrays}))
         with pytest.raises(eqxckpt.ManifestError, match="versions 3 and 4 name where its arrays are"):
             eqxckpt.load(where)
     # A leaf may name only a sibling checkpoint's own prefix, and only in a version-4 manifest.
@@ -299,7 +299,7 @@ def test_crafted_objects_are_refused(store):
         crafted = json.loads(json.dumps(manifest))
         crafted["version"] = 4
         next(leaf for leaf in crafted["leaves"] if leaf["path"] == "w")["arrays"] = ref
-        store.put("runs/crafted/eqxckpt.json", json.dumps(crafted).encode())
+        store.put("runs/crafted/eqxckpt.json", crafted_manifest(crafted))
         with pytest.raises(eqxckpt.ManifestError, match="must be '../<checkpoint beside this one>/"):
             eqxckpt.load(where)
     for version, ref in ((3, f"../1/{prefix}"), (4, None)):
@@ -307,10 +307,10 @@ def test_crafted_objects_are_refused(store):
         crafted["version"] = version
         if ref is not None:
             next(leaf for leaf in crafted["leaves"] if leaf["path"] == "w")["arrays"] = ref
-        store.put("runs/crafted/eqxckpt.json", json.dumps(crafted).encode())
+        store.put("runs/crafted/eqxckpt.json", crafted_manifest(crafted))
         with pytest.raises(eqxckpt.ManifestError, match="only version 4 has such leaves"):
             eqxckpt.load(where)
-    store.put("runs/crafted/eqxckpt.json", json.dumps(manifest).encode())
+    store.put("runs/crafted/eqxckpt.json", crafted_manifest(manifest))
     leaf_metadata = f"runs/crafted/{manifest['arrays']}/w/zarr.json"
     metadata = json.loads(store.get(leaf_metadata))
     metadata["codecs"] = [codec for codec in metadata["codecs"] if codec["name"] != "crc32c"]  # no checksum

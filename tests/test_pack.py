@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import crafted_manifest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
@@ -189,7 +190,7 @@ def test_crafted_offsets_are_refused(tmp_path, edit, error):
     eqxckpt.save(tmp_path / "c", small_tree())
     doc = manifest(tmp_path / "c")
     edit(next(leaf for leaf in doc["leaves"] if leaf["path"] == "model/w7"))
-    (tmp_path / "c" / "eqxckpt.json").write_text(json.dumps(doc))
+    (tmp_path / "c" / "eqxckpt.json").write_bytes(crafted_manifest(doc))
     with pytest.raises(error):
         eqxckpt.load(tmp_path / "c")
     assert not eqxckpt.verify(tmp_path / "c").ok
@@ -205,7 +206,7 @@ def test_manifests_that_misuse_the_packed_location_are_refused(tmp_path):
     ]:
         doc = json.loads(json.dumps(original))
         edit(doc)
-        (tmp_path / "c" / "eqxckpt.json").write_text(json.dumps(doc))
+        (tmp_path / "c" / "eqxckpt.json").write_bytes(crafted_manifest(doc))
         with pytest.raises(eqxckpt.ManifestError, match=match):
             eqxckpt.load(tmp_path / "c")
 
@@ -265,7 +266,7 @@ def test_overlapping_packed_leaves_are_refused_at_open_and_by_verify(tmp_path):
     doc = manifest(tmp_path / "c")
     packed = [leaf for leaf in doc["leaves"] if leaf.get("offset") is not None]
     packed[1]["offset"] = packed[0]["offset"]  # two leaves on the same bytes
-    (tmp_path / "c" / "eqxckpt.json").write_text(json.dumps(doc))
+    (tmp_path / "c" / "eqxckpt.json").write_bytes(crafted_manifest(doc))
     with pytest.raises(eqxckpt.ManifestError, match="overlapping bytes"):
         eqxckpt.open(tmp_path / "c")
     report = eqxckpt.verify(tmp_path / "c")

@@ -90,7 +90,7 @@ from typing import Any, BinaryIO
 import tensorstore as ts
 
 from .._errors import CheckpointBusyError, CheckpointChangedError, CheckpointWriteError, ManifestError
-from .._manifest import MAX_MANIFEST_BYTES, parse_json_object, parse_manifest
+from .._manifest import MAX_MANIFEST_BYTES, check_checksum, parse_json_object, parse_manifest
 from .._paths import (
     COMMIT_NAME,
     DOOMED_NAME,
@@ -872,7 +872,9 @@ def committed_arrays(store: ts.KvStore) -> str | None:
     if top.state != "value":
         return ""
     try:
-        doc = parse_json_object(bytes(top.value), MANIFEST_NAME)  # size and density checked before parsing
+        raw = bytes(top.value)
+        doc = parse_json_object(raw, MANIFEST_NAME)  # size and density checked before parsing
+        check_checksum(raw, doc, MANIFEST_NAME)  # a flipped bit must not name another prefix
     except ManifestError:
         return None
     arrays = doc.get("arrays", "")
