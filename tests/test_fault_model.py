@@ -58,13 +58,20 @@ INDEX = st.integers(0, 2**16)
 
 
 def same_values(got: dict, want: dict) -> bool:
-    """Same leaves, bit for bit."""
+    """Same leaves, bit for bit (a scalar as the type it was saved as)."""
     if not isinstance(got, dict) or sorted(got) != sorted(want):
         return False
     for name, value in want.items():
-        x = np.asarray(got[name])
-        if x.dtype != value.dtype or x.shape != value.shape or x.tobytes() != value.tobytes():
-            return False
+        if isinstance(value, dict):
+            if not same_values(got[name], value):
+                return False
+        elif not isinstance(value, np.ndarray):
+            if type(got[name]) is not type(value) or np.asarray(got[name]).tobytes() != np.asarray(value).tobytes():
+                return False
+        else:
+            x = np.asarray(got[name])
+            if x.dtype != value.dtype or x.shape != value.shape or x.tobytes() != value.tobytes():
+                return False
     return True
 
 

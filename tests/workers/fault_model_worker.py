@@ -29,12 +29,17 @@ import eqxckpt
 
 def tree(version: int) -> dict:
     """The values saved as ``version``: ``frozen`` never changes (so a manager's steps
-    share it), ``b`` changes every second version, ``w`` every version."""
+    share it; too large to be packed), ``b`` changes every second version, ``w`` and the
+    scalar ``lr`` (a manifest value, covered by its CRC-32C) every version; ``w``, ``b``
+    and the 32 ``small`` leaves are packed into one array, shared whole by a step that
+    saves the version its base saved."""
     rng = np.random.default_rng(version)
     return {
-        "frozen": np.arange(1024, dtype=np.float32) * 0.5,
+        "frozen": np.arange(80 * 1024, dtype=np.float32) * 0.5,
         "w": rng.standard_normal(256).astype(np.float32),
         "b": np.full(8, version // 2, np.int32),
+        "lr": 0.1 * version,
+        "small": {f"{i:02d}": np.full(4, i + version // 2, np.int16) for i in range(32)},
     }
 
 
