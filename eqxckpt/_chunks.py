@@ -144,18 +144,19 @@ class ChunkLayout:
         #  ('c/2', (slice(1, 2, 3),), (slice(2, 3),))]
         ```
         """
+        if not all(len(r) for r in box):
+            return  # selects nothing: the other dimensions' chunks (any number of them) are not listed
         dims = []
         for r, c, n in zip(box, self.chunk, self.shape):
             entries = []
-            if len(r):
-                for k in range(r[0] // c, r[-1] // c + 1):
-                    start, stop = k * c, min(n, k * c + c)
-                    first = r.start + max(0, -(-(start - r.start) // r.step)) * r.step  # first index in the chunk
-                    end = min(stop, r.stop)
-                    if first < end:
-                        at = (first - r.start) // r.step
-                        taken = slice(first - start, end - start, r.step)
-                        entries.append((slice(start, stop), taken, slice(at, at + len(range(first, end, r.step)))))
+            for k in range(r[0] // c, r[-1] // c + 1):
+                start, stop = k * c, min(n, k * c + c)
+                first = r.start + max(0, -(-(start - r.start) // r.step)) * r.step  # first index in the chunk
+                end = min(stop, r.stop)
+                if first < end:
+                    at = (first - r.start) // r.step
+                    taken = slice(first - start, end - start, r.step)
+                    entries.append((slice(start, stop), taken, slice(at, at + len(range(first, end, r.step)))))
             dims.append(entries)
         for combo in itertools.product(*dims):
             part = tuple(entry[0] for entry in combo)

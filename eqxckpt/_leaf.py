@@ -489,7 +489,8 @@ def parse_shape(value: Any, where: str) -> tuple[int, ...]:
         raise ManifestError(f"Leaf {where!r}: shape must be a list of at most {MAX_RANK} ints, found {value!r}.")
     if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_ELEMENTS for d in value):
         raise ManifestError(f"Leaf {where!r}: shape {value!r} has a negative, huge or non-integer dimension.")
-    if math.prod(value) >= MAX_ELEMENTS:
+    # Zero dimensions counted as one: numpy refuses an empty array whose other dimensions overflow.
+    if math.prod(max(d, 1) for d in value) >= MAX_ELEMENTS:
         raise ManifestError(f"Leaf {where!r}: shape {value!r} declares an absurd number of elements.")
     return tuple(value)
 

@@ -139,6 +139,8 @@ def chunk_regions(chunk: Sequence[int], region: Sequence[slice]) -> list[tuple[s
     chunk_regions([2, 4], [slice(0, 3), slice(0, 4)])  # rows 0-1, then row 2
     ```
     """
+    if any(s.start >= s.stop for s in region):
+        return []  # empty: `product` would first list every start along the other dimensions
     starts = itertools.product(*(range(s.start, s.stop, c) for s, c in zip(region, chunk)))
     return [tuple(slice(a, min(a + c, s.stop)) for a, c, s in zip(first, chunk, region)) for first in starts]
 

@@ -610,6 +610,46 @@ def test_one_element_chunks_are_refused_before_any_read(tmp_path):
         assert peak < 32, (op, peak)  # MiB
 
 
+def test_an_empty_leaf_lists_no_chunks_along_its_other_dimensions(tmp_path):
+    """A leaf with no elements but a huge other dimension (0 x 2**46, as saved, and the
+    same edited to one-element chunks, which the chunk-count bound lets through since it
+    has none): every reader returns the empty array at once, at no memory cost (the one
+    chunk reader listed every chunk along the huge dimension first: 661 MiB and 3.5 s
+    as saved, without end as edited)."""
+    saved, edited = tmp_path / "saved", tmp_path / "edited"
+    for ckpt in (saved, edited):
+        eqxckpt.save(ckpt, {"x": np.zeros((0, 1 << 46), np.uint8)})
+    meta = json.loads((edited / "x/zarr.json").read_text())
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [1, 1]
+    (edited / "x/zarr.json").write_text(json.dumps(meta))
+    for ckpt in (saved, edited):
+        for op in ("load", "get", "verify"):
+            error, message, peak = probe(op, ckpt)
+            assert error is None, (ckpt.name, op, message)
+            assert peak < 32, (ckpt.name, op, peak)  # MiB
+        assert eqxckpt.load(ckpt)["x"].shape == (0, 1 << 46)
+        assert eqxckpt.open(ckpt)["x"][:, 5:].get().shape == (0, (1 << 46) - 5)
+
+
+def test_an_empty_leaf_whose_other_dimensions_overflow_is_refused(tmp_path):
+    """Shape [0, 2**31, 2**31, 2**31] holds no element, but numpy cannot make such an
+    array: `open`, `load` and `verify` refuse it as a damaged manifest, naming the leaf
+    (it was a raw ValueError from `load` and from `verify`, which never raises)."""
+    ckpt = tmp_path / "c"
+    eqxckpt.save(ckpt, {"x": np.zeros((0, 2, 2, 2), np.uint8)})
+    doc = json.loads((ckpt / "eqxckpt.json").read_bytes())
+    (record,) = [r for r in doc["leaves"] if r["path"] == "x"]
+    record["shape"] = [0, 1 << 31, 1 << 31, 1 << 31]
+    (ckpt / "eqxckpt.json").write_bytes(crafted_manifest(doc))
+    meta = json.loads((ckpt / "x/zarr.json").read_text())
+    meta["shape"] = record["shape"]  # the same crafted shape: the two agree
+    (ckpt / "x/zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(eqxckpt.ManifestError, match="'x'.*absurd number of elements"):
+        eqxckpt.load(ckpt)
+    report = eqxckpt.verify(ckpt)
+    assert not report.ok and "absurd number of elements" in str(report)
+
+
 def damage_appended(ckpt):
     """A chunk file with 64 MiB appended (sparse: costs no disk)."""
     chunk = ckpt / "w/c/0/0"
