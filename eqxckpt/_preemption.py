@@ -38,6 +38,16 @@ class _Listener:
         # One bound method, so that `signal.getsignal(s) is self.handler` says whether ours is current.
         self.handler = self._handle
 
+    def _forget(self) -> None:
+        """In a forked child: none of the parent's managers listen here and its watchdog
+        is gone; the handler stays, so a signal does what it would without them."""
+        self._lock = threading.RLock()
+        self._members = frozenset()
+        self._armed, self._ending = {}, set()
+        self._saving = self._notices = 0
+        self._wake = threading.Event()
+        self._watchdog = None
+
     def join(self, member: "Preemption") -> None:
         """Deliver ``member.signals`` to ``member`` from now on (installing the handler from
         the main thread; a handler cannot be installed from another thread)."""
@@ -48,8 +58,10 @@ class _Listener:
                     if signum in self._found:
                         continue  # installed once: installing again would chain ours to itself
                     found = signal.getsignal(signum)
-                    if found is None:
-                        continue  # set outside Python: it could be neither called nor put back
+                    if found is None or found == signal.SIG_IGN:
+                        # Set outside Python (it could be neither called nor put back), or
+                        # ignored by the program: no notice comes by this signal.
+                        continue
                     signal.signal(signum, self.handler)
                     self._found[signum] = found
             if self._watchdog is None:
@@ -114,11 +126,11 @@ class _Listener:
             else:
                 members = [m for m in self._members if signum in m.signals]
             # Called by the signal itself, or by a handler the program set later that calls
-            # the one it found (then the program's handler has already done its part).
-            direct = signal.getsignal(signum) is self.handler
+            # the one it found (ours): either way ours stands for the disposition it found,
+            # so a default action is delayed for the managers' save, never dropped.
             for member in members:
                 member.noticed = True
-            arm = bool(members) and direct and found == signal.SIG_DFL and signum not in self._armed
+            arm = bool(members) and found == signal.SIG_DFL and signum not in self._armed
             if arm:
                 self._armed[signum] = time.monotonic() + max(m.grace_s for m in members)
                 self._notices += 1
@@ -127,7 +139,7 @@ class _Listener:
         if members:
             if callable(found):
                 found(signum, frame)
-        elif direct:
+        else:
             self._pass_on(signum, found, frame)
 
     def _pass_on(self, signum: int, found: Any, frame: Any) -> None:
@@ -135,9 +147,10 @@ class _Listener:
         if callable(found):
             found(signum, frame)
         elif found == signal.SIG_DFL:
+            current = signal.getsignal(signum)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)  # ends the process, if that is what the default does
-            signal.signal(signum, self.handler)
+            signal.signal(signum, current)
 
     def _watch(self) -> None:
         """The watchdog thread: ends the process once a notice's grace period is over and
@@ -166,15 +179,17 @@ class _Listener:
                 if due > now or signum in self._ending:
                     continue
                 current = signal.getsignal(signum)
-                if current is self.handler:
-                    self._ending.add(signum)  # the handler (main thread) passes it on
-                    send.append(signum)
-                elif current == signal.SIG_DFL:
+                if current == signal.SIG_DFL:
                     del self._armed[signum]  # ours was put back: the default ends the process
                     _announce(signum)
                     send.append(signum)
+                elif callable(current):
+                    # Ours, or the program's that called ours for the notice: ours (in the
+                    # main thread) passes it on.
+                    self._ending.add(signum)
+                    send.append(signum)
                 else:
-                    del self._armed[signum]  # the program handles the signal itself now
+                    del self._armed[signum]  # the program ignores the signal now
         for signum in send:
             os.kill(os.getpid(), signum)
 
@@ -189,6 +204,8 @@ def _announce(signum: int) -> None:
 
 
 LISTENER = _Listener()
+# A worker forked after a manager's first save (a data loader's) must still die on SIGTERM.
+os.register_at_fork(after_in_child=LISTENER._forget)
 
 
 class Preemption:

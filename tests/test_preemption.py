@@ -32,8 +32,9 @@ def run(script: str) -> subprocess.CompletedProcess:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("chain", [False, True])
 def test_a_handler_the_program_sets_after_the_first_save_survives_close(tmp_path, chain):
-    """Closing the manager leaves the program's handler in place (whether or not it calls
-    the one it found: eqxckpt's, which then passes nothing on): SIGTERM runs it."""
+    """Closing the manager leaves the program's handler in place: SIGTERM runs it. If it
+    calls the one it found (eqxckpt's), that one does what the disposition it replaced
+    would have: SIGTERM's default ends the process."""
     done = run(f"""
         got = []
         def program(signum, frame):
@@ -50,8 +51,12 @@ def test_a_handler_the_program_sets_after_the_first_save_survives_close(tmp_path
         print("program handler ran", got, flush=True)
         sys.exit(3)  # the program's own decision
     """)
-    assert done.returncode == 3, done.stderr
-    assert done.stdout.splitlines() == ["kept True", f"program handler ran [{int(signal.SIGTERM)}]"]
+    if chain:
+        assert done.returncode == -signal.SIGTERM, done.stderr
+        assert done.stdout.splitlines() == ["kept True"]
+    else:
+        assert done.returncode == 3, done.stderr
+        assert done.stdout.splitlines() == ["kept True", f"program handler ran [{int(signal.SIGTERM)}]"]
 
 
 @pytest.mark.multiprocess
@@ -256,3 +261,65 @@ def test_listening_composes_with_other_managers_and_the_programs_handlers(ops):
         for member in members:
             member.close()
         assert names.get(signal.getsignal(signal.SIGUSR1)) == current
+
+
+@pytest.mark.multiprocess
+def test_a_program_handler_that_calls_eqxckpts_gets_the_grace_period(tmp_path):
+    """The program sets its handler after the manager's first save and calls the one it
+    found (as submitit and torch elastic do); the loop then stops saving: the notice is
+    not swallowed, the process ends by SIGTERM once ``preemption_grace_s`` is over (it
+    lived on until the next save, or for good once the manager was closed)."""
+    done = run(f"""
+        manager = eqxckpt.CheckpointManager({str(tmp_path / "run")!r}, preemption_grace_s=1.0)
+        manager.save(0, {{"w": np.zeros(2)}})
+        found = signal.getsignal(signal.SIGTERM)
+        def program(signum, frame):
+            print("program handler", flush=True)
+            found(signum, frame)
+        signal.signal(signal.SIGTERM, program)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(600):  # evaluation: no more saves
+            time.sleep(0.1)
+        print("still running", flush=True)
+    """)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert "still running" not in done.stdout and "program handler" in done.stdout
+    assert "within preemption_grace_s" in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_worker_forked_after_the_first_save_dies_on_sigterm(tmp_path):
+    """A worker forked after the manager's first save (a data loader's) inherits the
+    handler but none of the parent's managers: SIGTERM ends it (it ignored SIGTERM for
+    good: the watchdog that would end it is a thread, which a fork does not copy)."""
+    done = run(f"""
+        with eqxckpt.CheckpointManager({str(tmp_path / "run")!r}, preemption_grace_s=1.0) as manager:
+            manager.save(0, {{"w": np.zeros(2)}})
+            pid = os.fork()
+            if pid == 0:
+                for _ in range(600):
+                    time.sleep(0.1)
+                os._exit(7)
+            time.sleep(0.2)
+            os.kill(pid, signal.SIGTERM)
+            _, status = os.waitpid(pid, 0)
+            print("worker", os.waitstatus_to_exitcode(status), flush=True)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"worker {-signal.SIGTERM}"]
+
+
+@pytest.mark.multiprocess
+def test_a_signal_the_program_ignores_is_no_notice(tmp_path):
+    """SIGTERM set to SIG_IGN by the program: the manager does not listen for it (a save
+    after SIGTERM is a plain save, the process goes on), and SIG_IGN is still set after."""
+    done = run(f"""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with eqxckpt.CheckpointManager({str(tmp_path / "run")!r}, save_interval_steps=10) as manager:
+            manager.save(0, {{"w": np.zeros(2)}})
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("saved", manager.save(1, {{"w": np.ones(2)}}), manager.reached_preemption(1), flush=True)
+        print("ignored", signal.getsignal(signal.SIGTERM) == signal.SIG_IGN, flush=True)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["saved False False", "ignored True"]
