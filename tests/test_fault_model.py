@@ -19,6 +19,7 @@ SIGSTOP past a lease runs on S3 only: local disks have no leases (a stopped writ
 its lock), and fake-gcs-server ignores the preconditions leases rely on.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,6 +32,7 @@ import sys
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 from conftest import WORKERS
@@ -238,15 +240,24 @@ def quiet_manager(location, **kwargs) -> tuple[eqxckpt.CheckpointManager, list[s
     return manager, [str(w.message) for w in caught]
 
 
-def start_worker(job: dict, *, pipe: bool = True) -> subprocess.Popen:
+@contextlib.contextmanager
+def worker(job: dict) -> Iterator[subprocess.Popen]:
+    """A child running `fault_model_worker.py` on ``job`` (its lease short); killed on the
+    way out if still running, whatever the rule asserted."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", EQXCKPT_LEASE_TIMEOUT_S=str(LEASE_S))
-    return subprocess.Popen(
+    child = subprocess.Popen(
         [sys.executable, str(WORKERS / "fault_model_worker.py"), json.dumps(job)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
     )
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def is_stopped(pid: int) -> bool:
@@ -411,8 +422,7 @@ class FaultModel(RuleBasedStateMachine):
         job["mode"] = mode
         if when[0] == "report":
             job["signal_at"] = [when[1], "KILL"]
-        child = start_worker(job)
-        try:
+        with worker(job) as child:
             if when[0] == "delay":
                 assert child.stdout is not None
                 child.stdout.readline()  # "ready"
@@ -420,10 +430,6 @@ class FaultModel(RuleBasedStateMachine):
                 if child.poll() is None:
                     child.send_signal(signal.SIGKILL)
             out, err = child.communicate(timeout=180)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
         assert child.returncode in (0, -signal.SIGKILL), err[-3000:]
         if self.where.name != "local":
             time.sleep(LEASE_S * 1.5)  # its lease is abandoned: the next manager finishes its action
@@ -449,8 +455,7 @@ class FaultModel(RuleBasedStateMachine):
         self.started += 1
         job = {"run": self.where.location(), "step": self.where.step(number), "number": number, "version": version}
         job |= {"mode": "overwrite", "signal_at": [report, "STOP"]}
-        child = start_worker(job)
-        try:
+        with worker(job) as child:
             while child.poll() is None and not is_stopped(child.pid):
                 time.sleep(0.01)
             stopped = child.poll() is None
@@ -459,10 +464,6 @@ class FaultModel(RuleBasedStateMachine):
             eqxckpt.save(self.where.step(number), tree(other), overwrite=True)
             child.send_signal(signal.SIGCONT)
             out, err = child.communicate(timeout=180)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
         if stopped:
             assert child.returncode == 3, f"a writer stopped past its lease was not refused: {out}{err[-3000:]}"
         else:
@@ -477,17 +478,12 @@ class FaultModel(RuleBasedStateMachine):
         self.started += 1
         first = max(self.model.versions, default=0) + 1
         job = {"run": self.where.location(), "step": None, "number": first, "version": 0, "mode": "train"}
-        child = start_worker(job)
-        try:
+        with worker(job) as child:
             assert child.stdout is not None
             while (line := child.stdout.readline()) and line.strip() != f"step {first + after}":
                 pass
             child.send_signal(signal.SIGTERM)
             out, err = child.communicate(timeout=180)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
         assert child.returncode == 0, err[-3000:]
         found = re.search(r"preemption notice; step (\d+) saved", err)
         assert found, err[-3000:]
