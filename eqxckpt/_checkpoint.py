@@ -270,7 +270,9 @@ class BlockReads:
 
         def work(chunk: str, part: Region, into: list[tuple[np.ndarray, Region, Region]]) -> None:
             with reading(leaf):  # chunks fill disjoint parts of a block: threads may share it
-                read_scattered(files, f"{leaf.path}/{chunk}", layout, part, [(take, b[put]) for b, take, put in into])
+                # ``b[(*put, ...)]``: a view even of a 0-d block (``b[()]`` is a scalar, not writable).
+                views = [(take, b[(*put, ...)]) for b, take, put in into]
+                read_scattered(files, f"{leaf.path}/{chunk}", layout, part, views)
 
         order = sorted(wanted.items(), key=lambda item: tuple(s.start for s in item[1][0]))  # C order: sequential
         itemsize = layout.dtype.itemsize

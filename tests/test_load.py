@@ -301,7 +301,7 @@ def test_the_rules_are_transforms_everywhere():
 @pytest.mark.multiprocess
 def test_sharded_restores_hold_the_saved_values_for_every_split(tmp_path):
     """Onto 8 CPU devices (a worker process): by rows, columns, 2-D meshes, replicated,
-    PRNG keys; chunks of 256 bytes that straddle blocks, partial edge chunks. Every
+    PRNG keys, a 0-d leaf; chunks of 256 bytes that straddle blocks, partial edge chunks. Every
     device's block is the saved values (each chunk read once, copied into each block)."""
     import os
     import subprocess
@@ -318,4 +318,4 @@ def test_sharded_restores_hold_the_saved_values_for_every_split(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "14"
+    assert done.stdout.strip().splitlines()[-1] == "15"

@@ -27,6 +27,7 @@ def main(directory: str) -> None:
         "t": rng.integers(0, 1000, (8, 6, 12)).astype(np.int16),
         "wide": rng.standard_normal((3, 64)).astype(np.float32),
         "k": jax.random.split(jax.random.key(1), 16),
+        "count": np.array(7, np.int32),  # 0-d, as an optimizer's step count: put on every device
     }
     eqxckpt.save(f"{directory}/c", tree)
     line = Mesh(np.array(jax.devices()), ("x",))
@@ -36,6 +37,7 @@ def main(directory: str) -> None:
         "t": [P("x"), P(None, None, "y"), P(None, "y", "x"), P()],
         "wide": [P(None, "x"), P(None, "y")],
         "k": [P("x"), P()],
+        "count": [P()],
     }
     checked = 0
     for name, specs in cases.items():
