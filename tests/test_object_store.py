@@ -577,6 +577,30 @@ def probe_in_a_child(store, ops: str, prefix: str) -> dict:
 
 
 @pytest.mark.multiprocess
+def test_a_load_racing_an_overwrite_reads_the_new_checkpoint(store, monkeypatch):
+    """Another save overwrites the checkpoint between a reader's read of the manifest and
+    its check that the prefix it names is committed (here: injected at that instant by
+    running the overwrite inside that check). The old prefix is then retired and gone
+    and the new one not yet named by what the reader read: `load` reads the new
+    checkpoint, never calls it damaged (it raised ManifestError "damaged manifest",
+    which a manager records as a step never to be saved over)."""
+    from eqxckpt._storage import _objects
+
+    place = store.spec(f"race-{store.name}/step/")
+    eqxckpt.save(place, {"w": np.arange(4.0)})
+    check, raced = _objects.exists, []
+
+    def exists_after_an_overwrite(kvstore, key):
+        if not raced and key.endswith("eqxckpt.commit.json"):
+            raced.append(True)
+            eqxckpt.save(place, {"w": np.arange(4.0) + 1}, overwrite=True)  # the other process, now
+        return check(kvstore, key)
+
+    monkeypatch.setattr(_objects, "exists", exists_after_an_overwrite)
+    loaded = eqxckpt.load(place, {"w": np.zeros(4)})
+    assert raced and (loaded["w"] == np.arange(4.0) + 1).all()
+
+
 def test_an_oversized_object_is_refused_without_downloading_it(store):
     """256 MiB where a 4 KiB chunk should be, then 128 MiB where a zarr.json should be:
     load, get and verify refuse each after downloading at most a few bytes more than

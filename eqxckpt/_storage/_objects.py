@@ -18,6 +18,7 @@ import tensorstore as ts
 
 from .._errors import (
     CheckpointBusyError,
+    CheckpointChangedError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -113,6 +114,9 @@ class ObjectStorage(Storage):
             if result.state == "value":
                 manifest = parse_manifest(bytes(result.value), str(self))
                 if manifest.arrays and not exists(store, f"{manifest.arrays}/{COMMIT_NAME}"):
+                    if StorePin(self, result.stamp.generation).changed():
+                        # Replaced while it was read (an overwrite retired its arrays): read it again.
+                        raise CheckpointChangedError(f"The checkpoint at {self} was replaced while it was opened.")
                     if others := _unexplained_commits(store):
                         raise ManifestError(
                             f"{_damaged(self, manifest.arrays, others)} Restore the manifest from a copy, or delete "
