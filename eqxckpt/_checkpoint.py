@@ -184,8 +184,10 @@ class Checkpoint(Source):
         window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
         for i in sorted(sharded):
             leaf, target = wanted[i]
+            # Planned outside `reading`: a sharding that does not fit the shape is the
+            # caller's mistake (JAX's own error), not a damaged checkpoint.
+            blocks = BlockReads(self, leaf, target, window)
             with reading(leaf):
-                blocks = BlockReads(self, leaf, target, window)
                 values[i] = leaf.assemble(target, blocks, lambda index, shape=leaf.shape: _slice_key(index, shape))
             advance(leaf.nbytes)
         return values

@@ -53,6 +53,17 @@ def main(directory: str) -> None:
             for shard in out.addressable_shards:  # every device's block
                 np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(value)[shard.index], f"{name} {spec}")
             checked += 1
+    # 3 rows over 8 devices: the caller's sharding does not fit, which is JAX's error to
+    # raise (it was reported as a corrupt checkpoint, to be restored from a copy).
+    uneven = jax.ShapeDtypeStruct((3, 64), np.float32, sharding=NamedSharding(line, P("x", None)))
+    try:
+        eqxckpt.load(f"{directory}/c", {"wide": uneven}, strict=False)
+    except eqxckpt.CheckpointError as e:
+        raise AssertionError(f"an uneven sharding called the checkpoint damaged: {e}") from None
+    except ValueError as e:
+        assert "evenly divide" in str(e), e
+    else:
+        raise AssertionError("an uneven sharding was accepted")
     print(checked)
 
 
