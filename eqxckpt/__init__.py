@@ -11,6 +11,7 @@ from ._background import SaveHandle as SaveHandle
 from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray
 from ._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
 from ._errors import (
+    ArgumentError as ArgumentError,
     CastError as CastError,
     CheckpointBusyError as CheckpointBusyError,
     CheckpointChangedError as CheckpointChangedError,

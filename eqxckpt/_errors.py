@@ -19,6 +19,21 @@ class CheckpointError(Exception):
     """
 
 
+class ArgumentError(CheckpointError, ValueError):
+    """An argument to `save`, `load`, `CheckpointManager` or another eqxckpt call is not
+    one it accepts (a negative step, metadata that is not JSON, an unknown mode).
+
+    Also a `ValueError`, so code that catches either catches it.
+
+    ```python
+    try:
+        eqxckpt.CheckpointManager("run", max_to_keep=0)
+    except eqxckpt.ArgumentError as e:
+        print(e)  # names the argument, what it got, and what it accepts
+    ```
+    """
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """Nothing that looks like a checkpoint exists at the given path.
 
