@@ -123,8 +123,8 @@ def _open_base(base: CheckpointPath | None, location: Storage) -> Checkpoint | N
     except CheckpointError:  # gone, damaged, not one: nothing is taken from it
         return None
     if location.local is not None:
-        return source if source._arrays.local is not None else None
-    return source if location.sibling_name(source.location) is not None and source._manifest.arrays else None
+        return source if source.stored.arrays.local is not None else None
+    return source if location.sibling_name(source.location) is not None and source.stored.manifest.arrays else None
 
 
 # A batch of leaves hashed by one thread: large enough that a tree of many small leaves
@@ -185,10 +185,10 @@ def _unchanged(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) ->
     recorded = {r.path: r for r in manifest.leaves if isinstance(r, StoredLeaf)}
     for leaf in leaves:
         if leaf.record.path == PACKED_LOCATION:
-            if base._packed is not None and _same_packing(manifest, base._manifest):
-                yield leaf, base._packed
+            if base.stored.packed is not None and _same_packing(manifest, base.stored.manifest):
+                yield leaf, base.stored.packed
             continue
-        new, old = recorded.get(leaf.record.path), base._leaves.get(leaf.record.path)
+        new, old = recorded.get(leaf.record.path), base.stored.records.get(leaf.record.path)
         if not (
             new is None  # the packed array: rewritten whole
             or leaf.shard is not None
@@ -225,7 +225,7 @@ def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> 
         expected = {
             k: v for k, v in expected_files([(old, ChunkLayout.planned(old))]).items() if k.startswith(f"{old.path}/")
         }
-        found = base._arrays.leaf_files(old.path)
+        found = base.stored.leaf_files(old.path)
         if found is not None and found.keys() == expected.keys():
             if all(size < 0 or found[key] == size for key, size in expected.items()):
                 laid_out.append((leaf, old))
@@ -239,7 +239,7 @@ def _referable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob], lo
     (base's own, or the one base refers to: references are never chained)."""
     entry = location.sibling_name(base.location)
     assert entry is not None
-    own = reference(entry, base._manifest.arrays)
+    own = reference(entry, base.stored.manifest.arrays)
     return {id(leaf): old.arrays or own for leaf, old in _intact(base, list(_unchanged(base, manifest, leaves)))}
 
 
@@ -249,7 +249,7 @@ def _intact(base: Checkpoint, taken: list[tuple[_WriteJob, StoredLeaf]]) -> list
     nothing unchecked, or one bit flipped in ``base`` would be in every later checkpoint.
     The others are written afresh from the values being saved, with a warning naming them.
     Raises `CheckpointChangedError` if ``base`` was replaced or deleted meanwhile."""
-    members = [r for r in base._manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
+    members = [r for r in base.stored.manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
     records = {id(leaf): members if old.path == PACKED_LOCATION else [old] for leaf, old in taken}
     damaged = damaged_leaves(base, [r for group in records.values() for r in group]) if taken else {}
     intact: list[tuple[_WriteJob, StoredLeaf]] = []
@@ -376,9 +376,8 @@ def _run(
         groups = [store.write(group_file(g), GROUP_METADATA) for g in group_locations(leaf.record.path for leaf in own)]
         if linked:
             assert base is not None
-            staging.link_files(base._arrays, [key for _, keys in linked for key in keys])
-            if base._pin is not None and base._pin.changed():
-                raise base._changed()  # what was linked may not be what its manifest describes
+            staging.link_files(base.stored.arrays, [key for _, keys in linked for key in keys])
+            base.check_unchanged()  # what was linked may not be what its manifest describes
         try:  # every process then writes its chunks into these arrays
             _write(staging.storage, leaves, metadata=True, chunks=False)
         finally:  # nothing may still be writing when a failed save removes its files
@@ -522,14 +521,14 @@ def save(
             source = _open_base(base, location) if phases is None or phases.rank == 0 else None
             reusable: dict[int, list[str]] = {}
             referable: dict[int, str] = {}
-            if source is not None and source._arrays.local is None:
+            if source is not None and source.stored.arrays.local is None:
                 try:
                     referable = _referable(source, digested, leaves, location)
                 except CheckpointChangedError:
                     pass  # replaced or deleted meanwhile: everything is written
             elif source is not None:
                 try:  # held, not deleted by retention, while its files are checked and linked
-                    held.enter_context(source._held())
+                    held.enter_context(source.held())
                     reusable = _reusable(source, digested, leaves)
                 except CheckpointChangedError:
                     pass  # deleted meanwhile: everything is written

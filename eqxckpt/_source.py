@@ -95,7 +95,7 @@ class Source(abc.ABC):
             w, b = ckpt["model/w"].get(), ckpt["model/b"].get()
         ```
         """
-        with self._held():
+        with self.held():
             try:
                 yield
             except CheckpointChangedError:
@@ -104,13 +104,21 @@ class Source(abc.ABC):
                 if self._pin is not None and self._pin.changed():
                     raise self._changed() from e
                 raise
-            if self._pin is not None and self._pin.changed():
-                raise self._changed()
+            self.check_unchanged()
 
     @contextlib.contextmanager
-    def _held(self) -> Iterator[None]:
+    def held(self) -> Iterator[None]:
         """On a local disk, a shared lock that keeps eqxckpt's retention from deleting this
-        checkpoint while the block runs (`CheckpointChangedError` if it is gone already)."""
+        checkpoint while the block runs. Unlike `consistent`, nothing is checked afterwards.
+
+        **Returns:** a context manager; entering it raises `CheckpointChangedError` if the
+        checkpoint is gone already.
+
+        ```python
+        with ckpt.held():  # a save taking files from ckpt holds it so
+            ...
+        ```
+        """
         lock = self._pin.hold() if self._pin is not None else NoLock()
         if lock is None:
             raise self._changed()
@@ -118,6 +126,18 @@ class Source(abc.ABC):
             yield
         finally:
             lock.release()
+
+    def check_unchanged(self) -> None:
+        """Raise `CheckpointChangedError` if the checkpoint was replaced or deleted since it was opened.
+
+        **Returns:** nothing; sources without a pin (a single open file) never raise.
+
+        ```python
+        ckpt.check_unchanged()  # what was read so far is this checkpoint's
+        ```
+        """
+        if self._pin is not None and self._pin.changed():
+            raise self._changed()
 
     def _changed(self) -> CheckpointChangedError:
         return CheckpointChangedError(

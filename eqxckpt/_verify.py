@@ -181,7 +181,7 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
             _check_own(checkpoint, stored, report)
             if packed:
                 _check_packed(checkpoint, packed, report)
-            report.problems.extend(checkpoint._arrays.unlisted(set(checkpoint._manifest.stored_paths())))
+            report.problems.extend(checkpoint.stored.unlisted())
             _find_sharers(checkpoint, report)
     except CheckpointChangedError as e:
         # What was checked may belong to another checkpoint: say so, and nothing else.
@@ -192,10 +192,10 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
 def _find_sharers(checkpoint: Checkpoint, report: VerifyReport) -> None:
     """Name, for each damaged leaf and packed chunk, the checkpoints beside this one that
     hold the same stored files (`Storage.sharers`): asked only where something is damaged."""
-    location, manifest = checkpoint.location, checkpoint._manifest
-    damaged = [r for path, _ in report.problems if isinstance(r := checkpoint._leaves.get(path), StoredLeaf)]
+    location, manifest = checkpoint.location, checkpoint.stored.manifest
+    damaged = [r for path, _ in report.problems if isinstance(r := checkpoint.stored.records.get(path), StoredLeaf)]
     report._packed.update(r.path for r in damaged if r.offset is not None)
-    packed = checkpoint._packed
+    packed = checkpoint.stored.packed
     in_packed = location.sharers(manifest, packed) if packed and (report._packed or report.damaged_chunks) else []
     for record in damaged:
         if names := in_packed if record.offset is not None else location.sharers(manifest, record):
@@ -220,7 +220,7 @@ def damaged_leaves(checkpoint: Checkpoint, records: Sequence[StoredLeaf]) -> dic
     return {
         path: chunks if chunks and record.offset is not None else report._reasons.get(path, message)
         for path, message in report.problems
-        if (record := checkpoint._leaves.get(path)) is not None and isinstance(record, StoredLeaf)
+        if (record := checkpoint.stored.records.get(path)) is not None and isinstance(record, StoredLeaf)
     }
 
 
@@ -250,7 +250,7 @@ def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: Verify
             record.check_known()  # e.g. a PRNG implementation this JAX knows
             # Read by the layout of its zarr.json once that was checked to be what eqxckpt
             # writes (raw bytes plus a crc32c checksum): every chunk's checksum is checked.
-            layout = checkpoint._layout(record)
+            layout = checkpoint.stored.layout(record)
         except CheckpointError as e:
             _count(report, record, e)
             return
@@ -277,7 +277,9 @@ def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: Verify
                             problem = e
                     _count(report, record, problem)
 
-            yield from _tolerant(checkpoint._chunk_reads(record, layout, slab, buffer, slab_read), record, problems)
+            yield from _tolerant(
+                checkpoint.stored.chunk_reads(record, layout, slab, buffer, slab_read), record, problems
+            )
 
     run_windowed(reads(), window)
 
@@ -344,7 +346,7 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
     """Read the packed array slab by slab; a slab that fails is read again chunk by chunk
     (all at once), so that exactly the leaves with bytes in a damaged chunk are reported.
     Bool leaves' bytes are checked in the slabs as they are read."""
-    array = checkpoint._packed
+    array = checkpoint.stored.packed
     assert array is not None
     length = array.shape[0]
     failures: list[tuple[int, int, str]] = []
@@ -376,7 +378,7 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
 
     chunk = PACK_CHUNK_BYTES  # what names a damaged chunk, once the layout is known
     try:
-        layout = checkpoint._packed_layout
+        layout = checkpoint.stored.packed_layout
         chunk = layout.chunk[0]
         window = _window(length)
         buffers = _Buffers(window)
@@ -394,7 +396,9 @@ def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: Veri
                         take(run.start, buffer)
                     buffers.give(buffer)
 
-                yield from _tolerant(checkpoint._chunk_reads(array, layout, part, buffer, chunk_read), array, found)
+                yield from _tolerant(
+                    checkpoint.stored.chunk_reads(array, layout, part, buffer, chunk_read), array, found
+                )
 
         run_windowed(reads(), window)
     except CheckpointError as e:

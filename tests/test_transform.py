@@ -10,6 +10,7 @@ from conftest import assert_trees_equal
 
 import eqxckpt
 from eqxckpt import Transform, apply_transformations
+from eqxckpt._stored import StoredArrays
 
 NESTED = {"a": 1, "dense_1": {"kernel": 2, "bias": 3}, "dense_2": {"kernel": 4, "bias": 5}}
 
@@ -170,8 +171,8 @@ def saved_state(tmp_path):
 
 def _count_reads(monkeypatch):
     read = []
-    real = eqxckpt.Checkpoint._open_array
-    monkeypatch.setattr(eqxckpt.Checkpoint, "_open_array", lambda self, r: (read.append(r.path), real(self, r))[1])
+    real = StoredArrays.open_metadata
+    monkeypatch.setattr(StoredArrays, "open_metadata", lambda self, r: (read.append(r.path), real(self, r))[1])
     return read
 
 

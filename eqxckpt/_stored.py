@@ -1,0 +1,391 @@
+"""`StoredArrays`: the stored arrays of one committed eqxckpt checkpoint, and every read of them.
+
+The one seam between a checkpoint's files and what reads them: `Checkpoint` and
+`LazyArray` (values), `save` (incremental reuse) and `verify` (checks) all go
+through its public methods. It owns the manifest, the storage, the prefixes the
+manifest refers to, each leaf's checked chunk layout, chunk reads and leaf files.
+"""
+
+import functools
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from ._chunks import ChunkLayout, Region, read_into, read_scattered
+from ._convert import aligned_empty
+from ._errors import CorruptCheckpointError
+from ._leaf import Leaf, StoredLeaf
+from ._manifest import Manifest
+from ._pack import packed_array, read_runs, unpack
+from ._select import Selection
+from ._source import check_allocation, reading
+from ._storage import MAX_ZARR_JSON_BYTES, Storage, corrupt
+from ._store import CHUNK_BYTES, host_memory_budget, read_window
+from ._window import Task, run_windowed
+
+
+class StoredArrays:
+    """The stored arrays of a committed checkpoint: what its manifest says and where
+    each leaf's bytes are (its own arrays, or an earlier checkpoint's it refers to).
+
+    **Arguments:**
+
+    - `storage`: the checkpoint's place.
+    - `manifest`: its manifest, as read and checked.
+
+    ```python
+    stored = eqxckpt.open("ckpt").stored
+    stored.layout(stored.records["model/w"]).chunk  # its chunk shape, from its checked zarr.json
+    ```
+    """
+
+    def __init__(self, storage: Storage, manifest: Manifest):
+        self.storage = storage
+        self.manifest = manifest
+        self.arrays = storage.arrays(manifest)
+        # Leaves an incremental save took unchanged from earlier checkpoints are in theirs.
+        self.referenced = {ref: storage.referenced(ref) for ref in manifest.references()}
+        self.records: dict[str, Leaf] = {leaf.path: leaf for leaf in manifest.leaves}
+        self.packed = packed_array(manifest.leaves)  # the array small leaves are packed in, if any
+
+    def stored_leaf(self, path: str) -> StoredLeaf | None:
+        """The record of the leaf at ``path`` if it is a stored array, else None.
+
+        **Arguments:**
+
+        - `path`: a leaf path.
+
+        **Returns:** its `StoredLeaf`, or None.
+
+        ```python
+        stored.stored_leaf("model/w").shape
+        ```
+        """
+        record = self.records.get(path)
+        return record if isinstance(record, StoredLeaf) else None
+
+    def unlisted(self) -> list[tuple[str, str]]:
+        """Files among the checkpoint's own arrays that its manifest does not name, as
+        ``(path, why)`` problems (what `verify` reports)."""
+        return self.arrays.unlisted(set(self.manifest.stored_paths()))
+
+    def leaf_files(self, path: str) -> dict[str, int] | None:
+        """The files of the leaf ``path`` among the checkpoint's own arrays with their sizes,
+        on a local disk (None where they cannot be listed)."""
+        return self.arrays.leaf_files(path)
+
+    def open_metadata(self, leaf: StoredLeaf) -> ts.Future:
+        """Start opening a leaf's stored array: reads its ``zarr.json`` (at most
+        `MAX_ZARR_JSON_BYTES`); `_open_checked` validates it and opens the array."""
+        return self.files_of(leaf).read_leaf_metadata(leaf)
+
+    def files_of(self, leaf: StoredLeaf) -> Storage:
+        """Where the leaf's array is: this checkpoint's arrays, or an earlier one's."""
+        return self.arrays if leaf.arrays is None else self.referenced[leaf.arrays]
+
+    def checked_metadata(self, leaf: StoredLeaf, opened: ts.Future) -> dict[str, Any]:
+        """The leaf's ``zarr.json`` (being read by ``opened``), checked to be what eqxckpt
+        writes for what the manifest says. What was checked is what is used: every read,
+        whole or a selection, goes through the layout it gives (`_layout`)."""
+        with reading(leaf):
+            raw = opened.result()
+        if raw is None:
+            raise corrupt(leaf, "its zarr.json is missing")
+        return validate_array_metadata(raw, leaf)
+
+    def layout(self, leaf: StoredLeaf) -> ChunkLayout:
+        return ChunkLayout.stored(leaf, self.checked_metadata(leaf, self.open_metadata(leaf)))
+
+    @functools.cached_property
+    def packed_layout(self) -> ChunkLayout:
+        """The packed array's layout, its metadata (and its files) checked once for every read of it."""
+        assert self.packed is not None
+        return self.layout(self.packed)
+
+    def chunk_reads(
+        self, record: StoredLeaf, layout: ChunkLayout, region: Region | None, out: np.ndarray, done: Callable[[], None]
+    ) -> Iterator[Task]:
+        """Tasks that read the chunks of ``region`` (None: all; chunk-aligned) of ``record``'s
+        array into ``out`` (shaped like it), checking each one's checksum, then call ``done``.
+        Made as the window takes them: a read that fails stops before the rest are made."""
+        box = tuple(range(n) for n in layout.shape) if region is None else tuple(range(s.start, s.stop) for s in region)
+        yield from self.selection_reads(record, layout, box, out, done)
+
+    def selection_reads(
+        self, record: StoredLeaf, layout: ChunkLayout, box: Sequence[range], out: np.ndarray, done: Callable[[], None]
+    ) -> Iterator[Task]:
+        """Tasks that read the elements ``box`` selects (`ChunkLayout.parts`) of ``record``'s
+        array into ``out`` (shaped like ``box``), each chunk once, then call ``done``."""
+        files = self.files_of(record).chunk_files()
+        task: Task | None = None
+        for key, part, take, put in layout.parts(box):
+            if task is not None:
+                yield task
+            into = out[(*put, ...)]  # a view, even 0-d
+
+            def work(key: str = key, part: Region = part, take: Region = take, into: np.ndarray = into) -> None:
+                with reading(record):
+                    read_into(files, f"{record.path}/{key}", layout, part, take, into)
+
+            task = (math.prod(s.stop - s.start for s in part) * layout.dtype.itemsize, work, None)
+        last: Task = (0, lambda: None, None) if task is None else task
+        yield (last[0], last[1], lambda _: done())  # the last one settles after all the others
+
+    def fetch(
+        self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
+    ) -> None:
+        """Read each of ``leaves`` whole, as stored, calling ``done(i, data)`` in order: all
+        their metadata at once, then their chunks straight into the final buffers within a
+        `read_window`. Packed leaves are read as runs of the packed array's chunks, each once."""
+        own = [i for i, leaf in enumerate(leaves) if leaf.offset is None]
+        packed = [i for i, leaf in enumerate(leaves) if leaf.offset is not None]
+        opens = [self.open_metadata(leaves[i]) for i in own]
+        layouts = {i: ChunkLayout.stored(leaves[i], self.checked_metadata(leaves[i], o)) for i, o in zip(own, opens)}
+        runs = []
+        if packed:
+            assert self.packed is not None  # a bad chunk names the packed array; verify names its leaves
+            runs = read_runs([leaves[i] for i in packed], self.packed.shape[0], self.packed_layout.chunk[0])
+        # Reserved once the files were checked: those must hold what the manifest declares.
+        reserve(sum(leaves[i].nbytes for i in own) + sum(end - start for start, end, _ in runs))
+
+        def tasks() -> Iterator[Task]:  # buffers made as the window takes their first chunk
+            for i in own:
+                layout = layouts[i]
+                buffer = aligned_empty(layout.shape, layout.dtype)  # aligned: the jax array adopts it
+                yield from self.chunk_reads(leaves[i], layout, None, buffer, lambda i=i, b=buffer: done(i, b))
+            if packed:
+                assert self.packed is not None
+                layout = self.packed_layout
+                for start, end, members in runs:
+                    indices = [packed[m] for m in members]
+                    buffer = aligned_empty((end - start,), np.dtype(np.uint8))
+
+                    def unpacked(start: int = start, buffer: np.ndarray = buffer, indices: list[int] = indices) -> None:
+                        for i, data in zip(indices, unpack(buffer, start, [leaves[i] for i in indices])):
+                            done(i, data)
+
+                    yield from self.chunk_reads(self.packed, layout, (slice(start, end),), buffer, unpacked)
+
+        run_windowed(tasks(), read_window(sum(leaf.nbytes for leaf in leaves)))
+
+    def read_whole(self, leaf: StoredLeaf) -> np.ndarray:
+        """One leaf's stored array, read whole."""
+        found: list[np.ndarray] = []
+        reserve = lambda nbytes: check_allocation(nbytes, f"Reading leaf {leaf.path!r}")  # noqa: E731
+        self.fetch([leaf], lambda _, data: found.append(data), reserve)
+        return found[0]
+
+    def read_selection(self, leaf: StoredLeaf, selection: Selection, layout: ChunkLayout | None = None) -> np.ndarray:
+        """The elements ``selection`` takes of a leaf with its own array: only the chunks
+        holding them are read, each checked as a whole read checks it. ``layout``: the
+        leaf's, if it was checked already."""
+        layout = self.layout(leaf) if layout is None else layout
+        box = selection.box()
+        assert len(box) == len(layout.shape), (box, layout.shape)
+        nbytes = math.prod(len(r) for r in box) * layout.dtype.itemsize
+        check_allocation(nbytes, f"Reading leaf {leaf.path!r}")
+        out = np.empty(tuple(len(r) for r in box), layout.dtype)
+        run_windowed(self.selection_reads(leaf, layout, box, out, lambda: None), read_window(nbytes))
+        return selection.finish(out)
+
+    def block_reads(self, leaf: StoredLeaf, target: Any, window: int) -> "BlockReads":
+        """The blocks of ``leaf`` that ``target``'s sharding places on this process's devices (`BlockReads`)."""
+        return BlockReads(self, leaf, target, window)
+
+
+def slice_key(index: tuple, shape: tuple[int, ...]) -> tuple:
+    """A hashable, normalised form of an index into ``shape``."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+class BlockReads:
+    """The blocks of one leaf that this process's devices hold (one per distinct slice:
+    replicas share theirs), handed to the assembly in the order it asks for them.
+
+    Blocks are read in groups: every chunk that a group's blocks need is read once (its
+    checksum checked), within the window, and its part of each block copied in; then each
+    block is put on its devices and let go. A block for CPU devices becomes the result
+    itself (`jax.device_put` keeps an aligned host buffer), so those are all one group,
+    however the leaf is split. Blocks for other devices are staged in host memory: a group
+    holds at most the host memory budget (at least one block), and its reads in flight what
+    is left of it, so a leaf split by columns, whose every chunk holds part of every block,
+    is read once per group.
+    """
+
+    def __init__(self, stored: "StoredArrays", leaf: StoredLeaf, target: Any, window: int):
+        self._stored, self._leaf = stored, leaf
+        self._layout = layout = stored.layout(leaf)
+        self._trailing = layout.shape[len(leaf.shape) :]  # a PRNG key's key data: whole in every block
+        devices: dict[tuple, list[Any]] = {}
+        for device, index in target.sharding.addressable_devices_indices_map(leaf.shape).items():
+            devices.setdefault(slice_key(index, leaf.shape), []).append(device)
+        self._uses = {key: len(on) for key, on in devices.items()}  # slices still to hand over
+        self._group: dict[tuple, int] = {}
+        groups: list[list[tuple]] = [[]]
+        staged, budget = [0], host_memory_budget()
+        for key, on in devices.items():
+            cost = 0 if all(device.platform == "cpu" for device in on) else self._nbytes(key)
+            if groups[-1] and staged[-1] + cost > budget:
+                groups.append([])
+                staged.append(0)
+            groups[-1].append(key)
+            staged[-1] += cost
+            self._group[key] = len(groups) - 1
+        self._groups = groups
+        # A group's reads in flight: what its staged blocks leave of the budget (one at least).
+        self._windows = [min(window, max(1, budget - nbytes)) for nbytes in staged]
+        self._held: dict[tuple, np.ndarray] = {}
+
+    def _nbytes(self, key: tuple) -> int:
+        return math.prod(stop - start for start, stop in key) * math.prod(self._trailing) * self._layout.dtype.itemsize
+
+    def __getitem__(self, key: tuple) -> np.ndarray:
+        if key not in self._held:
+            group = self._group[key]
+            self._read(self._groups[group], self._windows[group])
+        data = self._held[key]
+        self._uses[key] -= 1
+        if not self._uses[key]:  # on every device that holds it: let it go
+            del self._held[key]
+        return data
+
+    def _read(self, keys: list[tuple], window: int) -> None:
+        """Fill the blocks ``keys``, reading each chunk they need once."""
+        layout, leaf = self._layout, self._leaf
+        files = self._stored.files_of(leaf).chunk_files()
+        blocks = {}
+        for key in keys:  # aligned: on a CPU device the jax array keeps the buffer
+            blocks[key] = aligned_empty(tuple(b - a for a, b in key) + self._trailing, layout.dtype)
+        wanted: dict[str, tuple[Region, list[tuple[np.ndarray, Region, Region]]]] = {}
+        for key in keys:
+            box = (*(range(a, b) for a, b in key), *(range(n) for n in self._trailing))
+            for chunk, part, take, put in layout.parts(box):
+                wanted.setdefault(chunk, (part, []))[1].append((blocks[key], take, put))
+
+        def work(chunk: str, part: Region, into: list[tuple[np.ndarray, Region, Region]]) -> None:
+            with reading(leaf):  # chunks fill disjoint parts of a block: threads may share it
+                # ``b[(*put, ...)]``: a view even of a 0-d block (``b[()]`` is a scalar, not writable).
+                views = [(take, b[(*put, ...)]) for b, take, put in into]
+                read_scattered(files, f"{leaf.path}/{chunk}", layout, part, views)
+
+        order = sorted(wanted.items(), key=lambda item: tuple(s.start for s in item[1][0]))  # C order: sequential
+        itemsize = layout.dtype.itemsize
+        tasks = (
+            (math.prod(s.stop - s.start for s in part) * itemsize, functools.partial(work, c, part, into), None)
+            for c, (part, into) in order
+        )
+        run_windowed(tasks, window)
+        self._held.update(blocks)
+
+
+_ZARR_KEYS = {
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "fill_value",
+    "codecs",
+    "attributes",
+    "dimension_names",
+    "storage_transformers",
+}
+
+
+def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
+    """A leaf's ``zarr.json``, checked against what eqxckpt writes for ``record``.
+
+    Only the codec chain eqxckpt writes (raw little-endian bytes plus a crc32c
+    checksum), a zero fill value, and a regular grid of chunks of at most
+    `CHUNK_BYTES` and at most `ChunkLayout.max_count` of them are accepted, so a
+    crafted file can neither skip the checksum, nor make a read allocate more than
+    the array's own size plus one chunk, nor cut a leaf into a million chunks. Every
+    read (whole, lazy selection, sharded, `verify`) goes through this one check.
+    """
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"Leaf {record.path!r}: its zarr.json {why}. eqxckpt never writes that: the checkpoint is damaged or "
+            "crafted; do not trust it.",
+            leaf_path=record.path,
+        )
+
+    if len(raw) > MAX_ZARR_JSON_BYTES:
+        raise bad(f"is over {MAX_ZARR_JSON_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise bad("is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise bad("is not a JSON object")
+    if extra := sorted(set(doc) - _ZARR_KEYS):
+        raise bad(f"has fields {extra}")
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
+        raise bad("does not describe a zarr v3 array")
+    shape = record.data_shape
+    if doc.get("shape") != list(shape) or doc.get("data_type") != record.dtype:
+        raise CorruptCheckpointError(
+            f"Leaf {record.path!r} is corrupt: the manifest says {record.dtype}{list(shape)} but its zarr.json says "
+            f"{doc.get('data_type')}{doc.get('shape')}. Restore the checkpoint from a copy or load an earlier one.",
+            leaf_path=record.path,
+        )
+    grid = doc.get("chunk_grid")
+    chunk = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) else None
+    if not (
+        isinstance(grid, dict)
+        and grid.get("name") == "regular"
+        and isinstance(chunk, list)
+        and len(chunk) == len(shape)
+        and all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= max(1, n) for c, n in zip(chunk, shape))
+    ):
+        raise bad(f"has a chunk grid {grid!r} that does not fit the shape {list(shape)}")
+    if math.prod(chunk) * np.dtype(record.dtype).itemsize > CHUNK_BYTES:
+        raise bad(f"has chunks of {chunk} (over {CHUNK_BYTES} bytes)")
+    layout = ChunkLayout.stored(record, {"chunk_grid": grid})
+    if layout.count > layout.max_count:  # each chunk costs a file, a read and a task, whatever its size
+        raise bad(
+            f"splits its {record.nbytes} bytes into {layout.count} chunks of {chunk} (at most {layout.max_count} "
+            "are accepted: one per 4 KiB, or 65536)"
+        )
+    if not _is_zero(doc.get("fill_value", None), record.dtype):
+        raise bad(f"has a fill_value of {doc.get('fill_value', '(none)')!r}, not the zero eqxckpt writes")
+    encoding = doc.get("chunk_key_encoding")
+    if encoding not in ({"name": "default"}, {"name": "default", "configuration": {"separator": "/"}}):
+        raise bad(f"has a chunk key encoding {encoding!r}")
+    codecs = doc.get("codecs")
+    little = {"name": "bytes", "configuration": {"endian": "little"}}
+    if not (
+        isinstance(codecs, list)
+        and len(codecs) == 2
+        and codecs[1] == {"name": "crc32c"}
+        and (codecs[0] == little or (codecs[0] == {"name": "bytes"} and np.dtype(record.dtype).itemsize == 1))
+    ):
+        raise bad(f"has codecs {codecs!r}, not raw bytes with a crc32c checksum")
+    if doc.get("storage_transformers", []) != []:
+        raise bad("has storage transformers")
+    return {
+        key: doc[key]
+        for key in ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs", "fill_value")
+        if key in doc
+    }
+
+
+def _is_zero(value: Any, dtype: str) -> bool:
+    """Whether ``value`` is a zarr ``fill_value`` of zero for ``dtype``, as eqxckpt and
+    TensorStore write it (``0``, ``0.0``, ``false``, ``[0.0, 0.0]``)."""
+
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
+
+    if dtype == "bool":
+        return value is False
+    if dtype.startswith("complex"):
+        return isinstance(value, list) and len(value) == 2 and all(number(x) for x in value)
+    if np.dtype(dtype).kind in "iu":
+        return number(value) and isinstance(value, int)
+    return number(value)
