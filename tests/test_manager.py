@@ -68,6 +68,39 @@ def test_interval_force_and_metadata(tmp_path):
         eqxckpt.CheckpointManager(tmp_path, keep_best=1)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"max_to_keep": 0}, "max_to_keep must be a positive int or None, got 0"),
+        ({"max_to_keep": "2"}, "max_to_keep must be a positive int"),
+        ({"keep_every": -5}, "keep_every must be a positive int"),
+        ({"keep_best": 0, "best_metric": "loss"}, "keep_best must be a positive int"),
+        ({"keep_best": 1}, "keep_best needs best_metric"),
+        ({"best_mode": "lowest", "best_metric": "loss"}, "best_mode must be 'min' or 'max', got 'lowest'"),
+        ({"save_interval_steps": 0}, "save_interval_steps must be a positive int"),
+        ({"save_interval_steps": 2.5}, "save_interval_steps must be a positive int"),
+        ({"preemption_grace_s": 0}, "preemption_grace_s must be a positive number of seconds"),
+        ({"preemption_grace_s": float("inf")}, "preemption_grace_s must be a positive number"),
+        ({"preemption_grace_s": True}, "preemption_grace_s must be a positive number"),
+        ({"preemption_grace_s": "30"}, "preemption_grace_s must be a positive number"),
+    ],
+)
+def test_each_bad_argument_is_an_argument_error(tmp_path, kwargs, match):
+    with pytest.raises(eqxckpt.ArgumentError, match=match) as caught:
+        eqxckpt.CheckpointManager(tmp_path, **kwargs)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, eqxckpt.CheckpointError)
+    assert not os.listdir(tmp_path)  # refused before touching the directory
+
+
+@pytest.mark.parametrize("step", [-1, True, 1.0, "3"])
+def test_a_bad_step_is_an_argument_error(tmp_path, step):
+    with eqxckpt.CheckpointManager(tmp_path, blocking=True) as manager:
+        with pytest.raises(eqxckpt.ArgumentError, match="step must be a non-negative int") as caught:
+            manager.save(step, tree(0))
+        assert isinstance(caught.value, ValueError)
+        assert manager.all_steps() == []
+
+
 def test_background_failure_is_raised_by_the_next_save(tmp_path):
     run = tmp_path / "run"
     manager = eqxckpt.CheckpointManager(run)
