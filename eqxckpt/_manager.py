@@ -403,14 +403,14 @@ class CheckpointManager:
         # are listed again (one process only: several must keep agreeing on their step
         # lists), so a trainer that saves (and deletes) faster than this reads makes it
         # retry, not fail.
-        format = load_kwargs.pop("format", None)
+        source_format = load_kwargs.pop("format", None)  # opened here: `load` reads it once
         attempts = READ_ATTEMPTS if step is not None else MAX_LATEST_ATTEMPTS
         gone: set[int] = set()
         for attempt in range(1, attempts + 1):
             try:
                 with self._steps.reading(step, gone) as chosen:
                     try:
-                        source = open_source(self._steps.step_path(chosen), format=format)
+                        source = open_source(self._steps.step_path(chosen), format=source_format)
                         return load(source, like, at=at, **load_kwargs)
                     except GONE:
                         gone.add(chosen)

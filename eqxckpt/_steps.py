@@ -207,8 +207,8 @@ class RunSteps:
         self.location = location
         self.retention = retention
         self._lock = threading.RLock()
-        self._metrics: dict[int, dict[str, float]] = scan.committed
-        self._unreadable: dict[int, str] = scan.unreadable
+        self._metrics: dict[int, dict[str, float]] = dict(scan.committed)
+        self._unreadable: dict[int, str] = dict(scan.unreadable)
         # Steps being read in this process, and steps retention dropped that are not deleted yet.
         self._readers: collections.Counter[int] = collections.Counter()
         self._doomed: set[int] = set()

@@ -292,6 +292,50 @@ def test_loads_never_fail_while_saves_and_deletions_run(tmp_path, monkeypatch):
     assert manager.all_steps() == [39] and sorted(os.listdir(tmp_path)) == ["39"]  # deferred deletions happened
 
 
+def test_a_load_racing_a_writer_is_retried_in_one_place(tmp_path, monkeypatch):
+    """A read that keeps finding its checkpoint replaced is tried `READ_ATTEMPTS` times for
+    a given step, `MAX_LATEST_ATTEMPTS` for the latest: the manager's retries, not those
+    times `load`'s own (which a plain `eqxckpt.load` still makes)."""
+    from eqxckpt._load import READ_ATTEMPTS, Plan
+    from eqxckpt._manager import MAX_LATEST_ATTEMPTS
+
+    manager = eqxckpt.CheckpointManager(tmp_path, blocking=True)
+    for step in range(2):
+        manager.save(step, tree(step))
+    reads = []
+
+    def replaced_while_read(self):
+        reads.append(self)
+        raise eqxckpt.CheckpointChangedError("replaced while it was read")
+
+    monkeypatch.setattr(Plan, "run", replaced_while_read)
+    for load, attempts in [
+        (lambda: manager.load(step=0), READ_ATTEMPTS),
+        (lambda: manager.load(), MAX_LATEST_ATTEMPTS),
+        (lambda: eqxckpt.load(manager.path(1)), READ_ATTEMPTS),
+    ]:
+        reads.clear()
+        with pytest.raises(eqxckpt.CheckpointChangedError):
+            load()
+        assert len(reads) == attempts
+
+
+def test_a_load_of_the_latest_step_deleted_meanwhile_reads_the_newest_one(tmp_path):
+    """Another process deleted the step this manager would pick, and committed a newer one."""
+    trainer = eqxckpt.CheckpointManager(tmp_path, blocking=True)
+    for step in range(3):
+        trainer.save(step, tree(step))
+    evaluator = eqxckpt.CheckpointManager(tmp_path)
+    shutil.rmtree(tmp_path / "2")
+    trainer.save(3, tree(3))
+    assert evaluator.latest_step() == 2  # as listed when it opened
+    assert_trees_equal(evaluator.load(), tree(3))
+    assert evaluator.all_steps() == [0, 1, 3]
+    shutil.rmtree(tmp_path / "3")
+    with pytest.raises(eqxckpt.CheckpointNotFoundError):
+        evaluator.load(step=3)  # a given step is not replaced by another
+
+
 def test_metadata_docstring_example_runs(tmp_path):
     import textwrap
 
