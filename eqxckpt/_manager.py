@@ -30,7 +30,7 @@ from ._preemption import Preemption
 from ._progress import Progress
 from ._save import save
 from ._storage import CheckpointPath, resolve
-from ._store import is_storage_error
+from ._tensorstore import is_storage_error
 
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
 MANAGER_KEY = "eqxckpt.manager"

@@ -13,8 +13,8 @@ import numpy as np
 
 from ._chunks import ChunkLayout, Region
 from ._distributed import is_multiprocess
+from ._dtypes import little_endian
 from ._leaf import KeyRecord, Leaf, StoredLeaf, leaf_of
-from ._store import little_endian
 
 if TYPE_CHECKING:  # `_source` reads checkpoints, whose module packs leaves with these pieces
     from ._source import LazyEntry, Source
