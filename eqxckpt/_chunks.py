@@ -5,7 +5,7 @@ then ``crc32c``. A chunk's file is the chunk's C-order bytes, zero-padded to the
 whole chunk shape at the array's edge, followed by the CRC-32C of those bytes
 (4 bytes, little-endian). eqxckpt writes and checks these files itself, with the
 CPU's CRC instruction (the ``crc32c`` library), instead of through TensorStore's
-codec, whose wheels compute the checksum in software at a twentieth of that speed.
+codec, whose wheels compute the checksum in software, far slower (benchmarks/README.md).
 The files are byte for byte what TensorStore writes, so zarr-python and
 TensorStore's zarr3 driver still open and verify every checkpoint.
 """
