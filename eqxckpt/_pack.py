@@ -18,13 +18,12 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ._chunks import ChunkLayout
+from ._chunks import PACK_CHUNK_BYTES, ChunkLayout
 from ._convert import aligned_empty
 from ._errors import CheckpointError
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION
 from ._pieces import ChunkWrite, Piece
-from ._store import PACK_CHUNK_BYTES
 
 PACK_MAX_BYTES = 256 * 1024
 PACK_MIN_LEAVES = 32

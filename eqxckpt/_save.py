@@ -17,6 +17,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
+from ._budget import read_window
 from ._checkpoint import Checkpoint, open_checkpoint
 from ._chunks import ChunkLayout, encode
 from ._digest import digest
@@ -37,7 +38,7 @@ from ._storage import (
     nothing_committed,
     resolve,
 )
-from ._store import is_storage_error, read_window, reason
+from ._tensorstore import is_storage_error, reason
 from ._tree import flatten
 from ._verify import damaged_leaves
 from ._window import Task, run_windowed

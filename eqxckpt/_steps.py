@@ -22,7 +22,7 @@ from ._errors import (
 from ._leaf import float_from_json, float_to_json
 from ._retention import Retention
 from ._storage import CheckpointPath, Storage
-from ._store import is_storage_error
+from ._tensorstore import is_storage_error
 
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
 MANAGER_KEY = "eqxckpt.manager"
