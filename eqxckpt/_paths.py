@@ -26,7 +26,7 @@ import jax.tree_util as jtu
 from ._errors import ManifestError, PathError
 
 MANIFEST_NAME = "eqxckpt.json"
-# An object-store save's lease (see `_lease`): reserved like the manifest's name.
+# An object-store save's lease (see `_storage/_lease`): reserved like the manifest's name.
 LEASE_NAME = "eqxckpt.lease.json"
 MAX_SEGMENT = 120
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
@@ -61,7 +61,7 @@ def is_arrays_name(name: Any) -> bool:
 # checkpoint's prefix (a manager's earlier step) instead of writing it again: the
 # leaf's "arrays" field is "../<entry>/%arrays.<hex>" (format version 4). Inside
 # that prefix, each save that refers to it records a hold, and a deleter marks it
-# doomed before deleting it (see `_lease.delete_unheld`). A prefix that its checkpoint
+# doomed before deleting it (see `_holds.delete_unheld`). A prefix that its checkpoint
 # no longer names (replaced or deleted) is first marked retired: cleanup deletes no
 # other prefix that no lease names (a copy, a user's files). None of these names can
 # be a leaf's path: `encode_segment` never makes a "%" without two hex digits after it.

@@ -16,7 +16,6 @@ import optax
 import pytest
 import tensorstore as ts
 from conftest import BUCKET, assert_trees_equal, crafted_manifest, kill_when, s3_spec as spec
-from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 import eqxckpt._storage
@@ -468,7 +467,7 @@ def test_a_deletion_never_removes_what_a_save_in_flight_refers_to(store, monkeyp
     save ends; a save that finds the prefix marked doomed, or gone, writes the leaf itself;
     a hold taken after the deleter looked but before it marked the prefix doomed is seen
     by the deleter's second look."""
-    from eqxckpt._storage import _lease
+    from eqxckpt._storage import _holds
 
     top = f"holds-{store.name}/"
     frozen = np.arange(50_000, dtype=np.float32)
@@ -506,7 +505,7 @@ def test_a_deletion_never_removes_what_a_save_in_flight_refers_to(store, monkeyp
     store.delete(f"{top}1/{prefix}/%doomed")
 
     # A hold taken in the deleter's blind spot: after its first look, before its mark.
-    look = _lease._holds_live
+    look = _holds._holds_live
     late: list = []
 
     def first_look_then_a_save_holds(s, run, name):
@@ -515,9 +514,9 @@ def test_a_deletion_never_removes_what_a_save_in_flight_refers_to(store, monkeyp
             late.append(begin("3"))
         return found
 
-    monkeypatch.setattr(_lease, "_holds_live", first_look_then_a_save_holds)
-    assert _lease.delete_unheld(eqxckpt._storage.resolve(store.spec(top + "1")).open_kvstore(), [prefix]) == []
-    monkeypatch.setattr(_lease, "_holds_live", look)
+    monkeypatch.setattr(_holds, "_holds_live", first_look_then_a_save_holds)
+    assert _holds.delete_unheld(eqxckpt._storage.resolve(store.spec(top + "1")).open_kvstore(), [prefix]) == []
+    monkeypatch.setattr(_holds, "_holds_live", look)
     [(staging, held)] = late
     assert held == {ref} and f"{top}1/{prefix}/%doomed" in store.keys(top)  # kept, and stays doomed
     staging.abort(RuntimeError("stopped"))
@@ -625,26 +624,3 @@ def test_an_oversized_object_is_refused_without_downloading_it(store):
     result = probe_in_a_child(store, "load", prefix)["load"]
     assert result["error"] == "CorruptCheckpointError" and "over 65536 bytes" in result["message"], result
     assert result["peak_mib"] < 64, result
-
-
-@given(size=st.integers(0, 300), asked=st.integers(0, 300))
-@settings(max_examples=150, deadline=None)
-def test_bounded_reads_return_exactly_the_value_or_refuse_it(size, asked):
-    """`read_exact` returns a value of exactly ``asked`` bytes and refuses any other, saying
-    its size (or that it is larger); `read_bounded` returns a value of at most ``asked``
-    bytes whole and more than that cut to ``asked + 1`` bytes (memory store: the same
-    ranged reads as S3 and Cloud Storage)."""
-    from eqxckpt._storage._lease import SizeError, read_bounded, read_exact
-
-    store = ts.KvStore.open({"driver": "memory"}).result()
-    value = bytes(range(256)) * 2
-    store.write("k", value[:size]).result()
-    if size == asked:
-        assert read_exact(store, "k", asked).result().value == value[:size]
-    else:
-        with pytest.raises(SizeError) as refused:
-            read_exact(store, "k", asked).result()
-        assert refused.value.size == (size if size < asked else None)
-    assert bytes(read_bounded(store, "k", asked).value) == value[: min(size, asked + 1)]
-    assert read_exact(store, "absent", asked).result().state == "missing"
-    assert read_bounded(store, "absent", asked).state == "missing"

@@ -1,13 +1,16 @@
 """Where checkpoints live: `resolve` turns a user's path into a `Storage`.
 
-One `Storage` type per backend owns its side of the concurrency protocol (see
-`_lease`): how a save stages and commits, what cleanup may remove, how a
-checkpoint is deleted, how a directory of checkpoints is listed, how the
+One `Storage` type per backend owns its side of the concurrency protocol
+(docs/concurrency.md): how a save stages and commits, what cleanup may remove, how
+a checkpoint is deleted, how a directory of checkpoints is listed, how the
 manifest is read, and which checks a leaf's files get before TensorStore reads
 them. `_backend.py` holds the interface; `_local.py` and `_objects.py` the two
-implementations; `_lease.py` the concurrency primitives (locks, leases, pins);
-`_fs.py` the filesystem calls. Modules outside this package import only what
-this `__init__` exports.
+implementations. Their primitives: `_locks.py` (local ``flock`` locks and
+staging), `_pins.py` (what pins a checkpoint being read), `_kvstore.py` (key-level
+operations on an object store), `_lease.py` (the object-store lease), `_holds.py`
+(holds on prefixes that incremental saves refer to), `_reclaim.py` (cleanup on
+object stores), `_fs.py` (filesystem calls). Modules outside this package import
+only what this `__init__` exports.
 """
 
 from ._backend import (
@@ -21,11 +24,6 @@ from ._backend import (
     nothing_committed as nothing_committed,
 )
 from ._fs import fsync_path as fsync_path, read_capped as read_capped
-from ._lease import (
-    LocalPin as LocalPin,
-    NoLock as NoLock,
-    Pin as Pin,
-    create_locked_file as create_locked_file,
-    remove_abandoned_files as remove_abandoned_files,
-)
+from ._locks import create_locked_file as create_locked_file, remove_abandoned_files as remove_abandoned_files
+from ._pins import LocalPin as LocalPin, NoLock as NoLock, Pin as Pin
 from ._resolve import resolve as resolve

@@ -2,7 +2,7 @@
 side of the concurrency protocol) and `Staging` (a save in progress).
 
 The implementations: `LocalStorage` (`_local.py`) and `ObjectStorage`
-(`_objects.py`); `resolve` (`_storage.py`) picks one for a user's path.
+(`_objects.py`); `resolve` (`_resolve.py`) picks one for a user's path.
 """
 
 import abc
@@ -27,7 +27,8 @@ from .._leaf import StoredLeaf
 from .._manifest import Manifest
 from .._paths import GROUP_METADATA, group_file, group_locations, validate_path
 from .._tensorstore import reason, shared_context
-from ._lease import Pin, SizeError, read_exact
+from ._kvstore import SizeError, read_exact
+from ._pins import Pin
 
 # Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.
 CheckpointPath = str | os.PathLike[str] | dict[str, Any]

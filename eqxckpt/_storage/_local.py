@@ -2,7 +2,7 @@
 
 A save writes a hidden sibling directory and renames it into place (or swaps
 it with the checkpoint it replaces); ownership and liveness are ``flock``
-locks on directories (see `_lease`).
+locks on directories (`_locks`); the protocol: docs/concurrency.md.
 """
 
 import contextlib
@@ -39,15 +39,8 @@ from ._backend import (
     entry_order,
 )
 from ._fs import exchange, fsync_path, hidden_sibling, link_or_copy, read_capped, sync_filesystem
-from ._lease import (
-    DirLock,
-    LocalPin,
-    create_staging,
-    delete_local,
-    join_staging,
-    remove_abandoned,
-    remove_tree,
-)
+from ._locks import DirLock, create_staging, delete_local, join_staging, remove_abandoned, remove_tree
+from ._pins import LocalPin
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Each save writes its arrays under a prefix of its own, ``%arrays.<hex>/``, which
 no other save ever writes, and commits by a conditional write of the manifest
 (naming that prefix) over the one it replaces. A lease object fences the
-commit, so that a writer paused past its lease cannot commit (see `_lease`).
+commit, so that a writer paused past its lease cannot commit (`_lease`); the
+protocol: docs/concurrency.md ("Object stores").
 """
 
 import dataclasses
@@ -52,27 +53,19 @@ from ._backend import (
     entry_order,
     environment_endpoint,
 )
-from ._lease import (
-    Lease,
-    StorePin,
-    collect_garbage,
-    collect_prefix,
+from ._holds import collect_prefix, delete_unheld, run_store, take_hold
+from ._kvstore import (
     delete_arrays,
     delete_leaf_keys,
-    delete_unheld,
-    describe_lease,
     exists,
-    finish,
-    is_stale,
+    list_keys,
     read_bounded,
     read_bounded_future,
-    read_lease,
-    reclaim,
-    run_store,
-    take_hold,
-    warn_if_not_atomic,
     write_manifest,
 )
+from ._lease import Lease, describe_lease, is_stale, read_lease, warn_if_not_atomic
+from ._pins import StorePin
+from ._reclaim import collect_garbage, finish, reclaim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +129,7 @@ class ObjectStorage(Storage):
                         )
                 return manifest, StorePin(self, result.stamp.generation)
             _, lease = read_lease(store)
-            listed = store.list().result()
+            listed = list_keys(store)
         except ValueError as e:
             if not is_storage_error(e):
                 raise
@@ -167,14 +160,14 @@ class ObjectStorage(Storage):
             f"No checkpoint at {self}: nothing is stored under that prefix (check the bucket's name and the path)."
         )
 
-    def _parent(self) -> tuple[dict[str, Any], str]:
+    def directory(self) -> tuple[dict[str, Any], str]:
         """The directory this checkpoint is in (a kvstore spec), and its name there: "" if
-        it is no name a sibling may refer to (as `_lease.run_store` decides for holds)."""
+        it is no name a sibling may refer to (as `_holds.run_store` decides for holds)."""
         head, _, name = str(self.kvstore.get("path", "")).rstrip("/").rpartition("/")
         return {**self.kvstore, "path": f"{head}/" if head else ""}, name if is_entry_name(name) else ""
 
     def _sibling(self, entry: str) -> "ObjectStorage":
-        parent, _ = self._parent()
+        parent, _ = self.directory()
         return ObjectStorage({**parent, "path": f"{parent['path']}{entry}/"})
 
     def referenced(self, ref: str) -> "ObjectStorage":
@@ -184,20 +177,20 @@ class ObjectStorage(Storage):
     def sibling_name(self, other: Storage) -> str | None:
         if not isinstance(other, ObjectStorage):
             return None
-        (mine, name), (theirs, entry) = self._parent(), other._parent()
+        (mine, name), (theirs, entry) = self.directory(), other.directory()
         return entry if name and entry and entry != name and mine == theirs else None
 
-    def _prefix_of(self, manifest: Manifest, leaf: StoredLeaf) -> tuple[str, str] | None:
+    def prefix_of(self, manifest: Manifest, leaf: StoredLeaf) -> tuple[str, str] | None:
         """(entry, arrays): the sibling's (or this checkpoint's own) prefix ``leaf`` is in;
         None where it cannot be named (not an entry of a directory, or no prefix)."""
         if leaf.arrays:
             return parse_reference(leaf.arrays, str(self))
-        _, name = self._parent()
+        _, name = self.directory()
         return (name, manifest.arrays) if name and manifest.arrays else None
 
     def sharers(self, manifest: Manifest, leaf: StoredLeaf) -> list[str]:
-        parent, name = self._parent()
-        mine = self._prefix_of(manifest, leaf)
+        parent, name = self.directory()
+        mine = self.prefix_of(manifest, leaf)
         if mine is None:
             return []
         found = []
@@ -208,7 +201,7 @@ class ObjectStorage(Storage):
             try:
                 theirs, _ = sibling.read_manifest()
                 record = {r.path: r for r in theirs.leaves}.get(leaf.path)
-                if isinstance(record, StoredLeaf) and sibling._prefix_of(theirs, record) == mine:
+                if isinstance(record, StoredLeaf) and sibling.prefix_of(theirs, record) == mine:
                     found.append(entry)
             except CheckpointError:
                 continue  # deleted or replaced meanwhile, or damaged: it shares nothing that can be told
@@ -297,7 +290,7 @@ class ObjectStorage(Storage):
             legacy = [] if old.arrays else old.stored_paths()
             references = old.references()
             arrays = old.arrays
-        keys = [k.decode("utf-8", "replace") for k in store.list().result()] if listing else []
+        keys = list_keys(store) if listing else []
         foreign = sorted(set(keys) - _owned_keys(keys, set(legacy)) - {MANIFEST_NAME, LEASE_NAME})
         if foreign and top.state != "value":
             raise CheckpointExistsError(
@@ -313,8 +306,8 @@ class ObjectStorage(Storage):
 
     def _groups(self) -> dict[str, set[str]]:
         groups: dict[str, set[str]] = {}
-        for key in self.open_kvstore().list().result():
-            head, _, rest = key.decode("utf-8", "replace").partition("/")
+        for key in list_keys(self.open_kvstore()):
+            head, _, rest = key.partition("/")
             groups.setdefault(head, set()).add(rest)
         return groups
 
@@ -393,7 +386,7 @@ class ObjectStaging(Staging):
         arrays = self.storage.open_kvstore()
         try:
             lease.check()
-            check_complete({k.decode("utf-8", "replace"): -1 for k in arrays.list().result()}, expected)
+            check_complete({key: -1 for key in list_keys(arrays)}, expected)
         except CheckpointWriteError:
             lease.check()  # a writer that lost its lease (and its files with it) hears that
             raise
@@ -496,7 +489,7 @@ def check_reachable(spec: dict[str, Any], where: str) -> None:
 def _unexplained_commits(store: ts.KvStore) -> list[str]:
     """The prefixes at ``store`` that hold a committed save's staged manifest, which neither
     the lease names nor eqxckpt retired: arrays that a manifest there should name."""
-    keys = {key.decode("utf-8", "replace") for key in store.list().result()}
+    keys = set(list_keys(store))
     _, lease = read_lease(store)
     explained = set(lease["arrays"]) | set(lease["retire"]) if lease is not None else set()
     return sorted(

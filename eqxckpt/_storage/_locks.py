@@ -1,0 +1,221 @@
+"""Local filesystems: ``flock`` locks on directories and files, the staging directory a
+save writes into, and removing what no live process holds (abandoned staging, a deleted
+checkpoint). Who takes which lock, and when: docs/concurrency.md ("Local filesystems").
+"""
+
+import errno
+import fcntl
+import os
+import pathlib
+import shutil
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+from .._errors import CheckpointWriteError
+from .._paths import MANIFEST_NAME
+from ._fs import fsync_path, hidden_owner, hidden_sibling
+
+
+class DirLock:
+    """A ``flock`` held on an open directory; released by `release` or when the
+    process dies. ``supported`` is False where the filesystem has no locks."""
+
+    def __init__(self, fd: int, supported: bool = True):
+        self.fd = fd
+        self.supported = supported
+
+    @classmethod
+    def take(
+        cls, path: pathlib.Path | str, *, exclusive: bool, follow_symlinks: bool = False, dir_fd: int | None = None
+    ) -> "DirLock | None":
+        """Lock the directory at ``path`` without waiting.
+
+        Returns None if a conflicting lock is held, or if ``path`` does not name
+        a directory (any more): the name is checked again once the lock is held,
+        since it may have been removed or replaced in between.
+        """
+        flags = os.O_RDONLY | os.O_DIRECTORY | (0 if follow_symlinks else os.O_NOFOLLOW)
+        try:
+            fd = os.open(path, flags, dir_fd=dir_fd)
+        except OSError:
+            return None
+        supported = True
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                return None
+            supported = False  # no locks on this filesystem: the caller decides what that allows
+        lock = cls(fd, supported)
+        if not lock.names(path, follow_symlinks=follow_symlinks, dir_fd=dir_fd):
+            lock.release()
+            return None
+        return lock
+
+    def names(self, path: pathlib.Path | str, *, follow_symlinks: bool = True, dir_fd: int | None = None) -> bool:
+        """Whether ``path`` still names the locked directory."""
+        try:
+            now = os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+        except OSError:
+            return False
+        held = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing drops the lock
+            self.fd = -1
+
+    def __enter__(self) -> "DirLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def create_staging(final: pathlib.Path) -> tuple[pathlib.Path, DirLock]:
+    """A new hidden directory beside ``final`` for a save, locked by this process."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(8):
+        tmp = hidden_sibling(final, "tmp")
+        tmp.mkdir()
+        # A cleaner may have removed it between mkdir and flock (it was unlocked
+        # then); take() sees that, and we start over with a new name.
+        lock = DirLock.take(tmp, exclusive=False)
+        if lock is not None:
+            return tmp, lock
+    raise CheckpointWriteError(
+        f"Could not create a staging directory beside {final} that stays ours; is another "
+        "process removing directories there?"
+    )
+
+
+def join_staging(tmp: pathlib.Path) -> DirLock:
+    """Lock a staging directory another process of the same save created."""
+    lock = DirLock.take(tmp, exclusive=False)
+    if lock is None:
+        raise CheckpointWriteError(
+            f"The save's staging directory {tmp} is gone: process 0 of the save failed or "
+            "was killed. Nothing was committed."
+        )
+    return lock
+
+
+def remove_tree(path: pathlib.Path) -> bool:
+    """Remove a directory tree we own; True if it is gone (errors are not fatal:
+    what remains is unlocked and a later cleanup removes it)."""
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
+
+
+def remove_abandoned(parent: pathlib.Path, owners: Callable[[str], bool]) -> list[str]:
+    """Remove hidden siblings in ``parent`` of the checkpoints whose names ``owners``
+    accepts, that no live process holds. Returns the names removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        name = hidden_owner(entry.name)
+        if name is None or not owners(name) or not entry.is_dir(follow_symlinks=False):
+            continue
+        lock = DirLock.take(entry.path, exclusive=True)
+        if lock is None or not lock.supported:
+            if lock is not None:
+                lock.release()
+            continue  # alive (a writer, reader or deleter holds it), or no way to tell
+        with lock:
+            if remove_tree(pathlib.Path(entry.path)):
+                removed.append(entry.name)
+    return removed
+
+
+def create_locked_file(final: pathlib.Path) -> tuple[pathlib.Path, BinaryIO]:
+    """A new hidden temporary file beside ``final``, open for writing and holding a shared
+    lock: while it is held, no `remove_abandoned_files` removes it (a killed writer's
+    lock goes with it). As `create_staging` does for directories, a file a cleaner
+    removed between its creation and the lock is noticed, and a new name tried."""
+    for _ in range(8):
+        tmp = hidden_sibling(final, "tmp")
+        f = open(tmp, "xb")  # noqa: SIM115 - returned open, the caller closes it
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return tmp, f  # no locks here: cleanup cannot tell either, and removes nothing
+        held, now = os.fstat(f.fileno()), _stat_or_none(tmp)
+        if now is not None and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            return tmp, f
+        f.close()
+    raise CheckpointWriteError(
+        f"Could not create a temporary file beside {final} that stays ours; is another process removing files there?"
+    )
+
+
+def _stat_or_none(path: pathlib.Path) -> os.stat_result | None:
+    try:
+        return os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def remove_abandoned_files(final: pathlib.Path) -> list[str]:
+    """Remove the hidden temporary files of ``final`` (``.NAME.eqxckpt-tmp-*``, a plain
+    file) that no live writer holds; returns the names removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(final.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        if hidden_owner(entry.name) != final.name or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held, now = os.fstat(fd), os.stat(entry.path, follow_symlinks=False)
+            if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                os.unlink(entry.path)
+                removed.append(entry.name)
+        except OSError:
+            pass  # a live writer holds it, it is gone already, or there are no locks
+        finally:
+            os.close(fd)
+    return removed
+
+
+def delete_local(final: pathlib.Path) -> bool:
+    """Delete a committed checkpoint, unless a reader holds it.
+
+    Returns False (nothing done) while it is being read; True once it is gone.
+    """
+    lock = DirLock.take(final, exclusive=True)
+    if lock is None:
+        return not os.path.lexists(final)
+    with lock:  # (without flock support, readers cannot be waited for: they notice and read again)
+        _check_removable(final)  # before anything changes: the checkpoint stays whole and listed
+        aside = hidden_sibling(final, "deleting")
+        try:
+            os.rename(final, aside)
+        except FileNotFoundError:
+            return True
+        fsync_path(final.parent)
+        try:  # uncommitted first, so what remains of a crash is never loaded
+            os.unlink(aside / MANIFEST_NAME)
+        except FileNotFoundError:
+            pass
+        if not remove_tree(aside):
+            raise OSError(errno.EACCES, f"{aside} could not be removed whole (uncommitted, it is never loaded)")
+    return True
+
+
+def _check_removable(root: pathlib.Path) -> None:
+    """Raise `PermissionError` naming the first directory of ``root`` whose entries this
+    process cannot remove (or ``root``'s parent, which must let it be renamed)."""
+    for where in [root.parent, root] + [pathlib.Path(d) for d, _, _ in os.walk(root) if d != str(root)]:
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "Permission denied: cannot remove what it holds", str(where))
