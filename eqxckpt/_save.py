@@ -9,8 +9,7 @@ import math
 import os
 import signal
 import threading
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -18,17 +17,17 @@ from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
 from ._budget import read_window
-from ._checkpoint import Checkpoint, open_checkpoint
 from ._chunks import ChunkLayout, encode
 from ._digest import digest
 from ._distributed import Phases, is_multiprocess
-from ._errors import CheckpointChangedError, CheckpointError, CheckpointWriteError, plural
+from ._errors import CheckpointError, CheckpointWriteError
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedWrite, assign_offsets, packable, packed_array
-from ._paths import GROUP_METADATA, PACKED_LOCATION, group_file, group_locations, key_entry_record, reference
+from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_record
 from ._pieces import Piece, record_of, snapshot
 from ._progress import Progress, advance, reporting
+from ._reuse import Reuse, plan_reuse
 from ._storage import (
     NOTHING_COMMITTED,
     CheckpointPath,
@@ -40,7 +39,6 @@ from ._storage import (
 )
 from ._tensorstore import is_storage_error, reason
 from ._tree import flatten
-from ._verify import damaged_leaves
 from ._window import Task, run_windowed
 
 
@@ -113,21 +111,6 @@ def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], lis
     )
 
 
-def _open_base(base: CheckpointPath | None, location: Storage) -> Checkpoint | None:
-    """The checkpoint a save may take unchanged leaves from: one committed on a local disk,
-    into another on a local disk (its files are linked), or one beside it on an object
-    store (referred to); None where there is none to take from."""
-    if base is None:
-        return None
-    try:
-        source = open_checkpoint(base)
-    except CheckpointError:  # gone, damaged, not one: nothing is taken from it
-        return None
-    if location.local is not None:
-        return source if source.stored.arrays.local is not None else None
-    return source if location.sibling_name(source.location) is not None and source.stored.manifest.arrays else None
-
-
 # A batch of leaves hashed by one thread: large enough that a tree of many small leaves
 # costs few tasks, small enough that two cores share a large tree's hashing.
 DIGEST_BATCH_BYTES = 16 * 1024 * 1024
@@ -178,96 +161,6 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
         for r in manifest.leaves
     ]
     return dataclasses.replace(manifest, leaves=tuple(records))
-
-
-def _unchanged(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> Iterator[tuple[_WriteJob, StoredLeaf]]:
-    """The jobs whose leaf ``base`` already holds as this save would write it, with base's
-    leaf: same path and digest (so kind, dtype and shape), each in an array of its own."""
-    recorded = {r.path: r for r in manifest.leaves if isinstance(r, StoredLeaf)}
-    for leaf in leaves:
-        if leaf.record.path == PACKED_LOCATION:
-            if base.stored.packed is not None and _same_packing(manifest, base.stored.manifest):
-                yield leaf, base.stored.packed
-            continue
-        new, old = recorded.get(leaf.record.path), base.stored.records.get(leaf.record.path)
-        if not (
-            new is None  # the packed array: rewritten whole
-            or leaf.shard is not None
-            or new.offset is not None
-            or new.digest is None
-            or not isinstance(old, StoredLeaf)
-            or old.offset is not None
-            or (old.digest, old.digest_fields()) != (new.digest, new.digest_fields())
-        ):
-            yield leaf, old
-
-
-def _same_packing(new: Manifest, old: Manifest) -> bool:
-    """Whether two manifests pack the same leaves, with the same digests, at the same offsets:
-    then the packed arrays are the same bytes."""
-
-    def packing(manifest: Manifest) -> set[tuple[Any, ...]] | None:
-        packed = [r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
-        if any(r.digest is None for r in packed):
-            return None
-        return {(r.path, r.offset, r.digest, json.dumps(r.digest_fields())) for r in packed}
-
-    found = packing(new)
-    return found is not None and found == packing(old)
-
-
-def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> dict[int, list[str]]:
-    """The unchanged leaves of ``base`` (a committed checkpoint on a local disk) whose files
-    are plain files exactly as `expected_files` lays the leaf out, and intact (`_intact`),
-    by ``id`` of their job, with the files to take."""
-    laid_out: list[tuple[_WriteJob, StoredLeaf]] = []
-    files: dict[int, list[str]] = {}
-    for leaf, old in _unchanged(base, manifest, leaves):
-        expected = {
-            k: v for k, v in expected_files([(old, ChunkLayout.planned(old))]).items() if k.startswith(f"{old.path}/")
-        }
-        found = base.stored.leaf_files(old.path)
-        if found is not None and found.keys() == expected.keys():
-            if all(size < 0 or found[key] == size for key, size in expected.items()):
-                laid_out.append((leaf, old))
-                files[id(leaf)] = sorted(found)
-    return {id(leaf): files[id(leaf)] for leaf, _ in _intact(base, laid_out)}
-
-
-def _referable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob], location: Storage) -> dict[int, str]:
-    """The unchanged and intact (`_intact`) leaves of ``base`` (a committed checkpoint beside
-    this one on an object store), by ``id`` of their job, with the prefix their array is in
-    (base's own, or the one base refers to: references are never chained)."""
-    entry = location.sibling_name(base.location)
-    assert entry is not None
-    own = reference(entry, base.stored.manifest.arrays)
-    return {id(leaf): old.arrays or own for leaf, old in _intact(base, list(_unchanged(base, manifest, leaves)))}
-
-
-def _intact(base: Checkpoint, taken: list[tuple[_WriteJob, StoredLeaf]]) -> list[tuple[_WriteJob, StoredLeaf]]:
-    """Of ``taken`` (unchanged leaves, each with ``base``'s record of it), those whose bytes
-    in ``base`` pass every check `verify` makes (chunks' CRC-32C, digests): a save shares
-    nothing unchecked, or one bit flipped in ``base`` would be in every later checkpoint.
-    The others are written afresh from the values being saved, with a warning naming them.
-    Raises `CheckpointChangedError` if ``base`` was replaced or deleted meanwhile."""
-    members = [r for r in base.stored.manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
-    records = {id(leaf): members if old.path == PACKED_LOCATION else [old] for leaf, old in taken}
-    damaged = damaged_leaves(base, [r for group in records.values() for r in group]) if taken else {}
-    intact: list[tuple[_WriteJob, StoredLeaf]] = []
-    for leaf, old in taken:
-        bad = [r.path for r in records[id(leaf)] if r.path in damaged]
-        if not bad:
-            intact.append((leaf, old))
-            continue
-        what = f"Leaf {bad[0]!r}" if old.path != PACKED_LOCATION else f"Packed leaf {bad[0]!r}"
-        others = f" (and {plural(len(bad) - 1, 'other packed leaf', 'other packed leaves')})" if len(bad) > 1 else ""
-        warnings.warn(
-            f"{what}{others} of {base.location}, which this save would share unchanged, is damaged there "
-            f"({damaged[bad[0]].rstrip('.')}). This save writes it again from the values being saved; "
-            f"{base.location} itself stays damaged (eqxckpt verify names every checkpoint sharing it).",
-            stacklevel=2,
-        )
-    return intact
 
 
 @contextlib.contextmanager
@@ -329,58 +222,61 @@ def _write(target: Storage, leaves: list[_WriteJob], *, metadata: bool, chunks: 
     run_windowed(tasks, read_window(sum(nbytes for nbytes, _, _ in tasks)))
 
 
-def _referring(manifest: Manifest, refs: dict[str, str]) -> Manifest:
-    """The manifest with each leaf at a path in ``refs`` naming the prefix its array is in
-    (every packed leaf, if the packed array is in ``refs``)."""
-    where = lambda r: refs.get(PACKED_LOCATION if r.offset is not None else r.path)  # noqa: E731
-    records = [
-        dataclasses.replace(r, arrays=where(r)) if isinstance(r, StoredLeaf) and where(r) else r
-        for r in manifest.leaves
-    ]
-    return dataclasses.replace(manifest, leaves=tuple(records))
+class SaveInProgress:
+    """One save, from claiming its place to its commit, in three steps: `prepare` (process
+    0), `write` (every process), `commit` (process 0). `run` takes them in turn, each a
+    phase that ends at a barrier when several processes save together (`_distributed`).
 
+    **Arguments:**
 
-def _run(
-    location: Storage,
-    manifest: Manifest,
-    leaves: list[_WriteJob],
-    overwrite: bool,
-    phases: Phases | None,
-    base: Checkpoint | None = None,
-    linked: Sequence[tuple[_WriteJob, list[str]]] = (),
-    referred: Sequence[tuple[_WriteJob, str]] = (),
-) -> None:
-    """Prepare, write, commit. With several processes each phase ends at a barrier,
-    and process 0 alone prepares the layout and commits. ``linked`` leaves are taken
-    from ``base`` as they are (those files), not written; ``referred`` ones stay in the
-    sibling prefix named with each (object stores), unless it cannot be held for this
-    save: then they are written."""
-    leader = phases is None or phases.rank == 0
-    leaves = list(leaves)
-    run = phases.run if phases is not None else (lambda _, work: [work()])
-    staging: Staging | None = None
+    - `location`: where the checkpoint goes.
+    - `manifest`: what it commits, with its leaves' digests.
+    - `reuse`: what process 0 takes from a base (`plan_reuse`; elsewhere nothing), and
+      the jobs written.
+    - `overwrite`: whether a checkpoint there is replaced.
+    - `phases`: the phases of a multi-process save; None with one process.
 
-    def prepare() -> str | None:
-        nonlocal staging
-        if not leader:
+    ```python
+    SaveInProgress(location, manifest, reuse, overwrite=False, phases=None).run()
+    ```
+    """
+
+    def __init__(
+        self, location: Storage, manifest: Manifest, reuse: Reuse[_WriteJob], overwrite: bool, phases: Phases | None
+    ):
+        self.location = location
+        self.manifest = manifest
+        self.reuse = reuse
+        self.overwrite = overwrite
+        self.phases = phases
+        self.leader = phases is None or phases.rank == 0
+        self.writing = list(reuse.written)  # and referred leaves whose prefix cannot be held
+        self.staging: Staging | None = None
+
+    def prepare(self) -> str | None:
+        """Process 0: claim the place, take the leaves reused from the base (held prefixes,
+        linked files), and create the zarr groups and every array written.
+
+        **Returns:** where the other processes write (`Staging.where`); None elsewhere.
+
+        ```python
+        where = saving.prepare()
+        ```
+        """
+        if not self.leader:
             return None
-        nonlocal manifest
-        everything = [*leaves, *(leaf for leaf, _ in linked), *(leaf for leaf, _ in referred)]
-        staging = location.begin_save([leaf.record.path for leaf in everything], overwrite)
-        if referred:
-            held = staging.refer(sorted({ref for _, ref in referred}))
-            manifest = _referring(manifest, {leaf.record.path: ref for leaf, ref in referred if ref in held})
-            leaves.extend(leaf for leaf, ref in referred if ref not in held)  # doomed meanwhile: written
+        linked = [job for job, _ in self.reuse.linked]
+        everything = [*self.writing, *linked, *(job for job, _ in self.reuse.referred)]
+        self.staging = staging = self.location.begin_save([job.record.path for job in everything], self.overwrite)
+        self.manifest, unheld = self.reuse.refer_from(staging, self.manifest)
+        self.writing.extend(unheld)  # doomed meanwhile: written
         # The directories above the arrays become zarr groups, written while the arrays are created.
         store = staging.storage.open_kvstore()
-        own = [*leaves, *(leaf for leaf, _ in linked)]
-        groups = [store.write(group_file(g), GROUP_METADATA) for g in group_locations(leaf.record.path for leaf in own)]
-        if linked:
-            assert base is not None
-            staging.link_files(base.stored.arrays, [key for _, keys in linked for key in keys])
-            base.check_unchanged()  # what was linked may not be what its manifest describes
+        own = [job.record.path for job in [*self.writing, *linked]]
+        groups = [store.write(group_file(g), GROUP_METADATA) for g in group_locations(own)]
+        self.reuse.link_into(staging)
         try:  # every process then writes its chunks into these arrays
-            _write(staging.storage, leaves, metadata=True, chunks=False)
+            _write(staging.storage, self.writing, metadata=True, chunks=False)
         finally:  # nothing may still be writing when a failed save removes its files
             failures = [written.exception() for written in groups]  # (Ctrl-C is held back here)
         for failure in failures:
@@ -388,46 +284,72 @@ def _run(
                 raise failure
         return staging.where
 
-    def write(where: str) -> None:
-        nonlocal staging
-        if staging is None:
-            staging = location.join_save(where)
+    def write(self, where: str) -> None:
+        """Every process: write its pieces' chunks into the arrays `prepare` made, and make
+        them durable.
+
+        **Arguments:**
+
+        - `where`: what `prepare` returned on process 0.
+
+        ```python
+        saving.write(where)
+        ```
+        """
+        if self.staging is None:
+            self.staging = self.location.join_save(where)
         with contextlib.ExitStack() as sources:
             # Leaves copied from other checkpoints: those must stay the same until written.
-            copied = {id(p.source): p.source for leaf in leaves for p in leaf.pieces if p.source is not None}
+            copied = {id(p.source): p.source for job in self.writing for p in job.pieces if p.source is not None}
             for source in copied.values():
                 sources.enter_context(source.consistent())
-            _write(staging.storage, leaves, metadata=False, chunks=True)
-        staging.sync()
+            _write(self.staging.storage, self.writing, metadata=False, chunks=True)
+        self.staging.sync()
 
-    def commit() -> None:
-        if leader and staging is not None:
-            jobs = [*leaves, *(leaf for leaf, _ in linked)]
-            staging.commit(manifest, expected_files([(leaf.record, leaf.layout) for leaf in jobs]))
+    def commit(self) -> None:
+        """Process 0, once every process has written: check every file is there, then commit
+        the manifest.
 
-    try:
-        # Ctrl-C waits while a staging directory is made and recorded, or committed:
-        # interrupted there, one would be left behind half made. Writes stay interruptible.
-        with interrupts_deferred():
-            [where, *_] = run("prepare", prepare)
-        run("write", lambda: write(where or ""))
-        with interrupts_deferred():
-            run("commit", commit)
-    except BaseException as e:
-        if staging is not None:
+        ```python
+        saving.commit()
+        ```
+        """
+        if self.leader and self.staging is not None:
+            jobs = [*self.writing, *(job for job, _ in self.reuse.linked)]
+            self.staging.commit(self.manifest, expected_files([(job.record, job.layout) for job in jobs]))
+
+    def run(self) -> None:
+        """Prepare, write, commit. A failure removes what this save wrote and is raised as a
+        `CheckpointWriteError` where it was the storage's.
+
+        ```python
+        saving.run()
+        ```
+        """
+        phase = self.phases.run if self.phases is not None else (lambda _, work: [work()])
+        try:
+            # Ctrl-C waits while a staging directory is made and recorded, or committed:
+            # interrupted there, one would be left behind half made. Writes stay interruptible.
             with interrupts_deferred():
-                staging.abort(e)
-        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
-            error = CheckpointWriteError(f"Saving to {location} failed: {e}. {NOTHING_COMMITTED}")
-            error.errno = e.errno
-            raise error from e
-        if is_storage_error(e):
-            why = reason(e)
-            raise CheckpointWriteError(f"Saving to {location} failed: {why}. {nothing_committed(why)}") from e
-        raise
-    finally:
-        if staging is not None:
-            staging.release()
+                [where, *_] = phase("prepare", self.prepare)
+            phase("write", lambda: self.write(where or ""))
+            with interrupts_deferred():
+                phase("commit", self.commit)
+        except BaseException as e:
+            if self.staging is not None:
+                with interrupts_deferred():
+                    self.staging.abort(e)
+            if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+                error = CheckpointWriteError(f"Saving to {self.location} failed: {e}. {NOTHING_COMMITTED}")
+                error.errno = e.errno
+                raise error from e
+            if is_storage_error(e):
+                why = reason(e)
+                raise CheckpointWriteError(f"Saving to {self.location} failed: {why}. {nothing_committed(why)}") from e
+            raise
+        finally:
+            if self.staging is not None:
+                self.staging.release()
 
 
 def save(
@@ -509,38 +431,20 @@ def save(
     # Several processes: process 0 checks inside the first phase, so that all
     # of them see the same verdict and none waits at a barrier for nothing.
     phases = Phases() if is_multiprocess() else None
-    leaves = _snapshot(arrays, copy=not blocking, leader=phases is None or phases.rank == 0)
+    leader = phases is None or phases.rank == 0
+    jobs = _snapshot(arrays, copy=not blocking, leader=leader)
     if phases is None:  # with several processes every leaf keeps its own array
-        records, leaves = _pack(records, leaves)
+        records, jobs = _pack(records, jobs)
     manifest = Manifest(tuple(records), metadata)
 
     def run() -> None:
-        digested = _digested(manifest, leaves)
-        with contextlib.ExitStack() as held:
-            # Opened here, off the caller's thread for a background save, and only by the
-            # process that holds whole leaves (and their digests): process 0.
-            source = _open_base(base, location) if phases is None or phases.rank == 0 else None
-            reusable: dict[int, list[str]] = {}
-            referable: dict[int, str] = {}
-            if source is not None and source.stored.arrays.local is None:
-                try:
-                    referable = _referable(source, digested, leaves, location)
-                except CheckpointChangedError:
-                    pass  # replaced or deleted meanwhile: everything is written
-            elif source is not None:
-                try:  # held, not deleted by retention, while its files are checked and linked
-                    held.enter_context(source.held())
-                    reusable = _reusable(source, digested, leaves)
-                except CheckpointChangedError:
-                    pass  # deleted meanwhile: everything is written
-                if not reusable:
-                    held.close()
-            linked = [(leaf, reusable[id(leaf)]) for leaf in leaves if id(leaf) in reusable]
-            referred = [(leaf, referable[id(leaf)]) for leaf in leaves if id(leaf) in referable]
-            writing = [leaf for leaf in leaves if id(leaf) not in reusable and id(leaf) not in referable]
-            pieces = [piece for leaf in writing for piece in leaf.pieces]
+        digested = _digested(manifest, jobs)
+        # The base is opened here, off the caller's thread for a background save, and only
+        # by the process that holds whole leaves (and their digests): process 0.
+        with plan_reuse(base if leader else None, digested, jobs, location) as reuse:
+            pieces = [piece for job in reuse.written for piece in job.pieces]
             with reporting(f"saving {key}", sum(p.nbytes for p in pieces), sum(p.leaves for p in pieces), progress):
-                _run(location, digested, writing, overwrite, phases, source, linked, referred)
+                SaveInProgress(location, digested, reuse, overwrite, phases).run()
 
     if blocking:
         future: concurrent.futures.Future = concurrent.futures.Future()

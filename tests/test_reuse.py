@@ -1,0 +1,157 @@
+"""`plan_reuse`: which leaves a save takes unchanged from its base, and how (linked files on
+a local disk, referred prefixes on an object store), and which it writes afresh."""
+
+import dataclasses
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+import eqxckpt
+from eqxckpt._leaf import StoredLeaf
+from eqxckpt._manifest import Manifest
+from eqxckpt._pack import PACK_MIN_LEAVES
+from eqxckpt._paths import PACKED_LOCATION
+from eqxckpt._reuse import Reuse, plan_reuse
+from eqxckpt._storage import CheckpointPath, resolve
+
+
+@dataclasses.dataclass
+class Job:
+    """One array a save writes, as `plan_reuse` sees it."""
+
+    record: StoredLeaf
+    shard: tuple[int, ...] | None = None
+
+
+def planned(path: CheckpointPath, tree: dict) -> tuple[Manifest, list[Job]]:
+    """The manifest and the jobs of a save of ``tree``: those of a checkpoint of it at
+    ``path`` (a save's manifest, digests included, is what it commits)."""
+    eqxckpt.save(path, tree)
+    stored = eqxckpt.open(path).stored
+    jobs = [Job(r) for r in stored.manifest.leaves if isinstance(r, StoredLeaf) and r.offset is None]
+    return stored.manifest, jobs + ([Job(stored.packed)] if stored.packed is not None else [])
+
+
+def paths(jobs: list[Job]) -> list[str]:
+    return [job.record.path for job in jobs]
+
+
+def linked(reuse: Reuse[Job]) -> dict[str, list[str]]:
+    return {job.record.path: files for job, files in reuse.linked}
+
+
+TREE = {
+    "a": np.arange(70_000, dtype=np.float32),
+    "b": np.ones(70_000, np.float32),
+    "small": [np.full(4, i, np.float32) for i in range(PACK_MIN_LEAVES)],
+}
+
+
+def test_unchanged_leaves_are_linked_and_changed_ones_written(tmp_path):
+    eqxckpt.save(tmp_path / "base", TREE)
+    manifest, jobs = planned(tmp_path / "new", {**TREE, "b": np.zeros(70_000, np.float32), "c": np.ones(70_000)})
+    with plan_reuse(tmp_path / "base", manifest, jobs, resolve(tmp_path / "next")) as reuse:
+        assert reuse.base is not None and reuse.base.metadata == {}
+        assert linked(reuse) == {
+            "a": ["a/c/0", "a/zarr.json"],
+            PACKED_LOCATION: [f"{PACKED_LOCATION}/c/0", f"{PACKED_LOCATION}/zarr.json"],
+        }
+        assert paths(reuse.written) == ["b", "c"] and reuse.referred == []
+    # Every job is in exactly one of the three.
+    assert sorted(paths(reuse.written) + list(linked(reuse))) == sorted(paths(jobs))
+
+
+def test_a_damaged_base_leaf_is_written_with_a_warning(tmp_path):
+    eqxckpt.save(tmp_path / "base", TREE)
+    chunk = tmp_path / "base" / "a" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 1
+    chunk.write_bytes(bytes(data))
+    manifest, jobs = planned(tmp_path / "new", TREE)
+    with pytest.warns(UserWarning, match="Leaf 'a' of .*base.* is damaged there"):
+        reuse = plan_reuse(tmp_path / "base", manifest, jobs, resolve(tmp_path / "next"))
+    with reuse:
+        assert paths(reuse.written) == ["a"]
+        assert sorted(linked(reuse)) == sorted([PACKED_LOCATION, "b"])
+
+
+def test_a_different_packing_writes_the_packed_array_again(tmp_path):
+    eqxckpt.save(tmp_path / "base", TREE)
+    small = [np.full(4, i, np.float32) for i in range(PACK_MIN_LEAVES)]
+    small[3] = np.full(4, -1, np.float32)  # one packed leaf changed: the packed array is rewritten whole
+    manifest, jobs = planned(tmp_path / "new", {**TREE, "small": small})
+    with plan_reuse(tmp_path / "base", manifest, jobs, resolve(tmp_path / "next")) as reuse:
+        assert paths(reuse.written) == [PACKED_LOCATION]
+        assert sorted(linked(reuse)) == ["a", "b"]
+
+
+def test_leaves_without_a_digest_or_written_by_shards_are_written(tmp_path):
+    eqxckpt.save(tmp_path / "base", TREE)
+    manifest, jobs = planned(tmp_path / "new", TREE)
+    undigested = dataclasses.replace(
+        manifest,
+        leaves=tuple(
+            dataclasses.replace(r, digest=None) if isinstance(r, StoredLeaf) and r.path == "a" else r
+            for r in manifest.leaves
+        ),
+    )
+    jobs = [Job(job.record, (35_000,)) if job.record.path == "b" else job for job in jobs]
+    with plan_reuse(tmp_path / "base", undigested, jobs, resolve(tmp_path / "next")) as reuse:
+        assert paths(reuse.written) == ["a", "b"] and list(linked(reuse)) == [PACKED_LOCATION]
+
+
+def test_a_local_base_holds_until_closed(tmp_path):
+    eqxckpt.save(tmp_path / "base", TREE)
+    manifest, jobs = planned(tmp_path / "new", TREE)
+    reuse = plan_reuse(tmp_path / "base", manifest, jobs, resolve(tmp_path / "next"))
+    assert reuse.base is not None and not resolve(tmp_path / "base").delete()  # held: in use
+    reuse.close()
+    assert resolve(tmp_path / "base").delete() and not (tmp_path / "base").exists()
+
+
+def test_on_an_object_store_unchanged_leaves_refer_to_the_sibling_prefix():
+    run = f"memory://reuse-{uuid.uuid4().hex}/"
+    eqxckpt.save(run + "1", TREE)
+    arrays = eqxckpt.open(run + "1").stored.manifest.arrays
+    manifest, jobs = planned(run + "scratch/new", {**TREE, "b": np.zeros(70_000, np.float32)})
+    with plan_reuse(run + "1", manifest, jobs, resolve(run + "2")) as reuse:
+        assert {job.record.path: ref for job, ref in reuse.referred} == {
+            "a": f"../1/{arrays}",
+            PACKED_LOCATION: f"../1/{arrays}",
+        }
+        assert paths(reuse.written) == ["b"] and reuse.linked == []
+    # A checkpoint that refers to 1 is a base whose leaves are in 1's prefix: not chained.
+    eqxckpt.save(run + "2", {**TREE, "b": np.zeros(70_000, np.float32)}, base=run + "1")
+    with plan_reuse(run + "2", manifest, jobs, resolve(run + "3")) as reuse:
+        assert {job.record.path: ref for job, ref in reuse.referred}["a"] == f"../1/{arrays}"
+        assert {job.record.path for job, _ in reuse.referred} == {"a", "b", PACKED_LOCATION}
+
+
+@pytest.mark.parametrize("where", ["memory", "other directory", "missing", "none"])
+def test_a_base_that_cannot_be_taken_from_gives_nothing(tmp_path, where):
+    run = f"memory://reuse-{uuid.uuid4().hex}/"
+    eqxckpt.save(tmp_path / "local", TREE)
+    eqxckpt.save(run + "1", TREE)
+    manifest, jobs = planned(tmp_path / "new", TREE)
+    base, location = {
+        "memory": (run + "1", resolve(tmp_path / "next")),  # another backend, both ways
+        "other directory": (run + "1", resolve(run + "elsewhere/2")),  # not a sibling
+        "missing": (tmp_path / "nothing", resolve(tmp_path / "next")),
+        "none": (None, resolve(tmp_path / "next")),
+    }[where]
+    with plan_reuse(base, manifest, jobs, location) as reuse:
+        assert reuse.base is None and reuse.linked == [] and reuse.referred == []
+        assert reuse.written == jobs
+    with plan_reuse(tmp_path / "local", manifest, jobs, resolve(run + "2")) as reuse:
+        assert reuse.base is None and reuse.written == jobs
+
+
+def test_a_save_links_exactly_what_plan_reuse_linked(tmp_path):
+    eqxckpt.save(tmp_path / "base", TREE)
+    changed = {**TREE, "b": np.zeros(70_000, np.float32)}
+    eqxckpt.save(tmp_path / "next", changed, base=tmp_path / "base")
+    shared = lambda key: os.stat(tmp_path / "next" / key).st_ino == os.stat(tmp_path / "base" / key).st_ino  # noqa: E731
+    assert shared("a/c/0") and shared(f"{PACKED_LOCATION}/c/0") and not shared("b/c/0")
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "next")["b"], np.zeros(70_000, np.float32))
