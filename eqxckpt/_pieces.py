@@ -8,7 +8,6 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from ._chunks import ChunkLayout, Region
@@ -17,6 +16,8 @@ from ._leaf import KeyRecord, Leaf, StoredLeaf, leaf_of
 from ._store import little_endian
 
 if TYPE_CHECKING:  # `_source` reads checkpoints, whose module packs leaves with these pieces
+    import jax
+
     from ._source import LazyEntry, Source
 
 # A chunk to write: its key, the part of the array it holds, a function producing that
@@ -114,6 +115,8 @@ def snapshot(
     in a multi-process run) are written by process 0 alone. ``copy``: take a
     private copy of numpy leaves, which the caller may mutate afterwards.
     """
+    import jax
+
     from ._source import LazyEntry
 
     multiprocess = is_multiprocess()
@@ -151,7 +154,7 @@ def snapshot(
     ]
 
 
-def _on_cpu(array: jax.Array) -> bool:
+def _on_cpu(array: "jax.Array") -> bool:
     return all(d.platform == "cpu" for d in array.sharding.device_set)
 
 
@@ -167,4 +170,6 @@ def _host(value: Any, copy: bool) -> np.ndarray:
     (`tests/test_save.py` checks donation and deletion). Numpy arrays are
     mutable, so an async save copies them.
     """
+    import jax
+
     return little_endian(value, copy=copy and not isinstance(value, jax.Array))
