@@ -290,7 +290,11 @@ def test_help_and_inspect_start_without_jax(tmp_path, command):
 
 def test_the_package_face_imports_its_heavy_parts_on_first_use():
     done = subprocess.run(
-        [sys.executable, "-c", "import sys, eqxckpt; a = 'jax' in sys.modules; eqxckpt.save; print(a, 'jax' in sys.modules)"],
+        [
+            sys.executable,
+            "-c",
+            "import sys, eqxckpt; a = 'jax' in sys.modules; eqxckpt.save; print(a, 'jax' in sys.modules)",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

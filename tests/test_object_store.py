@@ -648,3 +648,34 @@ def test_bounded_reads_return_exactly_the_value_or_refuse_it(size, asked):
     assert bytes(read_bounded(store, "k", asked).value) == value[: min(size, asked + 1)]
     assert read_exact(store, "absent", asked).result().state == "missing"
     assert read_bounded(store, "absent", asked).state == "missing"
+
+
+def test_a_refused_save_names_the_credentials(monkeypatch):
+    """A server that refuses every request as S3 does without valid credentials: 403, and
+    no body to a HEAD. The advice is about credentials, not disk space."""
+    import http.server
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def refuse(self) -> None:
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = refuse
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    try:
+        with pytest.warns(UserWarning, match="conditional writes"), pytest.raises(eqxckpt.CheckpointWriteError) as info:
+            eqxckpt.save(spec(f"http://127.0.0.1:{server.server_port}", "run/"), {"w": np.ones(3)})
+    finally:
+        server.shutdown()
+    message = str(info.value)
+    assert "403" in message and "check the credentials (for S3, AWS_ACCESS_KEY_ID" in message, message
+    assert "free space" not in message
