@@ -226,7 +226,8 @@ def _match_paths(
     for slot, (rel, target) in enumerate(flat):
         leaf = available.get(rel)
         if leaf is None:
-            wanted = is_array_like(target) or isinstance(target, SCALAR_TYPES)
+            # A Python field no file of the format can hold is `like`'s, strict or not.
+            wanted = is_array_like(target) or (isinstance(target, SCALAR_TYPES) and not result.source.arrays_only)
             if wanted and (strict or isinstance(target, jax.ShapeDtypeStruct)):
                 result.missing.append((rel, f"expected {describe_like(target)}"))
             else:

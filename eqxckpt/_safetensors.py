@@ -92,6 +92,8 @@ class SafetensorsCheckpoint(Source):
     is still read whole from the version whose header was validated, never mixed.
     """
 
+    arrays_only = True
+
     def __init__(self, location: str, files: dict[str, pathlib.Path], index: dict[str, str] | None = None):
         self.location = location
         self.metadata: dict[str, Any] = {}

@@ -45,6 +45,9 @@ class Source(abc.ABC):
     location: Any
     metadata: dict[str, Any]
     _leaves: dict[str, Leaf]
+    # Whether the format holds arrays only (safetensors, TensorFlow): then `load` takes a
+    # `like`'s other leaves (Dropout's `p` and `inference`) from `like`, as `transforms=` does.
+    arrays_only: bool = False
 
     _pin: Pin | None = None  # what proves the source read is the one opened (None: nothing to check)
 
