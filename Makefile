@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
+# A plain path in a .pth, not setuptools' import hook: pyright, mypy and editors then find
+# the package from any directory (an import hook is invisible to static tools).
+EDITABLE := --config-settings editable_mode=compat -e
 
 .PHONY: demo test docs bench clean
 
@@ -14,18 +17,18 @@ $(BIN)/python:
 $(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
 	@echo "Installing eqxckpt into $(VENV) with what the demo needs (jax, equinox, tensorstore, optax):"
 	@echo "about 1 minute and 1 GB the first time. make test adds TensorFlow, the test servers and the docs toolchain."
-	$(PIP) -e ".[demo]"
+	$(PIP) $(EDITABLE) ".[demo]"
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
 	@echo "Installing eqxckpt into $(VENV) with its test, TensorFlow and docs extras (jax, tensorstore,"
 	@echo "tensorflow-cpu, orbax-checkpoint, moto, mkdocs, ...): about 2 minutes and 2 GB the first time."
-	$(PIP) -e ".[test,tf,docs]"
+	$(PIP) $(EDITABLE) ".[test,tf,docs]"
 	touch $@
 
 $(VENV)/.bench-installed: pyproject.toml | $(BIN)/python
 	@echo "Installing eqxckpt into $(VENV) with its test, TensorFlow and benchmark extras: a few minutes the first time."
-	$(PIP) -e ".[test,tf,docs,bench]"
+	$(PIP) $(EDITABLE) ".[test,tf,docs,bench]"
 	touch $@
 
 demo: $(VENV)/.demo-installed
