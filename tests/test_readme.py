@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import pytest
 from conftest import untracked
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
@@ -111,3 +112,30 @@ def test_the_readme_install_line_brings_what_its_examples_import():
                     continue
                 provided = {d.lower().replace("_", "-") for d in distributions.get(top, [top])}
                 assert provided & allowed, f"the README imports {module}, which the install line does not bring"
+
+
+@pytest.mark.s3
+def test_the_s3_quick_start_runs_as_pasted_from_another_directory(tmp_path):
+    """The README's shell lines that start moto and create the bucket, run from a directory
+    outside the clone (on a free port, and without the `pip install`, which the test
+    environment has done): the bucket exists when they finish, and the README's s3:// save
+    goes to it."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    text = README.read_text()
+    [listing] = re.findall(r"```bash\n(pip install 'moto\[server\]'\n.*?)```", text, flags=re.S)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    lines = [line.replace("5000", str(port)) for line in listing.splitlines() if not line.startswith("pip install")]
+    save = "import eqxckpt, numpy as np; eqxckpt.save('s3://my-bucket/quick', {'w': np.ones(2)}); print(eqxckpt.load('s3://my-bucket/quick'))"
+    script = "\n".join(["trap 'kill $(jobs -p)' EXIT", *lines, f'"{sys.executable}" -c "{save}"'])
+    environment = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(
+        ["bash", "-e", "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "{'w': array([1., 1.])}" in done.stdout, done.stdout
