@@ -79,4 +79,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_LAZY} - {"TYPE_CHECKING", "Any", "importlib"})  # the API, not this module's tools
