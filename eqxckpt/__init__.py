@@ -7,9 +7,9 @@ model = eqxckpt.load("checkpoints/step_100", like=model_skeleton, at="model")
 ```
 """
 
-from ._background import SaveHandle as SaveHandle
-from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray
-from ._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._errors import (
     ArgumentError as ArgumentError,
     CastError as CastError,
@@ -28,14 +28,55 @@ from ._errors import (
     UnsupportedFormatError as UnsupportedFormatError,
     UnsupportedLeafError as UnsupportedLeafError,
 )
-from ._formats import open as open
-from ._load import load as load
-from ._manager import CheckpointManager as CheckpointManager
-from ._safetensors import save_safetensors as save_safetensors
-from ._save import save as save
-from ._source import Source as Source
-from ._storage import CheckpointPath as CheckpointPath
-from ._transform import Transform as Transform, apply_transformations as apply_transformations
-from ._translate import CheckpointTranslator as CheckpointTranslator
-from ._verify import VerifyReport as VerifyReport, verify as verify
 from ._version import __version__ as __version__
+
+if TYPE_CHECKING:
+    from ._background import SaveHandle as SaveHandle
+    from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray
+    from ._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
+    from ._formats import open as open
+    from ._load import load as load
+    from ._manager import CheckpointManager as CheckpointManager
+    from ._safetensors import save_safetensors as save_safetensors
+    from ._save import save as save
+    from ._source import Source as Source
+    from ._storage import CheckpointPath as CheckpointPath
+    from ._transform import Transform as Transform, apply_transformations as apply_transformations
+    from ._translate import CheckpointTranslator as CheckpointTranslator
+    from ._verify import VerifyReport as VerifyReport, verify as verify
+
+# The names above that import JAX, each imported from its module on first use: the
+# command line (`eqxckpt --help`, `eqxckpt inspect`) runs without JAX's start-up cost.
+_LAZY = {
+    "SaveHandle": "_background",
+    "Checkpoint": "_checkpoint",
+    "LazyArray": "_checkpoint",
+    "ChangedLeaf": "_diff",
+    "Diff": "_diff",
+    "diff": "_diff",
+    "open": "_formats",
+    "load": "_load",
+    "CheckpointManager": "_manager",
+    "save_safetensors": "_safetensors",
+    "save": "_save",
+    "Source": "_source",
+    "CheckpointPath": "_storage",
+    "Transform": "_transform",
+    "apply_transformations": "_transform",
+    "CheckpointTranslator": "_translate",
+    "VerifyReport": "_verify",
+    "verify": "_verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY} - {"TYPE_CHECKING", "Any", "importlib"})  # the API, not this module's tools

@@ -1,4 +1,7 @@
-"""The ``eqxckpt`` command line: look at checkpoints without the model code."""
+"""The ``eqxckpt`` command line: look at checkpoints without the model code.
+
+Each command imports the modules it runs: ``--help`` and ``inspect`` start without JAX.
+"""
 
 import argparse
 import json
@@ -7,9 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ._errors import CheckpointError
-from ._formats import FORMATS, open as open_source
-from ._paths import depth, normalize_at
-from ._source import nothing_under
+from ._formats import FORMATS
 from ._version import __version__
 
 if TYPE_CHECKING:
@@ -57,6 +58,10 @@ def console() -> "Console":
 def _inspect(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.tree import Tree
+
+    from ._formats import open as open_source
+    from ._paths import depth, normalize_at
+    from ._source import nothing_under
 
     checkpoint = open_source(checkpoint_path(args.path), format=args.format)
     prefix = normalize_at(args.at)
@@ -164,6 +169,7 @@ def _diff(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from ._diff import diff
+    from ._formats import open as open_source
 
     out = console()
     result = diff(
@@ -215,6 +221,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     import jax
 
+    from ._formats import open as open_source
     from ._progress import reporting
     from ._safetensors import save_safetensors
     from ._save import save

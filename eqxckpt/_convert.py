@@ -3,16 +3,18 @@
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
-from jax.typing import DTypeLike
 
 from ._errors import CastError
 
+if TYPE_CHECKING:  # JAX is imported where a restore needs it, not to read a checkpoint
+    import jax
+    from jax.typing import DTypeLike
 
-def checked_astype(data: np.ndarray, dtype: DTypeLike, path: str) -> np.ndarray:
+
+def checked_astype(data: np.ndarray, dtype: "DTypeLike", path: str) -> np.ndarray:
     """``data`` cast to ``dtype`` (an explicit ``cast=True``), refusing values that would change
     beyond rounding: integers out of range, NaN or infinities into integers, finite floats
     that overflow. Floats that underflow to zero are cast with a warning."""
@@ -54,6 +56,8 @@ def checked_astype(data: np.ndarray, dtype: DTypeLike, path: str) -> np.ndarray:
 
 def narrowed(dtype: np.dtype, into_jax: bool) -> str | None:
     """Why JAX would silently narrow ``dtype`` (64-bit data with x64 off), or None."""
+    import jax
+
     if jax.config.read("jax_enable_x64") or not into_jax:
         return None
     if dtype.itemsize < 8 or dtype.kind not in "iufc" or dtype.name == "complex64":
@@ -65,7 +69,7 @@ def narrowed(dtype: np.dtype, into_jax: bool) -> str | None:
     )
 
 
-def adopt(data: np.ndarray, sharding: Any = None) -> jax.Array:
+def adopt(data: np.ndarray, sharding: Any = None) -> "jax.Array":
     """``data`` as a jax array; on a CPU device without a copy where possible.
 
     XLA's CPU client can take over a 64-byte aligned buffer through DLPack, so
@@ -73,6 +77,8 @@ def adopt(data: np.ndarray, sharding: Any = None) -> jax.Array:
     Other devices, and dtypes DLPack lacks (bfloat16, float8, int4), take one
     copy with ``jax.device_put`` (not ``jnp.asarray``, which is slower).
     """
+    import jax
+
     if sharding is None:
         device = jax.local_devices()[0] if getattr(jax.config, "jax_default_device", None) is None else None
     else:
@@ -92,10 +98,12 @@ def adopt(data: np.ndarray, sharding: Any = None) -> jax.Array:
     return jax.device_put(data, sharding)
 
 
-def place_slices(shape: tuple[int, ...], sharding: Any, piece: Callable[[Any], np.ndarray]) -> jax.Array:
+def place_slices(shape: tuple[int, ...], sharding: Any, piece: Callable[[Any], np.ndarray]) -> "jax.Array":
     """A global array of ``shape`` whose every addressable shard is ``piece(index)``. Each
     slice is on its device before the next is asked for, so host memory holds one
     slice at a time (`jax.make_array_from_callback` gathers them all first)."""
+    import jax
+
     arrays = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         array = jax.device_put(piece(index), device)

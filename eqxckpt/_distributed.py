@@ -10,8 +10,6 @@ import json
 import os
 from collections.abc import Callable
 
-import jax
-
 from . import _errors
 from ._errors import CheckpointError
 
@@ -25,10 +23,14 @@ _save_counter = itertools.count()
 
 
 def process_index() -> int:
+    import jax
+
     return jax.process_index()
 
 
 def is_multiprocess() -> bool:
+    import jax
+
     return jax.process_count() > 1
 
 
@@ -53,6 +55,8 @@ class Phases:
     """
 
     def __init__(self) -> None:
+        import jax
+
         self._client = _client()
         self.rank = jax.process_index()
         self.size = jax.process_count()

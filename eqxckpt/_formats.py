@@ -15,22 +15,23 @@ from the file.
 """
 
 import pathlib
+from typing import TYPE_CHECKING
 
-from ._checkpoint import open_checkpoint
 from ._errors import CheckpointNotFoundError, UnsupportedFormatError
-from ._orbax import OrbaxCheckpoint, is_orbax
-from ._paths import MANIFEST_NAME
-from ._safetensors import INDEX_NAME, SINGLE_NAME, open_safetensors
-from ._source import Source
-from ._storage import CheckpointPath, Storage, resolve
-from ._tensorflow import open_tf
+
+if TYPE_CHECKING:
+    from ._source import Source
+    from ._storage import CheckpointPath, Storage
+
+# The readers are imported when a checkpoint is opened: the command line builds its
+# arguments from FORMATS without them.
 
 FORMATS = ("eqxckpt", "safetensors", "orbax", "tf")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle")
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def open(path: CheckpointPath, *, format: str | None = None) -> Source:  # noqa: A001 - public name fixed by the design
+def open(path: "CheckpointPath", *, format: str | None = None) -> "Source":  # noqa: A001 - public name fixed by the design
     """Open a checkpoint read-only, without reading any array.
 
     **Arguments:**
@@ -49,6 +50,12 @@ def open(path: CheckpointPath, *, format: str | None = None) -> Source:  # noqa:
     hf = eqxckpt.open("t5_v1_1_tiny/hf/model.safetensors")  # encoder/block/0/layer/0/SelfAttention/q/weight, ...
     ```
     """
+    from ._checkpoint import open_checkpoint
+    from ._orbax import OrbaxCheckpoint
+    from ._safetensors import open_safetensors
+    from ._storage import resolve
+    from ._tensorflow import open_tf
+
     if format is not None and format not in FORMATS:
         raise UnsupportedFormatError(f"Unknown format {format!r}: eqxckpt reads {', '.join(FORMATS)}.")
     storage = resolve(path)
@@ -63,9 +70,11 @@ def open(path: CheckpointPath, *, format: str | None = None) -> Source:  # noqa:
     return open_safetensors(local) if found == "safetensors" else OrbaxCheckpoint(local)
 
 
-def detect(path: CheckpointPath | Storage) -> str:
+def detect(path: "CheckpointPath | Storage") -> str:
     """The format of what is at ``path`` (``eqxckpt`` when nothing else fits, so
     that its errors say what is missing); `UnsupportedFormatError` for a pickle."""
+    from ._storage import resolve
+
     local = resolve(path).local
     if local is None:
         return "eqxckpt"
@@ -79,6 +88,10 @@ def detect(path: CheckpointPath | Storage) -> str:
 
 
 def _detect_local(local: pathlib.Path) -> str:
+    from ._orbax import is_orbax
+    from ._paths import MANIFEST_NAME
+    from ._safetensors import INDEX_NAME, SINGLE_NAME
+
     if not local.exists() and local.with_name(local.name + ".index").is_file():
         return "tf"
     if local.is_file():

@@ -17,9 +17,8 @@ import dataclasses
 import functools
 import math
 import struct
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import jax
 import numpy as np
 
 from ._convert import adopt, checked_astype, narrowed, place_slices
@@ -38,6 +37,9 @@ from ._tree import (
     is_prng_key_dtype,
     type_name,
 )
+
+if TYPE_CHECKING:  # JAX is imported where a leaf is restored or saved, not to read a manifest
+    import jax
 
 # One key entry: ("attr" | "dict" | "seq" | "index", key) plus "repr" for keys recorded by their repr.
 KeyRecord = tuple[Any, ...]
@@ -133,7 +135,7 @@ class StoredLeaf(Leaf):
         """Why JAX would silently change the restored values, or None."""
         return None
 
-    def can_shard(self, sharding: jax.sharding.Sharding) -> bool:
+    def can_shard(self, sharding: "jax.sharding.Sharding") -> bool:
         """Whether a read may be split by ``sharding``'s slices."""
         return True
 
@@ -159,7 +161,7 @@ class StoredLeaf(Leaf):
         """Stored data (read whole into host memory) as the value ``target`` asks for."""
         raise NotImplementedError
 
-    def assemble(self, target: Any, slices: Any, key: Any) -> jax.Array:
+    def assemble(self, target: Any, slices: Any, key: Any) -> "jax.Array":
         """A global array from this process's slices (``slices[key(index)]``: a slice's data)."""
         raise NotImplementedError
 
@@ -235,6 +237,8 @@ class ArrayLeaf(StoredLeaf):
         return None
 
     def narrowed(self, target: Any) -> str | None:
+        import jax
+
         dtype = np.dtype(getattr(target, "dtype", None) or self.dtype)
         into_jax = (
             isinstance(target, jax.Array)
@@ -247,6 +251,8 @@ class ArrayLeaf(StoredLeaf):
         return narrowed(dtype, into_jax)
 
     def finish(self, data: np.ndarray, target: Any) -> Any:
+        import jax
+
         check_bool_bytes(data, self.path)
         if data.dtype != np.dtype(getattr(target, "dtype", data.dtype)):
             data = checked_astype(data, target.dtype, self.path)
@@ -277,7 +283,7 @@ class ArrayLeaf(StoredLeaf):
         array_type = self.array_type if self.array_type in ARRAY_TYPES else "numpy"
         return ArrayLeaf(path, keys, shape, dtype.name, array_type, digest=None if changed else self.digest)
 
-    def assemble(self, target: Any, slices: Any, key: Any) -> jax.Array:
+    def assemble(self, target: Any, slices: Any, key: Any) -> "jax.Array":
         dtype = np.dtype(target.dtype)
         return place_slices(self.shape, target.sharding, lambda idx: checked_astype(slices[key(idx)], dtype, self.path))
 
@@ -296,6 +302,8 @@ def check_bool_bytes(data: np.ndarray, path: str) -> None:
 @functools.cache
 def key_dtype(impl: str) -> Any:
     """The dtype of typed PRNG keys of ``impl`` (``key<fry>`` for threefry2x32)."""
+    import jax
+
     try:
         return jax.random.key(0, impl=impl).dtype
     except ValueError:
@@ -343,8 +351,10 @@ class KeyLeaf(StoredLeaf):
             return self._differs(target)
         return None
 
-    def can_shard(self, sharding: jax.sharding.Sharding) -> bool:
+    def can_shard(self, sharding: "jax.sharding.Sharding") -> bool:
         # Key data has trailing dimensions; only a NamedSharding says how to lay those out.
+        import jax
+
         return isinstance(sharding, jax.sharding.NamedSharding)
 
     def check_known(self) -> None:
@@ -365,8 +375,10 @@ class KeyLeaf(StoredLeaf):
             )
         return dataclasses.replace(self, path=path, keys=keys, offset=None)  # written as its own array
 
-    def wrap(self, data: Any) -> jax.Array:
+    def wrap(self, data: Any) -> "jax.Array":
         """Typed PRNG keys are stored as key data; turn them back into keys."""
+        import jax
+
         key_dtype(self.impl)  # a clear error for an unknown implementation
         try:
             return jax.random.wrap_key_data(data, impl=self.impl)
@@ -378,11 +390,15 @@ class KeyLeaf(StoredLeaf):
             ) from None
 
     def finish(self, data: np.ndarray, target: Any) -> Any:
+        import jax
+
         value = self.wrap(data)
         sharding = getattr(target, "sharding", None)
         return value if sharding is None else jax.device_put(value, sharding)
 
-    def assemble(self, target: Any, slices: Any, key: Any) -> jax.Array:
+    def assemble(self, target: Any, slices: Any, key: Any) -> "jax.Array":
+        import jax
+
         ndim = len(self.shape)
 
         def piece(index: Any) -> np.ndarray:
@@ -511,6 +527,8 @@ def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, A
 
     Raises `UnsupportedLeafError` for what cannot be stored faithfully.
     """
+    import jax
+
     if is_array_like(value) and not isinstance(value, (jax.ShapeDtypeStruct, np.ma.MaskedArray)):
         if isinstance(value, jax.Array) and is_prng_key_dtype(value.dtype):
             data = jax.random.key_data(value)
@@ -540,6 +558,8 @@ def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, A
 
 def _refusal(path: str, leaf: Any) -> str:
     """Why a leaf cannot be saved, and what to do instead."""
+    import jax
+
     kind = type_name(leaf)
     if isinstance(leaf, np.ma.MaskedArray):
         return (

@@ -226,7 +226,8 @@ def _match_paths(
     for slot, (rel, target) in enumerate(flat):
         leaf = available.get(rel)
         if leaf is None:
-            wanted = is_array_like(target) or isinstance(target, SCALAR_TYPES)
+            # A Python field no file of the format can hold is `like`'s, strict or not.
+            wanted = is_array_like(target) or (isinstance(target, SCALAR_TYPES) and not result.source.arrays_only)
             if wanted and (strict or isinstance(target, jax.ShapeDtypeStruct)):
                 result.missing.append((rel, f"expected {describe_like(target)}"))
             else:
@@ -319,6 +320,18 @@ def report(
     lines = [f"Checkpoint {where} does not match `like`:", *differences(missing, unexpected, mismatched)]
     if at_hint is not None:
         lines.append(f"Every missing leaf is in the checkpoint under {at_hint!r}: pass at={at_hint!r}.")
+    if not strict and missing:
+        lines.append(
+            "Not strict, load keeps `like`'s value for a leaf missing from the checkpoint, but `like` has no value "
+            "for the missing leaves above: they are shapes only (jax.ShapeDtypeStruct, e.g. from "
+            "eqx.filter_eval_shape). Pass a `like` holding arrays there (a freshly initialised model), or restore "
+            "the rest and set these yourself."
+        )
+    if not strict and mismatched:
+        lines.append(
+            "Not strict, leaves may be missing or extra; a leaf whose shape, dtype or kind differs from `like`'s "
+            "is still an error."
+        )
     remedies = ["at='prefix' selects a subtree"]
     if strict:
         remedies.append("strict=False keeps `like`'s values for missing leaves and ignores extra ones")

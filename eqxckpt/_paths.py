@@ -21,8 +21,6 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-import jax.tree_util as jtu
-
 from ._errors import ManifestError, PathError
 
 MANIFEST_NAME = "eqxckpt.json"
@@ -168,6 +166,8 @@ def key_entry_record(entry: Any) -> list:
 
     Enough to rebuild nested dicts/lists without the code that made the tree.
     """
+    import jax.tree_util as jtu
+
     if isinstance(entry, jtu.GetAttrKey):
         return ["attr", entry.name]
     if isinstance(entry, jtu.SequenceKey):
@@ -201,6 +201,8 @@ def check_unique(paths_and_keypaths: list[tuple[str, tuple]]) -> None:
     on a case-insensitive store (``"W"`` and ``"w"``): one would overwrite the
     other, so saving stops with both names.
     """
+    import jax.tree_util as jtu
+
     seen: dict[str, tuple] = {}
     prefixes: dict[str, tuple] = {}
     reserved = {MANIFEST_NAME.casefold(), LEASE_NAME.casefold()}

@@ -6,9 +6,8 @@ writes every kind the same way (`_save._write_pieces`)."""
 import abc
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from ._chunks import ChunkLayout, Region
@@ -16,6 +15,9 @@ from ._distributed import is_multiprocess
 from ._dtypes import little_endian
 from ._leaf import KeyRecord, Leaf, StoredLeaf, leaf_of
 from ._source import LazyEntry, Source
+
+if TYPE_CHECKING:
+    import jax
 
 # A chunk to write: its key, the part of the array it holds, a function producing that
 # part's values (run on an I/O thread, just before the chunk is written), and how many
@@ -110,6 +112,8 @@ def snapshot(
     in a multi-process run) are written by process 0 alone. ``copy``: take a
     private copy of numpy leaves, which the caller may mutate afterwards.
     """
+    import jax
+
     multiprocess = is_multiprocess()
     planned: list[tuple[StoredLeaf, tuple[int, ...] | None, list[tuple[tuple[slice, ...] | None, Any]]]] = []
     for record, value in arrays:
@@ -145,7 +149,7 @@ def snapshot(
     ]
 
 
-def _on_cpu(array: jax.Array) -> bool:
+def _on_cpu(array: "jax.Array") -> bool:
     return all(d.platform == "cpu" for d in array.sharding.device_set)
 
 
@@ -160,4 +164,6 @@ def _host(value: Any, copy: bool) -> np.ndarray:
     save returns without copying it (`tests/test_save.py` checks donation and
     deletion). Numpy arrays are mutable, so an async save copies them.
     """
+    import jax
+
     return little_endian(value, copy=copy and not isinstance(value, jax.Array))

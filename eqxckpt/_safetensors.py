@@ -20,11 +20,9 @@ import stat
 import struct
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import jax
 import numpy as np
-from jaxtyping import PyTree
 
 from ._budget import read_window
 from ._convert import aligned_empty
@@ -46,6 +44,9 @@ from ._source import LazyEntry, Source, check_one_tree
 from ._storage import create_locked_file, fsync_path, read_capped, remove_abandoned_files
 from ._tree import flatten, is_prng_key_dtype
 from ._window import Task, run_windowed
+
+if TYPE_CHECKING:  # JAX is imported where a tree is saved, not to read a file
+    from jaxtyping import PyTree
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -91,6 +92,8 @@ class SafetensorsCheckpoint(Source):
     open file: a file replaced meanwhile (``save_safetensors(overwrite=True)``)
     is still read whole from the version whose header was validated, never mixed.
     """
+
+    arrays_only = True
 
     def __init__(self, location: str, files: dict[str, pathlib.Path], index: dict[str, str] | None = None):
         self.location = location
@@ -273,7 +276,7 @@ def open_safetensors(path: pathlib.Path) -> SafetensorsCheckpoint:
 
 def save_safetensors(
     path: str | os.PathLike[str],
-    tree: PyTree,
+    tree: "PyTree",
     *,
     metadata: dict[str, str] | None = None,
     overwrite: bool = False,
@@ -306,6 +309,8 @@ def save_safetensors(
     params = safetensors.numpy.load_file("model.safetensors")
     ```
     """
+    import jax
+
     metadata = {} if metadata is None else metadata
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CheckpointError("safetensors metadata must map strings to strings.")

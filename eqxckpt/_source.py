@@ -10,8 +10,9 @@ translated views of either (`CheckpointTranslator.apply`) are sources, so
 import abc
 import contextlib
 import difflib
+import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,9 @@ class Source(abc.ABC):
     location: Any
     metadata: dict[str, Any]
     _leaves: dict[str, Leaf]
+    # Whether the format holds arrays only (safetensors, TensorFlow): then `load` takes a
+    # `like`'s other leaves (Dropout's `p` and `inference`) from `like`, as `transforms=` does.
+    arrays_only: bool = False
 
     _pin: Pin | None = None  # what proves the source read is the one opened (None: nothing to check)
 
@@ -191,9 +195,9 @@ class Source(abc.ABC):
         try:
             return self._leaves[leaf_path]
         except KeyError:
-            close = difflib.get_close_matches(leaf_path, self._leaves, n=3)
-            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise KeyError(f"No leaf {leaf_path!r} in {self.location}.{hint}") from None
+            raise KeyError(
+                f"No leaf {leaf_path!r} in {self.location}.{did_you_mean(leaf_path, self._leaves)}"
+            ) from None
 
     def origin(self, leaf_path: str) -> str:
         """The name the leaf at ``leaf_path`` has in the format that stores it, so errors
@@ -387,9 +391,27 @@ def check_one_tree(leaves: dict[str, Leaf], location: Any, name: Any = None) -> 
                 )
 
 
+def did_you_mean(wanted: str, known: Iterable[str]) -> str:
+    """`` Did you mean 'a/b'?`` naming the paths closest to ``wanted``, or "" if none is close."""
+    close = difflib.get_close_matches(wanted, known, n=3)
+    return f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+
+
 def nothing_under(source: Source, at: str | None) -> CheckpointError:
-    """The error for an ``at=`` that selects nothing, listing what is at the top level."""
+    """The error for an ``at=`` that selects nothing: the closest paths as deep as it
+    (``model/layer/0``: ``model/layers/0``), a hint where it is written with dots or
+    brackets (``model.layers[0]``), and what is at the top level."""
+    prefix = normalize_at(at)
     tops = sorted({path.split("/")[0] for path in source.paths})
+    # Python's spelling of a key path (`jax.tree_util.keystr`, attribute access) into eqxckpt's.
+    slashed = re.sub(r"\[['\"]?([^\]'\"]*)['\"]?\]", r".\1", prefix).strip(".").replace(".", "/")
+    hint = ""
+    if slashed != prefix:
+        hint = f" Paths use '/' between keys (at={slashed!r}, not at={prefix!r})."
+    if not (slashed != prefix and source.records(slashed)):
+        keys = depth(slashed)
+        as_deep = {"/".join(path.split("/")[:keys]) for path in source.paths if depth(path) >= keys}
+        hint = did_you_mean(slashed, as_deep) + hint
     return CheckpointError(
-        f"Nothing under at={at!r} in {source.location}. Its top-level entries are: {', '.join(tops) or 'none'}."
+        f"Nothing under at={at!r} in {source.location}.{hint} Its top-level entries are: {', '.join(tops) or 'none'}."
     )

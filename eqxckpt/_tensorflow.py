@@ -26,6 +26,8 @@ class TFCheckpoint(Source):
     name (``encoder/block_000/layer_000/SelfAttention/q``), read when it is needed.
     """
 
+    arrays_only = True
+
     def __init__(self, path: Any, reader: Any):
         self.location = str(path)
         self.metadata: dict[str, Any] = {}

@@ -134,6 +134,7 @@ class TranslatedSource(Source):
     def __init__(self, original: Source, values: dict[str, Any], translated: dict[str, Any]):
         self.original = original
         self.location = original.location
+        self.arrays_only = original.arrays_only  # a rule's computed scalars are found, not missing
         self.metadata = original.metadata
         by_value = {
             id(value): leaf for path, value in values.items() if isinstance(leaf := original.leaf(path), StoredLeaf)

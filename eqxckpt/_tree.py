@@ -6,8 +6,6 @@ import inspect
 import numbers
 from typing import Any
 
-import jax
-import jax.tree_util as jtu
 import numpy as np
 
 from ._errors import ManifestError
@@ -27,6 +25,8 @@ def flatten(tree: Any, empty_in_sequences: bool = False) -> tuple[list[tuple[str
     flatten({"a": 1, "b": [2.0]})[0]  # [('a', (DictKey('a'),), 1), ('b/0', ..., 2.0)]
     ```
     """
+    import jax.tree_util as jtu
+
     if empty_in_sequences:
         with_path, _ = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree and is_empty_subtree(x))
         with_path = [
@@ -41,11 +41,15 @@ def flatten(tree: Any, empty_in_sequences: bool = False) -> tuple[list[tuple[str
 
 
 def is_prng_key_dtype(dtype: Any) -> bool:
+    import jax
+
     return dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def is_array_like(x: Any) -> bool:
     """Arrays and array skeletons: anything with a shape and a dtype to restore into."""
+    import jax
+
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) and not isinstance(
         x, (np.str_, np.bytes_)
     )
@@ -53,6 +57,8 @@ def is_array_like(x: Any) -> bool:
 
 def describe_like(x: Any) -> str:
     """``float32[4,3]`` for arrays and skeletons, the type name otherwise."""
+    import jax
+
     if is_array_like(x):
         dtype = x.dtype
         name = (
@@ -94,6 +100,8 @@ def is_code(x: Any) -> bool:
     such without array arguments, and callables defined by JAX or Equinox
     (``jax.nn.relu``, ``jax.jit(f)``).
     """
+    import jax
+
     if isinstance(x, (type, np.dtype)) or inspect.isroutine(x):
         return True
     if isinstance(x, functools.partial):
@@ -144,6 +152,8 @@ def holds_no_data(x: Any) -> bool:
 
 def is_empty_subtree(x: Any) -> bool:
     """None, or a container with no leaves at all (``()``, ``{}``, optax's ``EmptyState()``)."""
+    import jax.tree_util as jtu
+
     return x is None or (not jtu.all_leaves([x]) and not jtu.tree_leaves(x))
 
 

@@ -3,6 +3,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -260,3 +261,47 @@ def test_verify_of_a_run_directory_tells_a_shared_damaged_file_once(tmp_path, ca
     assert lines[lines.index(told[0]) + 1].strip().startswith("the same stored files are in 1, 2 beside it")
     assert [line.split(":")[0] for line in lines if "/step: " in line] == ["2/step"]
     assert lines[-1].startswith(f"DAMAGED {run}: 3 checkpoints, 3 damaged (0, 1, 2), ")
+
+
+# What the command imports, printed by the command's own process after it has run.
+_MODULES_AFTER = """
+import runpy, sys
+sys.argv = ["eqxckpt", *sys.argv[1:]]
+try:
+    runpy.run_module("eqxckpt", run_name="__main__")
+except SystemExit:
+    pass
+print(" ".join(sorted(m for m in ("jax", "jaxlib", "equinox", "jaxtyping", "numpy") if m in sys.modules)), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("command", [["--help"], ["inspect", "CHECKPOINT"]])
+def test_help_and_inspect_start_without_jax(tmp_path, command):
+    # JAX's import is most of a second of CPU: a command that only reads files never pays it.
+    eqxckpt.save(tmp_path / "c", {"w": np.ones(3, np.float32), "key": jax.random.key(0), "step": 1})
+    argv = [str(tmp_path / "c") if arg == "CHECKPOINT" else arg for arg in command]
+    done = subprocess.run([sys.executable, "-c", _MODULES_AFTER, *argv], capture_output=True, text=True, timeout=60)
+    *_, imported = done.stderr.splitlines()
+    assert ("usage: eqxckpt" if command == ["--help"] else "3 leaves, 2 arrays") in done.stdout, done.stdout
+    assert "jax" not in imported.split() and "equinox" not in imported.split(), imported
+    if command == ["--help"]:
+        assert imported == "", imported  # not even numpy
+
+
+def test_the_package_face_imports_its_heavy_parts_on_first_use():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, eqxckpt; a = 'jax' in sys.modules; eqxckpt.save; print(a, 'jax' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.split() == ["False", "True"], done.stderr
+    public = {name for name in dir(eqxckpt) if not name.startswith("_")}
+    assert {"load", "save", "CheckpointManager", "open", "CheckpointError"} <= public
+    assert not public & {"TYPE_CHECKING", "Any", "importlib"}  # the API only (the docs list every public name)
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        eqxckpt.nonexistent  # noqa: B018

@@ -319,3 +319,19 @@ def test_sharded_restores_hold_the_saved_values_for_every_split(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "15"
+
+
+def test_non_strict_says_why_it_could_not_help(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)})
+    like = {"a": np.ones(3, np.float32), "b": np.ones(5, np.float32), "c": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    with pytest.raises(eqxckpt.StructureMismatchError) as info:
+        eqxckpt.load(tmp_path / "c", like, strict=False)
+    message = str(info.value)
+    assert "`like` has no value for the missing leaves above: they are shapes only (jax.ShapeDtypeStruct" in message
+    assert "a freshly initialised model" in message
+    assert "a leaf whose shape, dtype or kind differs from `like`'s is still an error" in message
+    assert "strict=False keeps `like`'s values for missing leaves" not in message  # no longer offered as the fix
+    # Strict, the same skeleton is told what strict=False would do instead.
+    with pytest.raises(eqxckpt.StructureMismatchError, match="strict=False keeps `like`'s values") as info:
+        eqxckpt.load(tmp_path / "c", like)
+    assert "shapes only" not in str(info.value)

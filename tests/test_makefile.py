@@ -32,3 +32,54 @@ def test_the_repository_tracks_no_stray_output():
     top = {path.split("/")[0] for path in listed.stdout.splitlines()}
     expected = {".ci", ".gitignore", "Makefile", "README.md", "benchmarks", "docs", "eqxckpt", "examples"}
     assert top <= expected | {"mkdocs.yml", "pyproject.toml", "tests"}, sorted(top - expected)
+
+
+@pytest.mark.multiprocess
+def test_type_checkers_see_the_editable_install_from_outside_the_clone(tmp_path):
+    """The Makefile's editable install, as setuptools builds it, is a plain path in a .pth,
+    which pyright follows: from a directory outside the clone it resolves eqxckpt and its
+    signatures (setuptools' default, an import hook, leaves every type Unknown)."""
+    import shutil
+    import sys
+    import zipfile
+
+    pyright = shutil.which("pyright", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("pyright")
+    if pyright is None:
+        pytest.skip("needs pyright (pip install -e '.[test]')")
+    assert "--config-settings editable_mode=compat -e" in (ROOT / "Makefile").read_text()
+    # Built from a copy, so that nothing is written into the checkout.
+    project = tmp_path / "clone"
+    project.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", project)
+    shutil.copy(ROOT / "README.md", project)
+    shutil.copytree(ROOT / "eqxckpt", project / "eqxckpt", ignore=shutil.ignore_patterns("__pycache__"))
+    build = "from setuptools import build_meta as b; print(b.build_editable(%r, {'editable_mode': 'compat'}))"
+    subprocess.run(
+        [sys.executable, "-c", build % str(tmp_path)], cwd=project, capture_output=True, check=True, timeout=120
+    )
+    [wheel] = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        [pth] = [name for name in archive.namelist() if name.endswith(".pth")]
+        assert archive.read(pth).decode().strip() == str(project)  # a path, not an import hook
+        metadata = archive.read("eqxckpt-0.1.0.dist-info/METADATA").decode()
+        assert "Author-email: The eqxckpt maintainers" in metadata  # what `pip show eqxckpt` prints
+        # The environment the wheel goes into: a bare venv holding that .pth.
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", tmp_path / "venv"], check=True, timeout=60)
+        python = tmp_path / "venv" / "bin" / "python"
+        purelib = subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
+        pathlib.Path(purelib, pth).write_bytes(archive.read(pth))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "use.py").write_text("import eqxckpt\n\nreveal_type(eqxckpt.load)\nreveal_type(eqxckpt.open)\n")
+    checked = subprocess.run(
+        [pyright, "--pythonpath", str(python), "use.py"], cwd=elsewhere, capture_output=True, text=True, timeout=120
+    )
+    assert checked.returncode == 0 and "could not be resolved" not in checked.stdout, checked.stdout
+    assert 'Type of "eqxckpt.load" is "(path: str | PathLike[str]' in checked.stdout, checked.stdout
+    assert 'Type of "eqxckpt.open" is "(path: ' in checked.stdout and "-> Source" in checked.stdout, checked.stdout

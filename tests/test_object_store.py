@@ -624,3 +624,34 @@ def test_an_oversized_object_is_refused_without_downloading_it(store):
     result = probe_in_a_child(store, "load", prefix)["load"]
     assert result["error"] == "CorruptCheckpointError" and "over 65536 bytes" in result["message"], result
     assert result["peak_mib"] < 64, result
+
+
+def test_a_refused_save_names_the_credentials(monkeypatch):
+    """A server that refuses every request as S3 does without valid credentials: 403, and
+    no body to a HEAD. The advice is about credentials, not disk space."""
+    import http.server
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def refuse(self) -> None:
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = refuse
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    try:
+        with pytest.warns(UserWarning, match="conditional writes"), pytest.raises(eqxckpt.CheckpointWriteError) as info:
+            eqxckpt.save(spec(f"http://127.0.0.1:{server.server_port}", "run/"), {"w": np.ones(3)})
+    finally:
+        server.shutdown()
+    message = str(info.value)
+    assert "403" in message and "check the credentials (for S3, AWS_ACCESS_KEY_ID" in message, message
+    assert "free space" not in message

@@ -1,3 +1,6 @@
+import warnings
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,3 +175,109 @@ def test_a_rule_can_transpose_a_stored_matrix_lazily_and_misfits_name_the_stored
     other.add(r".*")(lambda opts, key, value: (key, Transposed(np.ones(2))))
     with pytest.raises(eqxckpt.TransformError, match="not an array of the source"):
         other.apply(source)
+
+
+class BertLayer(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+    norm: eqx.nn.LayerNorm
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, d: int, key):
+        bias = dict(use_query_bias=True, use_key_bias=True, use_value_bias=True, use_output_bias=True)
+        self.attn = eqx.nn.MultiheadAttention(2, d, dropout_p=0.1, **bias, key=key)
+        self.norm = eqx.nn.LayerNorm(d)
+        self.dropout = eqx.nn.Dropout(0.2)
+
+
+class Bert(eqx.Module):
+    embed: eqx.nn.Embedding
+    layers: list[BertLayer]
+
+    def __init__(self, key, vocab: int = 11, d: int = 8, depth: int = 2):
+        k0, *ks = jax.random.split(key, depth + 1)
+        self.embed = eqx.nn.Embedding(vocab, d, key=k0)
+        self.layers = [BertLayer(d, k) for k in ks]
+
+
+def bert_file(path, vocab: int = 11, d: int = 8, depth: int = 2) -> dict[str, np.ndarray]:
+    """A file as HuggingFace's BertForMaskedLM writes it: dotted names, [out, in] weights."""
+    rng = np.random.default_rng(0)
+    tensors = {"bert.embeddings.word_embeddings.weight": rng.standard_normal((vocab, d), np.float32)}
+    for i in range(depth):
+        at = f"bert.encoder.layer.{i}.attention"
+        for name in ("self.query", "self.key", "self.value", "output.dense"):
+            tensors[f"{at}.{name}.weight"] = rng.standard_normal((d, d), np.float32)
+            tensors[f"{at}.{name}.bias"] = rng.standard_normal(d).astype(np.float32)
+        tensors[f"{at}.output.LayerNorm.weight"] = rng.standard_normal(d).astype(np.float32)
+        tensors[f"{at}.output.LayerNorm.bias"] = rng.standard_normal(d).astype(np.float32)
+    tensors["cls.predictions.bias"] = np.zeros(vocab, np.float32)  # the head: not in this model
+    safetensors.numpy.save_file(tensors, str(path))
+    return tensors
+
+
+BERT_NAMES = {  # ours -> the file's (after `open`, whose paths use '/')
+    r"embed/weight": r"bert/embeddings/word_embeddings/weight",
+    r"layers/(\d+)/attn/(query|key|value)_proj/(weight|bias)": r"bert/encoder/layer/\1/attention/self/\2/\3",
+    r"layers/(\d+)/attn/output_proj/(weight|bias)": r"bert/encoder/layer/\1/attention/output/dense/\2",
+    r"layers/(\d+)/norm/(weight|bias)": r"bert/encoder/layer/\1/attention/output/LayerNorm/\2",
+}
+
+
+def test_a_bert_like_huggingface_file_loads_strict_by_either_route(tmp_path):
+    """A module's Python fields (Dropout's `p` and `inference`, in MultiheadAttention too),
+    which no safetensors file can hold, come from the skeleton on both routes."""
+    tensors = bert_file(tmp_path / "model.safetensors")
+    source = eqxckpt.open(tmp_path / "model.safetensors")
+    skeleton = eqx.nn.inference_mode(Bert(jax.random.key(1)))  # `inference=True`: visibly the skeleton's
+
+    translator = eqxckpt.CheckpointTranslator()
+
+    @translator.add(r"bert/embeddings/word_embeddings/weight")
+    def _embed(opts, key, value):
+        return "embed/weight", value
+
+    @translator.add(r"bert/encoder/layer/(\d+)/attention/self/(query|key|value)/(weight|bias)")
+    def _qkv(opts, key, value, layer, name, what):
+        return f"layers/{layer}/attn/{name}_proj/{what}", value
+
+    @translator.add(r"bert/encoder/layer/(\d+)/attention/output/dense/(weight|bias)")
+    def _out(opts, key, value, layer, what):
+        return f"layers/{layer}/attn/output_proj/{what}", value
+
+    @translator.add(r"bert/encoder/layer/(\d+)/attention/output/LayerNorm/(weight|bias)")
+    def _norm(opts, key, value, layer, what):
+        return f"layers/{layer}/norm/{what}", value
+
+    @translator.add(r"cls/.*")
+    def _head(opts, key, value):
+        return None, value
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing kept or ignored to warn about
+        translated = eqxckpt.load(translator.apply(source), skeleton)
+        transformed = eqxckpt.load(
+            source,
+            skeleton,
+            transforms={ours: eqxckpt.Transform(original_key=file) for ours, file in BERT_NAMES.items()},
+        )
+    for model in (translated, transformed):
+        np.testing.assert_array_equal(model.embed.weight, tensors["bert.embeddings.word_embeddings.weight"])
+        for i, layer in enumerate(model.layers):
+            at = f"bert.encoder.layer.{i}.attention"
+            np.testing.assert_array_equal(layer.attn.query_proj.weight, tensors[f"{at}.self.query.weight"])
+            np.testing.assert_array_equal(layer.attn.value_proj.bias, tensors[f"{at}.self.value.bias"])
+            np.testing.assert_array_equal(layer.attn.output_proj.weight, tensors[f"{at}.output.dense.weight"])
+            np.testing.assert_array_equal(layer.norm.bias, tensors[f"{at}.output.LayerNorm.bias"])
+            assert (layer.dropout.p, layer.dropout.inference) == (0.2, True)
+            assert (layer.attn.dropout.p, layer.attn.dropout.inference) == (0.1, True)
+    assert jax.tree_util.tree_structure(translated) == jax.tree_util.tree_structure(transformed)
+
+
+def test_arrays_missing_from_a_foreign_file_are_still_missing(tmp_path):
+    """Only Python fields come from the skeleton: the weights a file lacks are listed, its
+    Dropout fields are not."""
+    bert_file(tmp_path / "model.safetensors")
+    with pytest.raises(eqxckpt.StructureMismatchError) as info:
+        eqxckpt.load(eqxckpt.open(tmp_path / "model.safetensors"), Bert(jax.random.key(1)))  # no renaming
+    assert "layers/0/norm/weight: expected float32[8]" in str(info.value)
+    assert "dropout" not in str(info.value)

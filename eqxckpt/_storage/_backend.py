@@ -48,14 +48,30 @@ def environment_endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
 
+# How object stores say no. A refused HEAD (S3's first request) has no body: only its status
+# says why. (A local file's PERMISSION_DENIED carries no HTTP status: its fix is the default's.)
+DENIED = (
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "http_response_code='401'",
+    "http_response_code='403'",
+    "UNAUTHENTICATED",
+)
+CREDENTIAL_SETTINGS = (
+    "for S3, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or ~/.aws/credentials; for Cloud Storage, "
+    "gcloud auth application-default login or GOOGLE_APPLICATION_CREDENTIALS"
+)
+
+
 def nothing_committed(failure: str) -> str:
     """What to tell after a failed save, given why it failed: the usual fix for the cause."""
     if "NoSuchBucket" in failure or "NOT_FOUND" in failure:  # S3 names it; Cloud Storage answers 404
         fix = "create the bucket or fix its name"
     elif "CURL error" in failure or "Could not connect" in failure or "Could not resolve" in failure:
         fix = f"check the endpoint ({ENDPOINT_SETTINGS}), the network and the credentials"
-    elif "AccessDenied" in failure or "InvalidAccessKeyId" in failure or "SignatureDoesNotMatch" in failure:
-        fix = "check the credentials and the bucket's permissions"
+    elif any(word in failure for word in DENIED):
+        fix = f"check the credentials ({CREDENTIAL_SETTINGS}) and the bucket's permissions"
     else:
         return NOTHING_COMMITTED
     return f"Nothing was committed and any previous checkpoint at this place is intact; {fix}, then save again."

@@ -1,0 +1,45 @@
+import numpy as np
+import pytest
+
+import eqxckpt
+
+
+@pytest.fixture
+def layered(tmp_path):
+    tree = {"model": {"layers": [{"w": np.ones(2)}, {"w": np.zeros(2)}], "head": np.ones(1)}, "opt_state": 1}
+    eqxckpt.save(tmp_path / "c", tree)
+    return tmp_path / "c"
+
+
+def test_an_at_typo_names_the_closest_full_path(layered):
+    with pytest.raises(eqxckpt.CheckpointError) as info:
+        eqxckpt.load(layered, at="model/layer/0")
+    message = str(info.value)
+    assert "Nothing under at='model/layer/0'" in message
+    assert "Did you mean 'model/layers/0'" in message  # the closest first, as deep as `at`
+    assert "Its top-level entries are: model, opt_state." in message
+    # `open()[...]` and `leaf()` say it the same way.
+    with pytest.raises(KeyError, match=r"Did you mean 'model/layers/0/w'"):
+        eqxckpt.open(layered).leaf("model/layer/0/w")
+
+
+@pytest.mark.parametrize("at", ["model.layers.0", "model.layers[0]", "model['layers'][0]"])
+def test_an_at_with_dots_or_brackets_is_told_paths_use_slashes(layered, at):
+    with pytest.raises(eqxckpt.CheckpointError) as info:
+        eqxckpt.load(layered, at=at)
+    assert f"Paths use '/' between keys (at='model/layers/0', not at={at!r})." in str(info.value)
+    assert "Did you mean" not in str(info.value)  # the slashed path exists: no guessing
+
+
+def test_a_dotted_typo_gets_both_hints(layered):
+    with pytest.raises(eqxckpt.CheckpointError) as info:
+        eqxckpt.load(layered, at="model.layer.0")
+    message = str(info.value)
+    assert "Did you mean 'model/layers/0'" in message and "Paths use '/' between keys" in message
+
+
+def test_the_cli_gives_the_same_hints(layered, capsys):
+    from eqxckpt._cli import main
+
+    assert main(["inspect", str(layered), "--at", "model.layers.1"]) == 1
+    assert "at='model/layers/1'" in capsys.readouterr().err
