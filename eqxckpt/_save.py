@@ -24,7 +24,7 @@ from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointWriteError, plural
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
-from ._pack import PACK_MIN_LEAVES, PackedWrite, assign_offsets, packable, packed_array
+from ._pack import PACK_MIN_LEAVES, PackedArray, PackedWrite, assign_offsets, packable
 from ._paths import GROUP_METADATA, PACKED_LOCATION, group_file, group_locations, key_entry_record, reference
 from ._pieces import Piece, record_of, snapshot
 from ._progress import Progress, advance, reporting
@@ -96,19 +96,15 @@ def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], lis
         return records, leaves
     placed = assign_offsets([leaf.record for leaf in small])
     where = {id(leaf.record): record for leaf, record in zip(small, placed)}
-    array = packed_array(placed)
-    assert array is not None
+    packing = PackedArray(placed)
     written = PackedWrite(
-        [
-            (record.offset or 0, whole)
-            for leaf, record in zip(small, placed)
-            if (whole := leaf.pieces[0].whole) is not None
-        ]
+        packing,
+        {record.path: whole for leaf, record in zip(small, placed) if (whole := leaf.pieces[0].whole) is not None},
     )
     chosen = {id(leaf) for leaf in small}
     return (
         [where.get(id(record), record) for record in records],
-        [leaf for leaf in leaves if id(leaf) not in chosen] + [_WriteJob(array, None, [written])],
+        [leaf for leaf in leaves if id(leaf) not in chosen] + [_WriteJob(packing.record, None, [written])],
     )
 
 
@@ -203,16 +199,9 @@ def _unchanged(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) ->
 
 def _same_packing(new: Manifest, old: Manifest) -> bool:
     """Whether two manifests pack the same leaves, with the same digests, at the same offsets:
-    then the packed arrays are the same bytes."""
-
-    def packing(manifest: Manifest) -> set[tuple[Any, ...]] | None:
-        packed = [r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
-        if any(r.digest is None for r in packed):
-            return None
-        return {(r.path, r.offset, r.digest, json.dumps(r.digest_fields())) for r in packed}
-
-    found = packing(new)
-    return found is not None and found == packing(old)
+    then the packed arrays are the same bytes (`PackedArray.same_bytes_as`)."""
+    new_packing, old_packing = PackedArray.of(new.leaves), PackedArray.of(old.leaves)
+    return new_packing is not None and old_packing is not None and new_packing.same_bytes_as(old_packing)
 
 
 def _reusable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob]) -> dict[int, list[str]]:
