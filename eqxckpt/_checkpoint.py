@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ._budget import read_window
 from ._chunks import ChunkLayout, Region
 from ._leaf import KeyRecord, StoredLeaf, check_bool_bytes
 from ._manifest import Manifest
@@ -15,7 +16,6 @@ from ._progress import advance
 from ._select import Selection
 from ._source import LazyEntry, Source, reading
 from ._storage import CheckpointPath, Pin, Storage, resolve
-from ._store import read_window
 from ._stored import StoredArrays, slice_key
 
 

@@ -1,11 +1,11 @@
-"""A stored array's chunks: their layout, their keys, and the bytes of their files.
+"""A stored array's chunks: their shapes, their layout, their keys, and the bytes of their files.
 
 Every array eqxckpt stores is zarr v3 with the ``bytes`` codec (little-endian) and
 then ``crc32c``. A chunk's file is the chunk's C-order bytes, zero-padded to the
 whole chunk shape at the array's edge, followed by the CRC-32C of those bytes
 (4 bytes, little-endian). eqxckpt writes and checks these files itself, with the
 CPU's CRC instruction (the ``crc32c`` library), instead of through TensorStore's
-codec, whose wheels compute the checksum in software at a twentieth of that speed.
+codec, whose wheels compute the checksum in software, far slower (benchmarks/README.md).
 The files are byte for byte what TensorStore writes, so zarr-python and
 TensorStore's zarr3 driver still open and verify every checkpoint.
 """
@@ -24,9 +24,15 @@ from crc32c import crc32c
 
 from ._errors import CheckpointError
 from ._leaf import StoredLeaf
-from ._store import chunk_budget, chunk_regions, chunk_shape
+from ._paths import PACKED_LOCATION
 
 CRC_BYTES = 4
+# Chunks are bounded so a partial or resharded read touches little more than
+# it needs, and big enough that per-file overhead stays small.
+CHUNK_BYTES = 64 * 1024 * 1024
+# The packed array of small leaves (see `_pack`) has small chunks: reading one leaf
+# lazily, or only the model's, reads little more than those bytes.
+PACK_CHUNK_BYTES = 4 * 1024 * 1024
 Region = tuple[slice, ...]
 # Most chunks a leaf's array may have: at most one per MIN_MEAN_CHUNK_BYTES of it, or
 # MIN_CHUNK_LIMIT, whichever is more. Each chunk costs a file, a read and a task whatever
@@ -35,6 +41,65 @@ Region = tuple[slice, ...]
 # declare a 4 MiB leaf in a million one-element chunks.
 MIN_CHUNK_LIMIT = 1 << 16
 MIN_MEAN_CHUNK_BYTES = 4096
+
+
+def chunk_budget(path: str) -> int:
+    """The most bytes a chunk of the array at ``path`` holds."""
+    return PACK_CHUNK_BYTES if path == PACKED_LOCATION else CHUNK_BYTES
+
+
+def chunk_shape(
+    shape: tuple[int, ...], itemsize: int, shard: tuple[int, ...] | None = None, budget: int | None = None
+) -> list[int]:
+    """A C-contiguous chunk shape of at most ``budget`` bytes that tiles ``shard``.
+
+    Trailing dimensions are kept whole while they fit, so each chunk is one
+    contiguous run of the array and a full read is a few large sequential reads.
+    Along a sharded dimension the chunk divides the shard exactly, so no chunk
+    straddles two writers' shards (two writers on one chunk would lose data).
+
+    ```python
+    chunk_shape((1024, 1024), 4, budget=1 << 20)                    # [256, 1024]
+    chunk_shape((1024, 1024), 4, shard=(512, 1024), budget=3 << 20)  # [512, 1024]
+    ```
+    """
+    shard = tuple(shape) if shard is None else tuple(shard)
+    elements = max(1, (CHUNK_BYTES if budget is None else budget) // max(1, itemsize))
+    chunk: list[int] = []
+    for dim, part in zip(reversed(shape), reversed(shard)):
+        part = max(1, part)
+        if part <= elements:
+            chunk.append(part)
+            elements //= part
+        else:
+            size = max(1, elements)
+            chunk.append(_largest_divisor(part, size) if part < dim else size)
+            elements = 1
+    return chunk[::-1]
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    best = 1
+    for d in range(1, int(n**0.5) + 1):
+        if n % d == 0:
+            for candidate in (d, n // d):
+                if best < candidate <= at_most:
+                    best = candidate
+    return best
+
+
+def chunk_regions(chunk: Sequence[int], region: Sequence[slice]) -> list[tuple[slice, ...]]:
+    """The part of ``region`` in each chunk it covers, in C order. ``region`` (slices with
+    explicit bounds) starts on chunk boundaries: a whole array, a shard, a run of chunks.
+
+    ```python
+    chunk_regions([2, 4], [slice(0, 3), slice(0, 4)])  # rows 0-1, then row 2
+    ```
+    """
+    if any(s.start >= s.stop for s in region):
+        return []  # empty: `product` would first list every start along the other dimensions
+    starts = itertools.product(*(range(s.start, s.stop, c) for s, c in zip(region, chunk)))
+    return [tuple(slice(a, min(a + c, s.stop)) for a, c, s in zip(first, chunk, region)) for first in starts]
 
 
 class ChunkFiles(abc.ABC):

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._budget import SLAB_BYTES
 from ._checkpoint import LazyArray
 from ._errors import plural
 from ._formats import open as open_source
@@ -16,9 +17,6 @@ from ._progress import Progress, advance, reporting
 from ._source import Source
 from ._storage import CheckpointPath
 from ._tree import is_prng_key_dtype
-
-# Large eqxckpt leaves are compared a slab of rows at a time, so a diff holds little memory.
-SLAB_BYTES = 64 * 1024 * 1024
 
 
 @dataclasses.dataclass

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ._dtypes import little_endian
 from ._errors import ManifestError
-from ._store import little_endian
 
 ALGORITHM = "xxh3-128"
 _FORMAT = re.compile(rf"{ALGORITHM}:[0-9a-f]{{32}}")

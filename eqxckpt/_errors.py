@@ -4,8 +4,6 @@ All of them live here, and their structured fields are plain attributes, so an
 error pickles with them (it can cross from a worker process to its parent).
 """
 
-import warnings
-
 
 class CheckpointError(Exception):
     """Base class of every error eqxckpt raises on purpose.
@@ -74,7 +72,7 @@ class CorruptCheckpointError(CheckpointError):
     """A leaf's stored data is missing, truncated, or fails its checksum.
 
     **Attributes:** `leaf_path`, the leaf's path when one leaf is at fault (else
-    None). (``path``, its name in eqxckpt 0.1, still reads it, with a `DeprecationWarning`.)
+    None).
 
     ```python
     try:
@@ -87,16 +85,6 @@ class CorruptCheckpointError(CheckpointError):
     def __init__(self, message: str, *, leaf_path: str | None = None):
         super().__init__(message)
         self.leaf_path = leaf_path
-
-    @property
-    def path(self) -> str | None:
-        warnings.warn(
-            "CorruptCheckpointError.path is deprecated: it is the leaf's path, `leaf_path` "
-            "(a checkpoint's location is never called a leaf path).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.leaf_path
 
 
 class PathError(CheckpointError, ValueError):

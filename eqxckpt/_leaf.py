@@ -24,9 +24,9 @@ import numpy as np
 
 from ._convert import adopt, checked_astype, narrowed, place_slices
 from ._digest import parse_digest
+from ._dtypes import STORED_DTYPES, check_dtype
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
-from ._store import STORED_DTYPES, check_dtype
 from ._tree import (
     SCALAR_TYPES,
     code_name,

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._budget import limited_host_memory
 from ._convert import checked_astype, narrowed
 from ._errors import CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
@@ -23,7 +24,6 @@ from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
 from ._source import LazyEntry, Source, nothing_under
 from ._storage import CheckpointPath
-from ._store import limited_host_memory
 from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path
 from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype
 

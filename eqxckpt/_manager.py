@@ -1,12 +1,9 @@
 """`CheckpointManager`: a directory of numbered steps, retention, and resume."""
 
-import collections
 import contextlib
 import math
-import re
 import signal
 import sys
-import threading
 import warnings
 import weakref
 from typing import Any
@@ -16,31 +13,18 @@ from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
 from ._checkpoint import open_checkpoint
-from ._errors import (
-    CheckpointChangedError,
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    IncompleteCheckpointError,
-)
-from ._leaf import float_from_json, float_to_json
-from ._load import load
+from ._errors import ArgumentError, CheckpointChangedError, CheckpointError
+from ._formats import open as open_source
+from ._load import READ_ATTEMPTS, load
 from ._preemption import Preemption
 from ._progress import Progress
+from ._retention import Retention
 from ._save import save
+from ._steps import GONE, MANAGER_KEY, RunSteps, clean_leftovers, manager_record, scan_steps
 from ._storage import CheckpointPath, resolve
-from ._store import is_storage_error
 
-# The manager's own record in each checkpoint's metadata: the step and its metrics.
-MANAGER_KEY = "eqxckpt.manager"
-
-# A step is named by its number, written the one way str(int) writes it.
-_STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
-
-
-# How many times `CheckpointManager.load` looks for the latest step again when the one it
-# picked was deleted meanwhile (each time a step that is gone).
+# How many steps `CheckpointManager.load` tries for the latest one when the one it picked
+# was deleted or replaced meanwhile (each time a step that is gone is never picked again).
 MAX_LATEST_ATTEMPTS = 32
 
 
@@ -108,6 +92,13 @@ class CheckpointManager:
     ```
     """
 
+    # Retention's arguments, read-only: the policy is fixed when the manager is made.
+    max_to_keep = property(lambda self: self.retention.max_to_keep)
+    keep_every = property(lambda self: self.retention.keep_every)
+    best_metric = property(lambda self: self.retention.best_metric)
+    best_mode = property(lambda self: self.retention.best_mode)
+    keep_best = property(lambda self: self.retention.keep_best)
+
     def __init__(
         self,
         directory: CheckpointPath,
@@ -125,36 +116,19 @@ class CheckpointManager:
         preemption_grace_s: float = 30.0,
         incremental: bool = True,
     ):
-        for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every), ("keep_best", keep_best)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+        self.retention = Retention(max_to_keep, keep_every, best_metric, best_mode, keep_best)
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}.")
+            raise ArgumentError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}.")
         if (
             not isinstance(preemption_grace_s, (int, float))
             or isinstance(preemption_grace_s, bool)
             or not 0 < preemption_grace_s < math.inf
         ):
-            raise ValueError(f"preemption_grace_s must be a positive number of seconds, got {preemption_grace_s!r}.")
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}.")
-        if keep_best is not None and best_metric is None:
-            raise ValueError("keep_best needs best_metric: the name of the metric that ranks steps.")
+            raise ArgumentError(f"preemption_grace_s must be a positive number of seconds, got {preemption_grace_s!r}.")
         self.location = resolve(directory)
-        self.max_to_keep = max_to_keep
-        self.keep_every = keep_every
         self.save_interval_steps = save_interval_steps
-        self.best_metric = best_metric
-        self.best_mode = best_mode
-        self.keep_best = keep_best
         self.blocking = blocking
         self.incremental = incremental
-        self._lock = threading.RLock()
-        # Steps being loaded in this process, and steps retention dropped that
-        # are not deleted yet: a step being read (here, or on a local disk by
-        # any process) is deleted later, never from under its reader.
-        self._readers: collections.Counter[int] = collections.Counter()
-        self._doomed: set[int] = set()
         self._pending: SaveHandle | None = None
         self.exit_on_preemption = exit_on_preemption
         self._preemption_signals = preemption_signals if save_on_preemption else None
@@ -164,87 +138,12 @@ class CheckpointManager:
         self._preemption: Preemption | None = None
         self._stop_listening: weakref.finalize | None = None
         self._preempted_at: int | None = None
-        if jax.process_index() == 0:
-            self._clean_leftovers()
-        # Committed steps -> metrics. Kept in memory and updated by the same
-        # rule in every process, so step lists agree without communication.
-        self._steps: dict[int, dict] = self._scan()
-
-    # -- where things are -------------------------------------------------------------
-
-    def _step_location(self, step: int) -> CheckpointPath:
-        return self.location.sub(str(step)).user_path()
-
-    def _scan(self, warn: bool = True) -> dict[int, dict]:
-        """Committed steps and their metrics, as stored now.
-
-        Entries that are not committed steps (a copy named ``007``, a damaged
-        manifest, someone else's files) are skipped with one warning naming
-        them; a step that disappears while it is read (another process's
-        retention) is skipped silently. Steps whose checkpoint cannot be read
-        (a damaged manifest) are remembered in ``_unreadable``: never saved over.
-        """
-        steps: dict[int, dict] = {}
-        skipped: list[str] = []
-        unreadable: dict[int, str] = {}
-        for _ in range(3):
-            steps, skipped, unreadable = {}, [], {}
-            vanished = False
-            for name, problem in self._entries():
-                if problem is not None:
-                    skipped.append(f"{name} ({problem})")
-                    continue
-                try:
-                    steps[int(name)] = self._read_metrics(int(name))
-                except (CheckpointNotFoundError, IncompleteCheckpointError, CheckpointChangedError):
-                    vanished = True  # deleted meanwhile
-                except CheckpointError as e:
-                    unreadable[int(name)] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                    skipped.append(f"{name} ({unreadable[int(name)]})")
-            # A listing is no snapshot: a step committed and its predecessor deleted
-            # while it ran can both be missed. Look again if anything moved.
-            if steps and not vanished:
-                break
-        self._unreadable: dict[int, str] = unreadable  # steps holding a checkpoint that cannot be read -> why
-        if skipped and warn:
-            warnings.warn(
-                f"CheckpointManager({str(self.location)!r}): skipped {len(skipped)} entries that are not committed "
-                f"steps: {'; '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}. Steps are directories "
-                "named by their number (7, not 007) that hold a committed checkpoint.",
-                stacklevel=3,
-            )
-        return steps
-
-    def _entries(self) -> list[tuple[str, str | None]]:
-        """(name, None) for each candidate step, (name, why not) for other entries."""
-        out: list[tuple[str, str | None]] = []
-        for name, state in self.location.entries():
-            if state in ("busy", "retired") and _STEP_NAME.match(name):
-                # A save or deletion in progress, or cleanup's to finish; or a deleted
-                # step's arrays that newer steps still refer to (object stores).
-                continue
-            if not _STEP_NAME.match(name):
-                out.append((name, "not a step number"))
-            else:
-                out.append((name, None if state == "committed" else "no committed checkpoint in it"))
-        return out
-
-    def _clean_leftovers(self) -> None:
-        """Remove what interrupted saves and deletions of steps left, if provably abandoned and
-        ours; nothing else (a copy named ``007``, a user's files) is touched."""
-        left = self.location.clean_leftovers(lambda name: _STEP_NAME.match(name) is not None)
-        if left:
-            warnings.warn(
-                f"CheckpointManager({str(self.location)!r}): left alone {len(left)} save prefixes that no lease or "
-                f"manifest beside them explains: {', '.join(left[:20])}{' ...' if len(left) > 20 else ''}. A "
-                "copy in progress or someone's files look like that; remove them yourself if they are not needed.",
-                stacklevel=3,
-            )
-
-    def _read_metrics(self, step: int) -> dict:
-        record = open_checkpoint(self._step_location(step)).metadata.get(MANAGER_KEY, {})
-        metrics = record.get("metrics", {}) if isinstance(record, dict) else {}
-        return {k: float_from_json(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+        if jax.process_index() == 0 and (left_alone := clean_leftovers(self.location)):
+            warnings.warn(left_alone, stacklevel=2)
+        scan = scan_steps(self.location)
+        if skipped := scan.warning(self.location):
+            warnings.warn(skipped, stacklevel=2)
+        self._steps = RunSteps(self.location, self.retention, scan)
 
     # -- saving ------------------------------------------------------------------------
 
@@ -296,7 +195,7 @@ class CheckpointManager:
         ```
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}.")
+            raise ArgumentError(f"step must be a non-negative int, got {step!r}.")
         if self._preemption is None and self._preemption_signals is not None:
             self._preemption = Preemption(self._preemption_signals, self.preemption_grace_s)
             self._stop_listening = weakref.finalize(self, self._preemption.close)
@@ -323,32 +222,23 @@ class CheckpointManager:
         """Save ``step`` (after the save in flight), then retention; in the background
         unless ``blocking``."""
         self.wait()
-        if step in self._steps:
-            raise CheckpointExistsError(
-                f"Step {step} is already saved in {self.location}. Steps are saved once; resume from "
-                f"latest_step() + 1, or delete the step first."
-            )
-        if step in self._unreadable:
-            raise CheckpointExistsError(
-                f"Step {step} of {self.location} holds a checkpoint that cannot be read "
-                f"({self._unreadable[step]}); the manager never saves over it. Restore or delete "
-                f"{self.location.sub(str(step))} yourself, then open the manager again."
-            )
+        self._steps.check_new(step)
         metadata = dict(metadata or {})
         if MANAGER_KEY in metadata:
             raise CheckpointError(f"metadata key {MANAGER_KEY!r} is reserved for the manager's own record.")
         metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
-        metadata[MANAGER_KEY] = {"step": step, "metrics": {k: float_to_json(v) for k, v in metrics.items()}}
+        metadata[MANAGER_KEY] = manager_record(step, metrics)
         # Never overwrite: a committed step is never replaced (another manager
         # that committed this step first makes this save fail instead).
         # Leaves unchanged since the latest step are taken from it, not written again
         # (unless the manager is not incremental).
-        base = self._step_location(max(self._steps)) if self._steps and self.incremental else None
+        latest = self.latest_step()
+        base = self._steps.step_path(latest) if latest is not None and self.incremental else None
         handle = save(
-            self._step_location(step), tree, metadata=metadata, blocking=blocking, progress=progress, base=base
+            self._steps.step_path(step), tree, metadata=metadata, blocking=blocking, progress=progress, base=base
         )
         if blocking:
-            self._committed(step, metrics)
+            self._steps.add(step, metrics)
             return
         # Queued behind the save on the same single background thread, and
         # tracked like a save: the next save waits for it, its error is raised
@@ -369,7 +259,7 @@ class CheckpointManager:
         assert self._preemption is not None
         with self._preemption.saving(for_notice=True):
             self.wait()
-            if step not in self._steps:
+            if step not in self._steps.committed():
                 self._start(step, tree, metadata, metrics, blocking=True, progress=progress)  # committed, durable
         self._preempted_at = step
         if self.exit_on_preemption:
@@ -399,61 +289,7 @@ class CheckpointManager:
 
     def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, float]) -> None:
         handle.wait()
-        self._committed(step, metrics)
-
-    def _committed(self, step: int, metrics: dict) -> None:
-        with self._lock:
-            self._steps[step] = metrics
-            doomed = set(self._steps) - self._kept()
-            for old in doomed:
-                del self._steps[old]
-            self._doomed |= doomed
-        self._delete_doomed()
-
-    def _delete_doomed(self) -> None:
-        """Delete the steps retention dropped, except those being read (later, then)."""
-        if jax.process_index() != 0:
-            return
-        with self._lock:
-            ready = sorted(s for s in self._doomed if not self._readers[s])
-        for old in ready:
-            try:
-                deleted = self._delete(old)
-            except (OSError, ValueError) as e:
-                if isinstance(e, ValueError) and not is_storage_error(e):
-                    raise
-                raise CheckpointWriteError(
-                    f"Deleting step {old} of {self.location} (retention) failed: {e}. The manager no longer "
-                    "lists the step and tries again after its next save. Fix the cause (permissions, the store)."
-                ) from e
-            if deleted:
-                with self._lock:
-                    self._doomed.discard(old)
-
-    def _kept(self) -> set[int]:
-        steps = sorted(self._steps)
-        if self.max_to_keep is None:
-            return set(steps)
-        kept = set(steps[-self.max_to_keep :])
-        if self.keep_every is not None:
-            kept |= {s for s in steps if s % self.keep_every == 0}
-        if self.keep_best is not None:
-            kept |= set(self._ranked()[: self.keep_best])
-        return kept
-
-    def _ranked(self) -> list[int]:
-        """Steps with the best metric first (ties: the newer first); NaN ranks last."""
-        sign = 1.0 if self.best_mode == "min" else -1.0
-
-        def rank(step: int) -> tuple:
-            value = self._steps[step][self.best_metric]
-            return (math.isnan(value), 0.0 if math.isnan(value) else sign * value, -step)
-
-        return sorted((s for s, m in self._steps.items() if self.best_metric in m), key=rank)
-
-    def _delete(self, step: int) -> bool:
-        """Uncommit, then remove, a step; False if it is being read (try again later)."""
-        return self.location.sub(str(step)).delete()
+        self._steps.add(step, metrics)
 
     def wait(self) -> None:
         """Block until the save in flight (and its retention) is done; raise its error.
@@ -466,8 +302,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()
-        if self._doomed:
-            self._delete_doomed()
+        self._steps.delete_doomed()
 
     # -- reading -----------------------------------------------------------------------
 
@@ -480,8 +315,7 @@ class CheckpointManager:
         manager.all_steps()  # [200, 300, 400]
         ```
         """
-        with self._lock:
-            return sorted(self._steps)
+        return self._steps.committed()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none.
@@ -507,9 +341,7 @@ class CheckpointManager:
         """
         if self.best_metric is None:
             raise CheckpointError("best_step() needs CheckpointManager(best_metric=...).")
-        with self._lock:
-            ranked = self._ranked()
-        return ranked[0] if ranked else None
+        return self._steps.best()
 
     def metrics(self, step: int) -> dict:
         """The metrics saved with ``step``.
@@ -524,12 +356,7 @@ class CheckpointManager:
         manager.metrics(300)  # {'loss': 0.25}
         ```
         """
-        with self._lock:
-            if step not in self._steps:
-                raise CheckpointNotFoundError(
-                    f"No committed step {step} in {self.location}; steps: {sorted(self._steps)}."
-                )
-            return dict(self._steps[step])
+        return self._steps.metrics(step)
 
     def metadata(self, step: int | None = None) -> dict:
         """The metadata saved with ``step`` (default: the latest).
@@ -547,18 +374,9 @@ class CheckpointManager:
         manager.metadata()["lr"]  # 0.0003
         ```
         """
-        metadata = dict(open_checkpoint(self._step_location(self._resolve_step(step))).metadata)
+        metadata = dict(open_checkpoint(self._steps.step_path(self._steps.resolve(step))).metadata)
         metadata.pop(MANAGER_KEY, None)
         return metadata
-
-    def _resolve_step(self, step: int | None) -> int:
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise CheckpointNotFoundError(f"No committed checkpoint in {self.location} yet.")
-        elif step not in self.all_steps():
-            raise CheckpointNotFoundError(f"No committed step {step} in {self.location}; steps: {self.all_steps()}.")
-        return step
 
     def load(
         self, like: PyTree | None = None, *, step: int | None = None, at: str | None = None, **load_kwargs: Any
@@ -579,39 +397,32 @@ class CheckpointManager:
         state = manager.load(eqx.filter_eval_shape(make_state))
         ```
         """
-        # The latest step may be deleted by another process (its retention) after
-        # this manager listed it: then look again (one process only: several
-        # must keep agreeing on their step lists). Each retry follows a step that
-        # went away, which is never picked again, so a trainer that keeps saving
-        # (and deleting) faster than this reads makes it retry, not fail.
-        retries = 0 if step is not None or jax.process_count() > 1 else MAX_LATEST_ATTEMPTS - 1
+        # The one place a manager's load retries: it hands `load` an opened checkpoint, which
+        # `load` reads once. A step replaced while read is read again; for the latest step,
+        # one deleted by another process's retention is never picked again, and the steps
+        # are listed again (one process only: several must keep agreeing on their step
+        # lists), so a trainer that saves (and deletes) faster than this reads makes it
+        # retry, not fail.
+        source_format = load_kwargs.pop("format", None)  # opened here: `load` reads it once
+        attempts = READ_ATTEMPTS if step is not None else MAX_LATEST_ATTEMPTS
         gone: set[int] = set()
-        for _ in range(retries):
+        for attempt in range(1, attempts + 1):
             try:
-                return self._load_step(step, like, at, load_kwargs, gone)
-            except (CheckpointChangedError, CheckpointNotFoundError, IncompleteCheckpointError):
-                with self._lock:
-                    self._steps = self._scan(warn=False)
-        return self._load_step(step, like, at, load_kwargs, gone)
-
-    def _load_step(self, step: int | None, like: Any, at: str | None, load_kwargs: dict, gone: set[int]) -> Any:
-        with self._lock:  # pick the step and register as its reader in one go
-            # A step found missing or being deleted may still be listed (on object
-            # stores its files go one by one): do not pick it again.
-            for step_gone in gone:
-                self._steps.pop(step_gone, None)
-            chosen = self._resolve_step(step)
-            self._readers[chosen] += 1
-        try:
-            return load(self._step_location(chosen), like, at=at, **load_kwargs)
-        except (CheckpointNotFoundError, IncompleteCheckpointError):
-            gone.add(chosen)
-            raise
-        finally:
-            with self._lock:
-                self._readers[chosen] -= 1
-            if chosen in self._doomed:
-                self._delete_doomed()
+                with self._steps.reading(step, gone) as chosen:
+                    try:
+                        source = open_source(self._steps.step_path(chosen), format=source_format)
+                        return load(source, like, at=at, **load_kwargs)
+                    except GONE:
+                        gone.add(chosen)
+                        raise
+            except (CheckpointChangedError, *GONE) as e:
+                # (Asked only after a change: a first restore's reads then overlap JAX's start-up.)
+                last = attempt == attempts or jax.process_count() > 1
+                if last or (step is not None and not isinstance(e, CheckpointChangedError)):
+                    raise
+            if step is None:
+                self._steps.rescan()
+        raise AssertionError("unreachable")
 
     def path(self, step: int) -> Any:
         """Where ``step`` is stored (a path, or a kvstore spec for object stores).
@@ -626,7 +437,7 @@ class CheckpointManager:
         eqxckpt.verify(manager.path(manager.latest_step()))
         ```
         """
-        return self._step_location(step)
+        return self._steps.step_path(step)
 
     def __enter__(self) -> "CheckpointManager":
         return self

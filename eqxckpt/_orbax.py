@@ -20,13 +20,14 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from ._dtypes import STORED_DTYPES
 from ._errors import CheckpointNotFoundError, ManifestError
 from ._leaf import ArrayLeaf, KeyRecord, Leaf, ScalarLeaf, StoredLeaf, parse_shape
 from ._manifest import MAX_MANIFEST_BYTES, parse_json_object
 from ._paths import record_segment
 from ._source import Source, check_one_tree, reading
 from ._storage import LocalPin, read_capped
-from ._store import STORED_DTYPES, shared_context
+from ._tensorstore import shared_context
 
 METADATA_NAME = "_METADATA"
 OCDBT_MANIFEST = "manifest.ocdbt"

@@ -15,17 +15,15 @@ import bisect
 import dataclasses
 import json
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ._chunks import ChunkLayout
+from ._chunks import PACK_CHUNK_BYTES
 from ._convert import aligned_empty
 from ._errors import CheckpointError, ManifestError
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION
-from ._pieces import ChunkWrite, Piece
-from ._store import PACK_CHUNK_BYTES
 
 PACK_MAX_BYTES = 256 * 1024
 PACK_MIN_LEAVES = 32
@@ -223,39 +221,3 @@ class PackedArray:
             copies.append(aligned_empty(view.shape, view.dtype))  # aligned: XLA adopts it without a copy
             np.copyto(copies[-1], view)
         return copies
-
-
-class PackedWrite(Piece):
-    """The data of a save's packed leaves: each chunk of the packed array is assembled only
-    when it is written, so packing never holds a second copy of all the leaves.
-
-    **Arguments:**
-
-    - `packing`: the packed array being written.
-    - `data`: each member's host array, by its path.
-    """
-
-    def __init__(self, packing: PackedArray, data: Mapping[str, np.ndarray]):
-        assert data.keys() == {m.path for m in packing.members}
-        self.packing = packing
-        self._data = data
-        self.nbytes = packing.length
-        self.leaves = len(packing.members)
-
-    def hashed(self) -> list[tuple[int | None, np.ndarray]]:
-        return [(m.offset, self._data[m.path]) for m in self.packing.members]
-
-    def assemble(self, start: int, end: int) -> np.ndarray:
-        """Bytes ``start:end`` of the packed array; alignment gaps are zeros."""
-        out = np.zeros(end - start, np.uint8)
-        for member, own, there in self.packing.pieces(start, end):
-            out[there] = np.ascontiguousarray(self._data[member.path]).reshape(-1).view(np.uint8)[own]
-        return out
-
-    def chunks(self, layout: ChunkLayout) -> list[ChunkWrite]:
-        writes: list[ChunkWrite] = []
-        for key, part in layout.regions():
-            [run] = part
-            done = self.packing.ending_in(run.start, run.stop)
-            writes.append((key, part, lambda run=run: self.assemble(run.start, run.stop), done))
-        return writes

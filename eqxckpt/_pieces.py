@@ -1,23 +1,22 @@
 """What a save writes into one leaf's array, as one interface: a host array (or one
 process's shard of it), a leaf copied from another checkpoint, or the packed array of
-small leaves (`_pack.PackedWrite`). Each gives its bytes and its chunks' values; `save`
+small leaves (`PackedWrite`, laid out by `_pack.PackedArray`). Each gives its bytes and its chunks' values; `save`
 writes every kind the same way (`_save._write_pieces`)."""
 
 import abc
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
 
 from ._chunks import ChunkLayout, Region
 from ._distributed import is_multiprocess
+from ._dtypes import little_endian
 from ._leaf import KeyRecord, Leaf, StoredLeaf, leaf_of
-from ._store import little_endian
-
-if TYPE_CHECKING:  # `_source` reads checkpoints, whose module packs leaves with these pieces
-    from ._source import LazyEntry, Source
+from ._pack import PackedArray
+from ._source import LazyEntry, Source
 
 # A chunk to write: its key, the part of the array it holds, a function producing that
 # part's values (run on an I/O thread, just before the chunk is written), and how many
@@ -36,7 +35,7 @@ class Piece(abc.ABC):
     nbytes: int
     leaves: int = 1  # how many leaves it completes (progress)
     whole: np.ndarray | None = None  # the whole leaf in host memory, where this piece is that
-    source: "Source | None" = None  # a checkpoint read from, which must stay as it is meanwhile
+    source: Source | None = None  # a checkpoint read from, which must stay as it is meanwhile
 
     def hashed(self) -> list[tuple[int | None, np.ndarray]]:
         """The leaves this piece holds whole in host memory, to digest: ``(offset, data)``,
@@ -73,7 +72,7 @@ class CopiedPiece(Piece):
     """A leaf of another checkpoint (eqxckpt's or a foreign format's), read as its chunks
     are written: an eqxckpt leaf a chunk at a time, a foreign tensor whole, once."""
 
-    def __init__(self, entry: "LazyEntry"):
+    def __init__(self, entry: LazyEntry):
         self.entry, self.nbytes, self.source = entry, entry.nbytes, entry.source
         self._lock = threading.Lock()
         self._stream: Any = None
@@ -95,11 +94,45 @@ class CopiedPiece(Piece):
         return one_leaf([(key, part, lambda part=part: self._values(part)) for key, part in regions])
 
 
+class PackedWrite(Piece):
+    """The data of a save's packed leaves: each chunk of the packed array is assembled only
+    when it is written, so packing never holds a second copy of all the leaves.
+
+    **Arguments:**
+
+    - `packing`: the packed array being written.
+    - `data`: each member's host array, by its path.
+    """
+
+    def __init__(self, packing: PackedArray, data: Mapping[str, np.ndarray]):
+        assert data.keys() == {m.path for m in packing.members}
+        self.packing = packing
+        self._data = data
+        self.nbytes = packing.length
+        self.leaves = len(packing.members)
+
+    def hashed(self) -> list[tuple[int | None, np.ndarray]]:
+        return [(m.offset, self._data[m.path]) for m in self.packing.members]
+
+    def assemble(self, start: int, end: int) -> np.ndarray:
+        """Bytes ``start:end`` of the packed array; alignment gaps are zeros."""
+        out = np.zeros(end - start, np.uint8)
+        for member, own, there in self.packing.pieces(start, end):
+            out[there] = np.ascontiguousarray(self._data[member.path]).reshape(-1).view(np.uint8)[own]
+        return out
+
+    def chunks(self, layout: ChunkLayout) -> list[ChunkWrite]:
+        writes: list[ChunkWrite] = []
+        for key, part in layout.regions():
+            [run] = part
+            done = self.packing.ending_in(run.start, run.stop)
+            writes.append((key, part, lambda run=run: self.assemble(run.start, run.stop), done))
+        return writes
+
+
 def record_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, Any]:
     """The manifest record of the leaf ``value`` at ``path``, and the data to write for it
     (a leaf of another checkpoint is copied from there)."""
-    from ._source import LazyEntry
-
     return (value._saved_as(path, keys), value) if isinstance(value, LazyEntry) else leaf_of(path, keys, value)
 
 
@@ -114,8 +147,6 @@ def snapshot(
     in a multi-process run) are written by process 0 alone. ``copy``: take a
     private copy of numpy leaves, which the caller may mutate afterwards.
     """
-    from ._source import LazyEntry
-
     multiprocess = is_multiprocess()
     planned: list[tuple[StoredLeaf, tuple[int, ...] | None, list[tuple[tuple[slice, ...] | None, Any]]]] = []
     for record, value in arrays:
@@ -162,9 +193,8 @@ def _host(value: Any, copy: bool) -> np.ndarray:
     A device array's host copy is fresh. A CPU jax array needs no copy: the
     numpy view holds an external reference to its buffer, which keeps the
     buffer alive and unchanged if the caller deletes the array or donates it
-    to a jitted step (XLA then writes the step's output elsewhere). This is
-    what lets an async save return in ~0.01 s instead of ~0.8 s for 792 MiB
-    (`tests/test_save.py` checks donation and deletion). Numpy arrays are
-    mutable, so an async save copies them.
+    to a jitted step (XLA then writes the step's output elsewhere), so an async
+    save returns without copying it (`tests/test_save.py` checks donation and
+    deletion). Numpy arrays are mutable, so an async save copies them.
     """
     return little_endian(value, copy=copy and not isinstance(value, jax.Array))

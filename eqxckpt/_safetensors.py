@@ -26,7 +26,9 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._budget import read_window
 from ._convert import aligned_empty
+from ._dtypes import little_endian
 from ._errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -42,7 +44,6 @@ from ._paths import encode_segment, key_entry_record
 from ._progress import Progress, advance, reporting
 from ._source import LazyEntry, Source, check_one_tree
 from ._storage import create_locked_file, fsync_path, read_capped, remove_abandoned_files
-from ._store import little_endian, read_window
 from ._tree import flatten, is_prng_key_dtype
 from ._window import Task, run_windowed
 

@@ -17,6 +17,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
+from ._budget import read_window
 from ._checkpoint import Checkpoint, open_checkpoint
 from ._chunks import ChunkLayout, encode
 from ._digest import digest
@@ -24,9 +25,9 @@ from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointWriteError, plural
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
-from ._pack import PACK_MIN_LEAVES, PackedArray, PackedWrite, assign_offsets, packable
+from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
 from ._paths import GROUP_METADATA, PACKED_LOCATION, group_file, group_locations, key_entry_record, reference
-from ._pieces import Piece, record_of, snapshot
+from ._pieces import PackedWrite, Piece, record_of, snapshot
 from ._progress import Progress, advance, reporting
 from ._storage import (
     NOTHING_COMMITTED,
@@ -37,7 +38,7 @@ from ._storage import (
     nothing_committed,
     resolve,
 )
-from ._store import is_storage_error, read_window, reason
+from ._tensorstore import is_storage_error, reason
 from ._tree import flatten
 from ._verify import damaged_leaves
 from ._window import Task, run_windowed

@@ -8,7 +8,6 @@ translated views of either (`CheckpointTranslator.apply`) are sources, so
 """
 
 import abc
-import builtins
 import contextlib
 import difflib
 import warnings
@@ -17,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ._budget import check_allocation
 from ._errors import CheckpointChangedError, CheckpointError, ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._paths import ancestors, depth, normalize_at, relative_to
@@ -360,26 +360,6 @@ class LazyEntry:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.leaf_path!r}, shape={self.shape}, dtype={self.dtype})"
-
-
-def check_allocation(nbytes: int, what: str) -> None:
-    """Refuse, before allocating, to hold more than this machine has available."""
-    available = available_memory()
-    if available is not None and nbytes > available:
-        raise CheckpointError(
-            f"{what} needs {nbytes / 2**30:.2f} GiB of host memory, but only {available / 2**30:.2f} GiB is "
-            "available. Restore a part (at=, transforms=), restore onto sharded devices, or free memory."
-        )
-
-
-def available_memory() -> int | None:
-    """Bytes the kernel says can still be allocated (MemAvailable + SwapFree), if known."""
-    try:
-        with builtins.open("/proc/meminfo", "rb") as f:
-            fields = {line.split(b":")[0]: int(line.split()[1]) * 1024 for line in f}
-    except (OSError, ValueError, IndexError):
-        return None
-    return fields.get(b"MemAvailable", 0) + fields.get(b"SwapFree", 0) or None
 
 
 @contextlib.contextmanager

@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._chunks import ChunkLayout, Region, read_into, read_scattered
+from ._budget import check_allocation, host_memory_budget, read_window
+from ._chunks import CHUNK_BYTES, ChunkLayout, Region, read_into, read_scattered
 from ._convert import aligned_empty
 from ._errors import CorruptCheckpointError
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._pack import PackedArray
 from ._select import Selection
-from ._source import check_allocation, reading
+from ._source import reading
 from ._storage import MAX_ZARR_JSON_BYTES, Storage, corrupt
-from ._store import CHUNK_BYTES, host_memory_budget, read_window
 from ._window import Task, run_windowed
 
 

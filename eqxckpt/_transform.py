@@ -10,7 +10,6 @@ Keys are matched as the leaves' keys joined by ``/`` (``layers/0/weight``,
 import dataclasses
 import enum
 import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -151,11 +150,9 @@ def missing_originals(new_paths: list[str], sources: list[Rule], original_paths:
 
 def apply_transformations(
     original_tree: PyTree,
-    transforms: dict[str, Any] | None = None,
+    transforms: dict[str, Any],
     new_tree: PyTree = None,
     default_to_original: bool = True,
-    *,
-    transformations: dict[str, Any] | None = None,
 ) -> PyTree:
     """Build ``new_tree``'s structure from ``original_tree``'s values by the rules.
 
@@ -167,8 +164,7 @@ def apply_transformations(
 
     - `original_tree`: the pytree the values come from.
     - `transforms`: ``{regex: Transform}`` (nested dicts join keys with ``/``), as
-      `eqxckpt.load`'s ``transforms``. (``transformations=``, its name in eqxckpt
-      0.1, still works this release, with a `DeprecationWarning`.)
+      `eqxckpt.load`'s ``transforms``.
     - `new_tree`: the pytree whose structure the result has.
     - `default_to_original`: whether unmentioned keys in both trees take the original's value.
 
@@ -180,16 +176,6 @@ def apply_transformations(
     eqxckpt.apply_transformations(original, rules, {"a": ..., "dense_1_kernel": ...})  # {'a': 1, 'dense_1_kernel': 2}
     ```
     """
-    if transformations is not None:
-        warnings.warn(
-            "apply_transformations(transformations=...) is deprecated: the rules are `transforms`, as in "
-            "eqxckpt.load(transforms=...).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        transforms = transformations if transforms is None else transforms
-    if transforms is None:
-        raise TypeError("apply_transformations needs the rules: apply_transformations(original, transforms, new).")
     original = {keypath_string(kp): leaf for kp, leaf in jtu.tree_flatten_with_path(original_tree)[0]}
     with_path, treedef = jtu.tree_flatten_with_path(new_tree)
     new_paths = [keypath_string(kp) for kp, _ in with_path]

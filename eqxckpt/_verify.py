@@ -7,24 +7,22 @@ from typing import Any
 
 import numpy as np
 
+from ._budget import SLAB_BYTES, read_window
 from ._checkpoint import Checkpoint, open_checkpoint
-from ._chunks import ChunkFileError, ChunkLayout, Region
+from ._chunks import PACK_CHUNK_BYTES, ChunkFileError, ChunkLayout, Region
 from ._digest import LeafDigest
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
 from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
-from ._store import PACK_CHUNK_BYTES, read_window
 from ._stored import StoredArrays
 from ._window import Task, run_windowed
 
-# Reads in flight: an eighth of what is verified, at least this and at most the host
+
+# Reads in flight: an eighth of what is verified, at least `SLAB_BYTES` and at most the host
 # memory budget (`read_window`): a large checkpoint's 64 MiB chunks are checked two or
 # more at a time, and verifying holds a small part of it.
-SLAB_BYTES = 64 * 1024 * 1024
-
-
 def _window(nbytes: int) -> int:
     return max(SLAB_BYTES, min(read_window(nbytes), nbytes // 8))
 

@@ -30,8 +30,8 @@ class _Pool:
     def submit(self, work: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            # A thread more only when none is free: starting one costs about a millisecond,
-            # which a process's first restore would otherwise pay sixteen times.
+            # A thread more only when none is free: a process's first restore does not wait
+            # to start threads it would leave idle.
             if self._idle <= self._tasks.qsize() and len(self._threads) < self._size:
                 thread = threading.Thread(target=self._serve, name="eqxckpt-io", daemon=True)
                 thread.start()
@@ -129,8 +129,8 @@ _jax_started = threading.Event()
 
 def start_jax() -> None:
     """Start JAX's backend on a thread of its own, once per process, so that a process's
-    first restore reads while JAX starts (tens of milliseconds, mostly finding its plugins)
-    instead of before or after.
+    first restore reads while JAX starts (mostly finding its plugins) instead of before
+    or after.
 
     Not a daemon: the interpreter waits for it at exit. A daemon thread still inside
     XLA's client creation when the interpreter finalizes is unwound by ``pthread_exit``

@@ -77,11 +77,11 @@ SLICED = {  # small chunks (CHUNK_BYTES 64: 16 float32), so a selection spans an
 
 @pytest.fixture(scope="module")
 def sliced(tmp_path_factory):
-    import eqxckpt._store as store_module
+    import eqxckpt._chunks as chunks_module
 
     path = tmp_path_factory.mktemp("sliced") / "c"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(store_module, "CHUNK_BYTES", 64)
+        patch.setattr(chunks_module, "CHUNK_BYTES", 64)
         eqxckpt.save(path, {**SLICED, "many": np.arange(4096, dtype=np.float32).reshape(64, 64)})
     return eqxckpt.open(path)
 

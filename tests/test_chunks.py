@@ -16,11 +16,10 @@ from conftest import assert_trees_equal
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
+import eqxckpt._chunks as chunks_module
 import eqxckpt._pack as pack_module
-import eqxckpt._store as store_module
-from eqxckpt._chunks import ChunkFileError, ChunkLayout, encode, read_chunk
+from eqxckpt._chunks import ChunkFileError, ChunkLayout, chunk_regions, chunk_shape, encode, read_chunk
 from eqxckpt._storage._local import LocalChunkFiles
-from eqxckpt._store import chunk_shape
 
 BEFORE = pathlib.Path(__file__).parent / "fixtures" / "written_before_25"
 
@@ -49,8 +48,8 @@ def fixture_tree():
 @pytest.fixture
 def small_chunks(monkeypatch):
     """The layout `fixture_tree` was saved with: 4 KiB chunks, 1 KiB packed chunks."""
-    monkeypatch.setattr(store_module, "CHUNK_BYTES", 4096)
-    monkeypatch.setattr(store_module, "PACK_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(chunks_module, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(chunks_module, "PACK_CHUNK_BYTES", 1024)
     monkeypatch.setattr(pack_module, "PACK_MAX_BYTES", 1024)
 
 
@@ -162,3 +161,54 @@ def test_a_chunk_file_of_the_wrong_size_or_missing_is_named(tmp_path):
     os.symlink("/etc/passwd", tmp_path / "x" / "c" / "0")
     with pytest.raises(ChunkFileError, match="cannot be read"):
         read_chunk(files, "x/c/0", layout, (slice(0, 4),), out)
+
+
+@pytest.mark.parametrize(
+    "shape,itemsize,budget,expected",
+    [
+        ((), 4, 64, []),
+        ((0, 5), 4, 64, [1, 5]),
+        ((10,), 4, 64, [10]),
+        ((100,), 4, 64, [16]),
+        ((8, 8), 4, 64, [2, 8]),
+        ((4, 100), 4, 64, [1, 16]),
+        ((3, 4, 5), 8, 10**9, [3, 4, 5]),
+    ],
+)
+def test_chunk_shape_is_contiguous_and_bounded(shape, itemsize, budget, expected):
+    chunk = chunk_shape(shape, itemsize, budget=budget)
+    assert chunk == expected
+    assert np.prod(chunk, dtype=int) * itemsize <= max(budget, itemsize)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 6), st.integers(1, 40)), min_size=1, max_size=3),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(1, 4096),
+)
+def test_chunks_never_straddle_shards(dims, itemsize, budget):
+    # dims: (shards along the dimension, shard length); the global length is their product.
+    shard = tuple(length for _, length in dims)
+    shape = tuple(count * length for count, length in dims)
+    chunk = chunk_shape(shape, itemsize, shard, budget=budget)
+    assert np.prod(chunk, dtype=int) * itemsize <= max(budget, itemsize)
+    for dim, part, size in zip(shape, shard, chunk):
+        assert 0 < size <= part
+        if part < dim:  # sharded: every chunk boundary falls inside one shard
+            assert part % size == 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(1, 4), st.integers(0, 3)), max_size=3))
+def test_chunk_regions_tile_the_region_chunk_by_chunk(dims):
+    """Every element of the region is in exactly one part, and no part crosses a chunk boundary."""
+    chunk = [c for _, c, _ in dims]
+    region = [slice(k * c, k * c + n) for n, c, k in dims]  # starting on a chunk boundary
+    parts = chunk_regions(chunk, region)
+    covered = np.zeros([s.stop for s in region] or [], np.int32)
+    for part in parts:
+        assert all(p.start // c == (p.stop - 1) // c for p, c in zip(part, chunk))
+        covered[part] += 1
+    inside = covered[tuple(region)]
+    assert inside.size == 0 or (inside == 1).all()
+    assert covered.sum() == inside.size

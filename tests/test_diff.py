@@ -16,7 +16,7 @@ from conftest import run_cli
 from hypothesis import given, settings, strategies as st
 
 import eqxckpt
-from eqxckpt import _store as store_module
+from eqxckpt import _chunks as chunks_module
 from eqxckpt._checkpoint import open_checkpoint
 from eqxckpt._paths import PACKED_LOCATION
 from eqxckpt._storage._local import LocalChunkFiles, LocalStorage
@@ -132,7 +132,7 @@ def counting_storage(path: pathlib.Path) -> tuple[LocalStorage, collections.Coun
 def test_each_packed_chunk_is_read_once_for_all_its_changed_leaves(tmp_path, monkeypatch):
     """600 changed leaves of 1 KiB packed in 64 KiB chunks: each chunk is read once on
     each side, not once per leaf (#37: 6,000 such leaves took 30 s)."""
-    monkeypatch.setattr(store_module, "PACK_CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(chunks_module, "PACK_CHUNK_BYTES", 64 * 1024)
     rng = np.random.default_rng(1)
     a = {f"w{i}": rng.standard_normal(256).astype(np.float32) for i in range(600)}
     b = {path: value + np.float32(i % 3) for i, (path, value) in enumerate(a.items())}  # 400 changed

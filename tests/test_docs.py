@@ -130,7 +130,7 @@ def test_format_spec_names_every_field_eqxckpt_writes(tmp_path):
 
 
 def test_format_spec_lists_exactly_the_stored_dtypes():
-    from eqxckpt._store import STORED_DTYPES
+    from eqxckpt._dtypes import STORED_DTYPES
 
     text = (DOCS / "format.md").read_text().split("## Dtypes\n", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"`([a-z0-9_]+)`", text.split("the zarr v3", 1)[0]))

@@ -44,5 +44,4 @@ def test_a_corrupt_leaf_error_names_its_path(tmp_path):
     with pytest.raises(eqxckpt.CorruptCheckpointError) as info:
         eqxckpt.load(tmp_path / "c")
     assert info.value.leaf_path == "w"
-    with pytest.warns(DeprecationWarning, match="leaf_path"):
-        assert info.value.path == "w"  # the name of eqxckpt 0.1, still read
+    assert not hasattr(info.value, "path")  # a leaf's path is never called a location

@@ -491,7 +491,7 @@ def test_object_store_manifest_is_read_only_up_to_the_limit(monkeypatch):
 
     monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 1000)
     store = ts.KvStore.open(
-        {"driver": "memory", "path": "big-manifest/"}, context=eqxckpt._store.shared_context()
+        {"driver": "memory", "path": "big-manifest/"}, context=eqxckpt._tensorstore.shared_context()
     ).result()
     store.write("eqxckpt.json", b" " * 5000).result()
     with pytest.raises(eqxckpt.ManifestError, match="over the 1000-byte limit"):

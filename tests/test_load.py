@@ -294,8 +294,8 @@ def test_the_rules_are_transforms_everywhere():
     original, rules, new = {"a": 1}, {"b": eqxckpt.Transform(original_key="a")}, {"b": 0}
     assert eqxckpt.apply_transformations(original, rules, new) == {"b": 1}
     assert eqxckpt.apply_transformations(original, transforms=rules, new_tree=new) == {"b": 1}
-    with pytest.warns(DeprecationWarning, match="transforms"):
-        assert eqxckpt.apply_transformations(original, transformations=rules, new_tree=new) == {"b": 1}
+    with pytest.raises(TypeError):
+        eqxckpt.apply_transformations(original, transformations=rules, new_tree=new)  # type: ignore[call-arg]
 
 
 @pytest.mark.multiprocess

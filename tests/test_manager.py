@@ -68,6 +68,39 @@ def test_interval_force_and_metadata(tmp_path):
         eqxckpt.CheckpointManager(tmp_path, keep_best=1)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"max_to_keep": 0}, "max_to_keep must be a positive int or None, got 0"),
+        ({"max_to_keep": "2"}, "max_to_keep must be a positive int"),
+        ({"keep_every": -5}, "keep_every must be a positive int"),
+        ({"keep_best": 0, "best_metric": "loss"}, "keep_best must be a positive int"),
+        ({"keep_best": 1}, "keep_best needs best_metric"),
+        ({"best_mode": "lowest", "best_metric": "loss"}, "best_mode must be 'min' or 'max', got 'lowest'"),
+        ({"save_interval_steps": 0}, "save_interval_steps must be a positive int"),
+        ({"save_interval_steps": 2.5}, "save_interval_steps must be a positive int"),
+        ({"preemption_grace_s": 0}, "preemption_grace_s must be a positive number of seconds"),
+        ({"preemption_grace_s": float("inf")}, "preemption_grace_s must be a positive number"),
+        ({"preemption_grace_s": True}, "preemption_grace_s must be a positive number"),
+        ({"preemption_grace_s": "30"}, "preemption_grace_s must be a positive number"),
+    ],
+)
+def test_each_bad_argument_is_an_argument_error(tmp_path, kwargs, match):
+    with pytest.raises(eqxckpt.ArgumentError, match=match) as caught:
+        eqxckpt.CheckpointManager(tmp_path, **kwargs)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, eqxckpt.CheckpointError)
+    assert not os.listdir(tmp_path)  # refused before touching the directory
+
+
+@pytest.mark.parametrize("step", [-1, True, 1.0, "3"])
+def test_a_bad_step_is_an_argument_error(tmp_path, step):
+    with eqxckpt.CheckpointManager(tmp_path, blocking=True) as manager:
+        with pytest.raises(eqxckpt.ArgumentError, match="step must be a non-negative int") as caught:
+            manager.save(step, tree(0))
+        assert isinstance(caught.value, ValueError)
+        assert manager.all_steps() == []
+
+
 def test_background_failure_is_raised_by_the_next_save(tmp_path):
     run = tmp_path / "run"
     manager = eqxckpt.CheckpointManager(run)
@@ -257,6 +290,50 @@ def test_loads_never_fail_while_saves_and_deletions_run(tmp_path, monkeypatch):
     assert not errors, errors[:3]
     assert len(results) >= 5 and len(set(results)) > 3
     assert manager.all_steps() == [39] and sorted(os.listdir(tmp_path)) == ["39"]  # deferred deletions happened
+
+
+def test_a_load_racing_a_writer_is_retried_in_one_place(tmp_path, monkeypatch):
+    """A read that keeps finding its checkpoint replaced is tried `READ_ATTEMPTS` times for
+    a given step, `MAX_LATEST_ATTEMPTS` for the latest: the manager's retries, not those
+    times `load`'s own (which a plain `eqxckpt.load` still makes)."""
+    from eqxckpt._load import READ_ATTEMPTS, Plan
+    from eqxckpt._manager import MAX_LATEST_ATTEMPTS
+
+    manager = eqxckpt.CheckpointManager(tmp_path, blocking=True)
+    for step in range(2):
+        manager.save(step, tree(step))
+    reads = []
+
+    def replaced_while_read(self):
+        reads.append(self)
+        raise eqxckpt.CheckpointChangedError("replaced while it was read")
+
+    monkeypatch.setattr(Plan, "run", replaced_while_read)
+    for load, attempts in [
+        (lambda: manager.load(step=0), READ_ATTEMPTS),
+        (lambda: manager.load(), MAX_LATEST_ATTEMPTS),
+        (lambda: eqxckpt.load(manager.path(1)), READ_ATTEMPTS),
+    ]:
+        reads.clear()
+        with pytest.raises(eqxckpt.CheckpointChangedError):
+            load()
+        assert len(reads) == attempts
+
+
+def test_a_load_of_the_latest_step_deleted_meanwhile_reads_the_newest_one(tmp_path):
+    """Another process deleted the step this manager would pick, and committed a newer one."""
+    trainer = eqxckpt.CheckpointManager(tmp_path, blocking=True)
+    for step in range(3):
+        trainer.save(step, tree(step))
+    evaluator = eqxckpt.CheckpointManager(tmp_path)
+    shutil.rmtree(tmp_path / "2")
+    trainer.save(3, tree(3))
+    assert evaluator.latest_step() == 2  # as listed when it opened
+    assert_trees_equal(evaluator.load(), tree(3))
+    assert evaluator.all_steps() == [0, 1, 3]
+    shutil.rmtree(tmp_path / "3")
+    with pytest.raises(eqxckpt.CheckpointNotFoundError):
+        evaluator.load(step=3)  # a given step is not replaced by another
 
 
 def test_metadata_docstring_example_runs(tmp_path):

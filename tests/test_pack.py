@@ -14,10 +14,10 @@ from conftest import crafted_manifest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
+from eqxckpt._chunks import PACK_CHUNK_BYTES
 from eqxckpt._leaf import ArrayLeaf
 from eqxckpt._pack import PACK_MAX_BYTES, PACK_MIN_LEAVES, PackedArray
 from eqxckpt._paths import PACK_ALIGNMENT, PACKED_LOCATION
-from eqxckpt._store import PACK_CHUNK_BYTES
 
 DTYPES = [np.bool_, np.int8, np.uint16, np.int32, np.float16, ml_dtypes.bfloat16, np.float32, np.complex64]
 

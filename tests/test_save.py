@@ -247,9 +247,9 @@ def test_bare_leaf_needs_a_container(tmp_path):
 
 
 def test_large_array_is_chunked(tmp_path, monkeypatch):
-    import eqxckpt._store as store
+    import eqxckpt._chunks as chunks_module
 
-    monkeypatch.setattr(store, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(chunks_module, "CHUNK_BYTES", 1024)
     x = np.arange(64 * 40, dtype=np.float32).reshape(64, 40)
     eqxckpt.save(tmp_path / "c", {"x": x})
     zarr = json.loads((tmp_path / "c/x/zarr.json").read_text())
@@ -521,9 +521,9 @@ def test_a_lazy_copy_whose_source_is_replaced_commits_nothing(tmp_path, monkeypa
 def test_leaves_and_lazy_selections_of_many_chunks_are_written_chunk_by_chunk(tmp_path, monkeypatch):
     """One write per chunk: a lazy selection keeps its origin (rows 3..36), and is still
     copied to the right place, whole and cast."""
-    import eqxckpt._store as store_module
+    import eqxckpt._chunks as chunks_module
 
-    monkeypatch.setattr(store_module, "CHUNK_BYTES", 1024)  # 4 rows of 64 float32 per chunk
+    monkeypatch.setattr(chunks_module, "CHUNK_BYTES", 1024)  # 4 rows of 64 float32 per chunk
     w = np.arange(40 * 64, dtype=np.float32).reshape(40, 64)
     eqxckpt.save(tmp_path / "a", {"w": w})
     assert len(os.listdir(tmp_path / "a" / "w" / "c")) == 10

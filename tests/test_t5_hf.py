@@ -255,10 +255,10 @@ def test_convert_hf_reports_progress_for_the_read_and_the_write(tmp_path):
     assert finals[-1][1] == total and finals[-1][2] == finals[-1][3]
 
 
-def test_save_hf_takes_the_location_first_and_the_old_order_warns(tmp_path):
+def test_save_hf_takes_the_location_first_and_refuses_the_other_order(tmp_path):
     model = t5.load_hf(FIXTURE / "hf")
     t5.save_hf(tmp_path / "new", model)
-    with pytest.warns(DeprecationWarning, match="location comes first"):
-        t5.save_hf(model, tmp_path / "old")
-    for where in ("new", "old"):
-        assert jnp.array_equal(t5.load_hf(tmp_path / where).shared, model.shared)
+    assert jnp.array_equal(t5.load_hf(tmp_path / "new").shared, model.shared)
+    with pytest.raises(eqxckpt.ArgumentError, match="location comes first"):
+        t5.save_hf(model, tmp_path / "old")  # type: ignore[arg-type]
+    assert not (tmp_path / "old").exists()

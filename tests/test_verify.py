@@ -116,10 +116,10 @@ def test_verify_healthy_and_extra_files(ckpt, capsys):
 
 
 def test_verify_reads_large_leaves_in_slabs(tmp_path, monkeypatch):
-    import eqxckpt._store as store
+    import eqxckpt._chunks as chunks_module
     import eqxckpt._verify as verify_module
 
-    monkeypatch.setattr(store, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(chunks_module, "CHUNK_BYTES", 1024)
     monkeypatch.setattr(verify_module, "SLAB_BYTES", 4096)
     x = np.arange(100 * 64, dtype=np.float32).reshape(100, 64)
     eqxckpt.save(tmp_path / "c", {"x": x})

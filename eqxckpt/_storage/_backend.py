@@ -26,7 +26,7 @@ from .._errors import (
 from .._leaf import StoredLeaf
 from .._manifest import Manifest
 from .._paths import GROUP_METADATA, group_file, group_locations, validate_path
-from .._store import reason, shared_context
+from .._tensorstore import reason, shared_context
 from ._lease import Pin, SizeError, read_exact
 
 # Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.

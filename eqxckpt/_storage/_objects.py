@@ -40,7 +40,7 @@ from .._paths import (
     is_entry_name,
     parse_reference,
 )
-from .._store import is_storage_error, reason
+from .._tensorstore import is_storage_error, reason
 from ._backend import (
     ENDPOINT_SETTINGS,
     MAX_ZARR_JSON_BYTES,

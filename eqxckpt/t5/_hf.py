@@ -10,13 +10,18 @@ import json
 import os
 import pathlib
 import re
-import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
-from .._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StructureMismatchError
+from .._errors import (
+    ArgumentError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    StructureMismatchError,
+)
 from .._progress import Progress
 from .._safetensors import INDEX_NAME, open_safetensors, save_safetensors, write_file
 from .._storage import CheckpointPath, fsync_path
@@ -280,8 +285,7 @@ def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False,
     **Arguments:**
 
     - `path`: the directory (created if needed). The location comes first, as in
-      `eqxckpt.save`; ``save_hf(model, path)``, the order of eqxckpt 0.1, still
-      works this release, with a `DeprecationWarning`.
+      `eqxckpt.save`.
     - `model`: the `T5`. Per-block relative attention biases are refused:
       HuggingFace's T5 has one table per stack.
     - `overwrite`: replace the files of a model already there. Without it,
@@ -295,14 +299,11 @@ def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False,
     model = eqxckpt.t5.load_hf("my-t5")
     ```
     """
-    if isinstance(path, T5) and not isinstance(model, T5):
-        warnings.warn(
-            "t5.save_hf(model, path) is deprecated: the location comes first, as in eqxckpt.save. "
-            "Call t5.save_hf(path, model).",
-            DeprecationWarning,
-            stacklevel=2,
+    if not isinstance(model, T5):
+        raise ArgumentError(
+            f"t5.save_hf(path, model) needs a T5 as model, got {type(model).__name__}. The location comes first, "
+            "as in eqxckpt.save: t5.save_hf(path, model)."
         )
-        path, model = model, path
     config = model.config
     if config.relative_attention_per_layer:
         raise CheckpointError(

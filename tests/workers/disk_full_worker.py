@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 import eqxckpt
-import eqxckpt._store
+import eqxckpt._chunks
 
 
 def main(option: str, directory: str, rounds: int) -> None:
@@ -28,7 +28,7 @@ def main(option: str, directory: str, rounds: int) -> None:
     packed = {f"leaf{i}": np.full((128, 128), i, np.float32) for i in range(200)}
     # 12.6 MiB in one leaf written as 13 chunks (of 1 MiB here): a write of several chunks.
     chunked = {"w": np.full(3_300_000, 7.0, np.float32)}
-    eqxckpt._store.CHUNK_BYTES = 1 << 20
+    eqxckpt._chunks.CHUNK_BYTES = 1 << 20
     trees = [big, packed, chunked] if option.startswith("size") else [big]
     for round_ in range(rounds):
         try:

@@ -15,11 +15,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqxckpt
-import eqxckpt._store as store_module
+import eqxckpt._chunks as chunks_module
 
 
 def main(directory: str) -> None:
-    store_module.CHUNK_BYTES = 256
+    chunks_module.CHUNK_BYTES = 256
     warnings.simplefilter("ignore")  # each restore takes one leaf (strict=False)
     rng = np.random.default_rng(0)
     tree = {

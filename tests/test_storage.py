@@ -1,13 +1,14 @@
+"""The storage layer (`_storage`): resolving paths, atomic exchange, and object-store
+saves that never clear what eqxckpt did not write."""
+
 import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt._storage import resolve
 from eqxckpt._storage._fs import exchange
-from eqxckpt._store import chunk_regions, chunk_shape
 
 
 def test_resolve_forms(tmp_path, monkeypatch):
@@ -38,42 +39,6 @@ def test_resolve_forms(tmp_path, monkeypatch):
         resolve("ftp://x/y")
 
 
-@pytest.mark.parametrize(
-    "shape,itemsize,budget,expected",
-    [
-        ((), 4, 64, []),
-        ((0, 5), 4, 64, [1, 5]),
-        ((10,), 4, 64, [10]),
-        ((100,), 4, 64, [16]),
-        ((8, 8), 4, 64, [2, 8]),
-        ((4, 100), 4, 64, [1, 16]),
-        ((3, 4, 5), 8, 10**9, [3, 4, 5]),
-    ],
-)
-def test_chunk_shape_is_contiguous_and_bounded(shape, itemsize, budget, expected):
-    chunk = chunk_shape(shape, itemsize, budget=budget)
-    assert chunk == expected
-    assert np.prod(chunk, dtype=int) * itemsize <= max(budget, itemsize)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(st.tuples(st.integers(1, 6), st.integers(1, 40)), min_size=1, max_size=3),
-    st.sampled_from([1, 2, 4, 8]),
-    st.integers(1, 4096),
-)
-def test_chunks_never_straddle_shards(dims, itemsize, budget):
-    # dims: (shards along the dimension, shard length); the global length is their product.
-    shard = tuple(length for _, length in dims)
-    shape = tuple(count * length for count, length in dims)
-    chunk = chunk_shape(shape, itemsize, shard, budget=budget)
-    assert np.prod(chunk, dtype=int) * itemsize <= max(budget, itemsize)
-    for dim, part, size in zip(shape, shard, chunk):
-        assert 0 < size <= part
-        if part < dim:  # sharded: every chunk boundary falls inside one shard
-            assert part % size == 0
-
-
 def test_exchange_swaps_atomically(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
@@ -88,7 +53,7 @@ def test_exchange_swaps_atomically(tmp_path):
 def test_object_store_overwrite_never_clears_foreign_data():
     import tensorstore as ts
 
-    from eqxckpt._store import shared_context
+    from eqxckpt._tensorstore import shared_context
 
     store = ts.KvStore.open({"driver": "memory", "path": "foreign/"}, context=shared_context()).result()
     store.write("notes.txt", b"precious").result()
@@ -134,18 +99,3 @@ def test_object_store_overwrite_never_clears_foreign_data():
     left = sorted(key.decode() for key in legacy.list().result())
     # (the root zarr.json written above is not what eqxckpt writes there, so it stays)
     assert [key for key in left if not key.startswith("%arrays.")] == ["eqxckpt.json", "zarr.json"]
-
-
-@given(st.lists(st.tuples(st.integers(0, 9), st.integers(1, 4), st.integers(0, 3)), max_size=3))
-def test_chunk_regions_tile_the_region_chunk_by_chunk(dims):
-    """Every element of the region is in exactly one part, and no part crosses a chunk boundary."""
-    chunk = [c for _, c, _ in dims]
-    region = [slice(k * c, k * c + n) for n, c, k in dims]  # starting on a chunk boundary
-    parts = chunk_regions(chunk, region)
-    covered = np.zeros([s.stop for s in region] or [], np.int32)
-    for part in parts:
-        assert all(p.start // c == (p.stop - 1) // c for p, c in zip(part, chunk))
-        covered[part] += 1
-    inside = covered[tuple(region)]
-    assert inside.size == 0 or (inside == 1).all()
-    assert covered.sum() == inside.size

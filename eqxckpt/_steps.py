@@ -1,0 +1,338 @@
+"""A run's steps: which entries of its directory are committed steps (`scan_steps`), and
+`RunSteps`, the steps one manager knows, with retention and reader-safe deletion."""
+
+import collections
+import contextlib
+import dataclasses
+import re
+import threading
+from collections.abc import Iterable, Iterator
+
+import jax
+
+from ._checkpoint import open_checkpoint
+from ._errors import (
+    CheckpointChangedError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    IncompleteCheckpointError,
+)
+from ._leaf import float_from_json, float_to_json
+from ._retention import Retention
+from ._storage import CheckpointPath, Storage
+from ._tensorstore import is_storage_error
+
+# The manager's own record in each checkpoint's metadata: the step and its metrics.
+MANAGER_KEY = "eqxckpt.manager"
+
+# A step is named by its number, written the one way str(int) writes it.
+_STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
+
+# How many times a listing is taken again when steps came or went while it was taken.
+SCAN_ATTEMPTS = 3
+
+# Errors of a step that was deleted (or is being deleted) while it was read.
+GONE = (CheckpointNotFoundError, IncompleteCheckpointError)
+
+
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` names a step: a number as `str(int)` writes it (``7``, not ``007``).
+
+    **Arguments:**
+
+    - `name`: an entry of a run's directory.
+
+    **Returns:** True or False.
+
+    ```python
+    is_step_name("7"), is_step_name("007")  # (True, False)
+    ```
+    """
+    return _STEP_NAME.match(name) is not None
+
+
+def manager_record(step: int, metrics: dict[str, float]) -> dict:
+    """What the manager stores under `MANAGER_KEY` in a step's metadata (metrics that
+    are not finite written as JSON allows)."""
+    return {"step": step, "metrics": {k: float_to_json(v) for k, v in metrics.items()}}
+
+
+def step_metrics(location: Storage) -> dict[str, float]:
+    """The metrics saved with the step at ``location`` (``{}`` if it has none).
+
+    **Arguments:**
+
+    - `location`: the step's storage.
+
+    **Returns:** ``{name: float}``. Raises the `CheckpointError` of a step that cannot be opened.
+
+    ```python
+    step_metrics(resolve("run").sub("300"))  # {'loss': 0.25}
+    ```
+    """
+    record = open_checkpoint(location).metadata.get(MANAGER_KEY, {})
+    metrics = record.get("metrics", {}) if isinstance(record, dict) else {}
+    return {k: float_from_json(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepScan:
+    """What a run's directory holds, as `scan_steps` found it.
+
+    **Attributes:**
+
+    - `committed`: each committed step, with its metrics.
+    - `unreadable`: each step whose checkpoint cannot be read (a damaged
+      manifest), with why; never saved over.
+    - `skipped`: ``"name (why)"`` for each entry that is not a committed step.
+    """
+
+    committed: dict[int, dict[str, float]]
+    unreadable: dict[int, str]
+    skipped: list[str]
+
+    def warning(self, location: Storage) -> str | None:
+        """The warning naming the skipped entries of ``location``, or None if none were.
+
+        **Arguments:**
+
+        - `location`: the run's directory.
+
+        **Returns:** a message, or None.
+
+        ```python
+        message = scan_steps(location).warning(location)
+        ```
+        """
+        if not self.skipped:
+            return None
+        return (
+            f"CheckpointManager({str(location)!r}): skipped {len(self.skipped)} entries that are not committed "
+            f"steps: {'; '.join(self.skipped[:20])}{' ...' if len(self.skipped) > 20 else ''}. Steps are "
+            "directories named by their number (7, not 007) that hold a committed checkpoint."
+        )
+
+
+def scan_steps(location: Storage) -> StepScan:
+    """The committed steps of the run at ``location`` and their metrics, as stored now.
+
+    **Arguments:**
+
+    - `location`: the run's directory.
+
+    **Returns:** a `StepScan`. Entries that are not committed steps (a copy named
+    ``007``, a damaged manifest, someone else's files) are in its ``skipped``;
+    a step that disappears while it is read (another process's retention) is
+    left out silently; a save or deletion in progress, or the arrays of a
+    deleted step that newer steps still refer to, are left out silently too.
+
+    ```python
+    scan_steps(resolve("run")).committed  # {200: {'loss': 0.5}, 300: {'loss': 0.25}}
+    ```
+    """
+    scan = StepScan({}, {}, [])
+    for _ in range(SCAN_ATTEMPTS):
+        scan = StepScan({}, {}, [])
+        vanished = False
+        for name, state in location.entries():
+            if not is_step_name(name):
+                scan.skipped.append(f"{name} (not a step number)")
+            elif state in ("busy", "retired"):
+                continue
+            elif state != "committed":
+                scan.skipped.append(f"{name} (no committed checkpoint in it)")
+            else:
+                try:
+                    scan.committed[int(name)] = step_metrics(location.sub(name))
+                except (*GONE, CheckpointChangedError):
+                    vanished = True  # deleted meanwhile
+                except CheckpointError as e:
+                    scan.unreadable[int(name)] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    scan.skipped.append(f"{name} ({scan.unreadable[int(name)]})")
+        # A listing is no snapshot: a step committed and its predecessor deleted
+        # while it ran can both be missed. Look again if anything moved.
+        if scan.committed and not vanished:
+            break
+    return scan
+
+
+def clean_leftovers(location: Storage) -> str | None:
+    """Remove what interrupted saves and deletions of steps left in ``location``, if provably
+    abandoned and eqxckpt's; nothing else (a copy named ``007``, a user's files) is touched.
+
+    **Arguments:**
+
+    - `location`: the run's directory.
+
+    **Returns:** a warning naming what looked like eqxckpt's but was left alone, or None.
+
+    ```python
+    clean_leftovers(resolve("run"))  # None
+    ```
+    """
+    left = location.clean_leftovers(is_step_name)
+    if not left:
+        return None
+    return (
+        f"CheckpointManager({str(location)!r}): left alone {len(left)} save prefixes that no lease or "
+        f"manifest beside them explains: {', '.join(left[:20])}{' ...' if len(left) > 20 else ''}. A "
+        "copy in progress or someone's files look like that; remove them yourself if they are not needed."
+    )
+
+
+class RunSteps:
+    """The committed steps of a run as one manager knows them: retention, readers, deletion.
+
+    Kept in memory and updated by the same rule in every process (a step is added
+    when its save commits, and retention drops what it drops), so the processes'
+    step lists agree without communication. A step retention dropped is deleted
+    (by process 0) once no reader in this process holds it, never from under it;
+    a deletion that finds it in use elsewhere is tried again later.
+
+    **Arguments:**
+
+    - `location`: the run's directory.
+    - `retention`: the rule that says which steps to keep.
+    - `scan`: what the directory holds now (`scan_steps`).
+
+    ```python
+    steps = RunSteps(location, Retention(max_to_keep=2), scan_steps(location))
+    steps.committed()  # [200, 300]
+    ```
+    """
+
+    def __init__(self, location: Storage, retention: Retention, scan: StepScan):
+        self.location = location
+        self.retention = retention
+        self._lock = threading.RLock()
+        self._metrics: dict[int, dict[str, float]] = dict(scan.committed)
+        self._unreadable: dict[int, str] = dict(scan.unreadable)
+        # Steps being read in this process, and steps retention dropped that are not deleted yet.
+        self._readers: collections.Counter[int] = collections.Counter()
+        self._doomed: set[int] = set()
+
+    def step_path(self, step: int) -> CheckpointPath:
+        """What `load`, `save` and `open` accept to name ``step`` (a path, or a kvstore spec)."""
+        return self.location.sub(str(step)).user_path()
+
+    def rescan(self) -> None:
+        """Forget what is known and list the directory again (steps another process saved or
+        deleted since); only where one process uses the list, as the others would not follow."""
+        with self._lock:
+            scan = scan_steps(self.location)
+            self._metrics, self._unreadable = scan.committed, scan.unreadable
+
+    def committed(self) -> list[int]:
+        """The committed steps, ascending."""
+        with self._lock:
+            return sorted(self._metrics)
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """The metrics saved with ``step``; `CheckpointNotFoundError` if it is not committed."""
+        with self._lock:
+            return dict(self._metrics[self.resolve(step)])
+
+    def best(self) -> int | None:
+        """The committed step the retention's ``best_metric`` ranks first, or None."""
+        with self._lock:
+            ranked = self.retention.ranked(self._metrics)
+        return ranked[0] if ranked else None
+
+    def check_new(self, step: int) -> None:
+        """Raise `CheckpointExistsError` unless ``step`` may be saved: it is not committed,
+        and does not hold a checkpoint that cannot be read."""
+        with self._lock:
+            if step in self._metrics:
+                raise CheckpointExistsError(
+                    f"Step {step} is already saved in {self.location}. Steps are saved once; resume from "
+                    f"latest_step() + 1, or delete the step first."
+                )
+            if step in self._unreadable:
+                raise CheckpointExistsError(
+                    f"Step {step} of {self.location} holds a checkpoint that cannot be read "
+                    f"({self._unreadable[step]}); the manager never saves over it. Restore or delete "
+                    f"{self.location.sub(str(step))} yourself, then open the manager again."
+                )
+
+    def resolve(self, step: int | None, gone: Iterable[int] = ()) -> int:
+        """``step`` if it is committed, or for None the newest committed step not in ``gone``.
+
+        **Arguments:**
+
+        - `step`: a step, or None for the latest.
+        - `gone`: steps found deleted while listed: never picked again (on object
+          stores a step's files go one by one, so it may still be listed).
+
+        **Returns:** the step. Raises `CheckpointNotFoundError` if there is none.
+        """
+        with self._lock:
+            for step_gone in gone:
+                self._metrics.pop(step_gone, None)
+            if step is None:
+                if not self._metrics:
+                    raise CheckpointNotFoundError(f"No committed checkpoint in {self.location} yet.")
+                return max(self._metrics)
+            if step not in self._metrics:
+                raise CheckpointNotFoundError(
+                    f"No committed step {step} in {self.location}; steps: {sorted(self._metrics)}."
+                )
+            return step
+
+    @contextlib.contextmanager
+    def reading(self, step: int | None, gone: Iterable[int] = ()) -> Iterator[int]:
+        """Pick a step as `resolve` does and hold it as read (retention deletes it later).
+
+        **Arguments:** as for `resolve`.
+
+        **Returns:** a context manager giving the step.
+
+        ```python
+        with steps.reading(None) as step:
+            tree = eqxckpt.load(steps.step_path(step))
+        ```
+        """
+        with self._lock:  # pick the step and register as its reader in one go
+            chosen = self.resolve(step, gone)
+            self._readers[chosen] += 1
+        try:
+            yield chosen
+        finally:
+            with self._lock:
+                self._readers[chosen] -= 1
+                doomed = chosen in self._doomed
+            if doomed:
+                self.delete_doomed()
+
+    def add(self, step: int, metrics: dict[str, float]) -> None:
+        """Record that ``step`` committed, with ``metrics``, then apply retention (the steps
+        it drops are deleted now, or once no reader here holds them)."""
+        with self._lock:
+            self._metrics[step] = metrics
+            dropped = set(self._metrics) - self.retention.kept(self._metrics)
+            for old in dropped:
+                del self._metrics[old]
+            self._doomed |= dropped
+        self.delete_doomed()
+
+    def delete_doomed(self) -> None:
+        """Delete the steps retention dropped (process 0 only), except those being read;
+        a step in use elsewhere is tried again after the next save."""
+        if jax.process_index() != 0:
+            return
+        with self._lock:
+            ready = sorted(s for s in self._doomed if not self._readers[s])
+        for old in ready:
+            try:
+                deleted = self.location.sub(str(old)).delete()
+            except (OSError, ValueError) as e:
+                if isinstance(e, ValueError) and not is_storage_error(e):
+                    raise
+                raise CheckpointWriteError(
+                    f"Deleting step {old} of {self.location} (retention) failed: {e}. The manager no longer "
+                    "lists the step and tries again after its next save. Fix the cause (permissions, the store)."
+                ) from e
+            if deleted:
+                with self._lock:
+                    self._doomed.discard(old)
