@@ -23,8 +23,7 @@ from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._pack import PackedArray
 from ._select import Selection
-from ._source import reading
-from ._storage import MAX_ZARR_JSON_BYTES, Storage, corrupt
+from ._storage import MAX_ZARR_JSON_BYTES, Storage, corrupt, reading
 from ._window import Task, run_windowed
 
 

@@ -19,6 +19,7 @@ from ._backend import (
     corrupt as corrupt,
     expected_files as expected_files,
     nothing_committed as nothing_committed,
+    reading as reading,
 )
 from ._fs import fsync_path as fsync_path, read_capped as read_capped
 from ._lease import (
