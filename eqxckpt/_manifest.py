@@ -15,6 +15,7 @@ from crc32c import crc32c
 
 from ._errors import ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf, parse_leaf
+from ._pack import PackedArray
 from ._paths import ARRAYS_PREFIX, PACKED_LOCATION, is_arrays_name, record_segment
 from ._version import __version__
 
@@ -180,21 +181,6 @@ def _check_containers(records: tuple[Leaf, ...], where: str, sequences_complete:
             )
 
 
-def _check_packed_ranges(records: tuple[Leaf, ...], where: str) -> None:
-    """Packed leaves' byte ranges must not overlap: two leaves sharing bytes would load as
-    arrays sharing memory (writing one changes the other), which no save produces."""
-    packed = sorted(
-        (r.offset, r.offset + r.nbytes, r.path) for r in records if isinstance(r, StoredLeaf) and r.offset is not None
-    )
-    for (_, end, first), (start, _, second) in zip(packed, packed[1:]):
-        if start < end:
-            raise ManifestError(
-                f"The manifest of {where} places packed leaves {first!r} and {second!r} in overlapping bytes "
-                f"of {PACKED_LOCATION!r} (one ends at {end}, the other starts at {start}). eqxckpt never writes "
-                "that: the manifest is corrupt or crafted."
-            )
-
-
 def parse_cost(raw: bytes) -> int:
     """An upper estimate of the memory Python's JSON parser takes for ``raw``.
 
@@ -285,7 +271,8 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
         raise ManifestError(f"The manifest of {where} names a leaf {PACKED_LOCATION!r}, which no key can be.")
     if version == 1 and any(isinstance(r, StoredLeaf) and r.offset is not None for r in records):
         raise ManifestError(f"The manifest of {where} is version 1 but has packed leaves; it is corrupt or crafted.")
-    _check_packed_ranges(records, where)
+    if (packing := PackedArray.of(records)) is not None:
+        packing.check_ranges(where)
     complete = doc.get("sequences_complete", False)
     if not isinstance(complete, bool):
         raise ManifestError(f"The manifest of {where} has a non-boolean 'sequences_complete'.")

@@ -1,11 +1,11 @@
 """What a save writes into one leaf's array, as one interface: a host array (or one
 process's shard of it), a leaf copied from another checkpoint, or the packed array of
-small leaves (`_pack.PackedWrite`). Each gives its bytes and its chunks' values; `save`
+small leaves (`PackedWrite`, laid out by `_pack.PackedArray`). Each gives its bytes and its chunks' values; `save`
 writes every kind the same way (`_save._write_pieces`)."""
 
 import abc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,6 +14,7 @@ from ._chunks import ChunkLayout, Region
 from ._distributed import is_multiprocess
 from ._dtypes import little_endian
 from ._leaf import KeyRecord, Leaf, StoredLeaf, leaf_of
+from ._pack import PackedArray
 from ._source import LazyEntry, Source
 
 if TYPE_CHECKING:
@@ -93,6 +94,42 @@ class CopiedPiece(Piece):
         regions = layout.regions()
         self._left = len(regions)
         return one_leaf([(key, part, lambda part=part: self._values(part)) for key, part in regions])
+
+
+class PackedWrite(Piece):
+    """The data of a save's packed leaves: each chunk of the packed array is assembled only
+    when it is written, so packing never holds a second copy of all the leaves.
+
+    **Arguments:**
+
+    - `packing`: the packed array being written.
+    - `data`: each member's host array, by its path.
+    """
+
+    def __init__(self, packing: PackedArray, data: Mapping[str, np.ndarray]):
+        assert data.keys() == {m.path for m in packing.members}
+        self.packing = packing
+        self._data = data
+        self.nbytes = packing.length
+        self.leaves = len(packing.members)
+
+    def hashed(self) -> list[tuple[int | None, np.ndarray]]:
+        return [(m.offset, self._data[m.path]) for m in self.packing.members]
+
+    def assemble(self, start: int, end: int) -> np.ndarray:
+        """Bytes ``start:end`` of the packed array; alignment gaps are zeros."""
+        out = np.zeros(end - start, np.uint8)
+        for member, own, there in self.packing.pieces(start, end):
+            out[there] = np.ascontiguousarray(self._data[member.path]).reshape(-1).view(np.uint8)[own]
+        return out
+
+    def chunks(self, layout: ChunkLayout) -> list[ChunkWrite]:
+        writes: list[ChunkWrite] = []
+        for key, part in layout.regions():
+            [run] = part
+            done = self.packing.ending_in(run.start, run.stop)
+            writes.append((key, part, lambda run=run: self.assemble(run.start, run.stop), done))
+        return writes
 
 
 def record_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, Any]:

@@ -9,17 +9,17 @@ refers to ``base``'s prefix. Everything else is written afresh.
 
 import contextlib
 import dataclasses
-import json
 import warnings
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from ._checkpoint import Checkpoint, open_checkpoint
 from ._chunks import ChunkLayout
 from ._errors import CheckpointChangedError, CheckpointError, plural
 from ._leaf import StoredLeaf
 from ._manifest import Manifest
+from ._pack import PackedArray
 from ._paths import PACKED_LOCATION, reference
 from ._storage import CheckpointPath, Staging, Storage, expected_files
 from ._verify import damaged_leaves
@@ -204,8 +204,9 @@ def _unchanged(base: Checkpoint, manifest: Manifest, jobs: Sequence[J]) -> Itera
     recorded = {r.path: r for r in manifest.leaves if isinstance(r, StoredLeaf)}
     for job in jobs:
         if job.record.path == PACKED_LOCATION:
-            if base.stored.packed is not None and _same_packing(manifest, base.stored.manifest):
-                yield job, base.stored.packed
+            new_packing, old_packing = PackedArray.of(manifest.leaves), base.stored.packing
+            if new_packing is not None and old_packing is not None and new_packing.same_bytes_as(old_packing):
+                yield job, old_packing.record
             continue
         new, old = recorded.get(job.record.path), base.stored.stored_leaf(job.record.path)
         if not (
@@ -218,20 +219,6 @@ def _unchanged(base: Checkpoint, manifest: Manifest, jobs: Sequence[J]) -> Itera
             or (old.digest, old.digest_fields()) != (new.digest, new.digest_fields())
         ):
             yield job, old
-
-
-def _same_packing(new: Manifest, old: Manifest) -> bool:
-    """Whether two manifests pack the same leaves, with the same digests, at the same offsets:
-    then the packed arrays are the same bytes."""
-
-    def packing(manifest: Manifest) -> set[tuple[Any, ...]] | None:
-        packed = [r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
-        if any(r.digest is None for r in packed):
-            return None
-        return {(r.path, r.offset, r.digest, json.dumps(r.digest_fields())) for r in packed}
-
-    found = packing(new)
-    return found is not None and found == packing(old)
 
 
 def _reusable(base: Checkpoint, manifest: Manifest, jobs: Sequence[J]) -> dict[int, list[str]]:

@@ -23,9 +23,9 @@ from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointError, CheckpointWriteError
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
-from ._pack import PACK_MIN_LEAVES, PackedWrite, assign_offsets, packable, packed_array
+from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
 from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_record
-from ._pieces import Piece, record_of, snapshot
+from ._pieces import PackedWrite, Piece, record_of, snapshot
 from ._progress import Progress, advance, reporting
 from ._reuse import Reuse, plan_reuse
 from ._storage import (
@@ -95,19 +95,15 @@ def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], lis
         return records, leaves
     placed = assign_offsets([leaf.record for leaf in small])
     where = {id(leaf.record): record for leaf, record in zip(small, placed)}
-    array = packed_array(placed)
-    assert array is not None
+    packing = PackedArray(placed)
     written = PackedWrite(
-        [
-            (record.offset or 0, whole)
-            for leaf, record in zip(small, placed)
-            if (whole := leaf.pieces[0].whole) is not None
-        ]
+        packing,
+        {record.path: whole for leaf, record in zip(small, placed) if (whole := leaf.pieces[0].whole) is not None},
     )
     chosen = {id(leaf) for leaf in small}
     return (
         [where.get(id(record), record) for record in records],
-        [leaf for leaf in leaves if id(leaf) not in chosen] + [_WriteJob(array, None, [written])],
+        [leaf for leaf in leaves if id(leaf) not in chosen] + [_WriteJob(packing.record, None, [written])],
     )
 
 

@@ -22,7 +22,7 @@ from ._errors import CheckpointChangedError, CheckpointError, ManifestError
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._paths import ancestors, depth, normalize_at, relative_to
 from ._progress import advance
-from ._storage import NoLock, Pin, corrupt
+from ._storage import NoLock, Pin, reading
 from ._tree import build_plain_tree
 from ._window import start_jax
 
@@ -364,17 +364,6 @@ class LazyEntry:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.leaf_path!r}, shape={self.shape}, dtype={self.dtype})"
-
-
-@contextlib.contextmanager
-def reading(record: Leaf) -> Iterator[None]:
-    """Any failure while reading ``record`` becomes a `CorruptCheckpointError` naming it."""
-    try:
-        yield
-    except CheckpointError:  # already says what is wrong
-        raise
-    except Exception as e:
-        raise corrupt(record, e) from None
 
 
 def check_one_tree(leaves: dict[str, Leaf], location: Any, name: Any = None) -> None:

@@ -21,10 +21,9 @@ from ._convert import aligned_empty
 from ._errors import CorruptCheckpointError
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
-from ._pack import packed_array, read_runs, unpack
+from ._pack import PackedArray
 from ._select import Selection
-from ._source import reading
-from ._storage import MAX_ZARR_JSON_BYTES, Storage, corrupt
+from ._storage import MAX_ZARR_JSON_BYTES, Storage, corrupt, reading
 from ._window import Task, run_windowed
 
 
@@ -50,7 +49,9 @@ class StoredArrays:
         # Leaves an incremental save took unchanged from earlier checkpoints are in theirs.
         self.referenced = {ref: storage.referenced(ref) for ref in manifest.references()}
         self.records: dict[str, Leaf] = {leaf.path: leaf for leaf in manifest.leaves}
-        self.packed = packed_array(manifest.leaves)  # the array small leaves are packed in, if any
+        # The array small leaves are packed in, if any: its members and their offsets, and its record.
+        self.packing = PackedArray.of(manifest.leaves)
+        self.packed = None if self.packing is None else self.packing.record
 
     def stored_leaf(self, path: str) -> StoredLeaf | None:
         """The record of the leaf at ``path`` if it is a stored array, else None.
@@ -72,6 +73,23 @@ class StoredArrays:
         """Files among the checkpoint's own arrays that its manifest does not name, as
         ``(path, why)`` problems (what `verify` reports)."""
         return self.arrays.unlisted(set(self.manifest.stored_paths()))
+
+    def sharers(self, leaf: StoredLeaf) -> list[str]:
+        """The checkpoints beside this one that hold the very files ``leaf`` (one of its
+        leaves, or the packed array) is stored in (`Storage.sharers`): damage to those files
+        is damage to each of them.
+
+        **Arguments:**
+
+        - `leaf`: a stored leaf of this checkpoint, or its packed array's record.
+
+        **Returns:** their names, in order; empty where none does.
+
+        ```python
+        stored.sharers(stored.records["model/w"])  # ['3', '5']
+        ```
+        """
+        return self.storage.sharers(self.manifest, leaf)
 
     def leaf_files(self, path: str) -> dict[str, int] | None:
         """The files of the leaf ``path`` among the checkpoint's own arrays with their sizes,
@@ -103,8 +121,8 @@ class StoredArrays:
     @functools.cached_property
     def packed_layout(self) -> ChunkLayout:
         """The packed array's layout, its metadata (and its files) checked once for every read of it."""
-        assert self.packed is not None
-        return self.layout(self.packed)
+        assert self.packing is not None
+        return self.layout(self.packing.record)
 
     def chunk_reads(
         self, record: StoredLeaf, layout: ChunkLayout, region: Region | None, out: np.ndarray, done: Callable[[], None]
@@ -147,8 +165,8 @@ class StoredArrays:
         layouts = {i: ChunkLayout.stored(leaves[i], self.checked_metadata(leaves[i], o)) for i, o in zip(own, opens)}
         runs = []
         if packed:
-            assert self.packed is not None  # a bad chunk names the packed array; verify names its leaves
-            runs = read_runs([leaves[i] for i in packed], self.packed.shape[0], self.packed_layout.chunk[0])
+            assert self.packing is not None  # a bad chunk names the packed array; verify names its leaves
+            runs = self.packing.runs([leaves[i] for i in packed], self.packed_layout.chunk[0])
         # Reserved once the files were checked: those must hold what the manifest declares.
         reserve(sum(leaves[i].nbytes for i in own) + sum(end - start for start, end, _ in runs))
 
@@ -158,17 +176,17 @@ class StoredArrays:
                 buffer = aligned_empty(layout.shape, layout.dtype)  # aligned: the jax array adopts it
                 yield from self.chunk_reads(leaves[i], layout, None, buffer, lambda i=i, b=buffer: done(i, b))
             if packed:
-                assert self.packed is not None
-                layout = self.packed_layout
+                assert self.packing is not None
+                packing, layout = self.packing, self.packed_layout
                 for start, end, members in runs:
                     indices = [packed[m] for m in members]
                     buffer = aligned_empty((end - start,), np.dtype(np.uint8))
 
                     def unpacked(start: int = start, buffer: np.ndarray = buffer, indices: list[int] = indices) -> None:
-                        for i, data in zip(indices, unpack(buffer, start, [leaves[i] for i in indices])):
+                        for i, data in zip(indices, packing.unpack(buffer, start, [leaves[i] for i in indices])):
                             done(i, data)
 
-                    yield from self.chunk_reads(self.packed, layout, (slice(start, end),), buffer, unpacked)
+                    yield from self.chunk_reads(packing.record, layout, (slice(start, end),), buffer, unpacked)
 
         run_windowed(tasks(), read_window(sum(leaf.nbytes for leaf in leaves)))
 

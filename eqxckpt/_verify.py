@@ -16,6 +16,7 @@ from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
+from ._stored import StoredArrays
 from ._window import Task, run_windowed
 
 
@@ -75,8 +76,7 @@ class VerifyReport:
     # this one hold too (incremental saves share unchanged leaves): their names, in order.
     # The damage is theirs as well: one file, not one per checkpoint.
     shared_with: dict[str, list[str]] = dataclasses.field(default_factory=dict)
-    _packed: set[str] = dataclasses.field(default_factory=set, repr=False)  # packed leaves' paths
-    _reasons: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)  # problems, briefly
+    _packed: set[str] = dataclasses.field(default_factory=set, repr=False)  # damaged packed leaves' paths
 
     @property
     def ok(self) -> bool:
@@ -167,39 +167,49 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
     except CheckpointError as e:
         report.problems.append((MANIFEST_NAME, str(e)))
         return report
-    report.leaves = len(checkpoint)
-    stored = [record for record in checkpoint.records().values() if isinstance(record, StoredLeaf)]
-    packed = [record for record in stored if record.offset is not None]
-    stored = [record for record in stored if record.offset is None]
+    stored = checkpoint.stored
+    report.leaves = len(stored.records)  # what a report of a checkpoint changed meanwhile says
+    leaves = [leaf for leaf in stored.records.values() if isinstance(leaf, StoredLeaf)]
     try:
         with (
             checkpoint.consistent(),
-            reporting(f"verifying {location}", sum(r.nbytes for r in stored + packed), len(stored + packed), progress),
+            reporting(f"verifying {location}", sum(leaf.nbytes for leaf in leaves), len(leaves), progress),
         ):
-            _check_own(checkpoint, stored, report)
-            if packed:
-                _check_packed(checkpoint, packed, report)
-            report.problems.extend(checkpoint.stored.unlisted())
-            _find_sharers(checkpoint, report)
+            report = _assembled(report.location, stored, _StoredCheck(stored, leaves))
     except CheckpointChangedError as e:
         # What was checked may belong to another checkpoint: say so, and nothing else.
         report.problems[:] = [(MANIFEST_NAME, str(e))]
     return report
 
 
-def _find_sharers(checkpoint: Checkpoint, report: VerifyReport) -> None:
-    """Name, for each damaged leaf and packed chunk, the checkpoints beside this one that
-    hold the same stored files (`Storage.sharers`): asked only where something is damaged."""
-    location, manifest = checkpoint.location, checkpoint.stored.manifest
-    damaged = [r for path, _ in report.problems if isinstance(r := checkpoint.stored.records.get(path), StoredLeaf)]
-    report._packed.update(r.path for r in damaged if r.offset is not None)
-    packed = checkpoint.stored.packed
-    in_packed = location.sharers(manifest, packed) if packed and (report._packed or report.damaged_chunks) else []
-    for record in damaged:
-        if names := in_packed if record.offset is not None else location.sharers(manifest, record):
-            report.shared_with[record.path] = names
+def _assembled(location: str, stored: StoredArrays, check: "_StoredCheck") -> VerifyReport:
+    """The report of the checkpoint at ``location`` once ``check`` is made: its leaves'
+    verdicts, the files its manifest does not name, and for each damaged leaf and packed
+    chunk, the checkpoints beside this one that hold the same stored files
+    (`StoredArrays.sharers`: asked only where something is damaged)."""
+    intact = [leaf for leaf, problem in check.verdicts if problem is None]
+    damaged = [(leaf, problem) for leaf, problem in check.verdicts if problem is not None]
+    # A damaged packed leaf's line points at its chunk's, which names the sharers.
+    packed = {leaf.path for leaf, _ in damaged if leaf.offset is not None}
+    in_packed: list[str] = []
+    if stored.packing is not None and (packed or check.damaged_chunks):
+        in_packed = stored.sharers(stored.packing.record)
+    shared_with: dict[str, list[str]] = {}
+    for leaf, _ in damaged:
+        if names := in_packed if leaf.offset is not None else stored.sharers(leaf):
+            shared_with[leaf.path] = names
     if in_packed:
-        report.shared_with.update((key, in_packed) for key, _ in report.damaged_chunks)
+        shared_with.update((key, in_packed) for key, _ in check.damaged_chunks)
+    return VerifyReport(
+        location,
+        len(stored.records),
+        arrays_checked=len(intact),
+        bytes_checked=sum(leaf.nbytes for leaf in intact),
+        problems=[(leaf.path, str(problem)) for leaf, problem in damaged] + stored.unlisted(),
+        damaged_chunks=check.damaged_chunks,
+        shared_with=shared_with,
+        _packed=packed,
+    )
 
 
 def damaged_leaves(checkpoint: Checkpoint, records: Sequence[StoredLeaf]) -> dict[str, str]:
@@ -209,77 +219,157 @@ def damaged_leaves(checkpoint: Checkpoint, records: Sequence[StoredLeaf]) -> dic
 
     Raises `CheckpointChangedError` if ``checkpoint`` was replaced or deleted meanwhile.
     """
-    report = VerifyReport(str(checkpoint.location))
     with checkpoint.consistent():
-        _check_own(checkpoint, [record for record in records if record.offset is None], report)
-        if packed := [record for record in records if record.offset is not None]:
-            _check_packed(checkpoint, packed, report)
-    chunks = " ".join(why for _, why in report.damaged_chunks)  # what a packed leaf's line points at
+        check = _StoredCheck(checkpoint.stored, records)
+    chunks = " ".join(why for _, why in check.damaged_chunks)  # what a packed leaf's line points at
     return {
-        path: chunks if chunks and record.offset is not None else report._reasons.get(path, message)
-        for path, message in report.problems
-        if (record := checkpoint.stored.records.get(path)) is not None and isinstance(record, StoredLeaf)
+        leaf.path: chunks if chunks and leaf.offset is not None else _chunk_reason(problem)
+        for leaf, problem in check.verdicts
+        if problem is not None
     }
 
 
-def _count(report: VerifyReport, record: StoredLeaf, problem: CheckpointError | None) -> None:
-    """One leaf checked: counted, or its problem listed; progress advances either way."""
-    if problem is None:
-        report.arrays_checked += 1
-        report.bytes_checked += record.nbytes
-    else:
-        report.problems.append((record.path, str(problem)))
-        report._reasons[record.path] = _chunk_reason(problem)
-    advance(record.nbytes)
+class _StoredCheck:
+    """The check of ``leaves``' stored bytes, made on construction through `StoredArrays`'s
+    public methods: each array (a leaf's own, then the packed array) read a slab of rows of
+    chunks at a time, in order, every chunk's checksum checked as it is read; a slab that
+    fails damages the leaves with bytes in it, and every other leaf is still checked. Each
+    leaf's bytes go to its digest in order (a packed bool leaf's are checked too), and its
+    verdict is made once its last bytes are in: ``verdicts``, in that order, progress
+    advancing with each; ``damaged_chunks`` names the packed array's failed chunks."""
 
+    def __init__(self, stored: StoredArrays, leaves: Sequence[StoredLeaf]):
+        self.stored = stored
+        self.verdicts: list[tuple[StoredLeaf, CheckpointError | None]] = []
+        self.damaged_chunks: list[tuple[str, str]] = []
+        self._digests: dict[str, LeafDigest] = {}
+        own = [leaf for leaf in leaves if leaf.offset is None]
+        window = _window(sum(leaf.nbytes for leaf in own))
+        buffers = _Buffers(window)
+        run_windowed((task for leaf in own for task in self._own_reads(leaf, buffers)), window)
+        if packed := [leaf for leaf in leaves if leaf.offset is not None]:
+            self._check_packed(packed)
 
-def _check_own(checkpoint: Checkpoint, records: list[StoredLeaf], report: VerifyReport) -> None:
-    """Leaves with arrays of their own: every chunk read and its checksum checked, all in
-    one window, each leaf's digest computed over slabs of whole rows of chunks in order."""
-    problems: dict[str, CheckpointError] = {}
-    window = _window(sum(record.nbytes for record in records))
-    buffers = _Buffers(window)
-
-    def reads() -> Iterator[Task]:  # buffers made as the window takes each task, let go as it settles
-        yield from (task for record in records for task in leaf_reads(record))
-
-    def leaf_reads(record: StoredLeaf) -> Iterator[Task]:
+    def _verdict(self, leaf: StoredLeaf, problem: CheckpointError | None) -> None:
+        """One leaf checked: ``problem`` (what its reads found), else its digest's; progress advances."""
+        digest = self._digests.pop(leaf.path, None)
         try:
-            record.check_known()  # e.g. a PRNG implementation this JAX knows
+            leaf.check_known()  # e.g. a PRNG implementation this JAX knows
+            if problem is None and digest is not None and digest.value != leaf.digest:
+                raise CorruptCheckpointError(
+                    f"its bytes pass their chunks' checksums but are not the bytes saved (digest {digest.value}, the "
+                    f"manifest records {leaf.digest}): chunks were swapped or rewritten. Restore it from a copy.",
+                    leaf_path=leaf.path,
+                )
+        except CheckpointError as e:
+            problem = e
+        self.verdicts.append((leaf, problem))
+        advance(leaf.nbytes)
+
+    def _digest(self, leaf: StoredLeaf) -> None:
+        """Start the digest of ``leaf``'s bytes, in order; none if the manifest records none."""
+        if leaf.digest is not None:
+            self._digests[leaf.path] = LeafDigest(leaf.digest_fields())
+
+    def _own_reads(self, leaf: StoredLeaf, buffers: "_Buffers") -> Iterator[Task]:
+        """The reads of a leaf with an array of its own: the leaf's problem is its first failure."""
+        try:
+            leaf.check_known()
             # Read by the layout of its zarr.json once that was checked to be what eqxckpt
             # writes (raw bytes plus a crc32c checksum): every chunk's checksum is checked.
-            layout = checkpoint.stored.layout(record)
+            layout = self.stored.layout(leaf)
         except CheckpointError as e:
-            _count(report, record, e)
+            self._verdict(leaf, e)
             return
-        digest = _digest_of(record)
+        self._digest(leaf)
+        failures: list[CheckpointError] = []
+
+        def settle(start: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
+            if failure is not None and not failures:
+                failures.append(failure)
+            elif not failures and leaf.path in self._digests:
+                self._digests[leaf.path].update(data)
+            if last:
+                self._verdict(leaf, failures[0] if failures else None)
+
+        yield from self._slab_reads(leaf, layout, buffers, settle)
+
+    def _check_packed(self, leaves: list[StoredLeaf]) -> None:
+        """Read the packed array chunk by chunk (a slab of its rows of chunks is one chunk):
+        a failed chunk damages exactly the leaves with bytes in it (`PackedArray.pieces`)."""
+        packing = self.stored.packing
+        assert packing is not None
+        failures: list[tuple[int, int, str]] = []
+        bad_bools: dict[str, CheckpointError] = {}
+        bools = {leaf.path for leaf in leaves if leaf.dtype == "bool"}
+        for leaf in leaves:
+            self._digest(leaf)
+
+        def settle(start: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
+            if failure is not None:  # its leaves are damaged, their digests unchecked
+                failures.append((start, start + data.size, _chunk_reason(failure)))
+                return
+            for member, _, there in packing.pieces(start, start + data.size):
+                if member.path in self._digests:
+                    self._digests[member.path].update(data[there])
+                if member.path in bools and member.path not in bad_bools:
+                    try:
+                        check_bool_bytes(data[there].view(np.bool_), member.path)
+                    except CheckpointError as e:
+                        bad_bools[member.path] = e
+
+        chunk = PACK_CHUNK_BYTES  # what names a damaged chunk, once the layout is known
+        try:
+            layout = self.stored.packed_layout
+            chunk = layout.chunk[0]
+            window = _window(packing.length)
+            run_windowed(self._slab_reads(packing.record, layout, _Buffers(window), settle), window)
+        except CheckpointError as e:
+            failures.append((0, packing.length, str(e)))
+        damaged: dict[str, CheckpointError] = {}
+        for start, end, why in failures:
+            key = f"{PACKED_LOCATION}/c/{start // chunk}"
+            self.damaged_chunks.append((key, why))
+            for member, _, _ in packing.pieces(start, end):
+                offset = member.offset or 0
+                damaged.setdefault(
+                    member.path,
+                    CorruptCheckpointError(
+                        f"damaged: its bytes [{offset}, {offset + member.nbytes}) are in {key}, a chunk of the "
+                        "packed array that fails its check (below)",
+                        leaf_path=member.path,
+                    ),
+                )
+        for leaf in leaves:
+            self._verdict(leaf, damaged.get(leaf.path, bad_bools.get(leaf.path)))
+
+    def _slab_reads(
+        self,
+        array: StoredLeaf,
+        layout: ChunkLayout,
+        buffers: "_Buffers",
+        settle: Callable[[int, np.ndarray, CheckpointError | None, bool], None],
+    ) -> Iterator[Task]:
+        """Tasks that read ``array`` a slab of rows of chunks at a time, in order, each into a
+        buffer (made as the window takes it, let go once settled): ``settle(start, bytes,
+        failure, last)`` gets each slab's first byte in the array and its bytes, or why its
+        read failed (never raised: every other slab is still read)."""
         slabs = _slabs(layout)
+        row = math.prod(layout.shape[1:]) * layout.dtype.itemsize
         for n, slab in enumerate(slabs):
             buffer = buffers.take(tuple(s.stop - s.start for s in slab), layout.dtype)
+            failed: list[CheckpointError] = []
 
-            def slab_read(
+            def done(
                 buffer: np.ndarray = buffer,
-                digest: LeafDigest | None = digest,
+                failed: list = failed,
+                start: int = slab[0].start * row if slab else 0,
                 last: bool = n == len(slabs) - 1,
-                record: StoredLeaf = record,
             ) -> None:
-                if record.path not in problems and digest is not None:
-                    digest.update(buffer)
+                settle(start, buffer.reshape(-1).view(np.uint8), failed[0] if failed else None, last)
                 buffers.give(buffer)
-                if last:
-                    problem = problems.pop(record.path, None)
-                    if problem is None and digest is not None:
-                        try:
-                            _check_digest(record, digest)
-                        except CheckpointError as e:
-                            problem = e
-                    _count(report, record, problem)
 
-            yield from _tolerant(
-                checkpoint.stored.chunk_reads(record, layout, slab, buffer, slab_read), record, problems
-            )
-
-    run_windowed(reads(), window)
+            yield from _tolerant(self.stored.chunk_reads(array, layout, slab, buffer, done), failed)
 
 
 def _slabs(layout: ChunkLayout) -> list[Region]:
@@ -291,10 +381,10 @@ def _slabs(layout: ChunkLayout) -> list[Region]:
     return [(slice(start, min(start + rows, layout.shape[0])), *rest) for start in range(0, layout.shape[0], rows)]
 
 
-def _tolerant(tasks: Iterable[Task], record: StoredLeaf, problems: dict[str, CheckpointError]) -> Iterator[Task]:
-    """``tasks`` (one leaf's chunk reads), failing into ``problems`` instead of raising: a
+def _tolerant(tasks: Iterable[Task], failed: list[CheckpointError]) -> Iterator[Task]:
+    """``tasks`` (one slab's chunk reads), failing into ``failed`` instead of raising: a
     damaged leaf is reported, and every other leaf still checked. Their last settlement
-    still runs (it counts the leaf)."""
+    still runs (it settles the slab)."""
 
     def guarded(work: Callable[[], Any]) -> Callable[[], CheckpointError | None]:
         def run() -> CheckpointError | None:
@@ -309,7 +399,7 @@ def _tolerant(tasks: Iterable[Task], record: StoredLeaf, problems: dict[str, Che
     def settled(then: Callable[[Any], None] | None) -> Callable[[Any], None]:
         def settle(failure: CheckpointError | None) -> None:
             if failure is not None:
-                problems.setdefault(record.path, failure)
+                failed.append(failure)
             if then is not None:
                 then(None)
 
@@ -318,109 +408,8 @@ def _tolerant(tasks: Iterable[Task], record: StoredLeaf, problems: dict[str, Che
     return ((nbytes, guarded(work), settled(then)) for nbytes, work, then in tasks)
 
 
-def _digest_of(record: StoredLeaf) -> LeafDigest | None:
-    """The digest to compute as ``record``'s bytes are read; None if the manifest records none."""
-    return None if record.digest is None else LeafDigest(record.digest_fields())
-
-
 def _chunk_reason(error: CheckpointError) -> str:
     """What is wrong with a chunk file, as the read found it (`ChunkFileError`), without the
     words that name the leaf: a damaged packed chunk's line names the chunk."""
     found = error.__context__
     return f"{found}." if isinstance(found, ChunkFileError) else str(error)
-
-
-def _check_digest(record: StoredLeaf, digest: LeafDigest) -> None:
-    """The bytes read, in order, are the ones the save recorded."""
-    if digest.value != record.digest:
-        raise CorruptCheckpointError(
-            f"its bytes pass their chunks' checksums but are not the bytes saved (digest {digest.value}, the "
-            f"manifest records {record.digest}): chunks were swapped or rewritten. Restore it from a copy.",
-            leaf_path=record.path,
-        )
-
-
-def _check_packed(checkpoint: Checkpoint, packed: list[StoredLeaf], report: VerifyReport) -> None:
-    """Read the packed array slab by slab; a slab that fails is read again chunk by chunk
-    (all at once), so that exactly the leaves with bytes in a damaged chunk are reported.
-    Bool leaves' bytes are checked in the slabs as they are read."""
-    array = checkpoint.stored.packed
-    assert array is not None
-    length = array.shape[0]
-    failures: list[tuple[int, int, str]] = []
-    bad_bools: dict[str, CheckpointError] = {}
-    digests = {record.path: digest for record in packed if (digest := _digest_of(record)) is not None}
-    in_order, first = sorted(packed, key=lambda record: record.offset or 0), 0
-
-    def take(start: int, data: np.ndarray) -> None:
-        """The part of each leaf in ``data`` (bytes from ``start``; pieces come in order):
-        into its digest, and for bools, checked."""
-        nonlocal first
-        end = start + data.size
-        while first < len(in_order) and (in_order[first].offset or 0) + in_order[first].nbytes <= start:
-            first += 1
-        for i in range(first, len(in_order)):
-            record, offset = in_order[i], in_order[i].offset or 0
-            if offset >= end:
-                break
-            low, high = max(offset, start), min(offset + record.nbytes, end)
-            if low >= high:
-                continue
-            if record.path in digests:
-                digests[record.path].update(data[low - start : high - start])
-            if record.dtype == "bool" and record.path not in bad_bools:
-                try:
-                    check_bool_bytes(data[low - start : high - start].view(np.bool_), record.path)
-                except CheckpointError as e:
-                    bad_bools[record.path] = e
-
-    chunk = PACK_CHUNK_BYTES  # what names a damaged chunk, once the layout is known
-    try:
-        layout = checkpoint.stored.packed_layout
-        chunk = layout.chunk[0]
-        window = _window(length)
-        buffers = _Buffers(window)
-
-        def reads() -> Iterator[Task]:  # buffers made as the window takes each task, let go as it settles
-            for _, part in layout.regions():
-                [run] = part
-                buffer = buffers.take((run.stop - run.start,), np.dtype(np.uint8))
-                found: dict[str, CheckpointError] = {}
-
-                def chunk_read(run: slice = run, buffer: np.ndarray = buffer, found: dict = found) -> None:
-                    if (error := found.get(array.path)) is not None:
-                        failures.append((run.start, run.stop, _chunk_reason(error)))
-                    else:  # a leaf with bytes in a failed chunk is reported as damaged, its digest unchecked
-                        take(run.start, buffer)
-                    buffers.give(buffer)
-
-                yield from _tolerant(
-                    checkpoint.stored.chunk_reads(array, layout, part, buffer, chunk_read), array, found
-                )
-
-        run_windowed(reads(), window)
-    except CheckpointError as e:
-        failures.append((0, length, str(e)))
-    for start, _, why in failures:
-        report.damaged_chunks.append((f"{PACKED_LOCATION}/c/{start // chunk}", why))
-    for record in packed:
-        offset = record.offset or 0
-        try:
-            record.check_known()
-            problem = next(
-                (
-                    CorruptCheckpointError(
-                        f"damaged: its bytes [{offset}, {offset + record.nbytes}) are in {PACKED_LOCATION}/c/"
-                        f"{start // chunk}, a chunk of the packed array that fails its check (below)",
-                        leaf_path=record.path,
-                    )
-                    for start, end, _ in failures
-                    if offset < end and offset + record.nbytes > start
-                ),
-                bad_bools.get(record.path),
-            )
-            if problem is None and record.path in digests:
-                _check_digest(record, digests[record.path])
-        except CheckpointError as e:
-            problem = e
-        _count(report, record, problem)

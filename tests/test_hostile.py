@@ -12,9 +12,9 @@ from conftest import WORKERS, crafted_manifest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
-from eqxckpt._checkpoint import _ZARR_KEYS
 from eqxckpt._cli import main as cli
 from eqxckpt._manifest import parse_manifest
+from eqxckpt._stored import _ZARR_KEYS
 
 DOCUMENTED = (eqxckpt.CheckpointError,)  # every error eqxckpt raises on purpose derives from it
 

@@ -1,6 +1,7 @@
 """Packed leaves: many small leaves stored as byte ranges of one zarr3 array, read back
 exactly, lazily and partially, checked like every array, and refused when crafted."""
 
+import dataclasses
 import json
 import os
 
@@ -14,7 +15,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt._chunks import PACK_CHUNK_BYTES
-from eqxckpt._pack import PACK_MAX_BYTES, PACK_MIN_LEAVES, read_runs
+from eqxckpt._leaf import ArrayLeaf
+from eqxckpt._pack import PACK_MAX_BYTES, PACK_MIN_LEAVES, PackedArray
 from eqxckpt._paths import PACK_ALIGNMENT, PACKED_LOCATION
 
 DTYPES = [np.bool_, np.int8, np.uint16, np.int32, np.float16, ml_dtypes.bfloat16, np.float32, np.complex64]
@@ -163,15 +165,40 @@ def test_partial_restore_reads_only_the_chunks_holding_its_leaves(tmp_path):
     assert all("[" in message and PACKED_LOCATION in message for _, message in report.problems)
 
 
-def test_read_runs_cover_each_leaf_once_in_whole_chunks():
-    class Leaf:
-        def __init__(self, offset, nbytes):
-            self.offset, self.nbytes = offset, nbytes
+def packed_leaf(offset: int, nbytes: int) -> ArrayLeaf:
+    return ArrayLeaf(f"l{offset}", (), (nbytes,), "uint8", "numpy", offset=offset)
 
+
+def test_read_runs_cover_each_leaf_once_in_whole_chunks():
     c = PACK_CHUNK_BYTES
-    leaves = [Leaf(0, 10), Leaf(c - 64, 128), Leaf(5 * c, 64), Leaf(64, 64)]
-    runs = read_runs(leaves, 5 * c + 64)  # type: ignore[arg-type]
+    leaves = [packed_leaf(0, 10), packed_leaf(c - 64, 128), packed_leaf(5 * c, 64), packed_leaf(64, 64)]
+    packing = PackedArray(leaves)
+    assert packing.length == 5 * c + 64
+    runs = packing.runs(leaves)
     assert runs == [(0, 2 * c, [0, 3, 1]), (5 * c, 5 * c + 64, [2])]
+
+
+def test_the_pieces_of_a_byte_range_are_the_members_with_bytes_in_it():
+    c = PACK_CHUNK_BYTES
+    leaves = [packed_leaf(0, 10), packed_leaf(c - 64, 128), packed_leaf(5 * c, 64), packed_leaf(64, 64)]
+    packing = PackedArray(leaves)
+    pieces = [(leaf.offset, own, there) for leaf, own, there in packing.pieces(c, 2 * c)]
+    assert pieces == [(c - 64, slice(64, 128), slice(0, 64))]
+    assert [leaf.offset for leaf, _, _ in packing.pieces(0, c)] == [0, 64, c - 64]
+    assert list(packing.pieces(2 * c, 5 * c)) == []
+    assert packing.ending_in(0, c) == 2 and packing.ending_in(c, 6 * c) == 2
+    data = np.arange(c, dtype=np.uint64).view(np.uint8)[:c]
+    assert all(data[there].size == own.stop - own.start for _, own, there in packing.pieces(0, c))
+    moved = PackedArray([*leaves[:3], packed_leaf(128, 64)])
+    assert packing.same_bytes_as(packing) is False  # no digests: not known to be the same
+
+    def digested(p: PackedArray) -> PackedArray:
+        return PackedArray([dataclasses.replace(m, digest="xxh3-128:" + "0" * 32) for m in p.members])
+
+    assert digested(packing).same_bytes_as(digested(packing))
+    assert not digested(packing).same_bytes_as(digested(moved))
+    with pytest.raises(eqxckpt.ManifestError, match="overlapping bytes"):
+        PackedArray([*leaves, packed_leaf(c, 64)]).check_ranges("here")
 
 
 @pytest.mark.parametrize(

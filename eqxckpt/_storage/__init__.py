@@ -22,6 +22,7 @@ from ._backend import (
     corrupt as corrupt,
     expected_files as expected_files,
     nothing_committed as nothing_committed,
+    reading as reading,
 )
 from ._fs import fsync_path as fsync_path, read_capped as read_capped
 from ._locks import create_locked_file as create_locked_file, remove_abandoned_files as remove_abandoned_files

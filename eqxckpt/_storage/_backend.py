@@ -6,11 +6,12 @@ The implementations: `LocalStorage` (`_local.py`) and `ObjectStorage`
 """
 
 import abc
+import contextlib
 import dataclasses
 import functools
 import os
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -325,3 +326,14 @@ def corrupt(leaf: StoredLeaf | Any, error: BaseException | str) -> CorruptCheckp
         "from a copy or load an earlier one; `eqxckpt inspect` still shows what it held.",
         leaf_path=leaf.path,
     )
+
+
+@contextlib.contextmanager
+def reading(leaf: StoredLeaf | Any) -> Iterator[None]:
+    """Any failure while reading ``leaf`` becomes a `CorruptCheckpointError` naming it (`corrupt`)."""
+    try:
+        yield
+    except CheckpointError:  # already says what is wrong
+        raise
+    except Exception as e:
+        raise corrupt(leaf, e) from None
