@@ -8,7 +8,7 @@ model = eqxckpt.load("checkpoints/step_100", like=model_skeleton, at="model")
 """
 
 from ._background import SaveHandle as SaveHandle
-from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray
+from ._checkpoint import Checkpoint as Checkpoint
 from ._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
 from ._errors import (
     ArgumentError as ArgumentError,
@@ -29,6 +29,7 @@ from ._errors import (
     UnsupportedLeafError as UnsupportedLeafError,
 )
 from ._formats import open as open
+from ._lazy import LazyArray as LazyArray
 from ._load import load as load
 from ._manager import CheckpointManager as CheckpointManager
 from ._safetensors import save_safetensors as save_safetensors

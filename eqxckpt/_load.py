@@ -18,10 +18,11 @@ from jaxtyping import PyTree
 from ._convert import checked_astype, narrowed
 from ._errors import CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
+from ._lazy import LazyArray
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
-from ._source import LazyEntry, Source, nothing_under
+from ._source import Source, nothing_under
 from ._storage import CheckpointPath
 from ._store import limited_host_memory
 from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path
@@ -148,7 +149,7 @@ class Plan:
     def run(self) -> Any:
         """Read what the plan needs (value_fn inputs in the same batch) and build the result."""
         inputs = [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
-        values = self.source._read([(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs])
+        values = self.source.read([(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs])
         for (slot, _, _), value in zip(self.reads, values):
             self.values[slot] = value
         read = dict(zip((leaf.path for leaf in inputs), values[len(self.reads) :]))
@@ -348,7 +349,7 @@ def _place(path: str, value: Any, target: Any, cast: bool) -> Any:
     """Put a computed value (from value_fn / multi_value_fn) where ``target`` wants it,
     under the rules stored values meet: same shape, same dtype unless ``cast``, and
     a cast that changes values beyond rounding refused."""
-    if isinstance(value, LazyEntry):
+    if isinstance(value, LazyArray):
         value = value.get()
     if not is_array_like(target):
         return value

@@ -124,7 +124,9 @@ def _open_base(base: CheckpointPath | None, location: Storage) -> Checkpoint | N
         return None
     if location.local is not None:
         return source if source.stored.arrays.local is not None else None
-    return source if location.sibling_name(source.location) is not None and source.stored.manifest.arrays else None
+    return (
+        source if location.sibling_name(source.stored.storage) is not None and source.stored.manifest.arrays else None
+    )
 
 
 # A batch of leaves hashed by one thread: large enough that a tree of many small leaves
@@ -237,7 +239,7 @@ def _referable(base: Checkpoint, manifest: Manifest, leaves: list[_WriteJob], lo
     """The unchanged and intact (`_intact`) leaves of ``base`` (a committed checkpoint beside
     this one on an object store), by ``id`` of their job, with the prefix their array is in
     (base's own, or the one base refers to: references are never chained)."""
-    entry = location.sibling_name(base.location)
+    entry = location.sibling_name(base.stored.storage)
     assert entry is not None
     own = reference(entry, base.stored.manifest.arrays)
     return {id(leaf): old.arrays or own for leaf, old in _intact(base, list(_unchanged(base, manifest, leaves)))}

@@ -192,7 +192,7 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
 def _find_sharers(checkpoint: Checkpoint, report: VerifyReport) -> None:
     """Name, for each damaged leaf and packed chunk, the checkpoints beside this one that
     hold the same stored files (`Storage.sharers`): asked only where something is damaged."""
-    location, manifest = checkpoint.location, checkpoint.stored.manifest
+    location, manifest = checkpoint.stored.storage, checkpoint.stored.manifest
     damaged = [r for path, _ in report.problems if isinstance(r := checkpoint.stored.records.get(path), StoredLeaf)]
     report._packed.update(r.path for r in damaged if r.offset is not None)
     packed = checkpoint.stored.packed

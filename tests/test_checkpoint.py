@@ -105,7 +105,7 @@ def test_lazy_slices_equal_numpy_slices_of_the_loaded_array(sliced, data):
     np.testing.assert_array_equal(got, expected)
     if expected.ndim:
         part = tuple(slice(0, max(1, n // 2)) if n else slice(0, 0) for n in expected.shape)
-        np.testing.assert_array_equal(lazy._stream()[part], expected[part])
+        np.testing.assert_array_equal(lazy.part_reader()(part), expected[part])
 
 
 def test_lazy_indices_numpy_refuses_are_refused_at_once(sliced):
