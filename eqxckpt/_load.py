@@ -8,7 +8,8 @@ exactly the stored leaves it needs, in one concurrent batch.
 
 import dataclasses
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -32,6 +33,7 @@ MAX_LISTED = 50
 # How often a load reads a checkpoint that another process replaced while it read it.
 READ_ATTEMPTS = 3
 Rows = list[tuple[str, str]]
+_T = TypeVar("_T")
 
 
 def resolve_like(like: Any) -> Any:
@@ -384,6 +386,56 @@ def _place(path: str, value: Any, target: Any, cast: bool) -> Any:
     if isinstance(target, np.generic):
         return data[()]
     return jax.device_put(data, getattr(target, "sharding", None))
+
+
+# What a type checker knows `load` returns: ``like``'s type (a constructor's result's),
+# and for ``like=None`` plain dicts and lists it cannot know.
+@overload
+def load(
+    path: CheckpointPath | Source,
+    like: None = None,
+    *,
+    at: str | None = None,
+    strict: bool = True,
+    cast: bool = False,
+    transforms: dict[str, Any] | None = None,
+    default_to_original: bool = True,
+    format: str | None = None,
+    progress: Progress = False,
+    host_memory_budget: int | None = None,
+) -> Any: ...
+
+
+@overload
+def load(
+    path: CheckpointPath | Source,
+    like: Callable[[], _T],
+    *,
+    at: str | None = None,
+    strict: bool = True,
+    cast: bool = False,
+    transforms: dict[str, Any] | None = None,
+    default_to_original: bool = True,
+    format: str | None = None,
+    progress: Progress = False,
+    host_memory_budget: int | None = None,
+) -> _T: ...
+
+
+@overload
+def load(
+    path: CheckpointPath | Source,
+    like: _T,
+    *,
+    at: str | None = None,
+    strict: bool = True,
+    cast: bool = False,
+    transforms: dict[str, Any] | None = None,
+    default_to_original: bool = True,
+    format: str | None = None,
+    progress: Progress = False,
+    host_memory_budget: int | None = None,
+) -> _T: ...
 
 
 def load(
