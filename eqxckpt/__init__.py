@@ -30,6 +30,14 @@ from ._errors import (
 )
 from ._formats import open as open
 from ._lazy import LazyArray as LazyArray
+from ._leaf import (
+    ArrayLeaf as ArrayLeaf,
+    KeyLeaf as KeyLeaf,
+    Leaf as Leaf,
+    OpaqueLeaf as OpaqueLeaf,
+    ScalarLeaf as ScalarLeaf,
+    StoredLeaf as StoredLeaf,
+)
 from ._load import load as load
 from ._manager import CheckpointManager as CheckpointManager
 from ._safetensors import save_safetensors as save_safetensors

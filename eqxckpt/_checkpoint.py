@@ -23,6 +23,9 @@ class Checkpoint(Source):
 
     Nothing is read from the arrays until you ask for values.
 
+    **Attributes:** as a `Source`'s; `location` is the path or URL it was opened at,
+    and `stored` owns its stored arrays (its storage backend is ``stored.storage``).
+
     ```python
     ckpt = eqxckpt.open("checkpoints/step_100")
     ckpt.paths                      # ['model/layers/0/weight', ...]

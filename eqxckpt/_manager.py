@@ -24,11 +24,11 @@ from ._errors import (
     CheckpointWriteError,
     IncompleteCheckpointError,
 )
-from ._leaf import float_from_json, float_to_json
 from ._load import load
 from ._preemption import Preemption
 from ._progress import Progress
 from ._save import save
+from ._scalars import float_from_json, float_to_json
 from ._storage import CheckpointPath, resolve
 from ._store import is_storage_error
 

@@ -12,9 +12,10 @@ import jax
 import numpy as np
 
 from ._chunks import ChunkLayout, Region
+from ._classify import leaf_of
 from ._distributed import is_multiprocess
 from ._lazy import LazyArray
-from ._leaf import KeyRecord, Leaf, StoredLeaf, leaf_of
+from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._store import little_endian
 
 if TYPE_CHECKING:  # `_source` reads checkpoints, whose module packs leaves with these pieces

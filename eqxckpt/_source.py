@@ -34,7 +34,15 @@ class Source(abc.ABC):
 
     `Checkpoint` is the one for eqxckpt's own format; safetensors files, Orbax and
     TensorFlow checkpoints and `CheckpointTranslator` views are the others. Index
-    it by leaf path for lazy leaves; `paths`, `metadata`, `records()`, `tree()`.
+    it by leaf path for lazy leaves (`LazyArray`); `paths`, `metadata`, `records()`,
+    `tree()`; each leaf's description is a `Leaf`.
+
+    **Attributes:** `location`, where it was opened (the path or URL, as a user writes
+    it: ``gs://bucket/run/step_100/``); `metadata`, its metadata.
+
+    A format is a subclass that lists its leaves and reads their stored arrays: it
+    implements `read` (or the ``_fetch`` that `read` calls), and may override
+    `read_selection` and `part_reader` to read less than a whole leaf.
 
     ```python
     source = eqxckpt.open("model.safetensors")
@@ -242,7 +250,8 @@ class Source(abc.ABC):
 
         - `leaf_path`: the leaf's path (``model/w``).
 
-        **Returns:** its `Leaf`: ``kind``, ``describe()``, and for arrays ``shape`` and ``dtype``.
+        **Returns:** its `Leaf` (an `ArrayLeaf`, `KeyLeaf`, `ScalarLeaf` or `OpaqueLeaf`):
+        ``kind``, ``describe()``, and for stored arrays (`StoredLeaf`) ``shape`` and ``dtype``.
 
         ```python
         ckpt.leaf("model/w").describe()  # 'float32[4,3]'

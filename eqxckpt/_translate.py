@@ -7,9 +7,10 @@ from typing import Any, overload
 
 import numpy as np
 
+from ._classify import leaf_of
 from ._errors import TransformError
 from ._lazy import LazyArray
-from ._leaf import ArrayLeaf, StoredLeaf, leaf_of
+from ._leaf import ArrayLeaf, StoredLeaf
 from ._select import Selection
 from ._source import Source, check_one_tree
 
