@@ -9,7 +9,7 @@ exactly the stored leaves it needs, in one concurrent batch.
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar, overload
+from typing import Any, TypedDict, TypeVar, Unpack, overload
 
 import equinox as eqx
 import jax
@@ -388,54 +388,27 @@ def _place(path: str, value: Any, target: Any, cast: bool) -> Any:
     return jax.device_put(data, getattr(target, "sharding", None))
 
 
+class _LoadOptions(TypedDict, total=False):
+    """`load`'s keyword arguments, as its overloads take them."""
+
+    at: str | None
+    strict: bool
+    cast: bool
+    transforms: dict[str, Any] | None
+    default_to_original: bool
+    format: str | None
+    progress: Progress
+    host_memory_budget: int | None
+
+
 # What a type checker knows `load` returns: ``like``'s type (a constructor's result's),
 # and for ``like=None`` plain dicts and lists it cannot know.
 @overload
-def load(
-    path: CheckpointPath | Source,
-    like: None = None,
-    *,
-    at: str | None = None,
-    strict: bool = True,
-    cast: bool = False,
-    transforms: dict[str, Any] | None = None,
-    default_to_original: bool = True,
-    format: str | None = None,
-    progress: Progress = False,
-    host_memory_budget: int | None = None,
-) -> Any: ...
-
-
+def load(path: CheckpointPath | Source, like: None = None, **options: Unpack[_LoadOptions]) -> Any: ...
 @overload
-def load(
-    path: CheckpointPath | Source,
-    like: Callable[[], _T],
-    *,
-    at: str | None = None,
-    strict: bool = True,
-    cast: bool = False,
-    transforms: dict[str, Any] | None = None,
-    default_to_original: bool = True,
-    format: str | None = None,
-    progress: Progress = False,
-    host_memory_budget: int | None = None,
-) -> _T: ...
-
-
+def load(path: CheckpointPath | Source, like: Callable[[], _T], **options: Unpack[_LoadOptions]) -> _T: ...
 @overload
-def load(
-    path: CheckpointPath | Source,
-    like: _T,
-    *,
-    at: str | None = None,
-    strict: bool = True,
-    cast: bool = False,
-    transforms: dict[str, Any] | None = None,
-    default_to_original: bool = True,
-    format: str | None = None,
-    progress: Progress = False,
-    host_memory_budget: int | None = None,
-) -> _T: ...
+def load(path: CheckpointPath | Source, like: _T, **options: Unpack[_LoadOptions]) -> _T: ...
 
 
 def load(

@@ -347,6 +347,7 @@ def test_a_type_checker_knows_what_load_returns(tmp_path):
 
             model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
             assert_type(eqxckpt.load("ckpt", model), eqx.nn.MLP)
+            assert_type(eqxckpt.load("ckpt", model, at="model", cast=True, progress=True), eqx.nn.MLP)
             assert_type(eqxckpt.load("ckpt", lambda: model, at="model"), eqx.nn.MLP)
             assert_type(eqxckpt.load(eqxckpt.open("ckpt"), {"w": jnp.zeros(2)}), dict[str, jax.Array])
             assert_type(eqxckpt.load("ckpt"), Any)

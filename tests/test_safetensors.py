@@ -89,15 +89,21 @@ def test_load_into_arrays_skeletons_at_transforms_and_a_translator(hf_file):
     assert restored.activation is model.activation  # static parts come from the skeleton
 
 
-def test_a_partial_load_reads_only_its_bytes(hf_file, monkeypatch):
-    path, model, tensors = hf_file
-    read = []
+def recorded_reads(monkeypatch) -> list[int]:
+    """The bytes of each ranged read of a safetensors file from now on, in order."""
+    read: list[int] = []
     real = safetensors_module.read_range
     monkeypatch.setattr(
         safetensors_module,
         "read_range",
         lambda file, offset, buffer, name: (read.append(buffer.nbytes), real(file, offset, buffer, name))[1],
     )
+    return read
+
+
+def test_a_partial_load_reads_only_its_bytes(hf_file, monkeypatch):
+    path, model, tensors = hf_file
+    read = recorded_reads(monkeypatch)
     eqxckpt.load(path, at="model")
     model_bytes = sum(v.nbytes for k, v in tensors.items() if k.startswith("model."))
     assert sum(read) == model_bytes and model_bytes < tensors["opt.mu"].nbytes / 4
@@ -469,13 +475,7 @@ def test_lazy_slices_and_casts_match_numpy(sliced_file, data):
 def test_a_lazy_slice_reads_only_the_rows_it_needs(sliced_file, monkeypatch):
     path, tensors = sliced_file
     source = eqxckpt.open(path)
-    reads = []
-    real = safetensors_module.read_range
-    monkeypatch.setattr(
-        safetensors_module,
-        "read_range",
-        lambda fd, offset, buffer, p: (reads.append(buffer.nbytes), real(fd, offset, buffer, p))[1],
-    )
+    reads = recorded_reads(monkeypatch)
     np.testing.assert_array_equal(source["m"][2:4, 1].get(), tensors["m"][2:4, 1])
     assert reads == [2 * 5 * 4]  # rows 2 and 3, whole
     np.testing.assert_array_equal(source["m"][5:2:-2].get(), tensors["m"][5:2:-2])
