@@ -32,9 +32,18 @@ from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
     from ._background import SaveHandle as SaveHandle
-    from ._checkpoint import Checkpoint as Checkpoint, LazyArray as LazyArray
+    from ._checkpoint import Checkpoint as Checkpoint
     from ._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
     from ._formats import open as open
+    from ._lazy import LazyArray as LazyArray
+    from ._leaf import (
+        ArrayLeaf as ArrayLeaf,
+        KeyLeaf as KeyLeaf,
+        Leaf as Leaf,
+        OpaqueLeaf as OpaqueLeaf,
+        ScalarLeaf as ScalarLeaf,
+        StoredLeaf as StoredLeaf,
+    )
     from ._load import load as load
     from ._manager import CheckpointManager as CheckpointManager
     from ._safetensors import save_safetensors as save_safetensors
@@ -50,7 +59,13 @@ if TYPE_CHECKING:
 _LAZY = {
     "SaveHandle": "_background",
     "Checkpoint": "_checkpoint",
-    "LazyArray": "_checkpoint",
+    "LazyArray": "_lazy",
+    "Leaf": "_leaf",
+    "StoredLeaf": "_leaf",
+    "ArrayLeaf": "_leaf",
+    "KeyLeaf": "_leaf",
+    "ScalarLeaf": "_leaf",
+    "OpaqueLeaf": "_leaf",
     "ChangedLeaf": "_diff",
     "Diff": "_diff",
     "diff": "_diff",

@@ -222,10 +222,10 @@ def _convert(args: argparse.Namespace) -> int:
     import jax
 
     from ._formats import open as open_source
+    from ._lazy import LazyArray
     from ._progress import reporting
     from ._safetensors import save_safetensors
     from ._save import save
-    from ._source import LazyEntry
     from ._storage import resolve
 
     _check_not_nested(resolve(checkpoint_path(args.src)), resolve(checkpoint_path(args.dst)))
@@ -244,7 +244,7 @@ def _convert(args: argparse.Namespace) -> int:
             )
         for path, what in left_out:
             print(f"left out {path} ({what}): not an array", file=sys.stderr)
-        arrays = jax.tree_util.tree_map(lambda x: x if isinstance(x, LazyEntry) else None, source.tree())
+        arrays = jax.tree_util.tree_map(lambda x: x if isinstance(x, LazyArray) else None, source.tree())
         metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in source.metadata.items()}
         written = len(jax.tree_util.tree_leaves(arrays))
         with reporting(f"{args.src} -> {args.dst}", source.nbytes, written, progress=True):

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 
 from ._budget import SLAB_BYTES
-from ._checkpoint import LazyArray
+from ._checkpoint import Checkpoint
 from ._errors import plural
 from ._formats import open as open_source
+from ._lazy import LazyArray
 from ._leaf import ArrayLeaf, Leaf, ScalarLeaf, StoredLeaf
 from ._progress import Progress, advance, reporting
 from ._source import Source
@@ -220,8 +221,8 @@ def _compared(source_a: Source, source_b: Source, pairs: list[Pair]) -> Iterator
     # so that the leaves sharing a chunk share a batch.
     whole.sort(key=lambda pair: (pair[1].location, pair[1].offset or 0))
     for batch in _batches(whole):
-        values_a = source_a._read([(leaf_a, _host_target(leaf_a)) for _, leaf_a, _ in batch])
-        values_b = source_b._read([(leaf_b, _host_target(leaf_b)) for _, _, leaf_b in batch])
+        values_a = source_a.read([(leaf_a, _host_target(leaf_a)) for _, leaf_a, _ in batch])
+        values_b = source_b.read([(leaf_b, _host_target(leaf_b)) for _, _, leaf_b in batch])
         for pair, value_a, value_b in zip(batch, values_a, values_b):
             yield pair, [(_host(value_a), _host(value_b))]
 
@@ -243,7 +244,13 @@ def _batches(pairs: list[Pair]) -> Iterator[list[Pair]]:
 
 def _slabbed(entry: Any) -> bool:
     """Whether a leaf is read a slab of rows at a time: eqxckpt's large sliceable arrays."""
-    return isinstance(entry, LazyArray) and entry.nbytes > SLAB_BYTES and bool(entry.shape) and entry.leaf.sliceable
+    return (
+        isinstance(entry, LazyArray)
+        and isinstance(entry.source, Checkpoint)
+        and entry.nbytes > SLAB_BYTES
+        and bool(entry.shape)
+        and entry.leaf.sliceable
+    )
 
 
 def _slabs(a: LazyArray, b: LazyArray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -265,7 +272,7 @@ def _host_target(leaf: StoredLeaf) -> Any:
 
 
 def _host(value: Any) -> np.ndarray:
-    """A value `Source._read` gave, as host data: a PRNG key array's key data."""
+    """A value `Source.read` gave, as host data: a PRNG key array's key data."""
     return np.asarray(jax.random.key_data(value) if is_prng_key_dtype(value.dtype) else value)
 
 

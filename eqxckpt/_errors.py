@@ -130,6 +130,10 @@ class StructureMismatchError(CheckpointError, ValueError):
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """Saving would replace an existing checkpoint and `overwrite=False`.
 
+    A place another process is saving to or deleting right now raises
+    `CheckpointBusyError` instead, which is not a kind of this one: retrying with
+    ``overwrite=True``, as below, never saves over a save in progress.
+
     ```python
     try:
         ...
@@ -167,8 +171,11 @@ class CheckpointChangedError(CheckpointError):
     """
 
 
-class CheckpointBusyError(CheckpointExistsError):
-    """Another process is writing or deleting the checkpoint at this place right now.
+class CheckpointBusyError(CheckpointError):
+    """Another process is writing or deleting the checkpoint at this place right now
+    (on an object store, where a save holds a lease on its place).
+
+    Not a `CheckpointExistsError`: ``overwrite=True`` does not help; wait, or save elsewhere.
 
     ```python
     try:

@@ -16,7 +16,6 @@ A new kind is one class here, registered in `KINDS`.
 import dataclasses
 import functools
 import math
-import struct
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -26,16 +25,12 @@ from ._digest import parse_digest
 from ._dtypes import STORED_DTYPES, check_dtype
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
+from ._scalars import bits_fit, nan_bits, scalar_from_json, scalar_to_json, with_bits
 from ._tree import (
     SCALAR_TYPES,
-    code_name,
     describe_like,
-    holds_no_data,
     is_array_like,
-    is_code,
-    is_empty_subtree,
     is_prng_key_dtype,
-    type_name,
 )
 
 if TYPE_CHECKING:  # JAX is imported where a leaf is restored or saved, not to read a manifest
@@ -52,7 +47,23 @@ MAX_ELEMENTS = 1 << 53
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One leaf of a checkpoint, as its manifest describes it."""
+    """One leaf of a checkpoint, as its manifest describes it: what `Source.leaf` and
+    `Source.records` give, for every format. Its kind is one of `ArrayLeaf` and `KeyLeaf`
+    (the `StoredLeaf`s, whose values are stored arrays), `ScalarLeaf` and `OpaqueLeaf`.
+
+    **Attributes:** `path`, the leaf's path (``model/layers/0/weight``); `keys`, its key
+    entries, each ``(kind, key)`` with kind ``attr``, ``dict``, ``seq`` or ``index``
+    (``(("dict", "model"), ("attr", "layers"), ("seq", 0), ("attr", "weight"))``); `kind`,
+    as the manifest records it (``array``, ``prng_key``, ``scalar``, ``opaque``).
+
+    Leaves are immutable. Their other methods are how eqxckpt saves, checks and restores
+    each kind, not part of the public interface.
+
+    ```python
+    leaf = ckpt.leaf("model/w")
+    leaf.kind, leaf.describe(), leaf.nbytes  # ('array', 'float32[4,3]', 48)
+    ```
+    """
 
     path: str
     keys: tuple[KeyRecord, ...]
@@ -61,7 +72,14 @@ class Leaf:
 
     @property
     def nbytes(self) -> int:
-        """Bytes stored on disk for this leaf."""
+        """Bytes stored for this leaf's array (0 for scalars and opaque leaves).
+
+        **Returns:** an int.
+
+        ```python
+        ckpt.leaf("model/w").nbytes  # 48
+        ```
+        """
         return 0
 
     @property
@@ -70,7 +88,14 @@ class Leaf:
         return False
 
     def describe(self) -> str:
-        """``float32[4,3]``-style summary used in errors and listings."""
+        """A one-line summary, as errors and listings show the leaf.
+
+        **Returns:** ``float32[4,3]``, ``key<threefry2x32>[8]``, ``int = 100``, ``<function ...>``.
+
+        ```python
+        ckpt.leaf("model/w").describe()  # 'float32[4,3]'
+        ```
+        """
         raise NotImplementedError
 
     def to_json(self) -> dict[str, Any]:
@@ -97,8 +122,19 @@ class Leaf:
 
 @dataclasses.dataclass(frozen=True)
 class StoredLeaf(Leaf):
-    """A leaf with an array on disk: its own zarr3 array at its path, or with an
-    ``offset``, ``nbytes`` little-endian bytes at that offset of the packed array."""
+    """A leaf whose value is a stored array (an `ArrayLeaf` or a `KeyLeaf`), read on
+    demand (`LazyArray`). In an eqxckpt checkpoint: its own zarr3 array at its path, or
+    with an ``offset``, ``nbytes`` little-endian bytes at that offset of the packed array.
+
+    **Attributes:** `shape`; `dtype`, the stored dtype's name (``float32``; a PRNG key
+    array's key data's, ``uint32``); `digest`, the XXH3-128 digest eqxckpt recorded of
+    its description and bytes (None where none was: other formats).
+
+    ```python
+    w = ckpt.leaf("model/w")
+    isinstance(w, eqxckpt.StoredLeaf), w.shape, w.dtype  # (True, (4, 3), 'float32')
+    ```
+    """
 
     shape: tuple[int, ...]
     dtype: str
@@ -205,9 +241,17 @@ class StoredLeaf(Leaf):
 
 @dataclasses.dataclass(frozen=True)
 class ArrayLeaf(StoredLeaf):
-    """An array leaf; ``array_type`` (jax, numpy, numpy_scalar) is what `load` gives back with
-    ``like=None`` or a skeleton. Foreign formats record none (``unknown``): numpy arrays
-    for ``like=None``, jax arrays for a skeleton."""
+    """An array leaf.
+
+    **Attributes:** as a `StoredLeaf`'s, and `array_type`: what it was saved from and
+    what `load` gives back with ``like=None`` or a skeleton (``jax``, ``numpy``,
+    ``numpy_scalar``). Other formats record none (``unknown``): numpy arrays for
+    ``like=None``, jax arrays for a skeleton.
+
+    ```python
+    ckpt.leaf("model/w").array_type  # 'numpy'
+    ```
+    """
 
     array_type: str = "numpy"
     kind: ClassVar[str] = "array"
@@ -312,7 +356,18 @@ def key_dtype(impl: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class KeyLeaf(StoredLeaf):
-    """A typed PRNG key array: its key data is stored, with trailing ``key_shape`` dims."""
+    """A typed PRNG key array, stored as its key data.
+
+    **Attributes:** as a `StoredLeaf`'s (`shape` is the keys', `dtype` their key data's),
+    and `impl`, the name of its PRNG implementation; `key_shape`, the trailing dimensions
+    each key's data has.
+
+    ```python
+    eqxckpt.save("keys", {"key": jax.random.key(0)})
+    leaf = eqxckpt.open("keys").leaf("key")
+    leaf.impl, leaf.key_shape, leaf.describe()  # ('threefry2x32', (2,), 'key<threefry2x32>[]')
+    ```
+    """
 
     impl: str = ""
     key_shape: tuple[int, ...] = ()
@@ -410,8 +465,16 @@ class KeyLeaf(StoredLeaf):
 
 @dataclasses.dataclass(frozen=True)
 class ScalarLeaf(Leaf):
-    """A Python scalar, string or None, kept in the manifest as ``type_name`` and a JSON
-    value, plus ``bits`` (see `nan_bits`) for a NaN the JSON value cannot tell apart."""
+    """A Python scalar, string or None, kept in the manifest (bit for bit, NaNs' too).
+
+    **Attributes:** `type_name`: ``int``, ``float``, ``bool``, ``complex``, ``str`` or
+    ``none``. Its value is ``value()``.
+
+    ```python
+    step = eqxckpt.open("checkpoints/step_100").leaf("step")
+    step.type_name, step.value()  # ('int', 0)
+    ```
+    """
 
     type_name: str = "none"
     json_value: Any = None
@@ -437,7 +500,7 @@ class ScalarLeaf(Leaf):
             raise ManifestError(f"Leaf {path!r}: unknown scalar type {type_name!r}.")
         value = scalar_from_json(type_name, doc.get("value"))  # validates
         bits = doc.get("bits")
-        if bits is not None and not _bits_fit(value, bits):
+        if bits is not None and not bits_fit(value, bits):
             raise ManifestError(
                 f"Leaf {path!r}: its bits {bits!r} are not those of a NaN other than float('nan') where its "
                 f"{type_name} value {doc.get('value')!r} has one. The checkpoint is damaged or crafted."
@@ -450,6 +513,14 @@ class ScalarLeaf(Leaf):
         return None
 
     def value(self, target: Any = None) -> Any:
+        """The value, bit for bit as it was saved (``target`` is ignored).
+
+        **Returns:** the int, float, bool, complex, str or None.
+
+        ```python
+        eqxckpt.open("checkpoints/step_100").leaf("step").value()  # 0
+        ```
+        """
         value = scalar_from_json(self.type_name, self.json_value)
         return value if self.bits is None else with_bits(value, self.bits)
 
@@ -460,8 +531,16 @@ class ScalarLeaf(Leaf):
 
 @dataclasses.dataclass(frozen=True)
 class OpaqueLeaf(Leaf):
-    """A function, a class, or an object holding no data (`holds_no_data`): only its type
-    name is kept; `load` takes the value from `like`."""
+    """A function, a class, or an object holding no data: only what it is called is
+    kept; `load` takes the value from `like`.
+
+    **Attributes:** `type_name`, its type's qualified name; `name`, the function's or
+    class's qualified name (``""`` if it has none).
+
+    ```python
+    eqxckpt.open("checkpoints/step_100").leaf("model/activation").describe()  # <function ...relu>
+    ```
+    """
 
     type_name: str = ""
     name: str = ""  # what the function or class is called (``jax._src.nn.functions.relu``); "" if unknown
@@ -520,165 +599,3 @@ def parse_leaf(doc: Any, keys_of: Any) -> Leaf:
     if not isinstance(kind, str) or kind not in KINDS:
         raise ManifestError(f"Leaf {path!r}: unknown kind {kind!r} (expected one of {tuple(KINDS)}).")
     return KINDS[kind].from_json(doc, path, keys_of(doc.get("keys"), path))
-
-
-def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, Any]:
-    """The leaf a saved ``value`` becomes, and the array to store for it (None: nothing stored).
-
-    Raises `UnsupportedLeafError` for what cannot be stored faithfully.
-    """
-    import jax
-
-    if is_array_like(value) and not isinstance(value, (jax.ShapeDtypeStruct, np.ma.MaskedArray)):
-        if isinstance(value, jax.Array) and is_prng_key_dtype(value.dtype):
-            data = jax.random.key_data(value)
-            leaf = KeyLeaf(
-                path,
-                keys,
-                tuple(value.shape),
-                np.dtype(data.dtype).name,
-                str(jax.random.key_impl(value)),
-                tuple(data.shape[value.ndim :]),
-            )
-            return leaf, data
-        dtype = np.dtype(value.dtype)
-        check_dtype(dtype, path)
-        array_type = (
-            "jax" if isinstance(value, jax.Array) else "numpy" if isinstance(value, np.ndarray) else "numpy_scalar"
-        )
-        return ArrayLeaf(path, keys, tuple(np.shape(value)), dtype.name, array_type), value
-    if isinstance(value, SCALAR_TYPES) or is_empty_subtree(value):
-        # An empty subtree in a sequence is recorded as None: it keeps the indices whole.
-        scalar = None if is_empty_subtree(value) else str(value) if isinstance(value, np.str_) else value
-        return ScalarLeaf.of(path, keys, scalar), None
-    if is_code(value) or holds_no_data(value):
-        return OpaqueLeaf(path, keys, type_name(value), code_name(value)), None
-    raise UnsupportedLeafError(_refusal(path, value))
-
-
-def _refusal(path: str, leaf: Any) -> str:
-    """Why a leaf cannot be saved, and what to do instead."""
-    import jax
-
-    kind = type_name(leaf)
-    if isinstance(leaf, np.ma.MaskedArray):
-        return (
-            f"Leaf {path!r} is a numpy masked array: saving it as an array would lose its mask. Save "
-            f"{{'data': x.data, 'mask': np.ma.getmaskarray(x)}} instead, or np.ma.filled(x) if the mask is not needed."
-        )
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return (
-            f"Leaf {path!r} is a jax.ShapeDtypeStruct: a shape and dtype with no data (from eval_shape or "
-            "filter_eval_shape?). Save the real arrays."
-        )
-    if isinstance(leaf, dict):
-        hint = "a dict subclass, which JAX does not flatten: convert it with dict(x), or register it as a pytree"
-    else:
-        hint = "an object JAX treats as a single leaf, so eqxckpt cannot see what it holds (it may hold arrays)"
-    return (
-        f"Leaf {path!r} is {hint} ({kind}). Make it a pytree (an eqx.Module, a registered class "
-        "(jax.tree_util.register_pytree_node / register_dataclass), or plain dicts and lists), convert it to "
-        "arrays and scalars, or keep it out of the saved tree (an eqx.field(static=True), or "
-        "eqx.filter(tree, eqx.is_array)). Only arrays, scalars, strings, None, functions, classes and objects "
-        "with no attributes at all can be leaves."
-    )
-
-
-# --- scalars in JSON ---------------------------------------------------------------
-
-
-def float_to_json(x: float) -> float | str:
-    """A float as JSON can hold it: non-finite values as ``'nan'``, ``'inf'``, ``'-inf'``."""
-    return x if math.isfinite(x) else repr(x)
-
-
-def scalar_to_json(value: Any) -> tuple[str, Any]:
-    """(type name, JSON value) of a Python scalar leaf; floats survive bit for bit, but for
-    the sign and payload of a NaN (see `nan_bits`)."""
-    if value is None:
-        return "none", None
-    if isinstance(value, bool):
-        return "bool", value
-    if isinstance(value, int):
-        return "int", value
-    if isinstance(value, float):
-        return "float", float_to_json(value)
-    if isinstance(value, complex):
-        return "complex", [float_to_json(value.real), float_to_json(value.imag)]
-    if isinstance(value, str):
-        return "str", value
-    raise TypeError(type(value))
-
-
-# The bits of float("nan"), the NaN a JSON "nan" reads back as.
-_NAN_BITS = struct.unpack("<Q", struct.pack("<d", math.nan))[0]
-
-
-def _float_bits(x: float) -> int:
-    return struct.unpack("<Q", struct.pack("<d", x))[0]
-
-
-def nan_bits(value: Any) -> Any:
-    """What JSON loses of a float or complex scalar: the IEEE-754 bits (16 lowercase hex
-    digits) of a NaN that is not float("nan") (another sign or payload: ``inf - inf`` is
-    ``-nan`` on x86), for a complex ``[real's or None, imag's or None]``; None when
-    `scalar_to_json` keeps every bit."""
-    parts = [value.real, value.imag] if isinstance(value, complex) else [value] if isinstance(value, float) else []
-    bits = [f"{_float_bits(x):016x}" if math.isnan(x) and _float_bits(x) != _NAN_BITS else None for x in parts]
-    if not any(bits):
-        return None
-    return bits if isinstance(value, complex) else bits[0]
-
-
-def with_bits(value: Any, bits: Any) -> Any:
-    """``value`` (as `scalar_from_json` gives it) with the NaNs that `nan_bits` recorded;
-    `ManifestError` for ``bits`` of another form."""
-
-    def part(x: float, hex_bits: Any) -> float:
-        if hex_bits is None:
-            return x
-        if not math.isnan(x):
-            raise ManifestError(f"Bits {hex_bits!r} recorded for {x!r}, which is not a NaN.")
-        if not (isinstance(hex_bits, str) and len(hex_bits) == 16 and all(c in "0123456789abcdef" for c in hex_bits)):
-            raise ManifestError(f"Expected 16 lowercase hex digits of a NaN's bits, found {hex_bits!r}.")
-        return struct.unpack("<d", struct.pack("<Q", int(hex_bits, 16)))[0]
-
-    if isinstance(value, complex) and isinstance(bits, list) and len(bits) == 2:
-        return complex(part(value.real, bits[0]), part(value.imag, bits[1]))
-    if isinstance(value, float) and not isinstance(bits, list):
-        return part(value, bits)
-    raise ManifestError(f"Expected the bits of a {type(value).__name__}'s NaNs, found {bits!r}.")
-
-
-def _bits_fit(value: Any, bits: Any) -> bool:
-    """Whether ``bits`` are what `nan_bits` records for a value read back as ``value``."""
-    try:
-        return nan_bits(with_bits(value, bits)) == bits
-    except ManifestError:
-        return False
-
-
-def float_from_json(x: Any) -> float:
-    """The inverse of `float_to_json`; `ManifestError` for anything else."""
-    if isinstance(x, str) and x in ("nan", "inf", "-inf"):
-        return float(x)
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return float(x)
-    raise ManifestError(f"Expected a float in the manifest, found {x!r}.")
-
-
-def scalar_from_json(type_name: str, value: Any) -> Any:
-    """The inverse of `scalar_to_json`; `ManifestError` for a value that does not fit its type."""
-    if type_name == "none" and value is None:
-        return None
-    if type_name == "bool" and isinstance(value, bool):
-        return value
-    if type_name == "int" and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if type_name == "float":
-        return float_from_json(value)
-    if type_name == "complex" and isinstance(value, list) and len(value) == 2:
-        return complex(float_from_json(value[0]), float_from_json(value[1]))
-    if type_name == "str" and isinstance(value, str):
-        return value
-    raise ManifestError(f"Scalar of type {type_name!r} has an invalid value {value!r}.")

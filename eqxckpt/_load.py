@@ -8,7 +8,8 @@ exactly the stored leaves it needs, in one concurrent batch.
 
 import dataclasses
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypedDict, TypeVar, Unpack, overload
 
 import equinox as eqx
 import jax
@@ -19,10 +20,11 @@ from ._budget import limited_host_memory
 from ._convert import checked_astype, narrowed
 from ._errors import CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
+from ._lazy import LazyArray
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
-from ._source import LazyEntry, Source, nothing_under
+from ._source import Source, nothing_under
 from ._storage import CheckpointPath
 from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path
 from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype
@@ -31,6 +33,7 @@ MAX_LISTED = 50
 # How often a load reads a checkpoint that another process replaced while it read it.
 READ_ATTEMPTS = 3
 Rows = list[tuple[str, str]]
+_T = TypeVar("_T")
 
 
 def resolve_like(like: Any) -> Any:
@@ -148,7 +151,7 @@ class Plan:
     def run(self) -> Any:
         """Read what the plan needs (value_fn inputs in the same batch) and build the result."""
         inputs = [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
-        values = self.source._read([(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs])
+        values = self.source.read([(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs])
         for (slot, _, _), value in zip(self.reads, values):
             self.values[slot] = value
         read = dict(zip((leaf.path for leaf in inputs), values[len(self.reads) :]))
@@ -361,7 +364,7 @@ def _place(path: str, value: Any, target: Any, cast: bool) -> Any:
     """Put a computed value (from value_fn / multi_value_fn) where ``target`` wants it,
     under the rules stored values meet: same shape, same dtype unless ``cast``, and
     a cast that changes values beyond rounding refused."""
-    if isinstance(value, LazyEntry):
+    if isinstance(value, LazyArray):
         value = value.get()
     if not is_array_like(target):
         return value
@@ -396,6 +399,29 @@ def _place(path: str, value: Any, target: Any, cast: bool) -> Any:
     if isinstance(target, np.generic):
         return data[()]
     return jax.device_put(data, getattr(target, "sharding", None))
+
+
+class _LoadOptions(TypedDict, total=False):
+    """`load`'s keyword arguments, as its overloads take them."""
+
+    at: str | None
+    strict: bool
+    cast: bool
+    transforms: dict[str, Any] | None
+    default_to_original: bool
+    format: str | None
+    progress: Progress
+    host_memory_budget: int | None
+
+
+# What a type checker knows `load` returns: ``like``'s type (a constructor's result's),
+# and for ``like=None`` plain dicts and lists it cannot know.
+@overload
+def load(path: CheckpointPath | Source, like: None = None, **options: Unpack[_LoadOptions]) -> Any: ...
+@overload
+def load(path: CheckpointPath | Source, like: Callable[[], _T], **options: Unpack[_LoadOptions]) -> _T: ...
+@overload
+def load(path: CheckpointPath | Source, like: _T, **options: Unpack[_LoadOptions]) -> _T: ...
 
 
 def load(

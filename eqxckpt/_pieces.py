@@ -11,14 +11,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._chunks import ChunkLayout, Region
+from ._classify import leaf_of
 from ._distributed import is_multiprocess
 from ._dtypes import little_endian
-from ._leaf import KeyRecord, Leaf, StoredLeaf, leaf_of
+from ._lazy import LazyArray
+from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._pack import PackedArray
-from ._source import LazyEntry, Source
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # `_source` reads checkpoints, whose module packs leaves with these pieces
     import jax
+
+    from ._source import Source
 
 # A chunk to write: its key, the part of the array it holds, a function producing that
 # part's values (run on an I/O thread, just before the chunk is written), and how many
@@ -74,21 +77,21 @@ class CopiedPiece(Piece):
     """A leaf of another checkpoint (eqxckpt's or a foreign format's), read as its chunks
     are written: an eqxckpt leaf a chunk at a time, a foreign tensor whole, once."""
 
-    def __init__(self, entry: LazyEntry):
-        self.entry, self.nbytes, self.source = entry, entry.nbytes, entry.source
+    def __init__(self, array: LazyArray):
+        self.array, self.nbytes, self.source = array, array.nbytes, array.source
         self._lock = threading.Lock()
-        self._stream: Any = None
+        self._read: Callable[[Region], np.ndarray] | None = None
         self._left = 0  # chunks whose values are still to be produced
 
     def _values(self, part: Region) -> np.ndarray:
-        with self._lock:  # a piece's chunks may be written concurrently: the stream is opened once
-            if self._stream is None:
-                self._stream = self.entry._stream()
-            stream = self._stream
+        with self._lock:  # a piece's chunks may be written concurrently: the reader is made once
+            if self._read is None:
+                self._read = self.array.part_reader()
+            read = self._read
             self._left -= 1
             if not self._left:  # let a tensor read whole go once its last chunk is taken
-                self._stream = None
-        return little_endian(stream[part])
+                self._read = None
+        return little_endian(read(part))
 
     def chunks(self, layout: ChunkLayout) -> list[ChunkWrite]:
         regions = layout.regions()
@@ -134,8 +137,11 @@ class PackedWrite(Piece):
 
 def record_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, Any]:
     """The manifest record of the leaf ``value`` at ``path``, and the data to write for it
-    (a leaf of another checkpoint is copied from there)."""
-    return (value._saved_as(path, keys), value) if isinstance(value, LazyEntry) else leaf_of(path, keys, value)
+    (a leaf of another checkpoint is copied from there, keeping its digest if it is as stored)."""
+    if isinstance(value, LazyArray):
+        copied = value.leaf.copied(path, keys, tuple(value.shape), value.dtype, changed=not value.as_stored)
+        return copied, value
+    return leaf_of(path, keys, value)
 
 
 def snapshot(
@@ -178,7 +184,7 @@ def snapshot(
             record,
             shard,
             [
-                CopiedPiece(data) if isinstance(data, LazyEntry) else HostPiece(index, _host(data, copy))
+                CopiedPiece(data) if isinstance(data, LazyArray) else HostPiece(index, _host(data, copy))
                 for index, data in values
             ],
         )

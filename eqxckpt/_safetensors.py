@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from ._budget import read_window
+from ._budget import check_allocation, read_window
 from ._convert import aligned_empty
 from ._dtypes import little_endian
 from ._errors import (
@@ -36,12 +36,14 @@ from ._errors import (
     PathError,
     UnsupportedLeafError,
 )
-from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
+from ._lazy import LazyArray
+from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, check_bool_bytes, parse_shape
 from ._manifest import MAX_PARSE_FACTOR, parse_json_object
 from ._paths import encode_segment, key_entry_record
 from ._progress import Progress, advance, reporting
-from ._source import LazyEntry, Source, check_one_tree
-from ._storage import create_locked_file, fsync_path, read_capped, remove_abandoned_files
+from ._select import Selection
+from ._source import Source, check_one_tree
+from ._storage import create_locked_file, fsync_path, read_capped, reading, remove_abandoned_files
 from ._tree import flatten, is_prng_key_dtype
 from ._window import Task, run_windowed
 
@@ -148,6 +150,24 @@ class SafetensorsCheckpoint(Source):
             read = lambda fd=fd, offset=offset, buffer=buffer, path=leaf.path: read_range(fd, offset, buffer, path)  # noqa: E731
             tasks.append((buffer.nbytes, read, lambda _, i=i, buffer=buffer: done(i, buffer)))
         run_windowed(tasks, read_window(sum(leaf.nbytes for leaf in leaves)))
+
+    def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
+        """One ranged read of the rows from the first selected to the last (a tensor is
+        stored in C order), selected from."""
+        box, dtype = selection.box(), np.dtype(leaf.dtype)
+        if not all(box):  # nothing selected: nothing to read
+            return selection.finish(np.empty(tuple(len(r) for r in box), dtype))
+        if not box:  # a 0-d tensor: one element
+            return super().read_selection(leaf, selection)
+        rows = box[0]
+        fd, offset = self._where[leaf.path]
+        row_bytes = leaf.nbytes // leaf.shape[0]
+        buffer = aligned_empty((rows[-1] + 1 - rows[0], *leaf.shape[1:]), dtype)
+        check_allocation(buffer.nbytes, f"Reading leaf {leaf.path!r} of {self.location}")
+        with reading(leaf):
+            read_range(fd, offset + rows[0] * row_bytes, buffer, leaf.path)
+        check_bool_bytes(buffer, leaf.path)
+        return selection.take(buffer, (rows[0],))
 
 
 def read_range(fd: int, offset: int, buffer: np.ndarray, path: str) -> None:
@@ -324,7 +344,7 @@ def save_safetensors(
     for leaf_path, keypath, leaf in flat:
         if leaf is None:
             continue
-        if not (isinstance(leaf, (jax.Array, np.ndarray, np.generic, LazyEntry))):
+        if not (isinstance(leaf, (jax.Array, np.ndarray, np.generic, LazyArray))):
             raise CheckpointError(
                 f"Leaf {leaf_path!r} is {type(leaf).__name__}, not an array: a safetensors file holds tensors only. "
                 "Filter the tree first (eqx.filter(tree, eqx.is_array))."
@@ -346,7 +366,7 @@ def save_safetensors(
                 f"Leaf {leaf_path!r} is a typed PRNG key array, which safetensors cannot hold. Save its key data "
                 "(jax.random.key_data(x)) instead, or use eqxckpt.save, which stores keys."
             )
-        array = leaf if isinstance(leaf, LazyEntry) else _stored(leaf)
+        array = leaf if isinstance(leaf, LazyArray) else _stored(leaf)
         dtype = NAMES.get(np.dtype(array.dtype).name)
         if dtype is None:
             raise CheckpointError(f"Leaf {leaf_path!r} has dtype {array.dtype}, which safetensors cannot hold.")
@@ -362,10 +382,10 @@ def save_safetensors(
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         with contextlib.ExitStack() as sources:
-            for source in {id(a.source): a.source for a in arrays if isinstance(a, LazyEntry)}.values():
+            for source in {id(a.source): a.source for a in arrays if isinstance(a, LazyArray)}.values():
                 sources.enter_context(source.consistent())
             for array in arrays:
-                if isinstance(array, LazyEntry):
+                if isinstance(array, LazyArray):
                     array = _stored(array.get())
                 f.write(array.reshape(-1).view(np.uint8).data)
                 advance(array.nbytes)

@@ -84,6 +84,21 @@ class Selection:
             if item is not None
         )
 
+    def covers(self, shape: Sequence[int]) -> bool:
+        """Whether it selects all of an array of ``shape`` as it is (no dimension taken,
+        added, reversed or skipped)."""
+        items = self.items
+        return len(items) == len(shape) and all(
+            isinstance(item, range) and item == range(n) for item, n in zip(items, shape)
+        )
+
+    def take(self, data: np.ndarray, start: Sequence[int] = ()) -> np.ndarray:
+        """The selection from ``data``: the whole array, or (``start``: its first indices,
+        one per leading dimension) the part of it from there on that holds `box`."""
+        start = (*start, *[0] * (len(self.box()) - len(start)))
+        boxed = data[tuple(slice(r.start - s, r.stop - s, r.step) for r, s in zip(self.box(), start))]
+        return self.finish(boxed)
+
     def finish(self, boxed: np.ndarray) -> np.ndarray:
         """The selection, from ``boxed`` (the array read for `box`)."""
         index = tuple(

@@ -11,17 +11,19 @@ import abc
 import contextlib
 import difflib
 import re
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ._budget import check_allocation
+from ._chunks import Region
 from ._errors import CheckpointChangedError, CheckpointError, ManifestError
-from ._leaf import KeyRecord, Leaf, StoredLeaf
+from ._lazy import LazyArray
+from ._leaf import Leaf, StoredLeaf, check_bool_bytes
 from ._paths import ancestors, depth, normalize_at, relative_to
 from ._progress import advance
+from ._select import Selection
 from ._storage import NoLock, Pin, reading
 from ._tree import build_plain_tree
 from ._window import start_jax
@@ -33,7 +35,15 @@ class Source(abc.ABC):
 
     `Checkpoint` is the one for eqxckpt's own format; safetensors files, Orbax and
     TensorFlow checkpoints and `CheckpointTranslator` views are the others. Index
-    it by leaf path for lazy leaves; `paths`, `metadata`, `records()`, `tree()`.
+    it by leaf path for lazy leaves (`LazyArray`); `paths`, `metadata`, `records()`,
+    `tree()`; each leaf's description is a `Leaf`.
+
+    **Attributes:** `location`, where it was opened (the path or URL, as a user writes
+    it: ``gs://bucket/run/step_100/``); `metadata`, its metadata.
+
+    A format is a subclass that lists its leaves and reads their stored arrays: it
+    implements `read` (or the ``_fetch`` that `read` calls), and may override
+    `read_selection` and `part_reader` to read less than a whole leaf.
 
     ```python
     source = eqxckpt.open("model.safetensors")
@@ -42,7 +52,7 @@ class Source(abc.ABC):
     ```
     """
 
-    location: Any
+    location: str  # the path or URL it was opened at, as a user writes it
     metadata: dict[str, Any]
     _leaves: dict[str, Leaf]
     # Whether the format holds arrays only (safetensors, TensorFlow): then `load` takes a
@@ -51,13 +61,29 @@ class Source(abc.ABC):
 
     _pin: Pin | None = None  # what proves the source read is the one opened (None: nothing to check)
 
-    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        """Read stored leaves, each into what its target asks for (None: as saved).
+    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+        """Read stored leaves whole, each into what its target asks for (None: as saved).
 
-        The one read contract: this checks the memory a restore needs before it is
+        The one read contract of a restore: this checks the memory it needs before it is
         allocated, names the leaf in any failure, finishes each array into its target
-        (checked casts included) and reports progress; a format's source only fetches
-        stored arrays (`_fetch`)."""
+        (checked casts included) and reports progress. A format's source only fetches
+        stored arrays (``_fetch``), or overrides this to read some targets otherwise.
+
+        **Arguments:**
+
+        - `wanted`: ``(leaf, target)`` pairs: a `StoredLeaf` of this source, and a leaf
+          of `like` (an array or a `jax.ShapeDtypeStruct`, whose sharding is honoured)
+          or None.
+
+        **Returns:** the values, in the order of ``wanted``.
+
+        Inside `consistent`, what is read is one checkpoint's.
+
+        ```python
+        with ckpt.consistent():
+            w, b = ckpt.read([(ckpt.leaf("model/w"), None), (ckpt.leaf("model/b"), jnp.zeros(3))])
+        ```
+        """
         start_jax()
         values: list[Any] = [None] * len(wanted)
 
@@ -73,13 +99,59 @@ class Source(abc.ABC):
         self._fetch([leaf for leaf, _ in wanted], done, reserve)
         return values
 
+    def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
+        """The stored values that ``selection`` takes of one leaf, as stored (its dtype; for
+        PRNG keys, key data), checked as a restore checks them. What `LazyArray.get` reads.
+
+        This reads the leaf whole and selects from it; a format that can read less
+        (eqxckpt's chunks, safetensors' byte ranges) overrides it.
+
+        **Arguments:**
+
+        - `leaf`: a `StoredLeaf` of this source.
+        - `selection`: a basic index of its stored shape, normalised (what indexing a
+          `LazyArray` makes).
+
+        **Returns:** a numpy array of the selection's shape.
+
+        ```python
+        ckpt["model/w"][1:3, 0].get()  # np.array([3.0, 6.0])
+        ```
+        """
+        found: list[np.ndarray] = []
+        reserve = lambda nbytes: check_allocation(nbytes, f"Reading leaf {leaf.path!r} of {self.location}")  # noqa: E731
+        with reading(leaf):
+            self._fetch([leaf], lambda _, data: found.append(data), reserve)
+        check_bool_bytes(found[0], leaf.path)
+        return selection.take(found[0])
+
+    def part_reader(self, leaf: StoredLeaf, selection: Selection) -> Callable[[Region], np.ndarray]:
+        """What a save copies a selection of one leaf from, a part at a time: a function of
+        a part of the selection (a tuple of slices from 0) giving its stored values.
+
+        This reads the selection once (`read_selection`) and hands out parts of it; an
+        eqxckpt checkpoint reads only the chunks each part needs.
+
+        **Arguments:**
+
+        - `leaf`, `selection`: as for `read_selection`.
+
+        **Returns:** the function, which may be called from several threads at once.
+
+        ```python
+        ckpt["model/w"].part_reader()((slice(0, 1), slice(0, 3)))  # np.array([[0.0, 1.0, 2.0]])
+        ```
+        """
+        data = self.read_selection(leaf, selection)
+        return lambda part: data[part]
+
     def _fetch(
         self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
     ) -> None:
         """Read each of ``leaves`` whole, as stored (its dtype, its ``data_shape``), and call
         ``done(i, data)`` for each, in any order; call ``reserve(nbytes)`` with the bytes it
         will hold before it allocates them (once the files were checked to hold them).
-        Failures may be raised as they are: `_read` names the leaf."""
+        Failures may be raised as they are: `read` names the leaf."""
         raise NotImplementedError(f"{type(self).__name__} reads through another source.")
 
     @contextlib.contextmanager
@@ -149,10 +221,6 @@ class Source(abc.ABC):
             "read, so what was read may mix two checkpoints and is discarded. Open or load it again."
         )
 
-    def _lazy(self, leaf: StoredLeaf) -> "LazyEntry":
-        """A stored leaf as a `LazyEntry`: shape and dtype now, data on ``get()``."""
-        return LazyEntry(self, leaf)
-
     # -- description ---------------------------------------------------------------
 
     @property
@@ -186,7 +254,8 @@ class Source(abc.ABC):
 
         - `leaf_path`: the leaf's path (``model/w``).
 
-        **Returns:** its `Leaf`: ``kind``, ``describe()``, and for arrays ``shape`` and ``dtype``.
+        **Returns:** its `Leaf` (an `ArrayLeaf`, `KeyLeaf`, `ScalarLeaf` or `OpaqueLeaf`):
+        ``kind``, ``describe()``, and for stored arrays (`StoredLeaf`) ``shape`` and ``dtype``.
 
         ```python
         ckpt.leaf("model/w").describe()  # 'float32[4,3]'
@@ -251,7 +320,7 @@ class Source(abc.ABC):
         return len(self._leaves)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.location)!r}, {len(self)} leaves, {self.nbytes} bytes)"
+        return f"{type(self).__name__}({self.location!r}, {len(self)} leaves, {self.nbytes} bytes)"
 
     # -- values ----------------------------------------------------------------------
 
@@ -293,77 +362,7 @@ class Source(abc.ABC):
     def _value(self, leaf: Leaf) -> Any:
         """A leaf's value as far as is known without reading: lazy for stored arrays,
         the scalar for scalars, None for opaque leaves."""
-        return self._lazy(leaf) if isinstance(leaf, StoredLeaf) else leaf.value()
-
-
-class LazyEntry:
-    """One stored array of a source: ``shape``, ``dtype`` and ``nbytes`` now, data on ``get()``."""
-
-    def __init__(self, source: Source, leaf: StoredLeaf):
-        self.source = source
-        self.leaf = leaf
-
-    @property
-    def leaf_path(self) -> str:
-        """The leaf's path in its source.
-
-        **Returns:** the path (``model/w``).
-
-        ```python
-        ckpt["model/w"].leaf_path  # 'model/w'
-        ```
-        """
-        return self.leaf.path
-
-    @property
-    def path(self) -> str:
-        """Deprecated: `leaf_path` (``path`` is a checkpoint's location elsewhere)."""
-        warnings.warn("LazyEntry.path is deprecated: use leaf_path.", DeprecationWarning, stacklevel=2)
-        return self.leaf.path
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.leaf.shape
-
-    @property
-    def ndim(self) -> int:
-        """The number of dimensions.
-
-        **Returns:** ``len(shape)``.
-
-        ```python
-        ckpt["model/w"].ndim  # 2
-        ```
-        """
-        return len(self.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.leaf.value_dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.leaf.nbytes
-
-    def get(self) -> Any:
-        """Read the data (a numpy array; a jax key array for PRNG keys)."""
-        with self.source.consistent():
-            return self.source._read([(self.leaf, None)])[0]
-
-    def _stream(self) -> Any:
-        """The stored values, to copy from by chunks (`_pieces.CopiedPiece`): read whole."""
-        return np.asarray(self.get())
-
-    def _saved_as(self, path: str, keys: tuple[KeyRecord, ...]) -> StoredLeaf:
-        """The leaf this array becomes when it is saved at ``path`` (copied from its source)."""
-        return self.leaf.copied(path, keys, tuple(self.shape), self.dtype, changed=False)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        data = np.asarray(self.get())
-        return data if dtype is None else data.astype(dtype)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.leaf_path!r}, shape={self.shape}, dtype={self.dtype})"
+        return LazyArray(self, leaf) if isinstance(leaf, StoredLeaf) else leaf.value()
 
 
 def check_one_tree(leaves: dict[str, Leaf], location: Any, name: Any = None) -> None:

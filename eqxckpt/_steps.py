@@ -19,8 +19,8 @@ from ._errors import (
     CheckpointWriteError,
     IncompleteCheckpointError,
 )
-from ._leaf import float_from_json, float_to_json
 from ._retention import Retention
+from ._scalars import float_from_json, float_to_json
 from ._storage import CheckpointPath, Storage
 from ._tensorstore import is_storage_error
 

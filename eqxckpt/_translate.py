@@ -7,9 +7,12 @@ from typing import Any, overload
 
 import numpy as np
 
+from ._classify import leaf_of
 from ._errors import TransformError
-from ._leaf import ArrayLeaf, StoredLeaf, leaf_of
-from ._source import LazyEntry, Source, check_one_tree
+from ._lazy import LazyArray
+from ._leaf import ArrayLeaf, StoredLeaf
+from ._select import Selection
+from ._source import Source, check_one_tree
 
 RuleFn = Callable[..., tuple[str | None, Any]]
 
@@ -124,7 +127,7 @@ class Transposed:
     ``[out, in]``): the view's leaf has the reversed shape, so `load` checks it before
     reading, and the transpose happens as the leaf is read."""
 
-    entry: LazyEntry
+    entry: LazyArray
 
 
 class TranslatedSource(Source):
@@ -171,7 +174,7 @@ class TranslatedSource(Source):
     def consistent(self) -> Any:
         return self.original.consistent()
 
-    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         values: list[Any] = [None] * len(wanted)
         passed = [
             (i, self._origin[leaf.path], target) for i, (leaf, target) in enumerate(wanted) if leaf.path in self._origin
@@ -179,7 +182,7 @@ class TranslatedSource(Source):
         # A transposed leaf is read as stored, then turned and finished into its target here.
         turned = {i for i, _, _ in passed if wanted[i][0].path in self._transposed}
         stored = [(origin, None if i in turned else target) for i, origin, target in passed]
-        for (i, _, target), value in zip(passed, self.original._read(stored)):
+        for (i, _, target), value in zip(passed, self.original.read(stored)):
             if i in turned:
                 value = wanted[i][0].finish(np.ascontiguousarray(np.asarray(value).T), target)
             values[i] = value
@@ -187,3 +190,14 @@ class TranslatedSource(Source):
             if leaf.path not in self._origin:
                 values[i] = leaf.finish(np.array(self._computed[leaf.path]), target)
         return values
+
+    def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
+        """A leaf passed on unchanged, as its original source reads it (only what the
+        selection needs, where the format allows); a transposed or computed one whole."""
+        origin = self._origin.get(leaf.path)
+        if origin is not None and leaf.path not in self._transposed:
+            return self.original.read_selection(origin, selection)
+        if origin is not None:
+            whole = self.original.read_selection(origin, Selection.of((), origin.data_shape))
+            return selection.take(np.ascontiguousarray(whole.T))
+        return selection.take(np.asarray(self._computed[leaf.path]))

@@ -105,7 +105,7 @@ def test_lazy_slices_equal_numpy_slices_of_the_loaded_array(sliced, data):
     np.testing.assert_array_equal(got, expected)
     if expected.ndim:
         part = tuple(slice(0, max(1, n // 2)) if n else slice(0, 0) for n in expected.shape)
-        np.testing.assert_array_equal(lazy._stream()[part], expected[part])
+        np.testing.assert_array_equal(lazy.part_reader()(part), expected[part])
 
 
 def test_lazy_indices_numpy_refuses_are_refused_at_once(sliced):
@@ -116,3 +116,16 @@ def test_lazy_indices_numpy_refuses_are_refused_at_once(sliced):
     with pytest.raises(NotImplementedError, match="basic indices"):
         sliced["m"][[0, 1]]
     np.testing.assert_array_equal(sliced["m"][np.int64(-1)].get(), SLICED["m"][-1])
+
+
+def test_location_is_the_path_as_a_string_for_every_format(tmp_path):
+    import safetensors.numpy
+
+    from eqxckpt._storage import Storage
+
+    eqxckpt.save(tmp_path / "c", {"w": np.ones(2)})
+    safetensors.numpy.save_file({"w": np.ones(2)}, str(tmp_path / "m.safetensors"))
+    ckpt = eqxckpt.open(tmp_path / "c")
+    assert ckpt.location == str(tmp_path / "c") and isinstance(ckpt.stored.storage, Storage)
+    assert eqxckpt.open(tmp_path / "m.safetensors").location == str(tmp_path / "m.safetensors")
+    assert repr(ckpt) == f"Checkpoint({str(tmp_path / 'c')!r}, 1 leaves, 16 bytes)"

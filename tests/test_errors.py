@@ -45,3 +45,42 @@ def test_a_corrupt_leaf_error_names_its_path(tmp_path):
         eqxckpt.load(tmp_path / "c")
     assert info.value.leaf_path == "w"
     assert not hasattr(info.value, "path")  # a leaf's path is never called a location
+
+
+def test_busy_is_not_a_kind_of_exists():
+    """``except CheckpointExistsError: save(..., overwrite=True)`` (as documented) must not
+    catch a place another process is saving to, and retry into it."""
+    assert not issubclass(eqxckpt.CheckpointBusyError, eqxckpt.CheckpointExistsError)
+    assert issubclass(eqxckpt.CheckpointBusyError, eqxckpt.CheckpointError)
+    with pytest.raises(eqxckpt.CheckpointBusyError):
+        try:
+            raise eqxckpt.CheckpointBusyError("another save holds it")
+        except eqxckpt.CheckpointExistsError:
+            pytest.fail("a busy place was taken for an existing checkpoint")
+
+
+def test_the_documented_retry_on_exists_never_saves_into_a_busy_place(s3):
+    from conftest import s3_spec
+
+    from eqxckpt._storage import resolve
+    from eqxckpt._storage._lease import Lease, read_lease
+
+    endpoint, _ = s3
+    where = s3_spec(endpoint, "runs/busy-retry/")
+    store = resolve(where).open_kvstore()
+    # Another process, alive, is saving the first checkpoint there.
+    lease = Lease(store, "save", read_lease(store)[0].stamp.generation, action="save", arrays=["%arrays." + "0" * 32])
+    retried = []
+    with pytest.raises(eqxckpt.CheckpointBusyError):
+        try:
+            eqxckpt.save(where, {"x": np.ones(3)})
+        except eqxckpt.CheckpointExistsError:
+            retried.append(True)
+            eqxckpt.save(where, {"x": np.ones(3)}, overwrite=True)
+    assert not retried
+    lease.release()
+    try:  # once the other save is done, the documented pattern saves
+        eqxckpt.save(where, {"x": np.ones(3)})
+    except eqxckpt.CheckpointExistsError:
+        eqxckpt.save(where, {"x": np.ones(3)}, overwrite=True)
+    np.testing.assert_array_equal(eqxckpt.load(where)["x"], np.ones(3))

@@ -1,5 +1,9 @@
 import json
+import pathlib
 import shutil
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import equinox as eqx
@@ -335,3 +339,41 @@ def test_non_strict_says_why_it_could_not_help(tmp_path):
     with pytest.raises(eqxckpt.StructureMismatchError, match="strict=False keeps `like`'s values") as info:
         eqxckpt.load(tmp_path / "c", like)
     assert "shapes only" not in str(info.value)
+
+
+def test_a_type_checker_knows_what_load_returns(tmp_path):
+    """``load(path, like)`` is typed as ``like``'s type (a constructor's result's), and
+    ``load(path)`` as Any: checked by pyright on a file of `assert_type` lines."""
+    pyright = pathlib.Path(sys.executable).parent / "pyright"
+    if not pyright.exists():
+        pytest.skip("pyright is not installed in this environment")
+    package_root = pathlib.Path(eqxckpt.__file__).resolve().parents[1]
+    config = {"extraPaths": [str(package_root)], "typeCheckingMode": "standard"}
+    (tmp_path / "pyrightconfig.json").write_text(json.dumps(config))
+    (tmp_path / "check.py").write_text(
+        textwrap.dedent("""
+            from typing import Any, assert_type
+
+            import equinox as eqx
+            import jax
+            import jax.numpy as jnp
+
+            import eqxckpt
+
+            model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
+            assert_type(eqxckpt.load("ckpt", model), eqx.nn.MLP)
+            assert_type(eqxckpt.load("ckpt", model, at="model", cast=True, progress=True), eqx.nn.MLP)
+            assert_type(eqxckpt.load("ckpt", lambda: model, at="model"), eqx.nn.MLP)
+            assert_type(eqxckpt.load(eqxckpt.open("ckpt"), {"w": jnp.zeros(2)}), dict[str, jax.Array])
+            assert_type(eqxckpt.load("ckpt"), Any)
+            assert_type(eqxckpt.load("ckpt", None, at="model"), Any)
+        """)
+    )
+    done = subprocess.run(
+        [str(pyright), "--pythonpath", sys.executable, "check.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -258,13 +258,13 @@ def test_loads_never_fail_while_saves_and_deletions_run(tmp_path, monkeypatch):
 
     from eqxckpt._checkpoint import Checkpoint
 
-    real_read = Checkpoint._read
+    real_read = Checkpoint.read
 
     def slow_read(*args):  # hold each load open long enough for several saves to commit
         time.sleep(0.02)
         return real_read(*args)
 
-    monkeypatch.setattr(Checkpoint, "_read", slow_read)
+    monkeypatch.setattr(Checkpoint, "read", slow_read)
     big = lambda step: {"w": np.full((256, 1024), float(step), np.float32), "step": step}  # noqa: E731
     manager = eqxckpt.CheckpointManager(tmp_path, max_to_keep=1)
     manager.save(0, big(0))

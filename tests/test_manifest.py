@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import eqxckpt
 from eqxckpt._digest import ALGORITHM
 from eqxckpt._errors import ManifestError
-from eqxckpt._leaf import ArrayLeaf, ScalarLeaf, scalar_from_json, scalar_to_json
+from eqxckpt._leaf import ArrayLeaf, ScalarLeaf
 from eqxckpt._manifest import Manifest, parse_manifest
+from eqxckpt._scalars import scalar_from_json, scalar_to_json
 
 BEFORE = pathlib.Path(__file__).parent / "fixtures" / "written_before_25"
 

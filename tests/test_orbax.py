@@ -174,3 +174,18 @@ def test_a_fifo_in_place_of_a_chunk_is_refused_without_hanging(tmp_path):
     os.mkfifo(chunk)
     with pytest.raises(eqxckpt.ManifestError, match="not a plain file or directory"):
         returns_within(lambda: eqxckpt.load(path), release=lambda: release_fifo(chunk))
+
+
+def test_orbax_leaves_are_lazy_arrays_that_slice_and_cast(orbax_dir):
+    path, tree = orbax_dir
+    ckpt = eqxckpt.open(path)
+    embedding = np.asarray(tree["extra"]["embedding"])
+    lazy = ckpt["extra/embedding"]
+    assert isinstance(lazy, eqxckpt.LazyArray) and lazy.shape == (3, 4)
+    np.testing.assert_array_equal(lazy[1:, ::2].get(), embedding[1:, ::2])
+    np.testing.assert_array_equal(lazy[-1].astype(np.float32).get(), embedding[-1].astype(np.float32))
+    positions = ckpt["extra/positions"][None, 3:]
+    assert positions.shape == (1, 2)
+    np.testing.assert_array_equal(positions.get(), np.arange(5, dtype=np.int32)[None, 3:])
+    weight = np.asarray(tree["params"].layers[0].weight)
+    np.testing.assert_array_equal(ckpt["params/layers/0/weight"][..., 0].get(), weight[..., 0])

@@ -89,15 +89,21 @@ def test_load_into_arrays_skeletons_at_transforms_and_a_translator(hf_file):
     assert restored.activation is model.activation  # static parts come from the skeleton
 
 
-def test_a_partial_load_reads_only_its_bytes(hf_file, monkeypatch):
-    path, model, tensors = hf_file
-    read = []
+def recorded_reads(monkeypatch) -> list[int]:
+    """The bytes of each ranged read of a safetensors file from now on, in order."""
+    read: list[int] = []
     real = safetensors_module.read_range
     monkeypatch.setattr(
         safetensors_module,
         "read_range",
         lambda file, offset, buffer, name: (read.append(buffer.nbytes), real(file, offset, buffer, name))[1],
     )
+    return read
+
+
+def test_a_partial_load_reads_only_its_bytes(hf_file, monkeypatch):
+    path, model, tensors = hf_file
+    read = recorded_reads(monkeypatch)
     eqxckpt.load(path, at="model")
     model_bytes = sum(v.nbytes for k, v in tensors.items() if k.startswith("model."))
     assert sum(read) == model_bytes and model_bytes < tensors["opt.mu"].nbytes / 4
@@ -419,3 +425,74 @@ def test_a_header_of_many_tiny_tensors_is_refused_before_it_is_parsed(tmp_path):
     names = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(500) for p in "qkvo"]
     stn.save_file({name: np.ones(2, np.float32) for name in names}, str(tmp_path / "real.safetensors"))
     assert len(eqxckpt.open(tmp_path / "real.safetensors")) == 2000
+
+
+@pytest.fixture(scope="module")
+def sliced_file(tmp_path_factory):
+    """A file of tensors of several ranks and dtypes, to slice lazily."""
+    rng = np.random.default_rng(0)
+    tensors = {
+        "m": rng.standard_normal((7, 5)).astype(np.float32),
+        "t": rng.integers(-100, 100, (4, 3, 6)).astype(np.int16),
+        "v": np.arange(9, dtype=np.float64),
+        "b": np.arange(8, dtype=np.float32).reshape(2, 4).astype(ml_dtypes.bfloat16),
+        "s": np.array(3.5, np.float32),
+        "e": np.zeros((0, 3), np.float32),
+    }
+    path = tmp_path_factory.mktemp("sliced") / "m.safetensors"
+    stn.save_file(tensors, str(path))
+    return path, tensors
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_lazy_slices_and_casts_match_numpy(sliced_file, data):
+    """A safetensors leaf is an `eqxckpt.LazyArray`: any basic index and a cast are deferred,
+    and give what numpy gives; a save copies the slice part by part."""
+    import hypothesis.extra.numpy as hnp
+
+    path, tensors = sliced_file
+    source = eqxckpt.open(path)
+    name = data.draw(st.sampled_from(sorted(tensors)))
+    whole = tensors[name]
+    lazy = source[name]
+    assert isinstance(lazy, eqxckpt.LazyArray)
+    index = data.draw(hnp.basic_indices(whole.shape, allow_newaxis=True, allow_ellipsis=True))
+    expected = whole[index]
+    view = lazy[index]
+    assert view.shape == expected.shape and view.dtype == expected.dtype
+    got = view.get()
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(got, expected)
+    cast = view.astype(np.float32)
+    assert cast.dtype == np.float32
+    np.testing.assert_array_equal(cast.get(), np.asarray(expected).astype(np.float32))
+    if expected.ndim:
+        part = tuple(slice(0, max(1, n // 2)) if n else slice(0, 0) for n in expected.shape)
+        np.testing.assert_array_equal(view.part_reader()(part), expected[part])
+
+
+def test_a_lazy_slice_reads_only_the_rows_it_needs(sliced_file, monkeypatch):
+    path, tensors = sliced_file
+    source = eqxckpt.open(path)
+    reads = recorded_reads(monkeypatch)
+    np.testing.assert_array_equal(source["m"][2:4, 1].get(), tensors["m"][2:4, 1])
+    assert reads == [2 * 5 * 4]  # rows 2 and 3, whole
+    np.testing.assert_array_equal(source["m"][5:2:-2].get(), tensors["m"][5:2:-2])
+    assert reads[1:] == [3 * 5 * 4]  # rows 3 to 5
+
+
+def test_a_lazy_slice_of_a_safetensors_file_saves_into_either_format(sliced_file, tmp_path):
+    path, tensors = sliced_file
+    source = eqxckpt.open(path)
+    tree = {"rows": source["m"][1:6:2], "half": source["t"][:, 1].astype(np.float32), "whole": source["v"]}
+    eqxckpt.save(tmp_path / "ckpt", tree)
+    back = eqxckpt.load(tmp_path / "ckpt")
+    np.testing.assert_array_equal(back["rows"], tensors["m"][1:6:2])
+    np.testing.assert_array_equal(back["half"], tensors["t"][:, 1].astype(np.float32))
+    np.testing.assert_array_equal(back["whole"], tensors["v"])
+    assert eqxckpt.open(tmp_path / "ckpt").leaf("half").describe() == "float32[4,6]"
+    eqxckpt.save_safetensors(tmp_path / "again.safetensors", tree)
+    again = stn.load_file(str(tmp_path / "again.safetensors"))
+    np.testing.assert_array_equal(again["rows"], tensors["m"][1:6:2])
+    np.testing.assert_array_equal(again["half"], tensors["t"][:, 1].astype(np.float32))

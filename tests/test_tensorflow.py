@@ -154,3 +154,17 @@ def test_a_directory_given_by_a_relative_path_reads_its_own_checkpoint(tmp_path,
     assert eqxckpt.load("ckpt")["w"].tolist() == [1.0, 1.0]
     (tmp_path / "ckpt" / "checkpoint").write_text('model_checkpoint_path: "../ckpt/model.ckpt-7"\n')
     assert eqxckpt.load("ckpt")["w"].tolist() == [1.0, 1.0]  # leaves and comes back: still inside
+
+
+@pytest.mark.tf
+def test_tf_variables_are_lazy_arrays_that_slice_and_cast(tf_checkpoint):
+    directory, tensors = tf_checkpoint
+    ckpt = eqxckpt.open(directory)
+    kernel = ckpt["encoder/block_000/kernel"]
+    assert isinstance(kernel, eqxckpt.LazyArray)
+    expected = tensors["encoder/block_000/kernel"]
+    np.testing.assert_array_equal(kernel[1:, ::-2].get(), expected[1:, ::-2])
+    np.testing.assert_array_equal(kernel[2].astype(np.float16).get(), expected[2].astype(np.float16))
+    scale = ckpt["encoder/block_000/scale"][:2].astype(np.float32)
+    assert scale.dtype == np.float32 and scale.shape == (2,)
+    np.testing.assert_array_equal(scale.get(), tensors["encoder/block_000/scale"][:2].astype(np.float32))
