@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from ._budget import read_window
 from ._chunks import ChunkLayout, Region
 from ._leaf import StoredLeaf, check_bool_bytes
 from ._manifest import Manifest
@@ -16,6 +15,7 @@ from ._select import Selection
 from ._source import Source, reading
 from ._storage import CheckpointPath, Pin, Storage, resolve
 from ._stored import StoredArrays, slice_key
+from ._window import read_window
 
 
 class Checkpoint(Source):

@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from ._budget import check_allocation
 from ._chunks import Region
 from ._errors import CheckpointChangedError, CheckpointError, ManifestError
 from ._lazy import LazyArray
@@ -26,7 +25,7 @@ from ._progress import advance
 from ._select import Selection
 from ._storage import NoLock, Pin, reading
 from ._tree import build_plain_tree
-from ._window import start_jax
+from ._window import check_allocation, start_jax
 
 
 class Source(abc.ABC):

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._budget import check_allocation, host_memory_budget, read_window
 from ._chunks import CHUNK_BYTES, ChunkLayout, Region, read_into, read_scattered
 from ._convert import aligned_empty
 from ._errors import CorruptCheckpointError
@@ -24,7 +23,7 @@ from ._manifest import Manifest
 from ._pack import PackedArray
 from ._select import Selection
 from ._storage import MAX_ZARR_JSON_BYTES, Storage, corrupt, reading
-from ._window import Task, run_windowed
+from ._window import Task, check_allocation, host_memory_budget, read_window, run_windowed
 
 
 class StoredArrays:

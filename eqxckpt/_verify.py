@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from ._budget import SLAB_BYTES, read_window
 from ._checkpoint import Checkpoint, open_checkpoint
 from ._chunks import PACK_CHUNK_BYTES, ChunkFileError, ChunkLayout, Region
 from ._digest import LeafDigest
@@ -17,7 +16,7 @@ from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
 from ._stored import StoredArrays
-from ._window import Task, run_windowed
+from ._window import SLAB_BYTES, Task, read_window, run_windowed
 
 
 # Reads in flight: an eighth of what is verified, at least `SLAB_BYTES` and at most the host
