@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from ._checkpoint import Checkpoint, open_checkpoint
 from ._chunks import PACK_CHUNK_BYTES, ChunkFileError, ChunkLayout, Region
 from ._digest import LeafDigest
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
@@ -160,18 +159,17 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
     location = resolve(path)
     report = VerifyReport(str(location))
     try:
-        checkpoint = open_checkpoint(path)
+        stored = StoredArrays.open(location)
     except CheckpointNotFoundError:
         raise  # nothing there (or a directory of checkpoints): not a damaged checkpoint
     except CheckpointError as e:
         report.problems.append((MANIFEST_NAME, str(e)))
         return report
-    stored = checkpoint.stored
     report.leaves = len(stored.records)  # what a report of a checkpoint changed meanwhile says
     leaves = [leaf for leaf in stored.records.values() if isinstance(leaf, StoredLeaf)]
     try:
         with (
-            checkpoint.consistent(),
+            stored.consistent(),
             reporting(f"verifying {location}", sum(leaf.nbytes for leaf in leaves), len(leaves), progress),
         ):
             report = _assembled(report.location, stored, _StoredCheck(stored, leaves))
@@ -211,15 +209,15 @@ def _assembled(location: str, stored: StoredArrays, check: "_StoredCheck") -> Ve
     )
 
 
-def damaged_leaves(checkpoint: Checkpoint, records: Sequence[StoredLeaf]) -> dict[str, str]:
-    """Of ``records`` (stored leaves of ``checkpoint``), those whose stored bytes fail the
+def damaged_leaves(stored: StoredArrays, records: Sequence[StoredLeaf]) -> dict[str, str]:
+    """Of ``records`` (stored leaves of ``stored``), those whose stored bytes fail the
     checks `verify` makes (every chunk's CRC-32C, the leaf's digest, a packed chunk holding
     any of its bytes), with why: what a save checks before it shares them (`_save`).
 
-    Raises `CheckpointChangedError` if ``checkpoint`` was replaced or deleted meanwhile.
+    Raises `CheckpointChangedError` if the checkpoint was replaced or deleted meanwhile.
     """
-    with checkpoint.consistent():
-        check = _StoredCheck(checkpoint.stored, records)
+    with stored.consistent():
+        check = _StoredCheck(stored, records)
     chunks = " ".join(why for _, why in check.damaged_chunks)  # what a packed leaf's line points at
     return {
         leaf.path: chunks if chunks and leaf.offset is not None else _chunk_reason(problem)
