@@ -10,7 +10,7 @@ import numpy as np
 from ._chunks import PACK_CHUNK_BYTES, ChunkFileError, ChunkLayout, Region
 from ._digest import LeafDigest
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
-from ._leaf import StoredLeaf, check_bool_bytes
+from ._leaf import StoredLeaf
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
@@ -298,7 +298,6 @@ class _StoredCheck:
         assert packing is not None
         failures: list[tuple[int, int, str]] = []
         bad_bools: dict[str, CheckpointError] = {}
-        bools = {leaf.path for leaf in leaves if leaf.dtype == "bool"}
         for leaf in leaves:
             self._digest(leaf)
 
@@ -306,14 +305,11 @@ class _StoredCheck:
             if failure is not None:  # its leaves are damaged, their digests unchecked
                 failures.append((start, start + data.size, _chunk_reason(failure)))
                 return
-            for member, _, there in packing.pieces(start, start + data.size):
+            for member, piece, problem in packing.checked_pieces(start, data):
                 if member.path in self._digests:
-                    self._digests[member.path].update(data[there])
-                if member.path in bools and member.path not in bad_bools:
-                    try:
-                        check_bool_bytes(data[there].view(np.bool_), member.path)
-                    except CheckpointError as e:
-                        bad_bools[member.path] = e
+                    self._digests[member.path].update(piece)
+                if problem is not None:
+                    bad_bools.setdefault(member.path, problem)
 
         chunk = PACK_CHUNK_BYTES  # what names a damaged chunk, once the layout is known
         try:
