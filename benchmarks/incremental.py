@@ -66,12 +66,12 @@ def main() -> None:
         print(f"later steps: {later_s:.3f} s, {later_b / 2**20:.1f} MiB written per step (median)")
         # The check a step makes before it shares the unchanged base (issue #37): every
         # chunk read and its CRC-32C checked, each leaf's digest computed, as `save` does.
-        from eqxckpt._checkpoint import open_checkpoint
         from eqxckpt._leaf import StoredLeaf
+        from eqxckpt._stored import StoredArrays
         from eqxckpt._verify import damaged_leaves
 
-        latest = open_checkpoint(manager.path(steps - 1))
-        shared = [r for r in latest._manifest.leaves if isinstance(r, StoredLeaf) and r.path.startswith("base/")]
+        latest = StoredArrays.open(manager.path(steps - 1))
+        shared = [r for r in latest.manifest.leaves if isinstance(r, StoredLeaf) and r.path.startswith("base/")]
         checks = []
         for _ in range(5):
             start = time.perf_counter()

@@ -1,21 +1,20 @@
 """`open` and `Checkpoint`: a read-only, lazy view of a committed eqxckpt checkpoint."""
 
+import contextlib
 import functools
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ._budget import read_window
 from ._chunks import ChunkLayout, Region
 from ._leaf import StoredLeaf, check_bool_bytes
-from ._manifest import Manifest
 from ._progress import advance
 from ._select import Selection
 from ._source import Source, reading
-from ._storage import CheckpointPath, Pin, Storage, resolve
+from ._storage import CheckpointPath, Storage
 from ._stored import StoredArrays, slice_key
+from ._window import read_window
 
 
 class Checkpoint(Source):
@@ -35,14 +34,20 @@ class Checkpoint(Source):
     ```
     """
 
-    def __init__(self, storage: Storage, manifest: Manifest, pin: Pin | None = None):
-        self.location = str(storage)
-        self.stored = StoredArrays(storage, manifest)
-        self.metadata = manifest.metadata
-        self._leaves = self.stored.records
-        self._pin = pin
-        if pin is not None:
-            weakref.finalize(self, pin.close)
+    def __init__(self, stored: StoredArrays):
+        self.location = stored.location
+        self.stored = stored
+        self.metadata = stored.manifest.metadata
+        self._leaves = stored.records
+
+    def consistent(self) -> contextlib.AbstractContextManager[None]:
+        return self.stored.consistent()
+
+    def held(self) -> contextlib.AbstractContextManager[None]:
+        return self.stored.held()
+
+    def check_unchanged(self) -> None:
+        self.stored.check_unchanged()
 
     def _fetch(
         self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
@@ -114,6 +119,4 @@ class SelectionStream:
 
 def open_checkpoint(path: CheckpointPath | Storage) -> Checkpoint:
     """An eqxckpt checkpoint, opened read-only without reading any array (`eqxckpt.open` for this format)."""
-    location = resolve(path)
-    manifest, pin = location.read_manifest()
-    return Checkpoint(location, manifest, pin)
+    return Checkpoint(StoredArrays.open(path))

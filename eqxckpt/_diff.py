@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._budget import SLAB_BYTES
 from ._checkpoint import Checkpoint
 from ._errors import plural
 from ._formats import open as open_source
@@ -18,6 +17,7 @@ from ._progress import Progress, advance, reporting
 from ._source import Source
 from ._storage import CheckpointPath
 from ._tree import is_prng_key_dtype
+from ._window import SLAB_BYTES
 
 
 @dataclasses.dataclass

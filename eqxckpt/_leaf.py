@@ -1,16 +1,8 @@
 """Leaf kinds: what one leaf of a checkpoint is, and how each kind is saved,
-written into the manifest, checked against `like`, and restored.
-
-A new kind is one class here, registered in `KINDS`.
-
-- `ArrayLeaf`: an array, stored as a zarr3 array at the leaf's path, or (small
-  ones) as a byte range of the checkpoint's packed array (see `_pack`).
-- `KeyLeaf`: a typed PRNG key array, stored as its key data (trailing
-  ``key_shape`` dimensions) plus the name of its implementation.
-- `ScalarLeaf`: a Python scalar, string or None; the value is in the manifest.
-- `OpaqueLeaf`: a function, a class, or an object that holds no data (``object()``,
-  Equinox's ``SharedNode``); only its type name is kept, and `load` takes the
-  value from `like`.
+written into the manifest, checked against `like`, and restored. The kinds (each
+class's docstring says what it stores): `ArrayLeaf` and `KeyLeaf`, the
+`StoredLeaf`s; `ScalarLeaf`, whose value is in the manifest; `OpaqueLeaf`, whose
+value `load` takes from `like`. A new kind is one class here, registered in `KINDS`.
 """
 
 import dataclasses

@@ -16,7 +16,6 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from ._budget import limited_host_memory
 from ._convert import checked_astype, narrowed
 from ._errors import CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
@@ -28,6 +27,7 @@ from ._source import Source, nothing_under
 from ._storage import CheckpointPath
 from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path
 from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype
+from ._window import limited_host_memory
 
 MAX_LISTED = 50
 # How often a load reads a checkpoint that another process replaced while it read it.

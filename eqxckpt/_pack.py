@@ -22,7 +22,7 @@ import numpy as np
 from ._chunks import PACK_CHUNK_BYTES
 from ._convert import aligned_empty
 from ._errors import CheckpointError, ManifestError
-from ._leaf import ArrayLeaf, Leaf, StoredLeaf
+from ._leaf import ArrayLeaf, Leaf, StoredLeaf, check_bool_bytes
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION
 
 PACK_MAX_BYTES = 256 * 1024
@@ -132,6 +132,35 @@ class PackedArray:
             offset = self._starts[i]
             low, high = max(offset, start), min(self._ends[i], end)
             yield self.members[i], slice(low - offset, high - offset), slice(low - start, high - start)
+
+    def checked_pieces(
+        self, start: int, data: np.ndarray
+    ) -> Iterator[tuple[StoredLeaf, np.ndarray, CheckpointError | None]]:
+        """The members' bytes in ``data`` (bytes ``start:start + data.size`` of the packed
+        array, as read), each checked as its dtype's: a bool member's must all be 0 or 1
+        (`check_bool_bytes`). What `verify` reads the packed array through.
+
+        **Arguments:**
+
+        - `start`: where ``data`` begins in the packed array.
+        - `data`: those bytes (uint8).
+
+        **Returns:** ``(member, its bytes there, why they are damaged or None)`` for each
+        member with bytes in ``data``, in offset order.
+
+        ```python
+        for leaf, piece, problem in packing.checked_pieces(start, data):
+            digests[leaf.path].update(piece)
+        ```
+        """
+        for member, _, there in self.pieces(start, start + data.size):
+            piece, problem = data[there], None
+            if member.dtype == "bool":
+                try:
+                    check_bool_bytes(piece.view(np.bool_), member.path)
+                except CheckpointError as e:
+                    problem = e
+            yield member, piece, problem
 
     def same_bytes_as(self, other: "PackedArray") -> bool:
         """Whether ``other`` packs the same leaves, with the same digests, at the same

@@ -38,7 +38,7 @@ class _Listener:
         # One bound method, so that `signal.getsignal(s) is self.handler` says whether ours is current.
         self.handler = self._handle
 
-    def _forget(self) -> None:
+    def reset_after_fork(self) -> None:
         """In a forked child: none of the parent's managers listen here and its watchdog
         is gone; the handler stays, so a signal does what it would without them."""
         self._lock = threading.RLock()
@@ -205,7 +205,7 @@ def _announce(signum: int) -> None:
 
 LISTENER = _Listener()
 # A worker forked after a manager's first save (a data loader's) must still die on SIGTERM.
-os.register_at_fork(after_in_child=LISTENER._forget)
+os.register_at_fork(after_in_child=LISTENER.reset_after_fork)
 
 
 class Preemption:

@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Generic, Protocol, TypeVar
 
-from ._checkpoint import Checkpoint, open_checkpoint
 from ._chunks import ChunkLayout
 from ._errors import CheckpointChangedError, CheckpointError, plural
 from ._leaf import StoredLeaf
@@ -22,6 +21,7 @@ from ._manifest import Manifest
 from ._pack import PackedArray
 from ._paths import PACKED_LOCATION, reference
 from ._storage import CheckpointPath, Staging, Storage, expected_files
+from ._stored import StoredArrays
 from ._verify import damaged_leaves
 
 
@@ -49,7 +49,7 @@ class Reuse(Generic[J]):
 
     **Arguments:**
 
-    - `base`: the checkpoint taken from; None where nothing is.
+    - `base`: the stored arrays of the checkpoint taken from; None where nothing is.
     - `linked`: jobs whose files are hard-linked from ``base`` (local disks), each with
       those files' keys.
     - `referred`: jobs whose array stays in a sibling's prefix (object stores), each
@@ -62,7 +62,7 @@ class Reuse(Generic[J]):
     ```
     """
 
-    base: Checkpoint | None
+    base: StoredArrays | None
     linked: list[tuple[J, list[str]]]
     referred: list[tuple[J, str]]
     written: list[J]
@@ -103,7 +103,7 @@ class Reuse(Generic[J]):
         if not self.linked:
             return
         assert self.base is not None
-        staging.link_files(self.base.stored.arrays, [key for _, keys in self.linked for key in keys])
+        staging.link_files(self.base.arrays, [key for _, keys in self.linked for key in keys])
         self.base.check_unchanged()
 
     def refer_from(self, staging: Staging, manifest: Manifest) -> tuple[Manifest, list[J]]:
@@ -154,27 +154,27 @@ def plan_reuse(base: CheckpointPath | None, manifest: Manifest, jobs: Sequence[J
         [job.record.path for job in reuse.written]  # the leaves that changed
     ```
     """
-    source = _open_base(base, location)
-    if source is None:
+    stored = _open_base(base, location)
+    if stored is None:
         return Reuse(None, [], [], list(jobs))
     with contextlib.ExitStack() as hold:
         reusable: dict[int, list[str]] = {}
         referable: dict[int, str] = {}
-        if source.stored.arrays.local is None:
+        if stored.arrays.local is None:
             try:
-                referable = _referable(source, manifest, jobs, location)
+                referable = _referable(stored, manifest, jobs, location)
             except CheckpointChangedError:
                 pass  # replaced or deleted meanwhile: everything is written
         else:
             try:  # held, not deleted by retention, while its files are checked and linked
-                hold.enter_context(source.held())
-                reusable = _reusable(source, manifest, jobs)
+                hold.enter_context(stored.held())
+                reusable = _reusable(stored, manifest, jobs)
             except CheckpointChangedError:
                 pass  # deleted meanwhile: everything is written
         if not reusable:
             hold.close()
         return Reuse(
-            source,
+            stored,
             [(job, reusable[id(job)]) for job in jobs if id(job) in reusable],
             [(job, referable[id(job)]) for job in jobs if id(job) in referable],
             [job for job in jobs if id(job) not in reusable and id(job) not in referable],
@@ -182,33 +182,33 @@ def plan_reuse(base: CheckpointPath | None, manifest: Manifest, jobs: Sequence[J
         )
 
 
-def _open_base(base: CheckpointPath | None, location: Storage) -> Checkpoint | None:
+def _open_base(base: CheckpointPath | None, location: Storage) -> StoredArrays | None:
     """The checkpoint a save may take unchanged leaves from: one committed on a local disk,
     into another on a local disk (its files are linked), or one beside it on an object
     store (referred to); None where there is none to take from."""
     if base is None:
         return None
     try:
-        source = open_checkpoint(base)
+        stored = StoredArrays.open(base)
     except CheckpointError:  # gone, damaged, not one: nothing is taken from it
         return None
     if location.local is not None:
-        return source if source.stored.arrays.local is not None else None
-    sibling = location.sibling_name(source.stored.storage) is not None
-    return source if sibling and source.stored.manifest.arrays else None
+        return stored if stored.arrays.local is not None else None
+    sibling = location.sibling_name(stored.storage) is not None
+    return stored if sibling and stored.manifest.arrays else None
 
 
-def _unchanged(base: Checkpoint, manifest: Manifest, jobs: Sequence[J]) -> Iterator[tuple[J, StoredLeaf]]:
+def _unchanged(base: StoredArrays, manifest: Manifest, jobs: Sequence[J]) -> Iterator[tuple[J, StoredLeaf]]:
     """The jobs whose leaf ``base`` already holds as this save would write it, with base's
     leaf: same path and digest (so kind, dtype and shape), each in an array of its own."""
     recorded = {r.path: r for r in manifest.leaves if isinstance(r, StoredLeaf)}
     for job in jobs:
         if job.record.path == PACKED_LOCATION:
-            new_packing, old_packing = PackedArray.of(manifest.leaves), base.stored.packing
+            new_packing, old_packing = PackedArray.of(manifest.leaves), base.packing
             if new_packing is not None and old_packing is not None and new_packing.same_bytes_as(old_packing):
                 yield job, old_packing.record
             continue
-        new, old = recorded.get(job.record.path), base.stored.stored_leaf(job.record.path)
+        new, old = recorded.get(job.record.path), base.stored_leaf(job.record.path)
         if not (
             new is None  # the packed array: rewritten whole
             or job.shard is not None
@@ -221,7 +221,7 @@ def _unchanged(base: Checkpoint, manifest: Manifest, jobs: Sequence[J]) -> Itera
             yield job, old
 
 
-def _reusable(base: Checkpoint, manifest: Manifest, jobs: Sequence[J]) -> dict[int, list[str]]:
+def _reusable(base: StoredArrays, manifest: Manifest, jobs: Sequence[J]) -> dict[int, list[str]]:
     """The unchanged leaves of ``base`` (a committed checkpoint on a local disk) whose files
     are plain files exactly as `expected_files` lays the leaf out, and intact (`_intact`),
     by ``id`` of their job, with the files to take."""
@@ -231,7 +231,7 @@ def _reusable(base: Checkpoint, manifest: Manifest, jobs: Sequence[J]) -> dict[i
         expected = {
             k: v for k, v in expected_files([(old, ChunkLayout.planned(old))]).items() if k.startswith(f"{old.path}/")
         }
-        found = base.stored.leaf_files(old.path)
+        found = base.leaf_files(old.path)
         if found is not None and found.keys() == expected.keys():
             if all(size < 0 or found[key] == size for key, size in expected.items()):
                 laid_out.append((job, old))
@@ -239,23 +239,23 @@ def _reusable(base: Checkpoint, manifest: Manifest, jobs: Sequence[J]) -> dict[i
     return {id(job): files[id(job)] for job, _ in _intact(base, laid_out)}
 
 
-def _referable(base: Checkpoint, manifest: Manifest, jobs: Sequence[J], location: Storage) -> dict[int, str]:
+def _referable(base: StoredArrays, manifest: Manifest, jobs: Sequence[J], location: Storage) -> dict[int, str]:
     """The unchanged and intact (`_intact`) leaves of ``base`` (a committed checkpoint beside
     this one on an object store), by ``id`` of their job, with the prefix their array is in
     (base's own, or the one base refers to: references are never chained)."""
-    entry = location.sibling_name(base.stored.storage)
+    entry = location.sibling_name(base.storage)
     assert entry is not None
-    own = reference(entry, base.stored.manifest.arrays)
+    own = reference(entry, base.manifest.arrays)
     return {id(job): old.arrays or own for job, old in _intact(base, list(_unchanged(base, manifest, jobs)))}
 
 
-def _intact(base: Checkpoint, taken: list[tuple[J, StoredLeaf]]) -> list[tuple[J, StoredLeaf]]:
+def _intact(base: StoredArrays, taken: list[tuple[J, StoredLeaf]]) -> list[tuple[J, StoredLeaf]]:
     """Of ``taken`` (unchanged leaves, each with ``base``'s record of it), those whose bytes
     in ``base`` pass every check `verify` makes (chunks' CRC-32C, digests): a save shares
     nothing unchecked, or one bit flipped in ``base`` would be in every later checkpoint.
     The others are written afresh from the values being saved, with a warning naming them.
     Raises `CheckpointChangedError` if ``base`` was replaced or deleted meanwhile."""
-    members = [r for r in base.stored.manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
+    members = [r for r in base.manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
     records = {id(job): members if old.path == PACKED_LOCATION else [old] for job, old in taken}
     damaged = damaged_leaves(base, [r for group in records.values() for r in group]) if taken else {}
     intact: list[tuple[J, StoredLeaf]] = []

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from ._budget import check_allocation, read_window
 from ._convert import aligned_empty
 from ._dtypes import little_endian
 from ._errors import (
@@ -45,7 +44,7 @@ from ._select import Selection
 from ._source import Source, check_one_tree
 from ._storage import create_locked_file, fsync_path, read_capped, reading, remove_abandoned_files
 from ._tree import flatten, is_prng_key_dtype
-from ._window import Task, run_windowed
+from ._window import Task, check_allocation, read_window, run_windowed
 
 if TYPE_CHECKING:  # JAX is imported where a tree is saved, not to read a file
     from jaxtyping import PyTree

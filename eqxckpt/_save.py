@@ -16,7 +16,6 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
-from ._budget import read_window
 from ._chunks import ChunkLayout, encode
 from ._digest import digest
 from ._distributed import Phases, is_multiprocess
@@ -39,7 +38,7 @@ from ._storage import (
 )
 from ._tensorstore import is_storage_error, reason
 from ._tree import flatten
-from ._window import Task, run_windowed
+from ._window import Task, read_window, run_windowed
 
 
 @dataclasses.dataclass

@@ -16,17 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from ._budget import check_allocation
 from ._chunks import Region
-from ._errors import CheckpointChangedError, CheckpointError, ManifestError
+from ._errors import CheckpointError, ManifestError
 from ._lazy import LazyArray
 from ._leaf import Leaf, StoredLeaf, check_bool_bytes
 from ._paths import ancestors, depth, normalize_at, relative_to
 from ._progress import advance
 from ._select import Selection
-from ._storage import NoLock, Pin, reading
+from ._storage import UNPINNED, Pin, reading
 from ._tree import build_plain_tree
-from ._window import start_jax
+from ._window import check_allocation, start_jax
 
 
 class Source(abc.ABC):
@@ -59,7 +58,7 @@ class Source(abc.ABC):
     # `like`'s other leaves (Dropout's `p` and `inference`) from `like`, as `transforms=` does.
     arrays_only: bool = False
 
-    _pin: Pin | None = None  # what proves the source read is the one opened (None: nothing to check)
+    _pin: Pin = UNPINNED  # what proves the source read is the one opened
 
     def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         """Read stored leaves whole, each into what its target asks for (None: as saved).
@@ -154,8 +153,7 @@ class Source(abc.ABC):
         Failures may be raised as they are: `read` names the leaf."""
         raise NotImplementedError(f"{type(self).__name__} reads through another source.")
 
-    @contextlib.contextmanager
-    def consistent(self) -> Iterator[None]:
+    def consistent(self) -> contextlib.AbstractContextManager[None]:
         """Reads inside come from this checkpoint alone, or raise `CheckpointChangedError`.
 
         On a local disk, a shared lock keeps eqxckpt's retention from deleting it
@@ -171,19 +169,9 @@ class Source(abc.ABC):
             w, b = ckpt["model/w"].get(), ckpt["model/b"].get()
         ```
         """
-        with self.held():
-            try:
-                yield
-            except CheckpointChangedError:
-                raise
-            except Exception as e:
-                if self._pin is not None and self._pin.changed():
-                    raise self._changed() from e
-                raise
-            self.check_unchanged()
+        return self._pin.consistent(self.location)
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self) -> contextlib.AbstractContextManager[None]:
         """On a local disk, a shared lock that keeps eqxckpt's retention from deleting this
         checkpoint while the block runs. Unlike `consistent`, nothing is checked afterwards.
 
@@ -195,13 +183,7 @@ class Source(abc.ABC):
             ...
         ```
         """
-        lock = self._pin.hold() if self._pin is not None else NoLock()
-        if lock is None:
-            raise self._changed()
-        try:
-            yield
-        finally:
-            lock.release()
+        return self._pin.held(self.location)
 
     def check_unchanged(self) -> None:
         """Raise `CheckpointChangedError` if the checkpoint was replaced or deleted since it was opened.
@@ -212,14 +194,7 @@ class Source(abc.ABC):
         ckpt.check_unchanged()  # what was read so far is this checkpoint's
         ```
         """
-        if self._pin is not None and self._pin.changed():
-            raise self._changed()
-
-    def _changed(self) -> CheckpointChangedError:
-        return CheckpointChangedError(
-            f"The checkpoint at {self.location} was replaced or deleted by another process while it was being "
-            "read, so what was read may mix two checkpoints and is discarded. Open or load it again."
-        )
+        self._pin.check_unchanged(self.location)
 
     # -- description ---------------------------------------------------------------
 

@@ -3,19 +3,21 @@
 The one seam between a checkpoint's files and what reads them: `Checkpoint` and
 `LazyArray` (values), `save` (incremental reuse) and `verify` (checks) all go
 through its public methods. It owns the manifest, the storage, the prefixes the
-manifest refers to, each leaf's checked chunk layout, chunk reads and leaf files.
+manifest refers to, each leaf's checked chunk layout, chunk reads, leaf files, and
+the pin that holds the checkpoint while it is read.
 """
 
+import contextlib
 import functools
 import json
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
-from ._budget import check_allocation, host_memory_budget, read_window
 from ._chunks import CHUNK_BYTES, ChunkLayout, Region, read_into, read_scattered
 from ._convert import aligned_empty
 from ._errors import CorruptCheckpointError
@@ -23,28 +25,34 @@ from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._pack import PackedArray
 from ._select import Selection
-from ._storage import MAX_ZARR_JSON_BYTES, Storage, corrupt, reading
-from ._window import Task, run_windowed
+from ._storage import MAX_ZARR_JSON_BYTES, UNPINNED, CheckpointPath, Pin, Storage, corrupt, reading, resolve
+from ._window import Task, check_allocation, host_memory_budget, read_window, run_windowed
 
 
 class StoredArrays:
-    """The stored arrays of a committed checkpoint: what its manifest says and where
-    each leaf's bytes are (its own arrays, or an earlier checkpoint's it refers to).
+    """The stored arrays of a committed checkpoint: what its manifest says, where
+    each leaf's bytes are (its own arrays, or an earlier checkpoint's it refers to), and
+    what holds it while it is read (`consistent`, `held`, `check_unchanged`).
 
     **Arguments:**
 
     - `storage`: the checkpoint's place.
     - `manifest`: its manifest, as read and checked.
+    - `pin`: what ties it to the one whose manifest was read (`StoredArrays.open`);
+      closed when this is collected.
 
     ```python
-    stored = eqxckpt.open("ckpt").stored
+    stored = StoredArrays.open("ckpt")  # or eqxckpt.open("ckpt").stored
     stored.layout(stored.records["model/w"]).chunk  # its chunk shape, from its checked zarr.json
     ```
     """
 
-    def __init__(self, storage: Storage, manifest: Manifest):
+    def __init__(self, storage: Storage, manifest: Manifest, pin: Pin = UNPINNED):
         self.storage = storage
+        self.location = str(storage)  # as a user writes it
         self.manifest = manifest
+        self._pin = pin
+        weakref.finalize(self, pin.close)
         self.arrays = storage.arrays(manifest)
         # Leaves an incremental save took unchanged from earlier checkpoints are in theirs.
         self.referenced = {ref: storage.referenced(ref) for ref in manifest.references()}
@@ -52,6 +60,61 @@ class StoredArrays:
         # The array small leaves are packed in, if any: its members and their offsets, and its record.
         self.packing = PackedArray.of(manifest.leaves)
         self.packed = None if self.packing is None else self.packing.record
+
+    @classmethod
+    def open(cls, path: CheckpointPath | Storage) -> "StoredArrays":
+        """The committed checkpoint at ``path``: its manifest read and checked, and pinned.
+
+        **Arguments:**
+
+        - `path`: where the checkpoint is (as for `eqxckpt.open`).
+
+        **Returns:** its `StoredArrays`; nothing is read from its arrays yet.
+
+        ```python
+        StoredArrays.open("checkpoints/step_100").records["model/w"].shape
+        ```
+        """
+        location = resolve(path)
+        manifest, pin = location.read_manifest()
+        return cls(location, manifest, pin)
+
+    def consistent(self) -> contextlib.AbstractContextManager[None]:
+        """Reads inside come from this checkpoint alone, or raise `CheckpointChangedError`
+        (`Source.consistent`).
+
+        **Returns:** a context manager.
+
+        ```python
+        with stored.consistent():
+            stored.read_whole(stored.records["model/w"])
+        ```
+        """
+        return self._pin.consistent(self.location)
+
+    def held(self) -> contextlib.AbstractContextManager[None]:
+        """On a local disk, a shared lock that keeps retention from deleting this checkpoint
+        while the block runs; nothing is checked afterwards (`Source.held`).
+
+        **Returns:** a context manager; entering it raises `CheckpointChangedError` if the
+        checkpoint is gone already.
+
+        ```python
+        with stored.held():  # a save linking its files holds it so
+            ...
+        ```
+        """
+        return self._pin.held(self.location)
+
+    def check_unchanged(self) -> None:
+        """Raise `CheckpointChangedError` if the checkpoint was replaced or deleted since it
+        was opened (`Source.check_unchanged`).
+
+        ```python
+        stored.check_unchanged()  # what was read so far is this checkpoint's
+        ```
+        """
+        self._pin.check_unchanged(self.location)
 
     def stored_leaf(self, path: str) -> StoredLeaf | None:
         """The record of the leaf at ``path`` if it is a stored array, else None.

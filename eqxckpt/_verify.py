@@ -7,17 +7,15 @@ from typing import Any
 
 import numpy as np
 
-from ._budget import SLAB_BYTES, read_window
-from ._checkpoint import Checkpoint, open_checkpoint
 from ._chunks import PACK_CHUNK_BYTES, ChunkFileError, ChunkLayout, Region
 from ._digest import LeafDigest
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
-from ._leaf import StoredLeaf, check_bool_bytes
+from ._leaf import StoredLeaf
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
 from ._stored import StoredArrays
-from ._window import Task, run_windowed
+from ._window import SLAB_BYTES, Task, read_window, run_windowed
 
 
 # Reads in flight: an eighth of what is verified, at least `SLAB_BYTES` and at most the host
@@ -161,18 +159,17 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
     location = resolve(path)
     report = VerifyReport(str(location))
     try:
-        checkpoint = open_checkpoint(path)
+        stored = StoredArrays.open(location)
     except CheckpointNotFoundError:
         raise  # nothing there (or a directory of checkpoints): not a damaged checkpoint
     except CheckpointError as e:
         report.problems.append((MANIFEST_NAME, str(e)))
         return report
-    stored = checkpoint.stored
     report.leaves = len(stored.records)  # what a report of a checkpoint changed meanwhile says
     leaves = [leaf for leaf in stored.records.values() if isinstance(leaf, StoredLeaf)]
     try:
         with (
-            checkpoint.consistent(),
+            stored.consistent(),
             reporting(f"verifying {location}", sum(leaf.nbytes for leaf in leaves), len(leaves), progress),
         ):
             report = _assembled(report.location, stored, _StoredCheck(stored, leaves))
@@ -212,15 +209,15 @@ def _assembled(location: str, stored: StoredArrays, check: "_StoredCheck") -> Ve
     )
 
 
-def damaged_leaves(checkpoint: Checkpoint, records: Sequence[StoredLeaf]) -> dict[str, str]:
-    """Of ``records`` (stored leaves of ``checkpoint``), those whose stored bytes fail the
+def damaged_leaves(stored: StoredArrays, records: Sequence[StoredLeaf]) -> dict[str, str]:
+    """Of ``records`` (stored leaves of ``stored``), those whose stored bytes fail the
     checks `verify` makes (every chunk's CRC-32C, the leaf's digest, a packed chunk holding
     any of its bytes), with why: what a save checks before it shares them (`_save`).
 
-    Raises `CheckpointChangedError` if ``checkpoint`` was replaced or deleted meanwhile.
+    Raises `CheckpointChangedError` if the checkpoint was replaced or deleted meanwhile.
     """
-    with checkpoint.consistent():
-        check = _StoredCheck(checkpoint.stored, records)
+    with stored.consistent():
+        check = _StoredCheck(stored, records)
     chunks = " ".join(why for _, why in check.damaged_chunks)  # what a packed leaf's line points at
     return {
         leaf.path: chunks if chunks and leaf.offset is not None else _chunk_reason(problem)
@@ -301,7 +298,6 @@ class _StoredCheck:
         assert packing is not None
         failures: list[tuple[int, int, str]] = []
         bad_bools: dict[str, CheckpointError] = {}
-        bools = {leaf.path for leaf in leaves if leaf.dtype == "bool"}
         for leaf in leaves:
             self._digest(leaf)
 
@@ -309,14 +305,11 @@ class _StoredCheck:
             if failure is not None:  # its leaves are damaged, their digests unchecked
                 failures.append((start, start + data.size, _chunk_reason(failure)))
                 return
-            for member, _, there in packing.pieces(start, start + data.size):
+            for member, piece, problem in packing.checked_pieces(start, data):
                 if member.path in self._digests:
-                    self._digests[member.path].update(data[there])
-                if member.path in bools and member.path not in bad_bools:
-                    try:
-                        check_bool_bytes(data[there].view(np.bool_), member.path)
-                    except CheckpointError as e:
-                        bad_bools[member.path] = e
+                    self._digests[member.path].update(piece)
+                if problem is not None:
+                    bad_bools.setdefault(member.path, problem)
 
         chunk = PACK_CHUNK_BYTES  # what names a damaged chunk, once the layout is known
         try:

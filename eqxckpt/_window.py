@@ -1,14 +1,79 @@
-"""The I/O threads, and the one bounded window of work in flight that saves, restores,
-`verify` and copies all go through."""
+"""The I/O threads, the one bounded window of work in flight that saves, restores,
+`verify` and copies all go through, and the host memory that work may hold: the budget
+a restore may hold beyond its result (`load`'s ``host_memory_budget``), the window of
+reads in flight that follows from it, the slab a pass over a whole checkpoint holds at
+once, and refusing an allocation larger than what the machine has left."""
 
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import os
 import queue
 import threading
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
+
+from ._errors import CheckpointError
+
+# The host memory a restore may hold beyond its result (`load`'s host_memory_budget).
+DEFAULT_HOST_MEMORY_BUDGET = 256 << 20
+_HOST_MEMORY_BUDGET: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "eqxckpt_host_memory_budget", default=DEFAULT_HOST_MEMORY_BUDGET
+)
+# The fewest bytes of reads in flight (`read_window`), unless the budget is smaller.
+MIN_READ_WINDOW = 16 << 20
+# What one step of a pass over a checkpoint holds: `diff` compares large leaves a slab of
+# rows at a time and reads small ones in batches of this size; `verify` keeps at least
+# this in flight.
+SLAB_BYTES = 64 * 1024 * 1024
+
+
+@contextlib.contextmanager
+def limited_host_memory(nbytes: int | None) -> Iterator[None]:
+    """Reads inside hold at most ``nbytes`` in flight (None: the default)."""
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1):
+        raise CheckpointError(f"host_memory_budget must be a positive number of bytes, got {nbytes!r}.")
+    token = _HOST_MEMORY_BUDGET.set(DEFAULT_HOST_MEMORY_BUDGET if nbytes is None else nbytes)
+    try:
+        yield
+    finally:
+        _HOST_MEMORY_BUDGET.reset(token)
+
+
+def host_memory_budget() -> int:
+    """The host memory a restore may hold beyond its result, here (`limited_host_memory`)."""
+    return _HOST_MEMORY_BUDGET.get()
+
+
+def read_window(total_bytes: int) -> int:
+    """Bytes of reads in flight at once, so that a restore (or a copy) of ``total_bytes``
+    peaks near the bytes it moves (what reads hold in flight: an object store's fetched
+    chunks, a sharded restore's blocks). A quarter of the total, between `MIN_READ_WINDOW`
+    and the host memory budget (256 MiB by default); a budget below `MIN_READ_WINDOW` is
+    kept to."""
+    return min(host_memory_budget(), max(MIN_READ_WINDOW, total_bytes // 4))
+
+
+def check_allocation(nbytes: int, what: str) -> None:
+    """Refuse, before allocating, to hold more than this machine has available."""
+    available = available_memory()
+    if available is not None and nbytes > available:
+        raise CheckpointError(
+            f"{what} needs {nbytes / 2**30:.2f} GiB of host memory, but only {available / 2**30:.2f} GiB is "
+            "available. Restore a part (at=, transforms=), restore onto sharded devices, or free memory."
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can still be allocated (MemAvailable + SwapFree), if known."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            fields = {line.split(b":")[0]: int(line.split()[1]) * 1024 for line in f}
+    except (OSError, ValueError, IndexError):
+        return None
+    return fields.get(b"MemAvailable", 0) + fields.get(b"SwapFree", 0) or None
+
 
 # Chunk reads and writes block in the kernel or on the network and checksums run in C
 # with the GIL released: more threads than cores keeps a disk's queue and a store's
@@ -55,13 +120,13 @@ class _Pool:
                 future.set_exception(e)
             del work, future  # an idle thread must not keep the last task's buffers alive
 
-    def _forget(self) -> None:  # a forked child has none of its parent's threads
+    def reset_after_fork(self) -> None:  # a forked child has none of its parent's threads
         self.__init__(self._size)
 
 
 _worker = threading.local()  # ``active`` on the pool's own threads
 _POOL = _Pool(IO_THREADS)
-os.register_at_fork(after_in_child=_POOL._forget)
+os.register_at_fork(after_in_child=_POOL.reset_after_fork)
 
 
 # One unit of work: the bytes it holds while in flight, the work (run on an I/O thread),

@@ -53,7 +53,7 @@ def test_unchanged_leaves_are_linked_and_changed_ones_written(tmp_path):
     eqxckpt.save(tmp_path / "base", TREE)
     manifest, jobs = planned(tmp_path / "new", {**TREE, "b": np.zeros(70_000, np.float32), "c": np.ones(70_000)})
     with plan_reuse(tmp_path / "base", manifest, jobs, resolve(tmp_path / "next")) as reuse:
-        assert reuse.base is not None and reuse.base.metadata == {}
+        assert reuse.base is not None and reuse.base.manifest.metadata == {}
         assert linked(reuse) == {
             "a": ["a/c/0", "a/zarr.json"],
             PACKED_LOCATION: [f"{PACKED_LOCATION}/c/0", f"{PACKED_LOCATION}/zarr.json"],

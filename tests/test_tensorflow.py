@@ -28,11 +28,11 @@ def tf_checkpoint(tmp_path_factory):
 def test_a_restore_larger_than_the_memory_left_is_refused_before_tensorflow_reads(tf_checkpoint, monkeypatch):
     """As for every other source: the index's shapes are checked against the memory the
     kernel says is left before TensorFlow allocates anything; what fits still loads."""
-    import eqxckpt._budget
+    import eqxckpt._window
 
     directory, tensors = tf_checkpoint
     nbytes = sum(value.nbytes for value in tensors.values())
-    monkeypatch.setattr(eqxckpt._budget, "available_memory", lambda: nbytes - 1)
+    monkeypatch.setattr(eqxckpt._window, "available_memory", lambda: nbytes - 1)
     with pytest.raises(eqxckpt.CheckpointError, match=f"Restoring {len(tensors)} leaves from .* needs .* host memory"):
         eqxckpt.load(directory)
     scale = eqxckpt.load(directory, at="encoder/block_000/scale")  # 8 bytes: fits

@@ -26,5 +26,5 @@ from ._backend import (
 )
 from ._fs import fsync_path as fsync_path, read_capped as read_capped
 from ._locks import create_locked_file as create_locked_file, remove_abandoned_files as remove_abandoned_files
-from ._pins import LocalPin as LocalPin, NoLock as NoLock, Pin as Pin
+from ._pins import UNPINNED as UNPINNED, LocalPin as LocalPin, Pin as Pin
 from ._resolve import resolve as resolve

@@ -3,15 +3,75 @@ that a reader can tell whether it was replaced or deleted meanwhile (and, on a l
 disk, hold it against deletion while it reads). See docs/concurrency.md ("Read").
 """
 
+import abc
+import contextlib
 import os
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
+from .._errors import CheckpointChangedError
 from .._paths import MANIFEST_NAME
 from ._locks import DirLock
 
 
-class LocalPin:
+class Pin(abc.ABC):
+    """What ties a checkpoint being read to the one whose metadata was read, and the
+    guards every reader puts around its reads (`consistent`, `held`, `check_unchanged`).
+    ``location`` is the checkpoint as its errors name it."""
+
+    @abc.abstractmethod
+    def changed(self) -> bool:
+        """Whether the checkpoint was replaced or deleted since it was pinned."""
+
+    @abc.abstractmethod
+    def hold(self) -> "DirLock | NoLock | None":
+        """A lock held while reading (None: a deleter holds it already)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Let go of what pins it."""
+
+    @contextlib.contextmanager
+    def consistent(self, location: str) -> Iterator[None]:
+        """Reads inside come from the pinned checkpoint alone, or raise `CheckpointChangedError`
+        (what `Source.consistent` documents)."""
+        with self.held(location):
+            try:
+                yield
+            except CheckpointChangedError:
+                raise
+            except Exception as e:
+                if self.changed():
+                    raise _changed(location) from e
+                raise
+            self.check_unchanged(location)
+
+    @contextlib.contextmanager
+    def held(self, location: str) -> Iterator[None]:
+        """Hold the checkpoint while the block runs (`Source.held`)."""
+        lock = self.hold()
+        if lock is None:
+            raise _changed(location)
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def check_unchanged(self, location: str) -> None:
+        """Raise `CheckpointChangedError` if the checkpoint was replaced or deleted since it was pinned."""
+        if self.changed():
+            raise _changed(location)
+
+
+def _changed(location: str) -> CheckpointChangedError:
+    return CheckpointChangedError(
+        f"The checkpoint at {location} was replaced or deleted by another process while it was being "
+        "read, so what was read may mix two checkpoints and is discarded. Open or load it again."
+    )
+
+
+class LocalPin(Pin):
     """A committed local checkpoint's directory, held open since its manifest was
     read (so its identity cannot be reused), and whether its path still names it."""
 
@@ -40,7 +100,7 @@ class LocalPin:
             self.fd = -1
 
 
-class StorePin:
+class StorePin(Pin):
     """An object-store checkpoint's manifest generation (its ETag), to compare after reading."""
 
     def __init__(self, location: Any, generation: bytes):
@@ -79,5 +139,18 @@ class NoLock:
         pass
 
 
-# What pins a checkpoint being read to the one opened.
-Pin = LocalPin | StorePin
+class Unpinned(Pin):
+    """A source with nothing to check (a single open file, TensorFlow's reader): it reads
+    as it is."""
+
+    def changed(self) -> bool:
+        return False
+
+    def hold(self) -> NoLock:
+        return NoLock()
+
+    def close(self) -> None:
+        pass
+
+
+UNPINNED = Unpinned()
