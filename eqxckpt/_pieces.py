@@ -40,7 +40,7 @@ class Piece(abc.ABC):
     nbytes: int
     leaves: int = 1  # how many leaves it completes (progress)
     whole: np.ndarray | None = None  # the whole leaf in host memory, where this piece is that
-    source: Source | None = None  # a checkpoint read from, which must stay as it is meanwhile
+    source: "Source | None" = None  # a checkpoint read from, which must stay as it is meanwhile
 
     def hashed(self) -> list[tuple[int | None, np.ndarray]]:
         """The leaves this piece holds whole in host memory, to digest: ``(offset, data)``,
