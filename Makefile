@@ -12,7 +12,7 @@ PIP := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar o
 # the package from any directory (an import hook is invisible to static tools).
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: demo test docs bench clean
+.PHONY: demo test docs plots bench clean
 
 $(BIN)/python:
 	@echo "Creating the virtual environment $(VENV) with $(PYTHON)."
@@ -50,6 +50,11 @@ test: $(VENV)/.test-installed
 docs: $(VENV)/.test-installed
 	$(BIN)/mkdocs build --strict
 
+# Every plot of the docs' benchmark page (docs/img), drawn from the tables in benchmarks/README.md,
+# which the page shows: no benchmark is run. After a new run, update those tables, then make plots.
+plots: $(VENV)/.test-installed
+	$(BIN)/python benchmarks/plot.py
+
 # Sizes, leaf counts and the rest are chosen with BENCH_ARGS, e.g.
 # make bench BENCH_ARGS="--sizes 64 336 --leaf-counts 10000 --repeats 3 --no-s3"
 bench: $(VENV)/.bench-installed
@@ -61,7 +66,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/verify_speed.py
 	$(BIN)/python benchmarks/skipped_bytes.py
 	$(BIN)/python benchmarks/decode_bench.py
-	$(BIN)/python benchmarks/plot.py
+	@echo "Put the new figures in benchmarks/README.md's tables, then run make plots to redraw the docs' plots."
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build site *.egg-info
