@@ -365,7 +365,7 @@ def draw(out: pathlib.Path, text: str) -> list[pathlib.Path]:
     save(figure, "leaves.png")
 
     rows, label = decoding_table(text)
-    figure, axis = plt.subplots(figsize=(7.5, 4.6), layout="constrained")
+    figure, axis = plt.subplots(figsize=(7.5, 5.4), layout="constrained")
     styles = {"cache": "o-", "recompute": "s--"}
     colours = {"greedy": "tab:blue", "4 beams": "tab:purple"}
     for name, times in rows.items():
@@ -379,7 +379,7 @@ def draw(out: pathlib.Path, text: str) -> list[pathlib.Path]:
                 xytext=(6 if n == max(times) else -6, 0),
                 ha="left" if n == max(times) else "right",
                 va="center",
-                fontsize=9,
+                fontsize=10,
             )
     lengths = sorted({n for times in rows.values() for n in times})
     axis.set_xscale("log")
