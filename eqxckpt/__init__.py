@@ -28,6 +28,7 @@ from ._errors import (
     UnsupportedFormatError as UnsupportedFormatError,
     UnsupportedLeafError as UnsupportedLeafError,
 )
+from ._interrupts import interrupts_deferred
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -88,10 +89,14 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    # Ctrl-C held back meanwhile: an import of JAX cut short can crash the interpreter.
+    with interrupts_deferred():
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY} - {"TYPE_CHECKING", "Any", "importlib"})  # the API, not this module's tools
+    return sorted(
+        {*globals(), *_LAZY} - {"TYPE_CHECKING", "Any", "importlib", "interrupts_deferred"}
+    )  # the API, not this module's tools

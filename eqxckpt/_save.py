@@ -7,9 +7,8 @@ import functools
 import json
 import math
 import os
-import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from ._chunks import ChunkLayout, encode
 from ._digest import digest
 from ._distributed import Phases, is_multiprocess
 from ._errors import CheckpointError, CheckpointWriteError
+from ._interrupts import interrupts_deferred
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
@@ -156,25 +156,6 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
         for r in manifest.leaves
     ]
     return dataclasses.replace(manifest, leaves=tuple(records))
-
-
-@contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Hold back Ctrl-C (SIGINT) until the block is done, then raise it. Only the main
-    thread receives signals, and only Python's default handler is replaced."""
-    if threading.current_thread() is not threading.main_thread() or (
-        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    received: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if received:
-            raise KeyboardInterrupt
 
 
 def _write(target: Storage, leaves: list[_WriteJob], *, metadata: bool, chunks: bool) -> None:
