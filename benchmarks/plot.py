@@ -289,28 +289,14 @@ def draw(out: pathlib.Path, text: str) -> list[pathlib.Path]:
         ]
         for axis, (label, row) in zip(axes[:, 0], rows):
             after, before = sizes.ratios(row, "after"), sizes.ratios(row, "before")
-            axis.plot(
-                [xs[s] for s in after],
-                [r[0] / r[1] for r in after.values()],
-                "s-",
-                color="tab:orange",
-                label=f"Orbax ({run.after} run)",
-            )
-            axis.plot(
-                [xs[s] for s in before],
-                [r[0] for r in before.values()],
-                "o--",
-                color="tab:blue",
-                alpha=0.45,
-                label=f"eqxckpt before ({run.before})",
-            )
-            axis.plot(
-                [xs[s] for s in after],
-                [r[0] for r in after.values()],
-                "o-",
-                color="tab:blue",
-                label=f"eqxckpt after ({run.after})",
-            )
+            lines = [  # (ratios by size, which ratio, style, colour, opacity, label)
+                (after, lambda r: r[0] / r[1], "s-", "tab:orange", 1.0, f"Orbax ({run.after} run)"),
+                (before, lambda r: r[0], "o--", "tab:blue", 0.45, f"eqxckpt before ({run.before})"),
+                (after, lambda r: r[0], "o-", "tab:blue", 1.0, f"eqxckpt after ({run.after})"),
+            ]
+            for by_size, ratio, style, colour, alpha, label in lines:
+                ys = [ratio(r) for r in by_size.values()]
+                axis.plot([xs[s] for s in by_size], ys, style, color=colour, alpha=alpha, label=label)
             axis.axhline(target, color="tab:green", linewidth=1.2, linestyle=":", label=f"limit {target}x raw")
             log_ratio_axis(axis, values)
             axis.set_xscale("log")

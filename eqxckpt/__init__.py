@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from ._checkpoint import Checkpoint as Checkpoint
     from ._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
     from ._formats import open as open
-    from ._lazy import LazyArray as LazyArray
     from ._leaf import (
         ArrayLeaf as ArrayLeaf,
         KeyLeaf as KeyLeaf,
@@ -49,7 +48,7 @@ if TYPE_CHECKING:
     from ._manager import CheckpointManager as CheckpointManager
     from ._safetensors import save_safetensors as save_safetensors
     from ._save import save as save
-    from ._source import Source as Source
+    from ._source import LazyArray as LazyArray, Source as Source
     from ._storage import CheckpointPath as CheckpointPath
     from ._transform import Transform as Transform, apply_transformations as apply_transformations
     from ._translate import CheckpointTranslator as CheckpointTranslator
@@ -60,7 +59,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "SaveHandle": "_background",
     "Checkpoint": "_checkpoint",
-    "LazyArray": "_lazy",
+    "LazyArray": "_source",
     "Leaf": "_leaf",
     "StoredLeaf": "_leaf",
     "ArrayLeaf": "_leaf",

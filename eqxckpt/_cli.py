@@ -222,10 +222,10 @@ def _convert(args: argparse.Namespace) -> int:
     import jax
 
     from ._formats import open as open_source
-    from ._lazy import LazyArray
     from ._progress import reporting
     from ._safetensors import save_safetensors
     from ._save import save
+    from ._source import LazyArray
     from ._storage import resolve
 
     _check_not_nested(resolve(checkpoint_path(args.src)), resolve(checkpoint_path(args.dst)))

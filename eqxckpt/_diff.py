@@ -11,10 +11,9 @@ import numpy as np
 from ._checkpoint import Checkpoint
 from ._errors import plural
 from ._formats import open as open_source
-from ._lazy import LazyArray
 from ._leaf import ArrayLeaf, Leaf, ScalarLeaf, StoredLeaf
 from ._progress import Progress, advance, reporting
-from ._source import Source
+from ._source import LazyArray, Source
 from ._storage import CheckpointPath
 from ._tree import is_prng_key_dtype
 from ._window import SLAB_BYTES

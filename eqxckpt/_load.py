@@ -19,11 +19,10 @@ from jaxtyping import PyTree
 from ._convert import checked_astype, narrowed
 from ._errors import CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
-from ._lazy import LazyArray
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
-from ._source import Source, nothing_under
+from ._source import LazyArray, Source, nothing_under
 from ._storage import CheckpointPath
 from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path
 from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype

@@ -24,8 +24,8 @@ from ._dtypes import STORED_DTYPES
 from ._errors import CheckpointNotFoundError, ManifestError
 from ._leaf import ArrayLeaf, KeyRecord, Leaf, ScalarLeaf, StoredLeaf, parse_shape
 from ._manifest import MAX_MANIFEST_BYTES, parse_json_object
-from ._paths import record_segment
-from ._source import Source, check_one_tree, reading
+from ._paths import check_one_tree, record_segment
+from ._source import Source, reading
 from ._storage import LocalPin, read_capped
 from ._tensorstore import shared_context
 

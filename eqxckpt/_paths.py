@@ -15,10 +15,11 @@ directory names, and the encoding is injective:
 The path string is therefore also the leaf's location inside the checkpoint.
 """
 
+import difflib
 import functools
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from ._errors import ManifestError, PathError
@@ -307,3 +308,23 @@ def group_locations(paths: Iterable[str]) -> list[str]:
 def group_file(group: str) -> str:
     """The key of a group's metadata: ``zarr.json`` in its directory."""
     return f"{group}/{ZARR_NAME}" if group else ZARR_NAME
+
+
+def check_one_tree(leaves: Collection[str], location: Any, name: Any = None) -> None:
+    """Refuse leaf paths that do not describe one tree: a path that is a leaf and also holds
+    other leaves (``a`` and ``a/c``) would lose one of them when the tree is rebuilt.
+    ``name(path)`` is what the format calls the leaf (``a.c`` for safetensors)."""
+    name = name or (lambda path: path)
+    for path in leaves:
+        for prefix in ancestors(path):
+            if prefix in leaves:
+                raise ManifestError(
+                    f"{location}: {name(prefix)!r} is a tensor and also holds {name(path)!r}; one tree cannot "
+                    "have both (one would be lost). Open it through a CheckpointTranslator that renames one of them."
+                )
+
+
+def did_you_mean(wanted: str, known: Iterable[str]) -> str:
+    """`` Did you mean 'a/b'?`` naming the paths closest to ``wanted``, or "" if none is close."""
+    close = difflib.get_close_matches(wanted, known, n=3)
+    return f" Did you mean {', '.join(map(repr, close))}?" if close else ""

@@ -14,9 +14,9 @@ from ._chunks import ChunkLayout, Region
 from ._classify import leaf_of
 from ._distributed import is_multiprocess
 from ._dtypes import little_endian
-from ._lazy import LazyArray
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._pack import PackedArray
+from ._source import LazyArray
 
 if TYPE_CHECKING:  # `_source` reads checkpoints, whose module packs leaves with these pieces
     import jax

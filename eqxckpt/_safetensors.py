@@ -35,13 +35,12 @@ from ._errors import (
     PathError,
     UnsupportedLeafError,
 )
-from ._lazy import LazyArray
 from ._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, check_bool_bytes, parse_shape
 from ._manifest import MAX_PARSE_FACTOR, parse_json_object
-from ._paths import encode_segment, key_entry_record
+from ._paths import check_one_tree, encode_segment, key_entry_record
 from ._progress import Progress, advance, reporting
 from ._select import Selection
-from ._source import Source, check_one_tree
+from ._source import LazyArray, Source
 from ._storage import create_locked_file, fsync_path, read_capped, reading, remove_abandoned_files
 from ._tree import flatten, is_prng_key_dtype
 from ._window import Task, check_allocation, read_window, run_windowed

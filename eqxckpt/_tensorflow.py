@@ -14,8 +14,8 @@ import numpy as np
 
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from ._leaf import UNKNOWN, ArrayLeaf, StoredLeaf
-from ._paths import encode_segment
-from ._source import Source, check_one_tree
+from ._paths import check_one_tree, encode_segment
+from ._source import Source
 
 # TF2 checkpoints' record of the Python object graph: a serialised proto, not a variable.
 OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"

@@ -9,10 +9,10 @@ import numpy as np
 
 from ._classify import leaf_of
 from ._errors import TransformError
-from ._lazy import LazyArray
 from ._leaf import ArrayLeaf, StoredLeaf
+from ._paths import check_one_tree
 from ._select import Selection
-from ._source import Source, check_one_tree
+from ._source import LazyArray, Source
 
 RuleFn = Callable[..., tuple[str | None, Any]]
 
