@@ -305,3 +305,35 @@ def test_the_package_face_imports_its_heavy_parts_on_first_use():
     assert not public & {"TYPE_CHECKING", "Any", "importlib"}  # the API only (the docs list every public name)
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         eqxckpt.nonexistent  # noqa: B018
+
+
+def test_star_import_gives_the_api_as_before_the_lazy_package_face():
+    # b0b80a8: `from eqxckpt import *` bound save, load, ...; the lazy face binds only the errors.
+    done = subprocess.run(
+        [sys.executable, "-c", "from eqxckpt import *\nprint(sorted({'save', 'load', 'open', 'CheckpointManager'} - set(dir())))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_first_use_of_the_package_face_from_two_threads_at_once():
+    # Two threads touching eqxckpt.save and eqxckpt.load for the first time: both must get them
+    # (b0b80a8 imported everything in `import eqxckpt`, so this could not fail).
+    script = (
+        "import threading, eqxckpt\n"
+        "errors, barrier = [], threading.Barrier(2)\n"
+        "def use(name):\n"
+        "    barrier.wait()\n"
+        "    try:\n"
+        "        getattr(eqxckpt, name)\n"
+        "    except Exception as e:\n"
+        "        errors.append(repr(e))\n"
+        "threads = [threading.Thread(target=use, args=(n,)) for n in ('save', 'load')]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "print(errors)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
