@@ -777,3 +777,20 @@ def test_any_flipped_bit_in_a_base_is_written_again_not_shared(tmp_path_factory,
     other = "big/c/0" if packed else "%packed/c/0"
     assert os.stat(root / "b" / other).st_ino == os.stat(root / "a" / other).st_ino  # intact: still shared
     assert os.stat(root / "b" / damaged.relative_to(root / "a")).st_nlink == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"metadata": {"a": object()}},  # "metadata that is not JSON", as ArgumentError's docstring says
+        {"metadata": 5},
+    ],
+)
+def test_bad_save_arguments_are_argument_errors(tmp_path, kwargs):
+    with pytest.raises(eqxckpt.ArgumentError, match="metadata"):
+        eqxckpt.save(tmp_path / "c", {"w": np.ones(3, np.float32)}, **kwargs)
+
+
+def test_a_bare_array_given_to_save_is_an_argument_error(tmp_path):
+    with pytest.raises(eqxckpt.ArgumentError, match="container"):
+        eqxckpt.save(tmp_path / "c", np.ones(3, np.float32))
