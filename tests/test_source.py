@@ -43,3 +43,17 @@ def test_the_cli_gives_the_same_hints(layered, capsys):
 
     assert main(["inspect", str(layered), "--at", "model.layers.1"]) == 1
     assert "at='model/layers/1'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("at", ["model/./w", "model/../opt"])
+def test_the_slash_hint_for_a_wrong_at_names_a_path_that_exists(tmp_path, at):
+    # The "Paths use '/'" hint (new since b0b80a8) rewrote these into at='model///w' and
+    # at='model////opt': a path no checkpoint has, offered as the fix.
+    import re
+
+    tree = {"model": {"w": np.ones(3, np.float32)}, "opt": {"mu": np.ones(3, np.float32)}}
+    eqxckpt.save(tmp_path / "c", tree)
+    with pytest.raises(eqxckpt.CheckpointError) as caught:
+        eqxckpt.load(tmp_path / "c", like=None, at=at)
+    for suggested in re.findall(r"\(at='([^']*)', not", str(caught.value)):
+        eqxckpt.load(tmp_path / "c", like=None, at=suggested)  # the fix offered must work
