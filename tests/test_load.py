@@ -377,3 +377,11 @@ def test_a_type_checker_knows_what_load_returns(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("budget", [-1, "1G"])
+def test_a_bad_host_memory_budget_is_an_argument_error(tmp_path, budget):
+    # load's own argument: ArgumentError ("bad arguments in save/load/manager"), not a plain CheckpointError.
+    eqxckpt.save(tmp_path / "c", {"w": np.ones(3, np.float32)})
+    with pytest.raises(eqxckpt.ArgumentError, match="host_memory_budget"):
+        eqxckpt.load(tmp_path / "c", None, host_memory_budget=budget)

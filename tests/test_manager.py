@@ -719,3 +719,14 @@ def test_a_step_with_a_damaged_manifest_on_a_local_disk(tmp_path, damage):
     before = {str(p): p.read_bytes() for p in (run / "2").rglob("*") if p.is_file()}
     refused_and_kept(run, run / "2")
     assert {str(p): p.read_bytes() for p in (run / "2").rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"metrics": {"loss": "x"}}, "loss|metric"), ({"metadata": {"a": object()}}, "metadata")],
+)
+def test_bad_arguments_to_a_managers_save_are_argument_errors(tmp_path, kwargs, match):
+    # metrics={"loss": "x"} raised float()'s bare ValueError; bad metadata a plain CheckpointError.
+    with eqxckpt.CheckpointManager(tmp_path / "run", blocking=True) as manager:
+        with pytest.raises(eqxckpt.ArgumentError, match=match):
+            manager.save(0, {"w": np.ones(3, np.float32)}, **kwargs)
