@@ -103,3 +103,20 @@ def test_a_saved_or_unreadable_step_is_never_saved_again(tmp_path):
     with pytest.raises(eqxckpt.CheckpointExistsError, match="Step 1 of .* cannot be read"):
         steps.check_new(1)
     assert steps.step_path(2) == resolve(tmp_path).sub("2").user_path()
+
+
+def test_a_directory_named_a_step_with_a_trailing_newline_is_not_a_step(tmp_path):
+    # _STEP_NAME's `$` matches before a final "\n": scan_steps reads "12\n" (which exists) and lists
+    # step 12, whose path ("12") does not exist. b0b80a8 read int(name)'s path and left it out.
+    import shutil
+    import warnings
+
+    with eqxckpt.CheckpointManager(tmp_path / "run", blocking=True) as manager:
+        manager.save(3, {"w": np.full(2, 3.0)})
+    shutil.copytree(tmp_path / "run" / "3", tmp_path / "run" / "12\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        manager = eqxckpt.CheckpointManager(tmp_path / "run")
+    assert manager.all_steps() == [3]
+    assert manager.latest_step() == 3
+    manager.close()
