@@ -8,6 +8,7 @@ model = eqxckpt.load("checkpoints/step_100", like=model_skeleton, at="model")
 """
 
 import importlib
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ._errors import (
@@ -84,18 +85,66 @@ _LAZY = {
 }
 
 
+# The whole API, for `from eqxckpt import *` (which then imports the lazy names too).
+__all__ = [
+    "ArgumentError",
+    "ArrayLeaf",
+    "CastError",
+    "ChangedLeaf",
+    "Checkpoint",
+    "CheckpointBusyError",
+    "CheckpointChangedError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointPath",
+    "CheckpointTranslator",
+    "CheckpointWriteError",
+    "CorruptCheckpointError",
+    "Diff",
+    "IncompleteCheckpointError",
+    "KeyLeaf",
+    "LazyArray",
+    "Leaf",
+    "ManifestError",
+    "OpaqueLeaf",
+    "PathError",
+    "SaveHandle",
+    "ScalarLeaf",
+    "Source",
+    "StoredLeaf",
+    "StructureMismatchError",
+    "Transform",
+    "TransformError",
+    "UnsupportedFormatError",
+    "UnsupportedLeafError",
+    "VerifyReport",
+    "__version__",
+    "apply_transformations",
+    "diff",
+    "load",
+    "open",
+    "save",
+    "save_safetensors",
+    "verify",
+]
+
+# One first import at a time: two threads importing JAX's modules at once can each
+# find the other's half-initialised.
+_IMPORTING = threading.RLock()
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     # Ctrl-C held back meanwhile: an import of JAX cut short can crash the interpreter.
-    with interrupts_deferred():
+    with _IMPORTING, interrupts_deferred():
         value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(
-        {*globals(), *_LAZY} - {"TYPE_CHECKING", "Any", "importlib", "interrupts_deferred"}
-    )  # the API, not this module's tools
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})  # the API, not its tools

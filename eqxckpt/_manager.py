@@ -225,8 +225,8 @@ class CheckpointManager:
         self._steps.check_new(step)
         metadata = dict(metadata or {})
         if MANAGER_KEY in metadata:
-            raise CheckpointError(f"metadata key {MANAGER_KEY!r} is reserved for the manager's own record.")
-        metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
+            raise ArgumentError(f"metadata key {MANAGER_KEY!r} is reserved for the manager's own record.")
+        metrics = {str(k): _metric(k, v) for k, v in (metrics or {}).items()}
         metadata[MANAGER_KEY] = manager_record(step, metrics)
         # Never overwrite: a committed step is never replaced (another manager
         # that committed this step first makes this save fail instead).
@@ -467,3 +467,11 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.location)!r}, steps={self.all_steps()})"
+
+
+def _metric(name: Any, value: Any) -> float:
+    """A metric as the float the manager records, or an `ArgumentError` naming it."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"metric {name!r} must be a number, got {value!r}.") from None

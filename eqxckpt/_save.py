@@ -18,7 +18,7 @@ from ._background import SAVES, SaveHandle
 from ._chunks import ChunkLayout, encode
 from ._digest import digest
 from ._distributed import Phases, is_multiprocess
-from ._errors import CheckpointError, CheckpointWriteError
+from ._errors import ArgumentError, CheckpointError, CheckpointWriteError
 from ._interrupts import interrupts_deferred
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
@@ -65,7 +65,7 @@ def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
     arrays: list[tuple[StoredLeaf, Any]] = []
     for path, keypath, value in flat:
         if not path:
-            raise CheckpointError(
+            raise ArgumentError(
                 "save needs a container at the top of the tree (a module, dict, list...); "
                 "wrap a single array, e.g. save(path, {'x': array})."
             )
@@ -394,9 +394,9 @@ def save(
     try:
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"metadata must be a JSON-serialisable dict: {e}") from None
+        raise ArgumentError(f"metadata must be a JSON-serialisable dict: {e}") from None
     if not isinstance(metadata, dict):
-        raise CheckpointError(f"metadata must be a dict, got {type(metadata).__name__}.")
+        raise ArgumentError(f"metadata must be a dict, got {type(metadata).__name__}.")
     records, arrays = _plan(tree)
     key = str(location)
     # One save in flight at a time: wait for the previous one, so at most one

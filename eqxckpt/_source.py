@@ -348,13 +348,18 @@ def nothing_under(source: Source, at: str | None) -> CheckpointError:
     tops = sorted({path.split("/")[0] for path in source.paths})
     # Python's spelling of a key path (`jax.tree_util.keystr`, attribute access) into eqxckpt's.
     slashed = re.sub(r"\[['\"]?([^\]'\"]*)['\"]?\]", r".\1", prefix).strip(".").replace(".", "/")
-    hint = ""
-    if slashed != prefix:
+    try:
+        selects = slashed != prefix and bool(source.records(slashed))
+    except CheckpointError:  # not a path at all ('model///w')
+        selects = False
+    if selects:  # offered only where it selects something
         hint = f" Paths use '/' between keys (at={slashed!r}, not at={prefix!r})."
-    if not (slashed != prefix and source.records(slashed)):
+    else:
         keys = depth(slashed)
         as_deep = {"/".join(path.split("/")[:keys]) for path in source.paths if depth(path) >= keys}
-        hint = did_you_mean(slashed, as_deep) + hint
+        hint = did_you_mean(slashed, as_deep)
+        if slashed != prefix and "" not in slashed.split("/"):  # written with dots or brackets
+            hint += " Paths use '/' between keys, not '.' or '[...]'."
     return CheckpointError(
         f"Nothing under at={at!r} in {source.location}.{hint} Its top-level entries are: {', '.join(tops) or 'none'}."
     )

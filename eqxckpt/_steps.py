@@ -28,7 +28,7 @@ from ._tensorstore import is_storage_error
 MANAGER_KEY = "eqxckpt.manager"
 
 # A step is named by its number, written the one way str(int) writes it.
-_STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
 
 # How many times a listing is taken again when steps came or went while it was taken.
 SCAN_ATTEMPTS = 3
@@ -50,7 +50,7 @@ def is_step_name(name: str) -> bool:
     is_step_name("7"), is_step_name("007")  # (True, False)
     ```
     """
-    return _STEP_NAME.match(name) is not None
+    return _STEP_NAME.fullmatch(name) is not None
 
 
 def manager_record(step: int, metrics: dict[str, float]) -> dict:

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-from ._errors import CheckpointError
+from ._errors import ArgumentError, CheckpointError
 
 # The host memory a restore may hold beyond its result (`load`'s host_memory_budget).
 DEFAULT_HOST_MEMORY_BUDGET = 256 << 20
@@ -33,7 +33,7 @@ SLAB_BYTES = 64 * 1024 * 1024
 def limited_host_memory(nbytes: int | None) -> Iterator[None]:
     """Reads inside hold at most ``nbytes`` in flight (None: the default)."""
     if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1):
-        raise CheckpointError(f"host_memory_budget must be a positive number of bytes, got {nbytes!r}.")
+        raise ArgumentError(f"host_memory_budget must be a positive number of bytes, got {nbytes!r}.")
     token = _HOST_MEMORY_BUDGET.set(DEFAULT_HOST_MEMORY_BUDGET if nbytes is None else nbytes)
     try:
         yield

@@ -310,7 +310,11 @@ def test_the_package_face_imports_its_heavy_parts_on_first_use():
 def test_star_import_gives_the_api_as_before_the_lazy_package_face():
     # b0b80a8: `from eqxckpt import *` bound save, load, ...; the lazy face binds only the errors.
     done = subprocess.run(
-        [sys.executable, "-c", "from eqxckpt import *\nprint(sorted({'save', 'load', 'open', 'CheckpointManager'} - set(dir())))"],
+        [
+            sys.executable,
+            "-c",
+            "from eqxckpt import *\nprint(sorted({'save', 'load', 'open', 'CheckpointManager'} - set(dir())))",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -337,3 +341,11 @@ def test_first_use_of_the_package_face_from_two_threads_at_once():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_the_package_lists_every_public_name_once_and_each_resolves():
+    """`__all__` (what a star import binds) is the API `dir()` shows, each name importable."""
+    public = {name for name in dir(eqxckpt) if not name.startswith("_")}
+    assert set(eqxckpt.__all__) == public | {"__version__"}
+    assert len(eqxckpt.__all__) == len(set(eqxckpt.__all__))
+    assert all(getattr(eqxckpt, name) is not None for name in eqxckpt.__all__)
