@@ -1,7 +1,7 @@
 """What a save writes into one leaf's array, as one interface: a host array (or one
 process's shard of it), a leaf copied from another checkpoint, or the packed array of
-small leaves (`PackedWrite`, laid out by `_pack.PackedArray`). Each gives its bytes and its chunks' values; `save`
-writes every kind the same way (`_save._write_pieces`)."""
+small leaves (`PackedWrite`, laid out by `_pack.PackedArray`). Each gives its bytes and
+its chunks' values; `save` writes every kind the same way."""
 
 import abc
 import threading
