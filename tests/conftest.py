@@ -45,6 +45,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs TensorFlow: pip install -e '.[tf]'"))
 
 
+def pyright_path() -> str:
+    """The pyright of the test environment: a test dependency (the `test` extra), which
+    `make test` also runs, so a missing one is a broken environment, not a skip."""
+    found = pathlib.Path(sys.executable).parent / "pyright"
+    assert found.exists(), f"pyright is missing from {found.parent}: pip install -e '.[test]'"
+    return str(found)
+
+
 def crafted_manifest(doc: dict) -> bytes:
     """The manifest ``doc`` (changed by a test), with a checksum that matches: as someone
     crafting it would write it, so that a reader's checks after the checksum are tested."""

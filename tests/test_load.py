@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_equal, crafted_manifest
+from conftest import assert_trees_equal, crafted_manifest, pyright_path
 
 import eqxckpt
 
@@ -344,9 +344,7 @@ def test_non_strict_says_why_it_could_not_help(tmp_path):
 def test_a_type_checker_knows_what_load_returns(tmp_path):
     """``load(path, like)`` is typed as ``like``'s type (a constructor's result's), and
     ``load(path)`` as Any: checked by pyright on a file of `assert_type` lines."""
-    pyright = pathlib.Path(sys.executable).parent / "pyright"
-    if not pyright.exists():
-        pytest.skip("pyright is not installed in this environment")
+    pyright = pyright_path()
     package_root = pathlib.Path(eqxckpt.__file__).resolve().parents[1]
     config = {"extraPaths": [str(package_root)], "typeCheckingMode": "standard"}
     (tmp_path / "pyrightconfig.json").write_text(json.dumps(config))

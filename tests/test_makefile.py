@@ -4,6 +4,7 @@ import pathlib
 import subprocess
 
 import pytest
+from conftest import pyright_path
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -44,9 +45,7 @@ def test_type_checkers_see_the_editable_install_from_outside_the_clone(tmp_path)
     import sys
     import zipfile
 
-    pyright = shutil.which("pyright", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("pyright")
-    if pyright is None:
-        pytest.skip("needs pyright (pip install -e '.[test]')")
+    pyright = pyright_path()
     assert "--config-settings editable_mode=compat -e" in (ROOT / "Makefile").read_text()
     # Built from a copy, so that nothing is written into the checkout.
     project = tmp_path / "clone"
