@@ -12,7 +12,7 @@ from .._save import save
 from .._storage import CheckpointPath
 from .._translate import TranslatedSource
 from ._config import T5Config, check_weights_fit, weights_dtype
-from ._model import T5, skeleton
+from ._model import T5, scan, skeleton
 
 # The sub-layers of a block, in the order both formats number them.
 SUBLAYERS = {
@@ -30,9 +30,11 @@ def read_t5(
     progress: Progress = False,
     expected_name: Callable[[str], str] | None = None,
     remedy: str,
+    scan_layers: bool = False,
 ) -> T5:
-    """The `T5` of ``config`` from ``view`` (its parameters under ``at``), floating weights
-    in ``dtype`` (as `weights_dtype` reads it).
+    """The `T5` of ``config`` from ``view`` (its parameters under ``at``, per-layer paths),
+    floating weights in ``dtype`` (as `weights_dtype` reads it), in the layout ``scan_layers``
+    says.
 
     Refuses, before reading, weights too few for ``config``; then one
     `StructureMismatchError` names every missing, unplaced or misfitting tensor,
@@ -43,7 +45,9 @@ def read_t5(
     stored = {path: leaf.dtype for path, leaf in records.items() if isinstance(leaf, ArrayLeaf)}
     like = skeleton(config, weights_dtype(dtype), stored)
     try:
-        return load(view, like, at=at, cast=True, progress=progress)
+        model = load(view, like, at=at, cast=True, progress=progress)
+        # STOPGAP until eqxckpt.Stack lands: stacked in memory after a per-layer load.
+        return scan(model) if scan_layers else model
     except StructureMismatchError as e:
         missing = e.missing
         if expected_name is not None:
@@ -61,7 +65,10 @@ def read_t5(
 def write_converted(
     out: CheckpointPath, tree: dict[str, Any], config: T5Config, source: Any, overwrite: bool, progress: Progress
 ) -> T5Config:
-    """Save a converted T5 with its config (and where it came from) in the metadata."""
-    metadata = {"t5_config": config.to_dict(), "source": str(source)}
+    """Save a converted T5 (``tree["params"]``) with its config, its layout and where it came
+    from in the metadata."""
+    params = tree["params"]
+    # The layout says which skeleton loads it back: T5(config, key=..., scan_layers=...).
+    metadata = {"t5_config": config.to_dict(), "source": str(source), "scan_layers": params.scan_layers}
     save(out, tree, metadata=metadata, overwrite=overwrite, progress=progress)
     return config
