@@ -149,6 +149,10 @@ class SafetensorsCheckpoint(Source):
             tasks.append((buffer.nbytes, read, lambda _, i=i, buffer=buffer: done(i, buffer)))
         run_windowed(tasks, read_window(sum(leaf.nbytes for leaf in leaves)))
 
+    def rows_per_read(self, leaf: StoredLeaf) -> int:
+        """One row: a selection is read from its first row to its last."""
+        return 1
+
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """One ranged read of the rows from the first selected to the last (a tensor is
         stored in C order), selected from."""

@@ -144,6 +144,26 @@ class Source(abc.ABC):
         data = self.read_selection(leaf, selection)
         return lambda part: data[part]
 
+    def rows_per_read(self, leaf: StoredLeaf) -> int:
+        """How many leading rows of ``leaf`` a `read_selection` reads at the least, however
+        few it selects (a selection starting at a multiple of it). An `Unstack` restore
+        reads a stacked leaf's rows in windows of multiples of it, so each row is read once.
+
+        This format reads a leaf whole whatever is selected: all its rows. eqxckpt
+        checkpoints read a chunk's rows, safetensors files one row.
+
+        **Arguments:**
+
+        - `leaf`: a `StoredLeaf` of this source with at least one dimension.
+
+        **Returns:** a positive int.
+
+        ```python
+        ckpt.rows_per_read(ckpt.leaf("model/blocks/w"))  # the rows of one chunk
+        ```
+        """
+        return max(1, leaf.shape[0]) if leaf.shape else 1
+
     def _fetch(
         self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
     ) -> None:

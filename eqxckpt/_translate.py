@@ -191,6 +191,13 @@ class TranslatedSource(Source):
                 values[i] = leaf.finish(np.array(self._computed[leaf.path]), target)
         return values
 
+    def rows_per_read(self, leaf: StoredLeaf) -> int:
+        """As the original reads a leaf passed on unchanged; a transposed or computed one is read whole."""
+        origin = self._origin.get(leaf.path)
+        if origin is not None and leaf.path not in self._transposed:
+            return self.original.rows_per_read(origin)
+        return super().rows_per_read(leaf)
+
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """A leaf passed on unchanged, as its original source reads it (only what the
         selection needs, where the format allows); a transposed or computed one whole."""
