@@ -18,9 +18,8 @@ import numpy as np
 
 from ._convert import aligned_empty, checked_astype
 from ._errors import TransformError
-from ._leaf import ArrayLeaf, Leaf, StoredLeaf, check_bool_bytes
+from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._progress import advance
-from ._select import Selection
 from ._source import Source
 from ._storage import reading
 from ._tree import describe_like, is_array_like
@@ -315,19 +314,20 @@ def _read_stacked(source: Source, stacked: Stacked, target: Any) -> Any:
     blocks = _blocks(target, leaf.shape)
     if blocks is None:
         out = aligned_empty(leaf.shape, np.dtype(leaf.dtype))  # aligned: the jax array adopts it
-        _fill(source, stacked, {tuple((0, n) for n in leaf.shape): out}, None)
+        _fill(source, stacked, {tuple((0, n) for n in leaf.shape): out})
         with reading(leaf):
             return leaf.finish(out, target)
     dtype = np.dtype(target.dtype)
     data = {key: aligned_empty(tuple(b - a for a, b in key), dtype) for key in blocks}
-    _fill(source, stacked, data, dtype)
+    _fill(source, stacked, data)
     return _assemble(leaf.shape, target, blocks, data)
 
 
-def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray], dtype: np.dtype | None) -> None:
+def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray]) -> None:
     """Read, of each layer, the part that the blocks ``data`` (of the stacked shape) hold,
-    once, and copy it into each of them (cast to ``dtype`` if given), on the I/O threads."""
-    layer_shape = stacked.leaf.shape[1:]
+    once, into each of them (cast to their dtype), on the I/O threads: straight into a
+    block that is the only one holding it, in the stored dtype."""
+    stored_dtype = np.dtype(stacked.leaf.dtype)
 
     def tasks() -> Iterator[Task]:
         for i, layer in enumerate(stacked.layers):
@@ -335,16 +335,21 @@ def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray], dtype: 
             if not holding:
                 continue
             bounds = _bounds([key[1:] for key in holding])
-            nbytes = math.prod(b - a for a, b in bounds) * np.dtype(layer.dtype).itemsize
+            nbytes = math.prod(b - a for a, b in bounds) * stored_dtype.itemsize
 
             def work(i: int = i, layer: ArrayLeaf = layer, holding: list[Key] = holding, bounds: Key = bounds) -> None:
-                part = source.read_selection(layer, Selection.of(_region(bounds), layer_shape))
-                check_bool_bytes(part, layer.path)
+                region = _region(bounds)
+                only = data[holding[0]]
+                if len(holding) == 1 and only.dtype == stored_dtype and holding[0][1:] == bounds:
+                    source.read_into(layer, region, only[i - holding[0][0][0], ...])  # a C-contiguous slab (a view, even 0-d)
+                    return
+                part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
+                source.read_into(layer, region, part)
                 for key in holding:
-                    piece = part[_region(key[1:], bounds)]
-                    if dtype is not None and piece.dtype != dtype:
-                        piece = checked_astype(piece, dtype, stacked.leaf.path)
-                    data[key][i - key[0][0]] = piece
+                    block = data[key]
+                    block[i - key[0][0]] = checked_astype(
+                        part[_region(key[1:], bounds)], block.dtype, stacked.leaf.path
+                    )
 
             yield nbytes, work, None
 
@@ -352,19 +357,21 @@ def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray], dtype: 
 
 
 def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[Any]) -> None:
-    """`Unstack`'s results from one stacked leaf: its rows read a window at a time (each
-    window only the part of each row that this process's blocks need), every row once."""
+    """`Unstack`'s results from one stacked leaf: its rows read a window at a time on the I/O
+    threads (of each row only the part this process's blocks need), every row once. A row
+    restored whole keeps its window's buffer (no copy) where the alignment allows."""
     stacked = wanted[0][1].stacked
     row_shape = stacked.shape[1:]
-    row_bytes = math.prod(row_shape) * np.dtype(stacked.dtype).itemsize
+    dtype = np.dtype(stacked.dtype)
+    row_bytes = math.prod(row_shape) * dtype.itemsize
     plans = []
     for i, row, target in sorted(wanted, key=lambda item: item[1].index):
         blocks = _blocks(target, row_shape)
         bounds = _bounds(list(blocks)) if blocks else tuple((0, n) for n in row_shape)
         plans.append((i, row, target, blocks, bounds))
     step = source.rows_per_read(stacked)
-    fits = max(1, host_memory_budget() // max(1, row_bytes))
-    window_rows = max(step, fits // step * step)
+    window_rows = max(step, host_memory_budget() // max(1, row_bytes) // step * step)
+    groups = []
     start = 0
     while start < len(plans):
         # Rows that share their part of a row, within one window of rows aligned to what a read costs.
@@ -377,24 +384,30 @@ def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[
             and plans[end][1].index // step <= plans[end - 1][1].index // step + 1  # no unread gap
         ):
             end += 1
-        group = plans[start:end]
+        groups.append(plans[start:end])
+        start = end
+
+    def read(group: list) -> np.ndarray:
         bounds = group[0][4]
         low, high = group[0][1].index, group[-1][1].index + 1
-        selection = Selection.of((slice(low, high), *_region(bounds)), stacked.shape)
-        with reading(stacked):
-            window = source.read_selection(stacked, selection)
-            check_bool_bytes(window, stacked.path)
-        for i, row, target, blocks, _ in group:
-            part = window[row.index - low]
+        window = aligned_empty((high - low, *(b - a for a, b in bounds)), dtype)
+        source.read_into(stacked, (slice(low, high), *_region(bounds)), window)
+        return window
+
+    def settle(group: list, window: np.ndarray) -> None:
+        low = group[0][1].index
+        for i, row, target, blocks, bounds in group:
+            part = window[row.index - low, ...]  # a view, even of a 0-d row
             if blocks is None:
-                piece = aligned_empty(part.shape, part.dtype)  # aligned: the jax array adopts it
-                piece[...] = part
                 with reading(row.leaf):
-                    values[i] = row.leaf.finish(piece, target)
+                    values[i] = row.leaf.finish(part, target)
             else:
-                dtype = np.dtype(target.dtype)
-                data = {key: checked_astype(part[_region(key, bounds)], dtype, row.leaf.path) for key in blocks}
+                data = {key: checked_astype(part[_region(key, bounds)], target.dtype, row.leaf.path) for key in blocks}
                 values[i] = _assemble(row_shape, target, blocks, data)
             advance(row.leaf.nbytes)
-        del window
-        start = end
+
+    tasks = (
+        (len(range(g[0][1].index, g[-1][1].index + 1)) * row_bytes, lambda g=g: read(g), lambda w, g=g: settle(g, w))
+        for g in groups
+    )
+    run_windowed(tasks, host_memory_budget())

@@ -124,6 +124,27 @@ class Source(abc.ABC):
         check_bool_bytes(found[0], leaf.path)
         return selection.take(found[0])
 
+    def read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
+        """Fill ``out`` with the stored values of a box of one leaf, checked as a restore
+        checks them: what a `Stack` or `Unstack` restore reads each layer, or window of
+        rows, with. A format that can, reads straight into ``out`` (eqxckpt's chunks,
+        safetensors' rows); this reads the selection (`read_selection`) and copies it.
+
+        **Arguments:**
+
+        - `leaf`: a `StoredLeaf` of this source (an array: not a PRNG key).
+        - `region`: one slice (step 1, within the shape) per dimension of the leaf.
+        - `out`: a C-contiguous array of the region's shape and the leaf's stored dtype.
+
+        **Returns:** nothing; ``out`` holds the values. Thread-safe.
+
+        ```python
+        out = np.empty((2, 3), np.float32)
+        ckpt.read_into(ckpt.leaf("model/w"), (slice(1, 3), slice(0, 3)), out)
+        ```
+        """
+        out[...] = self.read_selection(leaf, Selection.of(region, leaf.data_shape))
+
     def part_reader(self, leaf: StoredLeaf, selection: Selection) -> Callable[[Region], np.ndarray]:
         """What a save copies a selection of one leaf from, a part at a time: a function of
         a part of the selection (a tuple of slices from 0) giving its stored values.
