@@ -341,7 +341,8 @@ def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray]) -> None
                 region = _region(bounds)
                 only = data[holding[0]]
                 if len(holding) == 1 and only.dtype == stored_dtype and holding[0][1:] == bounds:
-                    source.read_into(layer, region, only[i - holding[0][0][0], ...])  # a C-contiguous slab (a view, even 0-d)
+                    # Its slab of the block: C-contiguous (a view, even 0-d).
+                    source.read_into(layer, region, only[i - holding[0][0][0], ...])
                     return
                 part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
                 source.read_into(layer, region, part)
