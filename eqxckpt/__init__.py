@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ._checkpoint import Checkpoint as Checkpoint
     from ._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
     from ._formats import open as open
+    from ._layout import Stack as Stack, Unstack as Unstack
     from ._leaf import (
         ArrayLeaf as ArrayLeaf,
         KeyLeaf as KeyLeaf,
@@ -61,6 +62,8 @@ _LAZY = {
     "SaveHandle": "_background",
     "Checkpoint": "_checkpoint",
     "LazyArray": "_source",
+    "Stack": "_layout",
+    "Unstack": "_layout",
     "Leaf": "_leaf",
     "StoredLeaf": "_leaf",
     "ArrayLeaf": "_leaf",
@@ -113,12 +116,14 @@ __all__ = [
     "SaveHandle",
     "ScalarLeaf",
     "Source",
+    "Stack",
     "StoredLeaf",
     "StructureMismatchError",
     "Transform",
     "TransformError",
     "UnsupportedFormatError",
     "UnsupportedLeafError",
+    "Unstack",
     "VerifyReport",
     "__version__",
     "apply_transformations",

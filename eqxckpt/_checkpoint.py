@@ -85,6 +85,21 @@ class Checkpoint(Source):
             check_bool_bytes(data, leaf.path)  # all of it: a selection could skip a damaged byte
         return selection.take(data)
 
+    def rows_per_read(self, leaf: StoredLeaf) -> int:
+        """A chunk's rows (a packed leaf is read whole)."""
+        if leaf.offset is not None or not leaf.shape:
+            return super().rows_per_read(leaf)
+        with reading(leaf):
+            return max(1, self.stored.layout(leaf).chunk[0])
+
+    def read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
+        """The chunks holding ``region``, each read once (checksum checked) straight into ``out``."""
+        if leaf.offset is not None:  # packed: small, read whole
+            return super().read_into(leaf, region, out)
+        with reading(leaf):
+            self.stored.read_box(leaf, tuple(range(s.start, s.stop) for s in region), out)
+            check_bool_bytes(out, leaf.path)
+
     def part_reader(self, leaf: StoredLeaf, selection: Selection) -> Callable[[Region], np.ndarray]:
         """Each part read from only the chunks it needs; a packed leaf (small) read whole."""
         if leaf.offset is not None:

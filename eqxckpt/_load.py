@@ -19,6 +19,7 @@ from jaxtyping import PyTree
 from ._convert import checked_astype, narrowed
 from ._errors import CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
+from ._layout import Layout, Row, plan_stack, plan_unstack, read_layouts, unrestored_rows
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
@@ -59,7 +60,8 @@ class Plan:
     """Which source leaf (or rule, or `like` value) feeds each leaf of the result.
 
     ``values`` holds the result's leaves known without reading; ``reads`` the
-    stored leaves to read into their slots; ``computed`` the rules to apply.
+    stored leaves to read into their slots; ``computed`` the rules to apply;
+    ``layouts`` the leaves stacked from layers or taken as rows of a stacked leaf.
     With ``like=None`` there is no treedef: the result is rebuilt from keys.
     """
 
@@ -69,6 +71,7 @@ class Plan:
     values: list[Any]
     reads: list[tuple[int, StoredLeaf, Any]] = dataclasses.field(default_factory=list)
     computed: list[Computed] = dataclasses.field(default_factory=list)
+    layouts: list[tuple[int, Layout, Any]] = dataclasses.field(default_factory=list)  # `Stack`, `Unstack`
     missing: Rows = dataclasses.field(default_factory=list)
     unexpected: Rows = dataclasses.field(default_factory=list)
     mismatched: Rows = dataclasses.field(default_factory=list)
@@ -144,14 +147,18 @@ class Plan:
         return None
 
     def stored(self) -> list[StoredLeaf]:
-        """The stored leaves `run` reads."""
-        return [leaf for _, leaf, _ in self.reads] + [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
+        """The stored leaves `run` reads (a `Stack`'s or `Unstack`'s result as if stored so)."""
+        computed = [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
+        return [leaf for _, leaf, _ in self.reads] + computed + [layout.leaf for _, layout, _ in self.layouts]
 
     def run(self) -> Any:
         """Read what the plan needs (value_fn inputs in the same batch) and build the result."""
         inputs = [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
         values = self.source.read([(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs])
         for (slot, _, _), value in zip(self.reads, values):
+            self.values[slot] = value
+        layouts = read_layouts(self.source, [(layout, target) for _, layout, target in self.layouts])
+        for (slot, _, _), value in zip(self.layouts, layouts):
             self.values[slot] = value
         read = dict(zip((leaf.path for leaf in inputs), values[len(self.reads) :]))
         lazy_original = None
@@ -197,7 +204,7 @@ def plan(
     else:
         paths = [keypath_string(kp) for _, kp, _ in flat]
         targets = [target for _, _, target in flat]
-        _match_rules(result, paths, targets, available, transforms, default_to_original, cast)
+        _match_rules(result, paths, targets, available, transforms, default_to_original, strict, cast)
     result.check(strict)
     return result
 
@@ -257,14 +264,27 @@ def _match_rules(
     available: dict[str, Leaf],
     transforms: Any,
     default_to_original: bool,
+    strict: bool,
     cast: bool,
 ) -> None:
     """Each leaf of `like` as the `Transform` rules say: planned on paths before anything is read."""
     by_key = {readable_path(leaf.keys[depth(result.prefix) :]): leaf for leaf in available.values()}
     rules = plan_rules(paths, set(by_key), transforms, default_to_original)
     produced: dict[Any, tuple[int, ...] | None] = {}
+    rows: list[tuple[str, Row]] = []
     for slot, (path, target, rule) in enumerate(zip(paths, targets, rules)):
-        if rule.kind is RuleKind.NEW:
+        if rule.kind in (RuleKind.STACK, RuleKind.UNSTACK):
+            if rule.kind is RuleKind.STACK:
+                layout = plan_stack(path, rule.key, target, by_key, strict, cast)
+            else:
+                layout = plan_unstack(path, rule.key, rule.index, target, by_key, cast)
+            if isinstance(layout, str):
+                result.mismatched.append((path, layout))
+            else:
+                result.layouts.append((slot, layout, target))
+                if isinstance(layout, Row):
+                    rows.append((path, layout))
+        elif rule.kind is RuleKind.NEW:
             if isinstance(target, jax.ShapeDtypeStruct):
                 result.mismatched.append(
                     (path, f"expected {describe_like(target)}; no rule, checkpoint leaf or concrete value supplies it")
@@ -288,6 +308,8 @@ def _match_rules(
             result.mismatched.append((path, result.named(by_key[rule.key], f"{problem} (from {rule.key!r})")))
         else:
             result.supply(slot, by_key[rule.key], target)
+    if strict:
+        result.mismatched.extend(unrestored_rows(rows))
 
 
 def _produced_shape(value_fn: Any, leaf: Leaf, known: dict[Any, tuple[int, ...] | None]) -> tuple[int, ...] | None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from ._chunks import Region
 from ._convert import aligned_empty
 from ._dtypes import little_endian
 from ._errors import (
@@ -148,6 +149,20 @@ class SafetensorsCheckpoint(Source):
             read = lambda fd=fd, offset=offset, buffer=buffer, path=leaf.path: read_range(fd, offset, buffer, path)  # noqa: E731
             tasks.append((buffer.nbytes, read, lambda _, i=i, buffer=buffer: done(i, buffer)))
         run_windowed(tasks, read_window(sum(leaf.nbytes for leaf in leaves)))
+
+    def rows_per_read(self, leaf: StoredLeaf) -> int:
+        """One row: a selection is read from its first row to its last."""
+        return 1
+
+    def read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
+        """Whole rows: one ranged read straight into ``out``."""
+        whole_rows = all((s.start, s.stop) == (0, n) for s, n in zip(region[1:], leaf.shape[1:]))
+        if not region or not whole_rows or not out.size:
+            return super().read_into(leaf, region, out)
+        fd, offset = self._where[leaf.path]
+        with reading(leaf):
+            read_range(fd, offset + region[0].start * (leaf.nbytes // leaf.shape[0]), out, leaf.path)
+        check_bool_bytes(out, leaf.path)
 
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """One ranged read of the rows from the first selected to the last (a tensor is

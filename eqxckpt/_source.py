@@ -124,6 +124,27 @@ class Source(abc.ABC):
         check_bool_bytes(found[0], leaf.path)
         return selection.take(found[0])
 
+    def read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
+        """Fill ``out`` with the stored values of a box of one leaf, checked as a restore
+        checks them: what a `Stack` or `Unstack` restore reads each layer, or window of
+        rows, with. A format that can, reads straight into ``out`` (eqxckpt's chunks,
+        safetensors' rows); this reads the selection (`read_selection`) and copies it.
+
+        **Arguments:**
+
+        - `leaf`: a `StoredLeaf` of this source (an array: not a PRNG key).
+        - `region`: one slice (step 1, within the shape) per dimension of the leaf.
+        - `out`: a C-contiguous array of the region's shape and the leaf's stored dtype.
+
+        **Returns:** nothing; ``out`` holds the values. Thread-safe.
+
+        ```python
+        out = np.empty((2, 3), np.float32)
+        ckpt.read_into(ckpt.leaf("model/w"), (slice(1, 3), slice(0, 3)), out)
+        ```
+        """
+        out[...] = self.read_selection(leaf, Selection.of(region, leaf.data_shape))
+
     def part_reader(self, leaf: StoredLeaf, selection: Selection) -> Callable[[Region], np.ndarray]:
         """What a save copies a selection of one leaf from, a part at a time: a function of
         a part of the selection (a tuple of slices from 0) giving its stored values.
@@ -143,6 +164,26 @@ class Source(abc.ABC):
         """
         data = self.read_selection(leaf, selection)
         return lambda part: data[part]
+
+    def rows_per_read(self, leaf: StoredLeaf) -> int:
+        """How many leading rows of ``leaf`` a `read_selection` reads at the least, however
+        few it selects (a selection starting at a multiple of it). An `Unstack` restore
+        reads a stacked leaf's rows in windows of multiples of it, so each row is read once.
+
+        This format reads a leaf whole whatever is selected: all its rows. eqxckpt
+        checkpoints read a chunk's rows, safetensors files one row.
+
+        **Arguments:**
+
+        - `leaf`: a `StoredLeaf` of this source with at least one dimension.
+
+        **Returns:** a positive int.
+
+        ```python
+        ckpt.rows_per_read(ckpt.leaf("model/blocks/w"))  # the rows of one chunk
+        ```
+        """
+        return max(1, leaf.shape[0]) if leaf.shape else 1
 
     def _fetch(
         self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]

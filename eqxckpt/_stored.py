@@ -264,14 +264,21 @@ class StoredArrays:
         """The elements ``selection`` takes of a leaf with its own array: only the chunks
         holding them are read, each checked as a whole read checks it. ``layout``: the
         leaf's, if it was checked already."""
-        layout = self.layout(leaf) if layout is None else layout
         box = selection.box()
-        assert len(box) == len(layout.shape), (box, layout.shape)
-        nbytes = math.prod(len(r) for r in box) * layout.dtype.itemsize
+        nbytes = math.prod(len(r) for r in box) * np.dtype(leaf.dtype).itemsize
         check_allocation(nbytes, f"Reading leaf {leaf.path!r}")
-        out = np.empty(tuple(len(r) for r in box), layout.dtype)
-        run_windowed(self.selection_reads(leaf, layout, box, out, lambda: None), read_window(nbytes))
+        out = np.empty(tuple(len(r) for r in box), leaf.dtype)
+        self.read_box(leaf, box, out, layout)
         return selection.finish(out)
+
+    def read_box(
+        self, leaf: StoredLeaf, box: Sequence[range], out: np.ndarray, layout: ChunkLayout | None = None
+    ) -> None:
+        """Fill ``out`` (shaped like ``box``) with the elements ``box`` (ascending ranges, one
+        per dimension) takes of a leaf with its own array, each chunk read once."""
+        layout = self.layout(leaf) if layout is None else layout
+        assert len(box) == len(layout.shape) and out.dtype == layout.dtype, (box, layout.shape, out.dtype)
+        run_windowed(self.selection_reads(leaf, layout, box, out, lambda: None), read_window(out.nbytes))
 
     def block_reads(self, leaf: StoredLeaf, target: Any, window: int) -> "BlockReads":
         """The blocks of ``leaf`` that ``target``'s sharding places on this process's devices (`BlockReads`)."""

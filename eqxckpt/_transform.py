@@ -13,10 +13,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 from ._errors import TransformError
+from ._layout import Stack, Unstack, layer_keys
 from ._paths import key_entry_record
 
 
@@ -50,6 +54,8 @@ class RuleKind(enum.Enum):
     ORIGINAL = "original"  # the original leaf at the rule's key (through value_fn, if any)
     NEW = "new"  # the new tree's own value (`like`'s)
     MULTI = "multi"  # computed from every original leaf (multi_value_fn)
+    STACK = "stack"  # the stack of the original leaves at the rule's key, ``{i}`` each index (`Stack`)
+    UNSTACK = "unstack"  # row ``index`` of the original leaf at the rule's key (`Unstack`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +65,7 @@ class Rule:
     kind: RuleKind
     key: str = ""
     transform: Transform | None = None
+    index: int = 0  # the row an UNSTACK rule takes
 
     @property
     def value_fn(self) -> Callable[[Any], Any] | None:
@@ -79,7 +86,10 @@ def keypath_string(keypath: tuple[Any, ...]) -> str:
     return readable_path([key_entry_record(entry) for entry in keypath])
 
 
-def flatten_transformations(transformations: Any) -> list[tuple[str, re.Pattern, Transform]]:
+AnyTransform = Transform | Stack | Unstack
+
+
+def flatten_transformations(transformations: Any) -> list[tuple[str, re.Pattern, AnyTransform]]:
     """``{"a": {"b_(\\d)": T}}`` -> ``[("a/b_(\\d)", regex, T)]``, in insertion order."""
     if transformations is None:
         return []
@@ -93,11 +103,12 @@ def flatten_transformations(transformations: Any) -> list[tuple[str, re.Pattern,
             raise TransformError(f"Transformation key {key!r} must be a string (a path or regex).")
         if isinstance(value, dict):
             rules.extend((f"{key}/{sub}", None, t) for sub, _, t in flatten_transformations(value))
-        elif isinstance(value, Transform):
+        elif isinstance(value, (Transform, Stack, Unstack)):
             rules.append((key, None, value))
         else:
             raise TransformError(
-                f"Transformation {key!r} must be a Transform or a dict of them, got {type(value).__name__}."
+                f"Transformation {key!r} must be a Transform, Stack or Unstack, or a dict of them, got "
+                f"{type(value).__name__}."
             )
     compiled = []
     for key, _, transform in rules:
@@ -119,20 +130,20 @@ def plan_rules(
             match = regex.fullmatch(path)
             if match is None:
                 continue
-            if transform.multi_value_fn is not None:
+            if isinstance(transform, (Stack, Unstack)):
+                original = _expanded(key, transform.original_key, match, path)
+                if isinstance(transform, Stack):
+                    sources.append(Rule(RuleKind.STACK, original))
+                else:
+                    sources.append(Rule(RuleKind.UNSTACK, original, index=transform.row(match, path)))
+            elif transform.multi_value_fn is not None:
                 sources.append(Rule(RuleKind.MULTI, path, transform))
             elif transform.use_fallback:
                 sources.append(Rule(RuleKind.NEW) if default_to_original else Rule(RuleKind.ORIGINAL, path, transform))
             else:
                 original = path
                 if transform.original_key is not None:
-                    try:
-                        original = match.expand(transform.original_key)
-                    except (re.error, IndexError) as e:
-                        raise TransformError(
-                            f"Transformation {key!r} -> original_key {transform.original_key!r} cannot be "
-                            f"applied to {path!r}: {e}. Check the backreferences against the regex's groups."
-                        ) from None
+                    original = _expanded(key, transform.original_key, match, path)
                 sources.append(Rule(RuleKind.ORIGINAL, original, transform))
             break
         else:
@@ -141,11 +152,24 @@ def plan_rules(
     return sources
 
 
+def _expanded(key: str, original_key: str, match: re.Match, path: str) -> str:
+    """A rule's ``original_key`` with the backreferences to its regex's groups filled in."""
+    try:
+        return match.expand(original_key)
+    except (re.error, IndexError) as e:
+        raise TransformError(
+            f"Transformation {key!r} -> original_key {original_key!r} cannot be applied to {path!r}: {e}. Check "
+            "the backreferences against the regex's groups."
+        ) from None
+
+
 def missing_originals(new_paths: list[str], sources: list[Rule], original_paths: set[str]) -> list[tuple[str, str]]:
     """(new path, original key) for rules that point at nothing."""
-    return [
-        (p, s.key) for p, s in zip(new_paths, sources) if s.kind is RuleKind.ORIGINAL and s.key not in original_paths
-    ]
+    missing = []
+    for path, source in zip(new_paths, sources):
+        if source.kind in (RuleKind.ORIGINAL, RuleKind.UNSTACK) and source.key not in original_paths:
+            missing.append((path, source.key))
+    return missing
 
 
 def apply_transformations(
@@ -187,12 +211,42 @@ def apply_transformations(
             + ", ".join(f"{p!r} <- {k!r}" for p, k in missing)
         )
     values = []
-    for (_, new_value), rule in zip(with_path, sources):
+    for (keypath, new_value), rule in zip(with_path, sources):
         if rule.kind is RuleKind.NEW:
             values.append(new_value)
+        elif rule.kind is RuleKind.STACK:
+            values.append(_stacked(keypath_string(keypath), rule.key, new_value, original))
+        elif rule.kind is RuleKind.UNSTACK:
+            stacked = original[rule.key]
+            if not 0 <= rule.index < (np.shape(stacked) or (0,))[0]:
+                raise TransformError(
+                    f"Unstack({rule.key!r}, index={rule.index}) for {keypath_string(keypath)!r}: index out of range "
+                    f"for {rule.key!r} of shape {tuple(np.shape(stacked))}."
+                )
+            values.append(stacked[rule.index])
         elif rule.multi_value_fn is not None:
             values.append(rule.multi_value_fn(rule.key, original_tree))
         else:
             value = original[rule.key]
             values.append(rule.value_fn(value) if rule.value_fn is not None else value)
     return jtu.tree_unflatten(treedef, values)
+
+
+def _stacked(path: str, template: str, new_value: Any, original: dict[str, Any]) -> Any:
+    """The stack of ``original``'s layers at ``template``, as many as ``new_value``'s leading axis."""
+    if not np.shape(new_value):
+        raise TransformError(
+            f"Stack({template!r}) for {path!r} needs a leaf with a leading layer axis in the new tree, found "
+            f"{type(new_value).__name__} of shape {tuple(np.shape(new_value))}."
+        )
+    keys = layer_keys(template, np.shape(new_value)[0])
+    absent = [key for key in keys if key not in original]
+    if absent:
+        raise TransformError(f"Stack({template!r}) for {path!r}: the original tree has no {absent[:8]}.")
+    layers = [original[key] for key in keys]
+    if len({(tuple(np.shape(x)), np.dtype(x.dtype)) for x in layers}) > 1:
+        found = {key: f"{np.dtype(x.dtype).name}{list(np.shape(x))}" for key, x in zip(keys, layers)}
+        raise TransformError(f"Stack({template!r}) for {path!r}: the layers differ in shape or dtype: {found}.")
+    if any(isinstance(x, jax.Array) for x in layers):
+        return jnp.stack(layers)
+    return np.stack([np.asarray(x) for x in layers])

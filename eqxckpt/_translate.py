@@ -7,6 +7,7 @@ from typing import Any, overload
 
 import numpy as np
 
+from ._chunks import Region
 from ._classify import leaf_of
 from ._errors import TransformError
 from ._leaf import ArrayLeaf, StoredLeaf
@@ -190,6 +191,20 @@ class TranslatedSource(Source):
             if leaf.path not in self._origin:
                 values[i] = leaf.finish(np.array(self._computed[leaf.path]), target)
         return values
+
+    def rows_per_read(self, leaf: StoredLeaf) -> int:
+        """As the original reads a leaf passed on unchanged; a transposed or computed one is read whole."""
+        origin = self._origin.get(leaf.path)
+        if origin is not None and leaf.path not in self._transposed:
+            return self.original.rows_per_read(origin)
+        return super().rows_per_read(leaf)
+
+    def read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
+        """A leaf passed on unchanged, as its original source reads it into ``out``."""
+        origin = self._origin.get(leaf.path)
+        if origin is not None and leaf.path not in self._transposed:
+            return self.original.read_into(origin, region, out)
+        super().read_into(leaf, region, out)
 
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """A leaf passed on unchanged, as its original source reads it (only what the

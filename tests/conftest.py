@@ -9,12 +9,18 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 import pytest
 
 from eqxckpt._tree import is_prng_key_dtype
+
+if TYPE_CHECKING:
+    import collections
+
+    from eqxckpt._storage._local import LocalStorage
 
 # The scripts tests start in other processes (and whose helpers some tests import).
 WORKERS = pathlib.Path(__file__).parent / "workers"
@@ -345,3 +351,25 @@ def run_cli(*args: str, terminal: bool = False) -> tuple[int, str, str]:
     os.close(leader)
     output = b"".join(chunks).decode()
     return process.wait(timeout=120), output, output
+
+
+def counting_storage(path: pathlib.Path) -> "tuple[LocalStorage, collections.Counter]":
+    """A checkpoint's local storage whose chunk files count their reads, by key: the
+    backend's own seam (`Storage.chunk_files`), the real files read underneath."""
+    import collections
+    from collections.abc import Sequence
+
+    from eqxckpt._storage._local import LocalChunkFiles, LocalStorage
+
+    reads: collections.Counter = collections.Counter()
+
+    class CountingFiles(LocalChunkFiles):
+        def read(self, key: str, into: Sequence[np.ndarray]) -> None:
+            reads[key] += 1
+            super().read(key, into)
+
+    class CountingStorage(LocalStorage):
+        def chunk_files(self) -> LocalChunkFiles:
+            return CountingFiles(str(self.path))
+
+    return CountingStorage.at(path), reads

@@ -1,25 +1,21 @@
 """`eqxckpt.diff` and ``eqxckpt diff``: every kind of difference with its numbers, equal
 digests costing no reads, other formats read and compared, large leaves in slabs."""
 
-import collections
 import itertools
 import math
-import pathlib
 import struct
-from collections.abc import Sequence
 
 import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import run_cli
+from conftest import counting_storage, run_cli
 from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt import _chunks as chunks_module
 from eqxckpt._checkpoint import open_checkpoint
 from eqxckpt._paths import PACKED_LOCATION
-from eqxckpt._storage._local import LocalChunkFiles, LocalStorage
 from eqxckpt._stored import StoredArrays
 
 
@@ -110,23 +106,6 @@ def test_command_line_lists_the_differences_and_exits_1(pair):
     assert lines[-1].startswith("DIFFERENT 2 unchanged, 3 changed, 1 retyped, 1 added, 1 removed")
     status, out, _ = run_cli("diff", str(pair[0]), str(pair[0]))
     assert status == 0 and out.splitlines()[-1].startswith("SAME 7 unchanged") and "(0 B read)" in out
-
-
-def counting_storage(path: pathlib.Path) -> tuple[LocalStorage, collections.Counter]:
-    """A checkpoint's local storage whose chunk files count their reads, by key: the
-    backend's own seam (`Storage.chunk_files`), the real files read underneath."""
-    reads: collections.Counter = collections.Counter()
-
-    class CountingFiles(LocalChunkFiles):
-        def read(self, key: str, into: Sequence[np.ndarray]) -> None:
-            reads[key] += 1
-            super().read(key, into)
-
-    class CountingStorage(LocalStorage):
-        def chunk_files(self) -> LocalChunkFiles:
-            return CountingFiles(str(self.path))
-
-    return CountingStorage.at(path), reads
 
 
 def test_each_packed_chunk_is_read_once_for_all_its_changed_leaves(tmp_path, monkeypatch):

@@ -1,0 +1,414 @@
+"""Restores that change a model's layout: `Stack` (per-layer leaves into one stacked
+leaf, for a scanned model) and `Unstack` (rows of a stacked leaf into per-layer leaves).
+
+Both are planned on paths, shapes and dtypes alone (`plan_stack`, `plan_unstack`), so
+`load` reports every misfit in its one error before anything is read; then
+`read_layouts` reads exactly the bytes the result needs: each layer, or each row of
+a stacked leaf, once in all, and of a sharded target only this process's slices,
+within the host memory budget.
+"""
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._convert import aligned_empty, checked_astype
+from ._errors import TransformError
+from ._leaf import ArrayLeaf, Leaf, StoredLeaf
+from ._progress import advance
+from ._source import Source
+from ._storage import reading
+from ._tree import describe_like, is_array_like
+from ._window import Task, host_memory_budget, read_window, run_windowed
+
+LAYER = "{i}"  # where a `Stack` template puts the layer index
+MAX_NAMED = 8  # layers an error lists by name
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """A `load` transform: the new leaf, whose leading axis has length N, is the stack
+    over ``i`` in ``range(N)`` of the original leaves at ``original_key`` with ``{i}``
+    replaced by ``i``. For a scanned model (blocks stacked with `eqx.filter_vmap` and
+    run with `jax.lax.scan`) restored from per-layer weights.
+
+    Each layer is read once, straight into the stacked result; a target sharded along
+    any axis reads only this process's slices of each layer.
+
+    **Arguments:**
+
+    - `original_key`: the layers' path, with ``{i}`` where the layer index goes;
+      backreferences (``\\1``, ``\\g<name>``) refer to the rule's regex groups.
+
+    ```python
+    transforms = {r"blocks/(.*)": eqxckpt.Stack(r"blocks/{i}/\\1")}
+    scanned = eqxckpt.load("per_layer_ckpt", scanned_skeleton, transforms=transforms)
+    ```
+    """
+
+    original_key: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.original_key, str) or LAYER not in self.original_key:
+            raise TransformError(
+                f"Stack({self.original_key!r}): the original key must contain {LAYER!r} where the layer index goes, "
+                "e.g. Stack(r'blocks/{i}/\\1')."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Unstack:
+    """A `load` transform: the new leaf is row ``index`` of the stacked original leaf at
+    ``original_key``. For a per-layer model restored from a scanned model's weights.
+
+    The rows a restore needs of one stacked leaf are read together, so the stacked
+    leaf is read about once in all, not once per row.
+
+    **Arguments:**
+
+    - `original_key`: the stacked leaf's path; backreferences refer to the rule's groups.
+    - `index`: the row, an int or a backreference (``r"\\1"``) to a group holding one.
+
+    ```python
+    transforms = {r"blocks/(\\d+)/(.*)": eqxckpt.Unstack(r"blocks/\\2", index=r"\\1")}
+    per_layer = eqxckpt.load("scanned_ckpt", per_layer_skeleton, transforms=transforms)
+    ```
+    """
+
+    original_key: str
+    index: int | str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.original_key, str):
+            raise TransformError(f"Unstack: original_key must be a string (a path), got {self.original_key!r}.")
+        if isinstance(self.index, bool) or not isinstance(self.index, (int, str)):
+            raise TransformError(
+                f"Unstack({self.original_key!r}, index={self.index!r}): index must be an int or a backreference "
+                "such as r'\\1'."
+            )
+
+    def row(self, match: re.Match, path: str) -> int:
+        """The row this rule takes for the new leaf at ``path`` (matched by ``match``)."""
+        if isinstance(self.index, int):
+            return self.index
+        try:
+            text = match.expand(self.index)
+        except (re.error, IndexError) as e:
+            raise TransformError(
+                f"Unstack index {self.index!r} cannot be applied to {path!r}: {e}. Check the backreferences against "
+                "the regex's groups."
+            ) from None
+        try:
+            return int(text)
+        except ValueError:
+            raise TransformError(
+                f"Unstack index {self.index!r} gives {text!r} for {path!r}, which is not a row number."
+            ) from None
+
+
+def layer_keys(template: str, count: int) -> list[str]:
+    """The original keys of layers ``0 .. count - 1`` of a `Stack` template."""
+    return [template.replace(LAYER, str(i)) for i in range(count)]
+
+
+# -- planning -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """A new leaf read as the stack of ``layers``; ``leaf`` describes it as if stored so."""
+
+    leaf: ArrayLeaf
+    layers: tuple[ArrayLeaf, ...]
+
+    @property
+    def originals(self) -> tuple[StoredLeaf, ...]:
+        return self.layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A new leaf read as row ``index`` of ``stacked``; ``leaf`` describes it as if stored so."""
+
+    leaf: ArrayLeaf
+    stacked: ArrayLeaf
+    index: int
+
+    @property
+    def originals(self) -> tuple[StoredLeaf, ...]:
+        return (self.stacked,)
+
+
+Layout = Stacked | Row
+
+
+def _virtual(origin: ArrayLeaf, path: str, shape: tuple[int, ...]) -> ArrayLeaf:
+    """A leaf of ``origin``'s dtype and kind at ``path`` with ``shape`` (never stored, so no digest)."""
+    keys = tuple(("dict", part) for part in path.split("/"))
+    return dataclasses.replace(origin, path=path, keys=keys, shape=shape, digest=None, offset=None, arrays=None)
+
+
+def plan_stack(
+    path: str, template: str, target: Any, by_key: dict[str, Leaf], strict: bool, cast: bool
+) -> Stacked | str:
+    """How the new leaf at ``path`` is stacked from the layers at ``template``, or why it cannot be."""
+    if not is_array_like(target) or not np.shape(target):
+        return f"Stack({template!r}) needs an array with a leading layer axis in `like`, found {describe_like(target)}"
+    count = np.shape(target)[0]
+    keys = layer_keys(template, count)
+    absent = [key for key in keys if key not in by_key]
+    if absent:
+        return (
+            f"Stack({template!r}) stacks {count} layers for {describe_like(target)}, but the checkpoint has no "
+            f"{_named(absent)}"
+        )
+    layers = [by_key[key] for key in keys]
+    odd = [(key, leaf) for key, leaf in zip(keys, layers) if not isinstance(leaf, ArrayLeaf)]
+    if odd:
+        return f"Stack({template!r}) stacks arrays; {', '.join(f'{k!r} is {v.describe()}' for k, v in odd[:MAX_NAMED])}"
+    arrays = [leaf for leaf in layers if isinstance(leaf, ArrayLeaf)]
+    if count and any((leaf.shape, leaf.dtype) != (arrays[0].shape, arrays[0].dtype) for leaf in arrays):
+        kinds: dict[str, list[str]] = {}
+        for key, leaf in zip(keys, arrays):
+            kinds.setdefault(leaf.describe(), []).append(key)
+        return f"Stack({template!r}): the layers differ in shape or dtype: " + "; ".join(
+            f"{described} at {_named(at)}" for described, at in kinds.items()
+        )
+    extra = layer_keys(template, count + 1)[-1]
+    if strict and extra in by_key:
+        total = count + 1
+        while template.replace(LAYER, str(total)) in by_key:
+            total += 1
+        return (
+            f"Stack({template!r}): `like` stacks {count} layers ({describe_like(target)}), but the checkpoint has "
+            f"{total} ({keys[0] if keys else extra!r} to {template.replace(LAYER, str(total - 1))!r}); pass "
+            "strict=False to restore the first layers only"
+        )
+    if not count:
+        return "Stack of no layers: `like`'s leading axis has length 0"
+    leaf = _virtual(arrays[0], path, (count, *arrays[0].shape))
+    if (problem := leaf.mismatch(target, cast)) is not None:
+        return f"{problem} (stacked from {_named(keys)})"
+    return Stacked(leaf, tuple(arrays))
+
+
+def plan_unstack(path: str, key: str, index: int, target: Any, by_key: dict[str, Leaf], cast: bool) -> Row | str:
+    """How the new leaf at ``path`` is read as row ``index`` of the leaf at ``key``, or why it cannot be."""
+    stacked = by_key.get(key)
+    if stacked is None:
+        return f"Unstack({key!r}, index={index}): the checkpoint has no {key!r}"
+    if not isinstance(stacked, ArrayLeaf) or not stacked.shape:
+        return f"Unstack({key!r}) needs a stacked array, found {stacked.describe()} at {key!r}"
+    if not 0 <= index < stacked.shape[0]:
+        return f"Unstack({key!r}, index={index}): index out of range for {key!r} ({stacked.describe()}, rows 0 to {stacked.shape[0] - 1})"
+    leaf = _virtual(stacked, path, stacked.shape[1:])
+    if (problem := leaf.mismatch(target, cast)) is not None:
+        return f"{problem} (row {index} of {key!r}, {stacked.describe()})"
+    return Row(leaf, stacked, index)
+
+
+def unrestored_rows(rows: Sequence[tuple[str, Row]]) -> list[tuple[str, str]]:
+    """For each stacked leaf some rows were planned from, the rows no new leaf takes, as
+    ``(path, what)`` problems (a strict restore refuses them: `like` has fewer layers)."""
+    taken: dict[str, tuple[ArrayLeaf, set[int], list[str]]] = {}
+    for path, row in rows:
+        entry = taken.setdefault(row.stacked.path, (row.stacked, set(), []))
+        entry[1].add(row.index)
+        entry[2].append(path)
+    problems = []
+    for stacked_path, (stacked, indices, paths) in taken.items():
+        left = [i for i in range(stacked.shape[0]) if i not in indices]
+        if left:
+            problems.append(
+                (
+                    paths[0],
+                    f"the checkpoint stacks {stacked.shape[0]} rows in {stacked_path!r} ({stacked.describe()}), but "
+                    f"`like` takes {len(indices)} of them (not rows {_listed(left)}); pass strict=False to restore "
+                    "these rows only",
+                )
+            )
+    return problems
+
+
+def _named(keys: Sequence[str]) -> str:
+    listed = ", ".join(repr(k) for k in keys[:MAX_NAMED])
+    return listed + (f" and {len(keys) - MAX_NAMED} more" if len(keys) > MAX_NAMED else "")
+
+
+def _listed(indices: Sequence[int]) -> str:
+    return ", ".join(map(str, indices[:MAX_NAMED])) + (" ..." if len(indices) > MAX_NAMED else "")
+
+
+# -- reading --------------------------------------------------------------------------
+
+Key = tuple[tuple[int, int], ...]  # a block: (start, stop) per dimension
+
+
+def _blocks(target: Any, shape: tuple[int, ...]) -> dict[Key, list[Any]] | None:
+    """This process's distinct blocks of ``target`` and the devices holding each; None
+    when the whole array goes to one device (or to numpy)."""
+    sharding = getattr(target, "sharding", None)
+    if sharding is None or (len(sharding.device_set) == 1 and sharding.is_fully_addressable):
+        return None
+    blocks: dict[Key, list[Any]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        blocks.setdefault(key, []).append(device)
+    return blocks
+
+
+def _bounds(keys: Sequence[Key]) -> Key:
+    """The smallest block holding every one of ``keys``."""
+    return tuple((min(k[d][0] for k in keys), max(k[d][1] for k in keys)) for d in range(len(keys[0])))
+
+
+def _region(key: Key, within: Key | None = None) -> tuple[slice, ...]:
+    """``key`` as slices, relative to the start of ``within``."""
+    starts = [0] * len(key) if within is None else [a for a, _ in within]
+    return tuple(slice(a - s, b - s) for (a, b), s in zip(key, starts))
+
+
+def _assemble(shape: tuple[int, ...], target: Any, blocks: dict[Key, list[Any]], data: dict[Key, np.ndarray]) -> Any:
+    """The global array of ``target``'s sharding from this process's blocks."""
+    import jax
+
+    arrays = []
+    for key, devices in blocks.items():
+        for device in devices:
+            array = jax.device_put(data[key], device)
+            array.block_until_ready()
+            arrays.append((device, array))
+        del data[key]  # on its devices: the host's copy can go
+    order = {device: i for i, device in enumerate(target.sharding.addressable_devices_indices_map(shape))}
+    arrays.sort(key=lambda item: order[item[0]])
+    return jax.make_array_from_single_device_arrays(shape, target.sharding, [a for _, a in arrays])
+
+
+def read_layouts(source: Source, wanted: Sequence[tuple[Layout, Any]]) -> list[Any]:
+    """Read each planned layout into its target (an array or `jax.ShapeDtypeStruct` of
+    `like`, whose sharding is honoured), each original byte once: the rows of one
+    stacked leaf are read together, a window of rows at a time.
+
+    **Returns:** the values, in the order of ``wanted``.
+    """
+    values: list[Any] = [None] * len(wanted)
+    rows: dict[str, list[tuple[int, Row, Any]]] = {}
+    for i, (layout, target) in enumerate(wanted):
+        if isinstance(layout, Row):
+            rows.setdefault(layout.stacked.path, []).append((i, layout, target))
+        else:
+            values[i] = _read_stacked(source, layout, target)
+            advance(layout.leaf.nbytes)
+    for of_one_leaf in rows.values():
+        _read_rows(source, of_one_leaf, values)
+    return values
+
+
+def _read_stacked(source: Source, stacked: Stacked, target: Any) -> Any:
+    """A `Stack`'s result: each layer read once (only this process's slices of it) into its blocks."""
+    leaf = stacked.leaf
+    blocks = _blocks(target, leaf.shape)
+    if blocks is None:
+        out = aligned_empty(leaf.shape, np.dtype(leaf.dtype))  # aligned: the jax array adopts it
+        _fill(source, stacked, {tuple((0, n) for n in leaf.shape): out})
+        with reading(leaf):
+            return leaf.finish(out, target)
+    dtype = np.dtype(target.dtype)
+    data = {key: aligned_empty(tuple(b - a for a, b in key), dtype) for key in blocks}
+    _fill(source, stacked, data)
+    return _assemble(leaf.shape, target, blocks, data)
+
+
+def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray]) -> None:
+    """Read, of each layer, the part that the blocks ``data`` (of the stacked shape) hold,
+    once, into each of them (cast to their dtype), on the I/O threads: straight into a
+    block that is the only one holding it, in the stored dtype."""
+    stored_dtype = np.dtype(stacked.leaf.dtype)
+
+    def tasks() -> Iterator[Task]:
+        for i, layer in enumerate(stacked.layers):
+            holding = [key for key in data if key[0][0] <= i < key[0][1]]
+            if not holding:
+                continue
+            bounds = _bounds([key[1:] for key in holding])
+            nbytes = math.prod(b - a for a, b in bounds) * stored_dtype.itemsize
+
+            def work(i: int = i, layer: ArrayLeaf = layer, holding: list[Key] = holding, bounds: Key = bounds) -> None:
+                region = _region(bounds)
+                only = data[holding[0]]
+                if len(holding) == 1 and only.dtype == stored_dtype and holding[0][1:] == bounds:
+                    # Its slab of the block: C-contiguous (a view, even 0-d).
+                    source.read_into(layer, region, only[i - holding[0][0][0], ...])
+                    return
+                part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
+                source.read_into(layer, region, part)
+                for key in holding:
+                    block = data[key]
+                    block[i - key[0][0]] = checked_astype(
+                        part[_region(key[1:], bounds)], block.dtype, stacked.leaf.path
+                    )
+
+            yield nbytes, work, None
+
+    run_windowed(tasks(), read_window(stacked.leaf.nbytes))
+
+
+def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[Any]) -> None:
+    """`Unstack`'s results from one stacked leaf: its rows read a window at a time on the I/O
+    threads (of each row only the part this process's blocks need), every row once. A row
+    restored whole keeps its window's buffer (no copy) where the alignment allows."""
+    stacked = wanted[0][1].stacked
+    row_shape = stacked.shape[1:]
+    dtype = np.dtype(stacked.dtype)
+    row_bytes = math.prod(row_shape) * dtype.itemsize
+    plans = []
+    for i, row, target in sorted(wanted, key=lambda item: item[1].index):
+        blocks = _blocks(target, row_shape)
+        bounds = _bounds(list(blocks)) if blocks else tuple((0, n) for n in row_shape)
+        plans.append((i, row, target, blocks, bounds))
+    step = source.rows_per_read(stacked)
+    window_rows = max(step, host_memory_budget() // max(1, row_bytes) // step * step)
+    groups = []
+    start = 0
+    while start < len(plans):
+        # Rows that share their part of a row, within one window of rows aligned to what a read costs.
+        first = plans[start][1].index
+        end = start + 1
+        while (
+            end < len(plans)
+            and plans[end][4] == plans[start][4]
+            and plans[end][1].index < first - first % step + window_rows
+            and plans[end][1].index // step <= plans[end - 1][1].index // step + 1  # no unread gap
+        ):
+            end += 1
+        groups.append(plans[start:end])
+        start = end
+
+    def read(group: list) -> np.ndarray:
+        bounds = group[0][4]
+        low, high = group[0][1].index, group[-1][1].index + 1
+        window = aligned_empty((high - low, *(b - a for a, b in bounds)), dtype)
+        source.read_into(stacked, (slice(low, high), *_region(bounds)), window)
+        return window
+
+    def settle(group: list, window: np.ndarray) -> None:
+        low = group[0][1].index
+        for i, row, target, blocks, bounds in group:
+            part = window[row.index - low, ...]  # a view, even of a 0-d row
+            if blocks is None:
+                with reading(row.leaf):
+                    values[i] = row.leaf.finish(part, target)
+            else:
+                data = {key: checked_astype(part[_region(key, bounds)], target.dtype, row.leaf.path) for key in blocks}
+                values[i] = _assemble(row_shape, target, blocks, data)
+            advance(row.leaf.nbytes)
+
+    tasks = (
+        (len(range(g[0][1].index, g[-1][1].index + 1)) * row_bytes, lambda g=g: read(g), lambda w, g=g: settle(g, w))
+        for g in groups
+    )
+    run_windowed(tasks, host_memory_budget())
