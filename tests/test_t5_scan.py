@@ -5,6 +5,7 @@ HuggingFace's per-layer files."""
 
 import json
 import pathlib
+import shutil
 
 import equinox as eqx
 import jax
@@ -160,18 +161,52 @@ def test_convert_hf_writes_a_scanned_t5_that_loads_into_its_skeleton(tmp_path, s
     assert_trees_equal(eqxckpt.load(tmp_path / "t5", like, at="params"), scanned_hf)
 
 
-def test_scanned_load_hf_reads_each_tensor_once(monkeypatch):
-    from eqxckpt import _safetensors
+def test_scanned_load_hf_reads_each_tensor_once_straight_into_the_stacked_leaves(monkeypatch):
+    from eqxckpt import _layout, _safetensors
 
-    reads = []
-    original = _safetensors.read_range
+    reads, stacked = [], []
+    read_range, read_stacked = _safetensors.read_range, _layout._read_stacked
     monkeypatch.setattr(
         _safetensors,
         "read_range",
-        lambda fd, offset, buffer, path: (reads.append(path), original(fd, offset, buffer, path)),
+        lambda fd, offset, buffer, path: (reads.append(path), read_range(fd, offset, buffer, path))[1],
     )
-    t5.load_hf(FIXTURE / "hf", scan_layers=True)
+    monkeypatch.setattr(
+        _layout,
+        "_read_stacked",
+        lambda source, layout, target: (stacked.append(layout.leaf.path), read_stacked(source, layout, target))[1],
+    )
+    model = t5.load_hf(FIXTURE / "hf", scan_layers=True)
     assert len(reads) == len(set(reads)) == 52
+    # Every stacked leaf came from eqxckpt.Stack, not from a per-layer model stacked afterwards.
+    assert sorted(stacked) == sorted(p for p in paths_and_shapes(model) if "/blocks/" in p)
+    assert len(stacked) == 9 + 14  # encoder: 2 norms, 4 + 3 weights; decoder: 3 norms, 8 + 3 weights
+
+
+def test_misfits_are_named_by_their_huggingface_names_in_either_layout(tmp_path):
+    tensors = stn.load_file(str(FIXTURE / "hf/model.safetensors"))
+    directory = tmp_path / "bad"
+    directory.mkdir()
+    shutil.copy(FIXTURE / "hf/config.json", directory / "config.json")
+    del tensors["decoder.block.1.layer.2.DenseReluDense.wo.weight"]
+    tensors["encoder.block.0.layer.0.SelfAttention.q.weight"] = np.zeros((64, 32), np.float32)
+    tensors["encoder.block.1.layer.0.SelfAttention.extra.weight"] = np.zeros(3, np.float32)
+    stn.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    errors = []
+    for scan_layers in (False, True):
+        with pytest.raises(eqxckpt.StructureMismatchError) as info:
+            t5.load_hf(directory, scan_layers=scan_layers)
+        errors.append(info.value)
+    per_layer, scanned = errors
+    # A tensor no block takes is refused too, though a load with transforms would drop it.
+    assert str(scanned) == str(per_layer)
+    assert (scanned.missing, scanned.unexpected, scanned.mismatched) == (
+        per_layer.missing,
+        per_layer.unexpected,
+        per_layer.mismatched,
+    )
+    assert "named decoder.block.1.layer.2.DenseReluDense.wo.weight in the files" in str(scanned)
+    assert "stored as encoder.block.1.layer.0.SelfAttention.extra.weight" in str(scanned)
 
 
 def test_config_json_of_a_scanned_save_is_huggingfaces(tmp_path, scanned_hf):
@@ -179,3 +214,21 @@ def test_config_json_of_a_scanned_save_is_huggingfaces(tmp_path, scanned_hf):
     assert json.loads((tmp_path / "out/config.json").read_text()) == json.loads(
         (FIXTURE / "hf/config.json").read_text()
     )
+
+
+def test_per_layer_relative_attention_biases_load_stacked(tmp_path):
+    # HuggingFace's T5 has one table per stack, so save_hf refuses these; write the files by hand.
+    from eqxckpt.t5._hf import TRANSPOSED, hf_config, hf_name
+
+    model = t5.T5(SMALL, key=jax.random.key(4))
+    tensors = {
+        hf_name(path, SMALL): np.ascontiguousarray(np.asarray(leaf).T if TRANSPOSED.fullmatch(path) else leaf)
+        for path, _, leaf in flatten(model)[0]
+        if isinstance(leaf, jax.Array)
+    }
+    assert "decoder.block.2.layer.0.SelfAttention.relative_attention_bias.weight" in tensors
+    stn.save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = {**hf_config(SMALL, np.float32), "relative_attention_per_layer": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_trees_equal(t5.load_hf(tmp_path, scan_layers=True), t5.scan(model))
+    assert_trees_equal(t5.load_hf(tmp_path), model)
