@@ -45,8 +45,10 @@ class Stack:
       backreferences (``\\1``, ``\\g<name>``) refer to the rule's regex groups.
 
     ```python
+    eqxckpt.save("per_layer", {"blocks": [{"w": np.full(3, i, np.float32)} for i in range(4)]}, overwrite=True)
+    like = {"blocks": {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}}  # a scanned model's skeleton
     transforms = {r"blocks/(.*)": eqxckpt.Stack(r"blocks/{i}/\\1")}
-    scanned = eqxckpt.load("per_layer_ckpt", scanned_skeleton, transforms=transforms)
+    eqxckpt.load("per_layer", like, transforms=transforms)["blocks"]["w"][:, 0]  # np.array([0.0, 1.0, 2.0, 3.0])
     ```
     """
 
@@ -74,8 +76,10 @@ class Unstack:
     - `index`: the row, an int or a backreference (``r"\\1"``) to a group holding one.
 
     ```python
+    eqxckpt.save("stacked", {"blocks": {"w": np.arange(8.0).reshape(4, 2)}}, overwrite=True)
+    like = {"blocks": [{"w": np.zeros(2)} for _ in range(4)]}  # a per-layer model's
     transforms = {r"blocks/(\\d+)/(.*)": eqxckpt.Unstack(r"blocks/\\2", index=r"\\1")}
-    per_layer = eqxckpt.load("scanned_ckpt", per_layer_skeleton, transforms=transforms)
+    eqxckpt.load("stacked", like, transforms=transforms)["blocks"][3]["w"]  # np.array([6.0, 7.0])
     ```
     """
 

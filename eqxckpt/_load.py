@@ -477,8 +477,10 @@ def load(
       extra checkpoint leaves are ignored, with a warning.
     - `cast`: convert stored dtypes to ``like``'s dtypes instead of refusing.
     - `transforms`: `Transform` rules (see `apply_transformations`) mapping
-      ``like``'s paths to checkpoint paths. Only the leaves the result needs
-      are read; ``transforms={}`` restores just the leaves ``like`` has.
+      ``like``'s paths to checkpoint paths, and `Stack` and `Unstack` rules
+      that change the layout (per-layer weights into a scanned model, and
+      back). Only the leaves the result needs are read; ``transforms={}``
+      restores just the leaves ``like`` has.
     - `default_to_original`: as in `apply_transformations`.
     - `format`: as for `eqxckpt.open` (None: detected); `"safetensors"` reads a
       HuggingFace file or directory, tensor ``a.b.c`` at path ``a/b/c``.

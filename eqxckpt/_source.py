@@ -141,6 +141,7 @@ class Source(abc.ABC):
         ```python
         out = np.empty((2, 3), np.float32)
         ckpt.read_into(ckpt.leaf("model/w"), (slice(1, 3), slice(0, 3)), out)
+        out[:, 0]  # np.array([3.0, 6.0])
         ```
         """
         out[...] = self.read_selection(leaf, Selection.of(region, leaf.data_shape))
@@ -180,7 +181,7 @@ class Source(abc.ABC):
         **Returns:** a positive int.
 
         ```python
-        ckpt.rows_per_read(ckpt.leaf("model/blocks/w"))  # the rows of one chunk
+        ckpt.rows_per_read(ckpt.leaf("model/w"))  # 4: its chunk holds every row
         ```
         """
         return max(1, leaf.shape[0]) if leaf.shape else 1

@@ -188,7 +188,8 @@ def apply_transformations(
 
     - `original_tree`: the pytree the values come from.
     - `transforms`: ``{regex: Transform}`` (nested dicts join keys with ``/``), as
-      `eqxckpt.load`'s ``transforms``.
+      `eqxckpt.load`'s ``transforms``; `Stack` and `Unstack` rules stack the
+      original leaves (numpy's or JAX's ``stack``) or take a row of one.
     - `new_tree`: the pytree whose structure the result has.
     - `default_to_original`: whether unmentioned keys in both trees take the original's value.
 
