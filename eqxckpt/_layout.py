@@ -276,20 +276,40 @@ def _region(key: Key, within: Key | None = None) -> tuple[slice, ...]:
     return tuple(slice(a - s, b - s) for (a, b), s in zip(key, starts))
 
 
-def _assemble(shape: tuple[int, ...], target: Any, blocks: dict[Key, list[Any]], data: dict[Key, np.ndarray]) -> Any:
-    """The global array of ``target``'s sharding from this process's blocks."""
+def _placed(blocks: dict[Key, list[Any]], data: dict[Key, np.ndarray]) -> dict[Any, Any]:
+    """Each of ``data``'s blocks put on the devices that hold it, and let go of on the host."""
     import jax
 
-    arrays = []
+    arrays = {}
+    for key in list(data):
+        for device in blocks[key]:
+            arrays[device] = jax.device_put(data[key], device)
+            arrays[device].block_until_ready()  # transferred: the host's block can go
+        del data[key]
+    return arrays
+
+
+def _assembled(shape: tuple[int, ...], target: Any, arrays: dict[Any, Any]) -> Any:
+    """The global array of ``target``'s sharding from this process's devices' arrays."""
+    import jax
+
+    devices = target.sharding.addressable_devices_indices_map(shape)
+    return jax.make_array_from_single_device_arrays(shape, target.sharding, [arrays[d] for d in devices])
+
+
+def _staged(blocks: dict[Key, list[Any]], itemsize: int) -> list[list[Key]]:
+    """``blocks`` in groups whose host buffers fit the host memory budget together (one
+    block at least). A block for CPU devices costs nothing: it becomes the result."""
+    groups: list[list[Key]] = [[]]
+    staged, budget = 0, host_memory_budget()
     for key, devices in blocks.items():
-        for device in devices:
-            array = jax.device_put(data[key], device)
-            array.block_until_ready()
-            arrays.append((device, array))
-        del data[key]  # on its devices: the host's copy can go
-    order = {device: i for i, device in enumerate(target.sharding.addressable_devices_indices_map(shape))}
-    arrays.sort(key=lambda item: order[item[0]])
-    return jax.make_array_from_single_device_arrays(shape, target.sharding, [a for _, a in arrays])
+        cost = 0 if all(d.platform == "cpu" for d in devices) else math.prod(b - a for a, b in key) * itemsize
+        if groups[-1] and staged + cost > budget:
+            groups.append([])
+            staged = 0
+        groups[-1].append(key)
+        staged += cost
+    return groups
 
 
 def read_layouts(source: Source, wanted: Sequence[tuple[Layout, Any]]) -> list[Any]:
@@ -322,9 +342,12 @@ def _read_stacked(source: Source, stacked: Stacked, target: Any) -> Any:
         with reading(leaf):
             return leaf.finish(out, target)
     dtype = np.dtype(target.dtype)
-    data = {key: aligned_empty(tuple(b - a for a, b in key), dtype) for key in blocks}
-    _fill(source, stacked, data)
-    return _assemble(leaf.shape, target, blocks, data)
+    arrays = {}
+    for group in _staged(blocks, dtype.itemsize):  # blocks staged for other devices: within the budget
+        data = {key: aligned_empty(tuple(b - a for a, b in key), dtype) for key in group}
+        _fill(source, stacked, data)
+        arrays.update(_placed(blocks, data))
+    return _assembled(leaf.shape, target, arrays)
 
 
 def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray]) -> None:
@@ -408,7 +431,7 @@ def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[
                     values[i] = row.leaf.finish(part, target)
             else:
                 data = {key: checked_astype(part[_region(key, bounds)], target.dtype, row.leaf.path) for key in blocks}
-                values[i] = _assemble(row_shape, target, blocks, data)
+                values[i] = _assembled(row_shape, target, _placed(blocks, data))
             advance(row.leaf.nbytes)
 
     tasks = (
