@@ -18,7 +18,7 @@ import numpy as np
 
 from ._convert import aligned_empty, checked_astype
 from ._errors import TransformError
-from ._leaf import ArrayLeaf, Leaf, StoredLeaf
+from ._leaf import ArrayLeaf, Leaf
 from ._progress import advance
 from ._source import Source
 from ._storage import reading
@@ -129,10 +129,6 @@ class Stacked:
     leaf: ArrayLeaf
     layers: tuple[ArrayLeaf, ...]
 
-    @property
-    def originals(self) -> tuple[StoredLeaf, ...]:
-        return self.layers
-
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -141,10 +137,6 @@ class Row:
     leaf: ArrayLeaf
     stacked: ArrayLeaf
     index: int
-
-    @property
-    def originals(self) -> tuple[StoredLeaf, ...]:
-        return (self.stacked,)
 
 
 Layout = Stacked | Row
