@@ -16,14 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from ._chunks import Region
 from ._convert import aligned_empty, checked_astype
 from ._errors import TransformError
 from ._leaf import ArrayLeaf, Leaf
-from ._progress import advance
+from ._progress import advance, unreported
 from ._source import Source
 from ._storage import reading
 from ._tree import describe_like, is_array_like
-from ._window import Task, host_memory_budget, read_window, run_windowed
+from ._window import Task, check_allocation, host_memory_budget, read_window, run_windowed
 
 LAYER = "{i}"  # where a `Stack` template puts the layer index
 MAX_NAMED = 8  # layers an error lists by name
@@ -304,6 +305,30 @@ def _staged(blocks: dict[Key, list[Any]], itemsize: int) -> list[list[Key]]:
     return groups
 
 
+class _Reader:
+    """Reads boxes of the original leaves: small ones (packed into shared chunks in an
+    eqxckpt checkpoint) read beforehand in one batch, so each shared chunk is read once;
+    the others straight into their buffers (`Source.read_into`)."""
+
+    def __init__(self, source: Source, layouts: Sequence[Layout]):
+        self.source = source
+        small = {}
+        for layout in layouts:
+            for leaf in layout.layers if isinstance(layout, Stacked) else (layout.stacked,):
+                if leaf.offset is not None:
+                    small[leaf.path] = leaf
+        # As stored: numpy targets of the stored dtype (broadcast: no memory of their own).
+        wanted = [(leaf, np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)) for leaf in small.values()]
+        with unreported():  # counted as the results they fill
+            self._read = dict(zip(small, source.read(wanted))) if wanted else {}
+
+    def into(self, leaf: ArrayLeaf, region: Region, out: np.ndarray) -> None:
+        if leaf.path in self._read:
+            out[...] = self._read[leaf.path][region]
+        else:
+            self.source.read_into(leaf, region, out)
+
+
 def read_layouts(source: Source, wanted: Sequence[tuple[Layout, Any]]) -> list[Any]:
     """Read each planned layout into its target (an array or `jax.ShapeDtypeStruct` of
     `like`, whose sharding is honoured), each original byte once: the rows of one
@@ -311,38 +336,45 @@ def read_layouts(source: Source, wanted: Sequence[tuple[Layout, Any]]) -> list[A
 
     **Returns:** the values, in the order of ``wanted``.
     """
+    whole = sum(layout.leaf.nbytes for layout, target in wanted if _blocks(target, layout.leaf.shape) is None)
+    check_allocation(whole, f"Restoring {len(wanted)} stacked or unstacked leaves from {source.location}")
+    reader = _Reader(source, [layout for layout, _ in wanted])
     values: list[Any] = [None] * len(wanted)
     rows: dict[str, list[tuple[int, Row, Any]]] = {}
     for i, (layout, target) in enumerate(wanted):
         if isinstance(layout, Row):
             rows.setdefault(layout.stacked.path, []).append((i, layout, target))
         else:
-            values[i] = _read_stacked(source, layout, target)
+            values[i] = _read_stacked(reader, layout, target)
             advance(layout.leaf.nbytes)
     for of_one_leaf in rows.values():
-        _read_rows(source, of_one_leaf, values)
+        _read_rows(reader, of_one_leaf, values)
     return values
 
 
-def _read_stacked(source: Source, stacked: Stacked, target: Any) -> Any:
+def _read_stacked(reader: _Reader, stacked: Stacked, target: Any) -> Any:
     """A `Stack`'s result: each layer read once (only this process's slices of it) into its blocks."""
     leaf = stacked.leaf
     blocks = _blocks(target, leaf.shape)
     if blocks is None:
         out = aligned_empty(leaf.shape, np.dtype(leaf.dtype))  # aligned: the jax array adopts it
-        _fill(source, stacked, {tuple((0, n) for n in leaf.shape): out})
+        _fill(reader, stacked, {tuple((0, n) for n in leaf.shape): out})
         with reading(leaf):
             return leaf.finish(out, target)
     dtype = np.dtype(target.dtype)
     arrays = {}
     for group in _staged(blocks, dtype.itemsize):  # blocks staged for other devices: within the budget
-        data = {key: aligned_empty(tuple(b - a for a, b in key), dtype) for key in group}
-        _fill(source, stacked, data)
+        shapes = {key: tuple(b - a for a, b in key) for key in group}
+        check_allocation(
+            sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize, f"Restoring {leaf.path!r}"
+        )
+        data = {key: aligned_empty(shape, dtype) for key, shape in shapes.items()}
+        _fill(reader, stacked, data)
         arrays.update(_placed(blocks, data))
     return _assembled(leaf.shape, target, arrays)
 
 
-def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray]) -> None:
+def _fill(reader: _Reader, stacked: Stacked, data: dict[Key, np.ndarray]) -> None:
     """Read, of each layer, the part that the blocks ``data`` (of the stacked shape) hold,
     once, into each of them (cast to their dtype), on the I/O threads: straight into a
     block that is the only one holding it, in the stored dtype."""
@@ -361,10 +393,10 @@ def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray]) -> None
                 only = data[holding[0]]
                 if len(holding) == 1 and only.dtype == stored_dtype and holding[0][1:] == bounds:
                     # Its slab of the block: C-contiguous (a view, even 0-d).
-                    source.read_into(layer, region, only[i - holding[0][0][0], ...])
+                    reader.into(layer, region, only[i - holding[0][0][0], ...])
                     return
                 part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
-                source.read_into(layer, region, part)
+                reader.into(layer, region, part)
                 for key in holding:
                     block = data[key]
                     block[i - key[0][0]] = checked_astype(
@@ -376,10 +408,11 @@ def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray]) -> None
     run_windowed(tasks(), read_window(stacked.leaf.nbytes))
 
 
-def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[Any]) -> None:
+def _read_rows(reader: _Reader, wanted: list[tuple[int, Row, Any]], values: list[Any]) -> None:
     """`Unstack`'s results from one stacked leaf: its rows read a window at a time on the I/O
-    threads (of each row only the part this process's blocks need), every row once. A row
-    restored whole keeps its window's buffer (no copy) where the alignment allows."""
+    threads (of each row only the part this process's blocks need), every row once. Where a
+    window's rows are each restored whole once, they keep its buffer (no copy); otherwise
+    each is copied out, so no result shares memory with another or holds rows it lacks."""
     stacked = wanted[0][1].stacked
     row_shape = stacked.shape[1:]
     dtype = np.dtype(stacked.dtype)
@@ -389,7 +422,7 @@ def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[
         blocks = _blocks(target, row_shape)
         bounds = _bounds(list(blocks)) if blocks else tuple((0, n) for n in row_shape)
         plans.append((i, row, target, blocks, bounds))
-    step = source.rows_per_read(stacked)
+    step = reader.source.rows_per_read(stacked)
     window_rows = max(step, host_memory_budget() // max(1, row_bytes) // step * step)
     groups = []
     start = 0
@@ -411,14 +444,17 @@ def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[
         bounds = group[0][4]
         low, high = group[0][1].index, group[-1][1].index + 1
         window = aligned_empty((high - low, *(b - a for a, b in bounds)), dtype)
-        source.read_into(stacked, (slice(low, high), *_region(bounds)), window)
+        reader.into(stacked, (slice(low, high), *_region(bounds)), window)
         return window
 
     def settle(group: list, window: np.ndarray) -> None:
         low = group[0][1].index
+        kept = [row.index for _, row, *_ in group] == list(range(low, low + len(window)))
         for i, row, target, blocks, bounds in group:
             part = window[row.index - low, ...]  # a view, even of a 0-d row
             if blocks is None:
+                if not kept:
+                    part = _copied(part)
                 with reading(row.leaf):
                     values[i] = row.leaf.finish(part, target)
             else:
@@ -431,3 +467,10 @@ def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[
         for g in groups
     )
     run_windowed(tasks, host_memory_budget())
+
+
+def _copied(data: np.ndarray) -> np.ndarray:
+    """A copy of ``data`` in a buffer of its own (aligned: a jax array adopts it)."""
+    out = aligned_empty(data.shape, data.dtype)
+    out[...] = data
+    return out
