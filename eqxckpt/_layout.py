@@ -9,9 +9,10 @@ within the host memory budget.
 """
 
 import dataclasses
+import itertools
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,9 @@ from ._tree import describe_like, is_array_like
 from ._window import Task, check_allocation, host_memory_budget, read_window, run_windowed
 
 LAYER = "{i}"  # where a `Stack` template puts the layer index
+# What one task of an `Unstack` window reads at most (more where a read costs more): a
+# window's pieces are read in parallel.
+PIECE_BYTES = 4 << 20
 MAX_NAMED = 8  # layers an error lists by name
 
 
@@ -332,35 +336,59 @@ class _Reader:
 def read_layouts(source: Source, wanted: Sequence[tuple[Layout, Any]]) -> list[Any]:
     """Read each planned layout into its target (an array or `jax.ShapeDtypeStruct` of
     `like`, whose sharding is honoured), each original byte once: the rows of one
-    stacked leaf are read together, a window of rows at a time.
+    stacked leaf are read together, a window of rows at a time. Layers and windows of
+    every leaf are read in one stream of I/O tasks, many in flight.
 
     **Returns:** the values, in the order of ``wanted``.
     """
-    whole = sum(layout.leaf.nbytes for layout, target in wanted if _blocks(target, layout.leaf.shape) is None)
-    check_allocation(whole, f"Restoring {len(wanted)} stacked or unstacked leaves from {source.location}")
+    whole = [
+        (i, layout, target) for i, (layout, target) in enumerate(wanted) if _blocks(target, layout.leaf.shape) is None
+    ]
+    nbytes = sum(layout.leaf.nbytes for _, layout, _ in whole)
+    check_allocation(nbytes, f"Restoring {len(wanted)} stacked or unstacked leaves from {source.location}")
     reader = _Reader(source, [layout for layout, _ in wanted])
     values: list[Any] = [None] * len(wanted)
     rows: dict[str, list[tuple[int, Row, Any]]] = {}
+    streams: list[Iterator[Task]] = []
+    for i, layout, target in whole:
+        if isinstance(layout, Stacked):
+            streams.append(_stacked_tasks(reader, layout, target, lambda value, i=i: values.__setitem__(i, value)))
     for i, (layout, target) in enumerate(wanted):
         if isinstance(layout, Row):
             rows.setdefault(layout.stacked.path, []).append((i, layout, target))
-        else:
-            values[i] = _read_stacked(reader, layout, target)
-            advance(layout.leaf.nbytes)
     for of_one_leaf in rows.values():
-        _read_rows(reader, of_one_leaf, values)
+        streams.append(_row_tasks(reader, of_one_leaf, values))
+    run_windowed(itertools.chain.from_iterable(streams), read_window(nbytes))
+    for i, (layout, target) in enumerate(wanted):  # sharded: a leaf at a time, blocks staged within the budget
+        if isinstance(layout, Stacked) and values[i] is None:
+            values[i] = _read_sharded_stack(reader, layout, target)
+            advance(layout.leaf.nbytes)
     return values
 
 
-def _read_stacked(reader: _Reader, stacked: Stacked, target: Any) -> Any:
-    """A `Stack`'s result: each layer read once (only this process's slices of it) into its blocks."""
+def _stacked_tasks(reader: _Reader, stacked: Stacked, target: Any, done: Callable[[Any], None]) -> Iterator[Task]:
+    """The tasks that read a `Stack`'s layers straight into its result (made when the
+    stream reaches them); the last one finishes it into ``target`` and hands it to ``done``."""
+    leaf = stacked.leaf
+    out = aligned_empty(leaf.shape, np.dtype(leaf.dtype))  # aligned: the jax array adopts it
+    tasks = list(_layer_tasks(reader, stacked, {tuple((0, n) for n in leaf.shape): out}))
+
+    def finished(_: Any) -> None:
+        with reading(leaf):
+            done(leaf.finish(out, target))
+        advance(leaf.nbytes)
+
+    *first, (nbytes, work, _) = tasks
+    yield from first
+    yield nbytes, work, finished
+
+
+def _read_sharded_stack(reader: _Reader, stacked: Stacked, target: Any) -> Any:
+    """A `Stack` into a sharded target: each layer read once (only this process's slices of
+    it) into its blocks, which are put on their devices a group at a time."""
     leaf = stacked.leaf
     blocks = _blocks(target, leaf.shape)
-    if blocks is None:
-        out = aligned_empty(leaf.shape, np.dtype(leaf.dtype))  # aligned: the jax array adopts it
-        _fill(reader, stacked, {tuple((0, n) for n in leaf.shape): out})
-        with reading(leaf):
-            return leaf.finish(out, target)
+    assert blocks is not None
     dtype = np.dtype(target.dtype)
     arrays = {}
     for group in _staged(blocks, dtype.itemsize):  # blocks staged for other devices: within the budget
@@ -369,50 +397,45 @@ def _read_stacked(reader: _Reader, stacked: Stacked, target: Any) -> Any:
             sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize, f"Restoring {leaf.path!r}"
         )
         data = {key: aligned_empty(shape, dtype) for key, shape in shapes.items()}
-        _fill(reader, stacked, data)
+        run_windowed(_layer_tasks(reader, stacked, data), read_window(leaf.nbytes))
         arrays.update(_placed(blocks, data))
     return _assembled(leaf.shape, target, arrays)
 
 
-def _fill(reader: _Reader, stacked: Stacked, data: dict[Key, np.ndarray]) -> None:
-    """Read, of each layer, the part that the blocks ``data`` (of the stacked shape) hold,
-    once, into each of them (cast to their dtype), on the I/O threads: straight into a
-    block that is the only one holding it, in the stored dtype."""
+def _layer_tasks(reader: _Reader, stacked: Stacked, data: dict[Key, np.ndarray]) -> Iterator[Task]:
+    """Tasks that read, of each layer, the part that the blocks ``data`` (of the stacked
+    shape) hold, once, into each of them (cast to their dtype): straight into a block that
+    is the only one holding it, in the stored dtype."""
     stored_dtype = np.dtype(stacked.leaf.dtype)
+    for i, layer in enumerate(stacked.layers):
+        holding = [key for key in data if key[0][0] <= i < key[0][1]]
+        if not holding:
+            continue
+        bounds = _bounds([key[1:] for key in holding])
+        nbytes = math.prod(b - a for a, b in bounds) * stored_dtype.itemsize
 
-    def tasks() -> Iterator[Task]:
-        for i, layer in enumerate(stacked.layers):
-            holding = [key for key in data if key[0][0] <= i < key[0][1]]
-            if not holding:
-                continue
-            bounds = _bounds([key[1:] for key in holding])
-            nbytes = math.prod(b - a for a, b in bounds) * stored_dtype.itemsize
+        def work(i: int = i, layer: ArrayLeaf = layer, holding: list[Key] = holding, bounds: Key = bounds) -> None:
+            region = _region(bounds)
+            only = data[holding[0]]
+            if len(holding) == 1 and only.dtype == stored_dtype and holding[0][1:] == bounds:
+                # Its slab of the block: C-contiguous (a view, even 0-d).
+                reader.into(layer, region, only[i - holding[0][0][0], ...])
+                return
+            part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
+            reader.into(layer, region, part)
+            for key in holding:
+                block = data[key]
+                block[i - key[0][0]] = checked_astype(part[_region(key[1:], bounds)], block.dtype, stacked.leaf.path)
 
-            def work(i: int = i, layer: ArrayLeaf = layer, holding: list[Key] = holding, bounds: Key = bounds) -> None:
-                region = _region(bounds)
-                only = data[holding[0]]
-                if len(holding) == 1 and only.dtype == stored_dtype and holding[0][1:] == bounds:
-                    # Its slab of the block: C-contiguous (a view, even 0-d).
-                    reader.into(layer, region, only[i - holding[0][0][0], ...])
-                    return
-                part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
-                reader.into(layer, region, part)
-                for key in holding:
-                    block = data[key]
-                    block[i - key[0][0]] = checked_astype(
-                        part[_region(key[1:], bounds)], block.dtype, stacked.leaf.path
-                    )
-
-            yield nbytes, work, None
-
-    run_windowed(tasks(), read_window(stacked.leaf.nbytes))
+        yield nbytes, work, None
 
 
-def _read_rows(reader: _Reader, wanted: list[tuple[int, Row, Any]], values: list[Any]) -> None:
-    """`Unstack`'s results from one stacked leaf: its rows read a window at a time on the I/O
-    threads (of each row only the part this process's blocks need), every row once. Where a
-    window's rows are each restored whole once, they keep its buffer (no copy); otherwise
-    each is copied out, so no result shares memory with another or holds rows it lacks."""
+def _row_tasks(reader: _Reader, wanted: list[tuple[int, Row, Any]], values: list[Any]) -> Iterator[Task]:
+    """The tasks that read `Unstack`'s results from one stacked leaf: its rows a window at a
+    time (of each row only the part this process's blocks need), every row once, each window
+    in pieces read in parallel. Where a window's rows are each restored whole once, they
+    keep its buffer (no copy); otherwise each is copied out, so no result shares memory
+    with another or holds rows it lacks."""
     stacked = wanted[0][1].stacked
     row_shape = stacked.shape[1:]
     dtype = np.dtype(stacked.dtype)
@@ -424,7 +447,7 @@ def _read_rows(reader: _Reader, wanted: list[tuple[int, Row, Any]], values: list
         plans.append((i, row, target, blocks, bounds))
     step = reader.source.rows_per_read(stacked)
     window_rows = max(step, host_memory_budget() // max(1, row_bytes) // step * step)
-    groups = []
+    piece_rows = max(step, -(-PIECE_BYTES // max(1, row_bytes)) // step * step)
     start = 0
     while start < len(plans):
         # Rows that share their part of a row, within one window of rows aligned to what a read costs.
@@ -437,36 +460,35 @@ def _read_rows(reader: _Reader, wanted: list[tuple[int, Row, Any]], values: list
             and plans[end][1].index // step <= plans[end - 1][1].index // step + 1  # no unread gap
         ):
             end += 1
-        groups.append(plans[start:end])
-        start = end
-
-    def read(group: list) -> np.ndarray:
+        group, start = plans[start:end], end
         bounds = group[0][4]
         low, high = group[0][1].index, group[-1][1].index + 1
         window = aligned_empty((high - low, *(b - a for a, b in bounds)), dtype)
-        reader.into(stacked, (slice(low, high), *_region(bounds)), window)
-        return window
+        cuts = [low, *range(low - low % piece_rows + piece_rows, high, piece_rows), high]
+        for a, b in zip(cuts, cuts[1:]):
 
-    def settle(group: list, window: np.ndarray) -> None:
-        low = group[0][1].index
-        kept = [row.index for _, row, *_ in group] == list(range(low, low + len(window)))
-        for i, row, target, blocks, bounds in group:
-            part = window[row.index - low, ...]  # a view, even of a 0-d row
-            if blocks is None:
-                if not kept:
-                    part = _copied(part)
-                with reading(row.leaf):
-                    values[i] = row.leaf.finish(part, target)
-            else:
-                data = {key: checked_astype(part[_region(key, bounds)], target.dtype, row.leaf.path) for key in blocks}
-                values[i] = _assembled(row_shape, target, _placed(blocks, data))
-            advance(row.leaf.nbytes)
+            def work(a: int = a, b: int = b, window: np.ndarray = window, bounds: Key = bounds, low: int = low) -> None:
+                reader.into(stacked, (slice(a, b), *_region(bounds)), window[a - low : b - low])
 
-    tasks = (
-        (len(range(g[0][1].index, g[-1][1].index + 1)) * row_bytes, lambda g=g: read(g), lambda w, g=g: settle(g, w))
-        for g in groups
-    )
-    run_windowed(tasks, host_memory_budget())
+            then = (lambda _, group=group, window=window: _settle(group, window, values)) if b == high else None
+            yield (b - a) * row_bytes, work, then
+
+
+def _settle(group: list, window: np.ndarray, values: list[Any]) -> None:
+    """Each row of ``group`` from the ``window`` read for it, into its target."""
+    low = group[0][1].index
+    kept = [row.index for _, row, *_ in group] == list(range(low, low + len(window)))
+    for i, row, target, blocks, bounds in group:
+        part = window[row.index - low, ...]  # a view, even of a 0-d row
+        if blocks is None:
+            if not kept:
+                part = _copied(part)
+            with reading(row.leaf):
+                values[i] = row.leaf.finish(part, target)
+        else:
+            data = {key: checked_astype(part[_region(key, bounds)], target.dtype, row.leaf.path) for key in blocks}
+            values[i] = _assembled(row.leaf.shape, target, _placed(blocks, data))
+        advance(row.leaf.nbytes)
 
 
 def _copied(data: np.ndarray) -> np.ndarray:
