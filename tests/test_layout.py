@@ -7,6 +7,7 @@ leaves involved; an unstacking restore reads each stored byte once.
 """
 
 import collections
+import json
 import os
 
 import equinox as eqx
@@ -93,6 +94,17 @@ def write(kind: str, tmp_path, model, name: str):
 
         save_file({path.replace("/", "."): value for path, value in flat.items()}, str(where))  # HF's names
         return where
+    if kind == "huggingface directory":  # sharded, with HuggingFace's index
+        from safetensors.numpy import save_file
+
+        where.mkdir()
+        names = sorted(path.replace("/", ".") for path in flat)
+        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for shard, members in shards.items():
+            save_file({name: flat[name.replace(".", "/")] for name in members}, str(where / shard))
+        index = {"metadata": {}, "weight_map": {name: shard for shard, members in shards.items() for name in members}}
+        (where / "model.safetensors.index.json").write_text(json.dumps(index))
+        return where
     if kind == "orbax":
         import orbax.checkpoint as ocp
 
@@ -105,7 +117,7 @@ def write(kind: str, tmp_path, model, name: str):
     return where
 
 
-SOURCES = ["eqxckpt", "safetensors", "orbax", pytest.param("tensorflow", marks=pytest.mark.tf)]
+SOURCES = ["eqxckpt", "safetensors", "huggingface directory", "orbax", pytest.param("tensorflow", marks=pytest.mark.tf)]
 
 
 @pytest.mark.parametrize("kind", SOURCES)
