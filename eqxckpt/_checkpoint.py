@@ -92,10 +92,10 @@ class Checkpoint(Source):
         with reading(leaf):
             return max(1, self.stored.layout(leaf).chunk[0])
 
-    def read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
+    def _read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
         """The chunks holding ``region``, each read once (checksum checked) straight into ``out``."""
         if leaf.offset is not None:  # packed: small, read whole
-            return super().read_into(leaf, region, out)
+            return super()._read_into(leaf, region, out)
         with reading(leaf):
             self.stored.read_box(leaf, tuple(range(s.start, s.stop) for s in region), out)
             check_bool_bytes(out, leaf.path)

@@ -9,23 +9,28 @@ within the host memory budget.
 """
 
 import dataclasses
+import itertools
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from ._chunks import Region
 from ._convert import aligned_empty, checked_astype
 from ._errors import TransformError
-from ._leaf import ArrayLeaf, Leaf, StoredLeaf
-from ._progress import advance
+from ._leaf import ArrayLeaf, Leaf
+from ._progress import advance, unreported
 from ._source import Source
 from ._storage import reading
 from ._tree import describe_like, is_array_like
-from ._window import Task, host_memory_budget, read_window, run_windowed
+from ._window import Task, check_allocation, host_memory_budget, read_window, run_windowed
 
 LAYER = "{i}"  # where a `Stack` template puts the layer index
+# What one task of an `Unstack` window reads at most (more where a read costs more): a
+# window's pieces are read in parallel.
+PIECE_BYTES = 4 << 20
 MAX_NAMED = 8  # layers an error lists by name
 
 
@@ -45,8 +50,10 @@ class Stack:
       backreferences (``\\1``, ``\\g<name>``) refer to the rule's regex groups.
 
     ```python
+    eqxckpt.save("per_layer", {"blocks": [{"w": np.full(3, i, np.float32)} for i in range(4)]}, overwrite=True)
+    like = {"blocks": {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}}  # a scanned model's skeleton
     transforms = {r"blocks/(.*)": eqxckpt.Stack(r"blocks/{i}/\\1")}
-    scanned = eqxckpt.load("per_layer_ckpt", scanned_skeleton, transforms=transforms)
+    eqxckpt.load("per_layer", like, transforms=transforms)["blocks"]["w"][:, 0]  # np.array([0.0, 1.0, 2.0, 3.0])
     ```
     """
 
@@ -74,8 +81,10 @@ class Unstack:
     - `index`: the row, an int or a backreference (``r"\\1"``) to a group holding one.
 
     ```python
+    eqxckpt.save("stacked", {"blocks": {"w": np.arange(8.0).reshape(4, 2)}}, overwrite=True)
+    like = {"blocks": [{"w": np.zeros(2)} for _ in range(4)]}  # a per-layer model's
     transforms = {r"blocks/(\\d+)/(.*)": eqxckpt.Unstack(r"blocks/\\2", index=r"\\1")}
-    per_layer = eqxckpt.load("scanned_ckpt", per_layer_skeleton, transforms=transforms)
+    eqxckpt.load("stacked", like, transforms=transforms)["blocks"][3]["w"]  # np.array([6.0, 7.0])
     ```
     """
 
@@ -125,10 +134,6 @@ class Stacked:
     leaf: ArrayLeaf
     layers: tuple[ArrayLeaf, ...]
 
-    @property
-    def originals(self) -> tuple[StoredLeaf, ...]:
-        return self.layers
-
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -137,10 +142,6 @@ class Row:
     leaf: ArrayLeaf
     stacked: ArrayLeaf
     index: int
-
-    @property
-    def originals(self) -> tuple[StoredLeaf, ...]:
-        return (self.stacked,)
 
 
 Layout = Stacked | Row
@@ -272,95 +273,169 @@ def _region(key: Key, within: Key | None = None) -> tuple[slice, ...]:
     return tuple(slice(a - s, b - s) for (a, b), s in zip(key, starts))
 
 
-def _assemble(shape: tuple[int, ...], target: Any, blocks: dict[Key, list[Any]], data: dict[Key, np.ndarray]) -> Any:
-    """The global array of ``target``'s sharding from this process's blocks."""
+def _placed(blocks: dict[Key, list[Any]], data: dict[Key, np.ndarray]) -> dict[Any, Any]:
+    """Each of ``data``'s blocks put on the devices that hold it, and let go of on the host."""
     import jax
 
-    arrays = []
+    arrays = {}
+    for key in list(data):
+        for device in blocks[key]:
+            arrays[device] = jax.device_put(data[key], device)
+            arrays[device].block_until_ready()  # transferred: the host's block can go
+        del data[key]
+    return arrays
+
+
+def _assembled(shape: tuple[int, ...], target: Any, arrays: dict[Any, Any]) -> Any:
+    """The global array of ``target``'s sharding from this process's devices' arrays."""
+    import jax
+
+    devices = target.sharding.addressable_devices_indices_map(shape)
+    return jax.make_array_from_single_device_arrays(shape, target.sharding, [arrays[d] for d in devices])
+
+
+def _staged(blocks: dict[Key, list[Any]], itemsize: int) -> list[list[Key]]:
+    """``blocks`` in groups whose host buffers fit the host memory budget together (one
+    block at least). A block for CPU devices costs nothing: it becomes the result."""
+    groups: list[list[Key]] = [[]]
+    staged, budget = 0, host_memory_budget()
     for key, devices in blocks.items():
-        for device in devices:
-            array = jax.device_put(data[key], device)
-            array.block_until_ready()
-            arrays.append((device, array))
-        del data[key]  # on its devices: the host's copy can go
-    order = {device: i for i, device in enumerate(target.sharding.addressable_devices_indices_map(shape))}
-    arrays.sort(key=lambda item: order[item[0]])
-    return jax.make_array_from_single_device_arrays(shape, target.sharding, [a for _, a in arrays])
+        cost = 0 if all(d.platform == "cpu" for d in devices) else math.prod(b - a for a, b in key) * itemsize
+        if groups[-1] and staged + cost > budget:
+            groups.append([])
+            staged = 0
+        groups[-1].append(key)
+        staged += cost
+    return groups
+
+
+class _Reader:
+    """Reads boxes of the original leaves: small ones (packed into shared chunks in an
+    eqxckpt checkpoint) read beforehand in one batch, so each shared chunk is read once;
+    the others straight into their buffers (`Source.read_into`)."""
+
+    def __init__(self, source: Source, layouts: Sequence[Layout]):
+        self.source = source
+        small = {}
+        for layout in layouts:
+            for leaf in layout.layers if isinstance(layout, Stacked) else (layout.stacked,):
+                if leaf.offset is not None:
+                    small[leaf.path] = leaf
+        # As stored: numpy targets of the stored dtype (broadcast: no memory of their own).
+        wanted = [(leaf, np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)) for leaf in small.values()]
+        with unreported():  # counted as the results they fill
+            self._read = dict(zip(small, source.read(wanted))) if wanted else {}
+
+    def into(self, leaf: ArrayLeaf, region: Region, out: np.ndarray) -> None:
+        if leaf.path in self._read:
+            out[...] = self._read[leaf.path][region]
+        else:
+            self.source.read_into(leaf, region, out)
 
 
 def read_layouts(source: Source, wanted: Sequence[tuple[Layout, Any]]) -> list[Any]:
     """Read each planned layout into its target (an array or `jax.ShapeDtypeStruct` of
     `like`, whose sharding is honoured), each original byte once: the rows of one
-    stacked leaf are read together, a window of rows at a time.
+    stacked leaf are read together, a window of rows at a time. Layers and windows of
+    every leaf are read in one stream of I/O tasks, many in flight.
 
     **Returns:** the values, in the order of ``wanted``.
     """
+    whole = [
+        (i, layout, target) for i, (layout, target) in enumerate(wanted) if _blocks(target, layout.leaf.shape) is None
+    ]
+    nbytes = sum(layout.leaf.nbytes for _, layout, _ in whole)
+    check_allocation(nbytes, f"Restoring {len(wanted)} stacked or unstacked leaves from {source.location}")
+    reader = _Reader(source, [layout for layout, _ in wanted])
     values: list[Any] = [None] * len(wanted)
     rows: dict[str, list[tuple[int, Row, Any]]] = {}
+    streams: list[Iterator[Task]] = []
+    for i, layout, target in whole:
+        if isinstance(layout, Stacked):
+            streams.append(_stacked_tasks(reader, layout, target, lambda value, i=i: values.__setitem__(i, value)))
     for i, (layout, target) in enumerate(wanted):
         if isinstance(layout, Row):
             rows.setdefault(layout.stacked.path, []).append((i, layout, target))
-        else:
-            values[i] = _read_stacked(source, layout, target)
-            advance(layout.leaf.nbytes)
     for of_one_leaf in rows.values():
-        _read_rows(source, of_one_leaf, values)
+        streams.append(_row_tasks(reader, of_one_leaf, values))
+    run_windowed(itertools.chain.from_iterable(streams), read_window(nbytes))
+    for i, (layout, target) in enumerate(wanted):  # sharded: a leaf at a time, blocks staged within the budget
+        if isinstance(layout, Stacked) and values[i] is None:
+            values[i] = _read_sharded_stack(reader, layout, target)
+            advance(layout.leaf.nbytes)
     return values
 
 
-def _read_stacked(source: Source, stacked: Stacked, target: Any) -> Any:
-    """A `Stack`'s result: each layer read once (only this process's slices of it) into its blocks."""
+def _stacked_tasks(reader: _Reader, stacked: Stacked, target: Any, done: Callable[[Any], None]) -> Iterator[Task]:
+    """The tasks that read a `Stack`'s layers straight into its result (made when the
+    stream reaches them); the last one finishes it into ``target`` and hands it to ``done``."""
+    leaf = stacked.leaf
+    out = aligned_empty(leaf.shape, np.dtype(leaf.dtype))  # aligned: the jax array adopts it
+    tasks = list(_layer_tasks(reader, stacked, {tuple((0, n) for n in leaf.shape): out}))
+
+    def finished(_: Any) -> None:
+        with reading(leaf):
+            done(leaf.finish(out, target))
+        advance(leaf.nbytes)
+
+    *first, (nbytes, work, _) = tasks
+    yield from first
+    yield nbytes, work, finished
+
+
+def _read_sharded_stack(reader: _Reader, stacked: Stacked, target: Any) -> Any:
+    """A `Stack` into a sharded target: each layer read once (only this process's slices of
+    it) into its blocks, which are put on their devices a group at a time."""
     leaf = stacked.leaf
     blocks = _blocks(target, leaf.shape)
-    if blocks is None:
-        out = aligned_empty(leaf.shape, np.dtype(leaf.dtype))  # aligned: the jax array adopts it
-        _fill(source, stacked, {tuple((0, n) for n in leaf.shape): out})
-        with reading(leaf):
-            return leaf.finish(out, target)
+    assert blocks is not None
     dtype = np.dtype(target.dtype)
-    data = {key: aligned_empty(tuple(b - a for a, b in key), dtype) for key in blocks}
-    _fill(source, stacked, data)
-    return _assemble(leaf.shape, target, blocks, data)
+    arrays = {}
+    for group in _staged(blocks, dtype.itemsize):  # blocks staged for other devices: within the budget
+        shapes = {key: tuple(b - a for a, b in key) for key in group}
+        check_allocation(
+            sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize, f"Restoring {leaf.path!r}"
+        )
+        data = {key: aligned_empty(shape, dtype) for key, shape in shapes.items()}
+        run_windowed(_layer_tasks(reader, stacked, data), read_window(leaf.nbytes))
+        arrays.update(_placed(blocks, data))
+    return _assembled(leaf.shape, target, arrays)
 
 
-def _fill(source: Source, stacked: Stacked, data: dict[Key, np.ndarray]) -> None:
-    """Read, of each layer, the part that the blocks ``data`` (of the stacked shape) hold,
-    once, into each of them (cast to their dtype), on the I/O threads: straight into a
-    block that is the only one holding it, in the stored dtype."""
+def _layer_tasks(reader: _Reader, stacked: Stacked, data: dict[Key, np.ndarray]) -> Iterator[Task]:
+    """Tasks that read, of each layer, the part that the blocks ``data`` (of the stacked
+    shape) hold, once, into each of them (cast to their dtype): straight into a block that
+    is the only one holding it, in the stored dtype."""
     stored_dtype = np.dtype(stacked.leaf.dtype)
+    for i, layer in enumerate(stacked.layers):
+        holding = [key for key in data if key[0][0] <= i < key[0][1]]
+        if not holding:
+            continue
+        bounds = _bounds([key[1:] for key in holding])
+        nbytes = math.prod(b - a for a, b in bounds) * stored_dtype.itemsize
 
-    def tasks() -> Iterator[Task]:
-        for i, layer in enumerate(stacked.layers):
-            holding = [key for key in data if key[0][0] <= i < key[0][1]]
-            if not holding:
-                continue
-            bounds = _bounds([key[1:] for key in holding])
-            nbytes = math.prod(b - a for a, b in bounds) * stored_dtype.itemsize
+        def work(i: int = i, layer: ArrayLeaf = layer, holding: list[Key] = holding, bounds: Key = bounds) -> None:
+            region = _region(bounds)
+            only = data[holding[0]]
+            if len(holding) == 1 and only.dtype == stored_dtype and holding[0][1:] == bounds:
+                # Its slab of the block: C-contiguous (a view, even 0-d).
+                reader.into(layer, region, only[i - holding[0][0][0], ...])
+                return
+            part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
+            reader.into(layer, region, part)
+            for key in holding:
+                block = data[key]
+                block[i - key[0][0]] = checked_astype(part[_region(key[1:], bounds)], block.dtype, stacked.leaf.path)
 
-            def work(i: int = i, layer: ArrayLeaf = layer, holding: list[Key] = holding, bounds: Key = bounds) -> None:
-                region = _region(bounds)
-                only = data[holding[0]]
-                if len(holding) == 1 and only.dtype == stored_dtype and holding[0][1:] == bounds:
-                    # Its slab of the block: C-contiguous (a view, even 0-d).
-                    source.read_into(layer, region, only[i - holding[0][0][0], ...])
-                    return
-                part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
-                source.read_into(layer, region, part)
-                for key in holding:
-                    block = data[key]
-                    block[i - key[0][0]] = checked_astype(
-                        part[_region(key[1:], bounds)], block.dtype, stacked.leaf.path
-                    )
-
-            yield nbytes, work, None
-
-    run_windowed(tasks(), read_window(stacked.leaf.nbytes))
+        yield nbytes, work, None
 
 
-def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[Any]) -> None:
-    """`Unstack`'s results from one stacked leaf: its rows read a window at a time on the I/O
-    threads (of each row only the part this process's blocks need), every row once. A row
-    restored whole keeps its window's buffer (no copy) where the alignment allows."""
+def _row_tasks(reader: _Reader, wanted: list[tuple[int, Row, Any]], values: list[Any]) -> Iterator[Task]:
+    """The tasks that read `Unstack`'s results from one stacked leaf: its rows a window at a
+    time (of each row only the part this process's blocks need), every row once, each window
+    in pieces read in parallel. Where a window's rows are each restored whole once, they
+    keep its buffer (no copy); otherwise each is copied out, so no result shares memory
+    with another or holds rows it lacks."""
     stacked = wanted[0][1].stacked
     row_shape = stacked.shape[1:]
     dtype = np.dtype(stacked.dtype)
@@ -370,9 +445,9 @@ def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[
         blocks = _blocks(target, row_shape)
         bounds = _bounds(list(blocks)) if blocks else tuple((0, n) for n in row_shape)
         plans.append((i, row, target, blocks, bounds))
-    step = source.rows_per_read(stacked)
+    step = reader.source.rows_per_read(stacked)
     window_rows = max(step, host_memory_budget() // max(1, row_bytes) // step * step)
-    groups = []
+    piece_rows = max(step, -(-PIECE_BYTES // max(1, row_bytes)) // step * step)
     start = 0
     while start < len(plans):
         # Rows that share their part of a row, within one window of rows aligned to what a read costs.
@@ -385,30 +460,39 @@ def _read_rows(source: Source, wanted: list[tuple[int, Row, Any]], values: list[
             and plans[end][1].index // step <= plans[end - 1][1].index // step + 1  # no unread gap
         ):
             end += 1
-        groups.append(plans[start:end])
-        start = end
-
-    def read(group: list) -> np.ndarray:
+        group, start = plans[start:end], end
         bounds = group[0][4]
         low, high = group[0][1].index, group[-1][1].index + 1
         window = aligned_empty((high - low, *(b - a for a, b in bounds)), dtype)
-        source.read_into(stacked, (slice(low, high), *_region(bounds)), window)
-        return window
+        cuts = [low, *range(low - low % piece_rows + piece_rows, high, piece_rows), high]
+        for a, b in zip(cuts, cuts[1:]):
 
-    def settle(group: list, window: np.ndarray) -> None:
-        low = group[0][1].index
-        for i, row, target, blocks, bounds in group:
-            part = window[row.index - low, ...]  # a view, even of a 0-d row
-            if blocks is None:
-                with reading(row.leaf):
-                    values[i] = row.leaf.finish(part, target)
-            else:
-                data = {key: checked_astype(part[_region(key, bounds)], target.dtype, row.leaf.path) for key in blocks}
-                values[i] = _assemble(row_shape, target, blocks, data)
-            advance(row.leaf.nbytes)
+            def work(a: int = a, b: int = b, window: np.ndarray = window, bounds: Key = bounds, low: int = low) -> None:
+                reader.into(stacked, (slice(a, b), *_region(bounds)), window[a - low : b - low])
 
-    tasks = (
-        (len(range(g[0][1].index, g[-1][1].index + 1)) * row_bytes, lambda g=g: read(g), lambda w, g=g: settle(g, w))
-        for g in groups
-    )
-    run_windowed(tasks, host_memory_budget())
+            then = (lambda _, group=group, window=window: _settle(group, window, values)) if b == high else None
+            yield (b - a) * row_bytes, work, then
+
+
+def _settle(group: list, window: np.ndarray, values: list[Any]) -> None:
+    """Each row of ``group`` from the ``window`` read for it, into its target."""
+    low = group[0][1].index
+    kept = [row.index for _, row, *_ in group] == list(range(low, low + len(window)))
+    for i, row, target, blocks, bounds in group:
+        part = window[row.index - low, ...]  # a view, even of a 0-d row
+        if blocks is None:
+            if not kept:
+                part = _copied(part)
+            with reading(row.leaf):
+                values[i] = row.leaf.finish(part, target)
+        else:
+            data = {key: checked_astype(part[_region(key, bounds)], target.dtype, row.leaf.path) for key in blocks}
+            values[i] = _assembled(row.leaf.shape, target, _placed(blocks, data))
+        advance(row.leaf.nbytes)
+
+
+def _copied(data: np.ndarray) -> np.ndarray:
+    """A copy of ``data`` in a buffer of its own (aligned: a jax array adopts it)."""
+    out = aligned_empty(data.shape, data.dtype)
+    out[...] = data
+    return out

@@ -308,8 +308,9 @@ def _match_rules(
             result.mismatched.append((path, result.named(by_key[rule.key], f"{problem} (from {rule.key!r})")))
         else:
             result.supply(slot, by_key[rule.key], target)
-    if strict:
-        result.mismatched.extend(unrestored_rows(rows))
+    if strict:  # a stacked leaf restored whole as well leaves no row unrestored
+        whole = {by_key[r.key].path for r in rules if r.kind is RuleKind.ORIGINAL and r.key in by_key}
+        result.mismatched.extend(unrestored_rows([(path, row) for path, row in rows if row.stacked.path not in whole]))
 
 
 def _produced_shape(value_fn: Any, leaf: Leaf, known: dict[Any, tuple[int, ...] | None]) -> tuple[int, ...] | None:
@@ -477,8 +478,10 @@ def load(
       extra checkpoint leaves are ignored, with a warning.
     - `cast`: convert stored dtypes to ``like``'s dtypes instead of refusing.
     - `transforms`: `Transform` rules (see `apply_transformations`) mapping
-      ``like``'s paths to checkpoint paths. Only the leaves the result needs
-      are read; ``transforms={}`` restores just the leaves ``like`` has.
+      ``like``'s paths to checkpoint paths, and `Stack` and `Unstack` rules
+      that change the layout (per-layer weights into a scanned model, and
+      back). Only the leaves the result needs are read; ``transforms={}``
+      restores just the leaves ``like`` has.
     - `default_to_original`: as in `apply_transformations`.
     - `format`: as for `eqxckpt.open` (None: detected); `"safetensors"` reads a
       HuggingFace file or directory, tensor ``a.b.c`` at path ``a/b/c``.

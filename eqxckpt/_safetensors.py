@@ -154,11 +154,11 @@ class SafetensorsCheckpoint(Source):
         """One row: a selection is read from its first row to its last."""
         return 1
 
-    def read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
+    def _read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
         """Whole rows: one ranged read straight into ``out``."""
         whole_rows = all((s.start, s.stop) == (0, n) for s, n in zip(region[1:], leaf.shape[1:]))
         if not region or not whole_rows or not out.size:
-            return super().read_into(leaf, region, out)
+            return super()._read_into(leaf, region, out)
         fd, offset = self._where[leaf.path]
         with reading(leaf):
             read_range(fd, offset + region[0].start * (leaf.nbytes // leaf.shape[0]), out, leaf.path)

@@ -11,6 +11,7 @@ translated views of either (`CheckpointTranslator.apply`) are sources, so
 import abc
 import asyncio
 import contextlib
+import operator
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ._chunks import Region
-from ._errors import CheckpointError
+from ._errors import ArgumentError, CheckpointError
 from ._leaf import Leaf, StoredLeaf, check_bool_bytes
 from ._paths import depth, did_you_mean, normalize_at, relative_to
 from ._progress import advance
@@ -136,13 +137,20 @@ class Source(abc.ABC):
         - `region`: one slice (step 1, within the shape) per dimension of the leaf.
         - `out`: a C-contiguous array of the region's shape and the leaf's stored dtype.
 
-        **Returns:** nothing; ``out`` holds the values. Thread-safe.
+        **Returns:** nothing; ``out`` holds the values. Thread-safe. A region outside the
+        leaf (or with a step), or an ``out`` of another shape or dtype, is an `ArgumentError`.
 
         ```python
         out = np.empty((2, 3), np.float32)
         ckpt.read_into(ckpt.leaf("model/w"), (slice(1, 3), slice(0, 3)), out)
+        out[:, 0]  # np.array([3.0, 6.0])
         ```
         """
+        self._read_into(leaf, checked_region(leaf, region, out), out)
+
+    def _read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
+        """`read_into` of a region checked to lie within the leaf (slices of ints, step 1) and an
+        ``out`` checked to fit it. A format that can read straight into ``out`` overrides this."""
         out[...] = self.read_selection(leaf, Selection.of(region, leaf.data_shape))
 
     def part_reader(self, leaf: StoredLeaf, selection: Selection) -> Callable[[Region], np.ndarray]:
@@ -180,7 +188,7 @@ class Source(abc.ABC):
         **Returns:** a positive int.
 
         ```python
-        ckpt.rows_per_read(ckpt.leaf("model/blocks/w"))  # the rows of one chunk
+        ckpt.rows_per_read(ckpt.leaf("model/w"))  # 4: its chunk holds every row
         ```
         """
         return max(1, leaf.shape[0]) if leaf.shape else 1
@@ -379,6 +387,35 @@ class Source(abc.ABC):
         """A leaf's value as far as is known without reading: lazy for stored arrays,
         the scalar for scalars, None for opaque leaves."""
         return LazyArray(self, leaf) if isinstance(leaf, StoredLeaf) else leaf.value()
+
+
+def checked_region(leaf: StoredLeaf, region: Any, out: Any) -> Region:
+    """``region`` as slices of ints from 0 to each dimension's length (None: the whole
+    dimension), or an `ArgumentError` saying why it is not a box of ``leaf`` that ``out``
+    can hold: `Source.read_into` never reads past a leaf, nor into the wrong buffer."""
+    what = f"read_into of leaf {leaf.path!r} ({leaf.describe()})"
+    if not leaf.sliceable:
+        raise ArgumentError(f"{what}: it cannot be read in parts; read it whole (LazyArray.get).")
+    if not isinstance(region, tuple) or len(region) != len(leaf.shape) or not all(isinstance(s, slice) for s in region):
+        raise ArgumentError(f"{what}: the region must be a tuple of {len(leaf.shape)} slices, got {region!r}.")
+    checked = []
+    for s, n in zip(region, leaf.shape):
+        try:
+            start = 0 if s.start is None else operator.index(s.start)
+            stop = n if s.stop is None else operator.index(s.stop)
+        except TypeError:
+            raise ArgumentError(f"{what}: {s!r} must have int bounds.") from None
+        if s.step not in (None, 1) or not 0 <= start <= stop <= n:
+            raise ArgumentError(f"{what}: {s!r} is not a range of a dimension of length {n} (from 0, step 1).")
+        checked.append(slice(start, stop))
+    shape = tuple(s.stop - s.start for s in checked)
+    dtype = np.dtype(leaf.dtype)
+    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
+        found = f"{out.dtype}{list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ArgumentError(f"{what}: out must be a numpy array of {dtype}{list(shape)}, got {found}.")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ArgumentError(f"{what}: out must be C-contiguous and writeable.")
+    return tuple(checked)
 
 
 def nothing_under(source: Source, at: str | None) -> CheckpointError:

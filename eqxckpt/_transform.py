@@ -188,7 +188,8 @@ def apply_transformations(
 
     - `original_tree`: the pytree the values come from.
     - `transforms`: ``{regex: Transform}`` (nested dicts join keys with ``/``), as
-      `eqxckpt.load`'s ``transforms``.
+      `eqxckpt.load`'s ``transforms``; `Stack` and `Unstack` rules stack the
+      original leaves (numpy's or JAX's ``stack``) or take a row of one.
     - `new_tree`: the pytree whose structure the result has.
     - `default_to_original`: whether unmentioned keys in both trees take the original's value.
 
@@ -233,20 +234,35 @@ def apply_transformations(
 
 
 def _stacked(path: str, template: str, new_value: Any, original: dict[str, Any]) -> Any:
-    """The stack of ``original``'s layers at ``template``, as many as ``new_value``'s leading axis."""
-    if not np.shape(new_value):
+    """The stack of ``original``'s layers at ``template``, as many as ``new_value``'s leading
+    axis: numpy's or JAX's ``stack`` of arrays, a `jax.ShapeDtypeStruct` of skeletons."""
+    rule = f"Stack({template!r}) for {path!r}"
+    if not np.shape(new_value) or not np.shape(new_value)[0]:
         raise TransformError(
-            f"Stack({template!r}) for {path!r} needs a leaf with a leading layer axis in the new tree, found "
+            f"{rule} needs a leaf with a leading layer axis of at least one layer in the new tree, found "
             f"{type(new_value).__name__} of shape {tuple(np.shape(new_value))}."
         )
     keys = layer_keys(template, np.shape(new_value)[0])
     absent = [key for key in keys if key not in original]
     if absent:
-        raise TransformError(f"Stack({template!r}) for {path!r}: the original tree has no {absent[:8]}.")
+        raise TransformError(f"{rule}: the original tree has no {absent[:8]}.")
     layers = [original[key] for key in keys]
-    if len({(tuple(np.shape(x)), np.dtype(x.dtype)) for x in layers}) > 1:
-        found = {key: f"{np.dtype(x.dtype).name}{list(np.shape(x))}" for key, x in zip(keys, layers)}
-        raise TransformError(f"Stack({template!r}) for {path!r}: the layers differ in shape or dtype: {found}.")
+    odd = [
+        key
+        for key, x in zip(keys, layers)
+        if not hasattr(x, "shape") and not isinstance(x, (bool, int, float, complex))
+    ]
+    if odd:
+        raise TransformError(f"{rule}: layers {odd[:8]} are not arrays or numbers.")
+    layers = [x if hasattr(x, "shape") else np.asarray(x) for x in layers]
+    kinds = {(tuple(x.shape), str(x.dtype)) for x in layers}
+    if len(kinds) > 1:
+        found = {key: f"{x.dtype}{list(x.shape)}" for key, x in zip(keys, layers)}
+        raise TransformError(f"{rule}: the layers differ in shape or dtype: {found}.")
+    if all(isinstance(x, jax.ShapeDtypeStruct) for x in layers):
+        return jax.ShapeDtypeStruct((len(layers), *layers[0].shape), layers[0].dtype)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in layers):
+        raise TransformError(f"{rule}: some layers are arrays, some shapes only (jax.ShapeDtypeStruct).")
     if any(isinstance(x, jax.Array) for x in layers):
         return jnp.stack(layers)
     return np.stack([np.asarray(x) for x in layers])

@@ -199,12 +199,12 @@ class TranslatedSource(Source):
             return self.original.rows_per_read(origin)
         return super().rows_per_read(leaf)
 
-    def read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
+    def _read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
         """A leaf passed on unchanged, as its original source reads it into ``out``."""
         origin = self._origin.get(leaf.path)
         if origin is not None and leaf.path not in self._transposed:
             return self.original.read_into(origin, region, out)
-        super().read_into(leaf, region, out)
+        super()._read_into(leaf, region, out)
 
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """A leaf passed on unchanged, as its original source reads it (only what the

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import BUCKET, WORKERS, assert_trees_equal, s3_spec
 from distributed_worker import global_state
@@ -159,3 +160,22 @@ def test_sigterm_to_one_process_saves_the_same_step_on_every_process(tmp_path):
     launch("preempt", 2, reference)
     for step in (10, 20):
         assert_trees_equal(eqxckpt.load(tmp_path / "run" / str(step)), eqxckpt.load(reference / "run" / str(step)))
+
+
+def test_stack_and_unstack_across_processes_read_each_chunk_in_one_process(tmp_path, monkeypatch):
+    """Two processes of 2 devices: a skeleton stacked along the layers (a layer a device),
+    and per-layer leaves split by rows. Every value checked in every process; each chunk
+    file is read by the one process whose devices hold its elements, and by no other."""
+    from distributed_worker import LAYERS, layer_values
+
+    import eqxckpt._chunks as chunks_module
+
+    monkeypatch.setattr(chunks_module, "CHUNK_BYTES", 64)  # a chunk per 16 floats: a row
+    layers = [layer_values(i) for i in range(LAYERS)]
+    eqxckpt.save(tmp_path / "per_layer", {"blocks": [{"w": x} for x in layers]})
+    eqxckpt.save(tmp_path / "stacked", {"blocks": {"w": np.stack(layers)}})
+    logs = launch("layout", 2, tmp_path)
+    for kind, every in (("stack", LAYERS * 8), ("unstack", LAYERS * 8)):
+        reads = [json.loads(log.split(f": {kind} read ", 1)[1].splitlines()[0]) for log in logs]
+        assert not set(reads[0]) & set(reads[1]), (kind, reads)  # no chunk read by both
+        assert all(len(r) == len(set(r)) == every // 2 for r in reads), (kind, reads)  # each once, half each

@@ -7,6 +7,7 @@ leaves involved; an unstacking restore reads each stored byte once.
 """
 
 import collections
+import json
 import os
 
 import equinox as eqx
@@ -93,6 +94,17 @@ def write(kind: str, tmp_path, model, name: str):
 
         save_file({path.replace("/", "."): value for path, value in flat.items()}, str(where))  # HF's names
         return where
+    if kind == "huggingface directory":  # sharded, with HuggingFace's index
+        from safetensors.numpy import save_file
+
+        where.mkdir()
+        names = sorted(path.replace("/", ".") for path in flat)
+        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for shard, members in shards.items():
+            save_file({name: flat[name.replace(".", "/")] for name in members}, str(where / shard))
+        index = {"metadata": {}, "weight_map": {name: shard for shard, members in shards.items() for name in members}}
+        (where / "model.safetensors.index.json").write_text(json.dumps(index))
+        return where
     if kind == "orbax":
         import orbax.checkpoint as ocp
 
@@ -105,7 +117,7 @@ def write(kind: str, tmp_path, model, name: str):
     return where
 
 
-SOURCES = ["eqxckpt", "safetensors", "orbax", pytest.param("tensorflow", marks=pytest.mark.tf)]
+SOURCES = ["eqxckpt", "safetensors", "huggingface directory", "orbax", pytest.param("tensorflow", marks=pytest.mark.tf)]
 
 
 @pytest.mark.parametrize("kind", SOURCES)
@@ -378,3 +390,127 @@ def test_stack_then_unstack_gives_back_every_layer_bit_for_bit(
         # Into numpy leaves: numpy; into a skeleton: what was saved (numpy), or jax for foreign tensors.
         assert isinstance(row, np.ndarray if into_numpy or kind == "eqxckpt" else jax.Array)
         assert row.shape == x.shape and np.asarray(row).tobytes() == x.tobytes()
+
+
+# -- Found by an outside attack on the change (each failed before its fix) ------------------
+
+
+def test_two_leaves_taking_one_row_share_no_memory(tmp_path):
+    """A numpy and a jax leaf (or two numpy leaves) taking the same row: each result has
+    its own buffer, so writing one changes neither the other nor the immutable jax array."""
+    eqxckpt.save(tmp_path / "s", {"w": np.arange(4 * 64, dtype=np.float32).reshape(4, 64)})
+    like = {"a": np.zeros(64, np.float32), "b": jnp.zeros(64, jnp.float32), "c": np.zeros(64, np.float32)}
+    rules = {name: eqxckpt.Unstack("w", 1) for name in like}
+    out = eqxckpt.load(tmp_path / "s", like, transforms=rules, strict=False)
+    out["a"][:] = -5.0
+    np.testing.assert_array_equal(np.asarray(out["b"]), np.arange(64, 128, dtype=np.float32))
+    np.testing.assert_array_equal(out["c"], np.arange(64, 128, dtype=np.float32))
+
+
+def test_rows_taken_from_a_larger_window_hold_only_themselves(tmp_path):
+    eqxckpt.save(tmp_path / "s", {"w": np.zeros((64, 4096), np.float32)})  # one chunk: read whole
+    like = {"a": np.zeros(4096, np.float32), "b": np.zeros(4096, np.float32)}
+    rows = {"a": eqxckpt.Unstack("w", 0), "b": eqxckpt.Unstack("w", 63)}
+    out = eqxckpt.load(tmp_path / "s", like, transforms=rows, strict=False)
+    for row in out.values():
+        held = row
+        while held.base is not None:
+            held = held.base
+        assert held.nbytes < 2 * row.nbytes, f"a {row.nbytes}-byte row holds a {held.nbytes}-byte buffer"
+
+
+def test_small_packed_layers_are_read_in_one_batch(tmp_path):
+    """48 layers of two small leaves, packed into one chunk: Stack reads that chunk once,
+    as a plain restore does (it read it once per layer per leaf: 96 times); Unstack of
+    small stacked leaves likewise."""
+    layers = [{"b": np.full(16, i, np.float32), "g": np.full(16, -i, np.float32)} for i in range(48)]
+    eqxckpt.save(tmp_path / "pk", {"blocks": layers})
+    storage, reads = counting_storage(tmp_path / "pk")
+    like = {"blocks": {"b": np.zeros((48, 16), np.float32), "g": np.zeros((48, 16), np.float32)}}
+    progress = []
+    out = eqxckpt.load(open_checkpoint(storage), like, transforms=STACK, progress=lambda *a: progress.append(a))
+    np.testing.assert_array_equal(out["blocks"]["g"][:, 3], -np.arange(48))
+    assert reads == {"%packed/c/0": 1}, reads
+    assert progress[-1] == (2 * 48 * 16 * 4, 2 * 48 * 16 * 4, 2, 2)  # counted once, as the stacked leaves
+    eqxckpt.save(tmp_path / "st", {"blocks": {f"w{j}": np.full((4, 8), j, np.int16) for j in range(40)}})
+    storage, reads = counting_storage(tmp_path / "st")
+    like = {"blocks": [{f"w{j}": np.zeros(8, np.int16) for j in range(40)} for _ in range(4)]}
+    out = eqxckpt.load(open_checkpoint(storage), like, transforms=UNSTACK)
+    assert out["blocks"][3]["w39"].tolist() == [39] * 8 and reads == {"%packed/c/0": 1}, reads
+
+
+@pytest.mark.parametrize("rules", ["stack", "unstack"])
+def test_a_layout_restore_larger_than_the_memory_left_is_refused_first(tmp_path, monkeypatch, rules):
+    import eqxckpt._window as window
+
+    layers = [np.full((256, 256), i, np.float32) for i in range(4)]
+    eqxckpt.save(tmp_path / "per_layer", {"blocks": [{"w": x} for x in layers]})
+    eqxckpt.save(tmp_path / "stacked", {"blocks": {"w": np.stack(layers)}})
+    monkeypatch.setattr(window, "available_memory", lambda: 64 * 1024)
+    with pytest.raises(eqxckpt.CheckpointError, match="host memory"):
+        if rules == "stack":
+            eqxckpt.load(
+                tmp_path / "per_layer", {"blocks": {"w": np.zeros((4, 256, 256), np.float32)}}, transforms=STACK
+            )
+        else:
+            like = {"blocks": [{"w": np.zeros((256, 256), np.float32)} for _ in range(4)]}
+            eqxckpt.load(tmp_path / "stacked", like, transforms=UNSTACK)
+
+
+@pytest.mark.parametrize("kind", ["eqxckpt", "safetensors"])
+@pytest.mark.parametrize(
+    "region, out, why",
+    [
+        ((slice(2, 6), slice(0, 3)), np.zeros((4, 3), np.float32), "not a range of a dimension of length 4"),
+        ((slice(-2, 4), slice(0, 3)), np.zeros((2, 3), np.float32), "not a range"),
+        ((slice(0, 4, 2), slice(0, 3)), np.zeros((2, 3), np.float32), "step 1"),
+        ((slice(0, 2), slice(0, 3)), np.zeros((2, 3), np.float64), "out must be a numpy array of float32\\[2, 3\\]"),
+        ((slice(0, 2), slice(0, 3)), np.zeros((3, 2), np.float32), "got float32\\[3, 2\\]"),
+        ((slice(0, 2),), np.zeros((2, 3), np.float32), "a tuple of 2 slices"),
+        ((slice(0, 4), slice(0, 3)), np.zeros((3, 4), np.float32).T, "C-contiguous"),
+    ],
+)
+def test_read_into_refuses_a_region_or_buffer_that_does_not_fit(tmp_path, kind, region, out, why):
+    """Never other bytes as values (the next tensor's, a file header's), never a caller's
+    slip reported as a damaged checkpoint."""
+    from safetensors.numpy import save_file
+
+    tensors = {"a": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.full((4, 3), -1, np.float32)}
+    if kind == "eqxckpt":
+        eqxckpt.save(tmp_path / "c", tensors)
+        source = eqxckpt.open(tmp_path / "c")
+    else:
+        save_file(tensors, str(tmp_path / "c.safetensors"))
+        source = eqxckpt.open(tmp_path / "c.safetensors")
+    with pytest.raises(eqxckpt.ArgumentError, match=why):
+        source.read_into(source.leaf("a"), region, out)
+    whole = np.empty((4, 3), np.float32)
+    source.read_into(source.leaf("a"), (slice(None), slice(0, 3)), whole)  # None: the whole dimension
+    np.testing.assert_array_equal(whole, tensors["a"])
+
+
+def test_in_memory_stacks_of_numbers_keys_and_skeletons():
+    stack = lambda original, new: eqxckpt.apply_transformations(original, STACK, new)["blocks"]["w"]  # noqa: E731
+    assert stack({"blocks": [{"w": 1.0}, {"w": 2.0}]}, {"blocks": {"w": np.zeros(2)}}).tolist() == [1.0, 2.0]
+    keys = [jax.random.key(i) for i in range(2)]
+    stacked_keys = stack({"blocks": [{"w": k} for k in keys]}, {"blocks": {"w": jax.random.split(jax.random.key(0))}})
+    assert jnp.array_equal(jax.random.key_data(stacked_keys), jnp.stack([jax.random.key_data(k) for k in keys]))
+    layer = jax.ShapeDtypeStruct((2,), jnp.float32)
+    assert stack({"blocks": [{"w": layer}] * 3}, {"blocks": {"w": np.zeros((3, 2))}}) == jax.ShapeDtypeStruct(
+        (3, 2), jnp.float32
+    )
+    with pytest.raises(eqxckpt.TransformError, match="at least one layer"):
+        stack({"blocks": [{"w": np.ones(2)}]}, {"blocks": {"w": np.zeros((0, 2))}})
+    with pytest.raises(eqxckpt.TransformError, match="not arrays or numbers"):
+        stack({"blocks": [{"w": "a"}, {"w": "b"}]}, {"blocks": {"w": np.zeros(2)}})
+
+
+def test_a_stacked_leaf_restored_whole_and_a_row_of_it_is_strict(tmp_path):
+    """Tied weights: `like` takes the stacked leaf whole and one row of it; every stored
+    leaf is restored, so strict=True does not refuse it."""
+    stacked_w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    eqxckpt.save(tmp_path / "s", {"blocks": {"w": stacked_w}})
+    like = {"blocks": {"w": np.zeros((4, 3), np.float32)}, "first": np.zeros(3, np.float32)}
+    out = eqxckpt.load(tmp_path / "s", like, transforms={"first": eqxckpt.Unstack("blocks/w", 0)})
+    np.testing.assert_array_equal(out["first"], stacked_w[0])
+    np.testing.assert_array_equal(out["blocks"]["w"], stacked_w)

@@ -67,6 +67,19 @@ def test_restore_peaks_near_the_restored_bytes(saved, op):
     assert peak <= 1.15 * restored + FIXED, f"{op} peaked at {peak / restored:.2f}x the {restored} bytes it restored"
 
 
+@pytest.mark.parametrize("op", ["load_stacked", "load_unstacked"])
+def test_a_restore_that_changes_the_layout_peaks_near_the_restored_bytes(saved, op, tmp_path):
+    """`Stack` reads each layer straight into the stacked result, and `Unstack` each window
+    of rows into the rows it restores: no copy of the state on the way."""
+    path, _ = saved
+    if op == "load_unstacked":
+        path = tmp_path / "stacked"
+        probe("save_stacked", path)
+    peak, restored = probe(op, path)
+    assert restored == 64 * 2**20 + 8 * 2048 * 4
+    assert peak <= 1.15 * restored + FIXED, f"{op} peaked at {peak / restored:.2f}x the {restored} bytes it restored"
+
+
 def test_copying_a_checkpoint_streams_it(saved):
     """save(dst, open(src).tree()) holds a window of the state, never all of it."""
     path, _ = saved

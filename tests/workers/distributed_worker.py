@@ -151,6 +151,51 @@ def check(tree: dict, mesh: Mesh | None = None) -> int:
     return checked
 
 
+LAYERS, ROWS, COLUMNS = 4, 8, 16  # the layout scenario's layers, each (ROWS, COLUMNS) float32
+
+
+def layer_values(i: int) -> np.ndarray:
+    return np.arange(ROWS * COLUMNS, dtype=np.float32).reshape(ROWS, COLUMNS) + 1000 * i
+
+
+def layout_scenario(process_id: int, num_processes: int, devices: np.ndarray, directory: str) -> None:
+    """Restore DIRECTORY/per_layer into a skeleton stacked along the layers, sharded by layer
+    over every device, and DIRECTORY/stacked into per-layer leaves sharded by rows; print
+    each restore's chunk files read by this process (JSON) once every value is checked."""
+    import eqxckpt
+    import eqxckpt._storage._local as local
+
+    read: list[str] = []
+
+    class Counted(local.LocalChunkFiles):
+        def read(self, key, into):
+            read.append(key)
+            super().read(key, into)
+
+    local.LocalChunkFiles = Counted  # type: ignore[misc]
+    line = Mesh(devices, ("x",))
+    stack = {r"blocks/(.*)": eqxckpt.Stack(r"blocks/{i}/\1")}
+    like = {
+        "blocks": {
+            "w": jax.ShapeDtypeStruct((LAYERS, ROWS, COLUMNS), jnp.float32, sharding=NamedSharding(line, P("x")))
+        }
+    }
+    out = eqxckpt.load(f"{directory}/per_layer", like, transforms=stack)["blocks"]["w"]
+    for shard in out.addressable_shards:
+        expected = np.stack([layer_values(i) for i in range(LAYERS)])[shard.index]
+        np.testing.assert_array_equal(np.asarray(shard.data), expected)
+    print(f"process {process_id}: stack read {json.dumps(sorted(read))}", flush=True)
+    read.clear()
+    unstack = {r"blocks/(\d+)/(.*)": eqxckpt.Unstack(r"blocks/\2", index=r"\1")}
+    rows = NamedSharding(line, P("x", None))
+    like = {"blocks": [{"w": jax.ShapeDtypeStruct((ROWS, COLUMNS), jnp.float32, sharding=rows)} for _ in range(LAYERS)]}
+    out = eqxckpt.load(f"{directory}/stacked", like, transforms=unstack)
+    for i in range(LAYERS):
+        for shard in out["blocks"][i]["w"].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), layer_values(i)[shard.index])
+    print(f"process {process_id}: unstack read {json.dumps(sorted(read))}", flush=True)
+
+
 def _pin_gloo_to_loopback() -> None:
     """Gloo binds to whatever the hostname resolves to; these tests use 127.0.0.1 only."""
     from jax._src.lib import _jax
@@ -249,6 +294,8 @@ def main(scenario: str, port: int, num_processes: int, process_id: int, director
                 print(f"process {process_id}: step {step}", flush=True)
                 time.sleep(0.05)
         print(f"process {process_id}: done", flush=True)
+    elif scenario == "layout":  # Stack and Unstack across processes: each reads only its own slices
+        layout_scenario(process_id, num_processes, devices, directory)
     elif scenario == "crash":  # process 1 dies before saving: the others must not hang
         if process_id == 1:
             raise RuntimeError("worker 1 crashed on purpose")

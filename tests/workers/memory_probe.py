@@ -4,6 +4,7 @@
     python memory_probe.py save_large|load_sharded PATH [BUDGET_MIB]
     python memory_probe.py save_leaf PATH
     python memory_probe.py load_leaf PATH BUDGET_MIB rows|columns|replicated
+    python memory_probe.py save_stacked|load_stacked|load_unstacked PATH
 
 ``load_sharded`` restores the 1 GiB ``save_large`` state onto every local device
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8`` makes 8 CPU devices),
@@ -11,6 +12,9 @@ rows split across them, within ``host_memory_budget`` (BUDGET_MIB; default None)
 ``load_leaf`` restores the one 256 MiB leaf of ``save_leaf`` onto every local
 device, split by rows (``P("x", None)``), by columns (``P(None, "x")``) or
 replicated (``P()``), within BUDGET_MIB.
+``load_stacked`` restores the params of ``save``'s state (8 layers) into a scanned
+skeleton with `Stack`; ``save_stacked`` saves them stacked, and ``load_unstacked``
+restores those into the per-layer skeleton with `Unstack`.
 
 Prints JSON: the peak RSS above the level just before the operation, and the
 bytes saved or restored.
@@ -26,7 +30,7 @@ import numpy as np
 import eqxckpt
 
 # The package imports these on first use: import them now, so the peak measured is the operation's.
-eqxckpt.load, eqxckpt.open, eqxckpt.save, eqxckpt.save_safetensors  # noqa: B018
+eqxckpt.load, eqxckpt.open, eqxckpt.save, eqxckpt.save_safetensors, eqxckpt.Stack  # noqa: B018
 
 
 def state():
@@ -106,7 +110,39 @@ def one_leaf(path, op, budget_mib="16", spec="rows"):
     print(json.dumps({"peak": peak, "bytes": nbytes, "devices": len(devices)}))
 
 
+def layouts(path, op):
+    """A `Stack` or `Unstack` restore of the params (8 layers of 8 MiB), measured."""
+    per_layer = jax.eval_shape(state)["model"]
+    if op == "save_stacked":
+        layers = state()["model"]["layers"]
+        eqxckpt.save(path, {"model": {"layers": {n: jnp.stack([x[n] for x in layers]) for n in ("w", "b")}}})
+        print(json.dumps({"peak": 0, "bytes": 0}))
+        return
+    if op == "load_stacked":
+        layers = per_layer["layers"]
+        like = {
+            "layers": {n: jax.ShapeDtypeStruct((len(layers), *layers[0][n].shape), jnp.float32) for n in ("w", "b")}
+        }
+        transforms = {r"layers/(.*)": eqxckpt.Stack(r"layers/{i}/\1")}
+    else:
+        like, transforms = per_layer, {r"layers/(\d+)/(.*)": eqxckpt.Unstack(r"layers/\2", index=r"\1")}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = kib("VmRSS")
+    out = jax.block_until_ready(eqxckpt.load(path, like, at="model", transforms=transforms))
+    peak = (kib("VmHWM") - before) * 1024
+    layers = state()["model"]["layers"]
+    for i, layer in enumerate(layers):  # every value
+        for n in ("w", "b"):
+            got = out["layers"][n][i] if op == "load_stacked" else out["layers"][i][n]
+            assert np.array_equal(got, layer[n]), (i, n)
+    print(json.dumps({"peak": peak, "bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(out))}))
+
+
 def main(op, path, *args):
+    if op in ("save_stacked", "load_stacked", "load_unstacked"):
+        layouts(path, op)
+        return
     if op in ("save_large", "load_sharded"):
         large(path, op, *args)
         return
