@@ -162,20 +162,21 @@ def test_convert_hf_writes_a_scanned_t5_that_loads_into_its_skeleton(tmp_path, s
 
 
 def test_scanned_load_hf_reads_each_tensor_once_straight_into_the_stacked_leaves(monkeypatch):
-    from eqxckpt import _layout, _safetensors
+    from eqxckpt import _layout, _load, _safetensors
 
     reads, stacked = [], []
-    read_range, read_stacked = _safetensors.read_range, _layout._read_stacked
+    read_range, read_layouts = _safetensors.read_range, _load.read_layouts
     monkeypatch.setattr(
         _safetensors,
         "read_range",
         lambda fd, offset, buffer, path: (reads.append(path), read_range(fd, offset, buffer, path))[1],
     )
-    monkeypatch.setattr(
-        _layout,
-        "_read_stacked",
-        lambda source, layout, target: (stacked.append(layout.leaf.path), read_stacked(source, layout, target))[1],
-    )
+
+    def spied_read_layouts(source, wanted):
+        stacked.extend(layout.leaf.path for layout, _ in wanted if isinstance(layout, _layout.Stacked))
+        return read_layouts(source, wanted)
+
+    monkeypatch.setattr(_load, "read_layouts", spied_read_layouts)
     model = t5.load_hf(FIXTURE / "hf", scan_layers=True)
     assert len(reads) == len(set(reads)) == 52
     # Every stacked leaf came from eqxckpt.Stack, not from a per-layer model stacked afterwards.
