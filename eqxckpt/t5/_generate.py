@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ._model import T5, KeyValues
+from ._model import T5, Cache
 
 # HuggingFace's score for "not a candidate": large, yet finite so sums stay ordered.
 NOT_A_CANDIDATE = -1.0e9
@@ -134,7 +134,7 @@ class Decoder(eqx.Module):
     model: T5
     memory: Array  # [rows, seq, d_model]
     mask: Array  # [rows, seq]
-    cross: list[KeyValues] | None  # per block [rows, seq, heads, d_kv]; None without a cache
+    cross: Cache | None  # `T5.cross_cache` of each row (rows first); None without a cache
     use_cache: bool = eqx.field(static=True)
 
     @classmethod
@@ -144,15 +144,13 @@ class Decoder(eqx.Module):
         cross = jax.vmap(model.cross_cache)(memory) if use_cache else None
         return cls(model, memory, mask, cross, use_cache)
 
-    def init_cache(self, length: int) -> list[KeyValues] | None:
+    def init_cache(self, length: int) -> Cache | None:
         if not self.use_cache:
             return None
         rows = self.memory.shape[0]
         return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (rows, *x.shape)), self.model.init_cache(length))
 
-    def step(
-        self, cache: list[KeyValues] | None, tokens: Array, position: Array
-    ) -> tuple[Array, list[KeyValues] | None]:
+    def step(self, cache: Cache | None, tokens: Array, position: Array) -> tuple[Array, Cache | None]:
         """Each row's next-token logits (float32 or wider) from ``tokens[:, position]``."""
         if cache is None or self.cross is None:  # recompute the whole prefix (later positions are masked out)
             hidden = jax.vmap(self.model.decode_hidden)(tokens, self.memory, self.mask)

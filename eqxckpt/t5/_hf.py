@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -29,7 +30,7 @@ from .._translate import CheckpointTranslator, Transposed
 from .._tree import flatten
 from ._config import T5Config
 from ._import import SUBLAYERS, read_t5, write_converted
-from ._model import T5
+from ._model import SCANNED_BLOCK_LEAF, T5, per_layer_path
 
 ATTENTION = {"self_attention": "SelfAttention", "cross_attention": "EncDecAttention"}
 # Leaves stored transposed: every matrix but the embedding.
@@ -40,7 +41,8 @@ CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME = "config.json", "generation_c
 
 
 def hf_name(path: str, config: T5Config) -> str:
-    """This T5's parameter path -> HuggingFace's tensor name."""
+    """This T5's parameter path -> HuggingFace's tensor name (with ``{i}`` for the block
+    of a scanned T5's stacked leaf, ``encoder/blocks/self_attention/q``)."""
     parts = path.split("/")
     if path == "shared":
         return "shared.weight"
@@ -51,7 +53,11 @@ def hf_name(path: str, config: T5Config) -> str:
         return f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     if parts[1] == "final_norm":
         return f"{stack}.final_layer_norm.weight"
+    if not parts[2].isdigit():  # a scanned T5's leaf: every block's
+        parts.insert(2, "{i}")
     block, sublayer = parts[2], parts[3]
+    if sublayer == "relative_attention_bias":  # one table per block (relative_attention_per_layer)
+        return f"{stack}.block.{block}.layer.0.SelfAttention.relative_attention_bias.weight"
     if sublayer.endswith("_norm"):
         return f"{stack}.block.{block}.layer.{SUBLAYERS[stack].index(sublayer[: -len('_norm')])}.layer_norm.weight"
     layer = SUBLAYERS[stack].index(sublayer)
@@ -117,7 +123,9 @@ def _(opts, key, value, name):
 # --- reading ------------------------------------------------------------------------------
 
 
-def load_hf(path: str | os.PathLike[str], *, dtype: Any = None, progress: Progress = False) -> T5:
+def load_hf(
+    path: str | os.PathLike[str], *, dtype: Any = None, scan_layers: bool = False, progress: Progress = False
+) -> T5:
     """A `T5` from a HuggingFace T5 directory (``config.json`` + safetensors).
 
     Reads ``model.safetensors``, or a sharded ``model.safetensors.index.json``,
@@ -132,6 +140,10 @@ def load_hf(path: str | os.PathLike[str], *, dtype: Any = None, progress: Progre
     - `dtype`: the floating weights' dtype: None (the default) is float32, as
       HuggingFace's ``from_pretrained`` gives, whatever the file stores;
       ``"auto"`` keeps the stored dtype; or e.g. ``jnp.bfloat16``.
+    - `scan_layers`: True gives a scanned T5 (see `T5`): each stack's blocks
+      stacked into one block with a leading layer axis, run with `jax.lax.scan`,
+      so it compiles in nearly the same time at any depth. The files' per-block
+      tensors are read straight into the stacked arrays.
     - `progress`: as for `eqxckpt.load`. Off by default.
 
     **Returns:** the `T5` module.
@@ -139,6 +151,8 @@ def load_hf(path: str | os.PathLike[str], *, dtype: Any = None, progress: Progre
     ```python
     model = eqxckpt.t5.load_hf("t5_v1_1_tiny/hf")
     out = eqxckpt.t5.generate(model, input_ids, attention_mask, max_new_tokens=32)
+    scanned = eqxckpt.t5.load_hf("t5_v1_1_tiny/hf", scan_layers=True)
+    scanned.encoder.blocks.self_attention.q.shape  # (2, 32, 128)
     ```
     """
     root = pathlib.Path(path)
@@ -153,7 +167,15 @@ def load_hf(path: str | os.PathLike[str], *, dtype: Any = None, progress: Progre
     _check_block_counts(source, config)
     view = NAMES.apply(source, tied=config.tie_word_embeddings, per_layer=config.relative_attention_per_layer)
     remedy = "Fix config.json or use the weights it describes."
-    return read_t5(view, config, dtype, progress=progress, expected_name=lambda p: hf_name(p, config), remedy=remedy)
+    return read_t5(
+        view,
+        config,
+        dtype,
+        progress=progress,
+        expected_name=lambda p: hf_name(p, config),
+        remedy=remedy,
+        scan_layers=scan_layers,
+    )
 
 
 def _check_aliases(source: Any, config: T5Config) -> None:
@@ -214,15 +236,17 @@ def convert_hf(
     out: CheckpointPath,
     *,
     dtype: Any = None,
+    scan_layers: bool = False,
     overwrite: bool = False,
     progress: Progress = False,
 ) -> T5Config:
     """Write a HuggingFace T5 directory as an eqxckpt checkpoint: ``params`` (the `T5`
-    module), with the config in the metadata.
+    module), with the config and the layout (``scan_layers``) in the metadata.
 
     **Arguments:**
 
-    - `path`, `dtype`, `progress`: as for `load_hf` (``progress`` also for the save).
+    - `path`, `dtype`, `scan_layers`, `progress`: as for `load_hf` (``progress`` also
+      for the save); a scanned T5 is saved with its stacked arrays.
     - `out`: where to save the eqxckpt checkpoint (as for `eqxckpt.save`).
     - `overwrite`: replace a checkpoint already at ``out``.
 
@@ -233,7 +257,7 @@ def convert_hf(
     model = eqxckpt.load("t5_eqx", lambda: T5(config, key=jax.random.key(0)), at="params")
     ```
     """
-    model = load_hf(path, dtype=dtype, progress=progress)
+    model = load_hf(path, dtype=dtype, scan_layers=scan_layers, progress=progress)
     return write_converted(out, {"params": model}, model.config, path, overwrite, progress)
 
 
@@ -286,8 +310,10 @@ def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False,
 
     - `path`: the directory (created if needed). The location comes first, as in
       `eqxckpt.save`.
-    - `model`: the `T5`. Per-block relative attention biases are refused:
-      HuggingFace's T5 has one table per stack.
+    - `model`: the `T5`, per-layer or scanned (its stacked blocks are written
+      as HuggingFace's per-block tensors: the same file as the per-layer T5's).
+      Per-block relative attention biases are refused: HuggingFace's T5 has one
+      table per stack.
     - `overwrite`: replace the files of a model already there. Without it,
       existing files are never touched: `CheckpointExistsError`.
     - `progress`: as for `eqxckpt.save` (a bar on a terminal, or a callable).
@@ -316,14 +342,12 @@ def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False,
     if existing and not overwrite:
         raise CheckpointExistsError(f"{root} already holds {', '.join(existing)}; pass overwrite=True to replace them.")
     tensors: dict[str, Any] = {}
-    for leaf_path, _, leaf in flatten(model)[0]:
-        if isinstance(leaf, jax.Array):
-            value = np.asarray(leaf)
-            node = tensors
-            *parents, last = hf_name(leaf_path, config).split(".")
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[last] = np.ascontiguousarray(value.T) if TRANSPOSED.fullmatch(leaf_path) else value
+    for leaf_path, value in _per_layer_arrays(model):
+        node = tensors
+        *parents, last = hf_name(leaf_path, config).split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = np.ascontiguousarray(value.T) if TRANSPOSED.fullmatch(leaf_path) else value
     root.mkdir(parents=True, exist_ok=True)
     if overwrite:  # the old config goes first (durably): until the new one is written, the directory is incomplete
         (root / CONFIG_NAME).unlink(missing_ok=True)
@@ -332,6 +356,19 @@ def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False,
     generation = {"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
     _write_json(root / GENERATION_CONFIG_NAME, {**generation, "transformers_version": TRANSFORMERS_VERSION}, overwrite)
     _write_json(root / CONFIG_NAME, hf_config(config, model.shared.dtype), overwrite)  # each file is durable
+
+
+def _per_layer_arrays(model: T5) -> Iterator[tuple[str, np.ndarray]]:
+    """The model's arrays under a per-layer T5's paths: a scanned T5's stacked block
+    arrays are given row by row (views, not copies), as the blocks HuggingFace names."""
+    for leaf_path, _, leaf in flatten(model)[0]:
+        if not isinstance(leaf, jax.Array):
+            continue
+        value = np.asarray(leaf)
+        if model.scan_layers and SCANNED_BLOCK_LEAF.fullmatch(leaf_path):
+            yield from ((per_layer_path(leaf_path, i), row) for i, row in enumerate(value))
+        else:
+            yield leaf_path, value
 
 
 def _write_json(final: pathlib.Path, doc: dict[str, Any], overwrite: bool) -> None:

@@ -5,14 +5,15 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import StructureMismatchError
+from .._layout import Stack
 from .._leaf import ArrayLeaf
-from .._load import differences, load
+from .._load import differences, load, plan
 from .._progress import Progress
 from .._save import save
 from .._storage import CheckpointPath
 from .._translate import TranslatedSource
 from ._config import T5Config, check_weights_fit, weights_dtype
-from ._model import T5, skeleton
+from ._model import PER_LAYER_BLOCK_LEAF, SCANNED_BLOCK_LEAF, T5, skeleton
 
 # The sub-layers of a block, in the order both formats number them.
 SUBLAYERS = {
@@ -30,20 +31,31 @@ def read_t5(
     progress: Progress = False,
     expected_name: Callable[[str], str] | None = None,
     remedy: str,
+    scan_layers: bool = False,
 ) -> T5:
-    """The `T5` of ``config`` from ``view`` (its parameters under ``at``), floating weights
-    in ``dtype`` (as `weights_dtype` reads it).
+    """The `T5` of ``config`` from ``view`` (its parameters under ``at``, per-layer paths),
+    floating weights in ``dtype`` (as `weights_dtype` reads it), in the layout ``scan_layers``
+    says.
 
     Refuses, before reading, weights too few for ``config``; then one
     `StructureMismatchError` names every missing, unplaced or misfitting tensor,
-    found ones by the format's own names, missing ones by ``expected_name``.
+    found ones by the format's own names, missing ones by ``expected_name``, in
+    either layout.
     """
     records = view.records(at)
     check_weights_fit(config, sum(leaf.nbytes for leaf in records.values()), view.location)
     stored = {path: leaf.dtype for path, leaf in records.items() if isinstance(leaf, ArrayLeaf)}
     like = skeleton(config, weights_dtype(dtype), stored)
     try:
-        return load(view, like, at=at, cast=True, progress=progress)
+        if not scan_layers:
+            return load(view, like, at=at, cast=True, progress=progress)
+        # Planned as the per-layer T5 first (paths alone, nothing read): a load with
+        # transforms drops tensors no leaf takes, and this one plan names every misfit as
+        # a per-layer import does. Then each block's layers go straight into its stacked leaf.
+        plan(view, like, at=at, cast=True)
+        stacked = skeleton(config, weights_dtype(dtype), stored, scan_layers=True)
+        transforms = {SCANNED_BLOCK_LEAF.pattern: Stack(PER_LAYER_BLOCK_LEAF)}
+        return load(view, stacked, at=at, cast=True, transforms=transforms, progress=progress)
     except StructureMismatchError as e:
         missing = e.missing
         if expected_name is not None:
@@ -61,7 +73,10 @@ def read_t5(
 def write_converted(
     out: CheckpointPath, tree: dict[str, Any], config: T5Config, source: Any, overwrite: bool, progress: Progress
 ) -> T5Config:
-    """Save a converted T5 with its config (and where it came from) in the metadata."""
-    metadata = {"t5_config": config.to_dict(), "source": str(source)}
+    """Save a converted T5 (``tree["params"]``) with its config, its layout and where it came
+    from in the metadata."""
+    params = tree["params"]
+    # The layout says which skeleton loads it back: T5(config, key=..., scan_layers=...).
+    metadata = {"t5_config": config.to_dict(), "source": str(source), "scan_layers": params.scan_layers}
     save(out, tree, metadata=metadata, overwrite=overwrite, progress=progress)
     return config

@@ -5,6 +5,8 @@ onto the modules without transposes.
 """
 
 import math
+import operator
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,42 +126,79 @@ class Block(eqx.Module):
         return x + self.feed_forward(self.feed_forward_norm(x))
 
     def step(
-        self, x: Array, self_bias: Array, cache: "KeyValues", position: Array, cross: "KeyValues", cross_bias: Array
+        self,
+        x: Array,
+        self_bias: Array,
+        cache: "KeyValues",
+        position: Array,
+        cross: "KeyValues",
+        cross_bias: Array,
+        layer: Array | None = None,
     ) -> tuple[Array, "KeyValues"]:
         """One decoder position for a batch of rows (``x`` is ``[rows, d_model]``): its keys
         and values written into ``cache`` at ``position`` (in place), then attention over
-        the cache (``self_bias`` masks what is not written yet)."""
+        the cache (``self_bias`` masks what is not written yet).
+
+        With ``layer``, this is that layer of a scanned stack, and ``cache`` and ``cross``
+        are the whole stack's (``[rows, layers, ...]``): the new position is written into
+        the stacked buffer itself, so no step copies a layer's cache back into it."""
         attention = self.self_attention
         h = self.self_attention_norm(x)
-        zero = jnp.zeros((), jnp.int32)
-        position = jnp.asarray(position, jnp.int32)
-        keys = jax.lax.dynamic_update_slice(
-            cache[0], attention.heads(h, attention.k)[..., None], (zero, zero, zero, position)
+        cache = (
+            _write(cache[0], attention.heads(h, attention.k)[..., None], -1, position, layer),
+            _write(cache[1], attention.heads(h, attention.v)[:, :, None, :], -2, position, layer),
         )
-        values = jax.lax.dynamic_update_slice(
-            cache[1], attention.heads(h, attention.v)[:, :, None, :], (zero, zero, position, zero)
-        )
+        keys, values = (_layer(kv, layer) for kv in cache)
         x = x + attention.attend_cached(attention.heads(h, attention.q), keys, values, self_bias)
         if self.cross_attention is not None:
             assert self.cross_attention_norm is not None
             h = self.cross_attention_norm(x)
+            cross_keys, cross_values = (_layer(kv, layer) for kv in cross)
             x = x + self.cross_attention.attend_cached(
-                self.cross_attention.heads(h, self.cross_attention.q), *cross, cross_bias
+                self.cross_attention.heads(h, self.cross_attention.q), cross_keys, cross_values, cross_bias
             )
-        return x + self.feed_forward(self.feed_forward_norm(x)), (keys, values)
+        return x + self.feed_forward(self.feed_forward_norm(x)), cache
+
+
+def _write(buffer: Array, new: Array, axis: int, position: Array, layer: Array | None) -> Array:
+    """``buffer`` with one position's keys ``[rows, heads, d_kv, 1]`` (or values ``[rows,
+    heads, 1, d_kv]``) written at ``position`` of ``axis``; into layer ``layer`` of a
+    stacked buffer (``[rows, layers, ...]``) when given."""
+    zero = jnp.zeros((), jnp.int32)
+    starts = [zero] * new.ndim
+    starts[axis] = jnp.asarray(position, jnp.int32)
+    if layer is not None:
+        new, starts = new[:, None], [zero, jnp.asarray(layer, jnp.int32), *starts[1:]]
+    return jax.lax.dynamic_update_slice(buffer, new, starts)
+
+
+def _layer(stacked: Array, layer: Array | None) -> Array:
+    """Layer ``layer`` of a stacked ``[rows, layers, ...]`` buffer (the buffer itself without one)."""
+    return stacked if layer is None else jax.lax.dynamic_index_in_dim(stacked, layer, axis=1, keepdims=False)
 
 
 # One block's keys ``[heads, d_kv, length]`` and values ``[heads, length, d_kv]`` (with a
 # leading ``rows`` axis when batched).
 KeyValues = tuple[Array, Array]
+# A decoder's cache: per block, or, for a scanned T5, every block's stacked in one pair
+# (``[layers, heads, ...]``, after ``rows`` when batched).
+Cache = list[KeyValues] | KeyValues
 
 
 class Stack(eqx.Module):
-    blocks: list[Block]
+    # Per layer, a list of blocks; scanned, one block whose arrays have a leading layer axis.
+    blocks: list[Block] | Block
     relative_attention_bias: Float[Array, "heads buckets"] | None  # shared by every block (None: per block)
     final_norm: RMSNorm
     causal: bool = eqx.field(static=True)
     max_distance: int = eqx.field(static=True)
+
+    @property
+    def layers(self) -> int:
+        """How many blocks the stack has, in either layout."""
+        if isinstance(self.blocks, Block):
+            return self.blocks.feed_forward.wo.shape[0]
+        return len(self.blocks)
 
     def position_bias(self, table: Array, length: int, queries: Array | None = None) -> Array:
         """``[heads, q, k]`` biases of ``table`` for ``queries`` (positions; default all
@@ -179,17 +218,24 @@ class Stack(eqx.Module):
             else self.position_bias(self.relative_attention_bias, x.shape[0]) + mask
         )
         cross_bias = None if memory is None or cross_mask is None else _mask_bias(cross_mask, x.dtype)
-        for block in self.blocks:
+
+        def run(block: Block, x: Array) -> Array:
             own = block.relative_attention_bias
             self_bias = shared if own is None else self.position_bias(own, x.shape[0]) + mask
-            x = block(x, self_bias, memory, cross_bias)
+            assert self_bias is not None  # a table per block, or one shared by the stack
+            return block(x, self_bias, memory, cross_bias)
+
+        if isinstance(self.blocks, Block):
+            weights, static = eqx.partition(self.blocks, eqx.is_array)
+            x, _ = jax.lax.scan(lambda x, w: (run(eqx.combine(w, static), x), None), x, weights)
+        else:
+            for block in self.blocks:
+                x = run(block, x)
         return self.final_norm(x)
 
-    def step(
-        self, x: Array, position: Array, cache: list[KeyValues], cross: list[KeyValues], cross_mask: Array
-    ) -> tuple[Array, list[KeyValues]]:
+    def step(self, x: Array, position: Array, cache: Cache, cross: Cache, cross_mask: Array) -> tuple[Array, Cache]:
         """The causal stack at one position for a batch of rows, each block's keys and values cached."""
-        length = cache[0][0].shape[-1]
+        length = jax.tree_util.tree_leaves(cache)[0].shape[-1]  # keys end with the positions
         mask = _mask_bias(jnp.arange(length) <= position, x.dtype)
         queries = jnp.reshape(position, (1,))
 
@@ -198,12 +244,29 @@ class Stack(eqx.Module):
 
         shared = None if self.relative_attention_bias is None else bias(self.relative_attention_bias)
         cross_bias = _mask_bias(cross_mask, x.dtype)[:, None, :]
-        written = []
-        for block, kv, cross_kv in zip(self.blocks, cache, cross):
+
+        def run(block: Block, x: Array, kv: KeyValues, cross_kv: KeyValues, index: Array | None = None):
             own = block.relative_attention_bias
             self_bias = bias(own) if own is not None else shared
             assert self_bias is not None  # a table per block, or one shared by the stack
-            x, kv = block.step(x, self_bias, kv, position, cross_kv, cross_bias)
+            return block.step(x, self_bias, kv, position, cross_kv, cross_bias, index)
+
+        if isinstance(self.blocks, Block):
+            assert isinstance(cache, tuple) and isinstance(cross, tuple)
+            weights, static = eqx.partition(self.blocks, eqx.is_array)
+
+            # The stacked cache rides in the carry, so each layer writes its position in place.
+            def scanned(carry: tuple[Array, KeyValues], xs: tuple[Block, Array]):
+                x, kv = carry
+                w, index = xs
+                return run(eqx.combine(w, static), x, kv, cross, index), None
+
+            (x, cache), _ = jax.lax.scan(scanned, (x, cache), (weights, jnp.arange(self.layers)))
+            return self.final_norm(x), cache
+        assert isinstance(cache, list) and isinstance(cross, list)
+        written = []
+        for block, kv, cross_kv in zip(self.blocks, cache, cross):
+            x, kv = run(block, x, kv, cross_kv)
             written.append(kv)
         return self.final_norm(x), written
 
@@ -223,9 +286,25 @@ def _mask_bias(mask: Array, dtype) -> Array:
 class T5(eqx.Module):
     """T5 encoder-decoder on one example; `jax.vmap` it over a batch.
 
+    **Arguments:**
+
+    - `config`: the hyperparameters.
+    - `key`: the PRNG key the random weights are drawn from.
+    - `dtype`: the weights' dtype.
+    - `scan_layers`: False (the default) keeps a list of blocks per stack
+      (``encoder/blocks/3/self_attention/q``); True stacks each stack's blocks into
+      one block whose arrays have a leading layer axis
+      (``encoder/blocks/self_attention/q``, ``[layers, d_model, inner]``), run with
+      `jax.lax.scan`: it compiles in nearly the same time at any depth, and
+      computes the same outputs from the same ``key``. `eqxckpt.t5.scan` and
+      `eqxckpt.t5.unscan` turn one layout into the other.
+
     ```python
-    model = T5(T5Config(vocab_size=512, d_model=32, num_heads=2, d_ff=64, num_layers=2), key=jax.random.key(0))
+    config = T5Config(vocab_size=512, d_model=32, num_heads=2, d_ff=64, num_layers=2)
+    model = T5(config, key=jax.random.key(0))
     logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=mask)
+    scanned = T5(config, key=jax.random.key(0), scan_layers=True)
+    scanned.encoder.blocks.self_attention.q.shape  # (2, 32, 128)
     ```
     """
 
@@ -235,7 +314,7 @@ class T5(eqx.Module):
     logits_kernel: Float[Array, "d_model vocab"] | None  # None: tied to `shared` (v1.0)
     config: T5Config = eqx.field(static=True)
 
-    def __init__(self, config: T5Config, *, key: jax.Array, dtype=jnp.float32):
+    def __init__(self, config: T5Config, *, key: jax.Array, dtype=jnp.float32, scan_layers: bool = False):
         keys = iter(jax.random.split(key, 64 + 16 * (config.num_layers + config.decoder_layers)))
         inner = config.num_heads * config.d_kv
 
@@ -270,8 +349,14 @@ class T5(eqx.Module):
 
         def stack(layers: int, causal: bool) -> Stack:
             shared = None if config.relative_attention_per_layer else bias()
+            # Drawn per block either way, so that both layouts of one key hold the same weights.
+            blocks = [block(causal) for _ in range(layers)]
             return Stack(
-                [block(causal) for _ in range(layers)], shared, norm(), causal, config.relative_attention_max_distance
+                _stacked(blocks) if scan_layers else blocks,
+                shared,
+                norm(),
+                causal,
+                config.relative_attention_max_distance,
             )
 
         self.config = config
@@ -281,6 +366,18 @@ class T5(eqx.Module):
         self.logits_kernel = (
             None if config.tie_word_embeddings else normal((config.d_model, config.vocab_size), config.d_model**-0.5)
         )
+
+    @property
+    def scan_layers(self) -> bool:
+        """Whether the blocks are stacked and run with `jax.lax.scan` (see `T5`).
+
+        **Returns:** True for a scanned T5, False for one with a list of blocks.
+
+        ```python
+        eqxckpt.t5.scan(model).scan_layers  # True
+        ```
+        """
+        return isinstance(self.decoder.blocks, Block)
 
     def encode(self, input_ids: Int[Array, " seq"], *, attention_mask: Int[Array, " seq"] | None = None) -> Array:
         """Encoder output after its final norm.
@@ -354,7 +451,7 @@ class T5(eqx.Module):
             return (hidden * self.config.d_model**-0.5) @ self.shared.T
         return hidden @ self.logits_kernel
 
-    def init_cache(self, length: int) -> list[KeyValues]:
+    def init_cache(self, length: int) -> Cache:
         """An empty key/value cache for decoding up to ``length`` positions, for one row.
 
         **Arguments:**
@@ -362,51 +459,63 @@ class T5(eqx.Module):
         - `length`: the most decoder positions (the start token included).
 
         **Returns:** per decoder block, zero keys ``[heads, d_kv, length]`` and values
-        ``[heads, length, d_kv]``; broadcast them over the rows `decode_step` decodes.
+        ``[heads, length, d_kv]``; for a scanned T5, one pair stacked over the blocks
+        (``[layers, heads, d_kv, length]`` and ``[layers, heads, length, d_kv]``).
+        Broadcast them over the rows `decode_step` decodes, as a leading axis in
+        either layout.
 
         ```python
         cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (rows, *x.shape)), model.init_cache(17))
         ```
         """
         heads, d_kv, dtype = self.config.num_heads, self.config.d_kv, self.shared.dtype
+        layers = self.decoder.layers
+        if self.scan_layers:
+            return (jnp.zeros((layers, heads, d_kv, length), dtype), jnp.zeros((layers, heads, length, d_kv), dtype))
         return [
-            (jnp.zeros((heads, d_kv, length), dtype), jnp.zeros((heads, length, d_kv), dtype))
-            for _ in self.decoder.blocks
+            (jnp.zeros((heads, d_kv, length), dtype), jnp.zeros((heads, length, d_kv), dtype)) for _ in range(layers)
         ]
 
-    def cross_cache(self, memory: Float[Array, "seq d_model"]) -> list[KeyValues]:
+    def cross_cache(self, memory: Float[Array, "seq d_model"]) -> Cache:
         """Each decoder block's cross-attention keys and values of one encoder output, computed once.
 
         **Arguments:**
 
         - `memory`: the encoder output ``[seq, d_model]``.
 
-        **Returns:** per decoder block, keys ``[heads, d_kv, seq]`` and values ``[heads, seq, d_kv]``.
+        **Returns:** per decoder block, keys ``[heads, d_kv, seq]`` and values ``[heads, seq, d_kv]``;
+        for a scanned T5, one pair stacked over the blocks (``[layers, heads, d_kv, seq]``
+        and ``[layers, heads, seq, d_kv]``).
 
         ```python
         cross = jax.vmap(model.cross_cache)(memory)  # a batch of rows
         ```
         """
-        blocks = [block.cross_attention for block in self.decoder.blocks]
-        return [
-            (jnp.transpose(a.heads(memory, a.k), (1, 2, 0)), jnp.transpose(a.heads(memory, a.v), (1, 0, 2)))
-            for a in blocks
-            if a is not None
-        ]
+
+        def keys_values(a: Attention | None) -> KeyValues:
+            assert a is not None  # decoder blocks attend to the encoder
+            return jnp.transpose(a.heads(memory, a.k), (1, 2, 0)), jnp.transpose(a.heads(memory, a.v), (1, 0, 2))
+
+        blocks = self.decoder.blocks
+        if isinstance(blocks, Block):
+            return eqx.filter_vmap(keys_values)(blocks.cross_attention)
+        return [keys_values(block.cross_attention) for block in blocks]
 
     def decode_step(
         self,
         tokens: Int[Array, " rows"],
         position: Int[Array, ""],
-        cache: list[KeyValues],
-        cross: list[KeyValues],
+        cache: Cache,
+        cross: Cache,
         attention_mask: Int[Array, "rows seq"] | None = None,
-    ) -> tuple[Float[Array, "rows vocab"], list[KeyValues]]:
+    ) -> tuple[Float[Array, "rows vocab"], Cache]:
         """The next token's logits for a batch of rows from one decoder position, with a
         key/value cache: each step costs the same whatever came before.
 
         Unlike the rest of the model this takes a batch (no `jax.vmap`), so the
-        cache is written in place.
+        cache is written in place. A scanned T5 runs its blocks with `jax.lax.scan`
+        over its stacked cache (``[rows, layers, ...]``), writing each block's
+        position into it in place too.
 
         **Arguments:**
 
@@ -422,7 +531,7 @@ class T5(eqx.Module):
         logits, cache = model.decode_step(jnp.zeros(rows, int), jnp.array(0), cache, cross, mask)
         ```
         """
-        rows, seq = tokens.shape[0], cross[0][0].shape[-1]
+        rows, seq = tokens.shape[0], jax.tree_util.tree_leaves(cross)[0].shape[-1]  # keys end with seq
         mask = jnp.ones((rows, seq), bool) if attention_mask is None else attention_mask.astype(bool)
         hidden, cache = self.decoder.step(self.shared[tokens], position, cache, cross, mask)
         return self.logits(hidden), cache
@@ -451,14 +560,87 @@ class T5(eqx.Module):
         return self.decode(decoder_input_ids, self.encode(input_ids, attention_mask=attention_mask), attention_mask)
 
 
-def skeleton(config: T5Config, dtype: Any = jnp.float32, stored: Mapping[str, Any] | None = None) -> T5:
+# A scanned T5's block leaves (``encoder/blocks/self_attention/q``, ``[layers, ...]``) and,
+# with ``{i}`` replaced, where row i of each is in a per-layer T5 (``encoder/blocks/3/...``):
+# the one statement of how the two layouts' paths correspond.
+SCANNED_BLOCK_LEAF = re.compile(r"(encoder|decoder)/blocks/(?!\d)(.*)")  # not a per-layer path
+PER_LAYER_BLOCK_LEAF = r"\1/blocks/{i}/\2"
+
+
+def per_layer_path(path: str, layer: int) -> str:
+    """Where row ``layer`` of a scanned T5's leaf at ``path`` is in a per-layer T5 (other paths
+    are the same in both)."""
+    match = SCANNED_BLOCK_LEAF.fullmatch(path)
+    return path if match is None else match.expand(PER_LAYER_BLOCK_LEAF.replace("{i}", str(layer)))
+
+
+def _stacked(blocks: list[Block]) -> Block:
+    """One block whose every array stacks the blocks' (a leading layer axis)."""
+    return jax.tree_util.tree_map(lambda *layers: jnp.stack(layers), *blocks)
+
+
+def _unstacked(block: Block, layers: int) -> list[Block]:
+    """The blocks a stacked block holds, each a row of its arrays."""
+    return [jax.tree_util.tree_map(operator.itemgetter(i), block) for i in range(layers)]
+
+
+def scan(model: T5) -> T5:
+    """The same T5 with each stack's blocks stacked, run with `jax.lax.scan` (see `T5`).
+
+    Copies the blocks' weights; a scanned T5 is returned as it is. To load one
+    without the per-layer copy, pass ``scan_layers=True`` to `load_hf` or `load_tf`.
+
+    **Arguments:**
+
+    - `model`: a `T5`.
+
+    **Returns:** a `T5` with `T5.scan_layers` True and the same outputs.
+
+    ```python
+    scanned = eqxckpt.t5.scan(model)
+    scanned.decoder.blocks.feed_forward.wo.shape  # (2, 64, 32)
+    ```
+    """
+    encoder, decoder = model.encoder.blocks, model.decoder.blocks
+    if isinstance(encoder, Block) or isinstance(decoder, Block):
+        return model
+    return eqx.tree_at(lambda m: (m.encoder.blocks, m.decoder.blocks), model, (_stacked(encoder), _stacked(decoder)))
+
+
+def unscan(model: T5) -> T5:
+    """The same T5 with a list of blocks per stack: `scan` undone.
+
+    **Arguments:**
+
+    - `model`: a `T5`.
+
+    **Returns:** a `T5` with `T5.scan_layers` False, whose parameter paths are those
+    of ``T5(config, key=...)`` (``encoder/blocks/3/self_attention/q``).
+
+    ```python
+    per_layer = eqxckpt.t5.unscan(eqxckpt.t5.scan(model))
+    len(per_layer.encoder.blocks)  # 2
+    ```
+    """
+    encoder, decoder = model.encoder.blocks, model.decoder.blocks
+    if not isinstance(encoder, Block) or not isinstance(decoder, Block):
+        return model
+    per_layer = (_unstacked(encoder, model.encoder.layers), _unstacked(decoder, model.decoder.layers))
+    return eqx.tree_at(lambda m: (m.encoder.blocks, m.decoder.blocks), model, per_layer)
+
+
+def skeleton(
+    config: T5Config, dtype: Any = jnp.float32, stored: Mapping[str, Any] | None = None, scan_layers: bool = False
+) -> T5:
     """A `T5` of ``config`` made of `jax.ShapeDtypeStruct`s: no memory spent.
 
     **Arguments:**
 
     - `config`: the hyperparameters.
     - `dtype`: every weight's dtype; None keeps each weight's dtype in ``stored``.
-    - `stored`: ``{parameter path: dtype}`` of the weights a checkpoint holds (for ``dtype=None``).
+    - `stored`: ``{parameter path: dtype}`` of the weights a checkpoint holds (for
+      ``dtype=None``), under a per-layer T5's paths (a scanned leaf takes block 0's dtype).
+    - `scan_layers`: the layout (see `T5`).
 
     **Returns:** the skeleton, for `eqxckpt.load`'s ``like``.
 
@@ -466,12 +648,12 @@ def skeleton(config: T5Config, dtype: Any = jnp.float32, stored: Mapping[str, An
     model = eqxckpt.load("t5_eqx", skeleton(config), at="params")
     ```
     """
-    flat, treedef = flatten(eqx.filter_eval_shape(T5, config, key=jax.random.key(0)))
+    flat, treedef = flatten(eqx.filter_eval_shape(T5, config, key=jax.random.key(0), scan_layers=scan_layers))
     stored = stored or {}
 
     def weight(path: str, leaf: Any) -> Any:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             return leaf
-        return leaf.update(dtype=dtype if dtype is not None else stored.get(path, leaf.dtype))
+        return leaf.update(dtype=dtype if dtype is not None else stored.get(per_layer_path(path, 0), leaf.dtype))
 
     return jax.tree_util.tree_unflatten(treedef, [weight(path, leaf) for path, _, leaf in flat])

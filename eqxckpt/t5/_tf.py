@@ -176,10 +176,12 @@ def _from_shapes(shapes: dict[str, tuple]) -> dict[str, Any]:
 # --- building ------------------------------------------------------------------------
 
 
-def _read_model(translated: TranslatedSource, config: T5Config, dtype: Any, progress: Progress = False) -> T5:
+def _read_model(
+    translated: TranslatedSource, config: T5Config, dtype: Any, scan_layers: bool, progress: Progress = False
+) -> T5:
     """The model under ``params``; one error names every misfit by its TensorFlow name."""
     remedy = "Pass config= (a T5Config, config.json or .gin) that describes this checkpoint."
-    return read_t5(translated, config, dtype, at="params", progress=progress, remedy=remedy)
+    return read_t5(translated, config, dtype, at="params", progress=progress, remedy=remedy, scan_layers=scan_layers)
 
 
 def _open(path: Any, config: Any) -> tuple[TranslatedSource, T5Config]:
@@ -194,6 +196,7 @@ def load_tf(
     config: T5Config | dict | str | None = None,
     *,
     dtype: Any = None,
+    scan_layers: bool = False,
     progress: Progress = False,
 ) -> T5:
     """A `T5` from a Mesh TensorFlow checkpoint (directory or prefix).
@@ -212,6 +215,10 @@ def load_tf(
       gives, even though Mesh TensorFlow checkpoints store bfloat16: bfloat16
       activations are far from the reference logits. ``"auto"`` keeps the
       stored dtype; ``jnp.bfloat16`` or ``jnp.float64`` ask for those.
+    - `scan_layers`: True gives a scanned T5 (see `T5`): each stack's blocks
+      stacked into one block with a leading layer axis, run with `jax.lax.scan`,
+      so it compiles in nearly the same time at any depth. The per-block
+      variables are read straight into the stacked arrays.
     - `progress`: as for `eqxckpt.load` (True: a bar on a terminal; a callable
       receives the counts after each variable). Off by default.
 
@@ -220,10 +227,12 @@ def load_tf(
     ```python
     model = eqxckpt.t5.load_tf("t5_v1_1_tiny/model.ckpt-100")  # float32
     logits = jax.vmap(model)(input_ids, decoder_input_ids, attention_mask=mask)
+    scanned = eqxckpt.t5.load_tf("t5_v1_1_tiny", scan_layers=True)
+    scanned.decoder.blocks.cross_attention.o.shape  # (2, 128, 32)
     ```
     """
     translated, config = _open(path, config)
-    return _read_model(translated, config, dtype, progress)
+    return _read_model(translated, config, dtype, scan_layers, progress)
 
 
 def convert_tf(
@@ -232,6 +241,7 @@ def convert_tf(
     config: T5Config | dict | str | None = None,
     *,
     dtype: Any = None,
+    scan_layers: bool = False,
     overwrite: bool = False,
     progress: Progress = False,
 ) -> T5Config:
@@ -243,8 +253,10 @@ def convert_tf(
 
     **Arguments:**
 
-    - `path`, `config`, `dtype`, `progress`: as for `load_tf` (so the weights
-      are written in float32 unless ``dtype`` says otherwise).
+    - `path`, `config`, `dtype`, `scan_layers`, `progress`: as for `load_tf` (so
+      the weights are written in float32 unless ``dtype`` says otherwise; a
+      scanned T5 with its stacked arrays, and ``scan_layers`` in the metadata).
+      The Adafactor slots keep the per-layer paths.
     - `out`, `overwrite`: as for `convert_hf`.
 
     **Returns:** the `T5Config` used.
@@ -256,7 +268,7 @@ def convert_tf(
     ```
     """
     translated, config = _open(path, config)
-    model = _read_model(translated, config, dtype, progress)
+    model = _read_model(translated, config, dtype, scan_layers, progress)
     slots = load(translated, at="adafactor", progress=progress) if translated.records("adafactor") else {}
     step = int(load(translated, at="step")) if "step" in translated else 0
     tree = {"params": model, "step": step, "adafactor": slots}
