@@ -154,9 +154,16 @@ def _virtual(origin: ArrayLeaf, path: str, shape: tuple[int, ...]) -> ArrayLeaf:
 
 
 def plan_stack(
-    path: str, template: str, target: Any, by_key: dict[str, Leaf], strict: bool, cast: bool
+    path: str,
+    template: str,
+    target: Any,
+    by_key: dict[str, Leaf],
+    strict: bool,
+    cast: bool,
+    origin: Callable[[str], str] | None = None,
 ) -> Stacked | str:
-    """How the new leaf at ``path`` is stacked from the layers at ``template``, or why it cannot be."""
+    """How the new leaf at ``path`` is stacked from the layers at ``template``, or why it cannot be.
+    ``origin`` gives a layer's name in its format, for the message (`Source.origin`)."""
     if not is_array_like(target) or not np.shape(target):
         return f"Stack({template!r}) needs an array with a leading layer axis in `like`, found {describe_like(target)}"
     count = np.shape(target)[0]
@@ -172,12 +179,16 @@ def plan_stack(
     if odd:
         return f"Stack({template!r}) stacks arrays; {', '.join(f'{k!r} is {v.describe()}' for k, v in odd[:MAX_NAMED])}"
     arrays = [leaf for leaf in layers if isinstance(leaf, ArrayLeaf)]
-    if count and any((leaf.shape, leaf.dtype) != (arrays[0].shape, arrays[0].dtype) for leaf in arrays):
+    # With cast=True each layer is cast to `like`'s dtype as it is read: stored dtypes may differ.
+    differ = {(leaf.shape, None if cast else leaf.dtype) for leaf in arrays}
+    if len(differ) > 1:
         kinds: dict[str, list[str]] = {}
         for key, leaf in zip(keys, arrays):
-            kinds.setdefault(leaf.describe(), []).append(key)
-        return f"Stack({template!r}): the layers differ in shape or dtype: " + "; ".join(
-            f"{described} at {_named(at)}" for described, at in kinds.items()
+            kinds.setdefault(leaf.describe(), []).append(f"{key!r}" + _stored_as(leaf, key, origin))
+        why = "shape" if cast else "shape or dtype"
+        return f"Stack({template!r}): the layers differ in {why}: " + "; ".join(
+            f"{described} at {', '.join(at[:MAX_NAMED])}" + (" ..." if len(at) > MAX_NAMED else "")
+            for described, at in kinds.items()
         )
     extra = layer_keys(template, count + 1)[-1]
     if strict and extra in by_key:
@@ -191,9 +202,13 @@ def plan_stack(
         )
     if not count:
         return "Stack of no layers: `like`'s leading axis has length 0"
+    for dtype in dict.fromkeys(leaf.dtype for leaf in arrays):  # each stored dtype's cast checked
+        first = next(leaf for leaf in arrays if leaf.dtype == dtype)
+        if (problem := _virtual(first, path, (count, *first.shape)).mismatch(target, cast)) is not None:
+            return f"{problem} (stacked from {_named(keys)})"
     leaf = _virtual(arrays[0], path, (count, *arrays[0].shape))
-    if (problem := leaf.mismatch(target, cast)) is not None:
-        return f"{problem} (stacked from {_named(keys)})"
+    if len({layer.dtype for layer in arrays}) > 1:  # read into `like`'s dtype, each layer cast on its way
+        leaf = dataclasses.replace(leaf, dtype=np.dtype(target.dtype).name)
     return Stacked(leaf, tuple(arrays))
 
 
@@ -233,6 +248,12 @@ def unrestored_rows(rows: Sequence[tuple[str, Row]]) -> list[tuple[str, str]]:
                 )
             )
     return problems
+
+
+def _stored_as(leaf: Leaf, key: str, origin: Callable[[str], str] | None) -> str:
+    """`` (stored as name)`` where the leaf's name in its format is not ``key``."""
+    name = leaf.path if origin is None else origin(leaf.path)
+    return "" if name == key else f" (stored as {name})"
 
 
 def _named(keys: Sequence[str]) -> str:
@@ -405,18 +426,18 @@ def _read_sharded_stack(reader: _Reader, stacked: Stacked, target: Any) -> Any:
 def _layer_tasks(reader: _Reader, stacked: Stacked, data: dict[Key, np.ndarray]) -> Iterator[Task]:
     """Tasks that read, of each layer, the part that the blocks ``data`` (of the stacked
     shape) hold, once, into each of them (cast to their dtype): straight into a block that
-    is the only one holding it, in the stored dtype."""
-    stored_dtype = np.dtype(stacked.leaf.dtype)
+    is the only one holding it, in the layer's stored dtype."""
     for i, layer in enumerate(stacked.layers):
         holding = [key for key in data if key[0][0] <= i < key[0][1]]
         if not holding:
             continue
         bounds = _bounds([key[1:] for key in holding])
+        stored_dtype = np.dtype(layer.dtype)
         nbytes = math.prod(b - a for a, b in bounds) * stored_dtype.itemsize
 
         def work(i: int = i, layer: ArrayLeaf = layer, holding: list[Key] = holding, bounds: Key = bounds) -> None:
             region = _region(bounds)
-            only = data[holding[0]]
+            only, stored_dtype = data[holding[0]], np.dtype(layer.dtype)
             if len(holding) == 1 and only.dtype == stored_dtype and holding[0][1:] == bounds:
                 # Its slab of the block: C-contiguous (a view, even 0-d).
                 reader.into(layer, region, only[i - holding[0][0][0], ...])

@@ -275,7 +275,7 @@ def _match_rules(
     for slot, (path, target, rule) in enumerate(zip(paths, targets, rules)):
         if rule.kind in (RuleKind.STACK, RuleKind.UNSTACK):
             if rule.kind is RuleKind.STACK:
-                layout = plan_stack(path, rule.key, target, by_key, strict, cast)
+                layout = plan_stack(path, rule.key, target, by_key, strict, cast, result.source.origin)
             else:
                 layout = plan_unstack(path, rule.key, rule.index, target, by_key, cast)
             if isinstance(layout, str):

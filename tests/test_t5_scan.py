@@ -3,6 +3,7 @@ with `jax.lax.scan`. It holds the per-layer T5's weights, gives its outputs, gen
 HuggingFace's tokens (tests/fixtures/t5_v1_1_tiny, copied from ../shared/t5) and writes
 HuggingFace's per-layer files."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -233,3 +234,42 @@ def test_per_layer_relative_attention_biases_load_stacked(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert_trees_equal(t5.load_hf(tmp_path, scan_layers=True), t5.scan(model))
     assert_trees_equal(t5.load_hf(tmp_path), model)
+
+
+# -- Found by an outside attack on the scanned T5 (each failed before its fix) --------------
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_a_file_whose_blocks_differ_in_dtype_loads_scanned_as_per_layer(tmp_path, dtype):
+    """One block's norm stored in float16 among float32 tensors: the per-layer load casts it
+    as it casts everything; the scanned one refused ("the layers differ in shape or dtype")
+    though each layer is cast to the one dtype anyway."""
+    directory = tmp_path / "mixed"
+    directory.mkdir()
+    shutil.copy(FIXTURE / "hf" / "config.json", directory / "config.json")
+    tensors = stn.load_file(str(FIXTURE / "hf" / "model.safetensors"))
+    name = "decoder.block.1.layer.2.layer_norm.weight"
+    tensors[name] = tensors[name].astype(np.float16)
+    stn.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    per_layer = t5.load_hf(directory, dtype=dtype)
+    assert_trees_equal(t5.load_hf(directory, dtype=dtype, scan_layers=True), t5.scan(per_layer))
+    # Kept as stored ("auto"): one stacked array holds every block's dtype exactly (float32).
+    auto = t5.load_hf(directory, dtype="auto", scan_layers=True)
+    assert auto.decoder.blocks.feed_forward_norm.scale.dtype == jnp.float32
+    assert_trees_equal(auto, t5.scan(t5.load_hf(directory)))
+
+
+def test_a_t5_with_one_stack_scanned_is_scanned_unscanned_and_published_whole(tmp_path):
+    """Built by hand, an encoder stacked beside a per-layer decoder: `scan` and `unscan`
+    returned it unchanged, and `save_hf` wrote its stacked leaves under names holding
+    '{i}', transposed in every axis, without an error."""
+    per_layer = t5.T5(dataclasses.replace(SMALL, relative_attention_per_layer=False), key=jax.random.key(0))
+    mixed = eqx.tree_at(lambda m: m.encoder.blocks, per_layer, t5.scan(per_layer).encoder.blocks)
+    assert not mixed.scan_layers
+    assert_trees_equal(t5.unscan(mixed), per_layer)
+    assert_trees_equal(t5.scan(mixed), t5.scan(per_layer))
+    t5.save_hf(tmp_path / "mixed", mixed)
+    t5.save_hf(tmp_path / "per_layer", per_layer)
+    assert (tmp_path / "mixed/model.safetensors").read_bytes() == (
+        tmp_path / "per_layer/model.safetensors"
+    ).read_bytes()

@@ -365,7 +365,7 @@ def _per_layer_arrays(model: T5) -> Iterator[tuple[str, np.ndarray]]:
         if not isinstance(leaf, jax.Array):
             continue
         value = np.asarray(leaf)
-        if model.scan_layers and SCANNED_BLOCK_LEAF.fullmatch(leaf_path):
+        if SCANNED_BLOCK_LEAF.fullmatch(leaf_path):  # a stacked stack's (whichever the other's layout)
             yield from ((per_layer_path(leaf_path, i), row) for i, row in enumerate(value))
         else:
             yield leaf_path, value

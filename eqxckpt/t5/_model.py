@@ -371,13 +371,14 @@ class T5(eqx.Module):
     def scan_layers(self) -> bool:
         """Whether the blocks are stacked and run with `jax.lax.scan` (see `T5`).
 
-        **Returns:** True for a scanned T5, False for one with a list of blocks.
+        **Returns:** True for a scanned T5, False for one with a list of blocks (or, built
+        by hand, one stack of each: `scan` and `unscan` make either whole).
 
         ```python
         eqxckpt.t5.scan(model).scan_layers  # True
         ```
         """
-        return isinstance(self.decoder.blocks, Block)
+        return isinstance(self.encoder.blocks, Block) and isinstance(self.decoder.blocks, Block)
 
     def encode(self, input_ids: Int[Array, " seq"], *, attention_mask: Int[Array, " seq"] | None = None) -> Array:
         """Encoder output after its final norm.
@@ -470,7 +471,7 @@ class T5(eqx.Module):
         """
         heads, d_kv, dtype = self.config.num_heads, self.config.d_kv, self.shared.dtype
         layers = self.decoder.layers
-        if self.scan_layers:
+        if isinstance(self.decoder.blocks, Block):  # the decoder's layout decides the cache's
             return (jnp.zeros((layers, heads, d_kv, length), dtype), jnp.zeros((layers, heads, length, d_kv), dtype))
         return [
             (jnp.zeros((heads, d_kv, length), dtype), jnp.zeros((heads, length, d_kv), dtype)) for _ in range(layers)
@@ -587,7 +588,7 @@ def _unstacked(block: Block, layers: int) -> list[Block]:
 def scan(model: T5) -> T5:
     """The same T5 with each stack's blocks stacked, run with `jax.lax.scan` (see `T5`).
 
-    Copies the blocks' weights; a scanned T5 is returned as it is. To load one
+    Copies the blocks' weights; a stack scanned already is kept as it is. To load one
     without the per-layer copy, pass ``scan_layers=True`` to `load_hf` or `load_tf`.
 
     **Arguments:**
@@ -601,10 +602,10 @@ def scan(model: T5) -> T5:
     scanned.decoder.blocks.feed_forward.wo.shape  # (2, 64, 32)
     ```
     """
-    encoder, decoder = model.encoder.blocks, model.decoder.blocks
-    if isinstance(encoder, Block) or isinstance(decoder, Block):
+    if model.scan_layers:
         return model
-    return eqx.tree_at(lambda m: (m.encoder.blocks, m.decoder.blocks), model, (_stacked(encoder), _stacked(decoder)))
+    stacked = tuple(b if isinstance(b, Block) else _stacked(b) for b in (model.encoder.blocks, model.decoder.blocks))
+    return eqx.tree_at(lambda m: (m.encoder.blocks, m.decoder.blocks), model, stacked)
 
 
 def unscan(model: T5) -> T5:
@@ -622,10 +623,12 @@ def unscan(model: T5) -> T5:
     len(per_layer.encoder.blocks)  # 2
     ```
     """
-    encoder, decoder = model.encoder.blocks, model.decoder.blocks
-    if not isinstance(encoder, Block) or not isinstance(decoder, Block):
+    if not any(isinstance(stack.blocks, Block) for stack in (model.encoder, model.decoder)):
         return model
-    per_layer = (_unstacked(encoder, model.encoder.layers), _unstacked(decoder, model.decoder.layers))
+    per_layer = tuple(
+        _unstacked(stack.blocks, stack.layers) if isinstance(stack.blocks, Block) else stack.blocks
+        for stack in (model.encoder, model.decoder)
+    )
     return eqx.tree_at(lambda m: (m.encoder.blocks, m.decoder.blocks), model, per_layer)
 
 
@@ -639,7 +642,8 @@ def skeleton(
     - `config`: the hyperparameters.
     - `dtype`: every weight's dtype; None keeps each weight's dtype in ``stored``.
     - `stored`: ``{parameter path: dtype}`` of the weights a checkpoint holds (for
-      ``dtype=None``), under a per-layer T5's paths (a scanned leaf takes block 0's dtype).
+      ``dtype=None``), under a per-layer T5's paths (a scanned leaf takes the dtype that
+      holds every block's exactly, `numpy.result_type`: one stacked array holds them all).
     - `scan_layers`: the layout (see `T5`).
 
     **Returns:** the skeleton, for `eqxckpt.load`'s ``like``.
@@ -654,6 +658,11 @@ def skeleton(
     def weight(path: str, leaf: Any) -> Any:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             return leaf
-        return leaf.update(dtype=dtype if dtype is not None else stored.get(per_layer_path(path, 0), leaf.dtype))
+        if dtype is not None:
+            return leaf.update(dtype=dtype)
+        if per_layer_path(path, 0) == path:
+            return leaf.update(dtype=stored.get(path, leaf.dtype))
+        layers = [stored[p] for i in range(leaf.shape[0]) if (p := per_layer_path(path, i)) in stored]
+        return leaf.update(dtype=jnp.result_type(*layers) if layers else leaf.dtype)
 
     return jax.tree_util.tree_unflatten(treedef, [weight(path, leaf) for path, _, leaf in flat])
