@@ -67,6 +67,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/skipped_bytes.py
 	$(BIN)/python benchmarks/decode_bench.py
 	$(BIN)/python benchmarks/scan_bench.py
+	$(BIN)/python benchmarks/layout_bench.py
 	@echo "Put the new figures in benchmarks/README.md's tables, then run make plots to redraw the docs' plots."
 
 clean:

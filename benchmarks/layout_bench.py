@@ -4,7 +4,8 @@ A 24-layer transformer-like model (288 MiB of float32: per layer q, k, v, o 512x
 w_in 512x2048, w_out 2048x512, a norm) is saved per-layer and scanned (each leaf
 stacked over the layers), by eqxckpt and as a safetensors file. Each restore runs in a
 fresh process (JAX started and eqxckpt imported first, then only `load` is timed, into a skeleton of
-`jax.ShapeDtypeStruct`s, results on the CPU device); medians of 3, warm page cache.
+`jax.ShapeDtypeStruct`s, results on the default device); medians of 3 (the cases
+interleaved), warm page cache.
 
     python benchmarks/layout_bench.py [--dir DIR] [--layers 24] [--repeats 3]
 
@@ -108,21 +109,35 @@ def main() -> None:
         print(f"{args.layers} layers, {nbytes / 2**20:.0f} MiB; fresh process per restore, median of {args.repeats}")
         print("| restore | eqxckpt | vs plain restore of the same files | safetensors file | vs plain |")
         print("|---|---|---|---|---|")
-        baseline: dict[str, float] = {}
-        for case, (saved, layout, rules) in CASES.items():
-            row = [case]
-            for fmt, suffix in (("eqxckpt", ""), ("safetensors", ".safetensors")):
-                where = f"{root}/{saved}{suffix}"
-                command = [sys.executable, __file__, "--one", where, layout, rules or "-", str(args.layers)]
-                subprocess.run(command, check=True, capture_output=True)  # the page cache warm
-                times = [
+        runs = {
+            (case, fmt): [
+                sys.executable,
+                __file__,
+                "--one",
+                f"{root}/{saved}{suffix}",
+                layout,
+                rules or "-",
+                str(args.layers),
+            ]
+            for case, (saved, layout, rules) in CASES.items()
+            for fmt, suffix in (("eqxckpt", ""), ("safetensors", ".safetensors"))
+        }
+        for command in runs.values():
+            subprocess.run(command, check=True, capture_output=True)  # the page cache warm
+        times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+        for _ in range(args.repeats):  # interleaved: drift in the machine's speed falls on every case alike
+            for run, command in runs.items():
+                times[run].append(
                     json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-                    for _ in range(args.repeats)
-                ]
-                median = statistics.median(times)
-                if rules is None:  # the plain restore of the same files: what the others are compared with
-                    baseline[f"{fmt}/{saved}"] = median
-                ratio = median / baseline[f"{fmt}/{saved}"]
+                )
+        for case, (saved, _, _) in CASES.items():
+            row = [case]
+            for fmt in ("eqxckpt", "safetensors"):
+                median = statistics.median(times[case, fmt])
+                plain = next(
+                    c for c, (s, _, r) in CASES.items() if s == saved and r is None
+                )  # same files, read plainly
+                ratio = median / statistics.median(times[plain, fmt])
                 row += [f"{median:.3f} s ({nbytes / median / 2**30:.2f} GiB/s)", f"{ratio:.2f}x"]
             print("| " + " | ".join(row) + " |")
     finally:

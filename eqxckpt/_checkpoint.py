@@ -85,6 +85,10 @@ class Checkpoint(Source):
             check_bool_bytes(data, leaf.path)  # all of it: a selection could skip a damaged byte
         return selection.take(data)
 
+    def prepare_reads(self, leaves: Sequence[StoredLeaf]) -> None:
+        """Their chunk layouts read and checked at once (`StoredArrays.prepare_layouts`)."""
+        self.stored.prepare_layouts(leaves)
+
     def rows_per_read(self, leaf: StoredLeaf) -> int:
         """A chunk's rows (a packed leaf is read whole)."""
         if leaf.offset is not None or not leaf.shape:

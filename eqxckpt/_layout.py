@@ -346,6 +346,12 @@ class _Reader:
         wanted = [(leaf, np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)) for leaf in small.values()]
         with unreported():  # counted as the results they fill
             self._read = dict(zip(small, source.read(wanted))) if wanted else {}
+        large = {}
+        for layout in layouts:
+            for leaf in layout.layers if isinstance(layout, Stacked) else (layout.stacked,):
+                if leaf.path not in small:
+                    large[leaf.path] = leaf
+        source.prepare_reads(list(large.values()))
 
     def into(self, leaf: ArrayLeaf, region: Region, out: np.ndarray) -> None:
         if leaf.path in self._read:

@@ -125,6 +125,22 @@ class Source(abc.ABC):
         check_bool_bytes(found[0], leaf.path)
         return selection.take(found[0])
 
+    def prepare_reads(self, leaves: Sequence[StoredLeaf]) -> None:  # noqa: B027 - most formats need nothing
+        """Get ready to read parts of ``leaves`` (`read_into`, `read_selection`) many times, as
+        a `Stack` or `Unstack` restore does: an eqxckpt checkpoint reads and checks their chunk
+        layouts at once, concurrently; other formats need nothing.
+
+        **Arguments:**
+
+        - `leaves`: `StoredLeaf`s of this source.
+
+        **Returns:** nothing.
+
+        ```python
+        ckpt.prepare_reads([ckpt.leaf("model/w"), ckpt.leaf("model/b")])
+        ```
+        """
+
     def read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
         """Fill ``out`` with the stored values of a box of one leaf, checked as a restore
         checks them: what a `Stack` or `Unstack` restore reads each layer, or window of

@@ -192,6 +192,10 @@ class TranslatedSource(Source):
                 values[i] = leaf.finish(np.array(self._computed[leaf.path]), target)
         return values
 
+    def prepare_reads(self, leaves: Sequence[StoredLeaf]) -> None:
+        """As the original source prepares the leaves they were passed on from."""
+        self.original.prepare_reads([self._origin[leaf.path] for leaf in leaves if leaf.path in self._origin])
+
     def rows_per_read(self, leaf: StoredLeaf) -> int:
         """As the original reads a leaf passed on unchanged; a transposed or computed one is read whole."""
         origin = self._origin.get(leaf.path)
