@@ -147,6 +147,11 @@ class Row:
 Layout = Stacked | Row
 
 
+def _originals(layout: Layout) -> tuple[ArrayLeaf, ...]:
+    """The stored leaves a layout is read from."""
+    return layout.layers if isinstance(layout, Stacked) else (layout.stacked,)
+
+
 def _virtual(origin: ArrayLeaf, path: str, shape: tuple[int, ...]) -> ArrayLeaf:
     """A leaf of ``origin``'s dtype and kind at ``path`` with ``shape`` (never stored, so no digest)."""
     keys = tuple(("dict", part) for part in path.split("/"))
@@ -337,21 +342,13 @@ class _Reader:
 
     def __init__(self, source: Source, layouts: Sequence[Layout]):
         self.source = source
-        small = {}
-        for layout in layouts:
-            for leaf in layout.layers if isinstance(layout, Stacked) else (layout.stacked,):
-                if leaf.offset is not None:
-                    small[leaf.path] = leaf
+        originals = {leaf.path: leaf for layout in layouts for leaf in _originals(layout)}
+        small = [leaf for leaf in originals.values() if leaf.offset is not None]
         # As stored: numpy targets of the stored dtype (broadcast: no memory of their own).
-        wanted = [(leaf, np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)) for leaf in small.values()]
+        wanted = [(leaf, np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)) for leaf in small]
         with unreported():  # counted as the results they fill
-            self._read = dict(zip(small, source.read(wanted))) if wanted else {}
-        large = {}
-        for layout in layouts:
-            for leaf in layout.layers if isinstance(layout, Stacked) else (layout.stacked,):
-                if leaf.path not in small:
-                    large[leaf.path] = leaf
-        source.prepare_reads(list(large.values()))
+            self._read = {leaf.path: value for leaf, value in zip(small, source.read(wanted))} if wanted else {}
+        source.prepare_reads([leaf for leaf in originals.values() if leaf.offset is None])
 
     def into(self, leaf: ArrayLeaf, region: Region, out: np.ndarray) -> None:
         if leaf.path in self._read:
