@@ -112,6 +112,8 @@ class Unstack:
                 "the regex's groups."
             ) from None
         try:
+            if not (text.isascii() and text.isdigit()):  # int() would take "١" or " 1" too
+                raise ValueError(text)
             return int(text)
         except ValueError:
             raise TransformError(

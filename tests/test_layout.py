@@ -9,6 +9,7 @@ leaves involved; an unstacking restore reads each stored byte once.
 import collections
 import json
 import os
+import re
 
 import equinox as eqx
 import jax
@@ -232,6 +233,8 @@ def test_errors_name_the_leaves_involved(layered):
         (lambda: eqxckpt.Stack("blocks/0/w"), "must contain '{i}'"),
         (lambda: eqxckpt.Unstack("blocks/w", index=1.5), "index must be an int or a backreference"),
         (lambda: eqxckpt.Unstack("blocks/w", index=True), "index must be an int or a backreference"),
+        (lambda: eqxckpt.Unstack("blocks/w", index="\u0661").row(re.match("", ""), "w"), "not a row number"),
+        (lambda: eqxckpt.Unstack("blocks/w", index=" 1").row(re.match("", ""), "w"), "not a row number"),
     ],
 )
 def test_malformed_rules_are_transform_errors(rule, why):
