@@ -38,6 +38,16 @@ SMALL = t5.T5Config(
 )
 
 
+def edited_hf_copy(directory: pathlib.Path, edit) -> pathlib.Path:
+    """The reference HuggingFace directory, copied to ``directory`` with ``edit`` applied to its tensors."""
+    directory.mkdir()
+    shutil.copy(FIXTURE / "hf" / "config.json", directory / "config.json")
+    tensors = stn.load_file(str(FIXTURE / "hf" / "model.safetensors"))
+    edit(tensors)
+    stn.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
 @eqx.filter_jit
 def batch_logits(model, ids, decoder_ids, mask):
     return jax.vmap(lambda i, d, m: model(i, d, attention_mask=m))(ids, decoder_ids, mask)
@@ -186,14 +196,12 @@ def test_scanned_load_hf_reads_each_tensor_once_straight_into_the_stacked_leaves
 
 
 def test_misfits_are_named_by_their_huggingface_names_in_either_layout(tmp_path):
-    tensors = stn.load_file(str(FIXTURE / "hf/model.safetensors"))
-    directory = tmp_path / "bad"
-    directory.mkdir()
-    shutil.copy(FIXTURE / "hf/config.json", directory / "config.json")
-    del tensors["decoder.block.1.layer.2.DenseReluDense.wo.weight"]
-    tensors["encoder.block.0.layer.0.SelfAttention.q.weight"] = np.zeros((64, 32), np.float32)
-    tensors["encoder.block.1.layer.0.SelfAttention.extra.weight"] = np.zeros(3, np.float32)
-    stn.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    def damage(tensors):
+        del tensors["decoder.block.1.layer.2.DenseReluDense.wo.weight"]
+        tensors["encoder.block.0.layer.0.SelfAttention.q.weight"] = np.zeros((64, 32), np.float32)
+        tensors["encoder.block.1.layer.0.SelfAttention.extra.weight"] = np.zeros(3, np.float32)
+
+    directory = edited_hf_copy(tmp_path / "bad", damage)
     errors = []
     for scan_layers in (False, True):
         with pytest.raises(eqxckpt.StructureMismatchError) as info:
@@ -244,13 +252,10 @@ def test_a_file_whose_blocks_differ_in_dtype_loads_scanned_as_per_layer(tmp_path
     """One block's norm stored in float16 among float32 tensors: the per-layer load casts it
     as it casts everything; the scanned one refused ("the layers differ in shape or dtype")
     though each layer is cast to the one dtype anyway."""
-    directory = tmp_path / "mixed"
-    directory.mkdir()
-    shutil.copy(FIXTURE / "hf" / "config.json", directory / "config.json")
-    tensors = stn.load_file(str(FIXTURE / "hf" / "model.safetensors"))
     name = "decoder.block.1.layer.2.layer_norm.weight"
-    tensors[name] = tensors[name].astype(np.float16)
-    stn.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    directory = edited_hf_copy(
+        tmp_path / "mixed", lambda tensors: tensors.update({name: tensors[name].astype(np.float16)})
+    )
     per_layer = t5.load_hf(directory, dtype=dtype)
     assert_trees_equal(t5.load_hf(directory, dtype=dtype, scan_layers=True), t5.scan(per_layer))
     # Kept as stored ("auto"): one stacked array holds every block's dtype exactly (float32).
