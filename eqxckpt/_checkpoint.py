@@ -57,7 +57,11 @@ class Checkpoint(Source):
     def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         """Read every selected leaf (see `Source.read`). A target whose sharding spans
         several devices is read block by block instead (`BlockReads`)."""
-        sharded = {i for i, (leaf, target) in enumerate(wanted) if leaf.offset is None and _sharded(leaf, target)}
+        sharded = {
+            i
+            for i, (leaf, target) in enumerate(wanted)
+            if leaf.offset is None and _sharded(leaf, getattr(target, "sharding", None))
+        }
         whole = [i for i in range(len(wanted)) if i not in sharded]
         values: list[Any] = [None] * len(wanted)
         for i, value in zip(whole, super().read([wanted[i] for i in whole])):
@@ -74,6 +78,16 @@ class Checkpoint(Source):
                 values[i] = leaf.assemble(target, blocks, lambda index, shape=leaf.shape: slice_key(index, shape))
             advance(leaf.nbytes)
         return values
+
+    def reads_apart(self, leaf: StoredLeaf, sharding: Any) -> bool:
+        """A leaf with its own array read block by block (`BlockReads`), whose chunks each lie
+        within one block: every block boundary is a chunk boundary."""
+        if leaf.offset is not None or not _sharded(leaf, sharding):
+            return False
+        with reading(leaf):
+            chunk = self.stored.layout(leaf).chunk
+        block = (*sharding.shard_shape(leaf.shape), *leaf.data_shape[len(leaf.shape) :])
+        return all(b >= n or b % c == 0 for b, c, n in zip(block, chunk, leaf.data_shape))
 
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """Only the chunks holding the selection are read, each checked as a whole read
@@ -111,9 +125,8 @@ class Checkpoint(Source):
         return SelectionStream(self.stored, leaf, selection).read
 
 
-def _sharded(leaf: StoredLeaf, target: Any) -> bool:
-    """Whether to read ``target`` block by block: each device's block, on its process."""
-    sharding = getattr(target, "sharding", None)
+def _sharded(leaf: StoredLeaf, sharding: Any) -> bool:
+    """Whether to read into ``sharding`` block by block: each device's block, on its process."""
     if sharding is None or (len(sharding.device_set) == 1 and sharding.is_fully_addressable):
         return False
     return leaf.can_shard(sharding)

@@ -17,9 +17,9 @@ from ._errors import CheckpointError
 # process makes the others fail after this long instead of hanging forever.
 BARRIER_TIMEOUT_S = float(os.environ.get("EQXCKPT_BARRIER_TIMEOUT_S", "600"))
 
-# Every process calls save() in the same order, so this count names the same
-# save on every process without any communication.
-_save_counter = itertools.count()
+# Every process calls save() (and load()) in the same order, so these counts name the
+# same save (restore) on every process without any communication.
+_counters = {"save": itertools.count(), "restore": itertools.count()}
 
 
 def process_index() -> int:
@@ -46,7 +46,8 @@ def _client():
 
 
 class Phases:
-    """The phases of one multi-process save, run in the same order on every process.
+    """The phases of one multi-process save (or restore: ``what="restore"``), run in the
+    same order on every process; each phase's name is used once.
 
     ```python
     phases = Phases()                        # on the caller's thread, in every process
@@ -54,13 +55,14 @@ class Phases:
     ```
     """
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "save") -> None:
         import jax
 
         self._client = _client()
         self.rank = jax.process_index()
         self.size = jax.process_count()
-        self.name = f"eqxckpt/save/{next(_save_counter)}"
+        self.what = what
+        self.name = f"eqxckpt/{what}/{next(_counters[what])}"
 
     def run(self, phase: str, work: Callable[[], str | None]) -> list[str]:
         """Run ``work`` here, wait for every process, and return each one's result.
@@ -86,9 +88,11 @@ class Phases:
             if own_error is not None:
                 raise own_error from e
             raise CheckpointError(
-                f"Saving from {self.size} processes: not every process reached the {phase!r} phase within "
-                f"{BARRIER_TIMEOUT_S:.0f}s (one may have crashed or not called save). Nothing was committed. "
-                f"Coordination service said: {e}"
+                f"{'Saving from' if self.what == 'save' else 'Restoring into'} {self.size} processes: not every "
+                f"process reached the {phase!r} phase within {BARRIER_TIMEOUT_S:.0f}s (one may have crashed or "
+                f"not called {'save' if self.what == 'save' else 'load'})."
+                + (" Nothing was committed." if self.what == "save" else "")
+                + f" Coordination service said: {e}"
             ) from e
         if own_error is not None:
             raise own_error
@@ -96,5 +100,5 @@ class Phases:
             if "error" in status:
                 cls = getattr(_errors, status["type"], None)
                 cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
-                raise cls(f"Process {rank} failed during the {phase!r} phase of the save: {status['error']}")
+                raise cls(f"Process {rank} failed during the {phase!r} phase of the {self.what}: {status['error']}")
         return [status["ok"] for status in statuses]

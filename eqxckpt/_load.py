@@ -23,6 +23,7 @@ from ._layout import Layout, Row, plan_stack, plan_unstack, read_layouts, unrest
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
+from ._replicas import read_once
 from ._source import LazyArray, Source, nothing_under
 from ._storage import CheckpointPath
 from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path
@@ -154,7 +155,8 @@ class Plan:
     def run(self) -> Any:
         """Read what the plan needs (value_fn inputs in the same batch) and build the result."""
         inputs = [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
-        values = self.source.read([(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs])
+        wanted = [(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs]
+        values = read_once(self.source, wanted)  # replicated across processes: read once in all
         for (slot, _, _), value in zip(self.reads, values):
             self.values[slot] = value
         layouts = read_layouts(self.source, [(layout, target) for _, layout, target in self.layouts])

@@ -4,6 +4,7 @@ small leaves (`PackedWrite`, laid out by `_pack.PackedArray`). Each gives its by
 its chunks' values; `save` writes every kind the same way."""
 
 import abc
+import math
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from ._distributed import is_multiprocess
 from ._dtypes import little_endian
 from ._leaf import KeyRecord, Leaf, StoredLeaf
 from ._pack import PackedArray
+from ._replicas import WriteShares
 from ._source import LazyArray
 
 if TYPE_CHECKING:  # `_source` reads checkpoints, whose module packs leaves with these pieces
@@ -54,10 +56,15 @@ class Piece(abc.ABC):
 
 class HostPiece(Piece):
     """An array in host memory that nothing changes while it is written: the whole leaf
-    (``index`` None) or the shard of it at ``index``."""
+    (``index`` None) or the shard of it at ``index``; of which only the chunks ``parts``
+    if given (a shard several processes hold, split among them: `_replicas.WriteShares`)."""
 
-    def __init__(self, index: tuple[slice, ...] | None, data: np.ndarray):
-        self.index, self.data, self.nbytes = index, data, data.nbytes
+    def __init__(self, index: tuple[slice, ...] | None, data: np.ndarray, parts: list[Region] | None = None):
+        self.index, self.data, self.parts = index, data, parts
+        itemsize = data.dtype.itemsize
+        self.nbytes = (
+            data.nbytes if parts is None else sum(math.prod(s.stop - s.start for s in p) for p in parts) * itemsize
+        )
         self.whole = data if index is None or all(part == slice(None) for part in index) else None
 
     def chunks(self, layout: ChunkLayout) -> list[ChunkWrite]:
@@ -70,7 +77,8 @@ class HostPiece(Piece):
         def values(part: Region) -> np.ndarray:
             return self.data[tuple(slice(p.start - r.start, p.stop - r.start) for p, r in zip(part, region))]
 
-        return one_leaf([(key, part, lambda part=part: values(part)) for key, part in layout.regions(region)])
+        parts = layout.regions(region) if self.parts is None else [(layout.key(p), p) for p in self.parts]
+        return one_leaf([(key, part, lambda part=part: values(part)) for key, part in parts])
 
 
 class CopiedPiece(Piece):
@@ -147,35 +155,45 @@ def record_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf,
 def snapshot(
     arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool
 ) -> list[tuple[StoredLeaf, tuple[int, ...] | None, list[Piece]]]:
-    """For each array leaf, the shard shape its chunks must tile (None: whole) and the
-    pieces this process writes, in host memory it owns.
+    """For each array leaf, the shape its chunks must tile (None: whole) and the pieces
+    this process writes, in host memory it owns.
 
-    Only shards with ``replica_id == 0`` are taken, so every element is written
-    by exactly one process; host-local leaves (numpy, fully addressable arrays
-    in a multi-process run) are written by process 0 alone. ``copy``: take a
-    private copy of numpy leaves, which the caller may mutate afterwards.
+    Every element is written by exactly one process. A part of a global array that
+    several processes hold is split among them chunk by chunk (`_replicas.WriteShares`);
+    process 0 also keeps a leaf it holds whole, to digest it, whatever it writes of it.
+    Host-local leaves (numpy, fully addressable arrays in a multi-process run) are
+    written by process 0 alone. ``copy``: take a private copy of numpy leaves, which the
+    caller may mutate afterwards.
     """
     import jax
 
     multiprocess = is_multiprocess()
-    planned: list[tuple[StoredLeaf, tuple[int, ...] | None, list[tuple[tuple[slice, ...] | None, Any]]]] = []
+    shares = WriteShares(jax.process_count()) if multiprocess else None
+    planned: list[tuple[StoredLeaf, tuple[int, ...] | None, list[tuple[tuple[slice, ...] | None, Any, Any]]]] = []
     for record, value in arrays:
         if isinstance(value, jax.Array) and isinstance(value.sharding, jax.sharding.SingleDeviceSharding):
             # The common case, without asking for shards (costly per leaf in a tree of many small ones).
-            planned.append((record, None, [(None, value)] if leader or not multiprocess else []))
+            planned.append((record, None, [(None, value, None)] if leader or not multiprocess else []))
+        elif isinstance(value, jax.Array) and shares is not None and not value.is_fully_addressable:
+            tile, mine = shares.plan(record, value)
+            pieces = [(s.index, s.data, parts) for s, parts in mine]
+            if leader and not any(_covers(index) for index, _, _ in pieces):
+                # Kept whole (and written in part, or not at all) only for its digest.
+                pieces += [(s.index, s.data, []) for s in value.addressable_shards if _covers(s.index)][:1]
+            planned.append((record, tile, pieces))
         elif isinstance(value, jax.Array):
-            if multiprocess and value.is_fully_addressable and not leader:
+            if multiprocess and not leader:
                 shards = []
             else:
                 shards = [s for s in value.addressable_shards if s.replica_id == 0]
             whole = len(value.sharding.device_set) == 1
             shard = None if whole else tuple(value.sharding.shard_shape(value.shape))
-            planned.append((record, shard, [(None if whole else s.index, s.data) for s in shards]))
+            planned.append((record, shard, [(None if whole else s.index, s.data, None) for s in shards]))
         else:
-            planned.append((record, None, [(None, value)] if leader or not multiprocess else []))
+            planned.append((record, None, [(None, value, None)] if leader or not multiprocess else []))
     # Start every device-to-host transfer before waiting on any (a no-op on CPU).
     for _, _, values in planned:
-        for _, data in values:
+        for _, data, _ in values:
             if isinstance(data, jax.Array) and not _on_cpu(data):
                 data.copy_to_host_async()
     # A leaf of another checkpoint stays where it is: it is copied chunk by chunk.
@@ -184,12 +202,16 @@ def snapshot(
             record,
             shard,
             [
-                CopiedPiece(data) if isinstance(data, LazyArray) else HostPiece(index, _host(data, copy))
-                for index, data in values
+                CopiedPiece(data) if isinstance(data, LazyArray) else HostPiece(index, _host(data, copy), parts)
+                for index, data, parts in values
             ],
         )
         for record, shard, values in planned
     ]
+
+
+def _covers(index: tuple[slice, ...]) -> bool:
+    return all(part == slice(None) for part in index)
 
 
 def _on_cpu(array: "jax.Array") -> bool:

@@ -377,8 +377,10 @@ def save(
       taken only all together, when none of them changed.
 
     With several JAX processes (``jax.process_count() > 1``) every process
-    calls `save` with the same tree of global arrays; each writes only its own
-    shards, and process 0 commits once all have finished.
+    calls `save` with the same tree of global arrays; each writes only shards
+    it holds (the chunks of a shard several processes hold are divided among
+    them, so each writes its share of replicated data), and process 0 commits
+    once all have finished.
 
     **Returns:** a `SaveHandle` (already finished when ``blocking=True``).
 
@@ -414,7 +416,8 @@ def save(
     manifest = Manifest(tuple(records), metadata)
 
     def run() -> None:
-        digested = _digested(manifest, jobs)
+        # Only process 0's manifest is committed: the others hash nothing.
+        digested = _digested(manifest, jobs) if leader else manifest
         # The base is opened here, off the caller's thread for a background save, and only
         # by the process that holds whole leaves (and their digests): process 0.
         with plan_reuse(base if leader else None, digested, jobs, location) as reuse:

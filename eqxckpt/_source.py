@@ -99,6 +99,27 @@ class Source(abc.ABC):
         self._fetch([leaf for leaf, _ in wanted], done, reserve)
         return values
 
+    def reads_apart(self, leaf: StoredLeaf, sharding: Any) -> bool:
+        """Whether `read` of ``leaf`` into a target laid out by ``sharding`` reads, in each
+        process, only what that process's devices hold, and no stored piece (chunk) in two
+        processes that hold different parts. Where it does, a restore across several
+        processes reads a target replicated over processes once in all (see the scale
+        guide). This format reads every leaf whole in every process.
+
+        **Arguments:**
+
+        - `leaf`: a `StoredLeaf` of this source.
+        - `sharding`: a `jax.sharding.Sharding` over several devices.
+
+        **Returns:** a bool.
+
+        ```python
+        mesh = jax.sharding.Mesh(jax.devices(), ("x",))
+        ckpt.reads_apart(ckpt.leaf("model/w"), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        ```
+        """
+        return False
+
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """The stored values that ``selection`` takes of one leaf, as stored (its dtype; for
         PRNG keys, key data), checked as a restore checks them. What `LazyArray.get` reads.

@@ -37,6 +37,7 @@ def launch(
     directory: pathlib.Path,
     timeout: float = 240,
     terminate: tuple[int, str] | None = None,
+    worker: pathlib.Path = WORKER,
     **env_vars: str,
 ) -> list[str]:
     """Run ``processes`` workers to completion; the first failure kills the rest at once.
@@ -47,7 +48,7 @@ def launch(
     workers = []
     for i, log in enumerate(logs):
         with open(log, "wb") as out:
-            command = [sys.executable, str(WORKER), scenario, str(port), str(processes), str(i), str(directory)]
+            command = [sys.executable, str(worker), scenario, str(port), str(processes), str(i), str(directory)]
             workers.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + timeout
     try:

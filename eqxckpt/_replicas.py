@@ -1,0 +1,243 @@
+"""Data replicated across JAX processes, moved through storage once in all.
+
+Saves: the chunks of each part of a global array that several processes hold are
+divided among those processes (`WriteShares`), so each of N writes about 1/N of the
+replicated bytes. Restores: a target replicated over mesh axes that span processes is
+first read into an intermediate sharding that splits it over those axes (`spread`), so
+each process reads a disjoint part, then moved to the target by one jitted identity per
+batch of leaves, through the devices' collectives (gloo on CPU, NCCL on GPU)
+(`read_once`). The format is unchanged: chunk shapes are free in it.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._chunks import ChunkLayout, Region, chunk_budget, chunk_shape
+from ._leaf import StoredLeaf
+from ._window import host_memory_budget
+
+if TYPE_CHECKING:
+    import jax
+
+    from ._source import Source
+
+# A part of an array replicated across processes is split among its holders in pieces of
+# at least this many bytes: smaller leaves stay one chunk and spread between processes
+# whole, leaf by leaf.
+REPLICA_PIECE_BYTES = 64 << 10
+
+
+def split_shard(
+    shape: tuple[int, ...], shard: tuple[int, ...], itemsize: int, holders: int, budget: int
+) -> tuple[int, ...]:
+    """The shape whose tiles a save's chunks must tile, so that a ``shard`` (of an array of
+    ``shape``) held by ``holders`` processes splits among them: ``shard`` itself where its
+    chunks are already that many or more, or it is too small to be worth splitting; else
+    ``shard`` cut along its first dimension that can be cut into that many tiles (a whole
+    dimension of the array, any length; a sharded one, a divisor of its length).
+
+    ```python
+    split_shard((1024, 256), (1024, 256), 4, 4, 64 << 20)  # (256, 256)
+    split_shard((16, 8), (16, 8), 4, 4, 64 << 20)          # (16, 8): 512 bytes, one chunk
+    ```
+    """
+    nbytes = math.prod(shard) * itemsize
+    pieces = min(holders, nbytes // REPLICA_PIECE_BYTES)
+    if pieces < 2:
+        return shard
+    chunk = chunk_shape(shape, itemsize, shard, budget)
+    if math.prod(-(-s // c) for s, c in zip(shard, chunk)) >= pieces:
+        return shard
+    for d, (n, s) in enumerate(zip(shape, shard)):
+        if s < pieces:
+            continue
+        if s == n:  # a whole dimension: the last tile may be shorter
+            return (*shard[:d], -(-s // pieces), *shard[d + 1 :])
+        if s % pieces == 0:  # tiles must not straddle two shards
+            return (*shard[:d], s // pieces, *shard[d + 1 :])
+    return shard
+
+
+class WriteShares:
+    """Which process writes which chunks of a save's global arrays: each part of an array
+    (a distinct shard) is written by the processes holding it, each chunk by one of them,
+    the one with the fewest bytes to write so far. Every process makes the same choices:
+    from the arrays' shardings alone, leaf by leaf in the tree's order.
+
+    **Arguments:**
+
+    - `processes`: how many processes save together.
+
+    ```python
+    shares = WriteShares(jax.process_count())
+    shard, parts = shares.plan(record, array)  # this process's chunks of one leaf
+    ```
+    """
+
+    def __init__(self, processes: int):
+        self.load = [0] * processes  # bytes each process writes so far
+
+    def plan(self, record: StoredLeaf, value: "jax.Array") -> tuple[tuple[int, ...], list[tuple[Any, list[Region]]]]:
+        """The shape the leaf's chunks tile (`split_shard`), and what this process writes
+        of it: ``(shard, chunk parts)`` for each shard of ``value`` it writes some of.
+
+        **Arguments:**
+
+        - `record`: the leaf's record (its stored shape and dtype).
+        - `value`: the leaf, a global array (not fully addressable).
+
+        **Returns:** the shape, and ``[(addressable shard, [chunk region, ...]), ...]``.
+        """
+        import jax
+
+        me = jax.process_index()
+        shape, itemsize = record.data_shape, np.dtype(record.dtype).itemsize
+        assert tuple(value.shape) == shape, (value.shape, shape)  # a PRNG key leaf's value is its key data
+        holders: dict[tuple, set[int]] = {}
+        for device, index in value.sharding.devices_indices_map(shape).items():
+            holders.setdefault(_key(index, shape), set()).add(device.process_index)
+        shard = tuple(value.sharding.shard_shape(shape))
+        tile = split_shard(shape, shard, itemsize, max(len(on) for on in holders.values()), chunk_budget(record.path))
+        layout = ChunkLayout.planned(record, tile)
+        own: dict[tuple, list[Region]] = {}
+        for key, on in holders.items():
+            ranked = sorted(on)
+            for _, part in layout.regions(tuple(slice(a, b) for a, b in key)):
+                writer = min(ranked, key=lambda p: (self.load[p], p))
+                self.load[writer] += math.prod(s.stop - s.start for s in part) * itemsize
+                if writer == me:
+                    own.setdefault(key, []).append(part)
+        shards = {}
+        for s in sorted(value.addressable_shards, key=lambda s: s.replica_id):
+            shards.setdefault(_key(s.index, shape), s)
+        return tile, [(shards[key], parts) for key, parts in own.items()]
+
+
+def _key(index: tuple, shape: tuple[int, ...]) -> tuple:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def spans_processes(mesh: "jax.sharding.Mesh", axis: str) -> bool:
+    """Whether devices along ``axis`` of ``mesh`` belong to different processes."""
+    processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    along = np.moveaxis(processes, mesh.axis_names.index(axis), 0)
+    return bool((along != along[:1]).any())
+
+
+def spread(sharding: Any, shape: tuple[int, ...]) -> "jax.sharding.NamedSharding | None":
+    """The sharding a restore reads a leaf into before it moves it onto ``sharding``: also
+    split, along the first dimension that divides, over the mesh axes ``sharding`` leaves
+    unused (replicates over) whose devices belong to different processes, so each process
+    reads a disjoint part. None where there is nothing to split, or no way to: not a
+    `NamedSharding`, no such axis, no dimension of ``shape`` divisible by the split.
+
+    ```python
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 1), ("data", "model"))  # one device a process
+    spread(NamedSharding(mesh, P()), (8, 4)).spec                # P(('data',),)
+    spread(NamedSharding(mesh, P("data")), (8, 4))               # None: nothing replicated
+    spread(NamedSharding(mesh, P()), (6, 3))                     # None: nothing divides by 4
+    ```
+    """
+    import jax
+
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh, jax.sharding.Mesh):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    if len(spec) != len(shape) or not all(e is None or isinstance(e, (str, tuple)) for e in spec):
+        return None
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    used = {axis for entry in entries for axis in entry}
+    mesh = sharding.mesh
+    axes = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1 and spans_processes(mesh, a))
+    if not axes:
+        return None
+    factor = math.prod(mesh.shape[a] for a in axes)
+    for d, n in enumerate(shape):
+        if n and n % (math.prod(mesh.shape[a] for a in entries[d]) * factor) == 0:
+            entries[d] = (*entries[d], *axes)
+            spec = jax.sharding.PartitionSpec(*(entry or None for entry in entries))
+            return jax.sharding.NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
+    return None
+
+
+def _held(sharding: "jax.sharding.Sharding", shape: tuple[int, ...], nbytes: int) -> int:
+    """Bytes of the distinct blocks ``sharding`` puts on this process's devices."""
+    blocks = {_key(index, shape) for index in sharding.addressable_devices_indices_map(shape).values()}
+    return sum(math.prod(b - a for a, b in key) for key in blocks) * nbytes // max(1, math.prod(shape))
+
+
+def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+    """``source.read(wanted)``, reading each byte of data replicated across processes once
+    in all: such a leaf is read into its `spread` sharding, each process its own blocks,
+    then moved onto its target with the other leaves of its batch by one jitted identity
+    (batches of at most the host memory budget of blocks per process). Every process must
+    call it with the same leaves, as `load` is called; a failed read in one process is
+    raised in every process, before any moves data.
+
+    **Arguments:**
+
+    - `source`: what is read (`Source.reads_apart` says which leaves it reads apart).
+    - `wanted`: as for `Source.read`.
+
+    **Returns:** the values, in the order of ``wanted``.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return source.read(wanted)
+    candidates: dict[int, Any] = {}
+    for i, (leaf, target) in enumerate(wanted):
+        sharding = getattr(target, "sharding", None)
+        if sharding is not None and not sharding.is_fully_addressable:
+            if (middle := spread(sharding, leaf.shape)) is not None:
+                candidates[i] = middle
+    if candidates:  # their chunk layouts, read at once: `reads_apart` asks for them
+        source.prepare_reads([wanted[i][0] for i in candidates])
+    # A leaf whose stored chunks straddle the spread blocks would be read in part by several processes.
+    spreads = {i: middle for i, middle in candidates.items() if source.reads_apart(wanted[i][0], middle)}
+    if not spreads:
+        return source.read(wanted)
+    rest = [i for i in range(len(wanted)) if i not in spreads]
+    values: list[Any] = [None] * len(wanted)
+    for i, value in zip(rest, source.read([wanted[i] for i in rest])):
+        values[i] = value
+    batches: list[list[int]] = [[]]
+    held, budget = 0, host_memory_budget()
+    for i, middle in spreads.items():
+        leaf = wanted[i][0]
+        cost = _held(middle, leaf.shape, leaf.nbytes)
+        if batches[-1] and held + cost > budget:
+            batches.append([])
+            held = 0
+        batches[-1].append(i)
+        held += cost
+    from ._distributed import Phases
+
+    phases = Phases("restore")
+    for n, batch in enumerate(batches):
+        staged: list[Any] = []
+
+        def read(batch: list[int] = batch, staged: list[Any] = staged) -> None:
+            reads = [(wanted[i][0], _retarget(wanted[i][1], spreads[i])) for i in batch]
+            staged.extend(source.read(reads))
+
+        phases.run(f"read {n}", read)  # every process read its part, or every process raises
+        moved = jax.jit(_identity, out_shardings=tuple(wanted[i][1].sharding for i in batch))(*staged)
+        del staged[:]  # the blocks go as soon as they are moved
+        for i, value in zip(batch, moved):
+            values[i] = value
+    return values
+
+
+def _identity(*values: Any) -> tuple[Any, ...]:
+    return values
+
+
+def _retarget(target: Any, sharding: Any) -> Any:
+    """``target`` (a leaf of `like`) with ``sharding`` instead of its own."""
+    import jax
+
+    return jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=sharding)
