@@ -495,6 +495,11 @@ def load(
       a slice at a time within it; one leaf bigger than the budget, restored
       whole onto one device, is read whole.
 
+    With several JAX processes every process calls `load` together, with the
+    same ``like``: data that ``like``'s shardings replicate across processes is
+    read from storage once in all, each process a part, and moved between them
+    by a collective (see the scale guide).
+
     **Returns:** a pytree of the structure of ``like`` (plain dicts and lists
     for ``like=None``) holding the restored values.
 

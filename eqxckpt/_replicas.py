@@ -116,51 +116,72 @@ class WriteShares:
         return tile, [(shards[key], parts) for key, parts in own.items()]
 
 
-def _key(index: tuple, shape: tuple[int, ...]) -> tuple:
+def _key(index: Any, shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
-def spans_processes(mesh: "jax.sharding.Mesh", axis: str) -> bool:
-    """Whether devices along ``axis`` of ``mesh`` belong to different processes."""
-    processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
-    along = np.moveaxis(processes, mesh.axis_names.index(axis), 0)
-    return bool((along != along[:1]).any())
+def spanning_axes(names: Sequence[str], processes: np.ndarray) -> set[str]:
+    """The axes of a mesh along which devices belong to different processes, given the
+    process of each of its devices (``processes``, shaped as the mesh).
+
+    ```python
+    spanning_axes(("a", "b"), np.array([[0, 0], [1, 1]]))  # {'a'}
+    ```
+    """
+    return {
+        name for i, name in enumerate(names) if (np.moveaxis(processes, i, 0) != np.moveaxis(processes, i, 0)[:1]).any()
+    }
+
+
+def spread_spec(
+    spec: Any, shape: tuple[int, ...], sizes: dict[str, int], spanning: set[str]
+) -> "jax.sharding.PartitionSpec | None":
+    """`spread`'s partition spec: ``spec`` (of a mesh with axes ``sizes``, in order) also
+    split over the axes it leaves unused that are in ``spanning``, along the first
+    dimension of ``shape`` that divides; None where there is no such axis or dimension.
+
+    ```python
+    spread_spec(P(), (8, 4), {"a": 2, "b": 2}, {"a", "b"})     # P(('a', 'b'),)
+    spread_spec(P("a"), (8, 4), {"a": 2, "b": 2}, {"a", "b"})  # P(('a', 'b'),)
+    spread_spec(P(None, "a"), (3, 4), {"a": 2, "b": 2}, {"b"})  # P(None, ('a', 'b'))
+    spread_spec(P("b"), (8, 4), {"a": 2, "b": 2}, {"b"})       # None: "a" stays in its process
+    ```
+    """
+    import jax
+
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    if len(spec) != len(shape) or not all(e is None or isinstance(e, (str, tuple)) for e in spec):
+        return None
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    used = {axis for entry in entries for axis in entry}
+    axes = tuple(a for a in sizes if a not in used and sizes[a] > 1 and a in spanning)
+    if not axes or not math.prod(shape):  # an empty array has nothing to read
+        return None
+    factor = math.prod(sizes[a] for a in axes)
+    for d, n in enumerate(shape):
+        if n % (math.prod(sizes[a] for a in entries[d]) * factor) == 0:
+            entries[d] = (*entries[d], *axes)
+            while not entries[-1]:
+                entries.pop()
+            return jax.sharding.PartitionSpec(*(entry or None for entry in entries))
+    return None
 
 
 def spread(sharding: Any, shape: tuple[int, ...]) -> "jax.sharding.NamedSharding | None":
     """The sharding a restore reads a leaf into before it moves it onto ``sharding``: also
     split, along the first dimension that divides, over the mesh axes ``sharding`` leaves
-    unused (replicates over) whose devices belong to different processes, so each process
-    reads a disjoint part. None where there is nothing to split, or no way to: not a
-    `NamedSharding`, no such axis, no dimension of ``shape`` divisible by the split.
-
-    ```python
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 1), ("data", "model"))  # one device a process
-    spread(NamedSharding(mesh, P()), (8, 4)).spec                # P(('data',),)
-    spread(NamedSharding(mesh, P("data")), (8, 4))               # None: nothing replicated
-    spread(NamedSharding(mesh, P()), (6, 3))                     # None: nothing divides by 4
-    ```
-    """
+    unused (replicates over) whose devices belong to different processes (`spread_spec`),
+    so each process reads a disjoint part. None where there is nothing to split, or no
+    way to: not a `NamedSharding` of a concrete mesh, no such axis, no dimension of
+    ``shape`` divisible by the split."""
     import jax
 
     if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh, jax.sharding.Mesh):
         return None
-    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    if len(spec) != len(shape) or not all(e is None or isinstance(e, (str, tuple)) for e in spec):
-        return None
-    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
-    used = {axis for entry in entries for axis in entry}
     mesh = sharding.mesh
-    axes = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1 and spans_processes(mesh, a))
-    if not axes:
-        return None
-    factor = math.prod(mesh.shape[a] for a in axes)
-    for d, n in enumerate(shape):
-        if n and n % (math.prod(mesh.shape[a] for a in entries[d]) * factor) == 0:
-            entries[d] = (*entries[d], *axes)
-            spec = jax.sharding.PartitionSpec(*(entry or None for entry in entries))
-            return jax.sharding.NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
-    return None
+    processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    spec = spread_spec(sharding.spec, shape, dict(mesh.shape), spanning_axes(mesh.axis_names, processes))
+    return None if spec is None else jax.sharding.NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
 
 
 def _held(sharding: "jax.sharding.Sharding", shape: tuple[int, ...], nbytes: int) -> int:
