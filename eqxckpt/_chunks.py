@@ -105,7 +105,9 @@ def chunk_regions(chunk: Sequence[int], region: Sequence[slice]) -> list[tuple[s
 class ChunkFiles(abc.ABC):
     """Where an array's chunk files are read and written: plain files on a local disk,
     TensorStore's kvstore on object stores. Keys are relative to the checkpoint's arrays
-    (``model/w/c/0/0``). Methods block; they run on the I/O threads."""
+    (``model/w/c/0/0``). `read` and `write` block; `reading` and `writing` are the same as
+    coroutines for the I/O threads (`_window`), which an object store's requests in flight
+    hold no thread of."""
 
     @abc.abstractmethod
     def write(self, key: str, pieces: Sequence[np.ndarray]) -> None:
@@ -115,6 +117,15 @@ class ChunkFiles(abc.ABC):
     def read(self, key: str, into: Sequence[np.ndarray]) -> None:
         """Fill ``into`` (writable byte buffers) with the file ``key``, which must hold
         exactly their total size; a `ChunkFileError` says why not."""
+
+    async def reading(self, key: str, into: Sequence[np.ndarray]) -> None:
+        """`read`, awaiting its requests (`_window.done`) where they go over a network; a
+        local disk's read runs at once: it is fast, and blocks in the kernel, not on a future."""
+        self.read(key, into)
+
+    async def writing(self, key: str, pieces: Sequence[np.ndarray]) -> None:
+        """`write`, as `reading` is `read`. ``pieces`` stay unchanged until it returns."""
+        self.write(key, pieces)
 
 
 class ChunkFileError(Exception):
@@ -283,7 +294,7 @@ def encode(layout: ChunkLayout, part: Region, data: np.ndarray) -> list[np.ndarr
     return [*pieces, np.frombuffer(_crc(pieces).to_bytes(CRC_BYTES, "little"), np.uint8)]
 
 
-def read_chunk(files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, out: np.ndarray) -> None:
+async def read_chunk(files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, out: np.ndarray) -> None:
     """Read the chunk file ``key``, check its checksum, and put its values for ``part``
     into ``out`` (shaped like ``part``): straight into ``out`` when those are the file's
     first bytes and ``out`` is contiguous, else through a buffer of the whole chunk."""
@@ -293,28 +304,30 @@ def read_chunk(files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, o
         body = _bytes_of(out)
         pieces = [body, np.empty(layout.chunk_nbytes - body.size, np.uint8)]
         pieces = [piece for piece in pieces if piece.size]
-        files.read(key, [*pieces, stored])
+        await files.reading(key, [*pieces, stored])
     else:
         whole = np.empty(layout.chunk, layout.dtype)
         pieces = [_bytes_of(whole)]
-        files.read(key, [*pieces, stored])
+        await files.reading(key, [*pieces, stored])
         out[...] = whole[tuple(slice(0, n) for n in extent)]
     _check(key, pieces, stored)
 
 
-def read_into(files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, take: Region, into: np.ndarray) -> None:
+async def read_into(
+    files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, take: Region, into: np.ndarray
+) -> None:
     """Read the chunk file ``key`` holding ``part`` (see `ChunkLayout.parts`), check it, and
     put its elements ``take`` into ``into``: straight in when that is the whole part."""
     extent = tuple(s.stop - s.start for s in part)
     if all(t.start == 0 and t.stop == n and t.step in (None, 1) for t, n in zip(take, extent)):
-        read_chunk(files, key, layout, part, into)
+        await read_chunk(files, key, layout, part, into)
         return
     whole = np.empty(layout.chunk, layout.dtype)  # the file's bytes, padding and all: read straight in
-    read_chunk(files, key, layout, tuple(slice(s.start, s.start + c) for s, c in zip(part, layout.chunk)), whole)
+    await read_chunk(files, key, layout, tuple(slice(s.start, s.start + c) for s, c in zip(part, layout.chunk)), whole)
     into[...] = whole[take]
 
 
-def read_scattered(
+async def read_scattered(
     files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, targets: list[tuple[Region, np.ndarray]]
 ) -> None:
     """Read the chunk file ``key`` holding ``part``, check it, and put each ``(take, into)``
@@ -327,12 +340,12 @@ def read_scattered(
     pieces = _scatter(layout, part, targets)
     if pieces is None:
         whole = np.empty(tuple(s.stop - s.start for s in part), layout.dtype)
-        read_into(files, key, layout, part, tuple(slice(0, n) for n in whole.shape), whole)
+        await read_into(files, key, layout, part, tuple(slice(0, n) for n in whole.shape), whole)
         for take, into in targets:
             into[...] = whole[take]
         return
     stored = np.empty(CRC_BYTES, np.uint8)
-    files.read(key, [*pieces, stored])
+    await files.reading(key, [*pieces, stored])
     _check(key, pieces, stored)
 
 

@@ -8,7 +8,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -169,10 +169,12 @@ def _write(target: Storage, leaves: list[_WriteJob], *, metadata: bool, chunks: 
     or raises, so a failed save can remove its files."""
     files = target.chunk_files()
 
-    def written(record: StoredLeaf, key: str, produce: Callable[[], list[np.ndarray]]) -> Callable[[], None]:
-        def work() -> None:
+    def written(
+        record: StoredLeaf, key: str, produce: Callable[[], list[np.ndarray]]
+    ) -> Callable[[], Coroutine[Any, Any, None]]:
+        async def work() -> None:
             try:
-                files.write(f"{record.path}/{key}", produce())
+                await files.writing(f"{record.path}/{key}", produce())
             except CheckpointError:
                 raise
             except Exception as e:

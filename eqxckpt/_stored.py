@@ -221,9 +221,9 @@ class StoredArrays:
                 yield task
             into = out[(*put, ...)]  # a view, even 0-d
 
-            def work(key: str = key, part: Region = part, take: Region = take, into: np.ndarray = into) -> None:
+            async def work(key: str = key, part: Region = part, take: Region = take, into: np.ndarray = into) -> None:
                 with reading(record):
-                    read_into(files, f"{record.path}/{key}", layout, part, take, into)
+                    await read_into(files, f"{record.path}/{key}", layout, part, take, into)
 
             task = (math.prod(s.stop - s.start for s in part) * layout.dtype.itemsize, work, None)
         last: Task = (0, lambda: None, None) if task is None else task
@@ -367,11 +367,11 @@ class BlockReads:
             for chunk, part, take, put in layout.parts(box):
                 wanted.setdefault(chunk, (part, []))[1].append((blocks[key], take, put))
 
-        def work(chunk: str, part: Region, into: list[tuple[np.ndarray, Region, Region]]) -> None:
+        async def work(chunk: str, part: Region, into: list[tuple[np.ndarray, Region, Region]]) -> None:
             with reading(leaf):  # chunks fill disjoint parts of a block: threads may share it
                 # ``b[(*put, ...)]``: a view even of a 0-d block (``b[()]`` is a scalar, not writable).
                 views = [(take, b[(*put, ...)]) for b, take, put in into]
-                read_scattered(files, f"{leaf.path}/{chunk}", layout, part, views)
+                await read_scattered(files, f"{leaf.path}/{chunk}", layout, part, views)
 
         order = sorted(wanted.items(), key=lambda item: tuple(s.start for s in item[1][0]))  # C order: sequential
         itemsize = layout.dtype.itemsize

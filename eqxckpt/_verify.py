@@ -2,7 +2,7 @@
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
 from ._stored import StoredArrays
-from ._window import SLAB_BYTES, Task, read_window, run_windowed
+from ._window import SLAB_BYTES, Task, completed, read_window, run_windowed
 
 
 # Reads in flight: an eighth of what is verified, at least `SLAB_BYTES` and at most the host
@@ -379,10 +379,10 @@ def _tolerant(tasks: Iterable[Task], failed: list[CheckpointError]) -> Iterator[
     damaged leaf is reported, and every other leaf still checked. Their last settlement
     still runs (it settles the slab)."""
 
-    def guarded(work: Callable[[], Any]) -> Callable[[], CheckpointError | None]:
-        def run() -> CheckpointError | None:
+    def guarded(work: Callable[[], Any]) -> Callable[[], Coroutine[Any, Any, CheckpointError | None]]:
+        async def run() -> CheckpointError | None:
             try:
-                work()
+                await completed(work())
             except CheckpointError as e:
                 return e
             return None

@@ -8,11 +8,13 @@ import collections
 import concurrent.futures
 import contextlib
 import contextvars
+import functools
 import os
 import queue
 import threading
-from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any
+import types
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 from ._errors import ArgumentError, CheckpointError
 
@@ -75,10 +77,80 @@ def available_memory() -> int | None:
     return fields.get(b"MemAvailable", 0) + fields.get(b"SwapFree", 0) or None
 
 
-# Chunk reads and writes block in the kernel or on the network and checksums run in C
-# with the GIL released: more threads than cores keeps a disk's queue and a store's
-# connections busy.
+# Chunk reads and writes block in the kernel and checksums run in C with the GIL
+# released: more threads than cores keeps a disk's queue busy. Requests to an object
+# store hold no thread while they are in flight (`done`): the window bounds those.
 IO_THREADS = 8
+
+
+class Waitable(Protocol):
+    """What a task's coroutine may wait for (`done`): a TensorStore future, for one."""
+
+    def add_done_callback(self, callback: Callable[[Any], None], /) -> None: ...
+
+
+class _Done:
+    """The awaitable `done` returns: a coroutine awaiting it hands its futures to whoever
+    drives it (the pool, or `blocking`) and resumes once they are all done."""
+
+    def __init__(self, futures: Sequence[Waitable]):
+        self.futures = futures
+
+    def __await__(self) -> Generator["_Done", None, None]:
+        yield self
+
+
+def done(futures: Sequence[Waitable]) -> _Done:
+    """Await, in a task's coroutine, until every one of ``futures`` is done (succeeded or
+    failed: ask each for its result afterwards). Meanwhile the coroutine holds no I/O
+    thread; it goes on, on one of them, once the last is done.
+
+    ```python
+    async def work():
+        found = store.read(key)
+        await done([found])
+        return found.result()
+    ```
+    """
+    return _Done(futures)
+
+
+async def completed(result: Any) -> Any:
+    """A task's result: ``result`` of its work, awaited if that is a coroutine (a task that
+    wraps another's work)."""
+    return await result if isinstance(result, types.CoroutineType) else result
+
+
+def _when_all(futures: Sequence[Waitable], then: Callable[[], None]) -> None:
+    """Call ``then`` (on whichever thread finishes the last) once all ``futures`` are done."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            last = not left[0]
+        if last:
+            then()
+
+    if not futures:
+        then()
+    for future in futures:
+        future.add_done_callback(one)
+
+
+def blocking(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Run a task's coroutine to its end on this thread, blocking while it waits (a window
+    run inline, on an I/O thread), and return its result."""
+    while True:
+        try:
+            step = coroutine.send(None)
+        except StopIteration as stop:
+            return stop.value
+        assert isinstance(step, _Done), step
+        ready = threading.Event()
+        _when_all(step.futures, ready.set)
+        ready.wait()
 
 
 class _Pool:
@@ -93,7 +165,14 @@ class _Pool:
         self._idle = 0  # threads waiting for a task
 
     def submit(self, work: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``work`` on a thread of the pool. If it returns a coroutine (an ``async def``
+        task), that is driven on the pool: it holds no thread while it awaits `done`, and
+        the future is its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(functools.partial(self._start, work, future))
+        return future
+
+    def _put(self, job: Callable[[], None]) -> None:
         with self._lock:
             # A thread more only when none is free: a process's first restore does not wait
             # to start threads it would leave idle.
@@ -101,24 +180,48 @@ class _Pool:
                 thread = threading.Thread(target=self._serve, name="eqxckpt-io", daemon=True)
                 thread.start()
                 self._threads.append(thread)
-        self._tasks.put((work, future))
-        return future
+        self._tasks.put(job)
+
+    def _start(self, work: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = work()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+            return
+        if isinstance(result, types.CoroutineType):
+            self._step(result, future)
+        else:
+            future.set_result(result)
+
+    def _step(self, coroutine: Coroutine[Any, Any, Any], future: concurrent.futures.Future) -> None:
+        """Run ``coroutine`` until it awaits `done` (then again, on this pool, once its
+        futures are) or ends (then settle ``future``)."""
+        try:
+            step = coroutine.send(None)
+        except StopIteration as stop:
+            future.set_result(stop.value)
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+            return
+        if not isinstance(step, _Done):
+            coroutine.close()
+            future.set_exception(TypeError(f"an I/O task awaited {step!r}; it may only await eqxckpt's done()"))
+            return
+        _when_all(step.futures, lambda: self._put(functools.partial(self._step, coroutine, future)))
 
     def _serve(self) -> None:
         _worker.active = True
         while True:
             with self._lock:
                 self._idle += 1
-            work, future = self._tasks.get()
+            job = self._tasks.get()
             with self._lock:
                 self._idle -= 1
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(work())
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(e)
-            del work, future  # an idle thread must not keep the last task's buffers alive
+            job()
+            del job  # an idle thread must not keep the last task's buffers alive
 
     def reset_after_fork(self) -> None:  # a forked child has none of its parent's threads
         self.__init__(self._size)
@@ -129,8 +232,9 @@ _POOL = _Pool(IO_THREADS)
 os.register_at_fork(after_in_child=_POOL.reset_after_fork)
 
 
-# One unit of work: the bytes it holds while in flight, the work (run on an I/O thread),
-# and what to do with its result (on the caller's thread, in order).
+# One unit of work: the bytes it holds while in flight, the work (run on an I/O thread;
+# it may return a coroutine that awaits `done`, see `_Pool.submit`), and what to do with
+# its result (on the caller's thread, in order).
 Task = tuple[int, Callable[[], Any], Callable[[Any], None] | None]
 
 
@@ -163,7 +267,8 @@ def windowed(tasks: Iterable[Task], window: int) -> Generator[tuple[Callable[[An
         # Called from a task (a copy reading its source): run inline, in order. Waiting
         # on the pool from inside it could leave every thread waiting on queued work.
         for _, work, then in tasks:
-            yield then, work()
+            result = work()
+            yield then, blocking(result) if isinstance(result, types.CoroutineType) else result
         return
     pending: collections.deque[tuple[int, concurrent.futures.Future, Callable[[Any], None] | None]]
     pending = collections.deque()

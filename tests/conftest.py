@@ -373,3 +373,84 @@ def counting_storage(path: pathlib.Path) -> "tuple[LocalStorage, collections.Cou
             return CountingFiles(str(self.path))
 
     return CountingStorage.at(path), reads
+
+
+class CountingProxy:
+    """A reverse proxy on 127.0.0.1 in front of an object-store server that holds every
+    request ``delay`` seconds and records every request (``requests``: method, unquoted
+    path and query, Range header), how many are in flight now (``active``) and, per method,
+    the most distinct objects that ``counted`` accepts (by that path) with requests in flight
+    at once (``peak_keys``). What TensorStore sends and gets is otherwise the server's own."""
+
+    def __init__(self, upstream: str, delay: float, counted=lambda key: True):
+        import collections
+        import http.client
+        import http.server
+
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.peak_keys: dict[str, int] = {}
+        self.active = 0
+        lock = threading.Lock()
+        in_flight: dict[str, collections.Counter] = {}
+        target = urllib.parse.urlsplit(upstream)
+        proxy = self
+        hop = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "content-length"}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                key = urllib.parse.unquote(self.path)
+                with lock:
+                    proxy.requests.append((self.command, key, self.headers.get("Range")))
+                    proxy.active += 1
+                    keys = in_flight.setdefault(self.command, collections.Counter())
+                    if counted(key):
+                        keys[key] += 1
+                        proxy.peak_keys[self.command] = max(proxy.peak_keys.get(self.command, 0), len(keys))
+                try:
+                    time.sleep(delay)
+                    upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=120)
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in hop}
+                    if body is not None:
+                        headers["Content-Length"] = str(len(body))
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    response = upstream.getresponse()
+                    data = response.read()
+                    upstream.close()
+                finally:
+                    with lock:
+                        proxy.active -= 1
+                        if counted(key):
+                            keys[key] -= 1
+                            if not keys[key]:
+                                del keys[key]
+                self.send_response(response.status)
+                for name, value in response.getheaders():
+                    if name.lower() not in hop and name.lower() not in ("date", "server"):
+                        self.send_header(name, value)
+                size = response.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", size or str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = forward
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.peak_keys.clear()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -20,6 +20,7 @@ import eqxckpt._chunks as chunks_module
 import eqxckpt._pack as pack_module
 from eqxckpt._chunks import ChunkFileError, ChunkLayout, chunk_regions, chunk_shape, encode, read_chunk
 from eqxckpt._storage._local import LocalChunkFiles
+from eqxckpt._window import blocking
 
 BEFORE = pathlib.Path(__file__).parent / "fixtures" / "written_before_25"
 
@@ -113,7 +114,7 @@ def test_property_chunk_files_are_what_tensorstore_writes(tmp_path_factory, dtyp
     assert files_of(root / "ours") == files_of(root / "theirs")
     back = np.empty(shape, dtype)
     for key, part in layout.regions():
-        read_chunk(ours, f"x/{key}", layout, part, back[(*part, ...)])
+        blocking(read_chunk(ours, f"x/{key}", layout, part, back[(*part, ...)]))
     assert back.tobytes() == data.tobytes()
 
 
@@ -154,13 +155,13 @@ def test_a_chunk_file_of_the_wrong_size_or_missing_is_named(tmp_path):
     out = np.empty(4, np.float32)
     os.truncate(tmp_path / "x" / "c" / "0", 19)
     with pytest.raises(ChunkFileError, match="x/c/0 holds 19 bytes, not 20"):
-        read_chunk(files, "x/c/0", layout, (slice(0, 4),), out)
+        blocking(read_chunk(files, "x/c/0", layout, (slice(0, 4),), out))
     os.remove(tmp_path / "x" / "c" / "0")
     with pytest.raises(ChunkFileError, match="x/c/0 is missing"):
-        read_chunk(files, "x/c/0", layout, (slice(0, 4),), out)
+        blocking(read_chunk(files, "x/c/0", layout, (slice(0, 4),), out))
     os.symlink("/etc/passwd", tmp_path / "x" / "c" / "0")
     with pytest.raises(ChunkFileError, match="cannot be read"):
-        read_chunk(files, "x/c/0", layout, (slice(0, 4),), out)
+        blocking(read_chunk(files, "x/c/0", layout, (slice(0, 4),), out))
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ import pytest
 import tensorstore as ts
 from hypothesis import given, settings, strategies as st
 
-from eqxckpt._storage._kvstore import SizeError, list_keys, read_bounded, read_exact
+from eqxckpt._storage._kvstore import SizeError, list_keys, read_bounded, read_exact, read_parts
 
 
 @given(size=st.integers(0, 300), asked=st.integers(0, 300))
@@ -37,3 +37,24 @@ def test_listing_a_prefix_lists_exactly_the_keys_that_start_with_it():
     assert list_keys(store) == sorted(names)
     for prefix in ("a/", "a", "%holds/", "a/c/", "z"):
         assert list_keys(store, prefix) == sorted(n for n in names if n.startswith(prefix)), prefix
+
+
+@given(size=st.integers(0, 300), asked=st.integers(0, 300), part=st.integers(1, 64))
+@settings(max_examples=150, deadline=None)
+def test_reads_in_parts_reassemble_exactly_the_value_or_refuse_it(size, asked, part):
+    """`read_parts` returns ranges of at most ``part`` bytes that join into exactly the value
+    when it holds ``asked`` bytes, and refuses any other size as `read_exact` does."""
+    store = ts.KvStore.open({"driver": "memory"}).result()
+    value = bytes(range(256)) * 2
+    store.write("k", value[:size]).result()
+    if size == asked:
+        results = read_parts(store, "k", asked, part).result()
+        assert all(len(r.value) <= part for r in results) and b"".join(r.value for r in results) == value[:size]
+        assert len(results) == max(1, -(-asked // part))
+    else:
+        with pytest.raises(SizeError) as refused:
+            read_parts(store, "k", asked, part).result()
+        assert refused.value.size == (size if size < asked else None)
+    assert [r.state for r in read_parts(store, "absent", asked, part).result()] == ["missing"] * max(
+        1, -(-asked // part)
+    )

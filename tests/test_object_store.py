@@ -656,3 +656,59 @@ def test_a_refused_save_names_the_credentials(monkeypatch):
     message = str(info.value)
     assert "403" in message and "check the credentials (for S3, AWS_ACCESS_KEY_ID" in message, message
     assert "free space" not in message
+
+
+def test_chunk_requests_are_in_flight_together_and_large_chunks_are_read_in_ranges(store, monkeypatch):
+    """With every request held 50 ms at a proxy, a save and a load have requests for more
+    chunks in flight at once than there are I/O threads (at most `IO_THREADS` while each
+    request held one). A chunk over `PART_BYTES` is read as ranges at once, bit-exact; one
+    that fails its checksum or is of another size is refused naming its leaf, and nothing
+    is in flight any more when the load raises."""
+    from conftest import CountingProxy
+
+    from eqxckpt._storage._kvstore import PART_BYTES
+    from eqxckpt._window import IO_THREADS
+
+    proxy = CountingProxy(store.endpoint, delay=0.05, counted=lambda key: "/c/" in key or key.endswith("/c"))
+    prefix = f"in-flight-{store.name}/"
+    if store.name == "s3":
+        spec = {**store.spec(prefix), "endpoint": proxy.endpoint}
+    else:
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", proxy.endpoint)
+        # A context of its own: TensorStore keeps an open driver per context, with its endpoint.
+        spec = {**store.spec(prefix), "context": {"gcs_request_retries": {"max_retries": 5}}}
+    rng = np.random.default_rng(0)
+    tree = {f"w{i:02d}": rng.standard_normal(1 << 18, dtype=np.float32) for i in range(24)}  # 1 MiB each
+    tree["big"] = rng.standard_normal((5 << 19) + 3, dtype=np.float32)  # 10 MiB + 12 B: two ranges
+    try:
+        eqxckpt.save(spec, tree)
+        assert max(proxy.peak_keys.get("PUT", 0), proxy.peak_keys.get("POST", 0)) > IO_THREADS, proxy.peak_keys
+        proxy.reset()
+        loaded = eqxckpt.load(spec)
+        assert proxy.peak_keys["GET"] > IO_THREADS, proxy.peak_keys
+        for name, value in tree.items():
+            assert np.asarray(loaded[name]).tobytes() == value.tobytes(), name
+        size = tree["big"].nbytes + 4
+        ranges = sorted(r for method, key, r in proxy.requests if method == "GET" and "/big/c/0" in key)
+        expected = [(0, PART_BYTES - 1), (PART_BYTES, size - 1), (size, size)]
+        assert sorted(tuple(map(int, r.removeprefix("bytes=").split("-"))) for r in ranges) == expected, ranges
+
+        arrays = arrays_of(store, prefix)
+        chunk, good = f"{prefix}{arrays}/big/c/0", store.get(f"{prefix}{arrays}/big/c/0")
+        for bad, why in [
+            (good[:9] + bytes([good[9] ^ 1]) + good[10:], "fails its CRC-32C checksum"),
+            (good[:-1], f"holds {size - 1} bytes, not {size}"),
+            (good + b"\0", f"holds more than {size} bytes, not {size}"),
+        ]:
+            store.put(chunk, bad)
+            with pytest.raises(eqxckpt.CorruptCheckpointError, match=f"Leaf 'big'.*{why}"):
+                eqxckpt.load(spec)
+            assert proxy.active == 0
+        store.put(chunk, good)
+        flipped = f"{prefix}{arrays}/w05/c/0"  # among many reads in flight
+        store.put(flipped, bytes([store.get(flipped)[0] ^ 1]) + store.get(flipped)[1:])
+        with pytest.raises(eqxckpt.CorruptCheckpointError, match="Leaf 'w05'.*CRC-32C"):
+            eqxckpt.load(spec)
+        assert proxy.active == 0
+    finally:
+        proxy.close()

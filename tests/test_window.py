@@ -164,3 +164,77 @@ def test_an_allocation_beyond_the_memory_left_is_refused(monkeypatch):
 def test_available_memory_is_what_the_kernel_reports():
     available = available_memory()
     assert available is None or available > 0
+
+
+def test_tasks_awaiting_requests_hold_no_thread_and_fail_or_stop_with_nothing_in_flight():
+    """Coroutine tasks awaiting futures (as object-store requests do) hold no I/O thread
+    meanwhile: four times `IO_THREADS` are in flight at once, and settle in order. When one
+    fails, or the caller is interrupted, every started one has finished when it returns."""
+    import concurrent.futures
+
+    count = IO_THREADS * 4
+    requests = [concurrent.futures.Future() for _ in range(count)]
+    started, finished = [], []
+    all_started = threading.Event()
+
+    async def work(i: int) -> int:
+        started.append(i)
+        if len(started) == count:
+            all_started.set()
+        await window_module.done([requests[i]])
+        finished.append(i)
+        return requests[i].result() * 2
+
+    def answer(fail: int | None) -> None:  # only once every task is in flight
+        all_started.wait(30)
+        for i, request in enumerate(requests):
+            request.set_exception(OSError("refused")) if i == fail else request.set_result(i)
+
+    answering = threading.Thread(target=answer, args=(None,))
+    answering.start()
+    results = []
+    run_windowed([(1, lambda i=i: work(i), results.append) for i in range(count)], window=count)
+    answering.join()
+    assert all_started.is_set() and results == [i * 2 for i in range(count)]
+
+    requests[:] = [concurrent.futures.Future() for _ in range(count)]
+    started.clear(), finished.clear(), all_started.clear()
+    answering = threading.Thread(target=answer, args=(3,))
+    answering.start()
+    with pytest.raises(OSError, match="refused"):
+        run_windowed([(1, lambda i=i: work(i), None) for i in range(count)], window=count)
+    answering.join()
+    assert sorted(finished) == sorted(started) == list(range(count))
+
+    requests[:] = [concurrent.futures.Future() for _ in range(count)]
+    started.clear(), finished.clear(), all_started.clear()
+    answering = threading.Thread(target=answer, args=(None,))
+    answering.start()
+
+    def interrupt(_: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_windowed([(1, lambda i=i: work(i), interrupt) for i in range(count)], window=count)
+    answering.join()
+    assert sorted(finished) == sorted(started) == list(range(count))
+
+
+def test_a_coroutine_task_runs_inline_from_an_io_thread():
+    """A window run from a task (inline, in order) drives coroutine tasks to their end there."""
+    import concurrent.futures
+
+    async def inner(j: int) -> int:
+        request = concurrent.futures.Future()
+        threading.Timer(0.01, request.set_result, (j,)).start()
+        await window_module.done([request])
+        return request.result() + 1
+
+    def outer() -> list:
+        got = []
+        run_windowed([(1, lambda j=j: inner(j), got.append) for j in range(3)], window=1)
+        return got
+
+    results = []
+    run_windowed([(1, outer, results.append)], window=1)
+    assert results == [[1, 2, 3]]

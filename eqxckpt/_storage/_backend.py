@@ -28,7 +28,8 @@ from .._leaf import StoredLeaf
 from .._manifest import Manifest
 from .._paths import GROUP_METADATA, group_file, group_locations, validate_path
 from .._tensorstore import reason, shared_context
-from ._kvstore import SizeError, read_exact
+from .._window import blocking, done
+from ._kvstore import PART_BYTES, SizeError, read_parts
 from ._pins import Pin
 
 # Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.
@@ -264,29 +265,62 @@ class Staging(abc.ABC):
 
 
 class KvChunkFiles(ChunkFiles):
-    """Chunk files in a TensorStore kvstore (object stores, memory)."""
+    """Chunk files in a TensorStore kvstore (object stores, memory). As coroutines
+    (`reading`, `writing`), a request in flight holds no I/O thread: the window of bytes
+    bounds how many are in flight. A large chunk is read as `PART_BYTES` ranges at once."""
 
     def __init__(self, store: ts.KvStore):
         self._store = store
 
     def write(self, key: str, pieces: Sequence[np.ndarray]) -> None:
-        self._store.write(key, b"".join(piece.data for piece in pieces)).result()
+        blocking(self.writing(key, pieces))
 
     def read(self, key: str, into: Sequence[np.ndarray]) -> None:
+        blocking(self.reading(key, into))
+
+    async def writing(self, key: str, pieces: Sequence[np.ndarray]) -> None:
+        written = self._store.write(key, b"".join(piece.data for piece in pieces))
+        await done([written])
+        written.result()
+
+    async def reading(self, key: str, into: Sequence[np.ndarray]) -> None:
         wanted = sum(buffer.nbytes for buffer in into)
+        # Never more than the chunk's size is downloaded: a larger object is refused unread
+        # (the byte past its end is asked for too), a smaller one when a range passes its end.
+        parts = read_parts(self._store, key, wanted, PART_BYTES)
+        await done([parts])
         try:
-            # Never more than the chunk's size is downloaded: a larger object is refused unread.
-            result = read_exact(self._store, key, wanted).result()
+            results = parts.result()
         except SizeError as e:
             held = f"more than {wanted}" if e.size is None else str(e.size)
             raise ChunkFileError(f"chunk file {key} holds {held} bytes, not {wanted}") from None
-        if result.state != "value":
+        if any(result.state != "value" for result in results):
             raise ChunkFileError(f"chunk file {key} is missing")
-        data = np.frombuffer(result.value, np.uint8)
-        offset = 0
-        for buffer in into:
-            buffer[...] = data[offset : offset + buffer.size]
-            offset += buffer.size
+        if len({result.stamp.generation for result in results}) > 1:
+            raise ChunkFileError(f"chunk file {key} was replaced while it was read")
+        values = [result.value for result in results]
+        if sum(len(value) for value in values) != wanted:  # each range was checked to be whole
+            raise ChunkFileError(f"chunk file {key} was cut short while it was read")
+        _scatter_bytes(values, into)
+
+
+def _scatter_bytes(values: Sequence[bytes], into: Sequence[np.ndarray]) -> None:
+    """Copy ``values`` (consecutive runs of a file) into ``into`` (consecutive buffers)."""
+    buffers = iter(buffer.reshape(-1).view(np.uint8) for buffer in into)
+    target, at = next(buffers, None), 0
+    for value in values:
+        data = np.frombuffer(value, np.uint8)
+        while data.size:
+            assert target is not None  # the values' total is the buffers'
+            n = min(data.size, target.size - at)
+            target[at : at + n] = data[:n]
+            data, at = data[n:], at + n
+            if at == target.size:
+                target, at = next(buffers, None), 0
+    # Buffers of no bytes may be left; none with bytes: the sizes were checked.
+    while target is not None:
+        assert target.size == 0
+        target = next(buffers, None)
 
 
 def expected_files(leaves: list[tuple[StoredLeaf, ChunkLayout]]) -> dict[str, int]:

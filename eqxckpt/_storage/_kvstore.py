@@ -5,6 +5,7 @@ and deleting a save's prefix or a leaf's keys. The lease, holds and cleanup (`_l
 """
 
 import re
+import threading
 from typing import Any
 
 import tensorstore as ts
@@ -32,6 +33,12 @@ def _refused(error: BaseException) -> bool:
     return isinstance(error, ValueError) and str(error).startswith("OUT_OF_RANGE")
 
 
+# The most bytes one request reads of a chunk: a large chunk is read as ranges of this
+# size at once, each its own connection (a store serves one connection at a fraction of
+# the network's speed).
+PART_BYTES = 8 << 20
+
+
 def read_exact(store: ts.KvStore, key: str, size: int) -> ts.Future:
     """Start reading ``key`` if it holds exactly ``size`` bytes, downloading no more than that.
 
@@ -41,31 +48,83 @@ def read_exact(store: ts.KvStore, key: str, size: int) -> ts.Future:
     of another size.
     """
     promise, future = ts.Promise.new()
-    data = store.read(key, byte_range=slice(0, size))
+
+    def settle(parts: ts.Future) -> None:
+        try:
+            promise.set_result(parts.result()[0])
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            promise.set_exception(e)
+
+    read_parts(store, key, size, max(1, size)).add_done_callback(settle)
+    return future
+
+
+def read_parts(store: ts.KvStore, key: str, size: int, part_bytes: int) -> ts.Future:
+    """Start reading ``key`` if it holds exactly ``size`` bytes, as ranges of at most
+    ``part_bytes`` all in flight at once, downloading no more than ``size`` bytes.
+
+    The ranges ``[0, part_bytes)``, ``[part_bytes, 2 * part_bytes)``, ... up to ``size``
+    (each refused if the value ends before it does) and the one byte after ``size``
+    (found only if the value is larger). The future is done once every one of them is;
+    its result is their read results, in order (state ``missing`` if absent; a value
+    replaced in between gives results of different generations); its exception a
+    `SizeError` if the value is of another size.
+    """
+    promise, future = ts.Promise.new()
+    starts = range(0, size, part_bytes) if size else range(1)
+    reads = [store.read(key, byte_range=slice(start, min(start + part_bytes, size))) for start in starts]
     beyond = store.read(key, byte_range=slice(size, size + 1))
 
-    def settle(_: ts.Future) -> None:  # once both are done
+    def settle() -> None:  # once all are done
         try:
-            try:
-                result = data.result()
-            except ValueError as e:
-                if not _refused(e):
-                    raise
-                match = _REFUSED_SIZE.search(str(e))
-                raise SizeError(int(match[1]) if match else 0) from None
-            if result.state == "value":
+            results = []
+            for read in reads:
+                try:
+                    results.append(read.result())
+                except ValueError as e:
+                    if not _refused(e):
+                        raise
+                    match = _REFUSED_SIZE.search(str(e))
+                    if match is None and read is not reads[0]:
+                        continue  # a range past the end of a shorter value: the first says its size
+                    raise SizeError(int(match[1]) if match else 0) from None
+            if len(results) < len(reads):  # refused ranges past the end, and none said the size
+                raise SizeError(_shorter(reads))
+            if any(result.state == "value" for result in results):
                 try:
                     if beyond.result().state == "value":
                         raise SizeError(None)
                 except ValueError as e:
                     if not _refused(e):
                         raise
-            promise.set_result(result)
+            promise.set_result(results)
         except Exception as e:  # noqa: BLE001 - handed to the reader
             promise.set_exception(e)
 
-    data.add_done_callback(lambda _: beyond.add_done_callback(settle))
+    left, lock = [len(reads) + 1], threading.Lock()
+
+    def one(_: ts.Future) -> None:  # on TensorStore's threads
+        with lock:
+            left[0] -= 1
+            last = not left[0]
+        if last:
+            settle()
+
+    for read in [*reads, beyond]:
+        read.add_done_callback(one)
     return future
+
+
+def _shorter(reads: list[ts.Future]) -> int:
+    """The size of a value of which the first ``reads`` (ranges from 0) found only some: the
+    bytes they found before the first refused one."""
+    found = 0
+    for read in reads:
+        try:
+            found += len(read.result().value)
+        except ValueError:
+            return found
+    return found
 
 
 def read_bounded_future(store: ts.KvStore, key: str, cap: int, attempts: int = 4) -> ts.Future:
