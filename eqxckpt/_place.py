@@ -125,7 +125,9 @@ class Placement:
                 if key and lo >= hi and key[0][0] != key[0][1]:
                     continue  # another band's rows (an empty block takes the first band)
                 box = (range(lo, hi), *_box(key)[1:]) if key else ()
-                pieces.append((key, lo - (key[0][0] if key else 0), box, np.empty(tuple(map(len, box)), self.stored)))
+                # Aligned: a CPU device keeps it rather than copying it (`STAGE_CPU`).
+                out = aligned_empty(tuple(map(len, box)), self.stored)
+                pieces.append((key, lo - (key[0][0] if key else 0), box, out))
             read([(box, out) for _, _, box, out in pieces], self.window)
             for key, at, _, out in pieces:
                 sinks[key].put(at, convert(out))
@@ -154,6 +156,19 @@ def _update() -> Callable[..., "jax.Array"]:
     return jax.jit(update, donate_argnums=0)
 
 
+@functools.cache
+def _zeros() -> Callable[..., "jax.Array"]:
+    """A buffer of zeros made on the device itself (``jnp.zeros(..., device=)`` outside a
+    jit makes it on the default device and copies it over)."""
+    import jax
+    import jax.numpy as jnp
+
+    def zeros(shape: tuple[int, ...], dtype: np.dtype, device: Any) -> jax.Array:
+        return jnp.zeros(shape, dtype, device=jax.sharding.SingleDeviceSharding(device))
+
+    return jax.jit(zeros, static_argnums=(0, 1, 2))
+
+
 class _Block:
     """One block of the result, filled band by band: in host memory for CPU devices (the
     buffer they keep), else on each of its devices."""
@@ -165,7 +180,6 @@ class _Block:
 
     def put(self, at: int, band: np.ndarray) -> None:
         import jax
-        import jax.numpy as jnp
 
         if self.buffer is not None:
             if self.extent:
@@ -178,7 +192,7 @@ class _Block:
             placed = jax.device_put(band, device)
             if not whole:
                 if device not in self.on:
-                    self.on[device] = jnp.zeros(self.extent, self.dtype, device=device)
+                    self.on[device] = _zeros()(self.extent, self.dtype, device)
                 placed = _update()(self.on[device], placed, at)
             self.on[device] = placed
         # The band's host buffer may go once every device has its copy.
@@ -186,10 +200,9 @@ class _Block:
 
     def array(self, device: Any) -> "jax.Array":
         import jax
-        import jax.numpy as jnp
 
         if self.buffer is not None:
             return jax.device_put(self.buffer, device)
         if device not in self.on:  # an empty block no band wrote
-            self.on[device] = jnp.zeros(self.extent, self.dtype, device=device)
+            self.on[device] = _zeros()(self.extent, self.dtype, device)
         return self.on[device]
