@@ -9,12 +9,11 @@ import numpy as np
 
 from ._chunks import ChunkLayout, Region
 from ._leaf import StoredLeaf, check_bool_bytes
-from ._progress import advance
+from ._place import Reader
 from ._select import Selection
 from ._source import Source, reading
 from ._storage import CheckpointPath, Storage
-from ._stored import StoredArrays, slice_key
-from ._window import read_window
+from ._stored import StoredArrays
 
 
 class Checkpoint(Source):
@@ -54,35 +53,24 @@ class Checkpoint(Source):
     ) -> None:
         self.stored.fetch(leaves, done, reserve)
 
-    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        """Read every selected leaf (see `Source.read`). A target whose sharding spans
-        several devices is read block by block instead (`BlockReads`)."""
-        sharded = {
-            i
-            for i, (leaf, target) in enumerate(wanted)
-            if leaf.offset is None and _sharded(leaf, getattr(target, "sharding", None))
-        }
-        whole = [i for i in range(len(wanted)) if i not in sharded]
-        values: list[Any] = [None] * len(wanted)
-        for i, value in zip(whole, super().read([wanted[i] for i in whole])):
-            values[i] = value
-        # Sharded targets last, a leaf at a time, each block placed on its devices before it
-        # is let go: the host holds the reads' window and the blocks being filled.
-        window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
-        for i in sorted(sharded):
-            leaf, target = wanted[i]
-            # Planned outside `reading`: a sharding that does not fit the shape is the
-            # caller's mistake (JAX's own error), not a damaged checkpoint.
-            blocks = self.stored.block_reads(leaf, target, window)
-            with reading(leaf):
-                values[i] = leaf.assemble(target, blocks, lambda index, shape=leaf.shape: slice_key(index, shape))
-            advance(leaf.nbytes)
-        return values
+    def _reads_boxes(self, leaf: StoredLeaf) -> bool:
+        """Any leaf with its own array (a packed one is small: read whole)."""
+        return leaf.offset is None
+
+    def _box_reader(self, leaf: StoredLeaf) -> tuple[Reader, int]:
+        """Every chunk the boxes of one band need, read once (`StoredArrays.read_boxes`);
+        bands of whole chunks' rows, so each chunk is read once in all."""
+        layout = self.stored.layout(leaf)
+
+        def read(pairs: Sequence[tuple[Sequence[range], np.ndarray]], window: int) -> None:
+            self.stored.read_boxes(leaf, layout, pairs, window)
+
+        return read, (layout.chunk[0] if layout.chunk else 1)
 
     def reads_apart(self, leaf: StoredLeaf, sharding: Any) -> bool:
-        """A leaf with its own array read block by block (`BlockReads`), whose chunks each lie
+        """A leaf with its own array placed block by block (`Placement`), whose chunks each lie
         within one block: every block boundary is a chunk boundary."""
-        if leaf.offset is not None or not _sharded(leaf, sharding):
+        if leaf.offset is not None or len(sharding.device_set) == 1 or not leaf.can_shard(sharding):
             return False
         with reading(leaf):
             chunk = self.stored.layout(leaf).chunk
@@ -123,13 +111,6 @@ class Checkpoint(Source):
         if leaf.offset is not None:
             return super().part_reader(leaf, selection)
         return SelectionStream(self.stored, leaf, selection).read
-
-
-def _sharded(leaf: StoredLeaf, sharding: Any) -> bool:
-    """Whether to read into ``sharding`` block by block: each device's block, on its process."""
-    if sharding is None or (len(sharding.device_set) == 1 and sharding.is_fully_addressable):
-        return False
-    return leaf.can_shard(sharding)
 
 
 class SelectionStream:

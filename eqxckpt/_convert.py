@@ -2,7 +2,6 @@
 
 import math
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -98,18 +97,15 @@ def adopt(data: np.ndarray, sharding: Any = None) -> "jax.Array":
     return jax.device_put(data, sharding)
 
 
-def place_slices(shape: tuple[int, ...], sharding: Any, piece: Callable[[Any], np.ndarray]) -> "jax.Array":
-    """A global array of ``shape`` whose every addressable shard is ``piece(index)``. Each
-    slice is on its device before the next is asked for, so host memory holds one
-    slice at a time (`jax.make_array_from_callback` gathers them all first)."""
+def default_device() -> Any:
+    """The device a jax array goes to when none is named: the configured default device
+    (None where that is a platform's name, not a device), else the first local one."""
     import jax
 
-    arrays = []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        array = jax.device_put(piece(index), device)
-        array.block_until_ready()  # transferred: the host's slice can go
-        arrays.append(array)
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    device = getattr(jax.config, "jax_default_device", None)
+    if device is None:
+        return jax.local_devices()[0]
+    return device if isinstance(device, jax.Device) else None
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ._convert import adopt, checked_astype, narrowed, place_slices
+from ._convert import adopt, checked_astype, default_device, narrowed
 from ._digest import parse_digest
 from ._dtypes import STORED_DTYPES, check_dtype
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
@@ -189,8 +189,15 @@ class StoredLeaf(Leaf):
         """Stored data (read whole into host memory) as the value ``target`` asks for."""
         raise NotImplementedError
 
-    def assemble(self, target: Any, slices: Any, key: Any) -> "jax.Array":
-        """A global array from this process's slices (``slices[key(index)]``: a slice's data)."""
+    def placement(self, target: Any) -> "tuple[jax.sharding.Sharding, np.dtype] | None":
+        """Where and as what `finish` would put this leaf restored into ``target``: the
+        sharding of the jax array it gives and the dtype of its stored data there (for
+        PRNG keys, key data), or None where it gives a host value (numpy)."""
+        return None
+
+    def assemble(self, target: Any, place: Any) -> "jax.Array":
+        """The value for ``target`` from ``place(convert)``: the stored data on its devices
+        (`Placement.run`), each part of it passed through ``convert`` (checks, a cast)."""
         raise NotImplementedError
 
     def digest_fields(self) -> list[Any]:
@@ -319,9 +326,32 @@ class ArrayLeaf(StoredLeaf):
         array_type = self.array_type if self.array_type in ARRAY_TYPES else "numpy"
         return ArrayLeaf(path, keys, shape, dtype.name, array_type, digest=None if changed else self.digest)
 
-    def assemble(self, target: Any, slices: Any, key: Any) -> "jax.Array":
-        dtype = np.dtype(target.dtype)
-        return place_slices(self.shape, target.sharding, lambda idx: checked_astype(slices[key(idx)], dtype, self.path))
+    def placement(self, target: Any) -> "tuple[jax.sharding.Sharding, np.dtype] | None":
+        import jax
+
+        if isinstance(target, (np.ndarray, np.generic)):
+            return None
+        sharding = getattr(target, "sharding", None)
+        if sharding is None:
+            if (target is None or isinstance(target, jax.ShapeDtypeStruct)) and (
+                self.array_type in ("numpy", "numpy_scalar") or (target is None and self.array_type == UNKNOWN)
+            ):
+                return None  # as `finish`: a host value
+            device = default_device()
+            if device is None:
+                return None
+            sharding = jax.sharding.SingleDeviceSharding(device)
+        dtype = getattr(target, "dtype", None)
+        return sharding, np.dtype(self.dtype if dtype is None else dtype)
+
+    def assemble(self, target: Any, place: Any) -> "jax.Array":
+        dtype = np.dtype(self.dtype if getattr(target, "dtype", None) is None else target.dtype)
+
+        def convert(data: np.ndarray) -> np.ndarray:
+            check_bool_bytes(data, self.path)
+            return checked_astype(data, dtype, self.path)
+
+        return place(convert)
 
 
 def check_bool_bytes(data: np.ndarray, path: str) -> None:
@@ -443,16 +473,22 @@ class KeyLeaf(StoredLeaf):
         sharding = getattr(target, "sharding", None)
         return value if sharding is None else jax.device_put(value, sharding)
 
-    def assemble(self, target: Any, slices: Any, key: Any) -> "jax.Array":
+    def placement(self, target: Any) -> "tuple[jax.sharding.Sharding, np.dtype] | None":
         import jax
 
-        ndim = len(self.shape)
+        sharding = getattr(target, "sharding", None)
+        if sharding is None:
+            device = default_device()
+            if device is None:
+                return None
+            sharding = jax.sharding.SingleDeviceSharding(device)
+        return sharding, np.dtype(self.dtype)
 
-        def piece(index: Any) -> np.ndarray:
-            return slices[key(index[:ndim])]
+    def assemble(self, target: Any, place: Any) -> "jax.Array":
+        import jax
 
-        data = place_slices(self.data_shape, target.sharding, piece)
-        return jax.random.wrap_key_data(data, impl=self.impl)
+        key_dtype(self.impl)  # a clear error for an unknown implementation
+        return jax.random.wrap_key_data(place(lambda data: data), impl=self.impl)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -491,9 +491,9 @@ def load(
       receives the counts after each leaf). Off by default.
     - `host_memory_budget`: bytes of host memory the restore may hold beyond
       the result's own (reads in flight, slices on their way to devices);
-      None is 256 MiB. A target sharded over several devices is read and placed
-      a slice at a time within it; one leaf bigger than the budget, restored
-      whole onto one device, is read whole.
+      None is 256 MiB. A leaf put on devices (sharded, or on one device and
+      larger than the budget) is read and placed a band of rows at a time
+      within it, and cast band by band.
 
     With several JAX processes every process calls `load` together, with the
     same ``like``: data that ``like``'s shardings replicate across processes is

@@ -11,6 +11,8 @@ translated views of either (`CheckpointTranslator.apply`) are sources, so
 import abc
 import asyncio
 import contextlib
+import functools
+import math
 import operator
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -22,11 +24,12 @@ from ._chunks import Region
 from ._errors import ArgumentError, CheckpointError
 from ._leaf import Leaf, StoredLeaf, check_bool_bytes
 from ._paths import depth, did_you_mean, normalize_at, relative_to
+from ._place import Placement, Reader, on_host
 from ._progress import advance
 from ._select import Selection
 from ._storage import UNPINNED, Pin, reading
 from ._tree import build_plain_tree
-from ._window import check_allocation, start_jax
+from ._window import check_allocation, host_memory_budget, read_window, start_jax
 
 
 class Source(abc.ABC):
@@ -86,17 +89,31 @@ class Source(abc.ABC):
         """
         start_jax()
         values: list[Any] = [None] * len(wanted)
+        placements = {i: self._placement(leaf, target) for i, (leaf, target) in enumerate(wanted)}
+        whole = [i for i, placement in placements.items() if placement is None]
 
-        def done(i: int, data: np.ndarray) -> None:
-            leaf, target = wanted[i]
+        def done(j: int, data: np.ndarray) -> None:
+            leaf, target = wanted[whole[j]]
             with reading(leaf):
-                values[i] = leaf.finish(data, target)
+                values[whole[j]] = leaf.finish(data, target)
             advance(leaf.nbytes)
 
         def reserve(nbytes: int) -> None:
             check_allocation(nbytes, f"Restoring {len(wanted)} leaves from {self.location}")
 
-        self._fetch([leaf for leaf, _ in wanted], done, reserve)
+        if whole or not wanted:
+            self._fetch([wanted[i][0] for i in whole], done, reserve)
+        # Then the leaves placed a band at a time, each on its devices before the next is read.
+        window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
+        for i, placement in placements.items():
+            if placement is None:
+                continue
+            leaf, target = wanted[i]
+            with reading(leaf):
+                read, rows = self._box_reader(leaf)
+                run = functools.partial(placement.run, read=read, window=window, rows=rows)
+                values[i] = leaf.assemble(target, run)
+            advance(leaf.nbytes)
         return values
 
     def reads_apart(self, leaf: StoredLeaf, sharding: Any) -> bool:
@@ -119,6 +136,56 @@ class Source(abc.ABC):
         ```
         """
         return False
+
+    def _placement(self, leaf: StoredLeaf, target: Any) -> Placement | None:
+        """How ``leaf`` goes onto ``target``'s devices a band at a time, or None where it is read
+        whole: a target sharded over several devices, or on one device a leaf larger than the
+        host memory budget that would otherwise be held whole on the host (a device other than
+        a CPU, or a cast). Planned before anything is read: a sharding that does not fit the
+        shape is the caller's mistake (JAX's own error), not a damaged checkpoint."""
+        placed = leaf.placement(target)
+        if placed is None or not self._reads_boxes(leaf):
+            return None
+        sharding, dtype = placed
+        budget = host_memory_budget()
+        if len(sharding.device_set) == 1 and sharding.is_fully_addressable:
+            if leaf.nbytes <= budget or (on_host(sharding.device_set) and dtype == np.dtype(leaf.dtype)):
+                return None
+        elif not leaf.can_shard(sharding):
+            return None
+        return Placement(leaf.data_shape, sharding, np.dtype(leaf.dtype), dtype, budget)
+
+    def _reads_boxes(self, leaf: StoredLeaf) -> bool:
+        """Whether this format reads a box of ``leaf`` without reading all of it (`_box_reader`)."""
+        return leaf.sliceable and bool(leaf.shape) and self.rows_per_read(leaf) < leaf.shape[0]
+
+    def _box_reader(self, leaf: StoredLeaf) -> tuple[Reader, int]:
+        """What fills host buffers with boxes of ``leaf`` (`Reader`), and the rows a band of
+        it should be a multiple of. This reads runs of whole rows with `_read_into`: straight
+        into buffers of whole rows, else a window of rows at a time, copied out."""
+        shape, dtype = leaf.data_shape, np.dtype(leaf.dtype)
+        rest = tuple(slice(0, n) for n in shape[1:])
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+
+        def read(pairs: Sequence[tuple[tuple[range, ...], np.ndarray]], window: int) -> None:
+            pairs = [(box, out) for box, out in pairs if out.size]
+            if all(all(len(r) == n for r, n in zip(box[1:], shape[1:])) for box, _ in pairs):
+                for box, out in pairs:
+                    self._read_into(leaf, (slice(box[0].start, box[0].stop), *rest), out)
+                return
+            start, stop = min(box[0].start for box, _ in pairs), max(box[0].stop for box, _ in pairs)
+            step = max(1, window // max(1, row_bytes))
+            for a in range(start, stop, step):
+                b = min(stop, a + step)
+                rows = np.empty((b - a, *shape[1:]), dtype)
+                self._read_into(leaf, (slice(a, b), *rest), rows)
+                for box, out in pairs:
+                    lo, hi = max(a, box[0].start), min(b, box[0].stop)
+                    if lo < hi:
+                        take = (slice(lo - a, hi - a), *(slice(r.start, r.stop) for r in box[1:]))
+                        out[lo - box[0].start : hi - box[0].start] = rows[take]
+
+        return read, 1
 
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """The stored values that ``selection`` takes of one leaf, as stored (its dtype; for

@@ -26,7 +26,7 @@ from ._manifest import Manifest
 from ._pack import PackedArray
 from ._select import Selection
 from ._storage import MAX_ZARR_JSON_BYTES, UNPINNED, CheckpointPath, Pin, Storage, corrupt, reading, resolve
-from ._window import Task, check_allocation, host_memory_budget, read_window, run_windowed
+from ._window import Task, check_allocation, read_window, run_windowed
 
 
 class StoredArrays:
@@ -293,79 +293,19 @@ class StoredArrays:
         assert len(box) == len(layout.shape) and out.dtype == layout.dtype, (box, layout.shape, out.dtype)
         run_windowed(self.selection_reads(leaf, layout, box, out, lambda: None), read_window(out.nbytes))
 
-    def block_reads(self, leaf: StoredLeaf, target: Any, window: int) -> "BlockReads":
-        """The blocks of ``leaf`` that ``target``'s sharding places on this process's devices (`BlockReads`)."""
-        return BlockReads(self, leaf, target, window)
-
-
-def slice_key(index: tuple, shape: tuple[int, ...]) -> tuple:
-    """A hashable, normalised form of an index into ``shape``."""
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-
-
-class BlockReads:
-    """The blocks of one leaf that this process's devices hold (one per distinct slice:
-    replicas share theirs), handed to the assembly in the order it asks for them.
-
-    Blocks are read in groups: every chunk that a group's blocks need is read once (its
-    checksum checked), within the window, and its part of each block copied in; then each
-    block is put on its devices and let go. A block for CPU devices becomes the result
-    itself (`jax.device_put` keeps an aligned host buffer), so those are all one group,
-    however the leaf is split. Blocks for other devices are staged in host memory: a group
-    holds at most the host memory budget (at least one block), and its reads in flight what
-    is left of it, so a leaf split by columns, whose every chunk holds part of every block,
-    is read once per group.
-    """
-
-    def __init__(self, stored: "StoredArrays", leaf: StoredLeaf, target: Any, window: int):
-        self._stored, self._leaf = stored, leaf
-        self._layout = layout = stored.layout(leaf)
-        self._trailing = layout.shape[len(leaf.shape) :]  # a PRNG key's key data: whole in every block
-        devices: dict[tuple, list[Any]] = {}
-        for device, index in target.sharding.addressable_devices_indices_map(leaf.shape).items():
-            devices.setdefault(slice_key(index, leaf.shape), []).append(device)
-        self._uses = {key: len(on) for key, on in devices.items()}  # slices still to hand over
-        self._group: dict[tuple, int] = {}
-        groups: list[list[tuple]] = [[]]
-        staged, budget = [0], host_memory_budget()
-        for key, on in devices.items():
-            cost = 0 if all(device.platform == "cpu" for device in on) else self._nbytes(key)
-            if groups[-1] and staged[-1] + cost > budget:
-                groups.append([])
-                staged.append(0)
-            groups[-1].append(key)
-            staged[-1] += cost
-            self._group[key] = len(groups) - 1
-        self._groups = groups
-        # A group's reads in flight: what its staged blocks leave of the budget (one at least).
-        self._windows = [min(window, max(1, budget - nbytes)) for nbytes in staged]
-        self._held: dict[tuple, np.ndarray] = {}
-
-    def _nbytes(self, key: tuple) -> int:
-        return math.prod(stop - start for start, stop in key) * math.prod(self._trailing) * self._layout.dtype.itemsize
-
-    def __getitem__(self, key: tuple) -> np.ndarray:
-        if key not in self._held:
-            group = self._group[key]
-            self._read(self._groups[group], self._windows[group])
-        data = self._held[key]
-        self._uses[key] -= 1
-        if not self._uses[key]:  # on every device that holds it: let it go
-            del self._held[key]
-        return data
-
-    def _read(self, keys: list[tuple], window: int) -> None:
-        """Fill the blocks ``keys``, reading each chunk they need once."""
-        layout, leaf = self._layout, self._leaf
-        files = self._stored.files_of(leaf).chunk_files()
-        blocks = {}
-        for key in keys:  # aligned: on a CPU device the jax array keeps the buffer
-            blocks[key] = aligned_empty(tuple(b - a for a, b in key) + self._trailing, layout.dtype)
+    def read_boxes(
+        self, leaf: StoredLeaf, layout: ChunkLayout, pairs: Sequence[tuple[Sequence[range], np.ndarray]], window: int
+    ) -> None:
+        """Fill each ``(box, out)`` of ``pairs`` (``out`` C-contiguous, shaped like ``box``)
+        with those elements of a leaf with its own array, reading every chunk that any box
+        needs once (checksum checked) and copying its part of each box in, within ``window``
+        bytes of reads in flight: the blocks of a leaf split by columns between devices,
+        whose every chunk holds part of each, cost one read of the leaf."""
+        files = self.files_of(leaf).chunk_files()
         wanted: dict[str, tuple[Region, list[tuple[np.ndarray, Region, Region]]]] = {}
-        for key in keys:
-            box = (*(range(a, b) for a, b in key), *(range(n) for n in self._trailing))
+        for box, out in pairs:
             for chunk, part, take, put in layout.parts(box):
-                wanted.setdefault(chunk, (part, []))[1].append((blocks[key], take, put))
+                wanted.setdefault(chunk, (part, []))[1].append((out, take, put))
 
         async def work(chunk: str, part: Region, into: list[tuple[np.ndarray, Region, Region]]) -> None:
             with reading(leaf):  # chunks fill disjoint parts of a block: threads may share it
@@ -380,7 +320,6 @@ class BlockReads:
             for c, (part, into) in order
         )
         run_windowed(tasks, window)
-        self._held.update(blocks)
 
 
 _ZARR_KEYS = {

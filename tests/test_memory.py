@@ -145,3 +145,39 @@ def test_the_host_memory_budget_holds_for_every_sharding(one_leaf, spec):
     assert result["devices"] == 8 and result["bytes"] == 256 << 20
     beyond = result["peak"] - result["bytes"]
     assert beyond <= (16 << 20) + FIXED, f"{spec}: {beyond / 2**20:.0f} MiB beyond the result"
+
+
+@pytest.fixture(scope="module")
+def big_leaf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("big") / "ckpt"
+    env = dict(os.environ, MALLOC_TRIM_THRESHOLD_=str(128 * 1024), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    subprocess.run([sys.executable, str(PROBE), "save_big", str(path)], check=True, env=env, capture_output=True)
+    return path, env
+
+
+@pytest.mark.parametrize(
+    "spec, dtype, staged",
+    [("one", "float32", "1"), ("one", "bfloat16", "0"), ("rows", "bfloat16", "0")],
+    ids=["one-device-staged", "one-device-cast", "rows-cast"],
+)
+def test_a_leaf_larger_than_the_budget_streams_through_it(big_leaf, spec, dtype, staged):
+    """A 2 GiB leaf restored with a 256 MiB budget, onto one device or split by rows over
+    4, as itself or cast to bfloat16: the host holds the result (on CPU devices, host
+    memory) plus at most the budget and one 64 MiB chunk above what the process held
+    before the load. Staged: the result built on the devices band by band, as on a GPU
+    (where the host then holds only the budget). Before, the cast held 2 GiB more on
+    one device and 1.3 GiB more by rows, and a GPU the whole leaf staged on the host."""
+    path, env = big_leaf
+    done = subprocess.run(
+        [sys.executable, str(PROBE), "load_big", str(path), "256", spec, dtype, staged],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        timeout=300,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["bytes"] == (2 << 30) // (2 if dtype == "bfloat16" else 1)
+    beyond = result["peak"] - result["bytes"]
+    assert beyond <= (256 << 20) + (64 << 20), f"{spec} {dtype}: {beyond / 2**20:.0f} MiB beyond the result"

@@ -5,6 +5,8 @@
     python memory_probe.py save_leaf PATH
     python memory_probe.py load_leaf PATH BUDGET_MIB rows|columns|replicated
     python memory_probe.py save_stacked|load_stacked|load_unstacked PATH
+    python memory_probe.py save_big PATH
+    python memory_probe.py load_big PATH BUDGET_MIB one|rows DTYPE STAGED
 
 ``load_sharded`` restores the 1 GiB ``save_large`` state onto every local device
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8`` makes 8 CPU devices),
@@ -15,6 +17,11 @@ replicated (``P()``), within BUDGET_MIB.
 ``load_stacked`` restores the params of ``save``'s state (8 layers) into a scanned
 skeleton with `Stack`; ``save_stacked`` saves them stacked, and ``load_unstacked``
 restores those into the per-layer skeleton with `Unstack`.
+
+``load_big`` restores the one 2 GiB float32 leaf of ``save_big`` onto the first
+device (one) or every local device split by rows, as DTYPE (float32, or a cast),
+within BUDGET_MIB; STAGED=1 builds the result on the devices band by band as on a
+GPU (`_place.STAGE_CPU`).
 
 Prints JSON: the peak RSS above the level just before the operation, and the
 bytes saved or restored.
@@ -110,6 +117,51 @@ def one_leaf(path, op, budget_mib="16", spec="rows"):
     print(json.dumps({"peak": peak, "bytes": nbytes, "devices": len(devices)}))
 
 
+BIG = (131072, 4096)  # float32: 2 GiB
+
+
+def big_rows(start, stop):
+    """Rows of the ``save_big`` leaf: exact in float32, different in every row (mod 4096) and column."""
+    return ((np.arange(start, stop, dtype=np.int32)[:, None] % 4096) * 4096 + np.arange(BIG[1], dtype=np.int32)).astype(
+        np.float32
+    )
+
+
+def big(path, op, budget_mib="256", spec="one", dtype="float32", staged="0"):
+    if op == "save_big":
+        data = np.empty(BIG, np.float32)
+        for start in range(0, BIG[0], 8192):
+            data[start : start + 8192] = big_rows(start, start + 8192)
+        eqxckpt.save(path, {"w": data})
+        print(json.dumps({"peak": 0, "bytes": data.nbytes}))
+        return
+    from eqxckpt import _place
+
+    _place.STAGE_CPU = staged == "1"
+    devices = jax.devices()
+    if spec == "one":
+        sharding = jax.sharding.SingleDeviceSharding(devices[0])
+    else:
+        sharding = jax.sharding.NamedSharding(
+            jax.sharding.Mesh(np.array(devices), ("x",)), jax.sharding.PartitionSpec("x")
+        )
+    like = {"w": jax.ShapeDtypeStruct(BIG, jnp.dtype(dtype), sharding=sharding)}
+    jax.jit(lambda x: x + 1)(jnp.zeros(8)).block_until_ready()  # XLA's compiler set up: part of the baseline
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = kib("VmRSS")
+    out = jax.block_until_ready(eqxckpt.load(path, like, cast=True, host_memory_budget=int(budget_mib) << 20))
+    peak = (kib("VmHWM") - before) * 1024
+    assert out["w"].sharding == sharding and out["w"].dtype == jnp.dtype(dtype)
+    for shard in out["w"].addressable_shards:  # every value, bit for bit, a band at a time
+        rows = shard.index[0].indices(BIG[0])
+        for start in range(rows[0], rows[1], 8192):
+            got = np.asarray(shard.data[start - rows[0] : start - rows[0] + 8192])
+            want = big_rows(start, min(rows[1], start + 8192)).astype(jnp.dtype(dtype))
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), start
+    print(json.dumps({"peak": peak, "bytes": out["w"].nbytes, "devices": len(devices)}))
+
+
 def layouts(path, op):
     """A `Stack` or `Unstack` restore of the params (8 layers of 8 MiB), measured."""
     per_layer = jax.eval_shape(state)["model"]
@@ -145,6 +197,9 @@ def main(op, path, *args):
         return
     if op in ("save_large", "load_sharded"):
         large(path, op, *args)
+        return
+    if op in ("save_big", "load_big"):
+        big(path, op, *args)
         return
     if op in ("save_leaf", "load_leaf"):
         one_leaf(path, op, *args)

@@ -1,0 +1,149 @@
+"""`_place.Placement`: a leaf put on its devices a band of rows at a time, bit for bit.
+
+The device path (a buffer on the device, filled by a donated ``dynamic_update_slice``)
+is what a GPU takes; `_place.STAGE_CPU` runs it on CPU devices, so it is checked here
+without a GPU.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import eqxckpt
+from eqxckpt import _place
+from eqxckpt._place import Placement
+
+
+@pytest.fixture(params=[False, True], ids=["host", "staged"])
+def staged(request, monkeypatch):
+    monkeypatch.setattr(_place, "STAGE_CPU", request.param)
+    return request.param
+
+
+def values(shape, dtype):
+    rng = np.random.default_rng(sum(shape) + 7)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(np.bool_)
+    if np.dtype(dtype).kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def reader(data):
+    """A `Reader` over a host array, counting the elements it was asked for."""
+    asked = []
+
+    def read(pairs, window):
+        for box, out in pairs:
+            out[...] = data[tuple(slice(r.start, r.stop) for r in box)]
+            asked.append(out.size)
+
+    return read, asked
+
+
+@pytest.mark.parametrize("shape", [(), (0, 3), (3, 0), (7,), (37, 5), (5, 4, 3)])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8, np.bool_, np.uint32])
+def test_placement_is_bit_exact_in_bands(staged, shape, dtype):
+    data = values(shape, dtype)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    dtype = np.dtype(dtype)
+    placement = Placement(shape, sharding, dtype, dtype, budget=2 * 3 * dtype.itemsize * 2)  # a few rows a band
+    read, asked = reader(data)
+    out = placement.run(lambda d: d, read, window=1 << 20)
+    assert out.shape == shape and out.dtype == dtype
+    assert np.array_equal(np.asarray(out).reshape(-1).view(np.uint8), data.reshape(-1).view(np.uint8))
+    assert sum(asked) == data.size  # every element read once
+
+
+def test_a_cast_is_done_band_by_band(staged):
+    data = values((50, 6), np.float32)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    bands = []
+
+    def convert(band):
+        bands.append(band.shape[0])
+        return band.astype(ml_dtypes.bfloat16)
+
+    placement = Placement(data.shape, sharding, np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), budget=8 * 6 * 8)
+    out = placement.run(convert, reader(data)[0], window=1 << 20, rows=4)
+    assert out.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(out).view(np.uint16), data.astype(ml_dtypes.bfloat16).view(np.uint16))
+    assert bands == [4] * 12 + [2]  # bands of whole chunks' rows (4), within the budget
+
+
+@pytest.mark.parametrize("cast", [None, "bfloat16", "int16"])
+def test_a_restore_larger_than_the_budget_is_bit_exact(staged, tmp_path, cast):
+    """Through `load`: one device, a 4 KiB budget, as stored or cast; PRNG keys too."""
+    w = (np.arange(30000, dtype=np.float32).reshape(300, 100) - 15000) / 4
+    keys = jax.random.split(jax.random.key(3), 20000)
+    eqxckpt.save(tmp_path / "c", {"w": w, "keys": keys, "b": np.ones(3, np.bool_)})
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    dtype = jnp.dtype(cast or "float32")
+    like = {
+        "w": jax.ShapeDtypeStruct(w.shape, dtype, sharding=one),
+        "keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=one),
+        "b": jax.ShapeDtypeStruct((3,), jnp.bool_, sharding=one),
+    }
+    out = eqxckpt.load(tmp_path / "c", like, cast=cast is not None, host_memory_budget=4096)
+    assert out["w"].dtype == dtype and out["w"].sharding == one
+    assert np.array_equal(np.asarray(out["w"]).view(np.uint8), w.astype(dtype).view(np.uint8))
+    assert np.array_equal(jax.random.key_data(out["keys"]), jax.random.key_data(keys))
+    assert np.asarray(out["b"]).all()
+
+
+def test_a_cast_that_does_not_fit_fails_naming_the_leaf(staged, tmp_path):
+    w = np.full((300, 100), 1e6, np.float32)
+    eqxckpt.save(tmp_path / "c", {"w": w})
+    like = {"w": jax.ShapeDtypeStruct(w.shape, jnp.int16, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    with pytest.raises(eqxckpt.CheckpointError, match="'w'.*int16"):
+        eqxckpt.load(tmp_path / "c", like, cast=True, host_memory_budget=4096)
+
+
+SHARDED = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np, ml_dtypes
+import eqxckpt
+from eqxckpt import _place
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+_place.STAGE_CPU = sys.argv[2] == "1"
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+w = (np.arange(64 * 48, dtype=np.float32).reshape(64, 48) - 1000) / 8
+keys = jax.random.split(jax.random.key(1), 4096)
+eqxckpt.save(sys.argv[1] + "/" + sys.argv[2], {"w": w, "keys": keys})
+for spec in [P("a"), P(None, "b"), P(), P("a", "b"), P("b", "a"), P(("a", "b"))]:
+    for dtype in [jnp.float32, jnp.bfloat16]:
+        sharding = NamedSharding(mesh, spec)
+        key_sharding = NamedSharding(mesh, P(spec[0]) if len(spec) else P())
+        like = {"w": jax.ShapeDtypeStruct(w.shape, dtype, sharding=sharding),
+                "keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=key_sharding)}
+        out = eqxckpt.load(sys.argv[1] + "/" + sys.argv[2], like, cast=True, host_memory_budget=2048)
+        assert out["w"].sharding == sharding and out["w"].dtype == dtype
+        for shard in out["w"].addressable_shards:
+            want = w.astype(dtype)[shard.index]
+            assert np.array_equal(np.asarray(shard.data).view(np.uint8), want.view(np.uint8)), (spec, dtype)
+        assert np.array_equal(jax.random.key_data(out["keys"]), jax.random.key_data(keys)), spec
+print("ok")
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("staged_flag", ["0", "1"], ids=["host", "staged"])
+def test_sharded_blocks_larger_than_the_budget_are_bit_exact(tmp_path, staged_flag):
+    """4 CPU devices on a 2x2 mesh, by rows, columns, both, replicated; a 2 KiB budget,
+    so every block is placed in several bands; as stored and cast; PRNG keys."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run(
+        [sys.executable, "-c", SHARDED, str(tmp_path), staged_flag],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
