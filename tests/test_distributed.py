@@ -214,3 +214,23 @@ def test_replicated_data_is_written_and_read_once_in_all(tmp_path, where, s3, gc
         assert sum(read) <= 1.3 * state, (restore, read)
     if where == "local":  # chunk files alone: each chunk read in one process
         assert sum(r["load"]["chunk_read"] for r in reports) <= 1.05 * state
+
+
+ATTACKER = WORKERS / "attack_worker.py"
+
+
+def _results(logs: list[str]) -> list[list[dict]]:
+    return [
+        [json.loads(line[len("RESULT ") :]) for line in log.splitlines() if line.startswith("RESULT ")] for log in logs
+    ]
+
+
+def test_a_read_failing_in_one_process_never_returns_a_mix(tmp_path):
+    """The newest checkpoint has a damaged chunk only process 1 reads (of a leaf sharded
+    across processes); its load raises there and it falls back to the older checkpoint.
+    Every process must either raise, or return the checkpoint it asked for: never a
+    replicated leaf half from one checkpoint and half from the other."""
+    logs = launch("one_failed_read_then_fallback", 2, tmp_path, worker=ATTACKER)
+    returned = [r for rs in _results(logs) for r in rs if "returned" in r]
+    assert len(returned) == 2, logs
+    assert all(not any(r["mismatched"].values()) for r in returned), returned

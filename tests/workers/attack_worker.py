@@ -1,0 +1,299 @@
+"""One of several JAX processes probing replica-parallel saves and single-read restores
+(`eqxckpt._replicas`) at their edges. Started by tests/test_distributed.py.
+
+    python attack_worker.py SCENARIO PORT NUM_PROCESSES PROCESS_ID DIRECTORY
+
+ATTACK_DEVICES: CPU devices per process (default 1). Each scenario prints lines
+``RESULT <json>`` that the test reads.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+import zlib
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DEVICES = int(os.environ.get("ATTACK_DEVICES", "1"))
+
+
+def result(**values) -> None:
+    print("RESULT " + json.dumps(values), flush=True)
+
+
+def values(path: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    rng = np.random.default_rng(zlib.crc32(path.encode()))
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype) if dtype.itemsize >= 1 and dtype.name not in ("int4", "uint4") else None
+        lo, hi = (info.min, info.max) if info is not None else ((-8, 7) if dtype.name == "int4" else (0, 15))
+        return rng.integers(lo, hi, shape, endpoint=True).astype(dtype)
+    if dtype.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def global_array(path: str, shape, dtype, sharding) -> jax.Array:
+    value = values(path, shape, dtype)
+    return jax.make_array_from_callback(shape, sharding, lambda i: value[i])
+
+
+def check(path: str, restored: jax.Array, want: np.ndarray) -> int:
+    """Every element this process holds equals the saved one, bit for bit."""
+    checked = 0
+    for shard in restored.addressable_shards:
+        got = np.asarray(shard.data)
+        assert got.dtype == want.dtype, (path, got.dtype, want.dtype)
+        assert got.tobytes() == want[shard.index].tobytes(), (path, shard.index)
+        checked += got.size
+    return checked
+
+
+def mismatches(path: str, restored: jax.Array, want: np.ndarray) -> int:
+    bad = 0
+    for shard in restored.addressable_shards:
+        got = np.asarray(shard.data)
+        bad += int((got != want[shard.index]).sum())
+    return bad
+
+
+def corrupt_chunk(directory: str, leaf: str, key: str) -> None:
+    path = os.path.join(directory, leaf, key)
+    with open(path, "r+b") as f:
+        f.seek(0)
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+# --- scenarios ---------------------------------------------------------------------------
+
+
+def one_failed_read_then_fallback(directory: str) -> None:
+    """Two checkpoints of the same tree (a leaf sharded across processes, one replicated).
+    The newer one has a damaged chunk that only process 1 reads (of the sharded leaf);
+    a process whose load fails falls back to the older checkpoint, as a training script
+    does. Every process must either raise, or return the checkpoint it asked for."""
+    import eqxckpt
+    from jax.experimental import multihost_utils
+
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    rows = 512
+    shapes = {"s": ((rows, 256), P("p")), "r": ((rows, 256), P())}
+
+    def tree(tag: str) -> dict:
+        return {
+            k: global_array(f"{tag}/{k}", shape, np.float32, NamedSharding(mesh, spec))
+            for k, (shape, spec) in shapes.items()
+        }
+
+    old, new = f"{directory}/old", f"{directory}/new"
+    eqxckpt.save(old, tree("old"))
+    eqxckpt.save(new, tree("new"))
+    multihost_utils.sync_global_devices("saved")
+    if me == 0:
+        chunks = sorted(os.listdir(f"{new}/s/c"))
+        result(chunks=chunks)
+        corrupt_chunk(new, "s", f"c/{chunks[-1]}/0")  # the last rows: process 1's shard
+    multihost_utils.sync_global_devices("corrupted")
+    like = {
+        k: jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, spec))
+        for k, (shape, spec) in shapes.items()
+    }
+    try:
+        restored, tag = eqxckpt.load(new, like), "new"
+    except eqxckpt.CheckpointError as e:
+        result(process=me, raised=type(e).__name__, message=str(e)[:300])
+        restored, tag = eqxckpt.load(old, like), "old"
+    bad = {k: mismatches(k, restored[k], values(f"{tag}/{k}", shape, np.float32)) for k, (shape, _) in shapes.items()}
+    result(process=me, returned=tag, mismatched=bad)
+
+
+def meshes() -> dict[str, Mesh]:
+    devices = np.array(jax.devices())
+    n = len(devices)
+    out = {"line": Mesh(devices, ("p",))}
+    if n % 2 == 0 and n > 2:
+        out["square"] = Mesh(devices.reshape(2, n // 2), ("a", "b"))
+        out["square_t"] = Mesh(devices.reshape(2, n // 2).T.copy(), ("a", "b"))
+    perm = np.random.default_rng(7).permutation(n)
+    out["perm"] = Mesh(devices[perm], ("p",))
+    if n % 2 == 0 and n > 2:
+        out["perm_square"] = Mesh(devices[perm].reshape(2, n // 2), ("a", "b"))
+    return out
+
+
+LEAVES = {
+    "f32_big": ((64, 4096), "float32"),  # 1 MiB
+    "f32_odd": ((7, 40000), "float32"),  # 1.1 MiB, 7 rows
+    "f32_flat": ((300001,), "float32"),
+    "bf16": ((96, 2048), "bfloat16"),
+    "f16": ((5, 3, 20000), "float16"),
+    "bool": ((300000,), "bool"),
+    "u8": ((3, 300000), "uint8"),
+    "i4": ((64, 8192), "int4"),
+    "c64": ((64, 2048), "complex64"),
+    "i32_small": ((5,), "int32"),
+    "one": ((1,), "float32"),
+    "scalar": ((), "float32"),
+    "empty": ((0, 4), "float32"),
+    "ones": ((1, 1, 100000), "float32"),
+    "keys": ((96,), "key"),
+    "keys_odd": ((7,), "key"),
+}
+
+
+def _dtype(name: str):
+    import jax.numpy as jnp
+
+    return {"bfloat16": jnp.bfloat16, "int4": jnp.int4}.get(name, np.dtype(name) if name != "key" else None)
+
+
+def expected_of(path: str, shape, kind: str) -> np.ndarray:
+    if kind == "key":
+        return np.asarray(
+            jax.random.key_data(jax.random.split(jax.random.key(zlib.crc32(path.encode()) % 1000), shape[0]))
+        )
+    return values(path, shape, _dtype(kind))
+
+
+def spec_for(mesh: Mesh, spec: str, shape) -> P:
+    """``spec``: a comma list of mesh axes for dimension 0 ('' replicated); dimension 0 must divide."""
+    if not spec or not shape:
+        return P()
+    axes = tuple(spec.split("+"))
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    return P(axes if len(axes) > 1 else axes[0]) if shape[0] % size == 0 and shape[0] else P()
+
+
+def build(mesh: Mesh, spec: str, leaves=None) -> dict:
+    leaves = LEAVES if leaves is None else leaves
+    out = {}
+    for path, (shape, kind) in leaves.items():
+        sharding = NamedSharding(mesh, spec_for(mesh, spec, shape))
+        if kind == "key":
+            seed = zlib.crc32(path.encode()) % 1000
+            out[path] = jax.jit(
+                lambda n=shape[0], seed=seed: jax.random.split(jax.random.key(seed), n), out_shardings=sharding
+            )()
+        else:
+            out[path] = global_array(path, shape, _dtype(kind), sharding)
+    return out
+
+
+def skeleton(mesh: Mesh, spec: str, leaves=None) -> dict:
+    leaves = LEAVES if leaves is None else leaves
+    out = {}
+    for path, (shape, kind) in leaves.items():
+        dtype = jax.random.key(0).dtype if kind == "key" else _dtype(kind)
+        out[path] = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec_for(mesh, spec, shape)))
+    return out
+
+
+def check_tree(restored: dict, like: dict, leaves=None) -> dict:
+    leaves = LEAVES if leaves is None else leaves
+    bad = {}
+    for path, (shape, kind) in leaves.items():
+        value = restored[path]
+        want = expected_of(path, shape, kind)
+        if kind == "key":
+            value = jax.random.key_data(value)
+        try:
+            if value.shape != want.shape:
+                raise AssertionError(("shape", value.shape, want.shape))
+            if (
+                kind != "key"
+                and value.sharding != like[path].sharding
+                and not value.sharding.is_equivalent_to(like[path].sharding, len(shape))
+            ):
+                raise AssertionError(("sharding", str(value.sharding), str(like[path].sharding)))
+            check(path, value, want)
+        except AssertionError as e:
+            bad[path] = repr(e)[:200]
+    return bad
+
+
+def matrix(directory: str) -> None:
+    """Save under several meshes and specs; restore each onto several others; check every
+    element each process holds, bit for bit."""
+    import eqxckpt
+    from jax.experimental import multihost_utils
+
+    all_meshes = meshes()
+    saves = [
+        (m, s)
+        for m, s in [("line", ""), ("square", "a"), ("square", "b"), ("perm", ""), ("square_t", "a"), ("line", "p")]
+        if m in all_meshes
+    ]
+    loads = [
+        (m, s)
+        for m, s in [
+            ("line", ""),
+            ("square", "a"),
+            ("square", "b"),
+            ("perm", ""),
+            ("perm_square", "b"),
+            ("square_t", "b"),
+            ("line", "p"),
+            ("square", "a+b"),
+        ]
+        if m in all_meshes
+    ]
+    if os.environ.get("ATTACK_SAVES"):
+        saves = [tuple(x.split(":")) for x in os.environ["ATTACK_SAVES"].split(",")]
+    if os.environ.get("ATTACK_LOADS"):
+        loads = [tuple(x.split(":")) for x in os.environ["ATTACK_LOADS"].split(",")]
+    failures = {}
+    count = 0
+    for sm, ss in saves:
+        where = f"{directory}/{sm}_{ss or 'rep'}"
+        tree = build(all_meshes[sm], ss)
+        eqxckpt.save(where, tree)
+        del tree
+        multihost_utils.sync_global_devices(f"saved {where}")
+        for lm, ls in loads:
+            like = skeleton(all_meshes[lm], ls)
+            bad = check_tree(eqxckpt.load(where, like), like)
+            count += 1
+            if bad:
+                failures[f"{sm}:{ss} -> {lm}:{ls}"] = bad
+    result(process=jax.process_index(), combos=count, failures=failures)
+
+
+SCENARIOS = {f.__name__: f for f in [one_failed_read_then_fallback, matrix]}
+
+
+def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
+    jax.config.update("jax_num_cpu_devices", DEVICES)
+    from distributed_worker import _pin_gloo_to_loopback
+
+    _pin_gloo_to_loopback()
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        coordinator_bind_address=f"127.0.0.1:{port}",
+        num_processes=processes,
+        process_id=process_id,
+        initialization_timeout=60,
+        heartbeat_timeout_seconds=10,
+    )
+    start = time.monotonic()
+    SCENARIOS[scenario](directory)
+    result(process=process_id, done=round(time.monotonic() - start, 1))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    except BaseException:  # noqa: BLE001 - any failure must end this process at once
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    jax.distributed.shutdown()
