@@ -80,8 +80,9 @@ def one_failed_read_then_fallback(directory: str) -> None:
     The newer one has a damaged chunk that only process 1 reads (of the sharded leaf);
     a process whose load fails falls back to the older checkpoint, as a training script
     does. Every process must either raise, or return the checkpoint it asked for."""
-    import eqxckpt
     from jax.experimental import multihost_utils
+
+    import eqxckpt
 
     me = jax.process_index()
     mesh = Mesh(np.array(jax.devices()), ("p",))
@@ -223,8 +224,9 @@ def check_tree(restored: dict, like: dict, leaves=None) -> dict:
 def matrix(directory: str) -> None:
     """Save under several meshes and specs; restore each onto several others; check every
     element each process holds, bit for bit."""
-    import eqxckpt
     from jax.experimental import multihost_utils
+
+    import eqxckpt
 
     all_meshes = meshes()
     saves = [
