@@ -234,3 +234,23 @@ def test_a_read_failing_in_one_process_never_returns_a_mix(tmp_path):
     returned = [r for rs in _results(logs) for r in rs if "returned" in r]
     assert len(returned) == 2, logs
     assert all(not any(r["mismatched"].values()) for r in returned), returned
+
+
+@pytest.mark.parametrize(
+    "devices, env",
+    [
+        # Process 0 holds two of the mesh's three devices, process 1 one: the same budget
+        # makes four batches on process 0 and two on process 1.
+        (2, {"ATTACK_MESH": "uneven", "ATTACK_SAVE_SPEC": "p", "ATTACK_BUDGETS": "600000,600000"}),
+        # Each host passes the budget it can afford (as from its own free memory).
+        (1, {"ATTACK_BUDGETS": "300000,100000000"}),
+    ],
+    ids=["uneven-mesh", "budgets-differ"],
+)
+def test_batches_of_a_replicated_restore_are_the_same_in_every_process(tmp_path, devices, env):
+    """Four replicated leaves restored in batches of the host memory budget: the batches
+    (each a phase and a collective) must be the same in every process, or the processes
+    wait for each other forever."""
+    logs = launch("batches", 2, tmp_path, timeout=40, worker=ATTACKER, ATTACK_DEVICES=str(devices), **env)
+    restored = [r for rs in _results(logs) for r in rs if "failures" in r]
+    assert len(restored) == 2 and not any(r["failures"] for r in restored), logs

@@ -269,7 +269,38 @@ def matrix(directory: str) -> None:
     result(process=jax.process_index(), combos=count, failures=failures)
 
 
-SCENARIOS = {f.__name__: f for f in [one_failed_read_then_fallback, matrix]}
+def batches(directory: str) -> None:
+    """Several replicated leaves restored in batches of the host memory budget: each
+    process's budget (ATTACK_BUDGETS, comma separated, bytes) and the mesh (ATTACK_MESH:
+    ``all``, every device; ``uneven``, all but the last device, so the last process holds
+    fewer) as given."""
+    from jax.experimental import multihost_utils
+
+    import eqxckpt
+
+    me = jax.process_index()
+    devices = jax.devices()
+    if os.environ.get("ATTACK_MESH", "all") == "uneven":
+        devices = devices[:-1]
+    mesh = Mesh(np.array(devices), ("p",))
+    n = len(devices)
+    leaves = {f"r{i}": ((n * 128, 512), "float32") for i in range(4)}
+    tree = build(mesh, os.environ.get("ATTACK_SAVE_SPEC", ""), leaves)
+    eqxckpt.save(f"{directory}/ckpt", tree)
+    del tree
+    multihost_utils.sync_global_devices("saved")
+    budgets = [int(b) for b in os.environ.get("ATTACK_BUDGETS", "").split(",") if b]
+    like = skeleton(mesh, "", leaves)
+    start = time.monotonic()
+    try:
+        restored = eqxckpt.load(f"{directory}/ckpt", like, host_memory_budget=budgets[me] if budgets else None)
+    except eqxckpt.CheckpointError as e:
+        result(process=me, raised=type(e).__name__, after=round(time.monotonic() - start, 1), message=str(e)[:300])
+        return
+    result(process=me, failures=check_tree(restored, like, leaves), after=round(time.monotonic() - start, 1))
+
+
+SCENARIOS = {f.__name__: f for f in [one_failed_read_then_fallback, matrix, batches]}
 
 
 def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
