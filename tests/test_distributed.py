@@ -254,3 +254,13 @@ def test_batches_of_a_replicated_restore_are_the_same_in_every_process(tmp_path,
     logs = launch("batches", 2, tmp_path, timeout=40, worker=ATTACKER, ATTACK_DEVICES=str(devices), **env)
     restored = [r for rs in _results(logs) for r in rs if "failures" in r]
     assert len(restored) == 2 and not any(r["failures"] for r in restored), logs
+
+
+def test_a_checkpoint_replaced_during_a_load_is_never_returned_mixed(tmp_path):
+    """Another job replaces the checkpoint (``overwrite=True``, the same chunking) while two
+    processes load it, replicated: process 0 has read its part of the old one when process
+    1 opens the new one. Process 0 notices and raises; process 1 must raise too, or return
+    one checkpoint whole, never half of each."""
+    logs = launch("replaced_during_load", 2, tmp_path, timeout=100, worker=ATTACKER)
+    returned = [r["returned"] for rs in _results(logs) for r in rs if "returned" in r]
+    assert all(min(r.values()) == 0 for r in returned), returned

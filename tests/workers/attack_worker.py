@@ -300,7 +300,47 @@ def batches(directory: str) -> None:
     result(process=me, failures=check_tree(restored, like, leaves), after=round(time.monotonic() - start, 1))
 
 
-SCENARIOS = {f.__name__: f for f in [one_failed_read_then_fallback, matrix, batches]}
+REPLACE = """
+import sys, numpy as np, eqxckpt, eqxckpt._chunks
+eqxckpt._chunks.CHUNK_BYTES = 256 * 1024  # two chunks, as the 2-process save of the old one
+sys.path.insert(0, {workers!r})
+from attack_worker import values
+eqxckpt.save({where!r}, {{"r": values("new/r", (512, 256), np.float32)}}, overwrite=True)
+"""
+
+
+def replaced_during_load(directory: str) -> None:
+    """A checkpoint replaced (``overwrite=True``, by another job) while the processes load
+    it: process 0 has read its part of the old one when process 1 opens the new one. Each
+    process must raise, or return one checkpoint whole (old or new), never a mix."""
+    import subprocess
+
+    from jax.experimental import multihost_utils
+
+    import eqxckpt
+
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    where = f"{directory}/latest"
+    sharding = NamedSharding(mesh, P())
+    eqxckpt.save(where, {"r": global_array("old/r", (512, 256), np.float32, sharding)})
+    multihost_utils.sync_global_devices("saved")
+    if me == 1:  # process 0 is in load meanwhile, its part of the old checkpoint read
+        time.sleep(2)
+        code = REPLACE.format(workers=os.path.dirname(os.path.abspath(__file__)), where=where)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EQXCKPT_")}
+        subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+    like = {"r": jax.ShapeDtypeStruct((512, 256), np.float32, sharding=sharding)}
+    try:
+        restored = eqxckpt.load(where, like)
+    except eqxckpt.CheckpointError as e:
+        result(process=me, raised=type(e).__name__, message=str(e)[:300])
+        return
+    bad = {tag: mismatches("r", restored["r"], values(f"{tag}/r", (512, 256), np.float32)) for tag in ("old", "new")}
+    result(process=me, returned=bad)
+
+
+SCENARIOS = {f.__name__: f for f in [one_failed_read_then_fallback, matrix, batches, replaced_during_load]}
 
 
 def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
