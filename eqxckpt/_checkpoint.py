@@ -10,6 +10,7 @@ import numpy as np
 from ._chunks import ChunkLayout, Region
 from ._leaf import StoredLeaf, check_bool_bytes
 from ._place import Reader
+from ._replicas import readers_apart
 from ._select import Selection
 from ._source import Source, reading
 from ._storage import CheckpointPath, Storage
@@ -68,14 +69,17 @@ class Checkpoint(Source):
         return read, (layout.chunk[0] if layout.chunk else 1)
 
     def reads_apart(self, leaf: StoredLeaf, sharding: Any) -> bool:
-        """A leaf with its own array placed block by block (`Placement`), whose chunks each lie
-        within one block: every block boundary is a chunk boundary."""
+        """A leaf with its own array placed block by block (`Placement`), each of whose chunks
+        lies within the blocks of one process (`_replicas.readers_apart`)."""
         if leaf.offset is not None or len(sharding.device_set) == 1 or not leaf.can_shard(sharding):
             return False
         with reading(leaf):
             chunk = self.stored.layout(leaf).chunk
-        block = (*sharding.shard_shape(leaf.shape), *leaf.data_shape[len(leaf.shape) :])
-        return all(b >= n or b % c == 0 for b, c, n in zip(block, chunk, leaf.data_shape))
+        return readers_apart(chunk, sharding, leaf.shape)
+
+    def identity(self) -> str | None:
+        """The save that wrote this checkpoint (its manifest's ``save_id``)."""
+        return self.stored.manifest.save_id
 
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """Only the chunks holding the selection are read, each checked as a whole read

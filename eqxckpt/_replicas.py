@@ -9,6 +9,8 @@ batch of leaves, through the devices' collectives (gloo on CPU, NCCL on GPU)
 (`read_once`). The format is unchanged: chunk shapes are free in it.
 """
 
+import itertools
+import json
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._chunks import ChunkLayout, Region, chunk_budget, chunk_shape
+from ._errors import CheckpointChangedError
 from ._leaf import StoredLeaf
 from ._window import host_memory_budget
 
@@ -142,8 +145,8 @@ def spread_spec(
 
     ```python
     spread_spec(P(), (8, 4), {"a": 2, "b": 2}, {"a", "b"})     # P(('a', 'b'),)
-    spread_spec(P("a"), (8, 4), {"a": 2, "b": 2}, {"a", "b"})  # P(('a', 'b'),)
-    spread_spec(P(None, "a"), (3, 4), {"a": 2, "b": 2}, {"b"})  # P(None, ('a', 'b'))
+    spread_spec(P("a"), (8, 4), {"a": 2, "b": 2}, {"a", "b"})  # P(('b', 'a'),)
+    spread_spec(P(None, "a"), (3, 4), {"a": 2, "b": 2}, {"b"})  # P(None, ('b', 'a'))
     spread_spec(P("b"), (8, 4), {"a": 2, "b": 2}, {"b"})       # None: "a" stays in its process
     ```
     """
@@ -160,7 +163,10 @@ def spread_spec(
     factor = math.prod(sizes[a] for a in axes)
     for d, n in enumerate(shape):
         if n % (math.prod(sizes[a] for a in entries[d]) * factor) == 0:
-            entries[d] = (*entries[d], *axes)
+            # The axes spanning processes go first (major): each process then holds one run
+            # of the dimension, which a save's chunks (split among processes the same way,
+            # `split_shard`) lie within.
+            entries[d] = (*axes, *entries[d])
             while not entries[-1]:
                 entries.pop()
             return jax.sharding.PartitionSpec(*(entry or None for entry in entries))
@@ -184,19 +190,56 @@ def spread(sharding: Any, shape: tuple[int, ...]) -> "jax.sharding.NamedSharding
     return None if spec is None else jax.sharding.NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
 
 
+def readers_apart(chunk: Sequence[int], sharding: "jax.sharding.Sharding", shape: tuple[int, ...]) -> bool:
+    """Whether every chunk (of shape ``chunk``, its leading ``len(shape)`` dimensions) of an
+    array of ``shape`` placed by ``sharding`` is held by the devices of one process alone:
+    then a restore into ``sharding`` reads each chunk in one process.
+
+    ```python
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))  # two processes of two devices
+    readers_apart((4, 4), NamedSharding(mesh, P(("a", "b"))), (8, 4))  # True: a chunk per process
+    readers_apart((8, 4), NamedSharding(mesh, P(("a", "b"))), (8, 4))  # False
+    ```
+    """
+    owners: dict[tuple, set[int]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        owners.setdefault(_key(index, shape), set()).add(device.process_index)
+    edges = [sorted({key[d] for key in owners}) for d in range(len(shape))]  # each dimension's block runs
+    layout = [max(1, c) for c in chunk[: len(shape)]]
+    for start in itertools.product(*(range(0, max(1, n), c) for n, c in zip(shape, layout))):
+        runs = [
+            [run for run in edges[d] if run[0] < min(a + c, shape[d]) and a < run[1]]
+            for d, (a, c) in enumerate(zip(start, layout))
+        ]
+        holders = set().union(*(owners.get(key, set()) for key in itertools.product(*runs)))
+        if len(holders) > 1:
+            return False
+    return True
+
+
 def _held(sharding: "jax.sharding.Sharding", shape: tuple[int, ...], nbytes: int) -> int:
-    """Bytes of the distinct blocks ``sharding`` puts on this process's devices."""
-    blocks = {_key(index, shape) for index in sharding.addressable_devices_indices_map(shape).values()}
-    return sum(math.prod(b - a for a, b in key) for key in blocks) * nbytes // max(1, math.prod(shape))
+    """Bytes of the distinct blocks ``sharding`` puts on the devices of the process that
+    holds the most: the same in every process (batches must be)."""
+    blocks: dict[int, set[tuple]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        blocks.setdefault(device.process_index, set()).add(_key(index, shape))
+    most = max(sum(math.prod(b - a for a, b in key) for key in keys) for keys in blocks.values())
+    return most * nbytes // max(1, math.prod(shape))
 
 
 def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
     """``source.read(wanted)``, reading each byte of data replicated across processes once
     in all: such a leaf is read into its `spread` sharding, each process its own blocks,
     then moved onto its target with the other leaves of its batch by one jitted identity
-    (batches of at most the host memory budget of blocks per process). Every process must
-    call it with the same leaves, as `load` is called; a failed read in one process is
-    raised in every process, before any moves data.
+    (batches of at most the smallest host memory budget of any process, counting the
+    blocks of the process holding the most). Every process must call it with the same
+    leaves, as `load` is called.
+
+    The processes agree at each step (`Phases`) before any data moves: that they opened
+    the same checkpoint (`Source.identity`), which leaves they read apart, the budget;
+    then each batch is read and checked unchanged (`Source.check_unchanged`) in every
+    process before it is moved. A failure in one process is raised in every process, so
+    none returns a mix of two checkpoints, and none waits on the others.
 
     **Arguments:**
 
@@ -209,24 +252,46 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> lis
 
     if jax.process_count() == 1:
         return source.read(wanted)
+    # From `like` alone: the same in every process, so every process takes the same phases.
     candidates: dict[int, Any] = {}
     for i, (leaf, target) in enumerate(wanted):
         sharding = getattr(target, "sharding", None)
         if sharding is not None and not sharding.is_fully_addressable:
             if (middle := spread(sharding, leaf.shape)) is not None:
                 candidates[i] = middle
-    if candidates:  # their chunk layouts, read at once: `reads_apart` asks for them
-        source.prepare_reads([wanted[i][0] for i in candidates])
-    # A leaf whose stored chunks straddle the spread blocks would be read in part by several processes.
-    spreads = {i: middle for i, middle in candidates.items() if source.reads_apart(wanted[i][0], middle)}
-    if not spreads:
+    if not candidates:
         return source.read(wanted)
-    rest = [i for i in range(len(wanted)) if i not in spreads]
+    from ._distributed import Phases
+
+    phases = Phases("restore")
+
+    def plan() -> str:
+        source.prepare_reads([wanted[i][0] for i in candidates])  # `reads_apart` asks for their layouts
+        apart = [i for i, middle in candidates.items() if source.reads_apart(wanted[i][0], middle)]
+        return json.dumps({"source": source.identity(), "apart": apart, "budget": host_memory_budget()})
+
+    plans = [json.loads(found) for found in phases.run("plan", plan)]
+    if len({found["source"] for found in plans}) > 1:
+        raise CheckpointChangedError(
+            f"Restoring from {source.location} in {len(plans)} processes: they opened different checkpoints there "
+            "(it was replaced while they opened it). Nothing was restored; load again."
+        )
+    # A leaf whose stored chunks straddle the spread blocks would be read in part by several processes.
+    apart = set.intersection(*(set(found["apart"]) for found in plans))
+    spreads = {i: middle for i, middle in candidates.items() if i in apart}
+    budget = min(found["budget"] for found in plans)
     values: list[Any] = [None] * len(wanted)
-    for i, value in zip(rest, source.read([wanted[i] for i in rest])):
-        values[i] = value
+    rest = [i for i in range(len(wanted)) if i not in spreads]
+
+    def read_rest() -> None:
+        for i, value in zip(rest, source.read([wanted[i] for i in rest])):
+            values[i] = value
+
+    phases.run("read", read_rest)  # a failure here is raised everywhere: no process goes on alone
+    if not spreads:
+        return values
     batches: list[list[int]] = [[]]
-    held, budget = 0, host_memory_budget()
+    held = 0
     for i, middle in spreads.items():
         leaf = wanted[i][0]
         cost = _held(middle, leaf.shape, leaf.nbytes)
@@ -235,15 +300,14 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> lis
             held = 0
         batches[-1].append(i)
         held += cost
-    from ._distributed import Phases
-
-    phases = Phases("restore")
     for n, batch in enumerate(batches):
         staged: list[Any] = []
 
         def read(batch: list[int] = batch, staged: list[Any] = staged) -> None:
             reads = [(wanted[i][0], _retarget(wanted[i][1], spreads[i])) for i in batch]
             staged.extend(source.read(reads))
+            # What every process read is the checkpoint they all opened, before any of it moves.
+            source.check_unchanged()
 
         phases.run(f"read {n}", read)  # every process read its part, or every process raises
         moved = jax.jit(_identity, out_shardings=tuple(wanted[i][1].sharding for i in batch))(*staged)

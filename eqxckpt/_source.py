@@ -116,6 +116,20 @@ class Source(abc.ABC):
             advance(leaf.nbytes)
         return values
 
+    def identity(self) -> str | None:
+        """What tells this very checkpoint from any other, even one written later at the
+        same place: several processes restoring together check that they opened the same
+        one before any of them moves data to another. None where the format records none
+        (a safetensors file, say: such sources never read apart, see `reads_apart`).
+
+        **Returns:** a string, or None.
+
+        ```python
+        len(ckpt.identity())  # 32: an eqxckpt checkpoint's save, a hex UUID
+        ```
+        """
+        return None
+
     def reads_apart(self, leaf: StoredLeaf, sharding: Any) -> bool:
         """Whether `read` of ``leaf`` into a target laid out by ``sharding`` reads, in each
         process, only what that process's devices hold, and no stored piece (chunk) in two

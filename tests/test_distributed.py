@@ -43,7 +43,7 @@ def launch(
     """Run ``processes`` workers to completion; the first failure kills the rest at once.
     ``terminate=(i, text)``: send worker i SIGTERM once its output holds ``text``."""
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", EQXCKPT_BARRIER_TIMEOUT_S="60", PYTHONUNBUFFERED="1", **env_vars)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "EQXCKPT_BARRIER_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1", **env_vars}
     logs = [directory / f"worker{i}.log" for i in range(processes)]
     workers = []
     for i, log in enumerate(logs):

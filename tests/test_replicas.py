@@ -22,9 +22,9 @@ def test_axes_whose_devices_belong_to_different_processes_span_them():
     "spec, shape, spanning, split",
     [
         (P(), (8, 4), {"a", "b"}, P(("a", "b"))),  # replicated on every process: split 4 ways
-        (P("a"), (8, 4), {"a", "b"}, P(("a", "b"))),  # sharded over "a", replicated over "b"
+        (P("a"), (8, 4), {"a", "b"}, P(("b", "a"))),  # sharded over "a", replicated over "b": "b" major
         (P("a"), (2, 8), {"a", "b"}, P("a", "b")),  # rows too few: the next dimension
-        (P(None, "a"), (3, 4), {"b"}, P(None, ("a", "b"))),
+        (P(None, "a"), (3, 4), {"b"}, P(None, ("b", "a"))),
         (P(), (8, 4), {"a"}, P("a")),  # "b" stays within a process: only "a" is split
     ],
 )
