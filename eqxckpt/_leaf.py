@@ -8,7 +8,7 @@ value `load` takes from `like`. A new kind is one class here, registered in `KIN
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -152,7 +152,7 @@ class StoredLeaf(Leaf):
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.data_shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.data_shape) * _itemsize(self.dtype)
 
     @property
     def value_dtype(self) -> np.dtype:
@@ -229,6 +229,30 @@ class StoredLeaf(Leaf):
             parse_reference(arrays, path)
         fields = {"offset": offset, "digest": parse_digest(doc.get("digest"), path), "arrays": arrays}
         return parse_shape(doc.get("shape"), path), dtype, fields
+
+
+_ITEMSIZES: dict[str, int] = {}
+
+
+def _itemsize(dtype: str) -> int:
+    """A stored dtype's item size; asked many times per leaf (planning, packing, reads)."""
+    size = _ITEMSIZES.get(dtype)
+    if size is None:
+        size = _ITEMSIZES[dtype] = np.dtype(dtype).itemsize
+    return size
+
+
+_Stored = TypeVar("_Stored", bound=StoredLeaf)
+
+
+def with_storage(leaf: _Stored, **changes: Any) -> _Stored:
+    """``leaf`` with another ``offset``, ``digest`` or ``arrays``: what `dataclasses.replace`
+    gives, without its per-call introspection (a save places and digests every leaf of
+    its tree). Nothing derived from the other fields changes."""
+    assert changes.keys() <= {"offset", "digest", "arrays"}
+    changed = object.__new__(type(leaf))
+    changed.__dict__.update(leaf.__dict__, **changes)
+    return changed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -574,10 +598,13 @@ def parse_shape(value: Any, where: str) -> tuple[int, ...]:
     """A shape from the manifest: at most `MAX_RANK` non-negative ints, fewer than 2**53 elements."""
     if not isinstance(value, list) or len(value) > MAX_RANK:
         raise ManifestError(f"Leaf {where!r}: shape must be a list of at most {MAX_RANK} ints, found {value!r}.")
-    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_ELEMENTS for d in value):
-        raise ManifestError(f"Leaf {where!r}: shape {value!r} has a negative, huge or non-integer dimension.")
-    # Zero dimensions counted as one: numpy refuses an empty array whose other dimensions overflow.
-    if math.prod(max(d, 1) for d in value) >= MAX_ELEMENTS:
+    elements = 1  # zero dimensions counted as one: numpy refuses an empty array whose other dimensions overflow
+    for d in value:  # one plain loop: every leaf of a manifest has a shape
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < MAX_ELEMENTS:
+            raise ManifestError(f"Leaf {where!r}: shape {value!r} has a negative, huge or non-integer dimension.")
+        if d > 1:
+            elements *= d
+    if elements >= MAX_ELEMENTS:
         raise ManifestError(f"Leaf {where!r}: shape {value!r} declares an absurd number of elements.")
     return tuple(value)
 
