@@ -155,8 +155,11 @@ def _check_containers(records: tuple[Leaf, ...], where: str, sequences_complete:
     indices: dict[str, set[int]] = {}
     leaves = {r.path for r in records}
     for record in records:
+        # Each key's segment is the path's (`_keys` checked that they spell it), so the
+        # containers are the path's prefixes.
+        segments = record.path.split("/")
         parent = ""
-        for kind, key, *_ in record.keys:
+        for (kind, key, *_), segment in zip(record.keys, segments):
             family = "list" if kind in ("seq", "index") else "mapping"
             if kinds.setdefault(parent, family) != family or parent in leaves:
                 raise ManifestError(
@@ -165,7 +168,7 @@ def _check_containers(records: tuple[Leaf, ...], where: str, sequences_complete:
                 )
             if family == "list":
                 indices.setdefault(parent, set()).add(key)
-            parent = f"{parent}/{record_segment((kind, key, *_))}" if parent else record_segment((kind, key, *_))
+            parent = f"{parent}/{segment}" if parent else segment
     for parent, found in indices.items():
         # A sequence is rebuilt (like=None) with one slot per index, so its
         # indices must be exactly 0..n-1: no crafted index allocates a huge
