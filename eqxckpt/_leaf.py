@@ -14,7 +14,7 @@ import numpy as np
 
 from ._convert import adopt, checked_astype, narrowed, place_slices
 from ._digest import parse_digest
-from ._dtypes import STORED_DTYPES, check_dtype
+from ._dtypes import STORED_DTYPES, check_dtype, dtype_name
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
 from ._scalars import bits_fit, nan_bits, scalar_from_json, scalar_to_json, with_bits
@@ -152,7 +152,12 @@ class StoredLeaf(Leaf):
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.data_shape) * _itemsize(self.dtype)
+        # Asked many times per leaf (planning, packing, reads, progress): kept once known.
+        # Leaves are immutable, and `with_storage` changes nothing it depends on.
+        known = self.__dict__.get("_nbytes")
+        if known is None:
+            known = self.__dict__["_nbytes"] = math.prod(self.data_shape) * _itemsize(self.dtype)
+        return known
 
     @property
     def value_dtype(self) -> np.dtype:
@@ -288,7 +293,7 @@ class ArrayLeaf(StoredLeaf):
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if not is_array_like(target) or is_prng_key_dtype(target.dtype):
             return self._differs(target)
-        if np.dtype(target.dtype).name != self.dtype and not cast:
+        if dtype_name(target.dtype) != self.dtype and not cast:
             return f"{self._differs(target)} (pass cast=True to convert)"
         if tuple(np.shape(target)) != self.shape:
             return self._differs(target)
