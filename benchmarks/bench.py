@@ -7,6 +7,9 @@ float32 arrays of 1-64 KiB. Peers, same state, same disk, same run:
 
 - raw: every leaf's bytes in one file, plain writes, fsync'd; read back with
   ``readinto`` into numpy buffers (params-only: just those byte ranges);
+- floor: raw's file, read as raw reads it, then one ``jax.device_put`` of the
+  list of arrays: what any restore into jax arrays costs at least (JAX's own
+  per-array cost, which bounds a restore of many small leaves);
 - eqxckpt: ``save``; ``load`` into a skeleton of ``jax.ShapeDtypeStruct``
   (what ``eqx.filter_eval_shape`` gives); ``load(at="model")``;
   ``save(blocking=False)``; ``verify``;
@@ -153,7 +156,7 @@ def measure(
                 progress(workload, peer, "verify", f"{i + 1}/{args.repeats}")
                 row.setdefault("verify", []).append(run_worker(args, peer, "verify", path, workload))
         remove(path)
-        if "async" in extra and peer != "raw":
+        if "async" in extra and peer not in ("raw", "floor"):
             for i in range(args.repeats):
                 remove(path)
                 progress(workload, peer, "async save", f"{i + 1}/{args.repeats}")
@@ -270,6 +273,8 @@ def targets(results: dict) -> list[dict]:
             if op not in e:
                 continue
             add(f"{size} MiB {op}: eqxckpt / raw", med(e[op]) / med(raw[op]), limit)
+            if op != "save" and op in part.get("floor", {}):
+                add(f"{size} MiB {op}: eqxckpt / floor", med(e[op]) / med(part["floor"][op]), limit)
             if op in orbax:
                 add(f"{size} MiB {op}: eqxckpt / orbax", med(e[op]) / med(orbax[op]), 0.5)
         if "async" in e and "async" in orbax:
@@ -283,6 +288,9 @@ def targets(results: dict) -> list[dict]:
         limit = 2.0 if int(count) <= 10_000 else 3.0
         add(f"{count} leaves save: eqxckpt / raw", med(e["save"]) / med(raw["save"]), limit)
         add(f"{count} leaves restore: eqxckpt / raw", med(e["restore warm"]) / med(raw["restore warm"]), limit)
+        if "floor" in part:
+            floor = med(part["floor"]["restore warm"])
+            add(f"{count} leaves restore: eqxckpt / floor", med(e["restore warm"]) / floor, limit)
         if "verify" in e:
             add(f"{count} leaves verify / restore", med(e["verify"]) / med(e["restore warm"]), 3.0)
         state = e["save"][0]["state_bytes"]
@@ -371,10 +379,17 @@ def main(argv=None) -> int:
         for size in args.sizes:
             label = f"{size:g}"
             results["sizes"][label] = measure(
-                args, root, f"model:{size:g}", ["raw", "eqxckpt", "orbax"], ["restore", "params"], ["async"], args.cold
+                args,
+                root,
+                f"model:{size:g}",
+                ["raw", "floor", "eqxckpt", "orbax"],
+                ["restore", "params"],
+                ["async"],
+                args.cold,
             )
         for count in args.leaf_counts:
-            peers = ["raw", "eqxckpt", "eqxckpt-unpacked"] + (["orbax"] if count <= args.orbax_max_leaves else [])
+            peers = ["raw", "floor", "eqxckpt", "eqxckpt-unpacked"]
+            peers += ["orbax"] if count <= args.orbax_max_leaves else []
             results["leaves"][str(count)] = measure(
                 args, root, f"leaves:{count}", peers, ["restore"], ["verify"], False
             )

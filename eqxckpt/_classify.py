@@ -39,12 +39,10 @@ def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, A
                 tuple(data.shape[value.ndim :]),
             )
             return leaf, data
-        dtype = np.dtype(value.dtype)
-        check_dtype(dtype, path)
         array_type = (
             "jax" if isinstance(value, jax.Array) else "numpy" if isinstance(value, np.ndarray) else "numpy_scalar"
         )
-        return ArrayLeaf(path, keys, tuple(np.shape(value)), dtype.name, array_type), value
+        return ArrayLeaf(path, keys, tuple(np.shape(value)), _stored_name(value.dtype, path), array_type), value
     if isinstance(value, SCALAR_TYPES) or is_empty_subtree(value):
         # An empty subtree in a sequence is recorded as None: it keeps the indices whole.
         scalar = None if is_empty_subtree(value) else str(value) if isinstance(value, np.str_) else value
@@ -52,6 +50,22 @@ def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, A
     if is_code(value) or holds_no_data(value):
         return OpaqueLeaf(path, keys, type_name(value), code_name(value)), None
     raise UnsupportedLeafError(_refusal(path, value))
+
+
+# The names of the dtypes `check_dtype` has passed, by the dtype objects arrays report:
+# a tree of many leaves holds a few dtypes, each checked and named once.
+_CHECKED: dict[Any, str] = {}
+
+
+def _stored_name(dtype: Any, path: str) -> str:
+    """The name of a (non-key) array dtype that checkpoints store; raises `check_dtype`'s
+    error for others."""
+    name = _CHECKED.get(dtype)
+    if name is None:
+        checked = np.dtype(dtype)
+        check_dtype(checked, path)
+        name = _CHECKED[dtype] = checked.name
+    return name
 
 
 def _refusal(path: str, leaf: Any) -> str:

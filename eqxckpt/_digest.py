@@ -14,6 +14,8 @@ from ._errors import ManifestError
 
 ALGORITHM = "xxh3-128"
 _FORMAT = re.compile(rf"{ALGORITHM}:[0-9a-f]{{32}}")
+# json.dumps(..., separators=(",", ":")) builds an encoder per call; one serves every leaf.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 class LeafDigest:
@@ -21,13 +23,12 @@ class LeafDigest:
     slab, a packed leaf's bytes across batches): ``update`` each piece, then `value`."""
 
     def __init__(self, fields: list[Any]):
-        self._hash = xxhash.xxh3_128()
         # What the bytes are, then a NUL: the same bytes as another dtype or shape differ.
-        self._hash.update(json.dumps(fields, separators=(",", ":")).encode() + b"\0")
+        self._hash = xxhash.xxh3_128(_COMPACT.encode(fields).encode() + b"\0")
 
     def update(self, data: np.ndarray) -> None:
         """Add ``data``'s bytes as they are stored (`little_endian`), in C order."""
-        self._hash.update(np.ascontiguousarray(little_endian(data)).reshape(-1).view(np.uint8).data)
+        self._hash.update(_stored_bytes(data))
 
     @property
     def value(self) -> str:
@@ -35,11 +36,20 @@ class LeafDigest:
         return f"{ALGORITHM}:{self._hash.hexdigest()}"
 
 
+def _stored_bytes(data: np.ndarray) -> Any:
+    """``data``'s bytes as stored (`little_endian`), in C order, as a buffer."""
+    data = little_endian(data)
+    if not data.flags.c_contiguous:
+        data = np.ascontiguousarray(data)
+    return data.reshape(-1).view(np.uint8).data
+
+
 def digest(fields: list[Any], data: np.ndarray) -> str:
-    """The digest of a leaf described by ``fields`` holding ``data`` (whole, in memory)."""
-    leaf = LeafDigest(fields)
-    leaf.update(data)
-    return leaf.value
+    """The digest of a leaf described by ``fields`` holding ``data`` (whole, in memory):
+    what a `LeafDigest` given the same gives, in one step (a save digests every leaf)."""
+    hashed = xxhash.xxh3_128(_COMPACT.encode(fields).encode() + b"\0")
+    hashed.update(_stored_bytes(data))
+    return f"{ALGORITHM}:{hashed.hexdigest()}"
 
 
 def parse_digest(value: Any, where: str) -> str | None:

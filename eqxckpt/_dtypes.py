@@ -15,6 +15,20 @@ STORED_DTYPES = frozenset(
 )
 
 
+_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``np.dtype(dtype).name``, known once per dtype (asked per leaf of a large tree)."""
+    try:
+        name = _NAMES.get(dtype)
+    except TypeError:  # unhashable: asked directly
+        return np.dtype(dtype).name
+    if name is None:
+        name = _NAMES[dtype] = np.dtype(dtype).name
+    return name
+
+
 def check_dtype(dtype: np.dtype, where: str) -> None:
     """Refuse a leaf at ``where`` whose ``dtype`` is not one of `STORED_DTYPES`."""
     if dtype.name not in STORED_DTYPES:

@@ -8,13 +8,13 @@ value `load` takes from `like`. A new kind is one class here, registered in `KIN
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
 from ._convert import adopt, checked_astype, default_device, narrowed
 from ._digest import parse_digest
-from ._dtypes import STORED_DTYPES, check_dtype
+from ._dtypes import STORED_DTYPES, check_dtype, dtype_name
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
 from ._scalars import bits_fit, nan_bits, scalar_from_json, scalar_to_json, with_bits
@@ -152,7 +152,12 @@ class StoredLeaf(Leaf):
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.data_shape) * np.dtype(self.dtype).itemsize
+        # Asked many times per leaf (planning, packing, reads, progress): kept once known.
+        # Leaves are immutable, and `with_storage` changes nothing it depends on.
+        known = self.__dict__.get("_nbytes")
+        if known is None:
+            known = self.__dict__["_nbytes"] = math.prod(self.data_shape) * _itemsize(self.dtype)
+        return known
 
     @property
     def value_dtype(self) -> np.dtype:
@@ -238,6 +243,30 @@ class StoredLeaf(Leaf):
         return parse_shape(doc.get("shape"), path), dtype, fields
 
 
+_ITEMSIZES: dict[str, int] = {}
+
+
+def _itemsize(dtype: str) -> int:
+    """A stored dtype's item size; asked many times per leaf (planning, packing, reads)."""
+    size = _ITEMSIZES.get(dtype)
+    if size is None:
+        size = _ITEMSIZES[dtype] = np.dtype(dtype).itemsize
+    return size
+
+
+_Stored = TypeVar("_Stored", bound=StoredLeaf)
+
+
+def with_storage(leaf: _Stored, **changes: Any) -> _Stored:
+    """``leaf`` with another ``offset``, ``digest`` or ``arrays``: what `dataclasses.replace`
+    gives, without its per-call introspection (a save places and digests every leaf of
+    its tree). Nothing derived from the other fields changes."""
+    assert changes.keys() <= {"offset", "digest", "arrays"}
+    changed = object.__new__(type(leaf))
+    changed.__dict__.update(leaf.__dict__, **changes)
+    return changed
+
+
 @dataclasses.dataclass(frozen=True)
 class ArrayLeaf(StoredLeaf):
     """An array leaf.
@@ -271,7 +300,7 @@ class ArrayLeaf(StoredLeaf):
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if not is_array_like(target) or is_prng_key_dtype(target.dtype):
             return self._differs(target)
-        if np.dtype(target.dtype).name != self.dtype and not cast:
+        if dtype_name(target.dtype) != self.dtype and not cast:
             return f"{self._differs(target)} (pass cast=True to convert)"
         if tuple(np.shape(target)) != self.shape:
             return self._differs(target)
@@ -610,10 +639,13 @@ def parse_shape(value: Any, where: str) -> tuple[int, ...]:
     """A shape from the manifest: at most `MAX_RANK` non-negative ints, fewer than 2**53 elements."""
     if not isinstance(value, list) or len(value) > MAX_RANK:
         raise ManifestError(f"Leaf {where!r}: shape must be a list of at most {MAX_RANK} ints, found {value!r}.")
-    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_ELEMENTS for d in value):
-        raise ManifestError(f"Leaf {where!r}: shape {value!r} has a negative, huge or non-integer dimension.")
-    # Zero dimensions counted as one: numpy refuses an empty array whose other dimensions overflow.
-    if math.prod(max(d, 1) for d in value) >= MAX_ELEMENTS:
+    elements = 1  # zero dimensions counted as one: numpy refuses an empty array whose other dimensions overflow
+    for d in value:  # one plain loop: every leaf of a manifest has a shape
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < MAX_ELEMENTS:
+            raise ManifestError(f"Leaf {where!r}: shape {value!r} has a negative, huge or non-integer dimension.")
+        if d > 1:
+            elements *= d
+    if elements >= MAX_ELEMENTS:
         raise ManifestError(f"Leaf {where!r}: shape {value!r} declares an absurd number of elements.")
     return tuple(value)
 

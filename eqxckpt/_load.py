@@ -19,6 +19,7 @@ from jaxtyping import PyTree
 from ._convert import checked_astype, narrowed
 from ._errors import CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
+from ._gc import collector_paused
 from ._layout import Layout, Row, plan_stack, plan_unstack, read_layouts, unrestored_rows
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import depth, normalize_at
@@ -510,23 +511,24 @@ def load(
     """
 
     def attempt() -> Any:
-        source = path if isinstance(path, Source) else open_source(path, format=format)
-        with source.consistent():
-            planned = plan(
-                source,
-                like,
-                at=at,
-                strict=strict,
-                cast=cast,
-                transforms=transforms,
-                default_to_original=default_to_original,
-            )
-            stored = planned.stored()
-            with (
-                reporting(f"loading {source.location}", sum(leaf.nbytes for leaf in stored), len(stored), progress),
-                limited_host_memory(host_memory_budget),
-            ):
-                return planned.run()
+        with collector_paused():  # records, plans and arrays per leaf, no cycles among them
+            source = path if isinstance(path, Source) else open_source(path, format=format)
+            with source.consistent():
+                planned = plan(
+                    source,
+                    like,
+                    at=at,
+                    strict=strict,
+                    cast=cast,
+                    transforms=transforms,
+                    default_to_original=default_to_original,
+                )
+                stored = planned.stored()
+                with (
+                    reporting(f"loading {source.location}", sum(leaf.nbytes for leaf in stored), len(stored), progress),
+                    limited_host_memory(host_memory_budget),
+                ):
+                    return planned.run()
 
     # A checkpoint replaced while it is read is read again (a few times); in a
     # multi-process load the processes would have to agree on a retry, so there

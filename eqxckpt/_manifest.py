@@ -14,6 +14,7 @@ from typing import Any
 from crc32c import crc32c
 
 from ._errors import ManifestError
+from ._gc import collector_paused
 from ._leaf import KeyRecord, Leaf, StoredLeaf, parse_leaf
 from ._pack import PackedArray
 from ._paths import ARRAYS_PREFIX, PACKED_LOCATION, is_arrays_name, record_segment
@@ -38,6 +39,8 @@ MAX_PARSE_FACTOR = 16
 # A sequence's largest index may exceed its number of leaves (empty subtrees
 # leave gaps), by at most this much.
 MAX_GAP_FACTOR, MAX_GAP = 2, 64
+# json.dumps(..., allow_nan=False) builds an encoder per call; one serves every leaf.
+_STRICT = json.JSONEncoder(allow_nan=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +89,8 @@ class Manifest:
             "metadata": self.metadata,
         }
         # One leaf per line: easy to read, grep and diff.
-        lines = [json.dumps(leaf.to_json(), allow_nan=False) for leaf in self.leaves]
+        with collector_paused():
+            lines = [_STRICT.encode(leaf.to_json()) for leaf in self.leaves]
         body = json.dumps(head, indent=1, allow_nan=False)[:-2]
         return with_checksum((body + ',\n "leaves": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n").encode())
 
@@ -151,8 +155,11 @@ def _check_containers(records: tuple[Leaf, ...], where: str, sequences_complete:
     indices: dict[str, set[int]] = {}
     leaves = {r.path for r in records}
     for record in records:
+        # Each key's segment is the path's (`_keys` checked that they spell it), so the
+        # containers are the path's prefixes.
+        segments = record.path.split("/")
         parent = ""
-        for kind, key, *_ in record.keys:
+        for (kind, key, *_), segment in zip(record.keys, segments):
             family = "list" if kind in ("seq", "index") else "mapping"
             if kinds.setdefault(parent, family) != family or parent in leaves:
                 raise ManifestError(
@@ -161,7 +168,7 @@ def _check_containers(records: tuple[Leaf, ...], where: str, sequences_complete:
                 )
             if family == "list":
                 indices.setdefault(parent, set()).add(key)
-            parent = f"{parent}/{record_segment((kind, key, *_))}" if parent else record_segment((kind, key, *_))
+            parent = f"{parent}/{segment}" if parent else segment
     for parent, found in indices.items():
         # A sequence is rebuilt (like=None) with one slot per index, so its
         # indices must be exactly 0..n-1: no crafted index allocates a huge
@@ -233,6 +240,11 @@ def parse_manifest(raw: bytes, where: str = "checkpoint") -> Manifest:
     Memory stays within `MAX_PARSE_FACTOR` times the manifest's size (plus
     16 MiB): a denser document is refused before it is parsed.
     """
+    with collector_paused():  # a record per leaf, and no cycles among them
+        return _parse_manifest(raw, where)
+
+
+def _parse_manifest(raw: bytes, where: str) -> Manifest:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"The manifest of {where} is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit.")
     if parse_cost(raw) > MAX_PARSE_FACTOR * len(raw) + (16 << 20):

@@ -12,7 +12,6 @@ its path, keys, shape and dtype; any zarr v3 reader gets one back as
 """
 
 import bisect
-import dataclasses
 import json
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -22,7 +21,7 @@ import numpy as np
 from ._chunks import PACK_CHUNK_BYTES
 from ._convert import aligned_empty
 from ._errors import CheckpointError, ManifestError
-from ._leaf import ArrayLeaf, Leaf, StoredLeaf, check_bool_bytes
+from ._leaf import ArrayLeaf, Leaf, StoredLeaf, check_bool_bytes, with_storage
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION
 
 PACK_MAX_BYTES = 256 * 1024
@@ -41,7 +40,7 @@ def assign_offsets(records: Sequence[StoredLeaf]) -> list[StoredLeaf]:
     """``records`` packed one after another, each at the next aligned offset."""
     packed, end = [], 0
     for record in records:
-        packed.append(dataclasses.replace(record, offset=end))
+        packed.append(with_storage(record, offset=end))
         end += -(-record.nbytes // PACK_ALIGNMENT) * PACK_ALIGNMENT
     return packed
 

@@ -169,6 +169,11 @@ def key_entry_record(entry: Any) -> list:
     """
     import jax.tree_util as jtu
 
+    kind = type(entry)  # the usual key types first, by identity (asked per key of every leaf)
+    if kind is jtu.GetAttrKey:
+        return ["attr", entry.name]
+    if kind is jtu.DictKey and type(entry.key) is str:
+        return ["dict", entry.key]
     if isinstance(entry, jtu.GetAttrKey):
         return ["attr", entry.name]
     if isinstance(entry, jtu.SequenceKey):

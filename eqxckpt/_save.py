@@ -19,8 +19,9 @@ from ._chunks import ChunkLayout, encode
 from ._digest import digest
 from ._distributed import Phases, is_multiprocess
 from ._errors import ArgumentError, CheckpointError, CheckpointWriteError
+from ._gc import collector_paused
 from ._interrupts import interrupts_deferred
-from ._leaf import Leaf, StoredLeaf
+from ._leaf import Leaf, StoredLeaf, with_storage
 from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
 from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_record
@@ -152,7 +153,7 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
     if len(digests) != len(whole):
         raise CheckpointWriteError(f"Hashing the leaves failed (see above). {NOTHING_COMMITTED}")
     records = [
-        dataclasses.replace(r, digest=digests[r.path]) if isinstance(r, StoredLeaf) and r.path in digests else r
+        with_storage(r, digest=digests[r.path]) if isinstance(r, StoredLeaf) and r.path in digests else r
         for r in manifest.leaves
     ]
     return dataclasses.replace(manifest, leaves=tuple(records))
@@ -401,7 +402,8 @@ def save(
         raise ArgumentError(f"metadata must be a JSON-serialisable dict: {e}") from None
     if not isinstance(metadata, dict):
         raise ArgumentError(f"metadata must be a dict, got {type(metadata).__name__}.")
-    records, arrays = _plan(tree)
+    with collector_paused():  # records per leaf, no cycles among them
+        records, arrays = _plan(tree)
     key = str(location)
     # One save in flight at a time: wait for the previous one, so at most one
     # snapshot is held in memory and its error, if any, is raised right here.
@@ -412,14 +414,16 @@ def save(
     # of them see the same verdict and none waits at a barrier for nothing.
     phases = Phases() if is_multiprocess() else None
     leader = phases is None or phases.rank == 0
-    jobs = _snapshot(arrays, copy=not blocking, leader=leader)
-    if phases is None:  # with several processes every leaf keeps its own array
-        records, jobs = _pack(records, jobs)
+    with collector_paused():
+        jobs = _snapshot(arrays, copy=not blocking, leader=leader)
+        if phases is None:  # with several processes every leaf keeps its own array
+            records, jobs = _pack(records, jobs)
     manifest = Manifest(tuple(records), metadata)
 
     def run() -> None:
         # Only process 0's manifest is committed: the others hash nothing.
-        digested = _digested(manifest, jobs) if leader else manifest
+        with collector_paused():
+            digested = _digested(manifest, jobs) if leader else manifest
         # The base is opened here, off the caller's thread for a background save, and only
         # by the process that holds whole leaves (and their digests): process 0.
         with plan_reuse(base if leader else None, digested, jobs, location) as reuse:

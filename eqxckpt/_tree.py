@@ -41,9 +41,19 @@ def flatten(tree: Any, empty_in_sequences: bool = False) -> tuple[list[tuple[str
 
 
 def is_prng_key_dtype(dtype: Any) -> bool:
+    if dtype is None:
+        return False
+    try:
+        return _is_key_dtype(dtype)
+    except TypeError:  # unhashable: asked directly
+        return _is_key_dtype.__wrapped__(dtype)
+
+
+@functools.lru_cache(maxsize=256)  # asked per leaf; trees hold a few dtypes
+def _is_key_dtype(dtype: Any) -> bool:
     import jax
 
-    return dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
+    return bool(jax.numpy.issubdtype(dtype, jax.dtypes.prng_key))
 
 
 def is_array_like(x: Any) -> bool:
@@ -150,10 +160,18 @@ def holds_no_data(x: Any) -> bool:
     return cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
 
 
+# Types that are always leaves themselves (never pytree nodes): asked about per leaf of a
+# large tree, they are answered without flattening.
+_LEAF_TYPES = frozenset({np.ndarray, bool, int, float, complex, str})
+
+
 def is_empty_subtree(x: Any) -> bool:
     """None, or a container with no leaves at all (``()``, ``{}``, optax's ``EmptyState()``)."""
+    import jax
     import jax.tree_util as jtu
 
+    if type(x) in _LEAF_TYPES or isinstance(x, jax.Array):
+        return False
     return x is None or (not jtu.all_leaves([x]) and not jtu.tree_leaves(x))
 
 
