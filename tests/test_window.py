@@ -238,3 +238,26 @@ def test_a_coroutine_task_runs_inline_from_an_io_thread():
     results = []
     run_windowed([(1, outer, results.append)], window=1)
     assert results == [[1, 2, 3]]
+
+
+def test_an_interrupt_while_waiting_on_a_task_waits_for_that_task():
+    """Ctrl-C arriving while the caller waits for the oldest task's result (the usual
+    moment: the caller spends its time there) must still leave nothing running when
+    `run_windowed` raises. That task was already taken off the pending queue, so the
+    cleanup that waits for every started task did not wait for it."""
+    import signal
+    import time
+
+    main = threading.main_thread().ident
+    assert threading.get_ident() == main
+    finished = []
+
+    def slow() -> None:
+        time.sleep(0.3)  # the caller is inside future.result() by now
+        signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(1.0)
+        finished.append(True)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_windowed([(1, slow, None)], window=1)
+    assert finished == [True], "run_windowed raised while its task was still running"
