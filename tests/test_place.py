@@ -147,3 +147,26 @@ def test_sharded_blocks_larger_than_the_budget_are_bit_exact(tmp_path, staged_fl
         timeout=300,
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_an_upcast_at_the_default_ratio_of_budget_to_chunk_reads_each_chunk_once(staged, tmp_path, monkeypatch):
+    """The default budget is 4 chunks (256 MiB, 64 MiB chunks); here scaled down (256 KiB,
+    64 KiB). A bfloat16 leaf restored as float32 (mixed-precision master weights) costs 8
+    bytes an element in a band (2 stored, 4 cast, 2 of checks), so a band of half the
+    budget holds 64 of a chunk's 128 rows: bands no longer start on chunk boundaries and
+    every chunk is read twice (int8 to float32: 3 to 4 times), twice the requests and
+    egress on an object store."""
+    from conftest import counting_storage
+
+    from eqxckpt import _chunks
+    from eqxckpt._checkpoint import open_checkpoint
+
+    monkeypatch.setattr(_chunks, "CHUNK_BYTES", 64 << 10)
+    w = values((1024, 256), ml_dtypes.bfloat16)  # 512 KiB: over the budget, 8 chunks of 128 rows
+    eqxckpt.save(tmp_path / "c", {"w": w})
+    storage, reads = counting_storage(tmp_path / "c")
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    like = {"w": jax.ShapeDtypeStruct(w.shape, jnp.float32, sharding=one)}
+    out = eqxckpt.load(open_checkpoint(storage), like, cast=True, host_memory_budget=256 << 10)
+    assert np.array_equal(np.asarray(out["w"]), w.astype(np.float32))
+    assert reads == {f"w/c/{i}/0": 1 for i in range(8)}, reads
