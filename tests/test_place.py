@@ -170,3 +170,19 @@ def test_an_upcast_at_the_default_ratio_of_budget_to_chunk_reads_each_chunk_once
     out = eqxckpt.load(open_checkpoint(storage), like, cast=True, host_memory_budget=256 << 10)
     assert np.array_equal(np.asarray(out["w"]), w.astype(np.float32))
     assert reads == {f"w/c/{i}/0": 1 for i in range(8)}, reads
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+def test_a_target_in_host_memory_is_placed_there(staged, tmp_path, kind):
+    """A target whose sharding names a host memory kind (offloaded optimizer state, say),
+    restored in bands (larger than the budget, and cast): each band is put on the bare
+    device (its default memory), and JAX refuses to assemble buffers of memory kind
+    'device' into the target's sharding; the user is told the leaf is corrupt on disk.
+    Restored whole (no bands) it works. The same for every sharding over several devices."""
+    w = values((64, 8), np.float32)
+    eqxckpt.save(tmp_path / "c", {"w": w})
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    like = {"w": jax.ShapeDtypeStruct(w.shape, jnp.bfloat16, sharding=sharding)}
+    out = eqxckpt.load(tmp_path / "c", like, cast=True, host_memory_budget=64)["w"]
+    assert out.sharding == sharding
+    assert np.array_equal(np.asarray(out).view(np.uint16), w.astype(ml_dtypes.bfloat16).view(np.uint16))
