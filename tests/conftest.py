@@ -380,9 +380,10 @@ class CountingProxy:
     request ``delay`` seconds and records every request (``requests``: method, unquoted
     path and query, Range header), how many are in flight now (``active``) and, per method,
     the most distinct objects that ``counted`` accepts (by that path) with requests in flight
-    at once (``peak_keys``). What TensorStore sends and gets is otherwise the server's own."""
+    at once (``peak_keys``). What TensorStore sends and gets is otherwise the server's own,
+    unless ``alter(method, key, range, status, body)`` returns another (status, body)."""
 
-    def __init__(self, upstream: str, delay: float, counted=lambda key: True):
+    def __init__(self, upstream: str, delay: float, counted=lambda key: True, alter=None):
         import collections
         import http.client
         import http.server
@@ -430,7 +431,10 @@ class CountingProxy:
                             keys[key] -= 1
                             if not keys[key]:
                                 del keys[key]
-                self.send_response(response.status)
+                status, data = response.status, data
+                if alter is not None:  # a fault injected: ``alter(method, key, range, status, body)``
+                    status, data = alter(self.command, key, self.headers.get("Range"), status, data)
+                self.send_response(status)
                 for name, value in response.getheaders():
                     if name.lower() not in hop and name.lower() not in ("date", "server"):
                         self.send_header(name, value)

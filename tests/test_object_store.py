@@ -712,3 +712,37 @@ def test_chunk_requests_are_in_flight_together_and_large_chunks_are_read_in_rang
         assert proxy.active == 0
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("fault", ["short", "long"])
+def test_a_part_of_the_wrong_length_is_not_called_a_file_of_the_wrong_size(s3, monkeypatch, fault):
+    """One ranged part of a chunk comes back 10 bytes short (or long) from a proxy while
+    the object itself is whole. The load is refused, but the message says the chunk file
+    "holds 12004 bytes, not 12004": TensorStore refuses the part quoting the object's
+    total size, which `read_parts` takes for the size of a shorter value. The user is
+    told to restore a checkpoint that is intact."""
+    from conftest import CountingProxy, ObjectStore
+
+    from eqxckpt._storage import _backend
+
+    store = ObjectStore("s3", *s3)
+    monkeypatch.setattr(_backend, "PART_BYTES", 1000)  # 13 parts of a 12004-byte chunk
+    altered = []
+
+    def alter(method, key, byte_range, status, body):
+        if method == "GET" and "/w/c/0" in key and byte_range == "bytes=1000-1999" and not altered:
+            altered.append(key)
+            return status, body[:-10] if fault == "short" else body + bytes(10)
+        return status, body
+
+    proxy = CountingProxy(store.endpoint, delay=0.0, alter=alter)
+    prefix = f"part-length-{fault}/"
+    w = np.arange(3000, dtype=np.float32)
+    try:
+        eqxckpt.save(store.spec(prefix), {"w": w})
+        with pytest.raises(eqxckpt.CorruptCheckpointError, match="Leaf 'w'") as refused:
+            eqxckpt.load({**store.spec(prefix), "endpoint": proxy.endpoint})
+        assert altered and proxy.active == 0
+        assert "holds 12004 bytes, not 12004" not in str(refused.value), str(refused.value)
+    finally:
+        proxy.close()
