@@ -276,15 +276,20 @@ def windowed(tasks: Iterable[Task], window: int) -> Generator[tuple[Callable[[An
     try:
         for nbytes, work, then in tasks:
             while pending and in_flight + nbytes > window:
-                done, future, settle = pending.popleft()
+                # Taken off only once settled: an interrupt while waiting still waits for it below.
+                done, future, settle = pending[0]
+                result = future.result()
+                pending.popleft()
                 in_flight -= done
-                yield settle, future.result()
+                yield settle, result
             pending.append((nbytes, _POOL.submit(work), then))
             in_flight += nbytes
         while pending:
-            done, future, settle = pending.popleft()
+            done, future, settle = pending[0]
+            result = future.result()
+            pending.popleft()
             in_flight -= done
-            yield settle, future.result()
+            yield settle, result
     finally:  # a failure, an interrupt or a consumer that stopped: every started task settles
         while True:
             try:
