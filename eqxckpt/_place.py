@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 # it; ``window``: the bytes of reads it may keep in flight.
 Reader = Callable[[Sequence[tuple[tuple[range, ...], np.ndarray]], int], None]
 
+# A cast converts a band this much of the result at a time (`Placement._slices`).
+CAST_SLICE_BYTES = 16 << 20
 # Treat CPU devices as any other device's: blocks built on the device band by band.
 # Private: what lets tests check the path a GPU takes on a machine without one.
 STAGE_CPU = False
@@ -73,23 +75,23 @@ class Placement:
         self.host = on_host(device for device, _ in self.order)
         # Straight into the result: nothing staged, the reads' window is the caller's.
         self.direct = self.host and dtype == stored
-        # Per element of a band: the stored bytes, and where cast, the result's and the
-        # cast's checks (a few bytes of masks).
-        self._per_element = stored.itemsize + (0 if dtype == stored else dtype.itemsize + 2)
+        # A band holds the stored bytes; a cast converts it a `CAST_SLICE_BYTES` slice at a time.
+        self._per_element = stored.itemsize
         self._budget = budget // 2  # the bands'; the rest, the reads in flight into them
         self.window = max(1, budget - budget // 2)
 
     def _bands(self, budget: int, per_element: int, align: int) -> list[tuple[int, int]]:
-        """Row ranges whose blocks' parts hold at most ``budget`` bytes together (at least
-        one row each), starting at multiples of ``align`` where a band holds that many."""
+        """Row ranges whose blocks' parts hold at most ``budget`` bytes together, in
+        multiples of ``align`` rows (a chunk's: each chunk is read once), at least that many."""
         if not self.shape or 0 in self.shape:
             return [(0, self.shape[0] if self.shape else 1)]
         row_cost = {key: math.prod(b - a for a, b in key[1:]) * per_element for key in self.devices}
         # The most any one row costs: rows where the most blocks overlap.
         per_row = max(sum(c for k, c in row_cost.items() if k[0][0] <= key[0][0] < k[0][1]) for key in self.devices)
         band = max(1, budget // max(1, per_row))
-        if band >= align:
-            band -= band % align
+        # Whole chunks' rows, each chunk then read once: a band of one chunk's rows at the
+        # least, which the host may hold beside the budget (one chunk).
+        band = max(align, band - band % align)
         total = self.shape[0]
         return [(start, min(total, start + band)) for start in range(0, total, band)]
 
@@ -115,7 +117,7 @@ class Placement:
             for block in blocks.values():
                 convert(block)  # checks only: the dtypes are the same
             # Aligned: a CPU device keeps the buffer (replicas share it).
-            arrays = [jax.device_put(blocks[key], device) for device, key in self.order]
+            arrays = [self._kept(jax.device_put(blocks[key], device), device) for device, key in self.order]
             return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
         sinks = {key: _Block(_extent(key), self.dtype, devices, self.host) for key, devices in self.devices.items()}
         for start, stop in self._bands(self._budget, self._per_element, max(1, rows)):
@@ -130,10 +132,30 @@ class Placement:
                 pieces.append((key, lo - (key[0][0] if key else 0), box, out))
             read([(box, out) for _, _, box, out in pieces], self.window)
             for key, at, _, out in pieces:
-                sinks[key].put(at, convert(out))
+                for first, part in self._slices(out):
+                    sinks[key].put(at + first, convert(part))
             del pieces  # the band's host memory goes before the next is read
-        arrays = [sinks[key].array(device) for device, key in self.order]
+        arrays = [self._kept(sinks[key].array(device), device) for device, key in self.order]
         return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+
+    def _slices(self, out: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """``out`` (a band of a block) as ``(first row, rows)`` slices to convert one at a
+        time: a cast holds one slice's result (and checks) beside the band, not the band's."""
+        if self.dtype == self.stored or out.ndim == 0 or not out.size:
+            return [(0, out)]
+        row = max(1, out[0].size * (self.dtype.itemsize + 2))
+        rows = max(1, CAST_SLICE_BYTES // row)
+        return [(first, out[first : first + rows]) for first in range(0, len(out), rows)]
+
+    def _kept(self, array: "jax.Array", device: Any) -> "jax.Array":
+        """``array`` in the memory the target's sharding names (a host memory kind, for
+        offloaded state), where bands were built in the device's own."""
+        import jax
+
+        kind = self.sharding.memory_kind
+        if kind is None or array.sharding.memory_kind == kind:
+            return array
+        return jax.device_put(array, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
 
 
 def _extent(key: tuple) -> tuple[int, ...]:

@@ -75,7 +75,7 @@ def test_a_cast_is_done_band_by_band(staged):
     out = placement.run(convert, reader(data)[0], window=1 << 20, rows=4)
     assert out.dtype == jnp.bfloat16
     assert np.array_equal(np.asarray(out).view(np.uint16), data.astype(ml_dtypes.bfloat16).view(np.uint16))
-    assert bands == [4] * 12 + [2]  # bands of whole chunks' rows (4), within the budget
+    assert bands == [8] * 6 + [2]  # bands of whole chunks' rows (4): 8 rows of 24 stored bytes, half the budget
 
 
 @pytest.mark.parametrize("cast", [None, "bfloat16", "int16"])

@@ -29,7 +29,7 @@ from .._manifest import Manifest
 from .._paths import GROUP_METADATA, group_file, group_locations, validate_path
 from .._tensorstore import reason, shared_context
 from .._window import blocking, done
-from ._kvstore import PART_BYTES, SizeError, read_parts
+from ._kvstore import PART_BYTES, PartError, SizeError, read_parts
 from ._pins import Pin
 
 # Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.
@@ -294,6 +294,10 @@ class KvChunkFiles(ChunkFiles):
         except SizeError as e:
             held = f"more than {wanted}" if e.size is None else str(e.size)
             raise ChunkFileError(f"chunk file {key} holds {held} bytes, not {wanted}") from None
+        except PartError as e:
+            raise ChunkFileError(
+                f"chunk file {key} holds {wanted} bytes as it should, but {e}: read it again"
+            ) from None
         if any(result.state != "value" for result in results):
             raise ChunkFileError(f"chunk file {key} is missing")
         if len({result.stamp.generation for result in results}) > 1:

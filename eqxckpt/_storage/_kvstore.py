@@ -23,6 +23,10 @@ class SizeError(Exception):
         self.size = size
 
 
+class PartError(Exception):
+    """A value of the size asked for, of which a ranged read came back of another length."""
+
+
 # The size a store reports when it refuses a byte range past a value's end ("... total
 # size N" from S3 and Cloud Storage, "... of size N" from the memory store). A range
 # refused without one (S3's and Cloud Storage's 416) starts past the end of an empty value.
@@ -87,6 +91,10 @@ def read_parts(store: ts.KvStore, key: str, size: int, part_bytes: int) -> ts.Fu
                     match = _REFUSED_SIZE.search(str(e))
                     if match is None and read is not reads[0]:
                         continue  # a range past the end of a shorter value: the first says its size
+                    if match is not None and int(match[1]) == size:
+                        # The value is the size asked for, but a range of it came back
+                        # another length: the store (or something between) answered wrongly.
+                        raise PartError(f"a ranged read of {key} returned another length than asked for") from None
                     raise SizeError(int(match[1]) if match else 0) from None
             if len(results) < len(reads):  # refused ranges past the end, and none said the size
                 raise SizeError(_shorter(reads))
