@@ -1,8 +1,8 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Each creates
 # .venv and installs what it needs first. Measured on a 2-core machine from a fresh
 # clone, packages from a local mirror (/usr/bin/time, du -sh .venv): make demo's install
-# took 26-37 s (two runs) for 713 MB, then its run 40 s; make test took 12 min 06 s in
-# all, 10 min 22 s of it the suite (29 minutes once, loaded), in a 2.8 GB venv.
+# took 26-37 s (two runs) for 713 MB, then its run 40 s; make test took 28 min 51 s in
+# all, 24 min 51 s of it the suite of 1021 tests (idle), in a 2.8 GB venv.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
