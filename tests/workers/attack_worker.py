@@ -345,17 +345,9 @@ SCENARIOS = {f.__name__: f for f in [one_failed_read_then_fallback, matrix, batc
 
 def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
     jax.config.update("jax_num_cpu_devices", DEVICES)
-    from distributed_worker import _pin_gloo_to_loopback
+    from distributed_worker import join
 
-    _pin_gloo_to_loopback()
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        coordinator_bind_address=f"127.0.0.1:{port}",
-        num_processes=processes,
-        process_id=process_id,
-        initialization_timeout=60,
-        heartbeat_timeout_seconds=10,
-    )
+    join(port, processes, process_id)
     start = time.monotonic()
     SCENARIOS[scenario](directory)
     result(process=process_id, done=round(time.monotonic() - start, 1))

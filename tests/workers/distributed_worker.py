@@ -204,17 +204,22 @@ def _pin_gloo_to_loopback() -> None:
     _jax.make_gloo_tcp_collectives = lambda distributed_client, **_: make(distributed_client, hostname="127.0.0.1")
 
 
-def main(scenario: str, port: int, num_processes: int, process_id: int, directory: str) -> None:
-    jax.config.update("jax_num_cpu_devices", DEVICES_PER_PROCESS)
+def join(port: int, processes: int, process_id: int) -> None:
+    """Join the job's coordination service on 127.0.0.1 (gloo pinned to loopback too)."""
     _pin_gloo_to_loopback()
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
         coordinator_bind_address=f"127.0.0.1:{port}",
-        num_processes=num_processes,
+        num_processes=processes,
         process_id=process_id,
         initialization_timeout=60,
         heartbeat_timeout_seconds=10,
     )
+
+
+def main(scenario: str, port: int, num_processes: int, process_id: int, directory: str) -> None:
+    jax.config.update("jax_num_cpu_devices", DEVICES_PER_PROCESS)
+    join(port, num_processes, process_id)
     import eqxckpt
 
     devices = np.array(jax.devices())
