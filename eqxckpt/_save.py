@@ -136,10 +136,16 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
         batches[-1].append((record, data))
         size += data.nbytes
     digests: dict[str, str] = {}
+    failures: list[tuple[str, Exception]] = []
 
     def hash_batches(share: list[list[tuple[StoredLeaf, np.ndarray]]]) -> None:
         for batch in share:
-            digests.update((r.path, digest(r.digest_fields(), data)) for r, data in batch)
+            for record, data in batch:
+                try:
+                    digests[record.path] = digest(record.digest_fields(), data)
+                except Exception as e:  # raised below, naming the leaf, whichever thread hashed it
+                    failures.append((record.path, e))
+                    return
 
     # Plain threads, not an executor: a background save may run while the interpreter
     # exits, when executors take no new work.
@@ -150,6 +156,9 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
     hash_batches(batches[0::workers])
     for thread in threads:
         thread.join()
+    if failures:
+        path, e = failures[0]
+        raise CheckpointWriteError(f"Hashing leaf {path!r} failed: {e!r}. {NOTHING_COMMITTED}") from e
     if len(digests) != len(whole):
         raise CheckpointWriteError(f"Hashing the leaves failed (see above). {NOTHING_COMMITTED}")
     records = [
@@ -157,6 +166,39 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
         for r in manifest.leaves
     ]
     return dataclasses.replace(manifest, leaves=tuple(records))
+
+
+class _Hashing:
+    """`_digested` on a thread of its own, started now: a save without a base needs the
+    digests only to commit, so they are computed while the chunks are written (hashing
+    and writing each leave the GIL free for most of their time)."""
+
+    def __init__(self, manifest: Manifest, leaves: list[_WriteJob]):
+        self._result: Manifest | None = None
+        self._error: BaseException | None = None
+
+        def hash_all() -> None:
+            try:
+                with collector_paused():
+                    self._result = _digested(manifest, leaves)
+            except BaseException as e:  # raised where the save waits for it
+                self._error = e
+
+        # A plain thread, as in `_digested`.
+        self._thread = threading.Thread(target=hash_all, name="eqxckpt-hashing")
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait until hashing has finished, whatever its outcome."""
+        self._thread.join()
+
+    def result(self) -> Manifest:
+        """The manifest with its digests, once hashed; raises what hashing raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
 
 
 def _write(target: Storage, leaves: list[_WriteJob], *, metadata: bool, chunks: bool) -> None:
@@ -214,6 +256,8 @@ class SaveInProgress:
       the jobs written.
     - `overwrite`: whether a checkpoint there is replaced.
     - `phases`: the phases of a multi-process save; None with one process.
+    - `hashing`: where the digests are still being computed (`manifest` then has none):
+      waited for before the commit.
 
     ```python
     SaveInProgress(location, manifest, reuse, overwrite=False, phases=None).run()
@@ -221,10 +265,17 @@ class SaveInProgress:
     """
 
     def __init__(
-        self, location: Storage, manifest: Manifest, reuse: Reuse[_WriteJob], overwrite: bool, phases: Phases | None
+        self,
+        location: Storage,
+        manifest: Manifest,
+        reuse: Reuse[_WriteJob],
+        overwrite: bool,
+        phases: Phases | None,
+        hashing: _Hashing | None = None,
     ):
         self.location = location
         self.manifest = manifest
+        self.hashing = hashing
         self.reuse = reuse
         self.overwrite = overwrite
         self.phases = phases
@@ -294,6 +345,8 @@ class SaveInProgress:
         ```
         """
         if self.leader and self.staging is not None:
+            if self.hashing is not None:
+                self.manifest = self.hashing.result()
             jobs = [*self.writing, *(job for job, _ in self.reuse.linked)]
             self.staging.commit(self.manifest, expected_files([(job.record, job.layout) for job in jobs]))
 
@@ -327,6 +380,8 @@ class SaveInProgress:
                 raise CheckpointWriteError(f"Saving to {self.location} failed: {why}. {nothing_committed(why)}") from e
             raise
         finally:
+            if self.hashing is not None:  # never left reading the leaves after the save
+                self.hashing.join()
             if self.staging is not None:
                 self.staging.release()
 
@@ -421,15 +476,20 @@ def save(
     manifest = Manifest(tuple(records), metadata)
 
     def run() -> None:
-        # Only process 0's manifest is committed: the others hash nothing.
-        with collector_paused():
-            digested = _digested(manifest, jobs) if leader else manifest
+        # Only process 0's manifest is committed: the others hash nothing. Which leaves a
+        # base holds is known by their digests; without one, they are hashed while written.
+        hashing = None
+        if leader and base is not None:
+            with collector_paused():
+                digested = _digested(manifest, jobs)
+        else:
+            digested, hashing = manifest, _Hashing(manifest, jobs) if leader else None
         # The base is opened here, off the caller's thread for a background save, and only
         # by the process that holds whole leaves (and their digests): process 0.
         with plan_reuse(base if leader else None, digested, jobs, location) as reuse:
             pieces = [piece for job in reuse.written for piece in job.pieces]
             with reporting(f"saving {key}", sum(p.nbytes for p in pieces), sum(p.leaves for p in pieces), progress):
-                SaveInProgress(location, digested, reuse, overwrite, phases).run()
+                SaveInProgress(location, digested, reuse, overwrite, phases, hashing).run()
 
     if blocking:
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -214,6 +214,37 @@ def test_failed_save_leaves_previous_intact(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("count", [3, PACK_MIN_LEAVES + 5])  # own arrays, and packed leaves
+def test_a_failure_while_hashing_during_the_writes_commits_nothing(tmp_path, monkeypatch, blocking, count):
+    """Without a base the digests are computed while the chunks are written: a failure
+    there must still abort the save before its commit, and keep what was there."""
+    import eqxckpt._save as save_module
+
+    old = {f"x{i}": np.full(4, i, np.float32) for i in range(count)}
+    eqxckpt.save(tmp_path / "c", old)
+    real = save_module.digest
+    hashed = []
+
+    def failing(fields, data):
+        hashed.append(1)
+        if len(hashed) == count - 1:
+            raise MemoryError("out of memory while hashing")
+        return real(fields, data)
+
+    monkeypatch.setattr(save_module, "digest", failing)
+    new = {f"x{i}": np.full(4, -i, np.float32) for i in range(count)}
+    with pytest.raises(eqxckpt.CheckpointWriteError, match="Hashing leaf 'x.*out of memory"):
+        eqxckpt.save(tmp_path / "c", new, overwrite=True, blocking=blocking).wait()
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert_trees_equal(eqxckpt.load(tmp_path / "c"), old)
+    assert eqxckpt.verify(tmp_path / "c").ok
+    monkeypatch.setattr(save_module, "digest", real)
+    eqxckpt.save(tmp_path / "c", new, overwrite=True).wait()  # and the next save commits
+    assert_trees_equal(eqxckpt.load(tmp_path / "c"), new)
+    assert eqxckpt.verify(tmp_path / "c").ok
+
+
 def test_all_writes_are_issued_before_any_is_awaited(tmp_path, monkeypatch):
     """Writes run concurrently: as many leaves' chunks as there are I/O threads are being
     written at once (each write waits until all are in flight; written one at a time, the

@@ -38,7 +38,7 @@ from ._backend import (
     corrupt,
     entry_order,
 )
-from ._fs import exchange, fsync_path, hidden_sibling, link_or_copy, read_capped, sync_filesystem
+from ._fs import exchange, fsync_path, hidden_sibling, link_or_copy, read_capped, start_writeback, sync_filesystem
 from ._locks import DirLock, create_staging, delete_local, join_staging, remove_abandoned, remove_tree
 from ._pins import LocalPin
 
@@ -398,6 +398,7 @@ class LocalChunkFiles(ChunkFiles):
             buffers = [piece.data.cast("B") for piece in pieces]
             while buffers:
                 buffers = _past(buffers, os.writev(fd, buffers))
+            start_writeback(fd)
         finally:
             os.close(fd)
 
