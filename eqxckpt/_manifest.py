@@ -5,6 +5,7 @@ use: types, paths (never outside the checkpoint), dtypes, shapes and sizes.
 """
 
 import dataclasses
+import functools
 import json
 import re
 import time
@@ -128,11 +129,31 @@ def check_checksum(raw: bytes, doc: dict[str, Any], where: str) -> None:
 # --- parsing --------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _plain_segment(kind: str, key: str | int) -> str | None:
+    """The path segment of the key entry ``[kind, key]`` (``key`` exactly a str or an int),
+    or None if it is not a valid entry: the entries of a manifest repeat (every leaf of a
+    layer names the layer), so each is checked once."""
+    if kind in ("seq", "index"):
+        ok = type(key) is int and key >= 0
+    else:
+        ok = kind in KEY_KINDS and (type(key) is str or kind == "dict")
+    return record_segment((kind, key)) if ok else None
+
+
 def _keys(value: Any, path: str) -> tuple[KeyRecord, ...]:
     if not isinstance(value, list) or len(value) != len(path.split("/")) or not value:
         raise ManifestError(f"Leaf {path!r}: 'keys' must list one [kind, key] per path segment.")
     keys = []
+    segments = []
     for entry in value:
+        # Exact types only: a cache lookup would take True for 1 and 1.0 for 1.
+        if type(entry) is list and len(entry) == 2 and type(entry[0]) is str and type(entry[1]) in (str, int):
+            segment = _plain_segment(entry[0], entry[1])
+            if segment is not None:
+                keys.append((entry[0], entry[1]))
+                segments.append(segment)
+                continue
         ok = isinstance(entry, list) and len(entry) in (2, 3) and entry[0] in KEY_KINDS
         if ok and entry[0] in ("seq", "index"):
             ok = isinstance(entry[1], int) and not isinstance(entry[1], bool) and entry[1] >= 0
@@ -143,7 +164,8 @@ def _keys(value: Any, path: str) -> tuple[KeyRecord, ...]:
         if not ok or (len(entry) == 3 and entry[2] != "repr"):
             raise ManifestError(f"Leaf {path!r}: key entry {entry!r} is not [kind, key] with kind in {KEY_KINDS}.")
         keys.append(tuple(entry))
-    if "/".join(map(record_segment, keys)) != path:
+        segments.append(record_segment(entry))
+    if "/".join(segments) != path:
         raise ManifestError(f"Leaf {path!r}: its keys {value!r} do not spell its path.")
     return tuple(keys)
 

@@ -274,3 +274,18 @@ def test_a_manifest_written_before_checksums_still_loads():
     renamed = Manifest((), {}).to_bytes().replace(b'"crc32c"', b'"crc32b"')  # one bit
     with pytest.raises(ManifestError, match="it begins with 'crc32b'"):
         parse_manifest(renamed)
+
+
+def test_key_entries_checked_once_are_never_confused_with_equal_values_of_other_types():
+    """Valid key entries are remembered (`_plain_segment`); True == 1 and 1.0 == 1 in Python,
+    so a remembered ["seq", 1] must not pass ["seq", true] or ["seq", 1.0]."""
+    from eqxckpt._manifest import _keys
+
+    assert _keys([["seq", 1]], "1") == (("seq", 1),)
+    assert _keys([["dict", 1]], "1") == (("dict", 1),)
+    assert _keys([["dict", "a"], ["attr", "b"]], "a/b") == (("dict", "a"), ("attr", "b"))
+    for entry in (["seq", True], ["seq", 1.0], ["dict", True], ["attr", 1], ["seq", -1], ["seq", "1"], ["nope", "a"]):
+        with pytest.raises(eqxckpt.ManifestError, match="key entry"):
+            _keys([entry], "1" if entry[0] != "nope" else "a")
+    with pytest.raises(eqxckpt.ManifestError, match="do not spell its path"):
+        _keys([["dict", "a"]], "b")
