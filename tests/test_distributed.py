@@ -264,3 +264,21 @@ def test_a_checkpoint_replaced_during_a_load_is_never_returned_mixed(tmp_path):
     logs = launch("replaced_during_load", 2, tmp_path, timeout=100, worker=ATTACKER)
     returned = [r["returned"] for rs in _results(logs) for r in rs if "returned" in r]
     assert all(min(r.values()) == 0 for r in returned), returned
+
+
+def test_processes_that_disagree_on_a_load_raise_rather_than_mix(tmp_path):
+    """Processes loading together with different dtypes or meshes for a leaf replicated
+    across them (which one jitted identity moves between them), or from two checkpoints
+    into a leaf sharded across them (one global array of both): every process raises a
+    CheckpointError naming the leaf or the checkpoints, none returns another's values."""
+    logs = launch("disagree", 2, tmp_path, timeout=60, worker=ATTACKER)
+    found = {(r["case"], r["process"]): r for rs in _results(logs) for r in rs if "case" in r}
+    for case, raised, named in [
+        ("dtype", "ArgumentError", "Leaf 'r': process 0 expects float32[512,256]"),
+        ("mesh", "ArgumentError", "process 1 gave 'r' as float32[512,256]"),
+        ("steps", "CheckpointChangedError", f"process 0: {tmp_path}/a; process 1: {tmp_path}/b"),
+    ]:
+        for process in (0, 1):
+            assert found[case, process].get("raised") == raised, found[case, process]
+            assert named in found[case, process]["message"], found[case, process]
+    assert found["same", 0]["mismatched"] == found["same", 1]["mismatched"] == 0, found

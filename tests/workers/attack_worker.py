@@ -340,7 +340,43 @@ def replaced_during_load(directory: str) -> None:
     result(process=me, returned=bad)
 
 
-SCENARIOS = {f.__name__: f for f in [one_failed_read_then_fallback, matrix, batches, replaced_during_load]}
+def disagree(directory: str) -> None:
+    """Processes that call `load` together but disagree, one case after another: ``dtype``,
+    process 1 asks a replicated leaf as bfloat16 (``cast=True``), process 0 as float32;
+    ``mesh``, process 1's mesh lists the devices in another order; ``steps``, each process
+    loads another of two checkpoints of the same tree into a leaf sharded across them;
+    ``same``, they agree. Each process must raise a CheckpointError, or return its ask
+    bit-exact."""
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    import eqxckpt
+
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    shape = (512, 256)
+    for tag in ("a", "b"):
+        eqxckpt.save(f"{directory}/{tag}", {"r": global_array(f"{tag}/r", shape, np.float32, NamedSharding(mesh, P()))})
+    multihost_utils.sync_global_devices("saved")
+    for case in ("dtype", "mesh", "steps", "same"):
+        tag, dtype, load_mesh, spec = "a", np.float32, mesh, P()
+        if case == "dtype" and me == 1:
+            dtype = jnp.bfloat16
+        if case == "mesh" and me == 1:
+            load_mesh = Mesh(np.array(jax.devices()[::-1]), ("p",))
+        if case == "steps":
+            tag, spec = "ab"[me % 2], P("p")
+        like = {"r": jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(load_mesh, spec))}
+        try:
+            restored = jax.block_until_ready(eqxckpt.load(f"{directory}/{tag}", like, cast=True))
+        except eqxckpt.CheckpointError as e:
+            result(case=case, process=me, raised=type(e).__name__, message=str(e)[:400])
+            continue
+        want = values(f"{tag}/r", shape, np.float32).astype(dtype)
+        result(case=case, process=me, mismatched=mismatches("r", restored["r"], want))
+
+
+SCENARIOS = {f.__name__: f for f in [one_failed_read_then_fallback, matrix, batches, replaced_during_load, disagree]}
 
 
 def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
