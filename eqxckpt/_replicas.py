@@ -9,11 +9,12 @@ batch of leaves, through the devices' collectives (gloo on CPU, NCCL on GPU)
 (`read_once`). The format is unchanged: chunk shapes are free in it.
 """
 
+import contextlib
 import hashlib
 import itertools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -228,7 +229,36 @@ def _held(sharding: "jax.sharding.Sharding", shape: tuple[int, ...], nbytes: int
     return most * nbytes // max(1, math.prod(shape))
 
 
-def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+def spans_processes(like: Any) -> bool:
+    """Whether ``like`` (a `load`'s) has a leaf placed across several JAX processes: then
+    every process restores it together (`read_once`, `failing_together`)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return False
+    return any(not _addressable(leaf) for leaf in jax.tree_util.tree_leaves(like))
+
+
+@contextlib.contextmanager
+def failing_together(together: bool) -> Iterator[None]:
+    """Where ``together``, an exception in the block, raised in this process alone before
+    `read_once` (opening the checkpoint, planning), is raised in every other process too,
+    at `read_once`'s first phase: they wait for none that will not come, and the next
+    restore's phases are the same in every process."""
+    try:
+        yield
+    except Exception as e:
+        if together:
+            from ._distributed import Phases
+
+            def fail(error: Exception = e) -> str:
+                raise error
+
+            Phases("restore").run("plan", fail)  # raises ``e`` here, once the others have it
+        raise
+
+
+def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]], together: bool = False) -> list[Any]:
     """``source.read(wanted)``, reading each byte of data replicated across processes once
     in all: such a leaf is read into its `spread` sharding, each process its own blocks,
     then moved onto its target with the other leaves of its batch by one jitted identity
@@ -246,6 +276,8 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> lis
 
     - `source`: what is read (`Source.reads_apart` says which leaves it reads apart).
     - `wanted`: as for `Source.read`.
+    - `together`: every process restores this (`spans_processes` of `load`'s ``like``):
+      they agree on the checkpoint even where no target here spans processes.
 
     **Returns:** the values, in the order of ``wanted``.
     """
@@ -257,7 +289,7 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> lis
     # Targets spanning processes make one global array of every process's reads: those
     # processes must agree on the checkpoint and the targets, spread or not.
     shared = [i for i, (_, target) in enumerate(wanted) if not _addressable(target)]
-    if not shared:
+    if not shared and not together:
         return source.read(wanted)
     candidates: dict[int, Any] = {}
     for i in shared:

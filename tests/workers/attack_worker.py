@@ -376,7 +376,50 @@ def disagree(directory: str) -> None:
         result(case=case, process=me, mismatched=mismatches("r", restored["r"], want))
 
 
-SCENARIOS = {f.__name__: f for f in [one_failed_read_then_fallback, matrix, batches, replaced_during_load, disagree]}
+def one_sided_failure(directory: str) -> None:
+    """Process 1's own copy of the checkpoint (each process loads its host's copy, as on
+    local disks) has a damaged manifest: its load fails as it opens it, before any phase,
+    while process 0 waits for it. Then both load a good checkpoint together."""
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    import eqxckpt
+
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    shape = (512, 256)
+    sharding = NamedSharding(mesh, P())
+    eqxckpt.save(f"{directory}/good", {"r": global_array("good/r", shape, np.float32, sharding)})
+    multihost_utils.sync_global_devices("saved")
+    if me == 0:
+        for p in range(2):
+            shutil.copytree(f"{directory}/good", f"{directory}/host{p}")
+        with open(f"{directory}/host1/eqxckpt.json", "w") as f:
+            f.write("{")
+    multihost_utils.sync_global_devices("copied")
+    like = {"r": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
+    for attempt, where in enumerate([f"{directory}/host{me}", f"{directory}/good"]):
+        start = time.monotonic()
+        try:
+            restored = jax.block_until_ready(eqxckpt.load(where, like))
+        except eqxckpt.CheckpointError as e:
+            after = round(time.monotonic() - start, 1)
+            result(attempt=attempt, process=me, raised=type(e).__name__, after=after, message=str(e)[:300])
+            continue
+        after = round(time.monotonic() - start, 1)
+        result(
+            attempt=attempt,
+            process=me,
+            mismatched=mismatches("r", restored["r"], values("good/r", shape, np.float32)),
+            after=after,
+        )
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in [one_failed_read_then_fallback, matrix, batches, replaced_during_load, disagree, one_sided_failure]
+}
 
 
 def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
