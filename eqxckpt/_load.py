@@ -24,7 +24,7 @@ from ._layout import Layout, Row, plan_stack, plan_unstack, read_layouts, unrest
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
-from ._replicas import read_once
+from ._replicas import failing_together, read_once, spans_processes
 from ._source import LazyArray, Source, nothing_under
 from ._storage import CheckpointPath
 from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path
@@ -153,11 +153,12 @@ class Plan:
         computed = [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
         return [leaf for _, leaf, _ in self.reads] + computed + [layout.leaf for _, layout, _ in self.layouts]
 
-    def run(self) -> Any:
-        """Read what the plan needs (value_fn inputs in the same batch) and build the result."""
+    def run(self, together: bool = False) -> Any:
+        """Read what the plan needs (value_fn inputs in the same batch) and build the result;
+        ``together``: every process of the job restores with this plan (`read_once`)."""
         inputs = [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
         wanted = [(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs]
-        values = read_once(self.source, wanted)  # replicated across processes: read once in all
+        values = read_once(self.source, wanted, together)  # replicated across processes: read once in all
         for (slot, _, _), value in zip(self.reads, values):
             self.values[slot] = value
         layouts = read_layouts(self.source, [(layout, target) for _, layout, target in self.layouts])
@@ -510,25 +511,30 @@ def load(
     ```
     """
 
+    # A `like` placed across processes: every process restores together, in step (`read_once`).
+    together = spans_processes(like)
+
     def attempt() -> Any:
         with collector_paused():  # records, plans and arrays per leaf, no cycles among them
-            source = path if isinstance(path, Source) else open_source(path, format=format)
+            with failing_together(together):  # one process's failure here, every process's
+                source = path if isinstance(path, Source) else open_source(path, format=format)
             with source.consistent():
-                planned = plan(
-                    source,
-                    like,
-                    at=at,
-                    strict=strict,
-                    cast=cast,
-                    transforms=transforms,
-                    default_to_original=default_to_original,
-                )
+                with failing_together(together):
+                    planned = plan(
+                        source,
+                        like,
+                        at=at,
+                        strict=strict,
+                        cast=cast,
+                        transforms=transforms,
+                        default_to_original=default_to_original,
+                    )
                 stored = planned.stored()
                 with (
                     reporting(f"loading {source.location}", sum(leaf.nbytes for leaf in stored), len(stored), progress),
                     limited_host_memory(host_memory_budget),
                 ):
-                    return planned.run()
+                    return planned.run(together)
 
     # A checkpoint replaced while it is read is read again (a few times); in a
     # multi-process load the processes would have to agree on a retry, so there

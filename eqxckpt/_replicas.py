@@ -9,16 +9,18 @@ batch of leaves, through the devices' collectives (gloo on CPU, NCCL on GPU)
 (`read_once`). The format is unchanged: chunk shapes are free in it.
 """
 
+import contextlib
+import hashlib
 import itertools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._chunks import ChunkLayout, Region, chunk_budget, chunk_shape
-from ._errors import CheckpointChangedError
+from ._errors import ArgumentError, CheckpointChangedError
 from ._leaf import StoredLeaf
 from ._window import host_memory_budget
 
@@ -227,7 +229,36 @@ def _held(sharding: "jax.sharding.Sharding", shape: tuple[int, ...], nbytes: int
     return most * nbytes // max(1, math.prod(shape))
 
 
-def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+def spans_processes(like: Any) -> bool:
+    """Whether ``like`` (a `load`'s) has a leaf placed across several JAX processes: then
+    every process restores it together (`read_once`, `failing_together`)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return False
+    return any(not _addressable(leaf) for leaf in jax.tree_util.tree_leaves(like))
+
+
+@contextlib.contextmanager
+def failing_together(together: bool) -> Iterator[None]:
+    """Where ``together``, an exception in the block, raised in this process alone before
+    `read_once` (opening the checkpoint, planning), is raised in every other process too,
+    at `read_once`'s first phase: they wait for none that will not come, and the next
+    restore's phases are the same in every process."""
+    try:
+        yield
+    except Exception as e:
+        if together:
+            from ._distributed import Phases
+
+            def fail(error: Exception = e) -> str:
+                raise error
+
+            Phases("restore").run("plan", fail)  # raises ``e`` here, once the others have it
+        raise
+
+
+def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]], together: bool = False) -> list[Any]:
     """``source.read(wanted)``, reading each byte of data replicated across processes once
     in all: such a leaf is read into its `spread` sharding, each process its own blocks,
     then moved onto its target with the other leaves of its batch by one jitted identity
@@ -245,6 +276,8 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> lis
 
     - `source`: what is read (`Source.reads_apart` says which leaves it reads apart).
     - `wanted`: as for `Source.read`.
+    - `together`: every process restores this (`spans_processes` of `load`'s ``like``):
+      they agree on the checkpoint even where no target here spans processes.
 
     **Returns:** the values, in the order of ``wanted``.
     """
@@ -253,14 +286,15 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> lis
     if jax.process_count() == 1:
         return source.read(wanted)
     # From `like` alone: the same in every process, so every process takes the same phases.
-    candidates: dict[int, Any] = {}
-    for i, (leaf, target) in enumerate(wanted):
-        sharding = getattr(target, "sharding", None)
-        if sharding is not None and not sharding.is_fully_addressable:
-            if (middle := spread(sharding, leaf.shape)) is not None:
-                candidates[i] = middle
-    if not candidates:
+    # Targets spanning processes make one global array of every process's reads: those
+    # processes must agree on the checkpoint and the targets, spread or not.
+    shared = [i for i, (_, target) in enumerate(wanted) if not _addressable(target)]
+    if not shared and not together:
         return source.read(wanted)
+    candidates: dict[int, Any] = {}
+    for i in shared:
+        if (middle := spread(wanted[i][1].sharding, wanted[i][0].shape)) is not None:
+            candidates[i] = middle
     from ._distributed import Phases
 
     phases = Phases("restore")
@@ -268,14 +302,19 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> lis
     def plan() -> str:
         source.prepare_reads([wanted[i][0] for i in candidates])  # `reads_apart` asks for their layouts
         apart = [i for i, middle in candidates.items() if source.reads_apart(wanted[i][0], middle)]
-        return json.dumps({"source": source.identity(), "apart": apart, "budget": host_memory_budget()})
+        targets = [[wanted[i][0].path, describe_target(wanted[i][1])] for i in shared]
+        plan = {"source": source.identity(), "apart": apart, "budget": host_memory_budget(), "targets": targets}
+        return json.dumps({**plan, "location": str(source.location)})
 
     plans = [json.loads(found) for found in phases.run("plan", plan)]
     if len({found["source"] for found in plans}) > 1:
+        where = "; ".join(f"process {rank}: {found['location']}" for rank, found in enumerate(plans))
         raise CheckpointChangedError(
-            f"Restoring from {source.location} in {len(plans)} processes: they opened different checkpoints there "
-            "(it was replaced while they opened it). Nothing was restored; load again."
+            f"Restoring into {len(plans)} processes: they opened different checkpoints ({where}): it was "
+            "replaced while they opened it, or they were given different paths. Nothing was restored; load "
+            "again, the same checkpoint in every process."
         )
+    _check_same_targets([found["targets"] for found in plans])
     # A leaf whose stored chunks straddle the spread blocks would be read in part by several processes.
     apart = set.intersection(*(set(found["apart"]) for found in plans))
     spreads = {i: middle for i, middle in candidates.items() if i in apart}
@@ -315,6 +354,56 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> lis
         for i, value in zip(batch, moved):
             values[i] = value
     return values
+
+
+def _addressable(target: Any) -> bool:
+    sharding = getattr(target, "sharding", None)
+    return sharding is None or sharding.is_fully_addressable
+
+
+def describe_target(target: Any) -> str:
+    """A leaf of `like` placed across processes, as the processes restoring it together
+    must all give it: its dtype, shape and sharding (the spec normalised, so that equal
+    placements read the same; the order of the mesh's devices as a digest).
+
+    ```python
+    describe_target(jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P())))
+    # 'float32[8,4] NamedSharding(P(), mesh a=2 b=2, devices #5d1e...)'
+    ```
+    """
+    import jax
+
+    sharding, shape = target.sharding, tuple(target.shape)
+    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
+        mesh = sharding.mesh
+        sizes = dict(mesh.shape)
+        spec = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in sharding.spec]
+        spec = [tuple(a for a in entry if sizes.get(a, 2) > 1) for entry in spec]  # size-1 axes split nothing
+        while spec and not spec[-1]:
+            spec.pop()
+        axes = " ".join(f"{name}={size}" for name, size in sizes.items())
+        order = hashlib.blake2b(np.asarray(mesh.device_ids, np.int64).tobytes(), digest_size=6).hexdigest()
+        where = f"NamedSharding(P{tuple(entry or None for entry in spec)}, mesh {axes}, devices #{order}"
+    else:
+        blocks = sorted((d.id, _key(index, shape)) for d, index in sharding.devices_indices_map(shape).items())
+        where = f"{type(sharding).__name__}(blocks #{hashlib.blake2b(repr(blocks).encode(), digest_size=6).hexdigest()}"
+    kind = "" if sharding.memory_kind in (None, "device") else f", memory {sharding.memory_kind}"
+    return f"{target.dtype}[{','.join(map(str, shape))}] {where}{kind})"
+
+
+def _check_same_targets(asked: list[list[list[str]]]) -> None:
+    """Raise `ArgumentError` where the processes restoring together gave different targets."""
+    first = asked[0]
+    for rank, other in enumerate(asked[1:], 1):
+        if other == first:
+            continue
+        for (path, mine), (theirs, found) in itertools.zip_longest(first, other, fillvalue=("(none)", "(none)")):
+            if (path, mine) != (theirs, found):
+                raise ArgumentError(
+                    f"Restoring into {len(asked)} processes: they passed different `like` trees. Leaf {path!r}: "
+                    f"process 0 expects {mine}, process {rank} gave {theirs!r} as {found}. Nothing was "
+                    "restored; call load in every process with the same `like` (shapes, dtypes, shardings)."
+                )
 
 
 def _identity(*values: Any) -> tuple[Any, ...]:

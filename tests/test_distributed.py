@@ -264,3 +264,34 @@ def test_a_checkpoint_replaced_during_a_load_is_never_returned_mixed(tmp_path):
     logs = launch("replaced_during_load", 2, tmp_path, timeout=100, worker=ATTACKER)
     returned = [r["returned"] for rs in _results(logs) for r in rs if "returned" in r]
     assert all(min(r.values()) == 0 for r in returned), returned
+
+
+def test_processes_that_disagree_on_a_load_raise_rather_than_mix(tmp_path):
+    """Processes loading together with different dtypes or meshes for a leaf replicated
+    across them (which one jitted identity moves between them), or from two checkpoints
+    into a leaf sharded across them (one global array of both): every process raises a
+    CheckpointError naming the leaf or the checkpoints, none returns another's values."""
+    logs = launch("disagree", 2, tmp_path, timeout=60, worker=ATTACKER)
+    found = {(r["case"], r["process"]): r for rs in _results(logs) for r in rs if "case" in r}
+    for case, raised, named in [
+        ("dtype", "ArgumentError", "Leaf 'r': process 0 expects float32[512,256]"),
+        ("mesh", "ArgumentError", "process 1 gave 'r' as float32[512,256]"),
+        ("steps", "CheckpointChangedError", f"process 0: {tmp_path}/a; process 1: {tmp_path}/b"),
+    ]:
+        for process in (0, 1):
+            assert found[case, process].get("raised") == raised, found[case, process]
+            assert named in found[case, process]["message"], found[case, process]
+    assert found["same", 0]["mismatched"] == found["same", 1]["mismatched"] == 0, found
+
+
+def test_a_load_failing_in_one_process_as_it_opens_fails_in_every_process(tmp_path):
+    """Each process loads its own host's copy of a checkpoint, replicated; process 1's has a
+    damaged manifest, so its load fails before any read. Process 0 must raise too (not wait
+    for it, nor pair its load with process 1's next one); then both load a good checkpoint."""
+    logs = launch("one_sided_failure", 2, tmp_path, timeout=60, worker=ATTACKER, EQXCKPT_BARRIER_TIMEOUT_S="10")
+    found = {(r["attempt"], r["process"]): r for rs in _results(logs) for r in rs if "attempt" in r}
+    for process in (0, 1):
+        assert found[0, process].get("raised") == "ManifestError", found
+        assert "host1 is not valid JSON" in found[0, process]["message"], found
+        assert found[1, process].get("mismatched") == 0, found
+    assert "Process 1 failed during the 'plan' phase" in found[0, 0]["message"], found

@@ -340,7 +340,86 @@ def replaced_during_load(directory: str) -> None:
     result(process=me, returned=bad)
 
 
-SCENARIOS = {f.__name__: f for f in [one_failed_read_then_fallback, matrix, batches, replaced_during_load]}
+def disagree(directory: str) -> None:
+    """Processes that call `load` together but disagree, one case after another: ``dtype``,
+    process 1 asks a replicated leaf as bfloat16 (``cast=True``), process 0 as float32;
+    ``mesh``, process 1's mesh lists the devices in another order; ``steps``, each process
+    loads another of two checkpoints of the same tree into a leaf sharded across them;
+    ``same``, they agree. Each process must raise a CheckpointError, or return its ask
+    bit-exact."""
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    import eqxckpt
+
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    shape = (512, 256)
+    for tag in ("a", "b"):
+        eqxckpt.save(f"{directory}/{tag}", {"r": global_array(f"{tag}/r", shape, np.float32, NamedSharding(mesh, P()))})
+    multihost_utils.sync_global_devices("saved")
+    for case in ("dtype", "mesh", "steps", "same"):
+        tag, dtype, load_mesh, spec = "a", np.float32, mesh, P()
+        if case == "dtype" and me == 1:
+            dtype = jnp.bfloat16
+        if case == "mesh" and me == 1:
+            load_mesh = Mesh(np.array(jax.devices()[::-1]), ("p",))
+        if case == "steps":
+            tag, spec = "ab"[me % 2], P("p")
+        like = {"r": jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(load_mesh, spec))}
+        try:
+            restored = jax.block_until_ready(eqxckpt.load(f"{directory}/{tag}", like, cast=True))
+        except eqxckpt.CheckpointError as e:
+            result(case=case, process=me, raised=type(e).__name__, message=str(e)[:400])
+            continue
+        want = values(f"{tag}/r", shape, np.float32).astype(dtype)
+        result(case=case, process=me, mismatched=mismatches("r", restored["r"], want))
+
+
+def one_sided_failure(directory: str) -> None:
+    """Process 1's own copy of the checkpoint (each process loads its host's copy, as on
+    local disks) has a damaged manifest: its load fails as it opens it, before any phase,
+    while process 0 waits for it. Then both load a good checkpoint together."""
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    import eqxckpt
+
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    shape = (512, 256)
+    sharding = NamedSharding(mesh, P())
+    eqxckpt.save(f"{directory}/good", {"r": global_array("good/r", shape, np.float32, sharding)})
+    multihost_utils.sync_global_devices("saved")
+    if me == 0:
+        for p in range(2):
+            shutil.copytree(f"{directory}/good", f"{directory}/host{p}")
+        with open(f"{directory}/host1/eqxckpt.json", "w") as f:
+            f.write("{")
+    multihost_utils.sync_global_devices("copied")
+    like = {"r": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
+    for attempt, where in enumerate([f"{directory}/host{me}", f"{directory}/good"]):
+        start = time.monotonic()
+        try:
+            restored = jax.block_until_ready(eqxckpt.load(where, like))
+        except eqxckpt.CheckpointError as e:
+            after = round(time.monotonic() - start, 1)
+            result(attempt=attempt, process=me, raised=type(e).__name__, after=after, message=str(e)[:300])
+            continue
+        after = round(time.monotonic() - start, 1)
+        result(
+            attempt=attempt,
+            process=me,
+            mismatched=mismatches("r", restored["r"], values("good/r", shape, np.float32)),
+            after=after,
+        )
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in [one_failed_read_then_fallback, matrix, batches, replaced_during_load, disagree, one_sided_failure]
+}
 
 
 def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
