@@ -279,6 +279,41 @@ def run_op(
     }
 
 
+def ranged_reads(stores: list[str], endpoints: dict, repeats: int) -> None:
+    """What one 64 MiB object costs each emulator to serve whole, as 8 ranges of 8 MiB at
+    once (eqxckpt's `PART_BYTES` parts), and as the one byte past a value's end that a
+    read asks for to see a value that grew: medians of ``repeats``, in seconds."""
+    import tensorstore as ts
+
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true", GOOGLE_AUTH_TOKEN_FOR_TESTING="fake", GCE_METADATA_ROOT="127.0.0.1:9",
+    )  # fmt: skip
+    value = os.urandom(64 << 20)
+    for store in stores:
+        if store == "gcs":
+            os.environ["TENSORSTORE_GCS_HTTP_URL"] = endpoints["gcs"]
+            spec: dict = {"driver": "gcs", "bucket": BUCKET}
+        else:
+            spec = json.loads(location("s3", endpoints["s3"], "ranges", "eqxckpt"))
+        kv = ts.KvStore.open(spec).result()
+        kv.write("object", value).result()
+
+        def timed(kv: ts.KvStore, ranges: list[slice]) -> float:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                got = b"".join(read.result().value for read in [kv.read("object", byte_range=r) for r in ranges])
+                times.append(time.perf_counter() - start)
+                assert got == b"".join(value[r] for r in ranges)
+            return statistics.median(times)
+
+        whole = timed(kv, [slice(0, 64 << 20)])
+        parts = timed(kv, [slice(i << 23, (i + 1) << 23) for i in range(8)])
+        one = timed(kv, [slice(0, 1)])
+        print(f"{store}: 64 MiB whole {whole:.3f} s; as 8 ranges at once {parts:.3f} s; 1 byte of it {one:.3f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", nargs=7, metavar=("PEER", "OP", "LOCATION", "MIB", "NPROC", "RANK", "PORT"))
@@ -290,6 +325,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json")
+    parser.add_argument("--ranges", action="store_true", help="only time ranged reads of one object (see ranged_reads)")
     args = parser.parse_args()
     if args.worker:
         peer, op, where, mib, nproc, rank, port = args.worker
@@ -303,6 +339,13 @@ def main() -> None:
     peers = dict(p.split("=", 1) for p in args.peer) or {"eqxckpt": ""}
     peers = {name: os.path.abspath(path) if path else "" for name, path in peers.items()}
     servers, endpoints = start_servers(args.stores)
+    if args.ranges:
+        try:
+            ranged_reads(args.stores, endpoints, args.repeats)
+        finally:
+            for server in servers:
+                server.terminate()
+        return
     results: list[dict] = []
     try:
         for store in args.stores:
