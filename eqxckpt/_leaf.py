@@ -264,6 +264,7 @@ def with_storage(leaf: _Stored, **changes: Any) -> _Stored:
     assert changes.keys() <= {"offset", "digest", "arrays"}
     changed = object.__new__(type(leaf))
     changed.__dict__.update(leaf.__dict__, **changes)
+    changed.__dict__.pop("_line", None)  # its manifest line (`_manifest`) changes with them
     return changed
 
 

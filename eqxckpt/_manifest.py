@@ -78,6 +78,12 @@ class Manifest:
         packed = any(isinstance(leaf, StoredLeaf) and leaf.offset is not None for leaf in self.leaves)
         return 2 if packed else 1
 
+    def leaf_lines(self) -> list[str]:
+        """Each leaf's line of the manifest, encoded once per leaf: a save encodes them on its
+        hashing thread while the chunks are written, and its commit only joins them."""
+        with collector_paused():
+            return [_line(leaf) for leaf in self.leaves]
+
     def to_bytes(self) -> bytes:
         head = {
             "format": FORMAT,
@@ -90,10 +96,17 @@ class Manifest:
             "metadata": self.metadata,
         }
         # One leaf per line: easy to read, grep and diff.
-        with collector_paused():
-            lines = [_STRICT.encode(leaf.to_json()) for leaf in self.leaves]
+        lines = self.leaf_lines()
         body = json.dumps(head, indent=1, allow_nan=False)[:-2]
         return with_checksum((body + ',\n "leaves": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n").encode())
+
+
+def _line(leaf: Leaf) -> str:
+    # Leaves are immutable, and `with_storage` (which makes a changed copy) drops it.
+    line = leaf.__dict__.get("_line")
+    if line is None:
+        line = leaf.__dict__["_line"] = _STRICT.encode(leaf.to_json())
+    return line
 
 
 def with_checksum(raw: bytes) -> bytes:

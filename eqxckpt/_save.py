@@ -181,6 +181,7 @@ class _Hashing:
             try:
                 with collector_paused():
                     self._result = _digested(manifest, leaves)
+                    self._result.leaf_lines()  # encoded now, for the commit
             except BaseException as e:  # raised where the save waits for it
                 self._error = e
 

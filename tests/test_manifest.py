@@ -289,3 +289,19 @@ def test_key_entries_checked_once_are_never_confused_with_equal_values_of_other_
             _keys([entry], "1" if entry[0] != "nope" else "a")
     with pytest.raises(eqxckpt.ManifestError, match="do not spell its path"):
         _keys([["dict", "a"]], "b")
+
+
+def test_a_leaf_changed_after_its_line_was_encoded_is_written_as_changed(tmp_path):
+    """Manifest lines are encoded once per leaf (a save encodes them while it writes);
+    a leaf changed afterwards (`with_storage`: an offset, a digest) must never keep the
+    old line."""
+    from eqxckpt._leaf import ArrayLeaf, with_storage
+    from eqxckpt._manifest import Manifest, parse_manifest
+
+    leaf = ArrayLeaf("w", (("dict", "w"),), (2,), "float32", "numpy")
+    first = Manifest((leaf,), {})
+    assert '"digest"' not in first.to_bytes().decode()
+    digest = "xxh3-128:" + "ab" * 16
+    changed = Manifest((with_storage(leaf, digest=digest),), {})
+    assert parse_manifest(changed.to_bytes()).leaves[0].digest == digest
+    assert parse_manifest(first.to_bytes()).leaves[0].digest is None
