@@ -335,3 +335,18 @@ def test_a_process_lost_during_a_save_fails_it_everywhere_and_leaves_the_last_st
         assert not any("Nothing was committed" in r["message"] for r in found.values()), found
         assert "This process committed" in found[0]["message"], found
         assert all("Process 0 may have committed" in found[p]["message"] for p in (1, 2, 3)), found
+
+
+def test_a_manager_load_failing_in_one_process_as_it_opens_fails_in_every_process(tmp_path):
+    """As above, through each host's CheckpointManager: process 1's latest step is damaged
+    after the managers listed it, so its `CheckpointManager.load` fails as it opens the
+    step, before `load`. Process 0 must raise too at once (not wait the barrier timeout for
+    it, nor pair its load with process 1's next one); then both load the good copy."""
+    logs = launch("manager_one_sided", 2, tmp_path, timeout=60, worker=ATTACKER, EQXCKPT_BARRIER_TIMEOUT_S="20")
+    found = {(r["attempt"], r["process"]): r for rs in _results(logs) for r in rs if "attempt" in r}
+    for process in (0, 1):
+        assert found[0, process].get("raised") == "ManifestError", found
+        assert "is not valid JSON" in found[0, process]["message"], found
+        assert found[0, process]["after"] < 15, found  # not the barrier timeout
+        assert found[1, process].get("mismatched") == 0, found
+    assert "Process 1 failed during the 'plan' phase" in found[0, 0]["message"], found

@@ -485,6 +485,47 @@ def signalled(directory: str) -> None:
     os._exit(0)
 
 
+def manager_one_sided(directory: str) -> None:
+    """As `one_sided_failure`, through each host's CheckpointManager: process 1's copy of
+    the latest step gets a damaged manifest after the managers listed their steps, so its
+    `CheckpointManager.load` fails as it opens the step, before `load`. Then both load the
+    good copy together."""
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    import eqxckpt
+
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    shape = (512, 256)
+    sharding = NamedSharding(mesh, P())
+    eqxckpt.save(f"{directory}/good/0", {"r": global_array("good/r", shape, np.float32, sharding)})
+    multihost_utils.sync_global_devices("saved")
+    if me == 0:
+        for p in range(2):
+            shutil.copytree(f"{directory}/good", f"{directory}/host{p}")
+    multihost_utils.sync_global_devices("copied")
+    managers = [eqxckpt.CheckpointManager(f"{directory}/{where}") for where in (f"host{me}", "good")]
+    multihost_utils.sync_global_devices("listed")
+    if me == 0:
+        with open(f"{directory}/host1/0/eqxckpt.json", "w") as f:
+            f.write("{")
+    multihost_utils.sync_global_devices("damaged")
+    like = {"r": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
+    for attempt, manager in enumerate(managers):
+        start = time.monotonic()
+        try:
+            restored = jax.block_until_ready(manager.load(like))
+        except eqxckpt.CheckpointError as e:
+            after = round(time.monotonic() - start, 1)
+            result(attempt=attempt, process=me, raised=type(e).__name__, after=after, message=str(e)[:300])
+            continue
+        after = round(time.monotonic() - start, 1)
+        mismatched = mismatches("r", restored["r"], values("good/r", shape, np.float32))
+        result(attempt=attempt, process=me, mismatched=mismatched, after=after)
+
+
 SPECS = {"r": P(), "s": P("p")}
 
 
@@ -498,6 +539,7 @@ SCENARIOS = {
         disagree,
         one_sided_failure,
         signalled,
+        manager_one_sided,
     ]
 }
 
