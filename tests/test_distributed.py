@@ -324,6 +324,7 @@ def test_a_process_lost_during_a_save_fails_it_everywhere_and_leaves_the_last_st
     manager = eqxckpt.CheckpointManager(tmp_path / "run")  # (removes what the save left)
     assert sorted(os.listdir(tmp_path / "run")) == [str(s) for s in manager.all_steps()]
     for step in manager.all_steps():
+        assert not eqxckpt.verify(manager.path(step)).problems  # the replicated leaf's digest included
         restored = manager.load(step=step)
         for k in ("r", "s"):
             assert np.asarray(restored[k]).tobytes() == values(f"step{step}/{k}", (1024, 256), np.float32).tobytes()
