@@ -64,11 +64,13 @@ class Phases:
         self.what = what
         self.name = f"eqxckpt/{what}/{next(_counters[what])}"
 
-    def run(self, phase: str, work: Callable[[], str | None]) -> list[str]:
+    def run(self, phase: str, work: Callable[[], str | None], left: Callable[[], str] | None = None) -> list[str]:
         """Run ``work`` here, wait for every process, and return each one's result.
 
         If any process failed, every process raises: the failing one its own
         exception, the others a `CheckpointError` of the same class naming it.
+        ``left`` says, where the others did not all come in time, what the save left
+        (by default, for a save: nothing was committed).
         """
         own_error: BaseException | None = None
         try:
@@ -91,7 +93,7 @@ class Phases:
                 f"{'Saving from' if self.what == 'save' else 'Restoring into'} {self.size} processes: not every "
                 f"process reached the {phase!r} phase within {BARRIER_TIMEOUT_S:.0f}s (one may have crashed or "
                 f"not called {'save' if self.what == 'save' else 'load'})."
-                + (" Nothing was committed." if self.what == "save" else "")
+                + (f" {left()}" if left is not None else " Nothing was committed." if self.what == "save" else "")
                 + f" Coordination service said: {e}"
             ) from e
         if own_error is not None:

@@ -18,6 +18,7 @@ from ._formats import open as open_source
 from ._load import READ_ATTEMPTS, load
 from ._preemption import Preemption
 from ._progress import Progress
+from ._replicas import failing_together, spans_processes
 from ._retention import Retention
 from ._save import save
 from ._steps import GONE, MANAGER_KEY, RunSteps, clean_leftovers, manager_record, scan_steps
@@ -406,11 +407,20 @@ class CheckpointManager:
         source_format = load_kwargs.pop("format", None)  # opened here: `load` reads it once
         attempts = READ_ATTEMPTS if step is not None else MAX_LATEST_ATTEMPTS
         gone: set[int] = set()
+        # As in `load`: a failure here in one process of several restoring together is
+        # raised in every one, not left for the others to wait on in `load`.
+        together = spans_processes(like)
         for attempt in range(1, attempts + 1):
             try:
-                with self._steps.reading(step, gone) as chosen:
+                with contextlib.ExitStack() as held:
+                    with failing_together(together):
+                        chosen = held.enter_context(self._steps.reading(step, gone))
+                        try:
+                            source = open_source(self._steps.step_path(chosen), format=source_format)
+                        except GONE:
+                            gone.add(chosen)
+                            raise
                     try:
-                        source = open_source(self._steps.step_path(chosen), format=source_format)
                         return load(source, like, at=at, **load_kwargs)
                     except GONE:
                         gone.add(chosen)

@@ -283,6 +283,7 @@ class SaveInProgress:
         self.leader = phases is None or phases.rank == 0
         self.writing = list(reuse.written)  # and referred leaves whose prefix cannot be held
         self.staging: Staging | None = None
+        self.committed = False
 
     def prepare(self) -> str | None:
         """Process 0: claim the place, take the leaves reused from the base (held prefixes,
@@ -350,6 +351,19 @@ class SaveInProgress:
                 self.manifest = self.hashing.result()
             jobs = [*self.writing, *(job for job, _ in self.reuse.linked)]
             self.staging.commit(self.manifest, expected_files([(job.record, job.layout) for job in jobs]))
+            self.committed = True
+
+    def _after_commit(self) -> str:
+        """What a save whose processes did not all reach the end of the commit left."""
+        if self.committed:
+            return (
+                f"This process committed {self.location} (complete: every process had written its part), but "
+                "the others did not hear so in time and raise: check it with eqxckpt.open before saving it again."
+            )
+        return (
+            f"Process 0 may have committed {self.location} meanwhile (complete: every process had written its "
+            "part), or not: check with eqxckpt.open before saving it again."
+        )
 
     def run(self) -> None:
         """Prepare, write, commit. A failure removes what this save wrote and is raised as a
@@ -367,7 +381,10 @@ class SaveInProgress:
                 [where, *_] = phase("prepare", self.prepare)
             phase("write", lambda: self.write(where or ""))
             with interrupts_deferred():
-                phase("commit", self.commit)
+                if self.phases is None:
+                    self.commit()
+                else:  # process 0 may commit and then wait in vain: the error must not deny it
+                    self.phases.run("commit", self.commit, self._after_commit)
         except BaseException as e:
             if self.staging is not None:
                 with interrupts_deferred():

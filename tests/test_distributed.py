@@ -38,10 +38,12 @@ def launch(
     timeout: float = 240,
     terminate: tuple[int, str] | None = None,
     worker: pathlib.Path = WORKER,
+    dies: int | None = None,
     **env_vars: str,
 ) -> list[str]:
     """Run ``processes`` workers to completion; the first failure kills the rest at once.
-    ``terminate=(i, text)``: send worker i SIGTERM once its output holds ``text``."""
+    ``terminate=(i, text)``: send worker i SIGTERM once its output holds ``text``.
+    ``dies``: a worker killed by a signal on purpose (not a failure)."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "EQXCKPT_BARRIER_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1", **env_vars}
     logs = [directory / f"worker{i}.log" for i in range(processes)]
@@ -54,7 +56,7 @@ def launch(
     try:
         while True:
             codes = [w.poll() for w in workers]
-            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0) and not (i == dies and code < 0)]
             if failed or time.monotonic() > deadline:
                 reason = (
                     f"worker {failed[0]} exited with {codes[failed[0]]}" if failed else f"timed out after {timeout}s"
@@ -62,7 +64,7 @@ def launch(
                 raise WorkerFailed(
                     f"{reason}:\n" + "\n".join(f"--- worker {i}\n{log.read_text()}" for i, log in enumerate(logs))
                 )
-            if all(code == 0 for code in codes):
+            if all(code == 0 or (i == dies and code is not None) for i, code in enumerate(codes)):
                 return [log.read_text() for log in logs]
             if terminate is not None and terminate[1] in logs[terminate[0]].read_text():
                 workers[terminate[0]].send_signal(signal.SIGTERM)
@@ -293,5 +295,59 @@ def test_a_load_failing_in_one_process_as_it_opens_fails_in_every_process(tmp_pa
     for process in (0, 1):
         assert found[0, process].get("raised") == "ManifestError", found
         assert "host1 is not valid JSON" in found[0, process]["message"], found
+        assert found[1, process].get("mismatched") == 0, found
+    assert "Process 1 failed during the 'plan' phase" in found[0, 0]["message"], found
+
+
+@pytest.mark.parametrize(
+    "at, how, victim",
+    [
+        ("write", "KILL", 2),  # killed while writing its share of a replicated leaf
+        ("commit", "SLOW", 0),  # process 0 commits after the others gave up waiting
+    ],
+)
+def test_a_process_lost_during_a_save_fails_it_everywhere_and_leaves_the_last_step_whole(tmp_path, at, how, victim):
+    """Four processes save step 1 of a run (step 0 committed): a leaf replicated on all of
+    them (each writes a share) and one sharded across them. One process is killed as it
+    writes, or process 0 is held up as it commits until the others stop waiting. Every
+    other process raises a CheckpointError within the barrier timeout saying truly what
+    was left; step 1 is either absent or whole, and step 0 still loads bit-exact."""
+    from attack_worker import values
+
+    logs = launch(
+        "signalled", 4, tmp_path, timeout=90, worker=ATTACKER, dies=victim,
+        EQXCKPT_BARRIER_TIMEOUT_S="3", ATTACK_VICTIM=str(victim), ATTACK_AT=at, ATTACK_SIGNAL=how, ATTACK_SLOW_S="6",
+    )  # fmt: skip
+    found = {r["process"]: r for rs in _results(logs) for r in rs if "after" in r}
+    assert sorted(found) == [p for p in range(4) if how == "SLOW" or p != victim], logs
+    assert all(r.get("raised") == "CheckpointError" for r in found.values()), found
+    manager = eqxckpt.CheckpointManager(tmp_path / "run")  # (removes what the save left)
+    assert sorted(os.listdir(tmp_path / "run")) == [str(s) for s in manager.all_steps()]
+    for step in manager.all_steps():
+        assert not eqxckpt.verify(manager.path(step)).problems  # the replicated leaf's digest included
+        restored = manager.load(step=step)
+        for k in ("r", "s"):
+            assert np.asarray(restored[k]).tobytes() == values(f"step{step}/{k}", (1024, 256), np.float32).tobytes()
+    if at == "write":
+        assert manager.all_steps() == [0]
+        assert all("Nothing was committed" in r["message"] for r in found.values()), found
+    else:  # process 0 committed step 1, complete, after the others gave up: no process may deny it
+        assert manager.all_steps() == [0, 1]
+        assert not any("Nothing was committed" in r["message"] for r in found.values()), found
+        assert "This process committed" in found[0]["message"], found
+        assert all("Process 0 may have committed" in found[p]["message"] for p in (1, 2, 3)), found
+
+
+def test_a_manager_load_failing_in_one_process_as_it_opens_fails_in_every_process(tmp_path):
+    """As above, through each host's CheckpointManager: process 1's latest step is damaged
+    after the managers listed it, so its `CheckpointManager.load` fails as it opens the
+    step, before `load`. Process 0 must raise too at once (not wait the barrier timeout for
+    it, nor pair its load with process 1's next one); then both load the good copy."""
+    logs = launch("manager_one_sided", 2, tmp_path, timeout=60, worker=ATTACKER, EQXCKPT_BARRIER_TIMEOUT_S="20")
+    found = {(r["attempt"], r["process"]): r for rs in _results(logs) for r in rs if "attempt" in r}
+    for process in (0, 1):
+        assert found[0, process].get("raised") == "ManifestError", found
+        assert "is not valid JSON" in found[0, process]["message"], found
+        assert found[0, process]["after"] < 15, found  # not the barrier timeout
         assert found[1, process].get("mismatched") == 0, found
     assert "Process 1 failed during the 'plan' phase" in found[0, 0]["message"], found

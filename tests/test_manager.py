@@ -304,7 +304,7 @@ def test_a_load_racing_a_writer_is_retried_in_one_place(tmp_path, monkeypatch):
         manager.save(step, tree(step))
     reads = []
 
-    def replaced_while_read(self):
+    def replaced_while_read(self, *_):
         reads.append(self)
         raise eqxckpt.CheckpointChangedError("replaced while it was read")
 

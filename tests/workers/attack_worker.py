@@ -416,9 +416,131 @@ def one_sided_failure(directory: str) -> None:
         )
 
 
+def signalled(directory: str) -> None:
+    """A job's CheckpointManager (step 0 committed) in which process ATTACK_VICTIM sends
+    itself ATTACK_SIGNAL (KILL or STOP) at ATTACK_AT: ``write``, its first chunk write of
+    step 1's save; ``commit``, process 0 as it commits step 1; ``read``, its first chunk
+    read of a load of step 0 (replicated: read once in all); ``move``, as that load moves
+    the parts between processes. Every other process reports what it raised (or returned)
+    and how long it took, then ends at once (its peer is gone: no orderly shutdown)."""
+    import signal
+
+    import eqxckpt
+    import eqxckpt._replicas as replicas
+    import eqxckpt._storage._local as local
+
+    me = jax.process_index()
+    victim, at = int(os.environ["ATTACK_VICTIM"]), os.environ["ATTACK_AT"]
+    number = getattr(signal, f"SIG{os.environ['ATTACK_SIGNAL']}", None)
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    shape = (1024, 256)  # 1 MiB: replicated, its chunks split among the 4 processes
+
+    def tree(tag: str) -> dict:
+        return {
+            k: global_array(f"{tag}/{k}", shape, np.float32, NamedSharding(mesh, spec)) for k, spec in SPECS.items()
+        }
+
+    manager = eqxckpt.CheckpointManager(f"{directory}/run", blocking=True, save_on_preemption=False)
+    manager.save(0, tree("step0"))
+
+    signalled = []
+
+    def stop_here(*_):
+        if not signalled:  # once
+            signalled.append(at)
+            result(process=me, signalling=at)
+            if number is None:  # SLOW: held up, not stopped
+                time.sleep(float(os.environ.get("ATTACK_SLOW_S", "8")))
+            else:
+                os.kill(os.getpid(), number)
+
+    if me == victim:
+        if at == "write":
+            original = local.LocalChunkFiles.write
+            local.LocalChunkFiles.write = lambda self, key, pieces: (stop_here(), original(self, key, pieces))[1]
+        elif at == "commit":
+            commit = local.LocalStaging.commit
+            local.LocalStaging.commit = lambda self, *a: (stop_here(), commit(self, *a))[1]
+        elif at == "read":
+            read = local.LocalChunkFiles.read
+            local.LocalChunkFiles.read = lambda self, key, into: (stop_here(), read(self, key, into))[1]
+        elif at == "move":
+            identity = replicas._identity
+            replicas._identity = lambda *v: (stop_here(), identity(*v))[1]
+    start = time.monotonic()
+    try:
+        if at in ("write", "commit"):
+            manager.save(1, tree("step1"))
+            outcome = {"returned": "saved"}
+        else:
+            like = {k: jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, P())) for k in SPECS}
+            restored = jax.block_until_ready(manager.load(like, step=0))
+            outcome = {
+                "returned": {k: mismatches(k, restored[k], values(f"step0/{k}", shape, np.float32)) for k in SPECS}
+            }
+    except Exception as e:  # noqa: BLE001 - reported, whatever it is
+        outcome = {"raised": type(e).__name__, "message": str(e)[:400]}
+    result(process=me, after=round(time.monotonic() - start, 1), **outcome)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def manager_one_sided(directory: str) -> None:
+    """As `one_sided_failure`, through each host's CheckpointManager: process 1's copy of
+    the latest step gets a damaged manifest after the managers listed their steps, so its
+    `CheckpointManager.load` fails as it opens the step, before `load`. Then both load the
+    good copy together."""
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    import eqxckpt
+
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    shape = (512, 256)
+    sharding = NamedSharding(mesh, P())
+    eqxckpt.save(f"{directory}/good/0", {"r": global_array("good/r", shape, np.float32, sharding)})
+    multihost_utils.sync_global_devices("saved")
+    if me == 0:
+        for p in range(2):
+            shutil.copytree(f"{directory}/good", f"{directory}/host{p}")
+    multihost_utils.sync_global_devices("copied")
+    managers = [eqxckpt.CheckpointManager(f"{directory}/{where}") for where in (f"host{me}", "good")]
+    multihost_utils.sync_global_devices("listed")
+    if me == 0:
+        with open(f"{directory}/host1/0/eqxckpt.json", "w") as f:
+            f.write("{")
+    multihost_utils.sync_global_devices("damaged")
+    like = {"r": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
+    for attempt, manager in enumerate(managers):
+        start = time.monotonic()
+        try:
+            restored = jax.block_until_ready(manager.load(like))
+        except eqxckpt.CheckpointError as e:
+            after = round(time.monotonic() - start, 1)
+            result(attempt=attempt, process=me, raised=type(e).__name__, after=after, message=str(e)[:300])
+            continue
+        after = round(time.monotonic() - start, 1)
+        mismatched = mismatches("r", restored["r"], values("good/r", shape, np.float32))
+        result(attempt=attempt, process=me, mismatched=mismatched, after=after)
+
+
+SPECS = {"r": P(), "s": P("p")}
+
+
 SCENARIOS = {
     f.__name__: f
-    for f in [one_failed_read_then_fallback, matrix, batches, replaced_during_load, disagree, one_sided_failure]
+    for f in [
+        one_failed_read_then_fallback,
+        matrix,
+        batches,
+        replaced_during_load,
+        disagree,
+        one_sided_failure,
+        signalled,
+        manager_one_sided,
+    ]
 }
 
 
