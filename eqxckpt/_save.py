@@ -112,7 +112,7 @@ def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], lis
 DIGEST_BATCH_BYTES = 16 * 1024 * 1024
 
 
-def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
+def _digested(manifest: Manifest, leaves: list[_WriteJob], stop: threading.Event | None = None) -> Manifest:
     """The manifest with the digest of each leaf this process holds whole in host memory
     (a leaf whose shards several processes write gets none; a copied leaf keeps its
     source's). Run where the writes run: off the caller's thread for a background save;
@@ -140,6 +140,8 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob]) -> Manifest:
 
     def hash_batches(share: list[list[tuple[StoredLeaf, np.ndarray]]]) -> None:
         for batch in share:
+            if stop is not None and stop.is_set():
+                return  # the save failed meanwhile: its digests are never used
             for record, data in batch:
                 try:
                     digests[record.path] = digest(record.digest_fields(), data)
@@ -176,11 +178,12 @@ class _Hashing:
     def __init__(self, manifest: Manifest, leaves: list[_WriteJob]):
         self._result: Manifest | None = None
         self._error: BaseException | None = None
+        self.stopping = threading.Event()  # set once the save failed
 
         def hash_all() -> None:
             try:
                 with collector_paused():
-                    self._result = _digested(manifest, leaves)
+                    self._result = _digested(manifest, leaves, self.stopping)
                     self._result.leaf_lines()  # encoded now, for the commit
             except BaseException as e:  # raised where the save waits for it
                 self._error = e
@@ -189,8 +192,10 @@ class _Hashing:
         self._thread = threading.Thread(target=hash_all, name="eqxckpt-hashing")
         self._thread.start()
 
-    def join(self) -> None:
-        """Wait until hashing has finished, whatever its outcome."""
+    def stop(self) -> None:
+        """Stop hashing (after the batch in hand) and wait for it: the save failed, and a
+        failed save is over only once nothing reads its leaves any more."""
+        self.stopping.set()
         self._thread.join()
 
     def result(self) -> Manifest:
@@ -398,8 +403,6 @@ class SaveInProgress:
                 raise CheckpointWriteError(f"Saving to {self.location} failed: {why}. {nothing_committed(why)}") from e
             raise
         finally:
-            if self.hashing is not None:  # never left reading the leaves after the save
-                self.hashing.join()
             if self.staging is not None:
                 self.staging.release()
 
@@ -502,12 +505,16 @@ def save(
                 digested = _digested(manifest, jobs)
         else:
             digested, hashing = manifest, _Hashing(manifest, jobs) if leader else None
-        # The base is opened here, off the caller's thread for a background save, and only
-        # by the process that holds whole leaves (and their digests): process 0.
-        with plan_reuse(base if leader else None, digested, jobs, location) as reuse:
-            pieces = [piece for job in reuse.written for piece in job.pieces]
-            with reporting(f"saving {key}", sum(p.nbytes for p in pieces), sum(p.leaves for p in pieces), progress):
-                SaveInProgress(location, digested, reuse, overwrite, phases, hashing).run()
+        try:
+            # The base is opened here, off the caller's thread for a background save, and only
+            # by the process that holds whole leaves (and their digests): process 0.
+            with plan_reuse(base if leader else None, digested, jobs, location) as reuse:
+                pieces = [piece for job in reuse.written for piece in job.pieces]
+                with reporting(f"saving {key}", sum(p.nbytes for p in pieces), sum(p.leaves for p in pieces), progress):
+                    SaveInProgress(location, digested, reuse, overwrite, phases, hashing).run()
+        finally:
+            if hashing is not None:  # done after a commit; stopped after a failure
+                hashing.stop()
 
     if blocking:
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -245,6 +245,42 @@ def test_a_failure_while_hashing_during_the_writes_commits_nothing(tmp_path, mon
     assert eqxckpt.verify(tmp_path / "c").ok
 
 
+def test_a_failed_save_stops_hashing_its_leaves(tmp_path, monkeypatch):
+    """A save whose writes fail returns once its hashing thread stopped (after the batch
+    in hand), not after hashing the rest of the tree, and leaves no thread behind."""
+    import eqxckpt._save as save_module
+
+    tree = {f"x{i:02d}": np.full(1 << 18, i, np.float32) for i in range(64)}  # 64 MiB: four batches
+    started = []
+    hashed = []
+    real_digest, real_write, real_hashing = save_module.digest, save_module._write, save_module._Hashing
+
+    class Hashing(real_hashing):
+        def __init__(self, *args):
+            started.append(self)
+            super().__init__(*args)
+
+    def digest(fields, data):
+        started[0].stopping.wait(60)  # hashing is slow: the save fails first
+        hashed.append(1)
+        return real_digest(fields, data)
+
+    def write(target, leaves, **what):
+        if what["chunks"]:
+            raise OSError(28, "No space left on device")
+        real_write(target, leaves, **what)
+
+    monkeypatch.setattr(save_module, "_Hashing", Hashing)
+    monkeypatch.setattr(save_module, "digest", digest)
+    monkeypatch.setattr(save_module, "_write", write)
+    with pytest.raises(eqxckpt.CheckpointWriteError, match="No space"):
+        eqxckpt.save(tmp_path / "c", tree)
+    count = len(hashed)
+    assert 0 < count <= 32, count  # at most one batch of 16 leaves per hashing thread
+    assert not [t for t in threading.enumerate() if t.name == "eqxckpt-hashing"]
+    assert len(hashed) == count and not (tmp_path / "c").exists()
+
+
 def test_all_writes_are_issued_before_any_is_awaited(tmp_path, monkeypatch):
     """Writes run concurrently: as many leaves' chunks as there are I/O threads are being
     written at once (each write waits until all are in flight; written one at a time, the
