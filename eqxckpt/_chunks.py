@@ -277,20 +277,27 @@ def _crc(pieces: Sequence[np.ndarray]) -> int:
     return value
 
 
-def encode(layout: ChunkLayout, part: Region, data: np.ndarray) -> list[np.ndarray]:
+def encode(layout: ChunkLayout, part: Region, data: np.ndarray | list[np.ndarray]) -> list[np.ndarray]:
     """The pieces of the file of the chunk holding ``part``, whose values are ``data``:
-    views of ``data`` where its bytes lead the chunk, then the padding and the checksum."""
+    views of ``data`` where its bytes lead the chunk, then the padding and the checksum.
+    ``data`` may also be a list of byte arrays (uint8, one dimension): in order, the bytes
+    of a ``part`` that leads its chunk, written as they are (a packed chunk's leaves)."""
     extent = tuple(s.stop - s.start for s in part)
-    if data.dtype != layout.dtype:  # pieces give little-endian values of the leaf's dtype; a net
-        data = data.astype(layout.dtype)
-    if _leads(extent, layout.chunk):
-        body = _bytes_of(np.ascontiguousarray(data))
-        pieces = [body, np.zeros(layout.chunk_nbytes - body.size, np.uint8)]
+    if isinstance(data, list):
+        assert _leads(extent, layout.chunk) and all(piece.dtype == np.uint8 and piece.ndim == 1 for piece in data)
+        body = data
     else:
-        whole = np.zeros(layout.chunk, layout.dtype)
-        whole[tuple(slice(0, n) for n in extent)] = data
-        pieces = [_bytes_of(whole)]
-    pieces = [piece for piece in pieces if piece.size]
+        if data.dtype != layout.dtype:  # pieces give little-endian values of the leaf's dtype; a net
+            data = data.astype(layout.dtype)
+        if _leads(extent, layout.chunk):
+            body = [_bytes_of(np.ascontiguousarray(data))]
+        else:
+            whole = np.zeros(layout.chunk, layout.dtype)
+            whole[tuple(slice(0, n) for n in extent)] = data
+            body = [_bytes_of(whole)]
+    size = sum(piece.size for piece in body)
+    assert size <= layout.chunk_nbytes
+    pieces = [piece for piece in [*body, np.zeros(layout.chunk_nbytes - size, np.uint8)] if piece.size]
     return [*pieces, np.frombuffer(_crc(pieces).to_bytes(CRC_BYTES, "little"), np.uint8)]
 
 

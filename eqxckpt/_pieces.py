@@ -26,9 +26,9 @@ if TYPE_CHECKING:  # `_source` reads checkpoints, whose module packs leaves with
     from ._source import Source
 
 # A chunk to write: its key, the part of the array it holds, a function producing that
-# part's values (run on an I/O thread, just before the chunk is written), and how many
-# leaves are complete once it is written (progress).
-ChunkWrite = tuple[str, Region, Callable[[], np.ndarray], int]
+# part's values, or its bytes as a list of byte arrays (run on an I/O thread, just before
+# the chunk is written), and how many leaves are complete once it is written (progress).
+ChunkWrite = tuple[str, Region, Callable[[], "np.ndarray | list[np.ndarray]"], int]
 
 
 def one_leaf(writes: list[tuple[str, Region, Callable[[], np.ndarray]]]) -> list[ChunkWrite]:
@@ -127,19 +127,27 @@ class PackedWrite(Piece):
     def hashed(self) -> list[tuple[int | None, np.ndarray]]:
         return [(m.offset, self._data[m.path]) for m in self.packing.members]
 
-    def assemble(self, start: int, end: int) -> np.ndarray:
-        """Bytes ``start:end`` of the packed array; alignment gaps are zeros."""
-        out = np.zeros(end - start, np.uint8)
+    def gathered(self, start: int, end: int) -> list[np.ndarray]:
+        """Bytes ``start:end`` of the packed array, as views of the leaves' own bytes and
+        zeros for the alignment gaps between them: written as they are (``writev``), never
+        copied into a chunk buffer first."""
+        out: list[np.ndarray] = []
+        at = start
         for member, own, there in self.packing.pieces(start, end):
-            out[there] = np.ascontiguousarray(self._data[member.path]).reshape(-1).view(np.uint8)[own]
-        return out
+            if there.start > at - start:
+                out.append(np.zeros(there.start - (at - start), np.uint8))
+            out.append(np.ascontiguousarray(self._data[member.path]).reshape(-1).view(np.uint8)[own])
+            at = start + there.stop
+        if at < end:
+            out.append(np.zeros(end - at, np.uint8))
+        return [piece for piece in out if piece.size]
 
     def chunks(self, layout: ChunkLayout) -> list[ChunkWrite]:
         writes: list[ChunkWrite] = []
         for key, part in layout.regions():
             [run] = part
             done = self.packing.ending_in(run.start, run.stop)
-            writes.append((key, part, lambda run=run: self.assemble(run.start, run.stop), done))
+            writes.append((key, part, lambda run=run: self.gathered(run.start, run.stop), done))
         return writes
 
 

@@ -64,6 +64,29 @@ def test_many_small_leaves_are_packed_and_restored_exactly(tmp_path):
     assert eqxckpt.verify(tmp_path / "c").ok
 
 
+def test_a_packed_chunk_of_more_leaves_than_one_writev_takes_is_written_whole(tmp_path):
+    """A packed chunk is written from its leaves' own buffers and the zeros between them
+    (`PackedWrite.gathered`): 3000 odd-sized leaves make about 6000 buffers in one chunk,
+    more than one ``writev`` takes (1024 on Linux). Its bytes are what a chunk assembled
+    in one buffer held: each leaf at its offset, zeros in every gap (read raw below)."""
+    rng = np.random.default_rng(0)
+    tree = {f"x{i:04d}": rng.standard_normal(int(rng.integers(1, 9))).astype(np.float32) for i in range(3000)}
+    eqxckpt.save(tmp_path / "c", tree)
+    doc = manifest(tmp_path / "c")
+    leaves = {leaf["path"]: leaf for leaf in doc["leaves"]}
+    assert all(leaf["location"] == PACKED_LOCATION for leaf in leaves.values())
+    [chunk] = os.listdir(tmp_path / "c" / PACKED_LOCATION / "c")  # one chunk holds them all
+    raw = (tmp_path / "c" / PACKED_LOCATION / "c" / chunk).read_bytes()[:-4]  # without the CRC-32C
+    expected = np.zeros(len(raw), np.uint8)
+    for path, value in tree.items():
+        offset = leaves[path]["offset"]
+        expected[offset : offset + value.nbytes] = value.view(np.uint8)
+    assert np.array_equal(np.frombuffer(raw, np.uint8), expected)
+    for path, value in eqxckpt.load(tmp_path / "c").items():
+        np.testing.assert_array_equal(value, tree[path])
+    assert eqxckpt.verify(tmp_path / "c").ok
+
+
 def test_few_small_leaves_keep_their_own_arrays_and_format_version_1(tmp_path):
     tree = {f"w{i}": np.arange(i + 1, dtype=np.float32) for i in range(PACK_MIN_LEAVES - 1)}
     eqxckpt.save(tmp_path / "c", tree)

@@ -396,8 +396,8 @@ class LocalChunkFiles(ChunkFiles):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
         try:
             buffers = [piece.data.cast("B") for piece in pieces]
-            while buffers:
-                buffers = _past(buffers, os.writev(fd, buffers))
+            while buffers:  # a packed chunk's leaves may be more buffers than one writev takes
+                buffers = _past(buffers, os.writev(fd, buffers[:_IOV_MAX]))
             start_writeback(fd)
         finally:
             os.close(fd)
