@@ -68,13 +68,50 @@ def narrowed(dtype: np.dtype, into_jax: bool) -> str | None:
     )
 
 
-def adopt(data: np.ndarray, sharding: Any = None) -> "jax.Array":
+class Adoption:
+    """A host array `Adoptions` makes a jax array of, with others: ``value`` once placed."""
+
+    def __init__(self, data: np.ndarray, sharding: Any):
+        self.data, self.sharding = data, sharding
+        self.value: Any = None
+
+
+class Adoptions:
+    """Host arrays made jax arrays on their CPU device together, without a copy: one
+    ``jax.device_put`` of the list costs less per array than a call per array (a restore
+    of many small leaves makes one per leaf). `adopt` hands them here; `place` makes them.
+
+    ```python
+    adoptions = Adoptions()
+    pending = adopt(data, None, adoptions)  # an Adoption
+    adoptions.place()
+    pending.value  # the jax array
+    ```
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[Adoption] = []
+
+    def place(self) -> None:
+        """Make every pending array; each `Adoption`'s ``value`` is its jax array."""
+        import jax
+
+        pending, self.pending = self.pending, []
+        if pending:
+            placed = jax.device_put([p.data for p in pending], [p.sharding for p in pending])
+            for adoption, value in zip(pending, placed):
+                adoption.value = value
+
+
+def adopt(data: np.ndarray, sharding: Any = None, adoptions: Adoptions | None = None) -> "jax.Array | Adoption":
     """``data`` as a jax array; on a CPU device without a copy where possible.
 
     XLA's CPU client can take over a 64-byte aligned buffer through DLPack, so
     a restore does not hold every leaf twice; ``data`` must not be used after.
     Other devices, and dtypes DLPack lacks (bfloat16, float8, int4), take one
-    copy with ``jax.device_put`` (not ``jnp.asarray``, which is slower).
+    copy with ``jax.device_put`` (not ``jnp.asarray``, which is slower). With
+    ``adoptions``, an array adopted whole onto one CPU device is left to it (an
+    `Adoption` is returned): ``jax.device_put`` keeps an aligned buffer too.
     """
     import jax
 
@@ -83,6 +120,11 @@ def adopt(data: np.ndarray, sharding: Any = None) -> "jax.Array":
     else:
         device = next(iter(sharding.device_set)) if len(sharding.device_set) == 1 else None
     if device is not None and device.platform == "cpu" and data.ctypes.data % 64 == 0 and data.flags.c_contiguous:
+        plain = jax.sharding.SingleDeviceSharding(device)
+        if adoptions is not None and (sharding is None or sharding == plain):
+            adoption = Adoption(data, plain)
+            adoptions.pending.append(adoption)
+            return adoption
         try:
             adopted = jax.dlpack.from_dlpack(data, device=device)
         except BufferError:  # a dtype DLPack cannot describe

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
-from ._convert import adopt, checked_astype, default_device, narrowed
+from ._convert import Adoptions, adopt, checked_astype, default_device, narrowed
 from ._digest import parse_digest
 from ._dtypes import STORED_DTYPES, check_dtype, dtype_name
 from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
@@ -190,8 +190,10 @@ class StoredLeaf(Leaf):
         """The leaf a lazy view of this one (``changed``: sliced or cast) becomes when saved at ``path``."""
         raise NotImplementedError
 
-    def finish(self, data: np.ndarray, target: Any) -> Any:
-        """Stored data (read whole into host memory) as the value ``target`` asks for."""
+    def finish(self, data: np.ndarray, target: Any, adoptions: "Adoptions | None" = None) -> Any:
+        """Stored data (read whole into host memory) as the value ``target`` asks for.
+        With ``adoptions``, a jax array on one CPU device may be left to them to make,
+        with others (an `Adoption` is returned: its ``value``, once they are placed)."""
         raise NotImplementedError
 
     def placement(self, target: Any) -> "tuple[jax.sharding.Sharding, np.dtype] | None":
@@ -323,7 +325,7 @@ class ArrayLeaf(StoredLeaf):
         )
         return narrowed(dtype, into_jax)
 
-    def finish(self, data: np.ndarray, target: Any) -> Any:
+    def finish(self, data: np.ndarray, target: Any, adoptions: "Adoptions | None" = None) -> Any:
         import jax
 
         check_bool_bytes(data, self.path)
@@ -340,7 +342,7 @@ class ArrayLeaf(StoredLeaf):
                 return data
             if self.array_type == "numpy_scalar":
                 return data[()]
-        return adopt(data, sharding)
+        return adopt(data, sharding, adoptions)
 
     def host_value(self, data: np.ndarray, dtype: np.dtype | None) -> Any:
         check_bool_bytes(data, self.path)
@@ -496,7 +498,7 @@ class KeyLeaf(StoredLeaf):
                 leaf_path=self.path,
             ) from None
 
-    def finish(self, data: np.ndarray, target: Any) -> Any:
+    def finish(self, data: np.ndarray, target: Any, adoptions: "Adoptions | None" = None) -> Any:
         import jax
 
         value = self.wrap(data)

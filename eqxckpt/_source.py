@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ._chunks import Region
+from ._convert import Adoption, Adoptions
 from ._errors import ArgumentError, CheckpointError
 from ._leaf import Leaf, StoredLeaf, check_bool_bytes
 from ._paths import depth, did_you_mean, normalize_at, relative_to
@@ -92,10 +93,12 @@ class Source(abc.ABC):
         placements = {i: self._placement(leaf, target) for i, (leaf, target) in enumerate(wanted)}
         whole = [i for i, placement in placements.items() if placement is None]
 
+        adoptions = Adoptions()  # jax arrays of leaves read whole, made together at the end
+
         def done(j: int, data: np.ndarray) -> None:
             leaf, target = wanted[whole[j]]
             with reading(leaf):
-                values[whole[j]] = leaf.finish(data, target)
+                values[whole[j]] = leaf.finish(data, target, adoptions)
             advance(leaf.nbytes)
 
         def reserve(nbytes: int) -> None:
@@ -103,6 +106,10 @@ class Source(abc.ABC):
 
         if whole or not wanted:
             self._fetch([wanted[i][0] for i in whole], done, reserve)
+            adoptions.place()
+            for i in whole:
+                if isinstance(values[i], Adoption):
+                    values[i] = values[i].value
         # Then the leaves placed a band at a time, each on its devices before the next is read.
         window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
         for i, placement in placements.items():
