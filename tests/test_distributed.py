@@ -351,3 +351,35 @@ def test_a_manager_load_failing_in_one_process_as_it_opens_fails_in_every_proces
         assert found[0, process]["after"] < 15, found  # not the barrier timeout
         assert found[1, process].get("mismatched") == 0, found
     assert "Process 1 failed during the 'plan' phase" in found[0, 0]["message"], found
+
+
+@pytest.mark.parametrize("where, at", [("s3", "write"), ("gcs", "read")])
+def test_a_process_lost_on_an_object_store_leaves_the_last_step_whole(tmp_path, where, at, s3, gcs):
+    """As above, on S3 and Cloud Storage: process 2 is killed as it writes its share of
+    step 1 (replicated: each process writes a share), or as it reads its part of step 0
+    (replicated: read once in all). The others raise a CheckpointError naming the phase
+    within the barrier timeout; a lost save leaves nothing under step 1 (process 0 removed
+    its prefix and lease), and step 0 still loads bit-exact."""
+    from attack_worker import values
+    from conftest import ObjectStore
+
+    store = ObjectStore("s3", *s3) if where == "s3" else gcs
+    prefix = f"lost-{where}-{at}-{tmp_path.name}/run/"
+    logs = launch(
+        "signalled", 4, tmp_path, timeout=90, worker=ATTACKER, dies=2, EQXCKPT_BARRIER_TIMEOUT_S="3",
+        ATTACK_VICTIM="2", ATTACK_AT=at, ATTACK_SIGNAL="KILL", ATTACK_STORE=json.dumps(store.spec(prefix)),
+    )  # fmt: skip
+    found = {r["process"]: r for rs in _results(logs) for r in rs if "after" in r}
+    assert sorted(found) == [0, 1, 3], logs
+    for r in found.values():
+        assert r.get("raised") == "CheckpointError" and r["after"] < 30, found
+        phase = "'write' phase" if at == "write" else "'read 0' phase"
+        assert f"not every process reached the {phase}" in r["message"], found
+        assert at == "read" or "Nothing was committed" in r["message"], found
+    assert not [key for key in store.keys(prefix) if not key.startswith(f"{prefix}0/")]
+    manager = eqxckpt.CheckpointManager(store.spec(prefix))
+    assert manager.all_steps() == [0]
+    assert not eqxckpt.verify(manager.path(0)).problems
+    restored = manager.load(step=0)
+    for k in ("r", "s"):
+        assert np.asarray(restored[k]).tobytes() == values(f"step0/{k}", (1024, 256), np.float32).tobytes()

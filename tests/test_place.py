@@ -186,3 +186,26 @@ def test_a_target_in_host_memory_is_placed_there(staged, tmp_path, kind):
     out = eqxckpt.load(tmp_path / "c", like, cast=True, host_memory_budget=64)["w"]
     assert out.sharding == sharding
     assert np.array_equal(np.asarray(out).view(np.uint16), w.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("cast", [None, "bfloat16"])
+def test_a_restore_from_an_object_store_larger_than_the_budget_is_bit_exact(store, staged, monkeypatch, cast):
+    """From S3 and Cloud Storage, a 4 KiB budget: each band of a leaf is placed from a chunk
+    read as many ranged parts (`PART_BYTES` made 1000 bytes), as stored or cast; PRNG keys."""
+    from eqxckpt._storage import _backend
+
+    monkeypatch.setattr(_backend, "PART_BYTES", 1000)
+    w = (np.arange(30000, dtype=np.float32).reshape(300, 100) - 15000) / 4
+    keys = jax.random.split(jax.random.key(5), 2000)
+    where = store.spec(f"place-{store.name}-{staged}-{cast}/")
+    eqxckpt.save(where, {"w": w, "keys": keys})
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    dtype = jnp.dtype(cast or "float32")
+    like = {
+        "w": jax.ShapeDtypeStruct(w.shape, dtype, sharding=one),
+        "keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=one),
+    }
+    out = eqxckpt.load(where, like, cast=cast is not None, host_memory_budget=4096)
+    assert out["w"].dtype == dtype
+    assert np.array_equal(np.asarray(out["w"]).view(np.uint8), w.astype(dtype).view(np.uint8))
+    assert np.array_equal(jax.random.key_data(out["keys"]), jax.random.key_data(keys))

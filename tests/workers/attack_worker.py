@@ -421,8 +421,10 @@ def signalled(directory: str) -> None:
     itself ATTACK_SIGNAL (KILL or STOP) at ATTACK_AT: ``write``, its first chunk write of
     step 1's save; ``commit``, process 0 as it commits step 1; ``read``, its first chunk
     read of a load of step 0 (replicated: read once in all); ``move``, as that load moves
-    the parts between processes. Every other process reports what it raised (or returned)
-    and how long it took, then ends at once (its peer is gone: no orderly shutdown)."""
+    the parts between processes. ATTACK_STORE (a kvstore spec): the run is on that object
+    store, and the chunk I/O and commit hooked are its own. Every other process reports what
+    it raised (or returned) and how long it took, then ends at once (its peer is gone: no
+    orderly shutdown)."""
     import signal
 
     import eqxckpt
@@ -440,7 +442,9 @@ def signalled(directory: str) -> None:
             k: global_array(f"{tag}/{k}", shape, np.float32, NamedSharding(mesh, spec)) for k, spec in SPECS.items()
         }
 
-    manager = eqxckpt.CheckpointManager(f"{directory}/run", blocking=True, save_on_preemption=False)
+    store = os.environ.get("ATTACK_STORE")  # a kvstore spec of the run's directory, on an object store
+    run = json.loads(store) if store else f"{directory}/run"
+    manager = eqxckpt.CheckpointManager(run, blocking=True, save_on_preemption=False)
     manager.save(0, tree("step0"))
 
     signalled = []
@@ -454,7 +458,33 @@ def signalled(directory: str) -> None:
             else:
                 os.kill(os.getpid(), number)
 
-    if me == victim:
+    if me == victim and store:
+        import eqxckpt._storage._backend as backend
+        import eqxckpt._storage._objects as objects
+
+        if at == "write":
+            writing = backend.KvChunkFiles.writing
+
+            async def stopped_writing(self, key, pieces):
+                stop_here()
+                await writing(self, key, pieces)
+
+            backend.KvChunkFiles.writing = stopped_writing
+        elif at == "commit":
+            commit = objects.ObjectStaging.commit
+            objects.ObjectStaging.commit = lambda self, *a: (stop_here(), commit(self, *a))[1]
+        elif at == "read":
+            reading = backend.KvChunkFiles.reading
+
+            async def stopped_reading(self, key, into):
+                stop_here()
+                await reading(self, key, into)
+
+            backend.KvChunkFiles.reading = stopped_reading
+        elif at == "move":
+            identity = replicas._identity
+            replicas._identity = lambda *v: (stop_here(), identity(*v))[1]
+    elif me == victim:
         if at == "write":
             original = local.LocalChunkFiles.write
             local.LocalChunkFiles.write = lambda self, key, pieces: (stop_here(), original(self, key, pieces))[1]
