@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import equinox as eqx
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -21,12 +22,19 @@ FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "t5_v1_1_tiny"
 REF = np.load(FIXTURE / "reference.npz")
 
 
+@eqx.filter_jit
+def outputs(model, ids, decoder_ids, mask):
+    """Encoder outputs and logits of ``model`` on a batch, compiled: run eagerly, each
+    operation under `vmap` is dispatched and compiled alone (10 s and more a call)."""
+    encoded = jax.vmap(lambda i, m: model.encode(i, attention_mask=m))(ids, mask)
+    return encoded, jax.vmap(lambda i, d, m: model(i, d, attention_mask=m))(ids, decoder_ids, mask)
+
+
 def run(model, prefix=""):
     """Encoder output and logits of ``model`` on the reference batch (``prefix="short_"``: the short one)."""
-    encode = jax.vmap(lambda i, m: model.encode(i, attention_mask=m))
-    logits = jax.vmap(lambda i, d, m: model(i, d, attention_mask=m))
     ids, mask = REF[prefix + "input_ids"], REF[prefix + "attention_mask"]
-    return np.asarray(encode(ids, mask)), np.asarray(logits(ids, REF[prefix + "decoder_input_ids"], mask))
+    encoded, logits = outputs(model, ids, REF[prefix + "decoder_input_ids"], mask)
+    return np.asarray(encoded), np.asarray(logits)
 
 
 def test_relative_position_buckets_match_exactly():
@@ -76,10 +84,13 @@ import jax.numpy as jnp, numpy as np
 from eqxckpt import t5
 ref = np.load({str(FIXTURE / "reference.npz")!r})
 model = t5.load_tf({str(FIXTURE)!r}, dtype=jnp.float64)
+@jax.jit  # compiled once for the two batches' shapes, rather than op by op (20 s and more)
+def outputs(ids, dec, mask):
+    encoded = jax.vmap(lambda i, m: model.encode(i, attention_mask=m))(ids, mask)
+    return encoded, jax.vmap(lambda i, d, m: model(i, d, attention_mask=m))(ids, dec, mask)
 for prefix in ("", "short_"):
     ids, mask, dec = (ref[prefix + name] for name in ("input_ids", "attention_mask", "decoder_input_ids"))
-    encoded = jax.vmap(lambda i, m: model.encode(i, attention_mask=m))(ids, mask)
-    logits = jax.vmap(lambda i, d, m: model(i, d, attention_mask=m))(ids, dec, mask)
+    encoded, logits = outputs(ids, dec, mask)
     assert encoded.dtype == logits.dtype == jnp.float64
     print(prefix or "main", np.abs(np.asarray(encoded) - ref[prefix + "encoder_last_hidden_state_f64"]).max(),
           np.abs(np.asarray(logits) - ref[prefix + "logits_f64"]).max())
@@ -240,11 +251,16 @@ def test_v10_checkpoint_imports_end_to_end(v10, tmp_path):
 
     assert_trees_equal(imported, model)
     ids, dec = jnp.arange(1, 12) % 256, jnp.array([0, 5, 9, 2])
-    hidden = imported.decoder(
-        imported.shared[dec], jnp.tril(jnp.ones((4, 4), bool)), imported.encode(ids), jnp.ones((1, 11), bool)
-    )
+
+    @eqx.filter_jit  # each side compiled whole, not dispatched op by op
+    def by_hand(model, ids, dec):
+        hidden = model.decoder(
+            model.shared[dec], jnp.tril(jnp.ones((4, 4), bool)), model.encode(ids), jnp.ones((1, 11), bool)
+        )
+        return (hidden * 128**-0.5) @ model.shared.T
+
     np.testing.assert_allclose(
-        imported(ids, dec), (hidden * 128**-0.5) @ imported.shared.T, rtol=1e-6, atol=1e-6
+        eqx.filter_jit(imported)(ids, dec), by_hand(imported, ids, dec), rtol=1e-6, atol=1e-6
     )  # tied, scaled
     t5.convert_tf(directory, tmp_path / "eqx")
     ckpt = eqxckpt.open(tmp_path / "eqx")

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,11 +23,14 @@ FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "t5_v1_1_tiny"
 REF = np.load(FIXTURE / "reference.npz")
 
 
+@eqx.filter_jit  # compiled whole: run eagerly, each operation under vmap is compiled alone
+def batch_logits(model, ids, decoder_ids, mask):
+    return jax.vmap(lambda i, d, m: model(i, d, attention_mask=m))(ids, decoder_ids, mask)
+
+
 def logits(model, prefix=""):
     ids, mask = REF[prefix + "input_ids"], REF[prefix + "attention_mask"]
-    return np.asarray(
-        jax.vmap(lambda i, d, m: model(i, d, attention_mask=m))(ids, REF[prefix + "decoder_input_ids"], mask)
-    )
+    return np.asarray(batch_logits(model, ids, REF[prefix + "decoder_input_ids"], mask))
 
 
 @pytest.fixture(scope="module")
