@@ -103,13 +103,14 @@ print("verified")
     )
     assert result.returncode == 0 and "verified" in result.stdout, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["async", "blocking"] + [f"worker{i}.log" for i in range(processes)]
-    if processes == 4:  # elastic: what 4 processes wrote, on disk, S3 and GCS, restored by 1, 2 and 8
+    if processes == 4:  # elastic: what 4 processes wrote, on disk, S3 and GCS, restored by 1 and by 8
         sources = [
             str(tmp_path / "blocking"),
             s3_spec(endpoint, f"mp{processes}/"),
             {"driver": "gcs", "bucket": BUCKET, "path": f"mp{processes}/"},
         ]
-        for readers in (1, 2, 8):
+        # Fewer readers than writers, and more (the state's shapes divide by 8, not by 6).
+        for readers in (1, 8):
             directory = tmp_path / f"readers{readers}"
             directory.mkdir()
             logs = launch("load", readers, directory, timeout=360, ELASTIC_SOURCES=json.dumps(sources))
