@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-import traceback
 import zlib
 
 import jax
@@ -376,10 +375,10 @@ def disagree(directory: str) -> None:
         result(case=case, process=me, mismatched=mismatches("r", restored["r"], want))
 
 
-def one_sided_failure(directory: str) -> None:
-    """Process 1's own copy of the checkpoint (each process loads its host's copy, as on
-    local disks) has a damaged manifest: its load fails as it opens it, before any phase,
-    while process 0 waits for it. Then both load a good checkpoint together."""
+def _host_copies(directory: str, saved_at: str) -> tuple[int, dict]:
+    """Save the good checkpoint (one replicated leaf) at ``directory/saved_at``, under
+    ``directory/good``, and copy ``good`` to ``host0`` and ``host1`` (each process loads
+    its host's copy, as on local disks). Returns this process's index and the `like`."""
     import shutil
 
     from jax.experimental import multihost_utils
@@ -387,33 +386,52 @@ def one_sided_failure(directory: str) -> None:
     import eqxckpt
 
     me = jax.process_index()
-    mesh = Mesh(np.array(jax.devices()), ("p",))
-    shape = (512, 256)
-    sharding = NamedSharding(mesh, P())
-    eqxckpt.save(f"{directory}/good", {"r": global_array("good/r", shape, np.float32, sharding)})
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("p",)), P())
+    eqxckpt.save(f"{directory}/{saved_at}", {"r": global_array("good/r", SHAPE, np.float32, sharding)})
     multihost_utils.sync_global_devices("saved")
     if me == 0:
         for p in range(2):
             shutil.copytree(f"{directory}/good", f"{directory}/host{p}")
-        with open(f"{directory}/host1/eqxckpt.json", "w") as f:
-            f.write("{")
     multihost_utils.sync_global_devices("copied")
-    like = {"r": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
-    for attempt, where in enumerate([f"{directory}/host{me}", f"{directory}/good"]):
+    return me, {"r": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding)}
+
+
+def _attempts(me: int, loads: list) -> None:
+    """Each load in turn: the error it raised, or how many elements it got wrong."""
+    import eqxckpt
+
+    for attempt, load in enumerate(loads):
         start = time.monotonic()
         try:
-            restored = jax.block_until_ready(eqxckpt.load(where, like))
+            restored = jax.block_until_ready(load())
         except eqxckpt.CheckpointError as e:
             after = round(time.monotonic() - start, 1)
             result(attempt=attempt, process=me, raised=type(e).__name__, after=after, message=str(e)[:300])
             continue
         after = round(time.monotonic() - start, 1)
-        result(
-            attempt=attempt,
-            process=me,
-            mismatched=mismatches("r", restored["r"], values("good/r", shape, np.float32)),
-            after=after,
-        )
+        mismatched = mismatches("r", restored["r"], values("good/r", SHAPE, np.float32))
+        result(attempt=attempt, process=me, mismatched=mismatched, after=after)
+
+
+SHAPE = (512, 256)
+
+
+def one_sided_failure(directory: str) -> None:
+    """Process 1's own copy of the checkpoint has a damaged manifest: its load fails as it
+    opens it, before any phase, while process 0 waits for it. Then both load a good
+    checkpoint together."""
+    from jax.experimental import multihost_utils
+
+    import eqxckpt
+
+    me, like = _host_copies(directory, "good")
+    if me == 0:
+        with open(f"{directory}/host1/eqxckpt.json", "w") as f:
+            f.write("{")
+    multihost_utils.sync_global_devices("damaged")
+    _attempts(
+        me, [lambda where=where: eqxckpt.load(where, like) for where in (f"{directory}/host{me}", f"{directory}/good")]
+    )
 
 
 def signalled(directory: str) -> None:
@@ -520,40 +538,18 @@ def manager_one_sided(directory: str) -> None:
     the latest step gets a damaged manifest after the managers listed their steps, so its
     `CheckpointManager.load` fails as it opens the step, before `load`. Then both load the
     good copy together."""
-    import shutil
-
     from jax.experimental import multihost_utils
 
     import eqxckpt
 
-    me = jax.process_index()
-    mesh = Mesh(np.array(jax.devices()), ("p",))
-    shape = (512, 256)
-    sharding = NamedSharding(mesh, P())
-    eqxckpt.save(f"{directory}/good/0", {"r": global_array("good/r", shape, np.float32, sharding)})
-    multihost_utils.sync_global_devices("saved")
-    if me == 0:
-        for p in range(2):
-            shutil.copytree(f"{directory}/good", f"{directory}/host{p}")
-    multihost_utils.sync_global_devices("copied")
+    me, like = _host_copies(directory, "good/0")
     managers = [eqxckpt.CheckpointManager(f"{directory}/{where}") for where in (f"host{me}", "good")]
     multihost_utils.sync_global_devices("listed")
     if me == 0:
         with open(f"{directory}/host1/0/eqxckpt.json", "w") as f:
             f.write("{")
     multihost_utils.sync_global_devices("damaged")
-    like = {"r": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
-    for attempt, manager in enumerate(managers):
-        start = time.monotonic()
-        try:
-            restored = jax.block_until_ready(manager.load(like))
-        except eqxckpt.CheckpointError as e:
-            after = round(time.monotonic() - start, 1)
-            result(attempt=attempt, process=me, raised=type(e).__name__, after=after, message=str(e)[:300])
-            continue
-        after = round(time.monotonic() - start, 1)
-        mismatched = mismatches("r", restored["r"], values("good/r", shape, np.float32))
-        result(attempt=attempt, process=me, mismatched=mismatched, after=after)
+    _attempts(me, [lambda manager=manager: manager.load(like) for manager in managers])
 
 
 SPECS = {"r": P(), "s": P("p")}
@@ -585,11 +581,6 @@ def main(scenario: str, port: int, processes: int, process_id: int, directory: s
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
-    except BaseException:  # noqa: BLE001 - any failure must end this process at once
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    jax.distributed.shutdown()
+    from distributed_worker import run_worker
+
+    run_worker(main)

@@ -309,10 +309,13 @@ def main(scenario: str, port: int, num_processes: int, process_id: int, director
         raise ValueError(scenario)
 
 
-if __name__ == "__main__":
+def run_worker(main) -> None:
+    """Every worker's entry point: ``main(SCENARIO, PORT, NUM_PROCESSES, PROCESS_ID,
+    DIRECTORY)`` from the command line; any failure ends the process at once (the
+    others must not wait on it), a clean ``SystemExit`` (a preempted manager's) does not."""
     try:
         main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
-    except SystemExit as e:  # the manager ends a preempted run with SystemExit(0): a clean exit
+    except SystemExit as e:
         if e.code not in (0, None):
             os._exit(1)
     except BaseException:  # noqa: BLE001 - any failure must end this process at once
@@ -321,3 +324,7 @@ if __name__ == "__main__":
         sys.stderr.flush()
         os._exit(1)
     jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    run_worker(main)

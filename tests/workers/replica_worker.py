@@ -13,8 +13,6 @@ chunk files alone; on object stores, TensorStore's kvstore byte counters.
 
 import json
 import os
-import sys
-import traceback
 import zlib
 
 import jax
@@ -188,11 +186,6 @@ def main(where: str, port: int, processes: int, process_id: int, directory: str)
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
-    except BaseException:  # noqa: BLE001 - any failure must end this process at once
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    jax.distributed.shutdown()
+    from distributed_worker import run_worker
+
+    run_worker(main)
