@@ -117,13 +117,19 @@ def test_a_sharded_restore_holds_at_most_its_host_memory_budget(tmp_path):
         assert result["peak"] <= result["bytes"] + budget + (100 << 20), (budget_mib, result["peak"] >> 20)
 
 
+def _probe_saved(tmp_path_factory, scenario: str, devices: int) -> tuple:
+    """A checkpoint the probe's ``scenario`` saved, and the environment its loads run in
+    (``devices`` CPU devices; freed memory returned to the system promptly)."""
+    path = tmp_path_factory.mktemp(scenario) / "ckpt"
+    env = dict(os.environ, MALLOC_TRIM_THRESHOLD_=str(128 * 1024), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    subprocess.run([sys.executable, str(PROBE), scenario, str(path)], check=True, env=env, capture_output=True)
+    return path, env
+
+
 @pytest.fixture(scope="module")
 def one_leaf(tmp_path_factory):
-    path = tmp_path_factory.mktemp("leaf") / "ckpt"
-    env = dict(os.environ, MALLOC_TRIM_THRESHOLD_=str(128 * 1024), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    subprocess.run([sys.executable, str(PROBE), "save_leaf", str(path)], check=True, env=env, capture_output=True)
-    return path, env
+    return _probe_saved(tmp_path_factory, "save_leaf", 8)
 
 
 @pytest.mark.parametrize("spec", ["rows", "columns", "replicated"])
@@ -149,11 +155,7 @@ def test_the_host_memory_budget_holds_for_every_sharding(one_leaf, spec):
 
 @pytest.fixture(scope="module")
 def big_leaf(tmp_path_factory):
-    path = tmp_path_factory.mktemp("big") / "ckpt"
-    env = dict(os.environ, MALLOC_TRIM_THRESHOLD_=str(128 * 1024), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    subprocess.run([sys.executable, str(PROBE), "save_big", str(path)], check=True, env=env, capture_output=True)
-    return path, env
+    return _probe_saved(tmp_path_factory, "save_big", 4)
 
 
 @pytest.mark.parametrize(
