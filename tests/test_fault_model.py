@@ -309,10 +309,39 @@ class FaultModel(RuleBasedStateMachine):
     @rule(number=STEPS, version=VERSIONS, overwrite=st.booleans(), blocking=st.booleans())
     def plain_save(self, number, version, overwrite, blocking):
         """``eqxckpt.save`` to the step's path."""
+        self._plain_save(number, version, overwrite, blocking)
+
+    @rule(number=STEPS, version=VERSIONS, overwrite=st.booleans(), blocking=st.booleans(), at=st.integers(0, 40))
+    def save_failing_while_hashing(self, number, version, overwrite, blocking, at):
+        """A save whose leaf digests (computed beside its writes) fail at the ``at``-th leaf:
+        nothing is committed and the step keeps what it held (a save with fewer leaves
+        than that commits, as any other)."""
+        import eqxckpt._save as save_module
+
+        real, hashed = save_module.digest, []
+
+        def failing(fields, data):
+            hashed.append(1)
+            if len(hashed) == at + 1:
+                raise MemoryError("injected while hashing")
+            return real(fields, data)
+
+        save_module.digest = failing
+        try:
+            self._plain_save(number, version, overwrite, blocking)
+        except eqxckpt.CheckpointWriteError as e:
+            assert "Hashing leaf" in str(e) and "injected while hashing" in str(e), repr(e)
+            note(f"save of step {number} failed while hashing, as injected")
+        finally:
+            save_module.digest = real
+
+    def _plain_save(self, number, version, overwrite, blocking):
         exists = number in self.model.versions
         try:
             eqxckpt.save(self.where.step(number), tree(version), overwrite=overwrite, blocking=blocking).wait()
         except eqxckpt.CheckpointError as e:
+            if "injected while hashing" in str(e):
+                raise  # the model is unchanged: the invariants check the step still holds its version
             # A step whose manifest is damaged may be refused as damaged rather than as existing.
             refused = isinstance(e, eqxckpt.CheckpointExistsError) or not self.model.clean(number)
             assert refused and exists and not overwrite, f"save of step {number} failed (exists: {exists}): {e!r}"
