@@ -415,12 +415,9 @@ class CheckpointManager:
                 with contextlib.ExitStack() as held:
                     with failing_together(together):
                         chosen = held.enter_context(self._steps.reading(step, gone))
-                        try:
-                            source = open_source(self._steps.step_path(chosen), format=source_format)
-                        except GONE:
-                            gone.add(chosen)
-                            raise
                     try:
+                        with failing_together(together):
+                            source = open_source(self._steps.step_path(chosen), format=source_format)
                         return load(source, like, at=at, **load_kwargs)
                     except GONE:
                         gone.add(chosen)
