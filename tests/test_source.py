@@ -67,6 +67,7 @@ def test_a_leaf_read_twice_gives_values_that_share_no_buffer(tmp_path):
     eqxckpt.save(tmp_path / "c", tree)
     ckpt = eqxckpt.open(tmp_path / "c")
     leaf = ckpt.leaf("w")
+    assert isinstance(leaf, eqxckpt.StoredLeaf)
     adopted, host = ckpt.read([(leaf, None), (leaf, np.zeros(leaf.shape, np.float32))])
     host[0] = 99.0
     assert float(adopted[0]) == 0.0
