@@ -15,6 +15,7 @@ import functools
 import math
 import operator
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -95,8 +96,18 @@ class Source(abc.ABC):
 
         adoptions = Adoptions()  # jax arrays of leaves read whole, made together at the end
 
+        # A leaf wanted twice may be fetched once: each value but the first gets a copy, as
+        # a jax array adopts its buffer and a numpy value of the same buffer could change it.
+        handed: set[tuple[int, int]] = set()
+        lock = threading.Lock()
+
         def done(j: int, data: np.ndarray) -> None:
             leaf, target = wanted[whole[j]]
+            with lock:
+                again = (data.ctypes.data, data.nbytes) in handed
+                handed.add((data.ctypes.data, data.nbytes))
+            if again and data.nbytes:
+                data = data.copy()
             with reading(leaf):
                 values[whole[j]] = leaf.finish(data, target, adoptions)
             advance(leaf.nbytes)

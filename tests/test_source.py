@@ -57,3 +57,18 @@ def test_the_slash_hint_for_a_wrong_at_names_a_path_that_exists(tmp_path, at):
         eqxckpt.load(tmp_path / "c", like=None, at=at)
     for suggested in re.findall(r"\(at='([^']*)', not", str(caught.value)):
         eqxckpt.load(tmp_path / "c", like=None, at=suggested)  # the fix offered must work
+
+
+def test_a_leaf_read_twice_gives_values_that_share_no_buffer(tmp_path):
+    # A jax array adopts its host buffer: a numpy value of the same buffer would change it.
+    import jax.numpy as jnp
+
+    tree = {"w": jnp.arange(1024.0, dtype=jnp.float32), **{f"s{i}": jnp.arange(16.0) + i for i in range(40)}}
+    eqxckpt.save(tmp_path / "c", tree)
+    ckpt = eqxckpt.open(tmp_path / "c")
+    leaf = ckpt.leaf("w")
+    assert isinstance(leaf, eqxckpt.StoredLeaf)
+    adopted, host = ckpt.read([(leaf, None), (leaf, np.zeros(leaf.shape, np.float32))])
+    host[0] = 99.0
+    assert float(adopted[0]) == 0.0
+    np.testing.assert_array_equal(np.asarray(adopted), np.arange(1024.0, dtype=np.float32))
