@@ -99,3 +99,26 @@ def test_object_store_overwrite_never_clears_foreign_data():
     left = sorted(key.decode() for key in legacy.list().result())
     # (the root zarr.json written above is not what eqxckpt writes there, so it stays)
     assert [key for key in left if not key.startswith("%arrays.")] == ["eqxckpt.json", "zarr.json"]
+
+
+def test_a_save_syncs_through_a_descriptor_opened_before_its_writes(tmp_path, monkeypatch):
+    """`syncfs` reports the write errors since its descriptor was opened: a save syncs
+    through its staging directory's lock, opened before its first chunk was written,
+    and leaves that descriptor open (the lock is released after the commit)."""
+    import os
+
+    import eqxckpt._storage._local as local
+
+    used = []
+    real = local.sync_filesystem
+
+    def recording(root, opened=None):
+        used.append((opened, os.fstat(opened).st_ino if opened is not None else None, root.stat().st_ino))
+        real(root, opened)
+        os.fstat(opened)  # still open: never closed by the sync
+
+    monkeypatch.setattr(local, "sync_filesystem", recording)
+    eqxckpt.save(tmp_path / "c", {"x": np.arange(8)})
+    [(opened, fd_inode, root_inode)] = used
+    assert opened is not None and fd_inode == root_inode  # the staging directory itself
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "c")["x"], np.arange(8))

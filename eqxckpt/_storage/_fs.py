@@ -54,12 +54,17 @@ def fsync_path(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def sync_filesystem(root: pathlib.Path) -> None:
+def sync_filesystem(root: pathlib.Path, opened: int | None = None) -> None:
     """Make every file and directory written below ``root`` durable.
 
     Linux ``syncfs`` flushes the whole filesystem holding ``root`` in one call,
     which lets the kernel write all chunk files in one pass and commit the
     journal once. Elsewhere, every file and directory below ``root`` is fsync'd.
+
+    ``opened``: a descriptor of ``root`` opened before the files were written.
+    ``syncfs`` reports the write errors of the filesystem since its descriptor was
+    opened, and one opened only now misses those that another process's sync saw
+    first (pages written back during the save, `start_writeback`'s or the kernel's).
     """
     syncfs = _libc_function("syncfs", [ctypes.c_int])
     if syncfs is None:
@@ -68,13 +73,14 @@ def sync_filesystem(root: pathlib.Path) -> None:
                 fsync_path(pathlib.Path(dirpath, name))
             fsync_path(pathlib.Path(dirpath))
         return
-    fd = os.open(root, os.O_RDONLY)
+    fd = os.open(root, os.O_RDONLY) if opened is None else opened
     try:
         if syncfs(fd) != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), str(root))
     finally:
-        os.close(fd)
+        if opened is None:
+            os.close(fd)
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback; wait for nothing

@@ -318,8 +318,9 @@ class LocalStaging(Staging):
         self.owner = owner
 
     def sync(self) -> None:
-        # Durable before the commit phase: every process syncs what it wrote.
-        sync_filesystem(self.tmp)
+        # Durable before the commit phase: every process syncs what it wrote, through the
+        # staging directory's lock, held since before its first write (its write errors).
+        sync_filesystem(self.tmp, self.lock.fd if self.lock is not None else None)
 
     def link_files(self, base: Storage, keys: list[str]) -> None:
         assert isinstance(base, LocalStorage)
