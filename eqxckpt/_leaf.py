@@ -8,6 +8,7 @@ value `load` takes from `like`. A new kind is one class here, registered in `KIN
 import dataclasses
 import functools
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
@@ -15,7 +16,7 @@ import numpy as np
 from ._convert import Adoptions, adopt, checked_astype, default_device, narrowed
 from ._digest import parse_digest
 from ._dtypes import STORED_DTYPES, check_dtype, dtype_name
-from ._errors import CorruptCheckpointError, ManifestError, UnsupportedLeafError
+from ._errors import CastError, CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
 from ._scalars import bits_fit, nan_bits, scalar_from_json, scalar_to_json, with_bits
 from ._tree import (
@@ -35,6 +36,7 @@ UNKNOWN = "unknown"  # the array type of foreign formats' leaves (never written 
 SCALAR_NAMES = ("int", "float", "bool", "complex", "str", "none")
 MAX_RANK = 64
 MAX_ELEMENTS = 1 << 53
+_MAX_LISTED = 50  # leaves named in one error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,6 +386,23 @@ class ArrayLeaf(StoredLeaf):
             return checked_astype(data, dtype, self.path)
 
         return place(convert)
+
+
+def refuse_narrowing(wanted: "Iterable[tuple[StoredLeaf, Any]]", doing: str) -> None:
+    """Raise `CastError` naming every leaf JAX would silently narrow when read into its
+    target (None: as saved): 64-bit data with x64 off. ``doing`` starts the message."""
+    import jax
+
+    if jax.config.read("jax_enable_x64"):  # once, not once per leaf
+        return
+    changed = [(leaf.path, why) for leaf, target in wanted if (why := leaf.narrowed(target)) is not None]
+    if changed:
+        raise CastError(
+            f"{doing}: {len(changed)} leaves would change: "
+            + "; ".join(f"{path}: {why}" for path, why in changed[:_MAX_LISTED])
+            + ("; ..." if len(changed) > _MAX_LISTED else "")
+            + "."
+        )
 
 
 def check_bool_bytes(data: np.ndarray, path: str) -> None:

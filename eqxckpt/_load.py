@@ -21,7 +21,7 @@ from ._errors import CastError, CheckpointChangedError, StructureMismatchError, 
 from ._formats import open as open_source
 from ._gc import collector_paused
 from ._layout import Layout, Row, plan_stack, plan_unstack, read_layouts, unrestored_rows
-from ._leaf import ArrayLeaf, Leaf, StoredLeaf
+from ._leaf import ArrayLeaf, Leaf, StoredLeaf, refuse_narrowing
 from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
 from ._replicas import failing_together, read_once, spans_processes
@@ -217,15 +217,10 @@ def _plan_plain(source: Source, prefix: str, available: dict[str, Leaf]) -> Plan
     """``like=None``: every leaf as saved, in plain dicts and lists."""
     leaves = list(available.values())
     result = Plan(source, prefix, None, [None] * len(leaves), plain_keys=[leaf.keys for leaf in leaves])
-    changed = [
-        (leaf.path, why) for leaf in leaves if isinstance(leaf, StoredLeaf) and (why := leaf.narrowed(None)) is not None
-    ]
-    if changed:
-        raise CastError(
-            f"Cannot restore {len(changed)} leaves of {source.location} without changing them: "
-            + "; ".join(f"{path}: {why}" for path, why in changed[:MAX_LISTED])
-            + "."
-        )
+    refuse_narrowing(
+        ((leaf, None) for leaf in leaves if isinstance(leaf, StoredLeaf)),
+        f"Cannot restore the leaves of {source.location} as saved",
+    )
     for slot, leaf in enumerate(leaves):
         result.supply(slot, leaf, None)
     return result

@@ -24,7 +24,7 @@ import numpy as np
 from ._chunks import Region
 from ._convert import Adoption, Adoptions
 from ._errors import ArgumentError, CheckpointError
-from ._leaf import Leaf, StoredLeaf, check_bool_bytes
+from ._leaf import Leaf, StoredLeaf, check_bool_bytes, refuse_narrowing
 from ._paths import depth, did_you_mean, normalize_at, relative_to
 from ._place import Placement, Reader, on_host
 from ._progress import advance
@@ -80,7 +80,8 @@ class Source(abc.ABC):
           of `like` (an array or a `jax.ShapeDtypeStruct`, whose sharding is honoured)
           or None.
 
-        **Returns:** the values, in the order of ``wanted``.
+        **Returns:** the values, in the order of ``wanted``. A leaf JAX would change (64-bit
+        data read into JAX with ``jax_enable_x64`` off) raises `CastError` before any read.
 
         Inside `consistent`, what is read is one checkpoint's.
 
@@ -90,6 +91,7 @@ class Source(abc.ABC):
         ```
         """
         start_jax()
+        refuse_narrowing(wanted, f"Cannot read from {self.location} without changing values")
         values: list[Any] = [None] * len(wanted)
         placements = {i: self._placement(leaf, target) for i, (leaf, target) in enumerate(wanted)}
         whole = [i for i, placement in placements.items() if placement is None]

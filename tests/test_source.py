@@ -72,3 +72,27 @@ def test_a_leaf_read_twice_gives_values_that_share_no_buffer(tmp_path):
     host[0] = 99.0
     assert float(adopted[0]) == 0.0
     np.testing.assert_array_equal(np.asarray(adopted), np.arange(1024.0, dtype=np.float32))
+
+
+def test_a_read_into_jax_refuses_64_bit_data_it_would_narrow(tmp_path):
+    # With x64 off JAX turns int64 into int32: 2**40 + [0, 1, 2] read as [0, 1, 2], silently.
+    import jax
+
+    big = 2**40 + np.arange(3)
+    with jax.enable_x64(True):
+        eqxckpt.save(tmp_path / "c", {"j": jax.numpy.asarray(big), "n": big, "f": jax.numpy.ones(2, "float32")})
+    assert not jax.config.read("jax_enable_x64")
+    ckpt = eqxckpt.open(tmp_path / "c")
+    j, n, f = (ckpt.leaf(p) for p in "jnf")
+    assert isinstance(j, eqxckpt.StoredLeaf) and isinstance(n, eqxckpt.StoredLeaf) and isinstance(f, eqxckpt.StoredLeaf)
+    with pytest.raises(eqxckpt.CastError, match=r"1 leaves would change: j: int64 would become int32") as caught:
+        ckpt.read([(f, None), (j, None)])
+    assert "jax_enable_x64" in str(caught.value)
+    with pytest.raises(eqxckpt.CastError, match=r"j: int64"):
+        ckpt.read([(j, jax.ShapeDtypeStruct((3,), np.int64))])
+    # Into numpy, as saved into numpy, or cast into a 32-bit target: nothing changes silently.
+    np.testing.assert_array_equal(ckpt.read([(j, np.zeros(3, np.int64))])[0], big)
+    np.testing.assert_array_equal(ckpt.read([(n, None)])[0], big)
+    np.testing.assert_array_equal(ckpt["j"].get(), big)
+    with jax.enable_x64(True):
+        np.testing.assert_array_equal(np.asarray(ckpt.read([(j, None)])[0]), big)
