@@ -16,6 +16,24 @@ ALGORITHM = "xxh3-128"
 _FORMAT = re.compile(rf"{ALGORITHM}:[0-9a-f]{{32}}")
 # json.dumps(..., separators=(",", ":")) builds an encoder per call; one serves every leaf.
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
+# The hash of each description seen, before any bytes: many leaves share a dtype and
+# shape, and a copy of a started hash costs less than encoding the description again.
+# Keyed by repr, which tells True from 1 and 1.0 (json would write them apart, too).
+_STARTED: dict[str, Any] = {}
+_MAX_STARTED = 1 << 12
+
+
+def _started(fields: list[Any]) -> Any:
+    """A new XXH3-128 hash that has taken ``fields``' description: its compact JSON, then a NUL."""
+    key = repr(fields)
+    started = _STARTED.get(key)
+    if started is None:
+        # What the bytes are, then a NUL: the same bytes as another dtype or shape differ.
+        started = xxhash.xxh3_128(_COMPACT.encode(fields).encode() + b"\0")
+        if len(_STARTED) >= _MAX_STARTED:
+            _STARTED.clear()
+        _STARTED[key] = started
+    return started.copy()
 
 
 class LeafDigest:
@@ -23,8 +41,7 @@ class LeafDigest:
     slab, a packed leaf's bytes across batches): ``update`` each piece, then `value`."""
 
     def __init__(self, fields: list[Any]):
-        # What the bytes are, then a NUL: the same bytes as another dtype or shape differ.
-        self._hash = xxhash.xxh3_128(_COMPACT.encode(fields).encode() + b"\0")
+        self._hash = _started(fields)
 
     def update(self, data: np.ndarray) -> None:
         """Add ``data``'s bytes as they are stored (`little_endian`), in C order."""
@@ -47,7 +64,7 @@ def _stored_bytes(data: np.ndarray) -> Any:
 def digest(fields: list[Any], data: np.ndarray) -> str:
     """The digest of a leaf described by ``fields`` holding ``data`` (whole, in memory):
     what a `LeafDigest` given the same gives, in one step (a save digests every leaf)."""
-    hashed = xxhash.xxh3_128(_COMPACT.encode(fields).encode() + b"\0")
+    hashed = _started(fields)
     hashed.update(_stored_bytes(data))
     return f"{ALGORITHM}:{hashed.hexdigest()}"
 

@@ -153,7 +153,48 @@ def decode_segment(segment: str) -> str:
 
 def key_entry_segment(entry: Any) -> str:
     """The path segment of one `jax.tree_util` key entry."""
-    return record_segment(key_entry_record(entry))
+    return key_entry(entry)[1]
+
+
+# The usual key entries' records and segments, by entry type and exact key: a tree repeats
+# its keys across leaves ("weight", layer indices), and a key is asked for twice per save.
+# Keyed by the key's exact type too, so that True never passes for 1.
+_ENTRIES: dict[tuple[type, type, Any], tuple[tuple, str]] = {}
+_MAX_ENTRIES = 1 << 16
+
+
+def key_entry(entry: Any) -> tuple[tuple, str]:
+    """``(record, segment)``: `key_entry_record` (as a tuple) and the path segment of one
+    `jax.tree_util` key entry.
+
+    ```python
+    import jax
+    key_entry(jax.tree_util.DictKey("a/b"))  # (('dict', 'a/b'), 'a%2Fb')
+    ```
+    """
+    import jax.tree_util as jtu
+
+    kind = type(entry)
+    if kind is jtu.GetAttrKey:
+        value = entry.name
+    elif kind is jtu.DictKey:
+        value = entry.key
+    elif kind is jtu.SequenceKey:
+        value = entry.idx
+    else:  # another kind of entry: its record may depend on more than one value
+        record = tuple(key_entry_record(entry))
+        return record, record_segment(record)
+    cache_key = (kind, type(value), value)
+    known = _ENTRIES.get(cache_key) if type(value) in (str, int) else None
+    if known is not None:
+        return known
+    record = tuple(key_entry_record(entry))
+    known = (record, record_segment(record))
+    if type(value) in (str, int):
+        if len(_ENTRIES) >= _MAX_ENTRIES:
+            _ENTRIES.clear()
+        _ENTRIES[cache_key] = known
+    return known
 
 
 def record_segment(record: list | tuple) -> str:

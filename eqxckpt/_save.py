@@ -24,7 +24,7 @@ from ._interrupts import interrupts_deferred
 from ._leaf import Leaf, StoredLeaf, with_storage
 from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
-from ._paths import GROUP_METADATA, group_file, group_locations, key_entry_record
+from ._paths import GROUP_METADATA, group_file, group_locations, key_entry
 from ._pieces import PackedWrite, Piece, record_of, snapshot
 from ._progress import Progress, advance, reporting
 from ._reuse import Reuse, plan_reuse
@@ -70,7 +70,7 @@ def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
                 "save needs a container at the top of the tree (a module, dict, list...); "
                 "wrap a single array, e.g. save(path, {'x': array})."
             )
-        keys = tuple(tuple(key_entry_record(e)) for e in keypath)
+        keys = tuple(key_entry(e)[0] for e in keypath)
         record, data = record_of(path, keys, value)
         records.append(record)
         if isinstance(record, StoredLeaf):

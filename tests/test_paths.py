@@ -12,8 +12,11 @@ from eqxckpt._paths import (
     MAX_SEGMENT,
     decode_segment,
     encode_segment,
+    key_entry,
+    key_entry_record,
     keypath_to_path,
     parse_reference,
+    record_segment,
     reference,
     validate_path,
 )
@@ -56,6 +59,27 @@ def test_segment_is_injective(a, b):
 def test_readable_identifiers_stay_as_they_are():
     for name in ["weight", "layers", "Dense_0", "conv1.bias", "0", "mu"]:
         assert encode_segment(name) == name
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.builds(jtu.DictKey, st.one_of(st.text(max_size=8), st.integers(-3, 3), st.booleans(), st.floats(0, 2))),
+            st.builds(jtu.GetAttrKey, st.text(max_size=8)),
+            st.builds(jtu.SequenceKey, st.integers(0, 5)),
+            st.builds(jtu.FlattenedIndexKey, st.integers(0, 5)),
+        ),
+        max_size=30,
+    )
+)
+def test_a_key_entry_asked_again_gives_its_own_record(entries):
+    # Entries are remembered by type and exact key: DictKey(True), DictKey(1) and DictKey(1.0)
+    # are equal as dict keys but not as records.
+    for entry in entries:
+        record = tuple(key_entry_record(entry))
+        assert key_entry(entry) == (record, record_segment(record))
+        assert type(key_entry(entry)[0][1]) is type(record[1])
 
 
 def test_keypath_strings():
