@@ -43,14 +43,17 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/readme.py
 	@echo "The eqxckpt command is in $(VENV)/bin: run $(VENV)/bin/eqxckpt --help, or source $(VENV)/bin/activate first."
 
-# The suite in two workers, a test file each at a time (module fixtures are made once):
-# 16 min 07 s instead of 24 min 51 s in one process, on 2 cores; each worker peaks at
-# about 4.4 GB, so not one per core on larger machines.
+# The suite in two workers that take tests from each other's queue once their own is
+# empty (worksteal): a worker no longer idles while the other ends a long test file, as
+# with a file at a time (loadfile). On 2 cores, with this and the suite's XLA compiles
+# unoptimised (tests/conftest.py): 11 min 48 s, where before either it took 15 min 36 s
+# on the same idle machine, and 24 min 51 s in one process. Each worker peaks at about
+# 4.4 GB, so not one per core on larger machines.
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pyright
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 docs: $(VENV)/.test-installed
 	$(BIN)/mkdocs build --strict
