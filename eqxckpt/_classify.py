@@ -42,7 +42,7 @@ def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, A
         array_type = (
             "jax" if isinstance(value, jax.Array) else "numpy" if isinstance(value, np.ndarray) else "numpy_scalar"
         )
-        return ArrayLeaf(path, keys, tuple(np.shape(value)), _stored_name(value.dtype, path), array_type), value
+        return ArrayLeaf(path, keys, tuple(value.shape), _stored_name(value.dtype, path), array_type), value
     if isinstance(value, SCALAR_TYPES) or is_empty_subtree(value):
         # An empty subtree in a sequence is recorded as None: it keeps the indices whole.
         scalar = None if is_empty_subtree(value) else str(value) if isinstance(value, np.str_) else value

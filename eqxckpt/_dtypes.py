@@ -1,6 +1,7 @@
 """Stored dtypes and byte order: which dtypes a checkpoint's arrays hold, and a host value
 as the little-endian array whose bytes every writer stores."""
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,10 @@ def little_endian(value: Any, copy: bool = False) -> np.ndarray:
     ``copy``: a fresh array in any case (one pass, swapping as it copies).
     """
     array = np.asarray(value)
-    little = array.dtype.newbyteorder("<")  # equal to the dtype itself unless it is big-endian
-    if copy or array.dtype != little:
-        return np.array(array, dtype=little, copy=True)
+    order = array.dtype.byteorder  # "=" native, "|" not applicable, "<" or ">" stated
+    if copy or order == ">" or (order == "=" and _BIG_ENDIAN_HOST):
+        return np.array(array, dtype=array.dtype.newbyteorder("<"), copy=True)
     return array
+
+
+_BIG_ENDIAN_HOST = sys.byteorder == "big"

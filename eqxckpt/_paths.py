@@ -19,7 +19,7 @@ import difflib
 import functools
 import hashlib
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from ._errors import ManifestError, PathError
@@ -172,29 +172,46 @@ def key_entry(entry: Any) -> tuple[tuple, str]:
     key_entry(jax.tree_util.DictKey("a/b"))  # (('dict', 'a/b'), 'a%2Fb')
     ```
     """
-    import jax.tree_util as jtu
-
     kind = type(entry)
-    if kind is jtu.GetAttrKey:
-        value = entry.name
-    elif kind is jtu.DictKey:
-        value = entry.key
-    elif kind is jtu.SequenceKey:
-        value = entry.idx
-    else:  # another kind of entry: its record may depend on more than one value
+    if not _KEY_OF:
+        _learn_key_kinds()
+    key_of = _KEY_OF.get(kind)
+    if key_of is None:  # another kind of entry: its record may depend on more than one value
         record = tuple(key_entry_record(entry))
         return record, record_segment(record)
-    cache_key = (kind, type(value), value)
-    known = _ENTRIES.get(cache_key) if type(value) in (str, int) else None
-    if known is not None:
-        return known
+    value = key_of(entry)
+    value_type = type(value)
+    cacheable = value_type is str or value_type is int
+    if cacheable:
+        known = _ENTRIES.get((kind, value_type, value))
+        if known is not None:
+            return known
     record = tuple(key_entry_record(entry))
     known = (record, record_segment(record))
-    if type(value) in (str, int):
+    if cacheable:
         if len(_ENTRIES) >= _MAX_ENTRIES:
             _ENTRIES.clear()
-        _ENTRIES[cache_key] = known
+        _ENTRIES[kind, value_type, value] = known
     return known
+
+
+# How to get the one value each usual kind of key entry holds (filled on first use: JAX
+# is imported where it is needed, not to read a checkpoint).
+_KEY_OF: dict[type, Callable[[Any], Any]] = {}
+
+
+def _learn_key_kinds() -> None:
+    import operator
+
+    import jax.tree_util as jtu
+
+    _KEY_OF.update(
+        {
+            jtu.GetAttrKey: operator.attrgetter("name"),
+            jtu.DictKey: operator.attrgetter("key"),
+            jtu.SequenceKey: operator.attrgetter("idx"),
+        }
+    )
 
 
 def record_segment(record: list | tuple) -> str:
@@ -255,12 +272,13 @@ def check_unique(paths_and_keypaths: list[tuple[str, tuple]]) -> None:
     reserved = {MANIFEST_NAME.casefold(), LEASE_NAME.casefold()}
     for path, keypath in paths_and_keypaths:
         folded = path.casefold()
-        if folded.split("/")[0] in reserved:
+        parts = folded.split("/")
+        if parts[0] in reserved:
             raise PathError(
                 f"Leaf {jtu.keystr(keypath)} would be stored at {path!r}, which on a case-insensitive store is "
-                f"eqxckpt's own {folded.split('/')[0]!r}. Rename the key before saving."
+                f"eqxckpt's own {parts[0]!r}. Rename the key before saving."
             )
-        if ZARR_NAME in folded.split("/"):
+        if ZARR_NAME in parts:
             raise PathError(
                 f"Leaf {jtu.keystr(keypath)} would be stored at {path!r}, which on a case-insensitive store is "
                 f"the {ZARR_NAME!r} of a zarr group. Rename the key before saving."
@@ -276,7 +294,9 @@ def check_unique(paths_and_keypaths: list[tuple[str, tuple]]) -> None:
                 "the keys before saving."
             )
         seen[folded] = keypath
-        for prefix in ancestors(folded):
+        prefix = ""
+        for part in parts[:-1]:  # the paths that hold this one, outermost first (`ancestors`)
+            prefix = f"{prefix}/{part}" if prefix else part
             if prefix in seen:
                 raise PathError(
                     f"Leaf {jtu.keystr(keypath)} would be stored inside leaf "

@@ -223,7 +223,16 @@ def _covers(index: tuple[slice, ...]) -> bool:
 
 
 def _on_cpu(array: "jax.Array") -> bool:
-    return all(d.platform == "cpu" for d in array.sharding.device_set)
+    sharding = array.sharding
+    known = _ON_CPU.get(sharding)
+    if known is None:  # asked per leaf of a tree of many; the leaves share a few shardings
+        known = all(d.platform == "cpu" for d in sharding.device_set)
+        if len(_ON_CPU) < 1024:
+            _ON_CPU[sharding] = known
+    return known
+
+
+_ON_CPU: dict[Any, bool] = {}
 
 
 def _host(value: Any, copy: bool) -> np.ndarray:

@@ -58,11 +58,22 @@ def _is_key_dtype(dtype: Any) -> bool:
 
 def is_array_like(x: Any) -> bool:
     """Arrays and array skeletons: anything with a shape and a dtype to restore into."""
+    kind = type(x)
+    known = _ARRAY_LIKE.get(kind)
+    if known is not None:
+        return known
     import jax
 
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) and not isinstance(
-        x, (np.str_, np.bytes_)
-    )
+    arrays = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+    answer = isinstance(x, arrays) and not isinstance(x, (np.str_, np.bytes_))
+    # Remembered per type where the type alone decides (not for JAX's tracers, which are
+    # instances of jax.Array without being a subclass of it): asked per leaf of a tree.
+    if answer == (issubclass(kind, arrays) and not issubclass(kind, (np.str_, np.bytes_))) and len(_ARRAY_LIKE) < 1024:
+        _ARRAY_LIKE[kind] = answer
+    return answer
+
+
+_ARRAY_LIKE: dict[type, bool] = {}
 
 
 def describe_like(x: Any) -> str:
@@ -167,11 +178,10 @@ _LEAF_TYPES = frozenset({np.ndarray, bool, int, float, complex, str})
 
 def is_empty_subtree(x: Any) -> bool:
     """None, or a container with no leaves at all (``()``, ``{}``, optax's ``EmptyState()``)."""
-    import jax
+    if type(x) in _LEAF_TYPES or is_array_like(x):  # arrays and skeletons are leaves themselves
+        return False
     import jax.tree_util as jtu
 
-    if type(x) in _LEAF_TYPES or isinstance(x, jax.Array):
-        return False
     return x is None or (not jtu.all_leaves([x]) and not jtu.tree_leaves(x))
 
 

@@ -5,6 +5,7 @@ it with the checkpoint it replaces); ownership and liveness are ``flock``
 locks on directories (`_locks`); the protocol: docs/concurrency.md.
 """
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -134,15 +135,20 @@ class LocalStorage(Storage):
             ) from None
 
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
-        self.check_leaf_files(leaf)
+        # On threads of their own: a restore starts every leaf's metadata at once, and on
+        # a cold cache each file and directory looked up is a wait on the disk.
         promise, future = ts.Promise.new()
+        _metadata_threads().submit(self._read_leaf_metadata, leaf, promise)
+        return future
+
+    def _read_leaf_metadata(self, leaf: StoredLeaf, promise: ts.Promise) -> None:
         try:
+            self.check_leaf_files(leaf)
             promise.set_result(read_capped(f"{self.path}/{leaf.path}/zarr.json", MAX_ZARR_JSON_BYTES))
         except FileNotFoundError:
             promise.set_result(None)
-        except OSError as e:
+        except BaseException as e:  # raised by whoever waits for the future
             promise.set_exception(e)
-        return future
 
     def check_leaf_files(self, leaf: StoredLeaf) -> int:
         """Check a leaf's files before TensorStore touches them; return their size.
@@ -381,6 +387,19 @@ class LocalStaging(Staging):
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+_METADATA_THREADS = 8
+_metadata_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _metadata_threads() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that read leaves' metadata from local disks (started on first use;
+    never the I/O threads, whose tasks may wait for metadata)."""
+    global _metadata_pool
+    if _metadata_pool is None:
+        _metadata_pool = concurrent.futures.ThreadPoolExecutor(_METADATA_THREADS, thread_name_prefix="eqxckpt-meta")
+    return _metadata_pool
 
 
 class LocalChunkFiles(ChunkFiles):
