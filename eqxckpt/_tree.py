@@ -68,7 +68,10 @@ def is_array_like(x: Any) -> bool:
     answer = isinstance(x, arrays) and not isinstance(x, (np.str_, np.bytes_))
     # Remembered per type where the type alone decides (not for JAX's tracers, which are
     # instances of jax.Array without being a subclass of it): asked per leaf of a tree.
-    if answer == (issubclass(kind, arrays) and not issubclass(kind, (np.str_, np.bytes_))) and len(_ARRAY_LIKE) < 1024:
+    # Nor a "no" for anything with an ``aval``: jax.Array takes those by their aval, so a
+    # tracer of a token is no array while a tracer of the same type holding one is.
+    by_type = issubclass(kind, arrays) and not issubclass(kind, (np.str_, np.bytes_))
+    if answer == by_type and (answer or not hasattr(x, "aval")) and len(_ARRAY_LIKE) < 1024:
         _ARRAY_LIKE[kind] = answer
     return answer
 

@@ -138,7 +138,10 @@ class LocalStorage(Storage):
         # On threads of their own: a restore starts every leaf's metadata at once, and on
         # a cold cache each file and directory looked up is a wait on the disk.
         promise, future = ts.Promise.new()
-        _metadata_threads().submit(self._read_leaf_metadata, leaf, promise)
+        try:
+            _metadata_threads().submit(self._read_leaf_metadata, leaf, promise)
+        except RuntimeError:  # no new work after shutdown began (a load in an atexit handler)
+            self._read_leaf_metadata(leaf, promise)  # a promise set twice keeps its first value
         return future
 
     def _read_leaf_metadata(self, leaf: StoredLeaf, promise: ts.Promise) -> None:
@@ -400,6 +403,16 @@ def _metadata_threads() -> concurrent.futures.ThreadPoolExecutor:
     if _metadata_pool is None:
         _metadata_pool = concurrent.futures.ThreadPoolExecutor(_METADATA_THREADS, thread_name_prefix="eqxckpt-meta")
     return _metadata_pool
+
+
+def _forget_metadata_threads() -> None:
+    """In a forked child: the parent's pool has no threads here, yet counts its idle ones
+    and would queue work that no thread runs."""
+    global _metadata_pool
+    _metadata_pool = None
+
+
+os.register_at_fork(after_in_child=_forget_metadata_threads)
 
 
 class LocalChunkFiles(ChunkFiles):
