@@ -3,8 +3,8 @@
 # clone, packages from a local mirror (/usr/bin/time, du -sh .venv): make demo's install
 # took 26-37 s (two runs) for 713 MB, then its run 40 s; make test took 28 min 51 s in
 # all, 24 min 51 s of it the suite of 1021 tests in one process (idle), in a 2.8 GB venv;
-# the suite then took 16 min 07 s with two workers (pytest-xdist, below); 16 min 27 s
-# with 1044 tests (.ci/run from a fresh clone, 20 min 39 s in all).
+# with two workers (pytest-xdist, below) the suite of 1049 tests took 10 min 15 s
+# (.ci/run from a fresh clone, about 14 min in all).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
