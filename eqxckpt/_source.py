@@ -91,6 +91,11 @@ class Source(abc.ABC):
         ```
         """
         start_jax()
+        if unstored := [leaf.path for leaf, _ in wanted if not isinstance(leaf, StoredLeaf)]:
+            raise ArgumentError(
+                f"Source.read reads stored arrays; {unstored[:5]} of {self.location} hold none (scalars, None, "
+                "code): take their values from `load` or from `leaf(path).value()`."
+            )
         refuse_narrowing(wanted, f"Cannot read from {self.location} without changing values")
         values: list[Any] = [None] * len(wanted)
         placements = {i: self._placement(leaf, target) for i, (leaf, target) in enumerate(wanted)}

@@ -96,3 +96,12 @@ def test_a_read_into_jax_refuses_64_bit_data_it_would_narrow(tmp_path):
     np.testing.assert_array_equal(ckpt["j"].get(), big)
     with jax.enable_x64(True):
         np.testing.assert_array_equal(np.asarray(ckpt.read([(j, None)])[0]), big)
+
+
+def test_a_read_of_a_leaf_with_no_stored_array_says_so(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"a": np.ones(2), "s": 3})
+    ckpt = eqxckpt.open(tmp_path / "c")
+    with pytest.raises(eqxckpt.ArgumentError, match=r"\['s'\] of .* hold none") as caught:
+        ckpt.read([(ckpt.leaf("a"), None), (ckpt.leaf("s"), None)])
+    assert "leaf(path).value()" in str(caught.value)
+    assert ckpt.leaf("s").value() == 3
