@@ -11,7 +11,7 @@ import numpy as np
 from ._checkpoint import Checkpoint
 from ._errors import plural
 from ._formats import open as open_source
-from ._leaf import ArrayLeaf, Leaf, ScalarLeaf, StoredLeaf
+from ._leaf import Leaf, ScalarLeaf, StoredLeaf
 from ._progress import Progress, advance, reporting
 from ._source import LazyArray, Source
 from ._storage import CheckpointPath
@@ -220,8 +220,8 @@ def _compared(source_a: Source, source_b: Source, pairs: list[Pair]) -> Iterator
     # so that the leaves sharing a chunk share a batch.
     whole.sort(key=lambda pair: (pair[1].location, pair[1].offset or 0))
     for batch in _batches(whole):
-        values_a = source_a.read([(leaf_a, _host_target(leaf_a)) for _, leaf_a, _ in batch])
-        values_b = source_b.read([(leaf_b, _host_target(leaf_b)) for _, _, leaf_b in batch])
+        values_a = source_a.read([(leaf_a, leaf_a.host_target()) for _, leaf_a, _ in batch])
+        values_b = source_b.read([(leaf_b, leaf_b.host_target()) for _, _, leaf_b in batch])
         for pair, value_a, value_b in zip(batch, values_a, values_b):
             yield pair, [(_host(value_a), _host(value_b))]
 
@@ -260,14 +260,6 @@ def _slabs(a: LazyArray, b: LazyArray) -> Iterator[tuple[np.ndarray, np.ndarray]
         advance(block_a.nbytes + block_b.nbytes, 0)
         yield block_a, block_b
     advance(0, 2)
-
-
-def _host_target(leaf: StoredLeaf) -> Any:
-    """What to read ``leaf`` into: a host array like it (no memory of its own) for arrays,
-    so nothing is put on a device; PRNG keys are read as keys (their data is compared)."""
-    if isinstance(leaf, ArrayLeaf):
-        return np.broadcast_to(np.empty((), leaf.dtype), leaf.shape)
-    return None
 
 
 def _host(value: Any) -> np.ndarray:

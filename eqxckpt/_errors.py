@@ -228,6 +228,9 @@ class UnsupportedFormatError(CheckpointError, ValueError):
     """
 
 
+MAX_LISTED = 50  # paths one error or warning names at most
+
+
 def plural(n: int, one: str, many: str | None = None) -> str:
     """``1 leaf``, ``2 leaves``: a count in a message."""
     return f"{n} {one if n == 1 else many or one + 's'}"

@@ -346,8 +346,7 @@ class _Reader:
         self.source = source
         originals = {leaf.path: leaf for layout in layouts for leaf in _originals(layout)}
         small = [leaf for leaf in originals.values() if leaf.offset is not None]
-        # As stored: numpy targets of the stored dtype (broadcast: no memory of their own).
-        wanted = [(leaf, np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)) for leaf in small]
+        wanted = [(leaf, leaf.host_target()) for leaf in small]  # as stored, in host memory
         with unreported():  # counted as the results they fill
             self._read = {leaf.path: value for leaf, value in zip(small, source.read(wanted))} if wanted else {}
         source.prepare_reads([leaf for leaf in originals.values() if leaf.offset is None])

@@ -16,7 +16,7 @@ import numpy as np
 from ._convert import Adoptions, adopt, checked_astype, default_device, narrowed
 from ._digest import parse_digest
 from ._dtypes import STORED_DTYPES, check_dtype, dtype_name
-from ._errors import CastError, CorruptCheckpointError, ManifestError, UnsupportedLeafError
+from ._errors import MAX_LISTED, CastError, CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
 from ._scalars import bits_fit, nan_bits, scalar_from_json, scalar_to_json, with_bits
 from ._tree import (
@@ -36,7 +36,6 @@ UNKNOWN = "unknown"  # the array type of foreign formats' leaves (never written 
 SCALAR_NAMES = ("int", "float", "bool", "complex", "str", "none")
 MAX_RANK = 64
 MAX_ELEMENTS = 1 << 53
-_MAX_LISTED = 50  # leaves named in one error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +197,11 @@ class StoredLeaf(Leaf):
         with others (an `Adoption` is returned: its ``value``, once they are placed)."""
         raise NotImplementedError
 
+    def host_target(self) -> Any:
+        """What to read this leaf into (`Source.read`) for its values as stored, in host
+        memory, never on a device: None (as saved) where that is what saved means here."""
+        return None
+
     def placement(self, target: Any) -> "tuple[jax.sharding.Sharding, np.dtype] | None":
         """Where and as what `finish` would put this leaf restored into ``target``: the
         sharding of the jax array it gives and the dtype of its stored data there (for
@@ -313,6 +317,10 @@ class ArrayLeaf(StoredLeaf):
             return f"{self._differs(target)}: {why}"
         return None
 
+    def host_target(self) -> np.ndarray:
+        # A numpy array of the stored dtype and shape with no memory of its own (broadcast).
+        return np.broadcast_to(np.zeros((), self.dtype), self.shape)
+
     def narrowed(self, target: Any) -> str | None:
         import jax
 
@@ -399,8 +407,8 @@ def refuse_narrowing(wanted: "Iterable[tuple[StoredLeaf, Any]]", doing: str) -> 
     if changed:
         raise CastError(
             f"{doing}: {len(changed)} leaves would change: "
-            + "; ".join(f"{path}: {why}" for path, why in changed[:_MAX_LISTED])
-            + ("; ..." if len(changed) > _MAX_LISTED else "")
+            + "; ".join(f"{path}: {why}" for path, why in changed[:MAX_LISTED])
+            + ("; ..." if len(changed) > MAX_LISTED else "")
             + "."
         )
 

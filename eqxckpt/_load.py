@@ -17,7 +17,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._convert import checked_astype, narrowed
-from ._errors import CastError, CheckpointChangedError, StructureMismatchError, plural
+from ._errors import MAX_LISTED, CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
 from ._gc import collector_paused
 from ._layout import Layout, Row, plan_stack, plan_unstack, read_layouts, unrestored_rows
@@ -31,7 +31,6 @@ from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_pat
 from ._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype
 from ._window import limited_host_memory
 
-MAX_LISTED = 50
 # How often a load reads a checkpoint that another process replaced while it read it.
 READ_ATTEMPTS = 3
 Rows = list[tuple[str, str]]

@@ -19,7 +19,7 @@ import difflib
 import functools
 import hashlib
 import re
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from ._errors import ManifestError, PathError
@@ -156,13 +156,6 @@ def key_entry_segment(entry: Any) -> str:
     return key_entry(entry)[1]
 
 
-# The usual key entries' records and segments, by entry type and exact key: a tree repeats
-# its keys across leaves ("weight", layer indices), and a key is asked for twice per save.
-# Keyed by the key's exact type too, so that True never passes for 1.
-_ENTRIES: dict[tuple[type, type, Any], tuple[tuple, str]] = {}
-_MAX_ENTRIES = 1 << 16
-
-
 def key_entry(entry: Any) -> tuple[tuple, str]:
     """``(record, segment)``: `key_entry_record` (as a tuple) and the path segment of one
     `jax.tree_util` key entry.
@@ -172,46 +165,33 @@ def key_entry(entry: Any) -> tuple[tuple, str]:
     key_entry(jax.tree_util.DictKey("a/b"))  # (('dict', 'a/b'), 'a%2Fb')
     ```
     """
-    kind = type(entry)
-    if not _KEY_OF:
-        _learn_key_kinds()
-    key_of = _KEY_OF.get(kind)
-    if key_of is None:  # another kind of entry: its record may depend on more than one value
-        record = tuple(key_entry_record(entry))
-        return record, record_segment(record)
-    value = key_of(entry)
-    value_type = type(value)
-    cacheable = value_type is str or value_type is int
-    if cacheable:
-        known = _ENTRIES.get((kind, value_type, value))
-        if known is not None:
-            return known
+    if not _KEY_FIELD:
+        _KEY_FIELD.update(_usual_key_fields())
+    field = _KEY_FIELD.get(type(entry))
+    key = None if field is None else getattr(entry, field)
+    # Exactly a str or an int: equal keys of other types may differ as records (True and 1,
+    # 0.0 and -0.0), and another kind of entry may hold more than its key.
+    if type(key) is str or type(key) is int:
+        return _usual_key_entry(type(entry), key)
     record = tuple(key_entry_record(entry))
-    known = (record, record_segment(record))
-    if cacheable:
-        if len(_ENTRIES) >= _MAX_ENTRIES:
-            _ENTRIES.clear()
-        _ENTRIES[kind, value_type, value] = known
-    return known
+    return record, record_segment(record)
 
 
-# How to get the one value each usual kind of key entry holds (filled on first use: JAX
-# is imported where it is needed, not to read a checkpoint).
-_KEY_OF: dict[type, Callable[[Any], Any]] = {}
+@functools.lru_cache(maxsize=1 << 16)  # a tree repeats its keys across leaves ("weight", indices)
+def _usual_key_entry(kind: type, key: str | int) -> tuple[tuple, str]:
+    record = tuple(key_entry_record(kind(key)))
+    return record, record_segment(record)
 
 
-def _learn_key_kinds() -> None:
-    import operator
+# The field holding the key of each usual kind of key entry (filled on first use: JAX is
+# imported where it is needed, not to read a checkpoint).
+_KEY_FIELD: dict[type, str] = {}
 
+
+def _usual_key_fields() -> dict[type, str]:
     import jax.tree_util as jtu
 
-    _KEY_OF.update(
-        {
-            jtu.GetAttrKey: operator.attrgetter("name"),
-            jtu.DictKey: operator.attrgetter("key"),
-            jtu.SequenceKey: operator.attrgetter("idx"),
-        }
-    )
+    return {jtu.GetAttrKey: "name", jtu.DictKey: "key", jtu.SequenceKey: "idx"}
 
 
 def record_segment(record: list | tuple) -> str:

@@ -4,6 +4,7 @@ small leaves (`PackedWrite`, laid out by `_pack.PackedArray`). Each gives its by
 its chunks' values; `save` writes every kind the same way."""
 
 import abc
+import functools
 import math
 import threading
 from collections.abc import Callable, Mapping
@@ -223,16 +224,12 @@ def _covers(index: tuple[slice, ...]) -> bool:
 
 
 def _on_cpu(array: "jax.Array") -> bool:
-    sharding = array.sharding
-    known = _ON_CPU.get(sharding)
-    if known is None:  # asked per leaf of a tree of many; the leaves share a few shardings
-        known = all(d.platform == "cpu" for d in sharding.device_set)
-        if len(_ON_CPU) < 1024:
-            _ON_CPU[sharding] = known
-    return known
+    return _all_on_cpu(array.sharding)
 
 
-_ON_CPU: dict[Any, bool] = {}
+@functools.lru_cache(maxsize=1024)  # asked per leaf of a tree of many; they share a few shardings
+def _all_on_cpu(sharding: "jax.sharding.Sharding") -> bool:
+    return all(d.platform == "cpu" for d in sharding.device_set)
 
 
 def _host(value: Any, copy: bool) -> np.ndarray:

@@ -72,7 +72,8 @@ class Source(abc.ABC):
         The one read contract of a restore: this checks the memory it needs before it is
         allocated, names the leaf in any failure, finishes each array into its target
         (checked casts included) and reports progress. A format's source only fetches
-        stored arrays (``_fetch``), or overrides this to read some targets otherwise.
+        stored arrays (``_fetch``), or overrides ``_read`` to make some values otherwise;
+        the checks below hold for every source.
 
         **Arguments:**
 
@@ -90,13 +91,18 @@ class Source(abc.ABC):
             w, b = ckpt.read([(ckpt.leaf("model/w"), None), (ckpt.leaf("model/b"), jnp.zeros(3))])
         ```
         """
-        start_jax()
         if unstored := [leaf.path for leaf, _ in wanted if not isinstance(leaf, StoredLeaf)]:
             raise ArgumentError(
                 f"Source.read reads stored arrays; {unstored[:5]} of {self.location} hold none (scalars, None, "
                 "code): take their values from `load` or from `leaf(path).value()`."
             )
         refuse_narrowing(wanted, f"Cannot read from {self.location} without changing values")
+        return self._read(wanted)
+
+    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
+        """`read` of checked pairs: this reads every format's stored arrays (through
+        `_fetch`); a source whose leaves are made otherwise (`TranslatedSource`) overrides it."""
+        start_jax()
         values: list[Any] = [None] * len(wanted)
         placements = {i: self._placement(leaf, target) for i, (leaf, target) in enumerate(wanted)}
         whole = [i for i, placement in placements.items() if placement is None]

@@ -10,7 +10,7 @@ import numpy as np
 from ._chunks import Region
 from ._classify import leaf_of
 from ._errors import TransformError
-from ._leaf import ArrayLeaf, StoredLeaf, refuse_narrowing
+from ._leaf import ArrayLeaf, StoredLeaf
 from ._paths import check_one_tree
 from ._select import Selection
 from ._source import LazyArray, Source
@@ -175,8 +175,7 @@ class TranslatedSource(Source):
     def consistent(self) -> Any:
         return self.original.consistent()
 
-    def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        refuse_narrowing(wanted, f"Cannot read from {self.location} without changing values")
+    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         values: list[Any] = [None] * len(wanted)
         passed = [
             (i, self._origin[leaf.path], target) for i, (leaf, target) in enumerate(wanted) if leaf.path in self._origin
@@ -184,10 +183,7 @@ class TranslatedSource(Source):
         # A transposed leaf is read as stored (into numpy: never narrowed by JAX on the way),
         # then turned and finished into its target here.
         turned = {i for i, _, _ in passed if wanted[i][0].path in self._transposed}
-        stored = [
-            (origin, np.broadcast_to(np.zeros((), origin.dtype), origin.shape) if i in turned else target)
-            for i, origin, target in passed
-        ]
+        stored = [(origin, origin.host_target() if i in turned else target) for i, origin, target in passed]
         for (i, _, target), value in zip(passed, self.original.read(stored)):
             if i in turned:
                 value = wanted[i][0].finish(np.ascontiguousarray(np.asarray(value).T), target)

@@ -58,25 +58,25 @@ def _is_key_dtype(dtype: Any) -> bool:
 
 def is_array_like(x: Any) -> bool:
     """Arrays and array skeletons: anything with a shape and a dtype to restore into."""
-    kind = type(x)
-    known = _ARRAY_LIKE.get(kind)
-    if known is not None:
-        return known
+    by_type = _array_like_type(type(x))
+    if by_type is not None:
+        return by_type
     import jax
 
-    arrays = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
-    answer = isinstance(x, arrays) and not isinstance(x, (np.str_, np.bytes_))
-    # Remembered per type where the type alone decides (not for JAX's tracers, which are
-    # instances of jax.Array without being a subclass of it): asked per leaf of a tree.
-    # Nor a "no" for anything with an ``aval``: jax.Array takes those by their aval, so a
-    # tracer of a token is no array while a tracer of the same type holding one is.
-    by_type = issubclass(kind, arrays) and not issubclass(kind, (np.str_, np.bytes_))
-    if answer == by_type and (answer or not hasattr(x, "aval")) and len(_ARRAY_LIKE) < 1024:
-        _ARRAY_LIKE[kind] = answer
-    return answer
+    return isinstance(x, jax.Array)  # a tracer: an array or not by its aval (a token is not)
 
 
-_ARRAY_LIKE: dict[type, bool] = {}
+@functools.lru_cache(maxsize=1024)  # asked per leaf of a tree; the type decides, but for tracers
+def _array_like_type(kind: type) -> bool | None:
+    """Whether instances of ``kind`` are array-like; None where each instance decides
+    (JAX's tracers are instances of jax.Array by their aval, without being a subclass)."""
+    import jax
+
+    if issubclass(kind, (np.str_, np.bytes_)):
+        return False
+    if issubclass(kind, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+        return True
+    return None if hasattr(kind, "aval") else False
 
 
 def describe_like(x: Any) -> str:

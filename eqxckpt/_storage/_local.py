@@ -12,6 +12,7 @@ import errno
 import os
 import pathlib
 import stat
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -394,22 +395,24 @@ class LocalStaging(Staging):
 
 _METADATA_THREADS = 8
 _metadata_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_metadata_pool_made = threading.Lock()
 
 
 def _metadata_threads() -> concurrent.futures.ThreadPoolExecutor:
     """The threads that read leaves' metadata from local disks (started on first use;
     never the I/O threads, whose tasks may wait for metadata)."""
     global _metadata_pool
-    if _metadata_pool is None:
-        _metadata_pool = concurrent.futures.ThreadPoolExecutor(_METADATA_THREADS, thread_name_prefix="eqxckpt-meta")
-    return _metadata_pool
+    with _metadata_pool_made:
+        if _metadata_pool is None:
+            _metadata_pool = concurrent.futures.ThreadPoolExecutor(_METADATA_THREADS, thread_name_prefix="eqxckpt-meta")
+        return _metadata_pool
 
 
 def _forget_metadata_threads() -> None:
     """In a forked child: the parent's pool has no threads here, yet counts its idle ones
-    and would queue work that no thread runs."""
-    global _metadata_pool
-    _metadata_pool = None
+    and would queue work that no thread runs (and another thread may have held the lock)."""
+    global _metadata_pool, _metadata_pool_made
+    _metadata_pool, _metadata_pool_made = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_metadata_threads)
