@@ -16,7 +16,7 @@ import numpy as np
 from ._convert import Adoptions, adopt, checked_astype, default_device, narrowed
 from ._digest import parse_digest
 from ._dtypes import STORED_DTYPES, check_dtype, dtype_name
-from ._errors import MAX_LISTED, CastError, CorruptCheckpointError, ManifestError, UnsupportedLeafError
+from ._errors import MAX_LISTED, ArgumentError, CastError, CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
 from ._scalars import bits_fit, nan_bits, scalar_from_json, scalar_to_json, with_bits
 from ._tree import (
@@ -197,6 +197,12 @@ class StoredLeaf(Leaf):
         with others (an `Adoption` is returned: its ``value``, once they are placed)."""
         raise NotImplementedError
 
+    def value(self, target: Any = None) -> Any:
+        raise ArgumentError(
+            f"Leaf {self.path!r} ({self.describe()}) is a stored array, with no value in the manifest: read it "
+            "with ckpt[path].get() (numpy) or eqxckpt.load."
+        )
+
     def host_target(self) -> Any:
         """What to read this leaf into (`Source.read`) for its values as stored, in host
         memory, never on a device: None (as saved) where that is what saved means here."""
@@ -314,7 +320,7 @@ class ArrayLeaf(StoredLeaf):
         if tuple(np.shape(target)) != self.shape:
             return self._differs(target)
         if (why := self.narrowed(target)) is not None:
-            return f"{self._differs(target)}: {why}"
+            return f"found {self.describe()}, which cannot be restored as it is: {why}"
         return None
 
     def host_target(self) -> np.ndarray:

@@ -105,3 +105,18 @@ def test_a_read_of_a_leaf_with_no_stored_array_says_so(tmp_path):
         ckpt.read([(ckpt.leaf("a"), None), (ckpt.leaf("s"), None)])
     assert "leaf(path).value()" in str(caught.value)
     assert ckpt.leaf("s").value() == 3
+    with pytest.raises(eqxckpt.ArgumentError, match=r"Leaf 'a' \(float64\[2\]\) is a stored array.*\.get\(\)"):
+        ckpt.leaf("a").value()
+
+
+def test_a_narrowing_mismatch_says_what_was_found_and_why(tmp_path):
+    # Not "expected int64[3], found int64[3]": the like matches; JAX is what would change it.
+    import jax
+
+    with jax.enable_x64(True):
+        eqxckpt.save(tmp_path / "c", {"j": jax.numpy.asarray(2**40 + np.arange(3))})
+    with pytest.raises(eqxckpt.StructureMismatchError) as caught:
+        eqxckpt.load(tmp_path / "c", {"j": jax.ShapeDtypeStruct((3,), np.int64)})
+    message = str(caught.value)
+    assert "found int64[3], which cannot be restored as it is: int64 would become int32" in message
+    assert "expected int64[3]" not in message

@@ -178,3 +178,15 @@ def test_a_load_at_exit_loads(tmp_path):
     done = run_loading(tmp_path, 'atexit.register(lambda: print("at exit", check(), flush=True))\n')
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["at exit True"], done.stderr
+
+
+def test_a_zarr_json_that_is_a_directory_is_named_by_its_path(tmp_path):
+    # A directory opened as a file object failed naming its descriptor ("Is a directory: 5").
+    eqxckpt.save(tmp_path / "c", {"w": np.ones(3)})
+    zarr_json = tmp_path / "c" / "w" / "zarr.json"
+    zarr_json.unlink()
+    zarr_json.mkdir()
+    with pytest.raises(eqxckpt.CorruptCheckpointError) as caught:
+        eqxckpt.load(tmp_path / "c")
+    assert "not a regular file" in str(caught.value) and str(zarr_json) in str(caught.value)
+    assert caught.value.leaf_path == "w"

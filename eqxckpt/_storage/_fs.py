@@ -37,10 +37,16 @@ def read_capped(path: pathlib.Path | str, cap: int, dir_fd: int | None = None) -
     only ``cap + 1`` bytes are read (the caller refuses it). ``OSError`` if it is
     missing or not a regular file."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
+    try:
+        # Checked before a file object is made of it: one made of a directory fails
+        # naming the descriptor, not the path.
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
         # Sized by the file (plus one byte, to see one that grew past the cap): reading
         # ``cap + 1`` bytes would allocate that much for every small file.
         return f.read(min(cap, info.st_size) + 1)
