@@ -28,6 +28,19 @@ from eqxckpt._window import (
 )
 
 
+def run_child(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python process (JAX on the CPU); it must exit cleanly."""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 @settings(max_examples=30, deadline=None)
 @given(sizes=st.lists(st.integers(0, 50), min_size=0, max_size=40), window=st.integers(1, 120))
 def test_property_tasks_settle_in_order_within_the_window(sizes, window):
@@ -119,14 +132,7 @@ def test_a_process_exiting_while_jax_starts_waits_for_it():
         start_jax()
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", child],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_child(child)
     assert done.stdout.splitlines() == ["jax started: True"], done.stdout
 
 
@@ -274,12 +280,5 @@ def test_an_interrupt_while_waiting_on_a_task_waits_for_that_task():
             print("interrupted, task finished:", finished == [True])
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", child],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_child(child)
     assert done.stdout.splitlines() == ["interrupted, task finished: True"], done.stderr[-3000:]
