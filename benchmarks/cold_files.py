@@ -47,6 +47,16 @@ def read_file(path: str) -> np.ndarray:
         os.close(fd)
 
 
+def will_need(paths: list[str]) -> None:
+    """Ask the kernel to start reading every file now (``POSIX_FADV_WILLNEED``)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=float, default=336)
@@ -65,11 +75,16 @@ def main() -> None:
             for file in files:
                 out.write(read_file(file))
         print(f"{len(files)} chunk files, {os.path.getsize(f'{root}/one') / 2**20:.0f} MiB")
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        with (
+            concurrent.futures.ThreadPoolExecutor(8) as pool,
+            concurrent.futures.ThreadPoolExecutor(len(files)) as wide,
+        ):
             ways = {
                 "one file": lambda: read_file(f"{root}/one"),
                 "files one after another": lambda: [read_file(f) for f in files],
                 "files on 8 threads": lambda: list(pool.map(read_file, files)),
+                "WILLNEED, then 8 threads": lambda: (will_need(files), list(pool.map(read_file, files))),
+                "a thread per file": lambda: list(wide.map(read_file, files)),
             }
             times: dict[str, list[float]] = {name: [] for name in ways}
             for _ in range(args.repeats):

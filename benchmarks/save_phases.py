@@ -58,6 +58,8 @@ def timestamps(state, repeats: int) -> None:
         setattr(owner, name, wrapper)
 
     timed(save_module, "_pack")
+    timed(save_module, "_digested")
+    timed(save_module, "_write")
     timed(local_module, "sync_filesystem")
     timed(local_module.LocalStaging, "commit")
     root = tempfile.mkdtemp(prefix="eqxckpt-phases-")

@@ -155,18 +155,34 @@ def _plain_segment(kind: str, key: str | int) -> str | None:
 
 
 def _keys(value: Any, path: str) -> tuple[KeyRecord, ...]:
+    if type(value) is list and value:
+        # The usual entries, [kind, a str or an int] each, one cache lookup each.
+        keys = []
+        segments = []
+        for entry in value:
+            if type(entry) is not list or len(entry) != 2:
+                break
+            kind, key = entry
+            # Exact types only: a cache lookup would take True for 1 and 1.0 for 1.
+            if type(kind) is not str or (type(key) is not str and type(key) is not int):
+                break
+            segment = _plain_segment(kind, key)
+            if segment is None:
+                break
+            keys.append((kind, key))
+            segments.append(segment)
+        else:
+            if "/".join(segments) == path:
+                return tuple(keys)
+    return _unusual_keys(value, path)  # and what is wrong with them, if anything
+
+
+def _unusual_keys(value: Any, path: str) -> tuple[KeyRecord, ...]:
     if not isinstance(value, list) or len(value) != len(path.split("/")) or not value:
         raise ManifestError(f"Leaf {path!r}: 'keys' must list one [kind, key] per path segment.")
     keys = []
     segments = []
     for entry in value:
-        # Exact types only: a cache lookup would take True for 1 and 1.0 for 1.
-        if type(entry) is list and len(entry) == 2 and type(entry[0]) is str and type(entry[1]) in (str, int):
-            segment = _plain_segment(entry[0], entry[1])
-            if segment is not None:
-                keys.append((entry[0], entry[1]))
-                segments.append(segment)
-                continue
         ok = isinstance(entry, list) and len(entry) in (2, 3) and entry[0] in KEY_KINDS
         if ok and entry[0] in ("seq", "index"):
             ok = isinstance(entry[1], int) and not isinstance(entry[1], bool) and entry[1] >= 0

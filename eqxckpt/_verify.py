@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from ._chunks import PACK_CHUNK_BYTES, ChunkFileError, ChunkLayout, Region
-from ._digest import LeafDigest
+from ._digest import LeafDigest, digest
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
-from ._leaf import StoredLeaf
+from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
 from ._storage import CheckpointPath, resolve
@@ -247,14 +247,17 @@ class _StoredCheck:
         if packed := [leaf for leaf in leaves if leaf.offset is not None]:
             self._check_packed(packed)
 
-    def _verdict(self, leaf: StoredLeaf, problem: CheckpointError | None) -> None:
-        """One leaf checked: ``problem`` (what its reads found), else its digest's; progress advances."""
+    def _verdict(self, leaf: StoredLeaf, problem: CheckpointError | None, value: str | None = None) -> None:
+        """One leaf checked: ``problem`` (what its reads found), else its digest's (``value``,
+        else the one computed as its bytes arrived); progress advances."""
         digest = self._digests.pop(leaf.path, None)
+        if value is None and digest is not None:
+            value = digest.value
         try:
             leaf.check_known()  # e.g. a PRNG implementation this JAX knows
-            if problem is None and digest is not None and digest.value != leaf.digest:
+            if problem is None and value is not None and value != leaf.digest:
                 raise CorruptCheckpointError(
-                    f"its bytes pass their chunks' checksums but are not the bytes saved (digest {digest.value}, the "
+                    f"its bytes pass their chunks' checksums but are not the bytes saved (digest {value}, the "
                     f"manifest records {leaf.digest}): chunks were swapped or rewritten. Restore it from a copy.",
                     leaf_path=leaf.path,
                 )
@@ -293,23 +296,39 @@ class _StoredCheck:
 
     def _check_packed(self, leaves: list[StoredLeaf]) -> None:
         """Read the packed array chunk by chunk (a slab of its rows of chunks is one chunk):
-        a failed chunk damages exactly the leaves with bytes in it (`PackedArray.pieces`)."""
+        a failed chunk damages exactly the leaves with bytes in it (`PackedArray.pieces`).
+        A leaf whose bytes are all in one slab is digested in one step (most are: a few KiB
+        each); one across slabs, as its bytes arrive."""
         packing = self.stored.packing
         assert packing is not None
         failures: list[tuple[int, int, str]] = []
         bad_bools: dict[str, CheckpointError] = {}
-        for leaf in leaves:
-            self._digest(leaf)
+        asked = {leaf.path for leaf in leaves if leaf.digest is not None}
+        values: dict[str, str] = {}  # each asked leaf's digest, once all its bytes were read
+        streaming: dict[str, LeafDigest] = {}
 
         def settle(start: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
             if failure is not None:  # its leaves are damaged, their digests unchecked
                 failures.append((start, start + data.size, _chunk_reason(failure)))
                 return
-            for member, piece, problem in packing.checked_pieces(start, data):
-                if member.path in self._digests:
-                    self._digests[member.path].update(piece)
-                if problem is not None:
-                    bad_bools.setdefault(member.path, problem)
+            for member, own, there in packing.pieces(start, start + data.size):
+                piece = data[there]
+                if member.dtype == "bool":
+                    try:
+                        check_bool_bytes(piece.view(np.bool_), member.path)
+                    except CheckpointError as e:
+                        bad_bools.setdefault(member.path, e)
+                if member.path not in asked:
+                    continue
+                if own.start == 0 and own.stop == member.nbytes:
+                    values[member.path] = digest(member.digest_fields(), piece)
+                    continue
+                hashing = streaming.get(member.path)
+                if hashing is None:
+                    hashing = streaming[member.path] = LeafDigest(member.digest_fields())
+                hashing.update(piece)
+                if own.stop == member.nbytes:
+                    values[member.path] = streaming.pop(member.path).value
 
         chunk = PACK_CHUNK_BYTES  # what names a damaged chunk, once the layout is known
         try:
@@ -334,7 +353,12 @@ class _StoredCheck:
                     ),
                 )
         for leaf in leaves:
-            self._verdict(leaf, damaged.get(leaf.path, bad_bools.get(leaf.path)))
+            value = values.get(leaf.path)
+            if value is None and leaf.path in asked:  # not all its bytes were read (then it is
+                # damaged) or it has none: its digest is of what was read
+                value = streaming.pop(leaf.path, None) or LeafDigest(leaf.digest_fields())
+                value = value.value
+            self._verdict(leaf, damaged.get(leaf.path, bad_bools.get(leaf.path)), value)
 
     def _slab_reads(
         self,

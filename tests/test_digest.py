@@ -67,6 +67,19 @@ def test_descriptions_equal_in_python_but_not_in_json_hash_apart():
     assert streamed.value == expected[0] and digest(variants[0], np.ones(1, np.uint8)) != expected[0]
 
 
+NAMES = st.one_of(st.sampled_from(["array", "prng_key", "float32", "bfloat16"]), st.text(max_size=6))
+SHAPES = st.lists(st.one_of(st.integers(-3, 10**12), st.booleans(), st.floats(0, 4)), max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(kind=NAMES, dtype=NAMES, shape=SHAPES, extra=st.lists(NAMES, max_size=1))
+def test_a_description_is_hashed_as_its_compact_json(kind, dtype, shape, extra):
+    # Usual descriptions are written without the encoder; any other goes through it.
+    fields = [kind, dtype, shape, *extra]
+    data = np.arange(3, dtype=np.uint8)
+    assert digest(fields, data) == by_the_spec(fields, data)
+
+
 def test_every_stored_leaf_of_a_save_has_the_specs_digest(tmp_path):
     tree = {
         "w": jnp.arange(12, dtype=jnp.bfloat16).reshape(4, 3),

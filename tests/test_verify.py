@@ -176,6 +176,27 @@ def test_chunks_that_pass_their_checksums_but_are_not_the_leafs_are_caught_by_it
         assert report.arrays_checked == len(tree) - 3
 
 
+def test_a_packed_leaf_across_two_chunks_is_digested_as_its_bytes_arrive(tmp_path):
+    """Most packed leaves are digested in one step; one whose bytes straddle two chunks of
+    the packed array is hashed piece by piece: both agree with the save's digests, and an
+    older save's chunks put back are caught in the straddling leaf and its neighbours."""
+    tree = {f"s{i:02d}": np.full(60_000 // 4, i, np.float32) for i in range(80)}  # 4.8 MB, packed
+    eqxckpt.save(tmp_path / "c", tree)
+    eqxckpt.save(tmp_path / "older", {k: v + 1 if k in ("s68", "s69", "s70") else v for k, v in tree.items()})
+    packing = eqxckpt.open(tmp_path / "c").stored.packing
+    chunk = 4 << 20
+    straddling = [m.path for m in packing.members if m.offset // chunk != (m.offset + m.nbytes - 1) // chunk]
+    assert straddling == ["s69"]  # 60,032 bytes apart: the 70th leaf holds byte 4 MiB
+    assert eqxckpt.verify(tmp_path / "c").ok
+    shutil.copy(tmp_path / "older/%packed/c/1", tmp_path / "c/%packed/c/1")  # s69's tail, s70
+    report = eqxckpt.verify(tmp_path / "c")
+    assert sorted(path for path, _ in report.problems) == ["s69", "s70"], report
+    shutil.copy(tmp_path / "older/%packed/c/0", tmp_path / "c/%packed/c/0")  # s68, s69's head
+    report = eqxckpt.verify(tmp_path / "c")
+    assert sorted(path for path, _ in report.problems) == ["s68", "s69", "s70"], report
+    assert report.arrays_checked == 77
+
+
 def shared_state(step: int) -> dict:
     """A frozen leaf with an array of its own, frozen small leaves (packed), and a leaf that
     changes every step (too large to be packed)."""
