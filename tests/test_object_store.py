@@ -20,7 +20,7 @@ from conftest import BUCKET, assert_trees_equal, crafted_manifest, kill_when, s3
 import eqxckpt
 import eqxckpt._storage
 from eqxckpt._cli import main as cli
-from eqxckpt._storage._lease import Lease, read_lease
+from eqxckpt._storage._lease import Lease, holder_is_gone, read_lease
 
 
 def keys(client, prefix: str) -> list[str]:
@@ -114,19 +114,11 @@ eqxckpt.save(where, {{f"leaf{{i}}": np.full((512, 1024), i, np.float32) for i in
 @pytest.mark.multiprocess
 def test_save_killed_before_its_manifest_is_refused_as_incomplete(store, monkeypatch):
     monkeypatch.setenv("EQXCKPT_LEASE_TIMEOUT_S", "2")  # the killed writer's lease is abandoned after 2 s
-    for attempt, leaves in enumerate((48, 128, 256)):
-        prefix = f"runs/killed{attempt}/"
-        where = store.spec(prefix)
-        # killed once its arrays exist on the server, before it commits
-        kill_when(
-            KILLED_WRITER.format(spec=where, leaves=leaves),
-            lambda prefix=prefix: any(k.endswith("zarr.json") for k in store.keys(prefix)),
-        )
-        if prefix + "eqxckpt.json" not in store.keys(prefix):
-            break
-    else:
-        pytest.fail("the writer always committed before it could be killed")
-
+    prefix, where = killed_writer(store, "killed")
+    lease = json.loads(store.get(prefix + "eqxckpt.lease.json"))
+    assert holder_is_gone(lease)  # killed on this machine (the next test)
+    # As if it had run on another machine, where only the clock tells a dead writer.
+    store.put(prefix + "eqxckpt.lease.json", json.dumps({**lease, "boot_id": "another machine"}).encode())
     with pytest.raises(eqxckpt.IncompleteCheckpointError, match="No committed checkpoint .* or was killed"):
         eqxckpt.load(where)
     with pytest.raises(eqxckpt.IncompleteCheckpointError):
@@ -142,6 +134,63 @@ def test_save_killed_before_its_manifest_is_refused_as_incomplete(store, monkeyp
     eqxckpt.save(where, {"x": np.arange(3)})
     np.testing.assert_array_equal(eqxckpt.load(where)["x"], np.arange(3))
     assert not [k for k in store.keys(prefix) if "leaf" in k or "lease" in k or killed in k]
+
+
+def killed_writer(store, name: str) -> tuple[str, dict]:
+    """A place where a writer was SIGKILLed once its arrays were on the server, before it
+    committed: (its prefix, its spec)."""
+    for attempt, leaves in enumerate((48, 128, 256)):
+        prefix = f"runs/{name}{attempt}/"
+        where = store.spec(prefix)
+        kill_when(
+            KILLED_WRITER.format(spec=where, leaves=leaves),
+            lambda prefix=prefix: any(k.endswith("zarr.json") for k in store.keys(prefix)),
+        )
+        if prefix + "eqxckpt.json" not in store.keys(prefix):
+            return prefix, where
+    pytest.fail("the writer always committed before it could be killed")
+
+
+@pytest.mark.multiprocess
+def test_a_save_killed_on_this_machine_frees_its_place_at_once(store, monkeypatch):
+    """Its lease records the holder's kernel boot, pid namespace, pid and start time: a
+    reader or a save on the same machine sees that the holder is dead, and nobody waits
+    out the lease's timeout (600 s here) to save there again."""
+    monkeypatch.delenv("EQXCKPT_LEASE_TIMEOUT_S", raising=False)
+    prefix, where = killed_writer(store, "killed-here")
+    lease = json.loads(store.get(prefix + "eqxckpt.lease.json"))
+    assert lease["timeout_s"] == 600.0 and time.time() < lease["heartbeat_unix"] + 600
+    assert lease["boot_id"] and lease["pid_namespace"].startswith("pid:") and lease["pid_started"] > 0
+    with pytest.raises(eqxckpt.IncompleteCheckpointError, match="no save committed a checkpoint there"):
+        eqxckpt.load(where)
+    eqxckpt.save(where, {"x": np.arange(3)})
+    np.testing.assert_array_equal(eqxckpt.load(where)["x"], np.arange(3))
+    [killed] = lease["arrays"]
+    assert not [k for k in store.keys(prefix) if "leaf" in k or "lease" in k or killed in k]
+
+
+def test_a_lease_holder_is_gone_only_where_this_machine_can_tell():
+    """`holder_is_gone`: a live holder (this process) is not; the same pid with another
+    start time (a reused pid), a pid with no process and a zombie are; a holder in another
+    boot or pid namespace, or one that recorded nothing, is left to the clock."""
+    store = ts.KvStore.open({"driver": "memory"}).result()
+    absent = store.read("eqxckpt.lease.json").result().stamp.generation
+    mine = Lease(store, "save", absent, action="save", arrays=["%arrays." + "0" * 32]).doc
+    assert not holder_is_gone(mine)
+    assert holder_is_gone({**mine, "pid_started": mine["pid_started"] + 1})
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    with open(f"/proc/{child.pid}/stat") as stat:  # opened before it exits: the pid is not reused meanwhile
+        while stat.read().split(")")[-1].split()[0] != "Z":  # exited, not yet waited for: a zombie
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+            stat.seek(0)
+    assert holder_is_gone({**mine, "pid": child.pid})
+    child.wait()
+    assert holder_is_gone({**mine, "pid": child.pid})  # no such process (until the pid is reused)
+    for other in ({"boot_id": "another machine"}, {"pid_namespace": "pid:[1]"}, {"pid_started": None}, {"pid": True}):
+        assert not holder_is_gone({**mine, **other, "pid": other.get("pid", 1 << 30)})
+    assert not holder_is_gone({k: v for k, v in mine.items() if k != "boot_id"} | {"pid": 1 << 30})
 
 
 def test_a_live_lease_makes_other_saves_wait_their_turn(s3):

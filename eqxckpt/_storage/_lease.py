@@ -4,6 +4,7 @@ taken, changed, renewed and released by conditional writes) and `read_lease`. Th
 protocol it fences: docs/concurrency.md ("Object stores").
 """
 
+import functools
 import json
 import math
 import os
@@ -87,6 +88,66 @@ def is_stale(doc: dict, now: float | None = None) -> bool:
     return (time.time() if now is None else now) > doc["heartbeat_unix"] + doc["timeout_s"]
 
 
+def is_abandoned(doc: dict) -> bool:
+    """Whether a lease's holder stopped: its heartbeat is stale, or it is provably dead
+    (`holder_is_gone`), as after a SIGKILL on this machine: then nobody waits out the
+    timeout. Either way taking it over is safe (docs/concurrency.md, "Object stores")."""
+    return is_stale(doc) or holder_is_gone(doc)
+
+
+@functools.cache
+def _machine() -> tuple[str, str] | None:
+    """This kernel boot's id and this process's pid namespace: where a pid names one
+    process, and its start time tells it from a later one with the same pid. None where
+    either cannot be read (no /proc)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return boot, os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat``); None if
+    there is no such process, or it is a zombie (killed, not yet waited for). Raises
+    `OSError` or `ValueError` where that cannot be told."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold anything
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _holder() -> dict[str, Any]:
+    """What a lease records of its holder for `holder_is_gone` (nothing where unknown)."""
+    machine = _machine()
+    try:
+        started = _started(os.getpid())
+    except (OSError, ValueError, IndexError):
+        started = None
+    if machine is None or started is None:
+        return {}
+    return {"boot_id": machine[0], "pid_namespace": machine[1], "pid_started": started}
+
+
+def holder_is_gone(doc: dict) -> bool:
+    """Whether the lease ``doc``'s holder is provably dead: it ran in this kernel boot and
+    pid namespace, and no process with its pid and start time is alive. False wherever
+    that cannot be told (another machine, a container of its own, a lease without it)."""
+    machine, pid, started = _machine(), doc.get("pid"), doc.get("pid_started")
+    if machine is None or [doc.get("boot_id"), doc.get("pid_namespace")] != list(machine):
+        return False
+    if type(pid) is not int or pid <= 0 or type(started) is not int:
+        return False
+    try:
+        return _started(pid) != started
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def describe_lease(doc: dict) -> str:
     age = time.time() - doc["heartbeat_unix"]
     return (
@@ -151,6 +212,7 @@ class Lease:
             "save_id": self.save_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            **_holder(),
             "started_unix": time.time(),
             "heartbeat_unix": time.time(),
             "timeout_s": self.timeout,

@@ -63,7 +63,7 @@ from ._kvstore import (
     read_bounded_future,
     write_manifest,
 )
-from ._lease import Lease, describe_lease, is_stale, read_lease, warn_if_not_atomic
+from ._lease import Lease, describe_lease, is_abandoned, read_lease, warn_if_not_atomic
 from ._pins import StorePin
 from ._reclaim import collect_garbage, finish, reclaim
 
@@ -141,9 +141,9 @@ class ObjectStorage(Storage):
                 f"Cannot read {self}: {reason(e)}. Check the endpoint ({ENDPOINT_SETTINGS}), the network and the "
                 "credentials."
             ) from None
-        if lease is not None and not is_stale(lease) and lease.get("purpose") != "save":
+        if lease is not None and not is_abandoned(lease) and lease.get("purpose") != "save":
             raise CheckpointNotFoundError(f"No checkpoint at {self}: it is being deleted ({describe_lease(lease)}).")
-        if lease is not None and not is_stale(lease):
+        if lease is not None and not is_abandoned(lease):
             raise IncompleteCheckpointError(
                 f"No committed checkpoint at {self} right now: a save is writing it, or was killed less than "
                 f"its lease's timeout ago ({describe_lease(lease)}). Load it again once that save has finished, or "

@@ -18,7 +18,7 @@ from ._kvstore import (
     stat,
     write_manifest,
 )
-from ._lease import Lease, is_stale, read_lease
+from ._lease import Lease, is_abandoned, read_lease
 
 
 def reclaim(store: ts.KvStore) -> str:
@@ -36,7 +36,7 @@ def reclaim(store: ts.KvStore) -> str:
     current, doc = read_lease(store)
     if current.state != "value":
         return "none"
-    if doc is None or not is_stale(doc):
+    if doc is None or not is_abandoned(doc):
         return "alive"
     try:
         fields = {k: doc[k] for k in ("arrays", "paths", "retire")}
