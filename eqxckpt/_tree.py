@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ManifestError
+from ._errors import MAX_LISTED, ArgumentError, ManifestError
 from ._paths import check_unique, keypath_to_path
 
 SCALAR_TYPES = (bool, int, float, complex, str)
@@ -27,17 +27,53 @@ def flatten(tree: Any, empty_in_sequences: bool = False) -> tuple[list[tuple[str
     """
     import jax.tree_util as jtu
 
-    if empty_in_sequences:
-        with_path, _ = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree and is_empty_subtree(x))
-        with_path = [
-            (kp, leaf) for kp, leaf in with_path if not is_empty_subtree(leaf) or isinstance(kp[-1], jtu.SequenceKey)
-        ]
-        treedef = jtu.tree_structure(tree)
-    else:
-        with_path, treedef = jtu.tree_flatten_with_path(tree)
+    try:
+        if empty_in_sequences:
+            with_path, _ = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree and is_empty_subtree(x))
+            with_path = [
+                (kp, leaf)
+                for kp, leaf in with_path
+                if not is_empty_subtree(leaf) or isinstance(kp[-1], jtu.SequenceKey)
+            ]
+            treedef = jtu.tree_structure(tree)
+        else:
+            with_path, treedef = jtu.tree_flatten_with_path(tree)
+    except ValueError as e:
+        if (unsorted := _unsortable_dict(tree)) is None:
+            raise
+        where, keys = unsorted
+        raise ArgumentError(
+            f"The dict at {where or '<root>'} has keys JAX cannot put in order ({', '.join(keys)}): it sorts a "
+            "dict's keys to flatten it, and these do not compare with each other. Use keys of one type (all "
+            "strings, say)."
+        ) from e
     flat = [(keypath_to_path(kp), kp, leaf) for kp, leaf in with_path]
     check_unique([(path, kp) for path, kp, _ in flat])
     return flat, treedef
+
+
+def _unsortable_dict(tree: Any) -> tuple[str, list[str]] | None:
+    """Where in ``tree`` a dict's keys cannot be sorted (what JAX's flattening needs), and a
+    few of them; None if none is."""
+    import jax.tree_util as jtu
+
+    def unsortable(x: Any) -> bool:
+        if not isinstance(x, dict):
+            return False
+        try:
+            sorted(x)
+        except TypeError:
+            return True
+        return False
+
+    try:
+        found = jtu.tree_flatten_with_path(tree, is_leaf=unsortable)[0]
+    except ValueError:
+        return None
+    for keypath, leaf in found:
+        if unsortable(leaf):
+            return jtu.keystr(keypath), [repr(k) for k in list(leaf)[:MAX_LISTED]]
+    return None
 
 
 def is_prng_key_dtype(dtype: Any) -> bool:
