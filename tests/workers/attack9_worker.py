@@ -263,7 +263,48 @@ def divergent(directory: str) -> None:
     result(process=me, **out)
 
 
-SCENARIOS = {f.__name__: f for f in [lost, resave, replaced, budget, divergent]}
+ODD = {  # replicated leaves of awkward shapes and dtypes, split among 3 writers
+    "a": ((1001, 257), "float32"),
+    "b": ((3, 50000), "bfloat16"),
+    "c": ((70001,), "int8"),
+    "d": ((129, 3, 131), "float16"),
+    "e": ((2, 2), "float32"),
+}
+
+
+def odd(directory: str) -> None:
+    """Replicated leaves of awkward shapes saved to ATTACK_STORE by every process (each
+    writing a share), then restored replicated (read once where it can) and onto rows
+    over the processes where they divide; every element checked."""
+    import eqxckpt
+
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    where = {**_store(), "path": _store()["path"] + "odd/"}
+    tree = {k: global_array(f"odd/{k}", shape, _dtype(d), NamedSharding(mesh, P())) for k, (shape, d) in ODD.items()}
+    eqxckpt.save(where, tree)
+    bad = {}
+    for spec in (P(), P("p")):
+        like = {}
+        for k, (shape, d) in ODD.items():
+            use = spec if shape[0] % jax.process_count() == 0 else P()
+            like[k] = jax.ShapeDtypeStruct(shape, _dtype(d), sharding=NamedSharding(mesh, use))
+        restored = jax.block_until_ready(eqxckpt.load(where, like))
+        for k, (shape, d) in ODD.items():
+            want = values(f"odd/{k}", shape, _dtype(d))
+            for shard in restored[k].addressable_shards:
+                if np.asarray(shard.data).tobytes() != want[shard.index].tobytes():
+                    bad[f"{k} {spec}"] = str(shard.index)
+    result(process=me, odd_bad=bad)
+
+
+def _dtype(name: str):
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name)) if name == "bfloat16" else np.dtype(name)
+
+
+SCENARIOS = {f.__name__: f for f in [lost, resave, replaced, budget, divergent, odd]}
 
 
 def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
