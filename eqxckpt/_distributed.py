@@ -79,8 +79,8 @@ class Phases:
             own_error = e
             status = {"error": str(e), "type": type(e).__name__}
         timeout_ms = int(BARRIER_TIMEOUT_S * 1000)
-        self._client.key_value_set(f"{self.name}/{phase}/{self.rank}", json.dumps(status))
-        try:
+        try:  # the coordination service may be gone (process 0 died): that is this same failure
+            self._client.key_value_set(f"{self.name}/{phase}/{self.rank}", json.dumps(status))
             self._client.wait_at_barrier(f"{self.name}/{phase}", timeout_ms)
             statuses = [
                 json.loads(self._client.blocking_key_value_get(f"{self.name}/{phase}/{rank}", timeout_ms))
