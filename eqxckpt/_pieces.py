@@ -50,6 +50,12 @@ class Piece(abc.ABC):
         the offset of a packed leaf or None for the piece's own leaf."""
         return [] if self.whole is None else [(None, self.whole)]
 
+    def shared_copy(self) -> tuple[tuple[slice, ...] | None, np.ndarray] | None:
+        """``(index, data)``: this process's copy of a part of which other processes write
+        chunks from their own copies (`WriteShares`), or which is kept only for the leaf's
+        digest; every copy must be equal (`_replicas.check_copies_agree`). None otherwise."""
+        return None
+
     @abc.abstractmethod
     def chunks(self, layout: ChunkLayout) -> list[ChunkWrite]:
         """Every chunk this piece writes, in C order."""
@@ -67,6 +73,11 @@ class HostPiece(Piece):
             data.nbytes if parts is None else sum(math.prod(s.stop - s.start for s in p) for p in parts) * itemsize
         )
         self.whole = data if index is None or all(part == slice(None) for part in index) else None
+
+    def shared_copy(self) -> tuple[tuple[slice, ...] | None, np.ndarray] | None:
+        if self.parts is not None and self.nbytes < self.data.nbytes:
+            return self.index, self.data
+        return None
 
     def chunks(self, layout: ChunkLayout) -> list[ChunkWrite]:
         region = (

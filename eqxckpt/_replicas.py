@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._chunks import ChunkLayout, Region, chunk_budget, chunk_shape
-from ._errors import ArgumentError, CheckpointChangedError
+from ._digest import digest
+from ._errors import MAX_LISTED, ArgumentError, CheckpointChangedError, UnsupportedLeafError, plural
 from ._leaf import StoredLeaf
 from ._window import host_memory_budget
 
@@ -123,6 +124,45 @@ class WriteShares:
 
 def _key(index: Any, shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def copy_digests(copies: Sequence[tuple[str, tuple[int, ...], Any, np.ndarray]]) -> str:
+    """What this process publishes of its copies of parts that other processes write
+    chunks of too (`WriteShares`): ``copies`` is ``(leaf path, its shape, the part's
+    index, this process's copy)`` each; the JSON of each part's digest, for
+    `check_copies_agree`."""
+    found: dict[str, dict[str, str]] = {}
+    for path, shape, index, data in copies:
+        part = ",".join(f"{a}:{b}" for a, b in _key(index, shape))
+        found.setdefault(path, {})[part] = digest(["copy", list(data.shape)], data)
+    return json.dumps(found)
+
+
+def check_copies_agree(published: Sequence[str]) -> None:
+    """Raise `UnsupportedLeafError` if two processes' copies of a part differ (``published``:
+    each process's `copy_digests`, in process order): each wrote some of its chunks from
+    its own copy, so the checkpoint would hold a mix of them, and the leaf's digest one
+    copy's. Called before the commit: nothing is committed."""
+    seen: dict[tuple[str, str], tuple[int, str]] = {}
+    differ: dict[str, tuple[str, int, int]] = {}
+    for rank, text in enumerate(published):
+        for path, parts in (json.loads(text) if text else {}).items():
+            for part, value in parts.items():
+                first = seen.setdefault((path, part), (rank, value))
+                if first[1] != value and path not in differ:
+                    differ[path] = (part, first[0], rank)
+    if differ:
+        listed = [
+            f"{path!r} (part [{part}]: processes {a} and {b})"
+            for path, (part, a, b) in list(differ.items())[:MAX_LISTED]
+        ]
+        raise UnsupportedLeafError(
+            f"The replicas of {plural(len(differ), 'leaf', 'leaves')} differ between processes: "
+            f"{', '.join(listed)}{' ...' if len(differ) > MAX_LISTED else ''}. Each process writes some chunks of a "
+            "replicated array from its own copy, so the checkpoint would hold a mix of them; nothing was committed. "
+            "JAX assumes an array's replicas are equal: make the computation that produced it give the same values "
+            "on every process, or save one process's copy as a host-local array."
+        )
 
 
 def spanning_axes(names: Sequence[str], processes: np.ndarray) -> set[str]:

@@ -27,6 +27,7 @@ from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
 from ._paths import GROUP_METADATA, group_file, group_locations, key_entry
 from ._pieces import PackedWrite, Piece, record_of, snapshot
 from ._progress import Progress, advance, reporting
+from ._replicas import check_copies_agree, copy_digests
 from ._reuse import Reuse, plan_reuse
 from ._storage import (
     NOTHING_COMMITTED,
@@ -289,6 +290,7 @@ class SaveInProgress:
         self.writing = list(reuse.written)  # and referred leaves whose prefix cannot be held
         self.staging: Staging | None = None
         self.committed = False
+        self.copies: list[str] = []  # each process's `write` result: digests of shared copies
 
     def prepare(self) -> str | None:
         """Process 0: claim the place, take the leaves reused from the base (held prefixes,
@@ -321,13 +323,16 @@ class SaveInProgress:
                 raise failure
         return staging.where
 
-    def write(self, where: str) -> None:
+    def write(self, where: str) -> str:
         """Every process: write its pieces' chunks into the arrays `prepare` made, and make
         them durable.
 
         **Arguments:**
 
         - `where`: what `prepare` returned on process 0.
+
+        **Returns:** the digests of this process's copies of parts other processes write
+        from too (`_replicas.copy_digests`), which the commit compares.
 
         ```python
         saving.write(where)
@@ -342,6 +347,13 @@ class SaveInProgress:
                 sources.enter_context(source.consistent())
             _write(self.staging.storage, self.writing, metadata=False, chunks=True)
         self.staging.sync()
+        copies = [
+            (job.record.path, job.record.data_shape, *copy)
+            for job in self.writing
+            for piece in job.pieces
+            if (copy := piece.shared_copy()) is not None
+        ]
+        return copy_digests(copies) if copies else ""
 
     def commit(self) -> None:
         """Process 0, once every process has written: check every file is there, then commit
@@ -352,6 +364,7 @@ class SaveInProgress:
         ```
         """
         if self.leader and self.staging is not None:
+            check_copies_agree(self.copies)
             if self.hashing is not None:
                 self.manifest = self.hashing.result()
             jobs = [*self.writing, *(job for job, _ in self.reuse.linked)]
@@ -384,7 +397,7 @@ class SaveInProgress:
             # interrupted there, one would be left behind half made. Writes stay interruptible.
             with interrupts_deferred():
                 [where, *_] = phase("prepare", self.prepare)
-            phase("write", lambda: self.write(where or ""))
+            self.copies = phase("write", lambda: self.write(where or ""))
             with interrupts_deferred():
                 if self.phases is None:
                     self.commit()

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import eqxckpt
 from eqxckpt._chunks import chunk_shape
 from eqxckpt._replicas import REPLICA_PIECE_BYTES, spanning_axes, split_shard, spread_spec
 
@@ -67,3 +68,27 @@ def test_chunks_of_a_split_shard_never_straddle_two_writers():
     tile = split_shard(shape, shape, 4, 4, 64 << 20)
     chunk = chunk_shape(shape, 4, tile, 64 << 20)
     assert tile[0] % chunk[0] == 0
+
+
+def test_copies_of_a_part_must_agree_between_processes():
+    """`copy_digests` / `check_copies_agree`: the digests each process publishes of its
+    copies of shared parts; equal copies pass, and any difference names the leaf, the
+    part and the first two processes that disagree (the save is refused before its commit)."""
+    from eqxckpt._replicas import check_copies_agree, copy_digests
+
+    data = np.arange(24, dtype=np.float32).reshape(6, 4)
+    rows = (slice(0, 3), slice(None))
+
+    def published(copy: np.ndarray) -> str:
+        return copy_digests([("w", (6, 4), rows, copy[:3]), ("b", (6,), (slice(None),), copy[:, 0])])
+
+    check_copies_agree([published(data), published(data.copy()), "", published(data)])
+    changed = data.copy()
+    changed[1, 2] += 1
+    with pytest.raises(
+        eqxckpt.UnsupportedLeafError, match=r"leaf differ .*'w' \(part \[0:3,0:4\]: processes 0 and 2\)"
+    ):
+        check_copies_agree([published(data), "", published(changed)])
+    assert "'b'" not in str(
+        pytest.raises(eqxckpt.UnsupportedLeafError, check_copies_agree, [published(data), published(changed)]).value
+    )

@@ -1,8 +1,8 @@
-"""Attack 9: one of several JAX processes (one CPU device each) probing replica-parallel
+"""One of several JAX processes (one CPU device each) probing replica-parallel
 saves and single-read restores on object stores (S3 via moto, GCS via fake-gcs-server).
-Started by tests/test_attack9_object_stores.py.
+Started by tests/test_replicas_faults.py.
 
-    python attack9_worker.py SCENARIO PORT NUM_PROCESSES PROCESS_ID DIRECTORY
+    python replicas_fault_worker.py SCENARIO PORT NUM_PROCESSES PROCESS_ID DIRECTORY
 
 ATTACK_STORE: a kvstore spec (JSON) of the run directory. Every scenario prints lines
 ``RESULT <json>``.

@@ -1,7 +1,7 @@
-"""Attack 9: peak host memory and bytes downloaded of a single-process restore from an
+"""Peak host memory and bytes downloaded of a single-process restore from an
 object store with a small host_memory_budget.
 
-    python attack9_budget_probe.py STORE_SPEC_JSON MIB BUDGET TARGET
+    python budget_probe.py STORE_SPEC_JSON MIB BUDGET TARGET
 
 TARGET: ``device`` (a jax array on one device), ``numpy`` (like=None) or ``rows2`` /
 ``cols2`` (two CPU devices, rows or columns). Prints one line ``PROBE <json>``.
