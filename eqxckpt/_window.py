@@ -169,7 +169,8 @@ class _Pool:
         task), that is driven on the pool: it holds no thread while it awaits `done`, and
         the future is its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._put(functools.partial(self._start, work, future))
+        # The caller's host memory budget holds in the task too (its reads bound themselves by it).
+        self._put(functools.partial(self._start, work, future, host_memory_budget()))
         return future
 
     def _put(self, job: Callable[[], None]) -> None:
@@ -182,24 +183,24 @@ class _Pool:
                 self._threads.append(thread)
         self._tasks.put(job)
 
-    def _start(self, work: Callable[[], Any], future: concurrent.futures.Future) -> None:
+    def _start(self, work: Callable[[], Any], future: concurrent.futures.Future, budget: int) -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            result = work()
+            result = _within(budget, work)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
             future.set_exception(e)
             return
         if isinstance(result, types.CoroutineType):
-            self._step(result, future)
+            self._step(result, future, budget)
         else:
             future.set_result(result)
 
-    def _step(self, coroutine: Coroutine[Any, Any, Any], future: concurrent.futures.Future) -> None:
+    def _step(self, coroutine: Coroutine[Any, Any, Any], future: concurrent.futures.Future, budget: int) -> None:
         """Run ``coroutine`` until it awaits `done` (then again, on this pool, once its
         futures are) or ends (then settle ``future``)."""
         try:
-            step = coroutine.send(None)
+            step = _within(budget, coroutine.send, None)
         except StopIteration as stop:
             future.set_result(stop.value)
             return
@@ -210,7 +211,7 @@ class _Pool:
             coroutine.close()
             future.set_exception(TypeError(f"an I/O task awaited {step!r}; it may only await eqxckpt's done()"))
             return
-        _when_all(step.futures, lambda: self._put(functools.partial(self._step, coroutine, future)))
+        _when_all(step.futures, lambda: self._put(functools.partial(self._step, coroutine, future, budget)))
 
     def _serve(self) -> None:
         _worker.active = True
@@ -225,6 +226,15 @@ class _Pool:
 
     def reset_after_fork(self) -> None:  # a forked child has none of its parent's threads
         self.__init__(self._size)
+
+
+def _within(budget: int, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` with `host_memory_budget` at ``budget`` (a submitter's, on a pool thread)."""
+    token = _HOST_MEMORY_BUDGET.set(budget)
+    try:
+        return call(*args)
+    finally:
+        _HOST_MEMORY_BUDGET.reset(token)
 
 
 _worker = threading.local()  # ``active`` on the pool's own threads

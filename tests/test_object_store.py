@@ -795,3 +795,21 @@ def test_a_part_of_the_wrong_length_is_not_called_a_file_of_the_wrong_size(s3, m
         assert "holds 12004 bytes, not 12004" not in str(refused.value), str(refused.value)
     finally:
         proxy.close()
+
+
+def test_a_chunk_read_in_parts_within_a_small_budget_is_checked_whole(store):
+    """With host_memory_budget=2 MiB, a 12 MiB chunk is downloaded as 2 MiB ranges, one at a
+    time (not all at once): exact values, and a chunk object one byte shorter or longer, or
+    with other bytes, is refused naming the leaf, whatever part shows it."""
+    where = store.spec("runs/parts/")
+    value = np.random.default_rng(0).standard_normal((3 << 20,)).astype(np.float32)
+    eqxckpt.save(where, {"w": value})
+    np.testing.assert_array_equal(eqxckpt.load(where, host_memory_budget=2 << 20)["w"], value)
+    [chunk] = [k for k in store.keys("runs/parts/") if k.endswith("/w/c/0")]
+    good = store.get(chunk)
+    for bad, found in ((good[:-1], "holds 12582915 bytes"), (good + b"\0", "holds more than"), (good[::-1], "CRC")):
+        store.put(chunk, bad)
+        with pytest.raises(eqxckpt.CorruptCheckpointError, match=rf"Leaf 'w'.*{found}"):
+            eqxckpt.load(where, host_memory_budget=2 << 20)
+    store.put(chunk, good)
+    np.testing.assert_array_equal(eqxckpt.load(where, host_memory_budget=2 << 20)["w"], value)

@@ -28,8 +28,8 @@ from .._leaf import StoredLeaf
 from .._manifest import Manifest
 from .._paths import GROUP_METADATA, group_file, group_locations, validate_path
 from .._tensorstore import reason, shared_context
-from .._window import blocking, done
-from ._kvstore import PART_BYTES, PartError, SizeError, read_parts
+from .._window import blocking, done, host_memory_budget
+from ._kvstore import MIN_PART_BYTES, PART_BYTES, PartError, SizeError, read_parts
 from ._pins import Pin
 
 # Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.
@@ -267,7 +267,8 @@ class Staging(abc.ABC):
 class KvChunkFiles(ChunkFiles):
     """Chunk files in a TensorStore kvstore (object stores, memory). As coroutines
     (`reading`, `writing`), a request in flight holds no I/O thread: the window of bytes
-    bounds how many are in flight. A large chunk is read as `PART_BYTES` ranges at once."""
+    bounds how many are in flight. A large chunk is read as ranges of `PART_BYTES`, at most
+    the host memory budget of them at once."""
 
     def __init__(self, store: ts.KvStore):
         self._store = store
@@ -285,46 +286,63 @@ class KvChunkFiles(ChunkFiles):
 
     async def reading(self, key: str, into: Sequence[np.ndarray]) -> None:
         wanted = sum(buffer.nbytes for buffer in into)
-        # Never more than the chunk's size is downloaded: a larger object is refused unread
-        # (the byte past its end is asked for too), a smaller one when a range passes its end.
-        parts = read_parts(self._store, key, wanted, PART_BYTES)
-        await done([parts])
-        try:
-            results = parts.result()
-        except SizeError as e:
-            held = f"more than {wanted}" if e.size is None else str(e.size)
-            raise ChunkFileError(f"chunk file {key} holds {held} bytes, not {wanted}") from None
-        except PartError as e:
-            raise ChunkFileError(
-                f"chunk file {key} holds {wanted} bytes as it should, but {e}: read it again"
-            ) from None
-        if any(result.state != "value" for result in results):
-            raise ChunkFileError(f"chunk file {key} is missing")
-        if len({result.stamp.generation for result in results}) > 1:
-            raise ChunkFileError(f"chunk file {key} was replaced while it was read")
-        values = [result.value for result in results]
-        if sum(len(value) for value in values) != wanted:  # each range was checked to be whole
-            raise ChunkFileError(f"chunk file {key} was cut short while it was read")
-        _scatter_bytes(values, into)
+        # Ranged parts in flight hold their bytes until they are copied into place: at
+        # most the host memory budget of them at once (a large chunk, a small budget).
+        budget = host_memory_budget()
+        part = min(PART_BYTES, max(MIN_PART_BYTES, budget))
+        group = max(part, budget // part * part)
+        targets = _Targets(into)
+        generations = set()
+        for start in range(0, wanted, group) if wanted else range(1):
+            # Never more than the chunk's size is downloaded: a larger object is refused unread
+            # (the byte past its end is asked for too), a smaller one when a range passes its end.
+            parts = read_parts(self._store, key, wanted, part, start, min(start + group, wanted))
+            await done([parts])
+            try:
+                results = parts.result()
+            except SizeError as e:
+                held = f"more than {wanted}" if e.size is None else str(e.size)
+                raise ChunkFileError(f"chunk file {key} holds {held} bytes, not {wanted}") from None
+            except PartError as e:
+                raise ChunkFileError(
+                    f"chunk file {key} holds {wanted} bytes as it should, but {e}: read it again"
+                ) from None
+            if any(result.state != "value" for result in results):
+                raise ChunkFileError(f"chunk file {key} is missing")
+            generations.update(result.stamp.generation for result in results)
+            if len(generations) > 1:
+                raise ChunkFileError(f"chunk file {key} was replaced while it was read")
+            values = [result.value for result in results]
+            if sum(len(value) for value in values) != min(group, wanted - start):  # each range was checked whole
+                raise ChunkFileError(f"chunk file {key} was cut short while it was read")
+            for value in values:
+                targets.put(value)
+            del values, results
+        targets.finish()
 
 
-def _scatter_bytes(values: Sequence[bytes], into: Sequence[np.ndarray]) -> None:
-    """Copy ``values`` (consecutive runs of a file) into ``into`` (consecutive buffers)."""
-    buffers = iter(buffer.reshape(-1).view(np.uint8) for buffer in into)
-    target, at = next(buffers, None), 0
-    for value in values:
+class _Targets:
+    """Consecutive buffers filled in order with consecutive runs of a file's bytes."""
+
+    def __init__(self, into: Sequence[np.ndarray]):
+        self._buffers = iter(buffer.reshape(-1).view(np.uint8) for buffer in into)
+        self._target, self._at = next(self._buffers, None), 0
+
+    def put(self, value: bytes) -> None:
         data = np.frombuffer(value, np.uint8)
         while data.size:
-            assert target is not None  # the values' total is the buffers'
-            n = min(data.size, target.size - at)
-            target[at : at + n] = data[:n]
-            data, at = data[n:], at + n
-            if at == target.size:
-                target, at = next(buffers, None), 0
-    # Buffers of no bytes may be left; none with bytes: the sizes were checked.
-    while target is not None:
-        assert target.size == 0
-        target = next(buffers, None)
+            assert self._target is not None  # the values' total is the buffers'
+            n = min(data.size, self._target.size - self._at)
+            self._target[self._at : self._at + n] = data[:n]
+            data, self._at = data[n:], self._at + n
+            if self._at == self._target.size:
+                self._target, self._at = next(self._buffers, None), 0
+
+    def finish(self) -> None:
+        # Buffers of no bytes may be left; none with bytes: the sizes were checked.
+        while self._target is not None:
+            assert self._target.size == 0
+            self._target = next(self._buffers, None)
 
 
 def expected_files(leaves: list[tuple[StoredLeaf, ChunkLayout]]) -> dict[str, int]:

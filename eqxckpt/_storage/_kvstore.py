@@ -41,6 +41,8 @@ def _refused(error: BaseException) -> bool:
 # size at once, each its own connection (a store serves one connection at a fraction of
 # the network's speed).
 PART_BYTES = 8 << 20
+# The least a part holds where a small host memory budget makes parts smaller.
+MIN_PART_BYTES = 1 << 20
 
 
 def read_exact(store: ts.KvStore, key: str, size: int) -> ts.Future:
@@ -63,21 +65,25 @@ def read_exact(store: ts.KvStore, key: str, size: int) -> ts.Future:
     return future
 
 
-def read_parts(store: ts.KvStore, key: str, size: int, part_bytes: int) -> ts.Future:
-    """Start reading ``key`` if it holds exactly ``size`` bytes, as ranges of at most
-    ``part_bytes`` all in flight at once, downloading no more than ``size`` bytes.
+def read_parts(
+    store: ts.KvStore, key: str, size: int, part_bytes: int, start: int = 0, stop: int | None = None
+) -> ts.Future:
+    """Start reading bytes ``[start, stop)`` (by default all) of ``key`` if it holds exactly
+    ``size`` bytes, as ranges of at most ``part_bytes`` all in flight at once, downloading
+    no more than those bytes (and one).
 
-    The ranges ``[0, part_bytes)``, ``[part_bytes, 2 * part_bytes)``, ... up to ``size``
-    (each refused if the value ends before it does) and the one byte after ``size``
+    The ranges ``[start, start + part_bytes)``, ... up to ``stop`` (each refused if the
+    value ends before it does) and, where ``stop`` is ``size``, the one byte after it
     (found only if the value is larger). The future is done once every one of them is;
     its result is their read results, in order (state ``missing`` if absent; a value
     replaced in between gives results of different generations); its exception a
     `SizeError` if the value is of another size.
     """
     promise, future = ts.Promise.new()
-    starts = range(0, size, part_bytes) if size else range(1)
-    reads = [store.read(key, byte_range=slice(start, min(start + part_bytes, size))) for start in starts]
-    beyond = store.read(key, byte_range=slice(size, size + 1))
+    stop = size if stop is None else stop
+    starts = range(start, stop, part_bytes) if stop > start else range(start, start + 1)
+    reads = [store.read(key, byte_range=slice(at, min(at + part_bytes, stop))) for at in starts]
+    beyond = store.read(key, byte_range=slice(size, size + 1)) if stop == size else None
 
     def settle() -> None:  # once all are done
         try:
@@ -97,8 +103,8 @@ def read_parts(store: ts.KvStore, key: str, size: int, part_bytes: int) -> ts.Fu
                         raise PartError(f"a ranged read of {key} returned another length than asked for") from None
                     raise SizeError(int(match[1]) if match else 0) from None
             if len(results) < len(reads):  # refused ranges past the end, and none said the size
-                raise SizeError(_shorter(reads))
-            if any(result.state == "value" for result in results):
+                raise SizeError(start + _shorter(reads))
+            if beyond is not None and any(result.state == "value" for result in results):
                 try:
                     if beyond.result().state == "value":
                         raise SizeError(None)
@@ -109,7 +115,8 @@ def read_parts(store: ts.KvStore, key: str, size: int, part_bytes: int) -> ts.Fu
         except Exception as e:  # noqa: BLE001 - handed to the reader
             promise.set_exception(e)
 
-    left, lock = [len(reads) + 1], threading.Lock()
+    every = [*reads, *([] if beyond is None else [beyond])]
+    left, lock = [len(every)], threading.Lock()
 
     def one(_: ts.Future) -> None:  # on TensorStore's threads
         with lock:
@@ -118,7 +125,7 @@ def read_parts(store: ts.KvStore, key: str, size: int, part_bytes: int) -> ts.Fu
         if last:
             settle()
 
-    for read in [*reads, beyond]:
+    for read in every:
         read.add_done_callback(one)
     return future
 
