@@ -165,9 +165,7 @@ def key_entry(entry: Any) -> tuple[tuple, str]:
     key_entry(jax.tree_util.DictKey("a/b"))  # (('dict', 'a/b'), 'a%2Fb')
     ```
     """
-    if not _KEY_FIELD:
-        _KEY_FIELD.update(_usual_key_fields())
-    field = _KEY_FIELD.get(type(entry))
+    field = _usual_key_fields().get(type(entry))
     key = None if field is None else getattr(entry, field)
     # Exactly a str or an int: equal keys of other types may differ as records (True and 1,
     # 0.0 and -0.0), and another kind of entry may hold more than its key.
@@ -183,12 +181,9 @@ def _usual_key_entry(kind: type, key: str | int) -> tuple[tuple, str]:
     return record, record_segment(record)
 
 
-# The field holding the key of each usual kind of key entry (filled on first use: JAX is
-# imported where it is needed, not to read a checkpoint).
-_KEY_FIELD: dict[type, str] = {}
-
-
+@functools.cache  # JAX is imported where it is needed, not to read a checkpoint
 def _usual_key_fields() -> dict[type, str]:
+    """The field holding the key of each usual kind of key entry."""
     import jax.tree_util as jtu
 
     return {jtu.GetAttrKey: "name", jtu.DictKey: "key", jtu.SequenceKey: "idx"}
@@ -274,9 +269,7 @@ def check_unique(paths_and_keypaths: list[tuple[str, tuple]]) -> None:
                 "the keys before saving."
             )
         seen[folded] = keypath
-        prefix = ""
-        for part in parts[:-1]:  # the paths that hold this one, outermost first (`ancestors`)
-            prefix = f"{prefix}/{part}" if prefix else part
+        for prefix in ancestors(folded):
             if prefix in seen:
                 raise PathError(
                     f"Leaf {jtu.keystr(keypath)} would be stored inside leaf "
