@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -126,15 +126,22 @@ def _key(index: Any, shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
-def copy_digests(copies: Sequence[tuple[str, tuple[int, ...], Any, np.ndarray]]) -> str:
+def copy_digests(copies: Sequence[tuple[StoredLeaf, Any, np.ndarray]], known: Mapping[str, str]) -> str:
     """What this process publishes of its copies of parts that other processes write
-    chunks of too (`WriteShares`): ``copies`` is ``(leaf path, its shape, the part's
-    index, this process's copy)`` each; the JSON of each part's digest, for
-    `check_copies_agree`."""
+    chunks of too (`WriteShares`): ``copies`` is ``(leaf's record, the part's index, this
+    process's copy)`` each; the JSON of each part's digest, for `check_copies_agree`. A
+    copy of a whole leaf has the leaf's own digest (`_digest`), taken from ``known``
+    (process 0's, hashed for the manifest) where it is there: nothing is hashed twice."""
     found: dict[str, dict[str, str]] = {}
-    for path, shape, index, data in copies:
-        part = ",".join(f"{a}:{b}" for a, b in _key(index, shape))
-        found.setdefault(path, {})[part] = digest(["copy", list(data.shape)], data)
+    for record, index, data in copies:
+        span = _key(index, record.data_shape)
+        whole = all(bounds == (0, n) for bounds, n in zip(span, record.data_shape))
+        part = ",".join(f"{a}:{b}" for a, b in span)
+        if whole:
+            value = known.get(record.path) or digest(record.digest_fields(), data)
+        else:
+            value = digest(["copy", list(data.shape)], data)
+        found.setdefault(record.path, {})[part] = value
     return json.dumps(found)
 
 

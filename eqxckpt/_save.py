@@ -347,13 +347,15 @@ class SaveInProgress:
                 sources.enter_context(source.consistent())
             _write(self.staging.storage, self.writing, metadata=False, chunks=True)
         self.staging.sync()
-        copies = [
-            (job.record.path, job.record.data_shape, *copy)
-            for job in self.writing
-            for piece in job.pieces
-            if (copy := piece.shared_copy()) is not None
-        ]
-        return copy_digests(copies) if copies else ""
+        copies = [(job.record, *copy) for job in self.writing for piece in job.pieces if (copy := piece.shared_copy())]
+        if not copies:
+            return ""
+        known: dict[str, str] = {}
+        if self.leader:  # process 0 hashed the leaves it holds whole for the manifest
+            if self.hashing is not None:
+                self.manifest = self.hashing.result()
+            known = {r.path: r.digest for r in self.manifest.leaves if isinstance(r, StoredLeaf) and r.digest}
+        return copy_digests(copies, known)
 
     def commit(self) -> None:
         """Process 0, once every process has written: check every file is there, then commit

@@ -1,6 +1,8 @@
 """Planning replica-parallel saves and single-read restores (`eqxckpt._replicas`); the
 saves and restores themselves run across real processes in tests/test_distributed.py."""
 
+import json
+
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -73,16 +75,24 @@ def test_chunks_of_a_split_shard_never_straddle_two_writers():
 def test_copies_of_a_part_must_agree_between_processes():
     """`copy_digests` / `check_copies_agree`: the digests each process publishes of its
     copies of shared parts; equal copies pass, and any difference names the leaf, the
-    part and the first two processes that disagree (the save is refused before its commit)."""
+    part and the first two processes that disagree (the save is refused before its commit).
+    A copy of a whole leaf has the leaf's digest, which process 0 takes from its manifest."""
+    from eqxckpt._digest import digest
+    from eqxckpt._leaf import ArrayLeaf
     from eqxckpt._replicas import check_copies_agree, copy_digests
 
     data = np.arange(24, dtype=np.float32).reshape(6, 4)
     rows = (slice(0, 3), slice(None))
+    w = ArrayLeaf("w", (("dict", "w"),), (6, 4), "float32", "jax")
+    b = ArrayLeaf("b", (("dict", "b"),), (6,), "float32", "jax")
 
-    def published(copy: np.ndarray) -> str:
-        return copy_digests([("w", (6, 4), rows, copy[:3]), ("b", (6,), (slice(None),), copy[:, 0])])
+    def published(copy: np.ndarray, known: dict | None = None) -> str:
+        return copy_digests([(w, rows, copy[:3]), (b, (slice(None),), np.ascontiguousarray(copy[:, 0]))], known or {})
 
-    check_copies_agree([published(data), published(data.copy()), "", published(data)])
+    whole = digest(b.digest_fields(), data[:, 0])
+    assert json.loads(published(data))["b"] == {"0:6": whole}  # the leaf's own digest
+    assert json.loads(published(data, {"b": "known"}))["b"] == {"0:6": "known"}  # not hashed again
+    check_copies_agree([published(data, {"b": whole}), published(data.copy()), "", published(data)])
     changed = data.copy()
     changed[1, 2] += 1
     with pytest.raises(
