@@ -180,6 +180,25 @@ def kill_when(script: str, ready, timeout: float = 120) -> None:
         writer.wait()
 
 
+def start_workers(
+    worker: pathlib.Path, scenario: str, processes: int, directory: pathlib.Path, **env_vars: str
+) -> tuple[list[subprocess.Popen], list[pathlib.Path]]:
+    """Start ``processes`` JAX worker processes (`tests/workers`: ``WORKER SCENARIO PORT
+    NUM_PROCESSES PROCESS_ID DIRECTORY``) on a free port of 127.0.0.1, each writing its
+    output to a log in ``directory``: the workers and their logs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", **env_vars}
+    logs = [directory / f"{scenario}{i}.log" for i in range(processes)]
+    workers = []
+    for i, log in enumerate(logs):
+        with open(log, "wb") as out:
+            command = [sys.executable, str(worker), scenario, str(port), str(processes), str(i), str(directory)]
+            workers.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+    return workers, logs
+
+
 def returns_within(call, seconds: float = 60.0, release=None):
     """``call()``'s outcome (its value, or its exception raised here), failing the test if it
     has not returned within ``seconds`` (a reader blocked on a FIFO, say). ``release()``

@@ -4,14 +4,13 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-from conftest import BUCKET, WORKERS, assert_trees_equal, s3_spec
+from conftest import BUCKET, WORKERS, assert_trees_equal, s3_spec, start_workers
 from distributed_worker import global_state
 
 import eqxckpt
@@ -23,12 +22,6 @@ WORKER = WORKERS / "distributed_worker.py"
 
 class WorkerFailed(AssertionError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(
@@ -44,14 +37,9 @@ def launch(
     """Run ``processes`` workers to completion; the first failure kills the rest at once.
     ``terminate=(i, text)``: send worker i SIGTERM once its output holds ``text``.
     ``dies``: a worker killed by a signal on purpose (not a failure)."""
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "EQXCKPT_BARRIER_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1", **env_vars}
-    logs = [directory / f"worker{i}.log" for i in range(processes)]
-    workers = []
-    for i, log in enumerate(logs):
-        with open(log, "wb") as out:
-            command = [sys.executable, str(worker), scenario, str(port), str(processes), str(i), str(directory)]
-            workers.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+    workers, logs = start_workers(
+        worker, scenario, processes, directory, **{"EQXCKPT_BARRIER_TIMEOUT_S": "60", **env_vars}
+    )
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -102,7 +90,7 @@ print("verified")
         env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert result.returncode == 0 and "verified" in result.stdout, result.stderr
-    assert sorted(os.listdir(tmp_path)) == ["async", "blocking"] + [f"worker{i}.log" for i in range(processes)]
+    assert sorted(os.listdir(tmp_path)) == ["async", "blocking"] + [f"save{i}.log" for i in range(processes)]
     if processes == 4:  # elastic: what 4 processes wrote, on disk, S3 and GCS, restored by 1 and by 8
         sources = [
             str(tmp_path / "blocking"),

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import WORKERS, ObjectStore
+from conftest import WORKERS, ObjectStore, start_workers
 
 import eqxckpt
 
@@ -19,26 +19,11 @@ pytestmark = pytest.mark.multiprocess
 WORKER = WORKERS / "replicas_fault_worker.py"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(scenario, processes, directory, timeout=120, **env_vars):
     """Start the workers; wait until all exit (or ``timeout``); kill the rest.
     Returns (exit codes, RESULT dicts per worker, seconds, logs)."""
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", **env_vars}
     directory.mkdir(parents=True, exist_ok=True)
-    logs = [directory / f"{scenario}{i}.log" for i in range(processes)]
-    workers = []
-    for i, log in enumerate(logs):
-        with open(log, "wb") as out:
-            command = [sys.executable, str(WORKER), scenario, str(port), str(processes), str(i), str(directory)]
-            workers.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+    workers, logs = start_workers(WORKER, scenario, processes, directory, **env_vars)
     start = time.monotonic()
     try:
         while time.monotonic() - start < timeout and any(w.poll() is None for w in workers):

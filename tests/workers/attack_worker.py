@@ -570,17 +570,7 @@ SCENARIOS = {
 }
 
 
-def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
-    jax.config.update("jax_num_cpu_devices", DEVICES)
-    from distributed_worker import join
-
-    join(port, processes, process_id)
-    start = time.monotonic()
-    SCENARIOS[scenario](directory)
-    result(process=process_id, done=round(time.monotonic() - start, 1))
-
-
 if __name__ == "__main__":
-    from distributed_worker import run_worker
+    from distributed_worker import run_scenarios
 
-    run_worker(main)
+    run_scenarios(SCENARIOS, DEVICES)

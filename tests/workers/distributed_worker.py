@@ -326,5 +326,20 @@ def run_worker(main) -> None:
     jax.distributed.shutdown()
 
 
+def run_scenarios(scenarios: dict, devices: int = 1) -> None:
+    """The entry point of a worker of named scenarios (`run_worker`'s command line): join
+    the others with ``devices`` CPU devices each, run ``scenarios[SCENARIO](DIRECTORY)``,
+    then print ``RESULT {"process": ..., "done": seconds}``."""
+
+    def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
+        jax.config.update("jax_num_cpu_devices", devices)
+        join(port, processes, process_id)
+        start = time.monotonic()
+        scenarios[scenario](directory)
+        print("RESULT " + json.dumps({"process": process_id, "done": round(time.monotonic() - start, 1)}), flush=True)
+
+    run_worker(main)
+
+
 if __name__ == "__main__":
     run_worker(main)

@@ -307,17 +307,7 @@ def _dtype(name: str):
 SCENARIOS = {f.__name__: f for f in [lost, resave, replaced, budget, divergent, odd]}
 
 
-def main(scenario: str, port: int, processes: int, process_id: int, directory: str) -> None:
-    jax.config.update("jax_num_cpu_devices", 1)
-    from distributed_worker import join
-
-    join(port, processes, process_id)
-    start = time.monotonic()
-    SCENARIOS[scenario](directory)
-    result(process=process_id, done=round(time.monotonic() - start, 1))
-
-
 if __name__ == "__main__":
-    from distributed_worker import run_worker
+    from distributed_worker import run_scenarios
 
-    run_worker(main)
+    run_scenarios(SCENARIOS)
