@@ -1,5 +1,6 @@
 """Flattening pytrees into path-named leaves, and telling leaf kinds apart."""
 
+import collections
 import collections.abc
 import functools
 import inspect
@@ -38,7 +39,7 @@ def flatten(tree: Any, empty_in_sequences: bool = False) -> tuple[list[tuple[str
             treedef = jtu.tree_structure(tree)
         else:
             with_path, treedef = jtu.tree_flatten_with_path(tree)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # a defaultdict's keys fail with a TypeError
         if (unsorted := _unsortable_dict(tree)) is None:
             raise
         where, keys = unsorted
@@ -58,7 +59,8 @@ def _unsortable_dict(tree: Any) -> tuple[str, list[str]] | None:
     import jax.tree_util as jtu
 
     def unsortable(x: Any) -> bool:
-        if not isinstance(x, dict):
+        # Only the dicts JAX sorts: it keeps an OrderedDict's order, and a subclass is a leaf.
+        if type(x) not in (dict, collections.defaultdict):
             return False
         try:
             sorted(x)
