@@ -51,9 +51,10 @@ class Piece(abc.ABC):
         return [] if self.whole is None else [(None, self.whole)]
 
     def shared_copy(self) -> tuple[tuple[slice, ...] | None, np.ndarray] | None:
-        """``(index, data)``: this process's copy of a part of which other processes write
-        chunks from their own copies (`WriteShares`), or which is kept only for the leaf's
-        digest; every copy must be equal (`_replicas.check_copies_agree`). None otherwise."""
+        """``(index, data)``: this process's copy of a part that other processes hold too
+        (`WriteShares`), whatever it writes of it (all, some, or nothing: kept only for the
+        leaf's digest); every copy written from or digested must be equal
+        (`_replicas.check_copies_agree`). None otherwise."""
         return None
 
     @abc.abstractmethod
@@ -64,10 +65,13 @@ class Piece(abc.ABC):
 class HostPiece(Piece):
     """An array in host memory that nothing changes while it is written: the whole leaf
     (``index`` None) or the shard of it at ``index``; of which only the chunks ``parts``
-    if given (a shard several processes hold, split among them: `_replicas.WriteShares`)."""
+    if given (a shard several processes hold, split among them: `_replicas.WriteShares`).
+    ``shared``: other processes hold the same part (`shared_copy`)."""
 
-    def __init__(self, index: tuple[slice, ...] | None, data: np.ndarray, parts: list[Region] | None = None):
-        self.index, self.data, self.parts = index, data, parts
+    def __init__(
+        self, index: tuple[slice, ...] | None, data: np.ndarray, parts: list[Region] | None = None, shared: bool = False
+    ):
+        self.index, self.data, self.parts, self.shared = index, data, parts, shared
         itemsize = data.dtype.itemsize
         self.nbytes = (
             data.nbytes if parts is None else sum(math.prod(s.stop - s.start for s in p) for p in parts) * itemsize
@@ -75,7 +79,7 @@ class HostPiece(Piece):
         self.whole = data if index is None or all(part == slice(None) for part in index) else None
 
     def shared_copy(self) -> tuple[tuple[slice, ...] | None, np.ndarray] | None:
-        if self.parts is not None and self.nbytes < self.data.nbytes:
+        if self.shared:
             return self.index, self.data
         return None
 
@@ -189,17 +193,18 @@ def snapshot(
 
     multiprocess = is_multiprocess()
     shares = WriteShares(jax.process_count()) if multiprocess else None
-    planned: list[tuple[StoredLeaf, tuple[int, ...] | None, list[tuple[tuple[slice, ...] | None, Any, Any]]]] = []
+    # Each piece: (index, data, chunk parts or None for all, whether other processes hold the part too).
+    planned: list[tuple[StoredLeaf, tuple[int, ...] | None, list[tuple[tuple[slice, ...] | None, Any, Any, bool]]]] = []
     for record, value in arrays:
         if isinstance(value, jax.Array) and isinstance(value.sharding, jax.sharding.SingleDeviceSharding):
             # The common case, without asking for shards (costly per leaf in a tree of many small ones).
-            planned.append((record, None, [(None, value, None)] if leader or not multiprocess else []))
+            planned.append((record, None, [(None, value, None, False)] if leader or not multiprocess else []))
         elif isinstance(value, jax.Array) and shares is not None and not value.is_fully_addressable:
             tile, mine = shares.plan(record, value)
-            pieces = [(s.index, s.data, parts) for s, parts in mine]
-            if leader and not any(_covers(index) for index, _, _ in pieces):
+            pieces = [(s.index, s.data, parts, shared) for s, parts, shared in mine]
+            if leader and not any(_covers(index) for index, _, _, _ in pieces):
                 # Kept whole (and written in part, or not at all) only for its digest.
-                pieces += [(s.index, s.data, []) for s in value.addressable_shards if _covers(s.index)][:1]
+                pieces += [(s.index, s.data, [], True) for s in value.addressable_shards if _covers(s.index)][:1]
             planned.append((record, tile, pieces))
         elif isinstance(value, jax.Array):
             if multiprocess and not leader:
@@ -208,12 +213,12 @@ def snapshot(
                 shards = [s for s in value.addressable_shards if s.replica_id == 0]
             whole = len(value.sharding.device_set) == 1
             shard = None if whole else tuple(value.sharding.shard_shape(value.shape))
-            planned.append((record, shard, [(None if whole else s.index, s.data, None) for s in shards]))
+            planned.append((record, shard, [(None if whole else s.index, s.data, None, False) for s in shards]))
         else:
-            planned.append((record, None, [(None, value, None)] if leader or not multiprocess else []))
+            planned.append((record, None, [(None, value, None, False)] if leader or not multiprocess else []))
     # Start every device-to-host transfer before waiting on any (a no-op on CPU).
     for _, _, values in planned:
-        for _, data, _ in values:
+        for _, data, _, _ in values:
             if isinstance(data, jax.Array) and not _on_cpu(data):
                 data.copy_to_host_async()
     # A leaf of another checkpoint stays where it is: it is copied chunk by chunk.
@@ -222,8 +227,8 @@ def snapshot(
             record,
             shard,
             [
-                CopiedPiece(data) if isinstance(data, LazyArray) else HostPiece(index, _host(data, copy), parts)
-                for index, data, parts in values
+                CopiedPiece(data) if isinstance(data, LazyArray) else HostPiece(index, _host(data, copy), parts, shared)
+                for index, data, parts, shared in values
             ],
         )
         for record, shard, values in planned

@@ -79,14 +79,16 @@ class WriteShares:
 
     ```python
     shares = WriteShares(jax.process_count())
-    shard, parts = shares.plan(record, array)  # this process's chunks of one leaf
+    tile, mine = shares.plan(record, array)  # the chunks this process writes of one leaf
     ```
     """
 
     def __init__(self, processes: int):
         self.load = [0] * processes  # bytes each process writes so far
 
-    def plan(self, record: StoredLeaf, value: "jax.Array") -> tuple[tuple[int, ...], list[tuple[Any, list[Region]]]]:
+    def plan(
+        self, record: StoredLeaf, value: "jax.Array"
+    ) -> tuple[tuple[int, ...], list[tuple[Any, list[Region], bool]]]:
         """The shape the leaf's chunks tile (`split_shard`), and what this process writes
         of it: ``(shard, chunk parts)`` for each shard of ``value`` it writes some of.
 
@@ -95,7 +97,8 @@ class WriteShares:
         - `record`: the leaf's record (its stored shape and dtype).
         - `value`: the leaf, a global array (not fully addressable).
 
-        **Returns:** the shape, and ``[(addressable shard, [chunk region, ...]), ...]``.
+        **Returns:** the shape, and ``[(addressable shard, [chunk region, ...], shared), ...]``,
+        ``shared`` where other processes hold that part too (their copies must agree).
         """
         import jax
 
@@ -119,7 +122,7 @@ class WriteShares:
         shards = {}
         for s in sorted(value.addressable_shards, key=lambda s: s.replica_id):
             shards.setdefault(_key(s.index, shape), s)
-        return tile, [(shards[key], parts) for key, parts in own.items()]
+        return tile, [(shards[key], parts, len(holders[key]) > 1) for key, parts in own.items()]
 
 
 def _key(index: Any, shape: tuple[int, ...]) -> tuple:

@@ -238,6 +238,25 @@ def test_a_leaf_whose_replicas_differ_is_not_saved_as_a_mix(tmp_path, where, s3)
         eqxckpt.load(location)
 
 
+def test_a_small_replicated_leaf_that_differs_is_refused_or_consistent(tmp_path):
+    """Leaf "b" (64 bytes, P() on two processes) is 1.0 on process 0 and 2.0 on process 1.
+    Too small to split, it is written whole by process 1 (the fewest bytes so far), while
+    process 0 digests its own copy. Either the save is refused (as for a large leaf), or
+    what is committed must agree with its own digest. (Before, a writer of a whole part
+    published no digest of its copy, and it committed with process 0's digest.)"""
+    codes, results, _, texts = run_workers("small_differ", 2, tmp_path, timeout=100)
+    assert codes == [0, 0], texts
+    outcomes = _one(results, "saved")
+    if not outcomes[0]["saved"]:
+        assert outcomes[0]["raised"] == "UnsupportedLeafError", outcomes
+        assert "'b'" in outcomes[0]["message"], outcomes
+        return
+    restored = eqxckpt.load(str(tmp_path / "ckpt"))
+    assert np.asarray(restored["a"]).tolist() == list(range(16))
+    report = eqxckpt.verify(str(tmp_path / "ckpt"))
+    assert not report.problems, (np.asarray(restored["b"]).tolist(), report.problems)
+
+
 @pytest.mark.parametrize("where", ["s3"])  # Cloud Storage: test_distributed's replicated_data...[gcs]
 def test_awkward_replicated_leaves_round_trip_across_three_processes(tmp_path, where, s3, gcs):
     """Three processes (an odd count) save replicated leaves of awkward shapes and dtypes

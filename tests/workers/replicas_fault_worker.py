@@ -304,7 +304,33 @@ def _dtype(name: str):
     return np.dtype(getattr(ml_dtypes, name)) if name == "bfloat16" else np.dtype(name)
 
 
-SCENARIOS = {f.__name__: f for f in [lost, resave, replaced, budget, divergent, odd]}
+def small_differ(directory: str) -> None:
+    """Two small leaves replicated on both processes (P()): "a" equal everywhere, "b"
+    process k's = 1 + k. WriteShares gives "a" to process 0 and "b" to process 1 (the
+    fewest bytes so far); process 0 keeps its own copy of "b" to digest it. Saved to
+    DIRECTORY/ckpt; each process reports what happened."""
+    import eqxckpt
+
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    a = np.arange(16, dtype=np.float32)
+    b = np.full(16, 1 + me, np.float32)
+    tree = {
+        "a": jax.make_array_from_callback(a.shape, NamedSharding(mesh, P()), lambda i: a[i]),
+        "b": jax.make_array_from_callback(b.shape, NamedSharding(mesh, P()), lambda i: b[i]),
+    }
+    try:
+        eqxckpt.save(f"{directory}/ckpt", tree)
+        out = {"saved": True}
+    except eqxckpt.CheckpointError as e:
+        out = {"saved": False, "raised": type(e).__name__, "message": str(e)}
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("saved")
+    result(process=me, **out)
+
+
+SCENARIOS = {f.__name__: f for f in [lost, resave, replaced, budget, divergent, small_differ, odd]}
 
 
 if __name__ == "__main__":
