@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import tensorstore as ts
-from conftest import BUCKET, assert_trees_equal, crafted_manifest, kill_when, s3_spec as spec
+from conftest import BUCKET, ObjectStore, assert_trees_equal, crafted_manifest, kill_when, s3_spec as spec
 
 import eqxckpt
 import eqxckpt._storage
@@ -813,3 +813,77 @@ def test_a_chunk_read_in_parts_within_a_small_budget_is_checked_whole(store):
             eqxckpt.load(where, host_memory_budget=2 << 20)
     store.put(chunk, good)
     np.testing.assert_array_equal(eqxckpt.load(where, host_memory_budget=2 << 20)["w"], value)
+
+
+# The writer: a save in a thread, paused before its first chunk write until GO exists;
+# its main thread then ends (pthread_exit), as when an embedding program's main thread
+# returns while a worker thread goes on. The process is alive: its writer thread runs.
+LIVE_WRITER = r"""
+import ctypes, json, os, sys, threading, time
+import numpy as np
+import eqxckpt
+from eqxckpt._storage import _backend
+
+spec, ready, go, out = json.loads(sys.argv[1]), *sys.argv[2:5]
+original = _backend.KvChunkFiles.writing
+
+async def writing(self, key, pieces):
+    if not os.path.exists(ready):
+        open(ready, "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.01)
+    await original(self, key, pieces)
+
+_backend.KvChunkFiles.writing = writing
+
+def save():
+    try:
+        eqxckpt.save(spec, {"w": np.full((256, 256), 1.0, np.float32)}, overwrite=True)
+        outcome = {"saved": True}
+    except Exception as e:
+        outcome = {"saved": False, "raised": type(e).__name__, "message": str(e)}
+    with open(out, "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)
+
+threading.Thread(target=save).start()
+while not os.path.exists(ready):
+    time.sleep(0.01)
+ctypes.CDLL(None).pthread_exit(None)  # the main thread ends; the process goes on
+"""
+
+
+def test_a_live_writer_whose_main_thread_ended_keeps_its_lease(tmp_path, s3):
+    """Its process is alive though its thread-group leader is a zombie: `holder_is_gone`
+    counts the process's threads, and the lease is not taken over (outside attack 10).
+    S3 only: the takeover's refusal relies on a conditional write."""
+    store = ObjectStore("s3", *s3)
+    spec = store.spec(f"a10-lease-{tmp_path.name}/")
+    ready, go, out = (str(tmp_path / name) for name in ("ready", "go", "out"))
+    writer = subprocess.Popen(
+        [sys.executable, "-c", LIVE_WRITER, json.dumps(spec), ready, go, out], env=dict(os.environ, JAX_PLATFORMS="cpu")
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(ready):
+            assert writer.poll() is None and time.monotonic() < deadline, "the writer did not start its save"
+            time.sleep(0.02)
+        time.sleep(0.5)  # its main thread has ended by now
+        with open(f"/proc/{writer.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        threads = os.listdir(f"/proc/{writer.pid}/task")
+        assert state == "Z" and len(threads) > 1, (state, threads)  # alive, its leader a zombie
+        # Another process saving to the same place must wait for the live save.
+        try:
+            eqxckpt.save(spec, {"w": np.full((256, 256), 2.0, np.float32)}, overwrite=True)
+            ours = "saved"
+        except eqxckpt.CheckpointBusyError:
+            ours = "busy"
+    finally:
+        open(go, "w").close()
+        writer.wait(120)
+    with open(out) as f:
+        theirs = json.load(f)
+    restored = eqxckpt.load(spec)
+    assert (ours, theirs["saved"]) == ("busy", True), (ours, theirs)
+    assert np.asarray(restored["w"]).tolist() == np.full((256, 256), 1.0, np.float32).tolist()

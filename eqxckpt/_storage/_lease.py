@@ -29,8 +29,9 @@ LEASE_FORMAT = "eqxckpt-lease"
 # saves had prefixes of their own: its "paths" are what its save wrote.
 ACTIONS = ("save", "commit", "delete")
 LOST = (
-    "This save lost its lease (its heartbeat stopped for longer than the lease timeout, and another "
-    "process took over the place). Nothing was committed; save again."
+    "This save lost its lease: another process took over the place, because the save's heartbeat looked older "
+    "than the lease timeout (this process was paused, or a clock ran ahead) or this process looked dead from the "
+    "same machine (machines restored from one snapshot). Nothing was committed; save again."
 )
 
 
@@ -115,10 +116,13 @@ def _started(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold anything
+        # A zombie leader with other threads is a live process whose main thread ended.
+        if fields[0] in ("Z", "X") and len(os.listdir(f"/proc/{pid}/task")) <= 1:
+            return None
     except FileNotFoundError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold anything
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+    return int(fields[19])
 
 
 def _holder() -> dict[str, Any]:
