@@ -43,6 +43,33 @@ def global_array(path: str, shape, dtype, sharding) -> jax.Array:
     return jax.make_array_from_callback(shape, sharding, lambda i: value[i])
 
 
+def on_object_store(at: str, act) -> None:
+    """Make this process call ``act()`` at one instant of its next object-store save or
+    load: ``write`` (before each chunk write), ``read`` (before each chunk read),
+    ``commit`` (entering the commit), ``committed`` (just after the manifest's conditional
+    write). ``act`` may stop, hold up or kill the process."""
+    import eqxckpt._storage._backend as backend
+    import eqxckpt._storage._objects as objects
+
+    if at in ("write", "read"):
+        name = {"write": "writing", "read": "reading"}[at]
+        original = getattr(backend.KvChunkFiles, name)
+
+        async def acting(self, key, buffers):
+            act()
+            await original(self, key, buffers)
+
+        setattr(backend.KvChunkFiles, name, acting)
+    elif at == "commit":
+        commit = objects.ObjectStaging.commit
+        objects.ObjectStaging.commit = lambda self, *a: (act(), commit(self, *a))[1]
+    elif at == "committed":
+        write_manifest = objects.write_manifest
+        objects.write_manifest = lambda *a: (write_manifest(*a), act())[0]
+    else:
+        raise ValueError(at)
+
+
 def check(path: str, restored: jax.Array, want: np.ndarray) -> int:
     """Every element this process holds equals the saved one, bit for bit."""
     checked = 0
@@ -477,31 +504,11 @@ def signalled(directory: str) -> None:
                 os.kill(os.getpid(), number)
 
     if me == victim and store:
-        import eqxckpt._storage._backend as backend
-        import eqxckpt._storage._objects as objects
-
-        if at == "write":
-            writing = backend.KvChunkFiles.writing
-
-            async def stopped_writing(self, key, pieces):
-                stop_here()
-                await writing(self, key, pieces)
-
-            backend.KvChunkFiles.writing = stopped_writing
-        elif at == "commit":
-            commit = objects.ObjectStaging.commit
-            objects.ObjectStaging.commit = lambda self, *a: (stop_here(), commit(self, *a))[1]
-        elif at == "read":
-            reading = backend.KvChunkFiles.reading
-
-            async def stopped_reading(self, key, into):
-                stop_here()
-                await reading(self, key, into)
-
-            backend.KvChunkFiles.reading = stopped_reading
-        elif at == "move":
+        if at == "move":
             identity = replicas._identity
             replicas._identity = lambda *v: (stop_here(), identity(*v))[1]
+        else:
+            on_object_store(at, stop_here)
     elif me == victim:
         if at == "write":
             original = local.LocalChunkFiles.write

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attack_worker import global_array, mismatches, result, values  # noqa: E402
+from attack_worker import global_array, mismatches, on_object_store, result, values  # noqa: E402
 
 SHAPE = (1536, 256)  # 1.5 MiB of float32: rows divide by 2, 3, 4
 SPECS = {"r": P(), "s": P("p")}
@@ -58,8 +58,6 @@ def lost(directory: str) -> None:
     import signal
 
     import eqxckpt
-    import eqxckpt._storage._backend as backend
-    import eqxckpt._storage._objects as objects
 
     me = jax.process_index()
     victim, at = int(os.environ["ATTACK_VICTIM"]), os.environ["ATTACK_AT"]
@@ -72,25 +70,7 @@ def lost(directory: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     if me == victim:
-        if at == "write":
-            writing = backend.KvChunkFiles.writing
-
-            async def stopped_writing(self, key, pieces):
-                die()
-                await writing(self, key, pieces)
-
-            backend.KvChunkFiles.writing = stopped_writing
-        elif at == "commit":
-            objects.ObjectStaging.commit = lambda self, *a: die()
-        elif at == "committed":
-            write_manifest = objects.write_manifest
-
-            def written_then_die(*a):
-                ok = write_manifest(*a)
-                result(process=me, manifest_written=ok)
-                die()
-
-            objects.write_manifest = written_then_die
+        on_object_store(at, die)
     out = _outcome(lambda: (manager.save(1, _tree(mesh, "step1")), "saved")[1])
     result(process=me, **out)
     sys.stdout.flush()
@@ -138,7 +118,6 @@ def replaced(directory: str) -> None:
     from jax.experimental import multihost_utils
 
     import eqxckpt
-    import eqxckpt._storage._backend as backend
 
     me = jax.process_index()
     fault = os.environ["ATTACK_FAULT"]
@@ -147,22 +126,20 @@ def replaced(directory: str) -> None:
     eqxckpt.save(where, {"r": global_array("old/r", SHAPE, np.float32, NamedSharding(mesh, P()))})
     multihost_utils.sync_global_devices("saved")
     if me == 1:
-        reading = backend.KvChunkFiles.reading
         first = []
 
-        async def faulted(self, key, into):
+        def fault_once() -> None:
             if not first:
-                first.append(key)
-                result(process=me, faulting=fault, key=key)
+                first.append(fault)
+                result(process=me, faulting=fault)
                 code = FAULT.format(workers=os.path.dirname(os.path.abspath(__file__)), where=where, fault=fault)
                 env = {k: v for k, v in os.environ.items() if not k.startswith("EQXCKPT_")}
                 done = subprocess.run(
                     [sys.executable, "-c", code], env=env, timeout=120, capture_output=True, text=True
                 )
                 result(process=me, fault_rc=done.returncode, fault_out=(done.stdout + done.stderr)[-800:])
-            await reading(self, key, into)
 
-        backend.KvChunkFiles.reading = faulted
+        on_object_store("read", fault_once)
     like = {"r": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=NamedSharding(mesh, P()))}
     got = _outcome(lambda: jax.block_until_ready(eqxckpt.load(where, like)))
     if "returned" in got:
