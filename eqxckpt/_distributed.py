@@ -19,7 +19,7 @@ BARRIER_TIMEOUT_S = float(os.environ.get("EQXCKPT_BARRIER_TIMEOUT_S", "600"))
 
 # Every process calls save() (and load()) in the same order, so these counts name the
 # same save (restore) on every process without any communication.
-_counters = {"save": itertools.count(), "restore": itertools.count()}
+_counters = {what: itertools.count() for what in ("save", "restore", "local", "resume")}
 
 
 def process_index() -> int:
@@ -34,7 +34,8 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
-def _client():
+def coordination_client():
+    """The client of the coordination service `jax.distributed.initialize` started."""
     from jax._src.distributed import global_state  # the only handle on the coordination service
 
     if global_state.client is None:
@@ -43,6 +44,15 @@ def _client():
             "call jax.distributed.initialize() before saving."
         )
     return global_state.client
+
+
+# What each kind of phases does, and the call every process makes for it, for errors.
+_WHAT = {
+    "save": ("Saving from", "save"),
+    "restore": ("Restoring into", "load"),
+    "local": ("Saving the local tier from", "save"),
+    "resume": ("Resuming", "latest_step or load"),
+}
 
 
 class Phases:
@@ -56,9 +66,10 @@ class Phases:
     """
 
     def __init__(self, what: str = "save") -> None:
+        """``what``: ``"save"``, ``"restore"``, ``"local"`` (a local-tier save) or ``"resume"``."""
         import jax
 
-        self._client = _client()
+        self._client = coordination_client()
         self.rank = jax.process_index()
         self.size = jax.process_count()
         self.what = what
@@ -89,10 +100,10 @@ class Phases:
         except Exception as e:
             if own_error is not None:
                 raise own_error from e
+            doing, call = _WHAT[self.what]
             raise CheckpointError(
-                f"{'Saving from' if self.what == 'save' else 'Restoring into'} {self.size} processes: not every "
-                f"process reached the {phase!r} phase within {BARRIER_TIMEOUT_S:.0f}s (one may have crashed or "
-                f"not called {'save' if self.what == 'save' else 'load'})."
+                f"{doing} {self.size} processes: not every process reached the {phase!r} phase within "
+                f"{BARRIER_TIMEOUT_S:.0f}s (one may have crashed or not called {call})."
                 + (f" {left()}" if left is not None else " Nothing was committed." if self.what == "save" else "")
                 + f" Coordination service said: {e}"
             ) from e

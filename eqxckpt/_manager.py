@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import warnings
@@ -16,6 +17,7 @@ from ._checkpoint import open_checkpoint
 from ._errors import ArgumentError, CheckpointChangedError, CheckpointError
 from ._formats import open as open_source
 from ._load import READ_ATTEMPTS, load
+from ._local import LocalCheckpoints, LocalChoice
 from ._preemption import Preemption
 from ._progress import Progress
 from ._replicas import failing_together, spans_processes
@@ -75,6 +77,21 @@ class CheckpointManager:
       warning. False writes every leaf of every step: no step shares a file
       with another, at the cost of writing and storing the unchanged leaves
       each time.
+    - `local_path`: a directory on this host (a tmpfs such as ``/dev/shm/run``, or a
+      local SSD) for a second, local tier: every `local_interval_steps` steps each
+      process saves its own part of the state there (its shards, in the background,
+      committed atomically), and `local_replicas` peer processes keep copies of it,
+      sent with JAX's transfer service. `latest_step` and `load` then resume from
+      the newest step every process can rebuild (from its own copy, else a peer's)
+      if it is at least as new as the newest persistent step. Restoring from it
+      needs the same processes and mesh (``like`` with the shardings saved from).
+      With several processes, `latest_step` and `load` (without ``step``) are
+      collective: every process calls them. See the scale guide in the docs.
+    - `local_interval_steps`: save to the local tier every this many steps (None:
+      `save_interval_steps`).
+    - `local_replicas`: how many other processes keep a copy of each process's
+      local part (1 by default; placed in other failure domains: slices, hosts).
+    - `local_max_to_keep`: how many complete local steps to keep (1 by default).
 
     Several managers and processes may use one directory (a trainer saving, an
     evaluator polling `latest_step` and loading); see the concurrency protocol
@@ -116,6 +133,10 @@ class CheckpointManager:
         preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
         preemption_grace_s: float = 30.0,
         incremental: bool = True,
+        local_path: str | os.PathLike | None = None,
+        local_interval_steps: int | None = None,
+        local_replicas: int = 1,
+        local_max_to_keep: int = 1,
     ):
         self.retention = Retention(max_to_keep, keep_every, best_metric, best_mode, keep_best)
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
@@ -145,6 +166,12 @@ class CheckpointManager:
         if skipped := scan.warning(self.location):
             warnings.warn(skipped, stacklevel=2)
         self._steps = RunSteps(self.location, self.retention, scan)
+        self._local: LocalCheckpoints | None = None
+        if local_path is not None:
+            interval = save_interval_steps if local_interval_steps is None else local_interval_steps
+            self._local = LocalCheckpoints(local_path, self.location, interval, local_replicas, local_max_to_keep)
+        # The step `latest_step` agreed on with a local tier, for the `load` that follows.
+        self._resume: tuple[LocalChoice | None, int | None] | None = None
 
     # -- saving ------------------------------------------------------------------------
 
@@ -204,11 +231,17 @@ class CheckpointManager:
         preempted = self._preempted_at is None and self._preemption is not None and self._preemption.reached(step)
         if preempted:
             return self._save_for_preemption(step, tree, metadata, metrics, progress)
-        if not (force or self.should_save(step)):
+        local = self._local is not None and self._local.should_save(step)
+        persistent = force or self.should_save(step)
+        if not (local or persistent):
             return False
         # A notice's grace period does not end the process in the middle of this save.
         with self._preemption.saving(for_notice=False) if self._preemption else contextlib.nullcontext():
-            self._start(step, tree, metadata, metrics, self.blocking, progress)
+            if local:
+                assert self._local is not None
+                self._local.save(step, tree, blocking=self.blocking)
+            if persistent:
+                self._start(step, tree, metadata, metrics, self.blocking, progress)
         return True
 
     def _start(
@@ -233,7 +266,8 @@ class CheckpointManager:
         # that committed this step first makes this save fail instead).
         # Leaves unchanged since the latest step are taken from it, not written again
         # (unless the manager is not incremental).
-        latest = self.latest_step()
+        committed = self._steps.committed()
+        latest = committed[-1] if committed else None
         base = self._steps.step_path(latest) if latest is not None and self.incremental else None
         handle = save(
             self._steps.step_path(step), tree, metadata=metadata, blocking=blocking, progress=progress, base=base
@@ -259,6 +293,11 @@ class CheckpointManager:
         If the save fails, the notice stands: the next `save` tries again."""
         assert self._preemption is not None
         with self._preemption.saving(for_notice=True):
+            if self._local is not None:  # the fast copy first, then the durable one
+                try:
+                    self._local.save(step, tree, blocking=True)
+                except CheckpointError as e:
+                    warnings.warn(f"Preemption notice: the local tier's save of step {step} failed: {e}", stacklevel=3)
             self.wait()
             if step not in self._steps.committed():
                 self._start(step, tree, metadata, metrics, blocking=True, progress=progress)  # committed, durable
@@ -301,9 +340,13 @@ class CheckpointManager:
         ```
         """
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
-        self._steps.delete_doomed()
+        try:
+            if pending is not None:
+                pending.wait()
+            self._steps.delete_doomed()
+        finally:
+            if self._local is not None:
+                self._local.wait()
 
     # -- reading -----------------------------------------------------------------------
 
@@ -321,6 +364,11 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none.
 
+        With a local tier (``local_path``), the newest step that every process can
+        rebuild from the local tier (its own part or a peer's copy of it), if it is
+        no older than the newest persistent step; all processes agree on it (every
+        process calls this), and a `load` without ``step`` restores it.
+
         **Returns:** an int, or None.
 
         ```python
@@ -329,7 +377,10 @@ class CheckpointManager:
         ```
         """
         steps = self.all_steps()
-        return steps[-1] if steps else None
+        if self._local is None:
+            return steps[-1] if steps else None
+        self._resume = choice, persistent = self._local.choose(steps[-1] if steps else None)
+        return choice.step if choice is not None else persistent
 
     def best_step(self) -> int | None:
         """The committed step with the best ``metrics[best_metric]``, or None.
@@ -398,6 +449,21 @@ class CheckpointManager:
         state = manager.load(eqx.filter_eval_shape(make_state))
         ```
         """
+        if self._local is not None and like is not None:
+            resume, self._resume = self._resume, None
+            if step is None and resume is None:
+                resume = self._local.choose(self._steps.committed()[-1] if self._steps.committed() else None)
+            if resume is not None:
+                choice, persistent = resume
+                if choice is not None and step in (None, choice.step):
+                    if at is not None or load_kwargs:
+                        raise ArgumentError(
+                            f"Step {choice.step} is restored from the local tier, which restores the whole state "
+                            f"as saved: load(like) without at= or other options (got at={at!r}, "
+                            f"{sorted(load_kwargs)}). Use a persistent step (all_steps()) for those."
+                        )
+                    return self._local.restore(choice, like)
+                step = persistent if step is None else step
         # The one place a manager's load retries: it hands `load` an opened checkpoint, which
         # `load` reads once. A step replaced while read is read again; for the latest step,
         # one deleted by another process's retention is never picked again, and the steps
@@ -465,6 +531,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._local is not None:
+                self._local.close()
             if self._stop_listening is not None:
                 self._stop_listening()  # Preemption.close, once
             self._preemption, self._stop_listening = None, None

@@ -177,7 +177,7 @@ def record_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf,
 
 
 def snapshot(
-    arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool
+    arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool, multiprocess: bool | None = None
 ) -> list[tuple[StoredLeaf, tuple[int, ...] | None, list[Piece]]]:
     """For each array leaf, the shape its chunks must tile (None: whole) and the pieces
     this process writes, in host memory it owns.
@@ -187,11 +187,12 @@ def snapshot(
     process 0 also keeps a leaf it holds whole, to digest it, whatever it writes of it.
     Host-local leaves (numpy, fully addressable arrays in a multi-process run) are
     written by process 0 alone. ``copy``: take a private copy of numpy leaves, which the
-    caller may mutate afterwards.
+    caller may mutate afterwards. ``multiprocess``: whether other processes write this
+    checkpoint too (None: whether the job has several).
     """
     import jax
 
-    multiprocess = is_multiprocess()
+    multiprocess = is_multiprocess() if multiprocess is None else multiprocess
     shares = WriteShares(jax.process_count()) if multiprocess else None
     # Each piece: (index, data, chunk parts or None for all, whether other processes hold the part too).
     planned: list[tuple[StoredLeaf, tuple[int, ...] | None, list[tuple[tuple[slice, ...] | None, Any, Any, bool]]]] = []
@@ -227,7 +228,9 @@ def snapshot(
             record,
             shard,
             [
-                CopiedPiece(data) if isinstance(data, LazyArray) else HostPiece(index, _host(data, copy), parts, shared)
+                CopiedPiece(data)
+                if isinstance(data, LazyArray)
+                else HostPiece(index, host_array(data, copy), parts, shared)
                 for index, data, parts, shared in values
             ],
         )
@@ -248,7 +251,7 @@ def _all_on_cpu(sharding: "jax.sharding.Sharding") -> bool:
     return all(d.platform == "cpu" for d in sharding.device_set)
 
 
-def _host(value: Any, copy: bool) -> np.ndarray:
+def host_array(value: Any, copy: bool) -> np.ndarray:
     """``value`` in host memory that nothing else will change, little-endian (`little_endian`:
     a piece's bytes are the stored bytes, so a packed leaf and its digest are right too).
 

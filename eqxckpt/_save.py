@@ -79,9 +79,11 @@ def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
     return records, arrays
 
 
-def _snapshot(arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool) -> list[_WriteJob]:
+def _snapshot(
+    arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool, multiprocess: bool | None = None
+) -> list[_WriteJob]:
     """The pieces this process must write, in host memory it owns (see `_pieces.snapshot`)."""
-    return [_WriteJob(record, shard, pieces) for record, shard, pieces in snapshot(arrays, copy, leader)]
+    return [_WriteJob(record, shard, pieces) for record, shard, pieces in snapshot(arrays, copy, leader, multiprocess)]
 
 
 def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], list[_WriteJob]]:
@@ -537,3 +539,34 @@ def save(
         future.set_result(None)
         return SaveHandle(key, future)
     return SAVES.submit(key, run)
+
+
+def save_here(path: CheckpointPath, tree: PyTree, *, metadata: dict[str, Any], overwrite: bool = False) -> None:
+    """Save ``tree``, a pytree of host (numpy) leaves, as this process's own checkpoint,
+    now, on the caller's thread: the other processes of a JAX job take no part, and
+    background saves in flight are not waited for. The local tier's pieces are saved so.
+
+    **Arguments:**
+
+    - `path`: where, as for `save`.
+    - `tree`: host leaves only (numpy arrays, Python scalars).
+    - `metadata`: a JSON-serialisable dict stored with the checkpoint.
+    - `overwrite`: replace a checkpoint already there.
+
+    ```python
+    save_here("local/process-0/own/50", [np.arange(4)], metadata={})
+    ```
+    """
+    location = resolve(path)
+    with collector_paused():
+        records, arrays = _plan(tree)
+        location.check_target(overwrite)
+        jobs = _snapshot(arrays, copy=False, leader=True, multiprocess=False)
+        records, jobs = _pack(records, jobs)
+    manifest = Manifest(tuple(records), metadata)
+    hashing = _Hashing(manifest, jobs)
+    try:
+        with plan_reuse(None, manifest, jobs, location) as reuse:
+            SaveInProgress(location, manifest, reuse, overwrite, None, hashing).run()
+    finally:
+        hashing.stop()

@@ -199,6 +199,51 @@ def start_workers(
     return workers, logs
 
 
+class WorkerFailed(AssertionError):
+    pass
+
+
+def launch(
+    scenario: str,
+    processes: int,
+    directory: pathlib.Path,
+    timeout: float = 240,
+    terminate: tuple[int, str] | None = None,
+    worker: pathlib.Path = WORKERS / "distributed_worker.py",
+    dies: int | None = None,
+    **env_vars: str,
+) -> list[str]:
+    """Run ``processes`` workers to completion; the first failure kills the rest at once.
+    ``terminate=(i, text)``: send worker i SIGTERM once its output holds ``text``.
+    ``dies``: a worker killed by a signal on purpose (not a failure)."""
+    workers, logs = start_workers(
+        worker, scenario, processes, directory, **{"EQXCKPT_BARRIER_TIMEOUT_S": "60", **env_vars}
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [w.poll() for w in workers]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0) and not (i == dies and code < 0)]
+            if failed or time.monotonic() > deadline:
+                reason = (
+                    f"worker {failed[0]} exited with {codes[failed[0]]}" if failed else f"timed out after {timeout}s"
+                )
+                raise WorkerFailed(
+                    f"{reason}:\n" + "\n".join(f"--- worker {i}\n{log.read_text()}" for i, log in enumerate(logs))
+                )
+            if all(code == 0 or (i == dies and code is not None) for i, code in enumerate(codes)):
+                return [log.read_text() for log in logs]
+            if terminate is not None and terminate[1] in logs[terminate[0]].read_text():
+                workers[terminate[0]].send_signal(signal.SIGTERM)
+                terminate = None
+            time.sleep(0.05)
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+            w.wait()
+
+
 def returns_within(call, seconds: float = 60.0, release=None):
     """``call()``'s outcome (its value, or its exception raised here), failing the test if it
     has not returned within ``seconds`` (a reader blocked on a FIFO, say). ``release()``

@@ -2,15 +2,13 @@
 
 import json
 import os
-import pathlib
-import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-from conftest import BUCKET, WORKERS, assert_trees_equal, s3_spec, start_workers
+from conftest import BUCKET, WORKERS, WorkerFailed, assert_trees_equal, launch, s3_spec
 from distributed_worker import global_state
 
 import eqxckpt
@@ -18,51 +16,6 @@ import eqxckpt
 pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
 
 WORKER = WORKERS / "distributed_worker.py"
-
-
-class WorkerFailed(AssertionError):
-    pass
-
-
-def launch(
-    scenario: str,
-    processes: int,
-    directory: pathlib.Path,
-    timeout: float = 240,
-    terminate: tuple[int, str] | None = None,
-    worker: pathlib.Path = WORKER,
-    dies: int | None = None,
-    **env_vars: str,
-) -> list[str]:
-    """Run ``processes`` workers to completion; the first failure kills the rest at once.
-    ``terminate=(i, text)``: send worker i SIGTERM once its output holds ``text``.
-    ``dies``: a worker killed by a signal on purpose (not a failure)."""
-    workers, logs = start_workers(
-        worker, scenario, processes, directory, **{"EQXCKPT_BARRIER_TIMEOUT_S": "60", **env_vars}
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            codes = [w.poll() for w in workers]
-            failed = [i for i, code in enumerate(codes) if code not in (None, 0) and not (i == dies and code < 0)]
-            if failed or time.monotonic() > deadline:
-                reason = (
-                    f"worker {failed[0]} exited with {codes[failed[0]]}" if failed else f"timed out after {timeout}s"
-                )
-                raise WorkerFailed(
-                    f"{reason}:\n" + "\n".join(f"--- worker {i}\n{log.read_text()}" for i, log in enumerate(logs))
-                )
-            if all(code == 0 or (i == dies and code is not None) for i, code in enumerate(codes)):
-                return [log.read_text() for log in logs]
-            if terminate is not None and terminate[1] in logs[terminate[0]].read_text():
-                workers[terminate[0]].send_signal(signal.SIGTERM)
-                terminate = None
-            time.sleep(0.05)
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-            w.wait()
 
 
 @pytest.mark.parametrize("processes", [2, 4])

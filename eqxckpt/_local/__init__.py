@@ -1,0 +1,7 @@
+"""The local tier of a `CheckpointManager`: each process's part of frequent steps on its
+own host, with copies kept by peers (see `_checkpoints`)."""
+
+from ._checkpoints import LocalCheckpoints as LocalCheckpoints, LocalChoice as LocalChoice
+from ._layout import LocalTier as LocalTier, PieceInfo as PieceInfo
+from ._peers import placement as placement
+from ._shards import HostShards as HostShards

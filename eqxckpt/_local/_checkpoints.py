@@ -1,0 +1,248 @@
+"""`LocalCheckpoints`: a `CheckpointManager`'s local tier. Frequent saves of each
+process's part to a disk or tmpfs of its own host, copied to peers, and resume from the
+newest step every process can rebuild.
+
+A local save of a step, in every process:
+
+1. its part (`HostShards`) is taken on the caller's thread, then, in the background,
+2. kept in its own tier (`LocalTier.write`: atomic, checksummed),
+3. offered to the peers that keep copies of it (`placement`), which fetch it with JAX's
+   transfer service and keep it in theirs (phases ``offer`` and ``copy``, every process),
+4. and once every process has come through ``copy``, the step is complete: retention
+   keeps the newest ``max_to_keep`` complete steps and deletes every other piece.
+
+Every piece of one save carries the save's token (a session agreed at the first local
+save, and the step), so a piece of another save of the same step (a job that died
+before finishing it, an older run's) is never taken for it.
+"""
+
+import concurrent.futures
+import dataclasses
+import json
+import uuid
+from typing import Any
+
+import jax
+from jaxtyping import PyTree
+
+from .._distributed import Phases, coordination_client
+from .._errors import ArgumentError, CheckpointError
+from .._storage import Storage
+from ._layout import LocalTier, PieceInfo
+from ._peers import Transfers, failure_domain, placement, transfer_id
+from ._shards import HostShards
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalChoice:
+    """A step every process can rebuild from the local tier: the save (``token``) of
+    ``step`` and, for each process, which process keeps the piece it restores from."""
+
+    step: int
+    token: str
+    sources: dict[int, int]
+
+
+def _positive(name: str, value: Any, zero: bool = False) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < (0 if zero else 1):
+        raise ArgumentError(f"{name} must be a {'non-negative' if zero else 'positive'} int, got {value!r}.")
+    return value
+
+
+class LocalCheckpoints:
+    """The local tier of the run saved persistently at ``persistent``.
+
+    **Arguments:**
+
+    - `local_path`: this host's directory for it (a tmpfs or local disk).
+    - `persistent`: the run's persistent directory (names the tier).
+    - `interval`: save every this many steps.
+    - `replicas`: peers keeping a copy of each process's pieces.
+    - `max_to_keep`: complete steps kept.
+
+    ```python
+    local = LocalCheckpoints("/dev/shm/run", resolve("gs://b/run"), interval=50, replicas=1, max_to_keep=1)
+    local.save(50, state)
+    ```
+    """
+
+    def __init__(self, local_path: Any, persistent: Storage, interval: int, replicas: int, max_to_keep: int):
+        self.interval = _positive("local_interval_steps", interval)
+        self.replicas = _positive("local_replicas", replicas, zero=True)
+        self.max_to_keep = _positive("local_max_to_keep", max_to_keep)
+        self.me, self.processes = jax.process_index(), jax.process_count()
+        self.tier = LocalTier(local_path, persistent, self.me)
+        self.transfers = Transfers()
+        self._session: str | None = None
+        self._holders: list[list[int]] = [[] for _ in range(self.processes)]
+        self._addresses: list[str] = []
+        self._complete: list[tuple[int, str]] = []  # (step, token) of the complete saves kept
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-local")
+        self._pending: concurrent.futures.Future | None = None
+
+    # -- saving ------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def save(self, step: int, tree: PyTree, blocking: bool = False) -> None:
+        """Save ``tree`` as ``step`` in the local tier (every process, as for `eqxckpt.save`):
+        its part is taken now, the rest happens in the background unless ``blocking``.
+        Waits for the previous local save first and raises its error."""
+        self.wait()
+        part = HostShards.take(tree)
+        if blocking:
+            self._write(step, part)
+        else:
+            self._pending = self._executor.submit(self._write, step, part)
+
+    def wait(self) -> None:
+        """Wait for the local save in flight; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except CheckpointError as e:
+                raise type(e)(f"The local tier's save failed: {e}") from e
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def _join(self) -> None:
+        """Agree on the session and where copies go (once, at the first local save)."""
+        if self._session is not None:
+            return
+        if self.processes == 1:
+            self._session = uuid.uuid4().hex
+            return
+        mine = {"domain": failure_domain(), "address": self.transfers.address if self.replicas else ""}
+        if self.me == 0:
+            mine["session"] = uuid.uuid4().hex
+        found = [json.loads(r) for r in Phases("local").run("join", lambda: json.dumps(mine))]
+        self._holders = placement([f["domain"] for f in found], self.replicas)
+        self._addresses = [f["address"] for f in found]
+        self._session = found[0]["session"]
+
+    def _write(self, step: int, part: HostShards) -> None:
+        self._join()
+        token = f"{self._session}:{step}"
+        self.tier.write(self.me, step, token, self.processes, part)
+        if any(self._holders):
+            self._copy(step, token, part)
+        self._completed(step, token)
+
+    def _copy(self, step: int, token: str, part: HostShards) -> None:
+        """Phases ``offer`` and ``copy``: each process's part to the peers that keep it."""
+        client = coordination_client()
+        phases = Phases("local")
+        owners = [owner for owner, holders in enumerate(self._holders) if self.me in holders]
+
+        def offer() -> str:
+            if self._holders[self.me]:
+                arrays = self.transfers.offer(transfer_id(token, self.me), part)
+                client.key_value_set(f"{phases.name}/{self.me}", json.dumps({"leaves": part.leaves, "arrays": arrays}))
+            return ""
+
+        def copy() -> str:
+            for owner in owners:
+                described = json.loads(client.blocking_key_value_get(f"{phases.name}/{owner}", 60_000))
+                number = transfer_id(token, owner)
+                copied = self.transfers.fetch(self._addresses[owner], number, described["leaves"], described["arrays"])
+                self.tier.write(owner, step, token, self.processes, copied)
+            return ""
+
+        try:
+            phases.run("offer", offer)
+            phases.run("copy", copy)
+        finally:
+            self.transfers.release(transfer_id(token, self.me))
+        if self._holders[self.me]:
+            client.key_value_delete(f"{phases.name}/{self.me}")
+
+    def _completed(self, step: int, token: str) -> None:
+        """The save ``token`` of ``step`` is complete in every process: keep the newest
+        complete saves, delete every other piece (older ones, and those of saves that
+        never completed: an interrupted one's, an older run's)."""
+        self._complete = sorted({save for save in self._complete if save[0] != step} | {(step, token)})
+        self._complete = self._complete[-self.max_to_keep :]
+        kept = set(self._complete)
+        self.tier.delete([info for info in self.tier.pieces() if (info.step, info.token) not in kept])
+
+    # -- resuming ----------------------------------------------------------------------
+
+    def choose(self, persistent_latest: int | None) -> tuple[LocalChoice | None, int | None]:
+        """Agree (every process) on the step to resume from: the newest step whose pieces,
+        all of one save, every process can have (its own, or a peer's copy), if it is no
+        older than the newest persistent step (process 0's view of it).
+
+        **Returns:** the local choice (None: resume from the persistent tier), and the
+        newest persistent step every process is to use.
+        """
+        mine = [info.to_json() for info in self.tier.pieces()]
+        if self.processes == 1:
+            found = [{"pieces": mine, "persistent": persistent_latest}]
+        else:
+            record = json.dumps({"pieces": mine, "persistent": persistent_latest})
+            found = [json.loads(r) for r in Phases("resume").run("inventory", lambda: record)]
+        persistent = found[0]["persistent"]
+        keepers: dict[tuple[int, str], dict[int, list[int]]] = {}
+        for each in found:
+            for info in map(PieceInfo.from_json, each["pieces"]):
+                if info.processes == self.processes and 0 <= info.owner < self.processes:
+                    keepers.setdefault((info.step, info.token), {}).setdefault(info.owner, []).append(info.holder)
+        whole = [save for save, owners in keepers.items() if len(owners) == self.processes]
+        if not whole:
+            return None, persistent
+        step, token = max(whole)
+        if persistent is not None and step < persistent:
+            return None, persistent
+        owners = keepers[(step, token)]
+        sources = {owner: owner if owner in holders else min(holders) for owner, holders in owners.items()}
+        return LocalChoice(step, token, sources), persistent
+
+    def restore(self, choice: LocalChoice, like: PyTree) -> PyTree:
+        """Rebuild ``choice``'s step into ``like`` (every process): from this process's own
+        piece, else from the peer that keeps a copy of it (whose copy is then kept here
+        again). Every process succeeds, or every one raises."""
+        source = choice.sources[self.me]
+        if self.processes == 1:
+            return self.tier.read(self.me, choice.step, choice.token).rebuild(like)
+        client = coordination_client()
+        phases = Phases("resume")
+
+        def serve() -> str:
+            served = [owner for owner, holder in choice.sources.items() if holder == self.me and owner != self.me]
+            for owner in served:
+                part = self.tier.read(owner, choice.step, choice.token)
+                arrays = self.transfers.offer(transfer_id(choice.token, owner, phases.name), part)
+                client.key_value_set(f"{phases.name}/{owner}", json.dumps({"leaves": part.leaves, "arrays": arrays}))
+            return self.transfers.address if served else ""
+
+        addresses = phases.run("serve", serve)
+        restored: list[PyTree] = []
+
+        def rebuild() -> str:
+            if source == self.me:
+                part = self.tier.read(self.me, choice.step, choice.token)
+            else:
+                described = json.loads(client.blocking_key_value_get(f"{phases.name}/{self.me}", 60_000))
+                number = transfer_id(choice.token, self.me, phases.name)
+                part = self.transfers.fetch(addresses[source], number, described["leaves"], described["arrays"])
+                self.tier.write(self.me, choice.step, choice.token, self.processes, part)  # this host's copy again
+            restored.append(part.rebuild(like))
+            return ""
+
+        try:
+            phases.run("rebuild", rebuild)
+        finally:
+            for owner, holder in choice.sources.items():
+                if holder == self.me and owner != self.me:
+                    self.transfers.release(transfer_id(choice.token, owner, phases.name))
+        for owner, holder in choice.sources.items():
+            if holder == self.me and owner != self.me:
+                client.key_value_delete(f"{phases.name}/{owner}")
+        self._complete = [(choice.step, choice.token)]
+        return restored[0]

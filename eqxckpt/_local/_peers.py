@@ -1,0 +1,163 @@
+"""Peer copies: which processes keep which process's pieces (`placement`), and moving a
+piece between processes with JAX's own point-to-point transfer service (`Transfers`).
+
+`jax.experimental.transfer` is used rather than a collective: a transfer involves only
+its two processes (a replaced host fetches from one peer while the others wait at no
+collective), and a peer that dies mid-transfer makes the receiver's pull fail at once
+instead of leaving every process in a collective (`benchmarks/README.md` compares them).
+"""
+
+import hashlib
+import math
+import os
+import socket
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from .._dtypes import dtype_name
+from .._errors import CheckpointError
+from ._shards import HostShards
+
+
+def failure_domain() -> str:
+    """What fails together with this process: its slice (where devices name one) and host."""
+    slice_index = getattr(jax.local_devices()[0], "slice_index", None)
+    return f"{slice_index if slice_index is not None else ''}/{socket.gethostname()}"
+
+
+def placement(domains: Sequence[str], replicas: int) -> list[list[int]]:
+    """For each process, the ``replicas`` other processes that keep copies of its pieces.
+
+    Processes are put in a ring where neighbours are in different failure domains, and
+    each one's copies go to the next ones along it: unless one domain holds more than
+    half the processes, a process's first copy is in another domain than its own, so
+    losing one host or one slice (with every process in it) loses no piece. Every process
+    keeps as many copies as it has.
+
+    **Arguments:**
+
+    - `domains`: each process's failure domain (`failure_domain`), by process index.
+    - `replicas`: copies of each process's pieces (at most the number of processes - 1).
+
+    **Returns:** ``holders[k]``, the processes keeping process k's copies, nearest first.
+
+    ```python
+    placement(["a", "a", "b", "b"], 1)  # [[2], [3], [1], [0]]
+    ```
+    """
+    groups: dict[str, list[int]] = {}
+    for process, domain in enumerate(domains):
+        groups.setdefault(domain, []).append(process)
+    # Largest domain first, laid on every other place of the ring and then the places
+    # between: neighbours share a domain only where one holds more than half the processes.
+    ordered = [p for group in sorted(groups.values(), key=len, reverse=True) for p in group]
+    ring = [0] * len(ordered)
+    places = [*range(0, len(ring), 2), *range(1, len(ring), 2)]
+    for place, process in zip(places, ordered):
+        ring[place] = process
+    count = min(replicas, len(ring) - 1)
+    position = {process: at for at, process in enumerate(ring)}
+    return [[ring[(position[k] + step) % len(ring)] for step in range(1, count + 1)] for k in range(len(domains))]
+
+
+def transfer_id(*parts: object) -> int:
+    """A transfer's number, the same in every process for the same parts."""
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:7], "big")
+
+
+def _bind_host() -> str:
+    """The address peers reach this process at: the one it reaches the coordinator from
+    (loopback when the coordinator is on loopback); ``EQXCKPT_TRANSFER_HOST`` overrides it."""
+    if host := os.environ.get("EQXCKPT_TRANSFER_HOST"):
+        return host
+    from jax._src.distributed import global_state  # the coordinator's address, as given
+
+    address = global_state.coordinator_address or "127.0.0.1:0"
+    host = address.rsplit(":", 1)[0].strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # no packet is sent: this only picks the route
+        return probe.getsockname()[0]
+
+
+class Transfers:
+    """This process's transfer server (started on first use), offering and fetching pieces.
+
+    ```python
+    transfers = Transfers()
+    transfers.offer(7, part)                  # in the owner: kept until fetched
+    part = transfers.fetch(address, 7, leaves, shapes)  # in the peer
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._server = None
+        # What each offer sends: the transfer fails if its arrays are freed before it ends.
+        self._offered: dict[int, list[jax.Array]] = {}
+
+    def _started(self):
+        if self._server is None:
+            from jax.experimental import transfer
+
+            host = _bind_host()
+            bind = f"[{host}]:0" if ":" in host else f"{host}:0"
+            self._server = transfer.start_transfer_server(jax.local_devices()[0].client, bind, [bind])
+        return self._server
+
+    @property
+    def address(self) -> str:
+        """Where peers reach this process's server."""
+        return self._started().address()
+
+    def offer(self, number: int, part: HostShards) -> list[list]:
+        """Make ``part``'s arrays available to the peer that fetches transfer ``number``; they
+        are kept until `release`. Call before telling the peer.
+
+        Each array goes as its bytes: the device would narrow a 64-bit dtype (without
+        ``jax_enable_x64``) and may lack others, and the peer must get every bit.
+
+        **Returns:** each array's (shape, dtype) as the peer's `fetch` needs them.
+        """
+        device = jax.local_devices()[0]
+        sent = [_as_bytes(a) for a in part.arrays if a.nbytes]
+        arrays = [jax.device_put(b, device) for b in sent]
+        self._started().await_pull(number, arrays)
+        self._offered[number] = arrays
+        return [[list(a.shape), dtype_name(a.dtype)] for a in part.arrays]
+
+    def release(self, number: int) -> None:
+        """Forget offer ``number``: its peer has fetched it, or will not."""
+        self._offered.pop(number, None)
+
+    def fetch(self, address: str, number: int, leaves: list[dict], arrays: list[list]) -> HostShards:
+        """The part that the process at ``address`` offered as transfer ``number``, in host memory.
+
+        **Arguments:**
+
+        - `address`: the owner's server (`address`).
+        - `number`: the transfer.
+        - `leaves`: the part's leaf records.
+        - `arrays`: what `offer` returned there.
+
+        **Returns:** the `HostShards`. Raises `CheckpointError` if the peer died meanwhile.
+        """
+        device = jax.local_devices()[0]
+        wanted = [(tuple(shape), np.dtype(dtype)) for shape, dtype in arrays]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in wanted]
+        single = jax.sharding.SingleDeviceSharding(device)
+        specs = [jax.ShapeDtypeStruct((size,), np.uint8, sharding=single) for size in sizes if size]
+        try:
+            connection = self._started().connect(address)  # kept until the pull has landed
+            pulled = iter(connection.pull(number, specs) if specs else [])
+            received = [np.asarray(next(pulled)) if size else np.zeros(0, np.uint8) for size in sizes]
+            del connection
+        except Exception as e:  # the runtime's error for a connection lost mid-transfer
+            raise CheckpointError(f"Fetching a local-tier piece from {address} failed: {e}") from e
+        host = [data.view(dtype).reshape(shape) for data, (shape, dtype) in zip(received, wanted)]
+        return HostShards(leaves, host)
+
+
+def _as_bytes(array: np.ndarray) -> np.ndarray:
+    """``array``'s bytes, in order, as a flat uint8 array."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)

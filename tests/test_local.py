@@ -1,0 +1,280 @@
+"""The local tier (`eqxckpt._local`): parts taken and rebuilt, copies placed, and a
+`CheckpointManager` resuming from it: in one process, and in four real JAX processes
+on 127.0.0.1 whose local tiers are wiped, killed mid-save, stale or shared."""
+
+import os
+import pathlib
+import shutil
+import signal
+import time
+import warnings
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import WORKERS, launch, start_workers
+from hypothesis import given, settings
+
+import eqxckpt
+from eqxckpt._local import HostShards, LocalTier, placement
+from eqxckpt._storage import resolve
+
+WORKER = WORKERS / "local_tier_worker.py"
+
+
+# -- one process's part -------------------------------------------------------------------
+
+DTYPES = [np.float32, np.float64, np.int64, np.uint8, np.bool_, ml_dtypes.bfloat16, np.complex64]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(0, 4), max_size=3).map(tuple),
+    scalar=st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.booleans(), st.text(max_size=5)),
+)
+def test_a_part_rebuilds_every_leaf_bit_exact(dtype, shape, scalar):
+    values = (np.arange(int(np.prod(shape))) * 7 - 3).reshape(shape).astype(dtype)
+    tree = {"host": values, "device": jnp.asarray(values), "scalar": scalar, "fn": jax.nn.relu}
+    part = HostShards.take(tree)
+    # What is stored goes through JSON and the arrays' bytes only.
+    import json
+
+    stored = HostShards(json.loads(json.dumps(part.leaves)), [a.copy() for a in part.arrays])
+    out = stored.rebuild(tree)
+    assert out["host"].dtype == values.dtype and out["host"].tobytes() == values.tobytes()
+    assert np.asarray(out["device"]).tobytes() == np.asarray(tree["device"]).tobytes()
+    assert type(out["scalar"]) is type(scalar)
+    assert out["scalar"] == scalar or (scalar != scalar and out["scalar"] != out["scalar"])
+    assert out["fn"] is jax.nn.relu
+
+
+def test_a_part_holds_prng_keys_and_a_module():
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+    tree = {"model": model, "keys": jax.random.split(jax.random.key(1), 3)}
+    out = HostShards.take(tree).rebuild(eqx.filter_eval_shape(lambda: tree))
+    assert jnp.array_equal(jax.random.key_data(out["keys"]), jax.random.key_data(tree["keys"]))
+    assert jnp.array_equal(out["model"].layers[0].weight, model.layers[0].weight)
+
+
+def test_a_part_refuses_a_structure_it_does_not_fit():
+    part = HostShards.take({"w": jnp.ones((2, 3)), "b": jnp.zeros(3)})
+    with pytest.raises(eqxckpt.StructureMismatchError) as caught:
+        part.rebuild({"w": jax.ShapeDtypeStruct((3, 2), jnp.float32), "c": jax.ShapeDtypeStruct((3,), jnp.float32)})
+    message = str(caught.value)
+    assert "['w']: stored shape (2, 3), like has (3, 2)" in message
+    assert "['c']: not in the local tier's copy" in message and "['b']: stored but not in like" in message
+    with pytest.raises(eqxckpt.StructureMismatchError, match="stored dtype float32, like has int32"):
+        part.rebuild({"w": jax.ShapeDtypeStruct((2, 3), jnp.int32), "b": jax.ShapeDtypeStruct((3,), jnp.float32)})
+
+
+def test_a_part_refuses_object_arrays():
+    with pytest.raises(eqxckpt.UnsupportedLeafError, match=r"Leaf \['x'\]"):
+        HostShards.take({"x": np.array([object()])})
+
+
+# -- where copies go ------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(domains=st.lists(st.sampled_from("abcd"), min_size=1, max_size=12), replicas=st.integers(0, 3))
+def test_copies_go_to_other_processes_in_other_domains_first(domains, replicas):
+    holders = placement(domains, replicas)
+    processes = len(domains)
+    count = min(replicas, processes - 1)
+    kept = [0] * processes
+    for owner, mine in enumerate(holders):
+        assert len(mine) == len(set(mine)) == count and owner not in mine
+        for holder in mine:
+            kept[holder] += 1
+        if mine and len(set(domains)) > 1 and domains.count(domains[owner]) <= processes // 2:
+            assert domains[mine[0]] != domains[owner]  # one lost domain never takes the first copy too
+    assert kept == [count] * processes  # each keeps as many copies as it has kept
+
+
+def test_placement_example():
+    assert placement(["a", "a", "b", "b"], 1) == [[2], [3], [1], [0]]
+    assert placement(["h"], 1) == [[]]
+
+
+# -- a manager with a local tier, in one process --------------------------------------------
+
+
+def _state(step: int) -> dict:
+    return {"w": jnp.arange(6.0).reshape(2, 3) + step, "step": step}
+
+
+def test_a_manager_resumes_from_its_local_tier_then_from_the_persistent_one(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    options = dict(save_interval_steps=4, local_path=local, local_interval_steps=1)
+    with eqxckpt.CheckpointManager(run, **options) as manager:
+        for step in range(7):
+            manager.save(step, _state(step))
+    like = eqx.filter_eval_shape(lambda: _state(0))
+    with eqxckpt.CheckpointManager(run, **options) as manager:
+        assert manager.all_steps() == [0, 4] and manager.latest_step() == 6
+        out = manager.load(like)
+        assert out["step"] == 6 and jnp.array_equal(out["w"], _state(6)["w"])
+        with pytest.raises(eqxckpt.ArgumentError, match="restored from the local tier"):
+            manager.latest_step()
+            manager.load(like, at="w")
+    [tier] = (local / "eqxckpt-local").iterdir()
+    assert sorted(p.name for p in (tier / "process-0" / "own").iterdir()) == ["6"]  # the newest one kept
+    shutil.rmtree(local)  # the host was replaced: the persistent tier's newest step
+    with eqxckpt.CheckpointManager(run, **options) as manager:
+        assert manager.latest_step() == 4
+        out = manager.load(like)
+        assert out["step"] == 4 and jnp.array_equal(out["w"], _state(4)["w"])
+
+
+def test_a_local_tier_older_than_the_persistent_one_is_not_used(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, save_interval_steps=100, local_path=local, local_interval_steps=1) as manager:
+        manager.save(3, _state(3))
+    with eqxckpt.CheckpointManager(run) as manager:
+        manager.save(5, _state(5))
+    with eqxckpt.CheckpointManager(run, local_path=local, local_interval_steps=1) as manager:
+        assert manager.latest_step() == 5
+        assert manager.load(eqx.filter_eval_shape(lambda: _state(0)))["step"] == 5
+
+
+def test_the_local_tier_touches_nothing_but_its_own(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    local.mkdir()
+    (local / "notes.txt").write_text("mine")
+    tier = LocalTier(local, resolve(run), 0)
+    own = tier.root / "own"
+    own.mkdir()
+    (own / "007").mkdir()  # not a step name
+    (own / "007" / "data").write_text("mine too")
+    (own / "12").mkdir()  # no checkpoint in it
+    with eqxckpt.CheckpointManager(run, save_interval_steps=100, local_path=local, local_interval_steps=1) as manager:
+        for step in range(3):
+            manager.save(step, _state(step))
+    assert (local / "notes.txt").read_text() == "mine" and (own / "007" / "data").read_text() == "mine too"
+    assert sorted(p.name for p in own.iterdir()) == ["007", "12", "2"]
+
+
+def test_a_piece_of_another_save_of_the_step_is_never_taken(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    options = dict(save_interval_steps=100, local_path=local, local_interval_steps=1)
+    with eqxckpt.CheckpointManager(run, **options) as manager:
+        manager.save(2, _state(2))
+    tier = LocalTier(local, resolve(run), 0)
+    [info] = tier.pieces()
+    with pytest.raises(eqxckpt.CheckpointError, match="replaced meanwhile"):
+        tier.read(0, 2, "another-save:2")
+    assert tier.read(0, 2, info.token).rebuild(_state(0))["step"] == 2
+
+
+def test_local_arguments_are_checked(tmp_path):
+    with pytest.raises(eqxckpt.ArgumentError, match="local_replicas must be a non-negative int"):
+        eqxckpt.CheckpointManager(tmp_path / "run", local_path=tmp_path / "l", local_replicas=-1)
+    with pytest.raises(eqxckpt.ArgumentError, match="local_max_to_keep must be a positive int"):
+        eqxckpt.CheckpointManager(tmp_path / "run", local_path=tmp_path / "l", local_max_to_keep=0)
+    with pytest.raises(eqxckpt.ArgumentError, match="directory of this host"):
+        eqxckpt.CheckpointManager(tmp_path / "run", local_path="s3://bucket/x")
+
+
+# -- four processes --------------------------------------------------------------------------
+
+
+def _resumed(logs: list[str]) -> list[tuple[str, int]]:
+    """Each process's ``RESUMED <step> <elements checked>``."""
+    out = []
+    for log in logs:
+        [line] = [line for line in log.splitlines() if line.startswith("RESUMED")]
+        _, step, checked = line.split()
+        out.append((step, int(checked)))
+    return out
+
+
+def _train(tmp_path: pathlib.Path, until: int, **env: str) -> list[tuple[str, int]]:
+    return _resumed(launch("train", 4, tmp_path, worker=WORKER, LOCAL_UNTIL=str(until), **env))
+
+
+def _hidden(tmp_path: pathlib.Path) -> list[str]:
+    """What interrupted local saves left (hidden staging entries) in the local tiers."""
+    return [str(p) for p in tmp_path.glob("host*/eqxckpt-local/*/process-*/*/.*")]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("store", ["disk", "s3", "gcs"])
+def test_four_processes_resume_from_peers_then_from_the_persistent_tier(tmp_path, store, request):
+    env = {}
+    if store != "disk":
+        from conftest import ObjectStore
+
+        server = ObjectStore("s3", *request.getfixturevalue("s3")) if store == "s3" else request.getfixturevalue("gcs")
+        import json
+
+        env["LOCAL_STORE"] = json.dumps(server.spec(f"local-{os.getpid()}-{time.monotonic_ns()}/"))
+    # Persistent steps 0 and 4; local steps 0..6, each process's part also kept by a peer.
+    assert _train(tmp_path, 7, **env) == [("None", 0)] * 4
+    shutil.rmtree(tmp_path / "host2")  # a replaced host: every process resumes from step 6, bit-exact
+    resumed = _train(tmp_path, 8, **env)
+    assert [step for step, _ in resumed] == ["6"] * 4 and all(checked > 0 for _, checked in resumed)
+    assert list((tmp_path / "host2").glob("eqxckpt-local/*/process-2/own/7"))  # its own part again
+    if store == "disk":  # three hosts lost with every copy of their parts: the persistent step 4
+        for host in (1, 2, 3):
+            shutil.rmtree(tmp_path / f"host{host}")
+        resumed = _train(tmp_path, 5)
+        assert [step for step, _ in resumed] == ["4"] * 4 and all(checked > 0 for _, checked in resumed)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where", ["own", "copy", "offer"])
+def test_a_process_killed_in_a_local_save_loses_no_complete_step(tmp_path, where):
+    # Process 1 is SIGKILLed in the local save of step 5: its own part (`own`), the copy of
+    # process 0's it keeps (`copy`), or as process 2 fetches its part (`offer`). The job is
+    # then stopped, as a scheduler would, and restarted.
+    workers, logs = start_workers(
+        WORKER, "train", 4, tmp_path, EQXCKPT_BARRIER_TIMEOUT_S="60", LOCAL_UNTIL="7", LOCAL_FAULT=f"1:{where}:5"
+    )
+    try:
+        assert workers[1].wait(timeout=120) == -signal.SIGKILL
+        assert f"KILLED in {where} 5" in logs[1].read_text()
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+    assert all("SAVED 6" not in log.read_text() for log in logs)
+    resumed = _train(tmp_path, 7)
+    # Step 5 is whole only if every process had kept its own part of it; never a mix.
+    steps = {step for step, _ in resumed}
+    assert len(steps) == 1 and steps <= {"4", "5"} and all(checked > 0 for _, checked in resumed)
+    if where == "own":
+        assert steps == {"4"}
+    assert _hidden(tmp_path) == []  # what the killed save left was cleaned up
+
+
+@pytest.mark.multiprocess
+def test_a_stale_host_at_another_step_in_a_shared_directory_is_never_mixed_in(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "notes.txt").write_text("someone else's")
+    # An older run (seed 1) in the same places reaches step 6; process 2's tier is kept aside.
+    _train(tmp_path, 7, LOCAL_HOSTS="shared", LOCAL_SEED="1", LOCAL_KEEP="2")
+    [run_tier] = (shared / "eqxckpt-local").iterdir()
+    stale = tmp_path / "stale"
+    shutil.copytree(run_tier / "process-2", stale)
+    # A new run (seed 2) from scratch reaches step 5; then process 2 comes back with the old tier.
+    shutil.rmtree(tmp_path / "run")
+    shutil.rmtree(shared / "eqxckpt-local")
+    _train(tmp_path, 6, LOCAL_HOSTS="shared", LOCAL_SEED="2", LOCAL_KEEP="2")
+    shutil.rmtree(run_tier / "process-2")
+    shutil.copytree(stale, run_tier / "process-2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tier = LocalTier(shared, resolve(tmp_path / "run"), 2)
+        old = {info.token for info in tier.pieces()}
+    # Its step 6 is no step of this run, nor its step 5: step 5 of seed 2, with process 2's part from its peer.
+    resumed = _train(tmp_path, 7, LOCAL_HOSTS="shared", LOCAL_SEED="2", LOCAL_KEEP="2")
+    assert [step for step, _ in resumed] == ["5"] * 4 and all(checked > 0 for _, checked in resumed)
+    assert (shared / "notes.txt").read_text() == "someone else's"
+    pieces = tier.pieces()
+    assert sorted({info.step for info in pieces}) == [5, 6] and not old & {info.token for info in pieces}
