@@ -236,12 +236,15 @@ class CheckpointManager:
         if not (local or persistent):
             return False
         # A notice's grace period does not end the process in the middle of this save.
+        self._resume = None  # what latest_step agreed on is no longer the newest
         with self._preemption.saving(for_notice=False) if self._preemption else contextlib.nullcontext():
-            if local:
-                assert self._local is not None
-                self._local.save(step, tree, blocking=self.blocking)
-            if persistent:
-                self._start(step, tree, metadata, metrics, self.blocking, progress)
+            try:
+                if persistent:
+                    self._start(step, tree, metadata, metrics, self.blocking, progress)
+            finally:
+                if local:
+                    assert self._local is not None
+                    self._local.save(step, tree, blocking=self.blocking)
         return True
 
     def _start(
@@ -253,9 +256,9 @@ class CheckpointManager:
         blocking: bool,
         progress: Progress = False,
     ) -> None:
-        """Save ``step`` (after the save in flight), then retention; in the background
-        unless ``blocking``."""
-        self.wait()
+        """Save ``step`` (after the persistent save in flight), then retention; in the
+        background unless ``blocking``."""
+        self._wait_persistent()
         self._steps.check_new(step)
         metadata = dict(metadata or {})
         if MANAGER_KEY in metadata:
@@ -298,7 +301,7 @@ class CheckpointManager:
                     self._local.save(step, tree, blocking=True)
                 except CheckpointError as e:
                     warnings.warn(f"Preemption notice: the local tier's save of step {step} failed: {e}", stacklevel=3)
-            self.wait()
+            self._wait_persistent()
             if step not in self._steps.committed():
                 self._start(step, tree, metadata, metrics, blocking=True, progress=progress)  # committed, durable
         self._preempted_at = step
@@ -339,14 +342,17 @@ class CheckpointManager:
         manager.wait()  # e.g. before the job ends
         ```
         """
-        pending, self._pending = self._pending, None
         try:
-            if pending is not None:
-                pending.wait()
-            self._steps.delete_doomed()
+            self._wait_persistent()
         finally:
             if self._local is not None:
                 self._local.wait()
+
+    def _wait_persistent(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+        self._steps.delete_doomed()
 
     # -- reading -----------------------------------------------------------------------
 
@@ -449,17 +455,17 @@ class CheckpointManager:
         state = manager.load(eqx.filter_eval_shape(make_state))
         ```
         """
-        if self._local is not None and like is not None:
+        if self._local is not None:
             resume, self._resume = self._resume, None
             if step is None and resume is None:
                 resume = self._local.choose(self._steps.committed()[-1] if self._steps.committed() else None)
             if resume is not None:
                 choice, persistent = resume
                 if choice is not None and step in (None, choice.step):
-                    if at is not None or load_kwargs:
+                    if like is None or at is not None or load_kwargs:
                         raise ArgumentError(
                             f"Step {choice.step} is restored from the local tier, which restores the whole state "
-                            f"as saved: load(like) without at= or other options (got at={at!r}, "
+                            f"as saved: load(like) with like and without at= or other options (got at={at!r}, "
                             f"{sorted(load_kwargs)}). Use a persistent step (all_steps()) for those."
                         )
                     return self._local.restore(choice, like)
@@ -531,8 +537,6 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            if self._local is not None:
-                self._local.close()
             if self._stop_listening is not None:
                 self._stop_listening()  # Preemption.close, once
             self._preemption, self._stop_listening = None, None

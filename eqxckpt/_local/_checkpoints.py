@@ -105,12 +105,6 @@ class LocalCheckpoints:
             except CheckpointError as e:
                 raise type(e)(f"The local tier's save failed: {e}") from e
 
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._executor.shutdown(wait=True)
-
     def _join(self) -> None:
         """Agree on the session and where copies go (once, at the first local save)."""
         if self._session is not None:
