@@ -180,6 +180,167 @@ def test_local_arguments_are_checked(tmp_path):
         eqxckpt.CheckpointManager(tmp_path / "run", local_path="s3://bucket/x")
 
 
+# -- attack 11: a manager with a local tier, in one process ---------------------------------
+
+_LIKE = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "step": 0}
+
+
+def _local_options(local: pathlib.Path, **more) -> dict:
+    return dict(save_interval_steps=4, local_path=local, local_interval_steps=1, **more)
+
+
+def _own_steps(local: pathlib.Path) -> list[str]:
+    [tier] = (local / "eqxckpt-local").iterdir()
+    return sorted(p.name for p in (tier / "process-0" / "own").iterdir())
+
+
+def test_a_refused_second_save_of_a_step_leaves_the_local_tier_as_it_was(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        manager.save(4, _state(4))
+        manager.wait()
+        with pytest.raises(eqxckpt.CheckpointExistsError):
+            manager.save(4, _state(99))  # refused: step 4 is saved already
+        manager.wait()
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        assert manager.latest_step() == 4
+        out = manager.load(_LIKE)
+        # Step 4 is what was saved as step 4 (persistent step 4 holds it), not the refused save's values.
+        assert out["step"] == 4 and jnp.array_equal(out["w"], _state(4)["w"])
+
+
+def test_load_of_a_local_step_by_number_restores_it(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        for step in range(7):
+            manager.save(step, _state(step))
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        # The step latest_step() would name, asked for by number (e.g. from a log) without calling it first.
+        out = manager.load(_LIKE, step=6)
+        assert out["step"] == 6 and jnp.array_equal(out["w"], _state(6)["w"])
+
+
+def test_load_after_more_saves_restores_the_newest_step_not_an_earlier_answer(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        for step in range(7):
+            manager.save(step, _state(step))
+        manager.wait()
+        assert manager.latest_step() == 6  # asked, e.g. for a log line
+        for step in range(7, 10):
+            manager.save(step, _state(step))
+        manager.wait()
+        out = manager.load(_LIKE)  # the latest: step 9 (local), the newest one saved
+        assert out["step"] == 9 and jnp.array_equal(out["w"], _state(9)["w"])
+
+
+def test_a_failing_local_tier_never_stops_the_persistent_save(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        manager.save(0, _state(0))
+        manager.wait()
+        # The local disk breaks (here: its directory is no longer one).
+        [tier] = (local / "eqxckpt-local").iterdir()
+        shutil.rmtree(tier / "process-0" / "own")
+        (tier / "process-0" / "own").write_text("not a directory")
+        try:
+            manager.save(4, _state(4))
+            manager.wait()
+        except eqxckpt.CheckpointError:
+            pass  # the local tier may say it failed, but...
+        # ...the durable copy of step 4 is saved all the same.
+        assert manager.all_steps() == [0, 4]
+        out = manager.load(_LIKE, step=4)
+        assert out["step"] == 4 and jnp.array_equal(out["w"], _state(4)["w"])
+
+
+def test_a_corrupt_local_piece_falls_back_to_the_persistent_step(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        for step in range(7):
+            manager.save(step, _state(step))
+    [tier] = (local / "eqxckpt-local").iterdir()
+    piece = tier / "process-0" / "own" / "6"
+    chunks = [p for p in piece.rglob("*") if p.is_file() and "c" in p.relative_to(piece).parts]
+    assert chunks
+    for chunk in chunks:  # bit rot in the one local step kept
+        data = bytearray(chunk.read_bytes())
+        data[-1] ^= 1
+        chunk.write_bytes(bytes(data))
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        with pytest.warns(UserWarning, match="local tier"):
+            start = manager.latest_step()
+            out = manager.load(_LIKE)
+        # Not stuck on step 6 forever: the newest step that can be read, the persistent step 4.
+        assert start == 4 and out["step"] == 4 and jnp.array_equal(out["w"], _state(4)["w"])
+
+
+def test_a_leaf_the_local_tier_cannot_hold_is_never_taken_from_like(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    tree = {"w": jnp.ones(2), "shift": 1 + 2j}  # a Python complex: the persistent tier keeps it
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        for step in (4, 5):
+            manager.save(step, tree)
+    like = {"w": jax.ShapeDtypeStruct((2,), jnp.float32), "shift": 0j}
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        assert manager.load(like, step=4)["shift"] == 1 + 2j
+        assert manager.latest_step() == 5
+        assert manager.load(like)["shift"] == 1 + 2j  # not like's 0j
+
+
+def test_host_leaves_and_scalars_that_do_not_fit_like_are_refused(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    tree = {"h": np.arange(3, dtype=np.float32), "n": 5, "w": jnp.ones(2)}
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        for step in (4, 5):
+            manager.save(step, tree)
+    like = {"h": np.zeros(5, np.int32), "n": 1.5, "w": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        with pytest.raises(eqxckpt.StructureMismatchError):
+            manager.load(like, step=4)  # the persistent tier refuses it
+        assert manager.latest_step() == 5
+        with pytest.raises(eqxckpt.StructureMismatchError, match=r"(?s)\['h'\].*\['n'\]"):
+            manager.load(like)  # so must the local tier, naming both leaves
+
+
+def test_local_max_to_keep_counts_the_steps_of_an_earlier_run(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    options = _local_options(local, local_max_to_keep=2)
+    with eqxckpt.CheckpointManager(run, **options) as manager:
+        for step in range(7):
+            manager.save(step, _state(step))
+    assert _own_steps(local) == ["5", "6"]
+    with eqxckpt.CheckpointManager(run, **options) as manager:
+        assert manager.latest_step() == 6
+        assert manager.load(_LIKE)["step"] == 6
+        manager.save(7, _state(7))
+    assert _own_steps(local) == ["6", "7"]  # the two newest complete steps, not one
+
+
+def test_a_reader_whose_local_step_a_trainer_deletes_meanwhile_loads_the_newer_one(tmp_path):
+    # A trainer and an evaluator on one host with one configuration (one local_path), as the
+    # manager's docstring allows; the trainer's local retention deletes the step the evaluator picked.
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as trainer:
+        for step in range(7):
+            trainer.save(step, _state(step))
+        trainer.wait()
+        with eqxckpt.CheckpointManager(run, **_local_options(local)) as evaluator:
+            assert evaluator.latest_step() == 6
+            trainer.save(7, _state(7))
+            trainer.wait()
+            out = evaluator.load(_LIKE)  # as for a persistent step deleted meanwhile: the newer one
+            assert out["step"] == 7 and jnp.array_equal(out["w"], _state(7)["w"])
+
+
+def test_a_leaf_the_local_tier_cannot_store_is_named_by_its_path_at_save(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, save_interval_steps=100, local_path=local, local_interval_steps=1) as manager:
+        # Refused by save itself (as the persistent tier's save does), naming the leaf.
+        with pytest.raises(eqxckpt.CheckpointError, match=r"\['names'\]"):
+            manager.save(1, {"w": jnp.ones(2), "names": np.array(["ab", "c"])})
+
+
 # -- four processes --------------------------------------------------------------------------
 
 
