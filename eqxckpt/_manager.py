@@ -172,6 +172,7 @@ class CheckpointManager:
             self._local = LocalCheckpoints(local_path, self.location, interval, local_replicas, local_max_to_keep)
         # The step `latest_step` agreed on with a local tier, for the `load` that follows.
         self._resume: tuple[LocalChoice | None, int | None] | None = None
+        self._resume_persistent: int | None = None
 
     # -- saving ------------------------------------------------------------------------
 
@@ -237,6 +238,8 @@ class CheckpointManager:
             return False
         # A notice's grace period does not end the process in the middle of this save.
         self._resume = None  # what latest_step agreed on is no longer the newest
+        if persistent:
+            self._steps.check_new(step)  # refused before either tier takes anything
         with self._preemption.saving(for_notice=False) if self._preemption else contextlib.nullcontext():
             try:
                 if persistent:
@@ -456,20 +459,11 @@ class CheckpointManager:
         ```
         """
         if self._local is not None:
-            resume, self._resume = self._resume, None
-            if step is None and resume is None:
-                resume = self._local.choose(self._steps.committed()[-1] if self._steps.committed() else None)
-            if resume is not None:
-                choice, persistent = resume
-                if choice is not None and step in (None, choice.step):
-                    if like is None or at is not None or load_kwargs:
-                        raise ArgumentError(
-                            f"Step {choice.step} is restored from the local tier, which restores the whole state "
-                            f"as saved: load(like) with like and without at= or other options (got at={at!r}, "
-                            f"{sorted(load_kwargs)}). Use a persistent step (all_steps()) for those."
-                        )
-                    return self._local.restore(choice, like)
-                step = persistent if step is None else step
+            restored = self._load_local(like, step, at, load_kwargs)
+            if restored is not _FROM_PERSISTENT:
+                return restored
+            if step is None and self._resume_persistent is not None:
+                step = self._resume_persistent  # the persistent step every process agreed on
         # The one place a manager's load retries: it hands `load` an opened checkpoint, which
         # `load` reads once. A step replaced while read is read again; for the latest step,
         # one deleted by another process's retention is never picked again, and the steps
@@ -501,6 +495,36 @@ class CheckpointManager:
                     raise
             if step is None:
                 self._steps.rescan()
+        raise AssertionError("unreachable")
+
+    def _load_local(self, like: PyTree, step: int | None, at: str | None, load_kwargs: dict) -> Any:
+        """`load` from the local tier, if it holds the step asked for (the latest: the one
+        `latest_step` agreed on, else agreed now), or `_FROM_PERSISTENT`. A part deleted
+        meanwhile (another manager's retention) makes every process choose again."""
+        assert self._local is not None
+        committed = self._steps.committed()
+        resume, self._resume = self._resume, None
+        self._resume_persistent = None
+        for attempt in range(1, MAX_LATEST_ATTEMPTS + 1):
+            if resume is None and (step is None or step not in committed):
+                resume = self._local.choose(committed[-1] if committed else None, step=step)
+            if resume is None:
+                return _FROM_PERSISTENT
+            choice, self._resume_persistent = resume
+            if choice is None or step not in (None, choice.step):
+                return _FROM_PERSISTENT
+            if like is None or at is not None or load_kwargs:
+                raise ArgumentError(
+                    f"Step {choice.step} is restored from the local tier, which restores the whole state as "
+                    f"saved: load(like) with like and without at= or other options (got at={at!r}, "
+                    f"{sorted(load_kwargs)}). Use a persistent step (all_steps()) for those."
+                )
+            try:
+                return self._local.restore(choice, like)
+            except GONE:
+                if attempt == MAX_LATEST_ATTEMPTS:
+                    raise
+                resume = None
         raise AssertionError("unreachable")
 
     def path(self, step: int) -> Any:
@@ -546,6 +570,10 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.location)!r}, steps={self.all_steps()})"
+
+
+# What `_load_local` returns when the step is to be read from the persistent tier.
+_FROM_PERSISTENT: Any = object()
 
 
 def _metric(name: Any, value: Any) -> float:

@@ -20,13 +20,15 @@ import concurrent.futures
 import dataclasses
 import json
 import uuid
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jaxtyping import PyTree
 
 from .._distributed import Phases, coordination_client
-from .._errors import ArgumentError, CheckpointError
+from .._errors import ArgumentError, CheckpointError, CheckpointExistsError
 from .._storage import Storage
 from ._layout import LocalTier, PieceInfo
 from ._peers import Transfers, failure_domain, placement, transfer_id
@@ -41,6 +43,7 @@ class LocalChoice:
     step: int
     token: str
     sources: dict[int, int]
+    complete: list[tuple[int, str]]  # every save (step, token) every process can rebuild, up to this one
 
 
 def _positive(name: str, value: Any, zero: bool = False) -> int:
@@ -90,6 +93,11 @@ class LocalCheckpoints:
         its part is taken now, the rest happens in the background unless ``blocking``.
         Waits for the previous local save first and raises its error."""
         self.wait()
+        if self._complete and step <= self._complete[-1][0]:
+            raise CheckpointExistsError(
+                f"Step {step} is not newer than the local tier's newest step, {self._complete[-1][0]}: each step "
+                "is saved once, in order. Resume from latest_step() + 1."
+            )
         part = HostShards.take(tree)
         if blocking:
             self._write(step, part)
@@ -123,18 +131,21 @@ class LocalCheckpoints:
     def _write(self, step: int, part: HostShards) -> None:
         self._join()
         token = f"{self._session}:{step}"
-        self.tier.write(self.me, step, token, self.processes, part)
-        if any(self._holders):
+        if self.processes == 1:
+            self.tier.write(self.me, step, token, self.processes, part)
+        else:
             self._copy(step, token, part)
         self._completed(step, token)
 
     def _copy(self, step: int, token: str, part: HostShards) -> None:
-        """Phases ``offer`` and ``copy``: each process's part to the peers that keep it."""
+        """Phases ``offer`` (each process keeps its part and offers it) and ``copy`` (the
+        peers keep theirs): a failure anywhere is raised in every process at one phase."""
         client = coordination_client()
         phases = Phases("local")
         owners = [owner for owner, holders in enumerate(self._holders) if self.me in holders]
 
         def offer() -> str:
+            self.tier.write(self.me, step, token, self.processes, part)
             if self._holders[self.me]:
                 arrays = self.transfers.offer(transfer_id(token, self.me), part)
                 client.key_value_set(f"{phases.name}/{self.me}", json.dumps({"leaves": part.leaves, "arrays": arrays}))
@@ -167,41 +178,69 @@ class LocalCheckpoints:
 
     # -- resuming ----------------------------------------------------------------------
 
-    def choose(self, persistent_latest: int | None) -> tuple[LocalChoice | None, int | None]:
-        """Agree (every process) on the step to resume from: the newest step whose pieces,
+    def choose(self, persistent_latest: int | None, step: int | None = None) -> tuple[LocalChoice | None, int | None]:
+        """Agree (every process) on the step to resume from: the newest step whose parts,
         all of one save, every process can have (its own, or a peer's copy), if it is no
-        older than the newest persistent step (process 0's view of it).
+        older than the newest persistent step (process 0's view of it). Each part to be
+        read is verified first (every chunk's checksum, every leaf's digest): a damaged
+        one is left out, with a warning, and the choice made again.
+
+        **Arguments:**
+
+        - `persistent_latest`: the newest persistent step this process knows.
+        - `step`: only this step (None: the newest).
 
         **Returns:** the local choice (None: resume from the persistent tier), and the
         newest persistent step every process is to use.
         """
         mine = [info.to_json() for info in self.tier.pieces()]
-        if self.processes == 1:
-            found = [{"pieces": mine, "persistent": persistent_latest}]
-        else:
-            record = json.dumps({"pieces": mine, "persistent": persistent_latest})
-            found = [json.loads(r) for r in Phases("resume").run("inventory", lambda: record)]
+        record = json.dumps({"pieces": mine, "persistent": persistent_latest})
+        found = [json.loads(r) for r in self._gather("inventory", lambda: record)]
         persistent = found[0]["persistent"]
-        keepers: dict[tuple[int, str], dict[int, list[int]]] = {}
-        for each in found:
-            for info in map(PieceInfo.from_json, each["pieces"]):
-                if info.processes == self.processes and 0 <= info.owner < self.processes:
-                    keepers.setdefault((info.step, info.token), {}).setdefault(info.owner, []).append(info.holder)
-        whole = [save for save, owners in keepers.items() if len(owners) == self.processes]
-        if not whole:
-            return None, persistent
-        step, token = max(whole)
-        if persistent is not None and step < persistent:
-            return None, persistent
-        owners = keepers[(step, token)]
-        sources = {owner: owner if owner in holders else min(holders) for owner, holders in owners.items()}
-        return LocalChoice(step, token, sources), persistent
+        pieces = [PieceInfo.from_json(p) for each in found for p in each["pieces"]]
+        pieces = [p for p in pieces if p.processes == self.processes and 0 <= p.owner < self.processes]
+        while True:
+            keepers: dict[tuple[int, str], dict[int, list[int]]] = {}
+            for info in pieces:
+                keepers.setdefault((info.step, info.token), {}).setdefault(info.owner, []).append(info.holder)
+            whole = sorted(save for save, owners in keepers.items() if len(owners) == self.processes)
+            wanted = [save for save in whole if step is None or save[0] == step]
+            if not wanted or (step is None and persistent is not None and wanted[-1][0] < persistent):
+                return None, persistent
+            chosen = wanted[-1]
+            owners = keepers[chosen]
+            sources = {owner: owner if owner in holders else min(holders) for owner, holders in owners.items()}
+            reading = [
+                info for info in pieces if (info.step, info.token) == chosen and sources[info.owner] == info.holder
+            ]
+
+            def verify(reading: list[PieceInfo] = reading) -> str:
+                return json.dumps([i.to_json() for i in reading if i.holder == self.me and not self.tier.intact(i)])
+
+            damaged = {PieceInfo.from_json(d) for each in self._gather("verify", verify) for d in json.loads(each)}
+            if not damaged:
+                complete = [save for save in whole if save <= chosen][-self.max_to_keep :]
+                return LocalChoice(chosen[0], chosen[1], sources, complete), persistent
+            warnings.warn(
+                "The local tier's parts of step "
+                + ", ".join(
+                    f"{i.step} (process {i.owner}'s, kept by process {i.holder})" for i in sorted(damaged, key=str)
+                )
+                + " are damaged; they are left out and the step to resume from is chosen again.",
+                stacklevel=3,
+            )
+            pieces = [p for p in pieces if p not in damaged]
+
+    def _gather(self, phase: str, work: Callable[[], str]) -> list[str]:
+        """``work()`` of every process (a phase of a resume), or this one's alone."""
+        return Phases("resume").run(phase, work) if self.processes > 1 else [work()]
 
     def restore(self, choice: LocalChoice, like: PyTree) -> PyTree:
         """Rebuild ``choice``'s step into ``like`` (every process): from this process's own
         piece, else from the peer that keeps a copy of it (whose copy is then kept here
         again). Every process succeeds, or every one raises."""
         source = choice.sources[self.me]
+        self._complete = list(choice.complete)
         if self.processes == 1:
             return self.tier.read(self.me, choice.step, choice.token).rebuild(like)
         client = coordination_client()
@@ -238,5 +277,4 @@ class LocalCheckpoints:
         for owner, holder in choice.sources.items():
             if holder == self.me and owner != self.me:
                 client.key_value_delete(f"{phases.name}/{owner}")
-        self._complete = [(choice.step, choice.token)]
         return restored[0]

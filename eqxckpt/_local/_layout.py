@@ -147,6 +147,16 @@ class LocalTier:
         arrays = load(path.user_path())
         return HostShards(list(record["leaves"]), list(arrays))
 
+    def intact(self, info: PieceInfo) -> bool:
+        """Whether ``info``'s piece reads back whole: every chunk's checksum and every
+        leaf's digest as committed (`eqxckpt.verify`)."""
+        from .._verify import verify
+
+        try:
+            return verify(self._directory(info.owner).sub(str(info.step)).user_path()).ok
+        except CheckpointError:
+            return False
+
     def delete(self, pieces: list[PieceInfo]) -> None:
         """Delete these pieces (this process's own)."""
         for info in pieces:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from .._dtypes import dtype_name, little_endian
+from .._dtypes import check_dtype, dtype_name, little_endian
 from .._errors import StructureMismatchError, UnsupportedLeafError
 from .._pieces import host_array
 from .._tree import is_prng_key_dtype
@@ -45,6 +45,8 @@ def _python_value(value: Any) -> dict | None:
         return {"type": "int", "value": str(value)}  # any size, exactly
     if isinstance(value, float):
         return {"type": "float", "value": value.hex()}  # every bit, NaN and infinities too
+    if isinstance(value, complex):
+        return {"type": "complex", "value": [value.real.hex(), value.imag.hex()]}
     if isinstance(value, str):
         return {"type": "str", "value": value}
     return None
@@ -52,6 +54,8 @@ def _python_value(value: Any) -> dict | None:
 
 def _from_python(record: dict) -> Any:
     kind, value = record["type"], record["value"]
+    if kind == "complex":
+        return complex(float.fromhex(value[0]), float.fromhex(value[1]))
     return {"bool": bool, "int": int, "float": float.fromhex, "str": str}[kind](value)
 
 
@@ -92,6 +96,8 @@ class HostShards:
             path = jax.tree_util.keystr(keypath)
             if isinstance(value, jax.Array):
                 impl = str(jax.random.key_impl(value)) if is_prng_key_dtype(value.dtype) else None
+                if impl is None:
+                    check_dtype(np.dtype(value.dtype), path)
                 shape = tuple(value.shape)
                 shards: dict[Box, int] = {}
                 for shard in value.addressable_shards:
@@ -116,6 +122,7 @@ class HostShards:
                         f"Leaf {path}: the local tier stores numeric arrays, got a {type(value).__name__} of "
                         f"{value.dtype}. Keep such leaves out of the saved tree (eqx.filter(tree, eqx.is_array))."
                     )
+                check_dtype(value.dtype, path)
                 leaves.append(
                     {"path": path, "kind": "host", "scalar": isinstance(value, np.generic), "at": len(blocks)}
                 )
@@ -186,12 +193,20 @@ class HostShards:
     def _leaf(self, record: dict, target: Any) -> Any:
         kind = record["kind"]
         if kind == "python":
-            return _from_python(record)
+            value = _from_python(record)
+            if type(target) is not type(value) and not isinstance(target, jax.ShapeDtypeStruct):
+                raise _Mismatch(f"stored a Python {record['type']}, like has {type(target).__name__}")
+            return value
         if kind == "like":
             return target
         if kind == "host":
             value = self.arrays[record["at"]]
-            return value[()] if record["scalar"] else value
+            shape, dtype = getattr(target, "shape", None), getattr(target, "dtype", None)
+            if shape is None or tuple(shape) != value.shape or np.dtype(dtype) != value.dtype:
+                raise _Mismatch(f"stored {value.dtype}{list(value.shape)}, like has {dtype}{list(shape or [])}")
+            if isinstance(target, (np.ndarray, np.generic)):
+                return value[()] if record["scalar"] else value
+            return self._placed([((tuple((0, n) for n in value.shape)), value)], value.shape, None, target)
         shape = tuple(record["shape"])
         target_shape = getattr(target, "shape", None)
         if target_shape is None or tuple(target_shape) != shape:
@@ -204,6 +219,15 @@ class HostShards:
         elif target_dtype is None or np.dtype(target_dtype) != np.dtype(record["dtype"]):
             raise _Mismatch(f"stored dtype {np.dtype(record['dtype'])}, like has {target_dtype}")
         blocks = [(tuple(tuple(b) for b in box), self.arrays[at]) for box, at in record["shards"]]
+        if isinstance(target, np.ndarray):  # a host array is asked for: the whole of it, here
+            whole = next((data for box, data in blocks if box == tuple((0, n) for n in shape)), None)
+            if whole is None or impl is not None:
+                raise _Mismatch("like asks for a numpy array; this process holds only blocks of it")
+            return whole
+        return self._placed(blocks, shape, impl, target)
+
+    def _placed(self, blocks: list[tuple[Box, np.ndarray]], shape: tuple[int, ...], impl: str | None, target: Any):
+        """The array ``target`` describes, each of this process's blocks from a stored block."""
         sharding = getattr(target, "sharding", None)
         if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
