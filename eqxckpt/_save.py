@@ -281,8 +281,10 @@ class SaveInProgress:
         overwrite: bool,
         phases: Phases | None,
         hashing: _Hashing | None = None,
+        durable: bool = True,
     ):
         self.location = location
+        self.durable = durable
         self.manifest = manifest
         self.hashing = hashing
         self.reuse = reuse
@@ -348,7 +350,8 @@ class SaveInProgress:
             for source in copied.values():
                 sources.enter_context(source.consistent())
             _write(self.staging.storage, self.writing, metadata=False, chunks=True)
-        self.staging.sync()
+        if self.durable:
+            self.staging.sync()
         copies = [(job.record, *copy) for job in self.writing for piece in job.pieces if (copy := piece.shared_copy())]
         if not copies:
             return ""
@@ -541,7 +544,9 @@ def save(
     return SAVES.submit(key, run)
 
 
-def save_here(path: CheckpointPath, tree: PyTree, *, metadata: dict[str, Any], overwrite: bool = False) -> None:
+def save_here(
+    path: CheckpointPath, tree: PyTree, *, metadata: dict[str, Any], overwrite: bool = False, durable: bool = True
+) -> None:
     """Save ``tree``, a pytree of host (numpy) leaves, as this process's own checkpoint,
     now, on the caller's thread: the other processes of a JAX job take no part, and
     background saves in flight are not waited for. The local tier's pieces are saved so.
@@ -552,6 +557,8 @@ def save_here(path: CheckpointPath, tree: PyTree, *, metadata: dict[str, Any], o
     - `tree`: host leaves only (numpy arrays, Python scalars).
     - `metadata`: a JSON-serialisable dict stored with the checkpoint.
     - `overwrite`: replace a checkpoint already there.
+    - `durable`: make the arrays durable before the commit (False: they stay in the page
+      cache for the kernel to write back; the commit itself is still atomic).
 
     ```python
     save_here("local/process-0/own/50", [np.arange(4)], metadata={})
@@ -567,6 +574,6 @@ def save_here(path: CheckpointPath, tree: PyTree, *, metadata: dict[str, Any], o
     hashing = _Hashing(manifest, jobs)
     try:
         with plan_reuse(None, manifest, jobs, location) as reuse:
-            SaveInProgress(location, manifest, reuse, overwrite, None, hashing).run()
+            SaveInProgress(location, manifest, reuse, overwrite, None, hashing, durable).run()
     finally:
         hashing.stop()

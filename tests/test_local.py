@@ -405,11 +405,10 @@ def test_a_process_killed_in_a_local_save_loses_no_complete_step(tmp_path, where
             worker.wait()
     assert all("SAVED 6" not in log.read_text() for log in logs)
     resumed = _train(tmp_path, 7)
-    # Step 5 is whole only if every process had kept its own part of it; never a mix.
+    # Step 5 is whole only if every process's part of it was kept, by itself or by its peer
+    # (process 1's own write and its peer's copy of it run side by side); never a mix.
     steps = {step for step, _ in resumed}
     assert len(steps) == 1 and steps <= {"4", "5"} and all(checked > 0 for _, checked in resumed)
-    if where == "own":
-        assert steps == {"4"}
     assert _hidden(tmp_path) == []  # what the killed save left was cleaned up
 
 

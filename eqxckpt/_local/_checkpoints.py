@@ -82,6 +82,8 @@ class LocalCheckpoints:
         self._complete: list[tuple[int, str]] = []  # (step, token) of the complete saves kept
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-local")
         self._pending: concurrent.futures.Future | None = None
+        # Reads and writes of a process's own part, beside the transfers of the others.
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-local-own")
 
     # -- saving ------------------------------------------------------------------------
 
@@ -138,25 +140,32 @@ class LocalCheckpoints:
         self._completed(step, token)
 
     def _copy(self, step: int, token: str, part: HostShards) -> None:
-        """Phases ``offer`` (each process keeps its part and offers it) and ``copy`` (the
-        peers keep theirs): a failure anywhere is raised in every process at one phase."""
+        """Phases ``offer`` (each process offers its part to its peers) and ``copy`` (each
+        keeps its own part and the peers' it fetches): a failure anywhere is raised in
+        every process at the same phase."""
         client = coordination_client()
         phases = Phases("local")
         owners = [owner for owner, holders in enumerate(self._holders) if self.me in holders]
 
         def offer() -> str:
-            self.tier.write(self.me, step, token, self.processes, part)
             if self._holders[self.me]:
                 arrays = self.transfers.offer(transfer_id(token, self.me), part)
                 client.key_value_set(f"{phases.name}/{self.me}", json.dumps({"leaves": part.leaves, "arrays": arrays}))
             return ""
 
         def copy() -> str:
-            for owner in owners:
-                described = json.loads(client.blocking_key_value_get(f"{phases.name}/{owner}", 60_000))
-                number = transfer_id(token, owner)
-                copied = self.transfers.fetch(self._addresses[owner], number, described["leaves"], described["arrays"])
-                self.tier.write(owner, step, token, self.processes, copied)
+            # Its own part is written while the peers' parts are fetched and written.
+            own = self._writer.submit(self.tier.write, self.me, step, token, self.processes, part)
+            try:
+                for owner in owners:
+                    described = json.loads(client.blocking_key_value_get(f"{phases.name}/{owner}", 60_000))
+                    number = transfer_id(token, owner)
+                    fetched = self.transfers.fetch(
+                        self._addresses[owner], number, described["leaves"], described["arrays"]
+                    )
+                    self.tier.write(owner, step, token, self.processes, fetched)
+            finally:
+                own.result()
             return ""
 
         try:
@@ -246,7 +255,9 @@ class LocalCheckpoints:
         client = coordination_client()
         phases = Phases("resume")
 
-        def serve() -> str:
+        own = self._writer.submit(self.tier.read, self.me, choice.step, choice.token) if source == self.me else None
+
+        def serve() -> str:  # while this process reads its own part
             served = [owner for owner, holder in choice.sources.items() if holder == self.me and owner != self.me]
             for owner in served:
                 part = self.tier.read(owner, choice.step, choice.token)
@@ -254,17 +265,23 @@ class LocalCheckpoints:
                 client.key_value_set(f"{phases.name}/{owner}", json.dumps({"leaves": part.leaves, "arrays": arrays}))
             return self.transfers.address if served else ""
 
-        addresses = phases.run("serve", serve)
+        try:
+            addresses = phases.run("serve", serve)
+        except BaseException:
+            if own is not None:
+                own.cancel()
+            raise
         restored: list[PyTree] = []
+        fetched: list[HostShards] = []
 
         def rebuild() -> str:
-            if source == self.me:
-                part = self.tier.read(self.me, choice.step, choice.token)
+            if own is not None:
+                part = own.result()
             else:
                 described = json.loads(client.blocking_key_value_get(f"{phases.name}/{self.me}", 60_000))
                 number = transfer_id(choice.token, self.me, phases.name)
                 part = self.transfers.fetch(addresses[source], number, described["leaves"], described["arrays"])
-                self.tier.write(self.me, choice.step, choice.token, self.processes, part)  # this host's copy again
+                fetched.append(part)
             restored.append(part.rebuild(like))
             return ""
 
@@ -277,4 +294,8 @@ class LocalCheckpoints:
         for owner, holder in choice.sources.items():
             if holder == self.me and owner != self.me:
                 client.key_value_delete(f"{phases.name}/{owner}")
+        if fetched:  # this host keeps its own part again, in the background (the next local save waits)
+            self._pending = self._executor.submit(
+                self.tier.write, self.me, choice.step, choice.token, self.processes, fetched[0]
+            )
         return restored[0]

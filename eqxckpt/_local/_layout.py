@@ -132,7 +132,9 @@ class LocalTier:
         a piece of another save of that step (one that never completed)."""
         record = {"owner": owner, "step": step, "token": token, "processes": processes, "leaves": part.leaves}
         path = self._directory(owner).sub(str(step)).user_path()
-        save_here(path, part.arrays, metadata={PIECE_KEY: record}, overwrite=True)
+        # Not synced: a host that fails loses its tier anyway, and a part a power cut damaged
+        # fails the check before any restore from it (`intact`) and is left out.
+        save_here(path, part.arrays, metadata={PIECE_KEY: record}, overwrite=True, durable=False)
 
     def read(self, owner: int, step: int, token: str) -> HostShards:
         """Process ``owner``'s part of the save ``token`` of ``step``, as kept here (every

@@ -88,10 +88,15 @@ def inject(fault: str) -> None:
     if int(victim) != jax.process_index():
         return
     writing = threading.local()
+    saving: dict = {}  # the step of the local save in progress
     write, commit, run = _local.LocalTier.write, _save.SaveInProgress.commit, _distributed.Phases.run
+    local_write = _local.LocalCheckpoints._write
+
+    def checkpoints_write(self, step, part):
+        saving["step"] = step
+        return local_write(self, step, part)
 
     def tier_write(self, owner, step, *args):
-        writing.step = step
         mine = owner == self.process
         writing.doomed = step == int(at) and ((where == "own" and mine) or (where == "copy" and not mine))
         try:
@@ -107,13 +112,14 @@ def inject(fault: str) -> None:
 
     def doomed_run(self, phase, work, left=None):
         results = run(self, phase, work, left)
-        if where == "offer" and phase == "offer" and self.what == "local" and getattr(writing, "step", None) == int(at):
+        if where == "offer" and phase == "offer" and self.what == "local" and saving.get("step") == int(at):
             # Its piece is offered and the peer told: it dies as the peer pulls it.
             print(f"KILLED in offer {at}", flush=True)
             threading.Timer(0.02, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         return results
 
     _local.LocalTier.write = tier_write
+    _local.LocalCheckpoints._write = checkpoints_write
     _save.SaveInProgress.commit = doomed_commit
     _distributed.Phases.run = doomed_run
 
