@@ -317,7 +317,7 @@ def test_local_max_to_keep_counts_the_steps_of_an_earlier_run(tmp_path):
     assert _own_steps(local) == ["6", "7"]  # the two newest complete steps, not one
 
 
-def test_a_reader_whose_local_step_a_trainer_deletes_meanwhile_loads_the_newer_one(tmp_path):
+def test_a_reader_whose_local_step_a_trainer_deletes_meanwhile_loads_what_latest_step_named(tmp_path):
     # A trainer and an evaluator on one host with one configuration (one local_path), as the
     # manager's docstring allows; the trainer's local retention deletes the step the evaluator picked.
     run, local = tmp_path / "run", tmp_path / "local"
@@ -326,10 +326,13 @@ def test_a_reader_whose_local_step_a_trainer_deletes_meanwhile_loads_the_newer_o
             trainer.save(step, _state(step))
         trainer.wait()
         with eqxckpt.CheckpointManager(run, **_local_options(local)) as evaluator:
-            assert evaluator.latest_step() == 6
+            assert evaluator.latest_step() == 6  # its part read (and checked) now, for the load
             trainer.save(7, _state(7))
             trainer.wait()
-            out = evaluator.load(_LIKE)  # as for a persistent step deleted meanwhile: the newer one
+            assert _own_steps(local) == ["7"]
+            out = evaluator.load(_LIKE)  # step 6, as latest_step said, though deleted since
+            assert out["step"] == 6 and jnp.array_equal(out["w"], _state(6)["w"])
+            out = evaluator.load(_LIKE)  # asked again: the newest
             assert out["step"] == 7 and jnp.array_equal(out["w"], _state(7)["w"])
 
 

@@ -84,6 +84,8 @@ class LocalCheckpoints:
         self._pending: concurrent.futures.Future | None = None
         # Reads and writes of a process's own part, beside the transfers of the others.
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-local-own")
+        # Parts `choose` read (and so checked) for the restore that follows; dropped at a save.
+        self._parts: dict[tuple[int, int, str], HostShards] = {}
 
     # -- saving ------------------------------------------------------------------------
 
@@ -95,6 +97,7 @@ class LocalCheckpoints:
         its part is taken now, the rest happens in the background unless ``blocking``.
         Waits for the previous local save first and raises its error."""
         self.wait()
+        self._parts.clear()
         if self._complete and step <= self._complete[-1][0]:
             raise CheckpointExistsError(
                 f"Step {step} is not newer than the local tier's newest step, {self._complete[-1][0]}: each step "
@@ -191,8 +194,8 @@ class LocalCheckpoints:
         """Agree (every process) on the step to resume from: the newest step whose parts,
         all of one save, every process can have (its own, or a peer's copy), if it is no
         older than the newest persistent step (process 0's view of it). Each part to be
-        read is verified first (every chunk's checksum, every leaf's digest): a damaged
-        one is left out, with a warning, and the choice made again.
+        restored from is read now (every chunk's checksum checked) and kept for `restore`:
+        a damaged one is left out, with a warning, and the choice made again.
 
         **Arguments:**
 
@@ -202,6 +205,7 @@ class LocalCheckpoints:
         **Returns:** the local choice (None: resume from the persistent tier), and the
         newest persistent step every process is to use.
         """
+        self._parts.clear()
         mine = [info.to_json() for info in self.tier.pieces()]
         record = json.dumps({"pieces": mine, "persistent": persistent_latest})
         found = [json.loads(r) for r in self._gather("inventory", lambda: record)]
@@ -224,7 +228,7 @@ class LocalCheckpoints:
             ]
 
             def verify(reading: list[PieceInfo] = reading) -> str:
-                return json.dumps([i.to_json() for i in reading if i.holder == self.me and not self.tier.intact(i)])
+                return json.dumps([i.to_json() for i in reading if i.holder == self.me and not self._read_ahead(i)])
 
             damaged = {PieceInfo.from_json(d) for each in self._gather("verify", verify) for d in json.loads(each)}
             if not damaged:
@@ -240,6 +244,20 @@ class LocalCheckpoints:
             )
             pieces = [p for p in pieces if p not in damaged]
 
+    def _read_ahead(self, info: PieceInfo) -> bool:
+        """Read the part ``info`` names (every chunk's checksum checked) and keep it for the
+        restore that follows: the part is read once. False if it cannot be read whole."""
+        try:
+            self._parts[(info.owner, info.step, info.token)] = self.tier.read(info.owner, info.step, info.token)
+        except CheckpointError:
+            return False
+        return True
+
+    def _part(self, owner: int, step: int, token: str) -> HostShards:
+        """The part ``latest_step`` read ahead, or read now."""
+        part = self._parts.pop((owner, step, token), None)
+        return part if part is not None else self.tier.read(owner, step, token)
+
     def _gather(self, phase: str, work: Callable[[], str]) -> list[str]:
         """``work()`` of every process (a phase of a resume), or this one's alone."""
         return Phases("resume").run(phase, work) if self.processes > 1 else [work()]
@@ -251,16 +269,16 @@ class LocalCheckpoints:
         source = choice.sources[self.me]
         self._complete = list(choice.complete)
         if self.processes == 1:
-            return self.tier.read(self.me, choice.step, choice.token).rebuild(like)
+            return self._part(self.me, choice.step, choice.token).rebuild(like)
         client = coordination_client()
         phases = Phases("resume")
 
-        own = self._writer.submit(self.tier.read, self.me, choice.step, choice.token) if source == self.me else None
+        own = self._writer.submit(self._part, self.me, choice.step, choice.token) if source == self.me else None
 
         def serve() -> str:  # while this process reads its own part
             served = [owner for owner, holder in choice.sources.items() if holder == self.me and owner != self.me]
             for owner in served:
-                part = self.tier.read(owner, choice.step, choice.token)
+                part = self._part(owner, choice.step, choice.token)
                 arrays = self.transfers.offer(transfer_id(choice.token, owner, phases.name), part)
                 client.key_value_set(f"{phases.name}/{owner}", json.dumps({"leaves": part.leaves, "arrays": arrays}))
             return self.transfers.address if served else ""

@@ -133,7 +133,7 @@ class LocalTier:
         record = {"owner": owner, "step": step, "token": token, "processes": processes, "leaves": part.leaves}
         path = self._directory(owner).sub(str(step)).user_path()
         # Not synced: a host that fails loses its tier anyway, and a part a power cut damaged
-        # fails the check before any restore from it (`intact`) and is left out.
+        # fails its checksums when `latest_step` reads it, and is left out.
         save_here(path, part.arrays, metadata={PIECE_KEY: record}, overwrite=True, durable=False)
 
     def read(self, owner: int, step: int, token: str) -> HostShards:
@@ -148,16 +148,6 @@ class LocalTier:
             )
         arrays = load(path.user_path())
         return HostShards(list(record["leaves"]), list(arrays))
-
-    def intact(self, info: PieceInfo) -> bool:
-        """Whether ``info``'s piece reads back whole: every chunk's checksum and every
-        leaf's digest as committed (`eqxckpt.verify`)."""
-        from .._verify import verify
-
-        try:
-            return verify(self._directory(info.owner).sub(str(info.step)).user_path()).ok
-        except CheckpointError:
-            return False
 
     def delete(self, pieces: list[PieceInfo]) -> None:
         """Delete these pieces (this process's own)."""
