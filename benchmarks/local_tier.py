@@ -8,7 +8,8 @@ the 4 devices (a quarter of each per process), a 4 KiB replicated vector and a P
    local, ``local_replicas=1``) and exits; the benchmark wipes local directories and
    starts a new job that times, in every process, ``latest_step()`` + ``load(like)``
    (``like``: ShapeDtypeStructs with the saved shardings) until its arrays are ready.
-   Paths: ``local`` (host 2's local directory wiped: host 2 fetches its part from the
+   Paths: ``own`` (a restart with every host intact: each process reads its own part),
+   ``local`` (host 2's local directory wiped: host 2 fetches its part from the
    peer that kept a copy, the others read their own), ``disk`` (every local directory
    wiped: the persistent tier on this machine's disk) and ``s3`` (the same, with the
    persistent tier on moto's S3 server on 127.0.0.1). Page caches are dropped
@@ -285,13 +286,14 @@ def wipe(local_dir: str, hosts: list[int]) -> None:
 
 def recovery(args: argparse.Namespace, work: str, store: str, paths: list[str]) -> list[dict]:
     """Save step `STEP` to ``store`` and the local tiers, then restore it once per path
-    (``local``: host 2 wiped; ``disk``/``s3``: every host wiped), each in a fresh job."""
+    (``own``: nothing wiped; ``local``: host 2 wiped; ``disk``/``s3``: every host wiped),
+    each in a fresh job."""
     saved = launch("save", args, work, store)
     expect = os.path.join(work, "expect.json")
     pathlib.Path(expect).write_text(json.dumps({str(r["process"]): r["checksums"] for r in saved}))
     out = []
     for path in paths:
-        wipe(args.local_dir, [2] if path == "local" else list(range(PROCESSES)))
+        wipe(args.local_dir, [] if path == "own" else [2] if path == "local" else list(range(PROCESSES)))
         cold = drop_caches()
         load = load_average()
         restored = launch("restore", args, work, store, expect)
@@ -385,7 +387,8 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="the state's size, all processes together")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="saves timed per tier in each blocked-time job")
-    parser.add_argument("--paths", nargs="+", default=["local", "disk", "s3"], choices=["local", "disk", "s3"])
+    paths = ["own", "local", "disk", "s3"]
+    parser.add_argument("--paths", nargs="+", default=paths, choices=paths)
     parser.add_argument("--local-root", default=None, help="where the local tiers' temp directory goes")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per job")
     parser.add_argument("--json", help="write every measurement here")
