@@ -6,6 +6,8 @@ import os
 import pathlib
 import shutil
 import signal
+import subprocess
+import sys
 import time
 import warnings
 
@@ -342,6 +344,29 @@ def test_a_leaf_the_local_tier_cannot_store_is_named_by_its_path_at_save(tmp_pat
         # Refused by save itself (as the persistent tier's save does), naming the leaf.
         with pytest.raises(eqxckpt.CheckpointError, match=r"\['names'\]"):
             manager.save(1, {"w": jnp.ones(2), "names": np.array(["ab", "c"])})
+
+
+@pytest.mark.multiprocess
+def test_a_preemption_notice_saves_to_the_local_tier_then_the_persistent_one(tmp_path):
+    # In a process of its own: the notice is a real SIGTERM to it.
+    script = f"""
+import os, signal
+import numpy as np
+import eqxckpt
+with eqxckpt.CheckpointManager({str(tmp_path / "run")!r}, save_interval_steps=100, local_path={str(tmp_path / "local")!r},
+                               local_interval_steps=10, exit_on_preemption=False) as manager:
+    manager.save(0, {{"w": np.zeros(3)}})
+    os.kill(os.getpid(), signal.SIGTERM)
+    manager.save(3, {{"w": np.full(3, 3.0)}})  # neither interval saves step 3: the notice does
+    print("preempted", manager.reached_preemption(3), manager.all_steps(), flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["preempted True [0, 3]"]
+    assert _own_steps(tmp_path / "local") == ["3"]  # the local tier has it too (kept: the newest)
+    with eqxckpt.CheckpointManager(tmp_path / "run", local_path=tmp_path / "local", local_interval_steps=10) as manager:
+        assert manager.latest_step() == 3
+        assert np.array_equal(manager.load({"w": np.zeros(3)})["w"], np.full(3, 3.0))
 
 
 # -- four processes --------------------------------------------------------------------------
