@@ -2,6 +2,7 @@
 `CheckpointManager` resuming from it: in one process, and in four real JAX processes
 on 127.0.0.1 whose local tiers are wiped, killed mid-save, stale or shared."""
 
+import json
 import os
 import pathlib
 import shutil
@@ -44,8 +45,6 @@ def test_a_part_rebuilds_every_leaf_bit_exact(dtype, shape, scalar):
     tree = {"host": values, "device": jnp.asarray(values), "scalar": scalar, "fn": jax.nn.relu}
     part = HostShards.take(tree)
     # What is stored goes through JSON and the arrays' bytes only.
-    import json
-
     stored = HostShards(json.loads(json.dumps(part.leaves)), [a.copy() for a in part.arrays])
     out = stored.rebuild(tree)
     assert out["host"].dtype == values.dtype and out["host"].tobytes() == values.tobytes()
@@ -391,53 +390,66 @@ def _hidden(tmp_path: pathlib.Path) -> list[str]:
     return [str(p) for p in tmp_path.glob("host*/eqxckpt-local/*/process-*/*/.*")]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("store", ["disk", "s3", "gcs"])
-def test_four_processes_resume_from_peers_then_from_the_persistent_tier(tmp_path, store, request):
-    env = {}
-    if store != "disk":
-        from conftest import ObjectStore
-
-        server = ObjectStore("s3", *request.getfixturevalue("s3")) if store == "s3" else request.getfixturevalue("gcs")
-        import json
-
-        env["LOCAL_STORE"] = json.dumps(server.spec(f"local-{os.getpid()}-{time.monotonic_ns()}/"))
-    # Persistent steps 0 and 4; local steps 0..6, each process's part also kept by a peer.
-    assert _train(tmp_path, 7, **env) == [("None", 0)] * 4
-    shutil.rmtree(tmp_path / "host2")  # a replaced host: every process resumes from step 6, bit-exact
-    resumed = _train(tmp_path, 8, **env)
-    assert [step for step, _ in resumed] == ["6"] * 4 and all(checked > 0 for _, checked in resumed)
-    assert list((tmp_path / "host2").glob("eqxckpt-local/*/process-2/own/7"))  # its own part again
-    if store == "disk":  # three hosts lost with every copy of their parts: the persistent step 4
-        for host in (1, 2, 3):
-            shutil.rmtree(tmp_path / f"host{host}")
-        resumed = _train(tmp_path, 5)
-        assert [step for step, _ in resumed] == ["4"] * 4 and all(checked > 0 for _, checked in resumed)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("where", ["own", "copy", "offer"])
-def test_a_process_killed_in_a_local_save_loses_no_complete_step(tmp_path, where):
-    # Process 1 is SIGKILLed in the local save of step 5: its own part (`own`), the copy of
-    # process 0's it keeps (`copy`), or as process 2 fetches its part (`offer`). The job is
-    # then stopped, as a scheduler would, and restarted.
+def _killed(tmp_path: pathlib.Path, fault: str, until: int) -> list[tuple[str, int]]:
+    """Run the job until ``fault`` SIGKILLs its victim, then stop the others (as a scheduler
+    would); what each process resumed from (`_resumed`)."""
+    victim, where, at = fault.split(":")
     workers, logs = start_workers(
-        WORKER, "train", 4, tmp_path, EQXCKPT_BARRIER_TIMEOUT_S="60", LOCAL_UNTIL="7", LOCAL_FAULT=f"1:{where}:5"
+        WORKER, "train", 4, tmp_path, EQXCKPT_BARRIER_TIMEOUT_S="60", LOCAL_UNTIL=str(until), LOCAL_FAULT=fault
     )
     try:
-        assert workers[1].wait(timeout=120) == -signal.SIGKILL
-        assert f"KILLED in {where} 5" in logs[1].read_text()
+        assert workers[int(victim)].wait(timeout=120) == -signal.SIGKILL
+        assert f"KILLED in {where} {at}" in logs[int(victim)].read_text()
     finally:
         for worker in workers:
             worker.kill()
             worker.wait()
-    assert all("SAVED 6" not in log.read_text() for log in logs)
-    resumed = _train(tmp_path, 7)
-    # Step 5 is whole only if every process's part of it was kept, by itself or by its peer
-    # (process 1's own write and its peer's copy of it run side by side); never a mix.
+    assert all(f"SAVED {at}" not in log.read_text() for log in logs)
+    return _resumed([log.read_text() for log in logs])
+
+
+@pytest.mark.multiprocess
+def test_four_processes_killed_in_local_saves_wiped_and_resumed_lose_no_complete_step(tmp_path):
+    # A job of four processes, persistent steps every 4, a local step every step (each
+    # process's part also kept by its peer). Process 1 is SIGKILLed three times and the job
+    # stopped and restarted each time: committing its own part of step 3, committing the copy
+    # of process 0's part of step 5 it keeps, and just after offering its part of step 7 as
+    # process 2 fetches it. A step is whole only if every process's part of it was kept (by
+    # itself or its peer): each restart resumes from the step before the one killed, or from
+    # that one, in every process alike, bit-exact; never a mix.
+    assert _killed(tmp_path, "1:own:3", 9) == [("None", 0)] * 4
+    for fault, before in (("1:copy:5", 3), ("1:offer:7", 5)):
+        resumed = _killed(tmp_path, fault, 9)
+        steps = {step for step, _ in resumed}
+        assert len(steps) == 1 and steps <= {str(before - 1), str(before)}, resumed
+        assert all(checked > 0 for _, checked in resumed)
+    # A replaced host: every process resumes from step 6 or 7, the new one from its peer's copy.
+    shutil.rmtree(tmp_path / "host2")
+    resumed = _train(tmp_path, 9)
     steps = {step for step, _ in resumed}
-    assert len(steps) == 1 and steps <= {"4", "5"} and all(checked > 0 for _, checked in resumed)
-    assert _hidden(tmp_path) == []  # what the killed save left was cleaned up
+    assert len(steps) == 1 and steps <= {"6", "7"} and all(checked > 0 for _, checked in resumed)
+    assert list((tmp_path / "host2").glob("eqxckpt-local/*/process-2/own/8"))  # its own part again
+    assert _hidden(tmp_path) == []  # what the killed saves left was cleaned up
+    # Three hosts lost with every copy of their parts: the newest persistent step, 8.
+    for host in (1, 2, 3):
+        shutil.rmtree(tmp_path / f"host{host}")
+    resumed = _train(tmp_path, 9)
+    assert [step for step, _ in resumed] == ["8"] * 4 and all(checked > 0 for _, checked in resumed)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_four_processes_resume_from_peers_on_object_stores(tmp_path, store, request):
+    from conftest import ObjectStore
+
+    server = ObjectStore("s3", *request.getfixturevalue("s3")) if store == "s3" else request.getfixturevalue("gcs")
+    spec = json.dumps(server.spec(f"local-{os.getpid()}-{time.monotonic_ns()}/"))
+    # Persistent step 0 on the object store; local steps 0..3.
+    assert _train(tmp_path, 4, LOCAL_STORE=spec) == [("None", 0)] * 4
+    shutil.rmtree(tmp_path / "host2")  # a replaced host: every process resumes from step 3, bit-exact
+    resumed = _train(tmp_path, 5, LOCAL_STORE=spec)
+    assert [step for step, _ in resumed] == ["3"] * 4 and all(checked > 0 for _, checked in resumed)
+    assert list((tmp_path / "host2").glob("eqxckpt-local/*/process-2/own/4"))  # its own part again
 
 
 @pytest.mark.multiprocess
@@ -445,24 +457,24 @@ def test_a_stale_host_at_another_step_in_a_shared_directory_is_never_mixed_in(tm
     shared = tmp_path / "shared"
     shared.mkdir()
     (shared / "notes.txt").write_text("someone else's")
-    # An older run (seed 1) in the same places reaches step 6; process 2's tier is kept aside.
-    _train(tmp_path, 7, LOCAL_HOSTS="shared", LOCAL_SEED="1", LOCAL_KEEP="2")
+    # An older run (seed 1) in the same places reaches step 4; process 2's tier is kept aside.
+    _train(tmp_path, 5, LOCAL_HOSTS="shared", LOCAL_SEED="1", LOCAL_KEEP="2")
     [run_tier] = (shared / "eqxckpt-local").iterdir()
     stale = tmp_path / "stale"
     shutil.copytree(run_tier / "process-2", stale)
-    # A new run (seed 2) from scratch reaches step 5; then process 2 comes back with the old tier.
+    # A new run (seed 2) from scratch reaches step 3; then process 2 comes back with the old tier.
     shutil.rmtree(tmp_path / "run")
     shutil.rmtree(shared / "eqxckpt-local")
-    _train(tmp_path, 6, LOCAL_HOSTS="shared", LOCAL_SEED="2", LOCAL_KEEP="2")
+    _train(tmp_path, 4, LOCAL_HOSTS="shared", LOCAL_SEED="2", LOCAL_KEEP="2")
     shutil.rmtree(run_tier / "process-2")
     shutil.copytree(stale, run_tier / "process-2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tier = LocalTier(shared, resolve(tmp_path / "run"), 2)
         old = {info.token for info in tier.pieces()}
-    # Its step 6 is no step of this run, nor its step 5: step 5 of seed 2, with process 2's part from its peer.
-    resumed = _train(tmp_path, 7, LOCAL_HOSTS="shared", LOCAL_SEED="2", LOCAL_KEEP="2")
-    assert [step for step, _ in resumed] == ["5"] * 4 and all(checked > 0 for _, checked in resumed)
+    # Its step 4 is no step of this run, nor its step 3: step 3 of seed 2, with process 2's part from its peer.
+    resumed = _train(tmp_path, 5, LOCAL_HOSTS="shared", LOCAL_SEED="2", LOCAL_KEEP="2")
+    assert [step for step, _ in resumed] == ["3"] * 4 and all(checked > 0 for _, checked in resumed)
     assert (shared / "notes.txt").read_text() == "someone else's"
     pieces = tier.pieces()
-    assert sorted({info.step for info in pieces}) == [5, 6] and not old & {info.token for info in pieces}
+    assert sorted({info.step for info in pieces}) == [3, 4] and not old & {info.token for info in pieces}
