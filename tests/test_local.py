@@ -439,7 +439,7 @@ def test_four_processes_killed_in_local_saves_wiped_and_resumed_lose_no_complete
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("store", ["s3", "gcs"])
-def test_four_processes_resume_from_peers_on_object_stores(tmp_path, store, request):
+def test_four_processes_resume_from_peers_then_from_an_object_store(tmp_path, store, request):
     from conftest import ObjectStore
 
     server = ObjectStore("s3", *request.getfixturevalue("s3")) if store == "s3" else request.getfixturevalue("gcs")
@@ -450,6 +450,11 @@ def test_four_processes_resume_from_peers_on_object_stores(tmp_path, store, requ
     resumed = _train(tmp_path, 5, LOCAL_STORE=spec)
     assert [step for step, _ in resumed] == ["3"] * 4 and all(checked > 0 for _, checked in resumed)
     assert list((tmp_path / "host2").glob("eqxckpt-local/*/process-2/own/4"))  # its own part again
+    # Three hosts lost with every copy of their parts: the newest persistent step, 4.
+    for host in (1, 2, 3):
+        shutil.rmtree(tmp_path / f"host{host}")
+    resumed = _train(tmp_path, 5, LOCAL_STORE=spec)
+    assert [step for step, _ in resumed] == ["4"] * 4 and all(checked > 0 for _, checked in resumed)
 
 
 @pytest.mark.multiprocess
