@@ -43,12 +43,13 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/readme.py
 	@echo "The eqxckpt command is in $(VENV)/bin: run $(VENV)/bin/eqxckpt --help, or source $(VENV)/bin/activate first."
 
-# The suite in two workers that take tests from each other's queue once their own is
-# empty (worksteal): a worker no longer idles while the other ends a long test file, as
-# with a file at a time (loadfile). On 2 cores, with this and the suite's XLA compiles
-# unoptimised (tests/conftest.py): 11 min 48 s, where before either it took 15 min 36 s
-# on the same idle machine, and 24 min 51 s in one process. Each worker peaks at about
-# 4.4 GB, so not one per core on larger machines.
+# The suite in three workers that take tests from each other's queue once their own is
+# empty (worksteal): a worker no longer idles while another ends a long test file, as
+# with a file at a time (loadfile). Many tests wait on worker processes, servers and
+# barriers, so a third worker helps on 2 cores: from a fresh clone (.ci/run) the suite
+# of 1116 tests took 15 min 04 s with three, 16 min 32 s with two, on the same machine
+# the same evening (it took 11 min 48 s with two on an idle day). Each worker peaks at
+# about 4.4 GB.
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
