@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 
 from ._chunks import ChunkLayout, Region
+from ._errors import ArgumentError
 from ._leaf import StoredLeaf, check_bool_bytes
-from ._place import Reader
+from ._place import Reader, inside
 from ._replicas import readers_apart
 from ._select import Selection
 from ._source import Source, reading
@@ -34,7 +35,8 @@ class Checkpoint(Source):
     ```
     """
 
-    def __init__(self, stored: StoredArrays):
+    def __init__(self, stored: StoredArrays, per_process: bool = False):
+        self.per_process = per_process
         self.location = stored.location
         self.stored = stored
         self.metadata = stored.manifest.metadata
@@ -84,6 +86,10 @@ class Checkpoint(Source):
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """Only the chunks holding the selection are read, each checked as a whole read
         checks it; the whole leaf chunk by chunk (a packed one from the chunks holding it)."""
+        if leaf.blocks is not None:
+            box = tuple((r.start, r.stop) if len(r) else (0, 0) for r in selection.box())
+            if not any(inside(box, block) for block in leaf.blocks):
+                raise ArgumentError(f"Leaf {leaf.path!r}: {leaf.unheld(None)}; select within one of those blocks.")
         with reading(leaf):
             if leaf.offset is None and not selection.covers(leaf.data_shape):
                 return self.stored.read_selection(leaf, selection)
@@ -134,6 +140,7 @@ class SelectionStream:
         return self.stored.read_selection(self.leaf, self.selection.sub(part), layout)
 
 
-def open_checkpoint(path: CheckpointPath | Storage) -> Checkpoint:
-    """An eqxckpt checkpoint, opened read-only without reading any array (`eqxckpt.open` for this format)."""
-    return Checkpoint(StoredArrays.open(path))
+def open_checkpoint(path: CheckpointPath | Storage, per_process: bool = False) -> Checkpoint:
+    """An eqxckpt checkpoint, opened read-only without reading any array (`eqxckpt.open` for
+    this format); ``per_process``: one process's own (`Source.per_process`)."""
+    return Checkpoint(StoredArrays.open(path), per_process)

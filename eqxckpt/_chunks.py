@@ -25,6 +25,7 @@ from crc32c import crc32c
 from ._errors import CheckpointError
 from ._leaf import StoredLeaf
 from ._paths import PACKED_LOCATION
+from ._place import Block
 
 CRC_BYTES = 4
 # Chunks are bounded so a partial or resharded read touches little more than
@@ -147,6 +148,8 @@ class ChunkLayout:
     shape: tuple[int, ...]
     dtype: np.dtype
     chunk: tuple[int, ...]
+    # A part's array (`StoredLeaf.blocks`): only the chunks of these blocks exist.
+    held: tuple[Block, ...] | None = None
 
     def __post_init__(self) -> None:
         if sys.byteorder != "little":  # chunk bytes are the host's bytes
@@ -157,13 +160,13 @@ class ChunkLayout:
         """The layout a save gives ``record``'s array, whose chunks tile ``shard`` (None: whole)."""
         dtype = np.dtype(record.dtype)
         chunk = chunk_shape(record.data_shape, dtype.itemsize, shard, chunk_budget(record.path))
-        return cls(record.data_shape, dtype, tuple(chunk))
+        return cls(record.data_shape, dtype, tuple(chunk), record.blocks)
 
     @classmethod
     def stored(cls, record: StoredLeaf, metadata: dict[str, Any]) -> "ChunkLayout":
         """The layout of ``record``'s array from its validated ``zarr.json``."""
         chunk = metadata["chunk_grid"]["configuration"]["chunk_shape"]
-        return cls(record.data_shape, np.dtype(record.dtype), tuple(chunk))
+        return cls(record.data_shape, np.dtype(record.dtype), tuple(chunk), record.blocks)
 
     @property
     def chunk_nbytes(self) -> int:
@@ -172,7 +175,23 @@ class ChunkLayout:
     @property
     def count(self) -> int:
         """How many chunks (files) the array has."""
+        if self.held is not None:
+            return sum(math.prod(-(-(b - a) // c) for (a, b), c in zip(block, self.chunk)) for block in self.held)
         return math.prod(-(-n // c) for n, c in zip(self.shape, self.chunk))
+
+    def aligned(self) -> bool:
+        """Whether every held block is made of whole chunks (as a save lays a part out)."""
+        return self.held is None or all(
+            a % c == 0 and (b % c == 0 or b == n)
+            for block in self.held
+            for (a, b), c, n in zip(block, self.chunk, self.shape)
+        )
+
+    def held_regions(self) -> list[Region]:
+        """The regions whose chunks exist: the held blocks, or the whole array."""
+        if self.held is None:
+            return [tuple(slice(0, n) for n in self.shape)]
+        return [tuple(slice(a, b) for a, b in block) for block in self.held]
 
     @property
     def max_count(self) -> int:
@@ -202,9 +221,8 @@ class ChunkLayout:
         starts on chunk boundaries), with the part of ``region`` in it, in C order."""
         if 0 in self.shape:
             return []
-        if region is None:
-            region = tuple(slice(0, n) for n in self.shape)
-        return [(self.key(part), part) for part in chunk_regions(self.chunk, region)]
+        regions = self.held_regions() if region is None else [region]
+        return [(self.key(part), part) for region in regions for part in chunk_regions(self.chunk, region)]
 
     def parts(self, box: Sequence[range]) -> Iterator[tuple[str, Region, Region, Region]]:
         """For every chunk holding elements of ``box`` (a range of indices with a positive

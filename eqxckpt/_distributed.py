@@ -46,6 +46,14 @@ def coordination_client():
     return global_state.client
 
 
+def coordinator_address() -> str | None:
+    """The address of the coordination service, as `jax.distributed.initialize` was given it
+    (``host:port``), or None in a single process."""
+    from jax._src.distributed import global_state  # as for `coordination_client`
+
+    return global_state.coordinator_address
+
+
 # What each kind of phases does, and the call every process makes for it, for errors.
 _WHAT = {
     "save": ("Saving from", "save"),
@@ -74,6 +82,37 @@ class Phases:
         self.size = jax.process_count()
         self.what = what
         self.name = f"eqxckpt/{what}/{next(_counters[what])}"
+
+    def post(self, key: str, value: str) -> None:
+        """Make ``value`` available to other processes under ``key`` (a name used once in
+        these phases), for `take`: a value between two processes, no barrier.
+
+        ```python
+        phases.post("offer/3", address)   # in process 3
+        ```
+        """
+        self._client.key_value_set(f"{self.name}/posted/{key}", value)
+
+    def take(self, key: str, what: str) -> str:
+        """The value another process `post`-ed under ``key``, waiting for it at most the
+        barrier timeout; ``what`` names it in the error if it never comes.
+
+        ```python
+        address = phases.take("offer/3", "process 3's offer")   # in the process fetching it
+        ```
+        """
+        try:
+            return self._client.blocking_key_value_get(f"{self.name}/posted/{key}", int(BARRIER_TIMEOUT_S * 1000))
+        except Exception as e:
+            doing, call = _WHAT[self.what]
+            raise CheckpointError(
+                f"{doing} {self.size} processes: {what} did not come within {BARRIER_TIMEOUT_S:.0f}s (its process "
+                f"may have crashed or not called {call}). Coordination service said: {e}"
+            ) from e
+
+    def forget(self, key: str) -> None:
+        """Drop what this process `post`-ed under ``key`` (taken by everyone who needed it)."""
+        self._client.key_value_delete(f"{self.name}/posted/{key}")
 
     def run(self, phase: str, work: Callable[[], str | None], left: Callable[[], str] | None = None) -> list[str]:
         """Run ``work`` here, wait for every process, and return each one's result.

@@ -18,6 +18,7 @@ from ._digest import parse_digest
 from ._dtypes import STORED_DTYPES, check_dtype, dtype_name
 from ._errors import MAX_LISTED, ArgumentError, CastError, CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
+from ._place import Block, held_blocks, inside
 from ._scalars import bits_fit, nan_bits, scalar_from_json, scalar_to_json, with_bits
 from ._tree import (
     SCALAR_TYPES,
@@ -36,6 +37,8 @@ UNKNOWN = "unknown"  # the array type of foreign formats' leaves (never written 
 SCALAR_NAMES = ("int", "float", "bool", "complex", "str", "none")
 MAX_RANK = 64
 MAX_ELEMENTS = 1 << 53
+# Most blocks a part's leaf may hold: one per device of the process that saved it.
+MAX_BLOCKS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +141,9 @@ class StoredLeaf(Leaf):
     # own prefix: a sibling checkpoint's (an incremental save on an object store; see
     # `_paths.parse_reference`).
     arrays: str | None = dataclasses.field(default=None, kw_only=True)
+    # In a process's part of a checkpoint (a local tier's): the blocks of the stored array
+    # (over `data_shape`) it holds, each one or more whole chunks; None: all of it.
+    blocks: tuple[Block, ...] | None = dataclasses.field(default=None, kw_only=True)
     stored: ClassVar[bool] = True
     sliceable: ClassVar[bool] = True  # whether a lazy read may select part of it
 
@@ -157,8 +163,31 @@ class StoredLeaf(Leaf):
         # Leaves are immutable, and `with_storage` changes nothing it depends on.
         known = self.__dict__.get("_nbytes")
         if known is None:
-            known = self.__dict__["_nbytes"] = math.prod(self.data_shape) * _itemsize(self.dtype)
+            if self.blocks is None:
+                elements = math.prod(self.data_shape)
+            else:
+                elements = sum(math.prod(stop - start for start, stop in block) for block in self.blocks)
+            known = self.__dict__["_nbytes"] = elements * _itemsize(self.dtype)
         return known
+
+    def unheld(self, target: Any) -> str | None:
+        """Why ``target`` needs blocks of this leaf that this part does not hold, or None
+        (always, for a leaf stored whole). A part is restored onto the layout it was
+        saved from: each of this process's blocks of ``target`` within a held block."""
+        if self.blocks is None:
+            return None
+        held = f"this part holds only blocks {_listed(self.blocks)} of {self.describe()}"
+        sharding = getattr(target, "sharding", None)
+        if isinstance(target, (np.ndarray, np.generic)) or sharding is None or not self.can_shard(sharding):
+            return f"{held}; like asks for all of it (no sharding): give like the sharding it was saved with"
+        try:
+            wanted = held_blocks(sharding, self.shape, self.data_shape)
+        except (ValueError, TypeError) as e:  # a sharding that does not fit the shape
+            return f"{held}; like's sharding does not fit it: {e}"
+        for block in wanted:
+            if not any(inside(block, own) for own in self.blocks):
+                return f"{held}; like's sharding asks for block {_listed([block])}: restore onto the mesh it was saved from"
+        return None
 
     @property
     def value_dtype(self) -> np.dtype:
@@ -229,6 +258,8 @@ class StoredLeaf(Leaf):
             fields["offset"] = self.offset
         if self.arrays is not None:
             fields["arrays"] = self.arrays
+        if self.blocks is not None:
+            fields["blocks"] = [[list(dim) for dim in block] for block in self.blocks]
         return fields if self.digest is None else {**fields, "digest": self.digest}
 
     @staticmethod
@@ -254,7 +285,15 @@ class StoredLeaf(Leaf):
         if arrays is not None:
             parse_reference(arrays, path)
         fields = {"offset": offset, "digest": parse_digest(doc.get("digest"), path), "arrays": arrays}
+        if "blocks" in doc:
+            if offset is not None:
+                raise ManifestError(f"Leaf {path!r}: a packed leaf cannot hold blocks of itself.")
+            fields["blocks"] = parse_blocks(doc["blocks"], path)
         return parse_shape(doc.get("shape"), path), dtype, fields
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None:
+            check_blocks(self.blocks, self.data_shape, self.path)
 
 
 _ITEMSIZES: dict[str, int] = {}
@@ -275,10 +314,13 @@ def with_storage(leaf: _Stored, **changes: Any) -> _Stored:
     """``leaf`` with another ``offset``, ``digest`` or ``arrays``: what `dataclasses.replace`
     gives, without its per-call introspection (a save places and digests every leaf of
     its tree). Nothing derived from the other fields changes."""
-    assert changes.keys() <= {"offset", "digest", "arrays"}
+    assert changes.keys() <= {"offset", "digest", "arrays", "blocks"}
     changed = object.__new__(type(leaf))
     changed.__dict__.update(leaf.__dict__, **changes)
     changed.__dict__.pop("_line", None)  # its manifest line (`_manifest`) changes with them
+    if "blocks" in changes:
+        changed.__dict__.pop("_nbytes", None)
+        check_blocks(changes["blocks"], leaf.data_shape, leaf.path)
     return changed
 
 
@@ -321,7 +363,7 @@ class ArrayLeaf(StoredLeaf):
             return self._differs(target)
         if (why := self.narrowed(target)) is not None:
             return f"found {self.describe()}, which cannot be restored as it is: {why}"
-        return None
+        return self.unheld(target)
 
     def host_target(self) -> np.ndarray:
         # A numpy array of the stored dtype and shape with no memory of its own (broadcast).
@@ -491,7 +533,7 @@ class KeyLeaf(StoredLeaf):
             return self._differs(target)
         if tuple(np.shape(target)) != self.shape:
             return self._differs(target)
-        return None
+        return self.unheld(target)
 
     def can_shard(self, sharding: "jax.sharding.Sharding") -> bool:
         # Key data has trailing dimensions; only a NamedSharding says how to lay those out.
@@ -684,6 +726,56 @@ def parse_shape(value: Any, where: str) -> tuple[int, ...]:
     if elements >= MAX_ELEMENTS:
         raise ManifestError(f"Leaf {where!r}: shape {value!r} declares an absurd number of elements.")
     return tuple(value)
+
+
+def parse_blocks(value: Any, path: str) -> tuple[Block, ...]:
+    """A part's leaf's held blocks from the manifest: at most `MAX_BLOCKS` lists of
+    ``[start, stop]`` int pairs (checked against the shape by `check_blocks`)."""
+    bad = ManifestError(
+        f"Leaf {path!r}: blocks must be a list of at most {MAX_BLOCKS} blocks, each a [start, stop] pair of ints "
+        f"per dimension; found {str(value)[:200]}."
+    )
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_BLOCKS:
+        raise bad
+    blocks = []
+    for block in value:
+        if not isinstance(block, list) or len(block) > MAX_RANK:
+            raise bad
+        dims = []
+        for dim in block:
+            if not (
+                isinstance(dim, list)
+                and len(dim) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in dim)
+            ):
+                raise bad
+            dims.append((dim[0], dim[1]))
+        blocks.append(tuple(dims))
+    return tuple(blocks)
+
+
+def check_blocks(blocks: tuple[Block, ...], shape: tuple[int, ...], path: str) -> None:
+    """Raise `ManifestError` unless ``blocks`` are distinct cells of one regular grid over
+    ``shape`` (as a sharding's blocks are: so they are disjoint, checked in one pass) that
+    do not cover all of it (a part holding every block stores the leaf whole)."""
+    for block in blocks:
+        if len(block) != len(shape) or not all(0 <= a < b <= n for (a, b), n in zip(block, shape)):
+            raise ManifestError(
+                f"Leaf {path!r}: block {_listed([block])} is not a non-empty block of shape {list(shape)}."
+            )
+    cell = [max(b - a for a, b in dims) for dims in zip(*blocks)]
+    for block in blocks:
+        if not all(a % c == 0 and b == min(a + c, n) for (a, b), c, n in zip(block, cell, shape)):
+            raise ManifestError(f"Leaf {path!r}: blocks {_listed(blocks[:8])} are not the cells of one grid.")
+    if len({tuple(a for a, _ in block) for block in blocks}) != len(blocks):
+        raise ManifestError(f"Leaf {path!r}: blocks {_listed(blocks[:8])} repeat one.")
+    if sum(math.prod(b - a for a, b in block) for block in blocks) >= math.prod(shape):
+        raise ManifestError(f"Leaf {path!r}: its blocks cover all of shape {list(shape)}; it would be stored whole.")
+
+
+def _listed(blocks: Iterable[Block]) -> str:
+    """Blocks as a user reads them: ``[0:4, 0:3]``."""
+    return ", ".join("[" + ", ".join(f"{a}:{b}" for a, b in block) + "]" for block in blocks)
 
 
 def parse_leaf(doc: Any, keys_of: Any) -> Leaf:

@@ -220,6 +220,10 @@ def _plan_plain(source: Source, prefix: str, available: dict[str, Leaf]) -> Plan
         ((leaf, None) for leaf in leaves if isinstance(leaf, StoredLeaf)),
         f"Cannot restore the leaves of {source.location} as saved",
     )
+    result.mismatched = [
+        (leaf.path, why) for leaf in leaves if isinstance(leaf, StoredLeaf) and (why := leaf.unheld(None)) is not None
+    ]
+    result.check(strict=True)
     for slot, leaf in enumerate(leaves):
         result.supply(slot, leaf, None)
     return result
@@ -505,8 +509,9 @@ def load(
     ```
     """
 
-    # A `like` placed across processes: every process restores together, in step (`read_once`).
-    together = spans_processes(like)
+    # A `like` placed across processes: every process restores together, in step (`read_once`),
+    # unless each restores from a checkpoint of its own.
+    together = spans_processes(like) and not (isinstance(path, Source) and path.per_process)
 
     def attempt() -> Any:
         with collector_paused():  # records, plans and arrays per leaf, no cycles among them

@@ -169,7 +169,7 @@ class CheckpointManager:
         self._local: LocalCheckpoints | None = None
         if local_path is not None:
             interval = save_interval_steps if local_interval_steps is None else local_interval_steps
-            self._local = LocalCheckpoints(local_path, self.location, interval, local_replicas, local_max_to_keep)
+            self._local = LocalCheckpoints(local_path, self._steps, interval, local_replicas, local_max_to_keep)
         # The step `latest_step` agreed on with a local tier, for the `load` that follows.
         self._resume: tuple[LocalChoice | None, int | None] | None = None
         self._resume_persistent: int | None = None
@@ -513,14 +513,8 @@ class CheckpointManager:
             choice, self._resume_persistent = resume
             if choice is None or step not in (None, choice.step):
                 return _FROM_PERSISTENT
-            if like is None or at is not None or load_kwargs:
-                raise ArgumentError(
-                    f"Step {choice.step} is restored from the local tier, which restores the whole state as "
-                    f"saved: load(like) with like and without at= or other options (got at={at!r}, "
-                    f"{sorted(load_kwargs)}). Use a persistent step (all_steps()) for those."
-                )
             try:
-                return self._local.restore(choice, like)
+                return self._local.restore(choice, like, at=at, **load_kwargs)
             except GONE:
                 if attempt == MAX_LATEST_ATTEMPTS:
                     raise
@@ -561,6 +555,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._local is not None:
+                self._local.close()
             if self._stop_listening is not None:
                 self._stop_listening()  # Preemption.close, once
             self._preemption, self._stop_listening = None, None

@@ -16,8 +16,9 @@ from ._chunks import ChunkLayout, Region
 from ._classify import leaf_of
 from ._distributed import is_multiprocess
 from ._dtypes import little_endian
-from ._leaf import KeyRecord, Leaf, StoredLeaf
+from ._leaf import KeyRecord, Leaf, StoredLeaf, with_storage
 from ._pack import PackedArray
+from ._place import held_blocks, slice_key
 from ._replicas import WriteShares
 from ._source import LazyArray
 
@@ -177,7 +178,11 @@ def record_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf,
 
 
 def snapshot(
-    arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool, multiprocess: bool | None = None
+    arrays: list[tuple[StoredLeaf, Any]],
+    copy: bool,
+    leader: bool,
+    multiprocess: bool | None = None,
+    own_blocks: bool = False,
 ) -> list[tuple[StoredLeaf, tuple[int, ...] | None, list[Piece]]]:
     """For each array leaf, the shape its chunks must tile (None: whole) and the pieces
     this process writes, in host memory it owns.
@@ -188,7 +193,9 @@ def snapshot(
     Host-local leaves (numpy, fully addressable arrays in a multi-process run) are
     written by process 0 alone. ``copy``: take a private copy of numpy leaves, which the
     caller may mutate afterwards. ``multiprocess``: whether other processes write this
-    checkpoint too (None: whether the job has several).
+    checkpoint too (None: whether the job has several). ``own_blocks``: a checkpoint of
+    this process's own (a local tier's part): a global array it holds only blocks of is
+    stored as those blocks, each once (`StoredLeaf.blocks` in the record returned).
     """
     import jax
 
@@ -200,6 +207,8 @@ def snapshot(
         if isinstance(value, jax.Array) and isinstance(value.sharding, jax.sharding.SingleDeviceSharding):
             # The common case, without asking for shards (costly per leaf in a tree of many small ones).
             planned.append((record, None, [(None, value, None, False)] if leader or not multiprocess else []))
+        elif own_blocks and isinstance(value, jax.Array) and not value.is_fully_addressable:
+            planned.append(_own_blocks(record, value))
         elif isinstance(value, jax.Array) and shares is not None and not value.is_fully_addressable:
             tile, mine = shares.plan(record, value)
             pieces = [(s.index, s.data, parts, shared) for s, parts, shared in mine]
@@ -236,6 +245,23 @@ def snapshot(
         )
         for record, shard, values in planned
     ]
+
+
+def _own_blocks(record: StoredLeaf, value: "jax.Array") -> tuple[StoredLeaf, Any, list]:
+    """This process's distinct blocks of ``value`` (a global array it holds part of): the
+    record with those blocks, the shard shape its chunks tile, and a piece per block."""
+    shape = tuple(value.shape)
+    by_block = {slice_key(s.index, shape): s for s in reversed(value.addressable_shards)}  # the first of replicas
+    blocks = [block for block in held_blocks(value.sharding, shape) if all(a < b for a, b in block)]
+    if math.prod(shape) == 0:
+        return record, None, [(None, np.zeros(shape, value.dtype), None, False)]
+    if blocks == [tuple((0, n) for n in shape)]:  # replicated: this process holds all of it
+        return record, None, [(None, by_block[blocks[0]].data, None, False)]
+    return (
+        with_storage(record, blocks=tuple(blocks)),
+        tuple(value.sharding.shard_shape(shape)),
+        [(by_block[block].index, by_block[block].data, None, False) for block in blocks],
+    )
 
 
 def _covers(index: tuple[slice, ...]) -> bool:

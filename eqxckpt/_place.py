@@ -34,9 +34,35 @@ CAST_SLICE_BYTES = 16 << 20
 STAGE_CPU = False
 
 
-def slice_key(index: Any, shape: tuple[int, ...]) -> tuple:
-    """A hashable, normalised form of an index into ``shape``."""
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+# A block of an array: (start, stop) on each dimension.
+Block = tuple[tuple[int, int], ...]
+
+
+def slice_key(index: Any, shape: tuple[int, ...]) -> Block:
+    """A hashable, normalised form of an index into ``shape``: the block it selects
+    (dimensions the index leaves out are whole)."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape)) + tuple((0, n) for n in shape[len(index) :])
+
+
+def held_blocks(
+    sharding: "jax.sharding.Sharding", shape: tuple[int, ...], stored: tuple[int, ...] | None = None
+) -> list[Block]:
+    """The distinct blocks of an array of ``shape`` laid out by ``sharding`` that this
+    process's devices hold (replicas share theirs), in the sharding's device order, as
+    blocks of its ``stored`` shape (a PRNG key array's key data's: whole trailing dimensions).
+
+    ```python
+    held_blocks(NamedSharding(mesh, P("x")), (8, 3))  # [((0, 4), (0, 3)), ((4, 8), (0, 3))]
+    ```
+    """
+    stored = shape if stored is None else stored
+    indices = sharding.addressable_devices_indices_map(shape).values()
+    return list(dict.fromkeys(slice_key(index, stored) for index in indices))
+
+
+def inside(inner: Block, outer: Block) -> bool:
+    """Whether block ``inner`` lies within block ``outer``."""
+    return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer))
 
 
 def on_host(devices: Any) -> bool:

@@ -333,7 +333,7 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]], togeth
     """
     import jax
 
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or source.per_process:  # each process reads its own checkpoint
         return source.read(wanted)
     # From `like` alone: the same in every process, so every process takes the same phases.
     # Targets spanning processes make one global array of every process's reads: those

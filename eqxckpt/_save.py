@@ -80,10 +80,15 @@ def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
 
 
 def _snapshot(
-    arrays: list[tuple[StoredLeaf, Any]], copy: bool, leader: bool, multiprocess: bool | None = None
+    arrays: list[tuple[StoredLeaf, Any]],
+    copy: bool,
+    leader: bool,
+    multiprocess: bool | None = None,
+    own_blocks: bool = False,
 ) -> list[_WriteJob]:
     """The pieces this process must write, in host memory it owns (see `_pieces.snapshot`)."""
-    return [_WriteJob(record, shard, pieces) for record, shard, pieces in snapshot(arrays, copy, leader, multiprocess)]
+    planned = snapshot(arrays, copy, leader, multiprocess, own_blocks)
+    return [_WriteJob(record, shard, pieces) for record, shard, pieces in planned]
 
 
 def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], list[_WriteJob]]:
@@ -544,36 +549,63 @@ def save(
     return SAVES.submit(key, run)
 
 
-def save_here(
-    path: CheckpointPath, tree: PyTree, *, metadata: dict[str, Any], overwrite: bool = False, durable: bool = True
-) -> None:
-    """Save ``tree``, a pytree of host (numpy) leaves, as this process's own checkpoint,
-    now, on the caller's thread: the other processes of a JAX job take no part, and
-    background saves in flight are not waited for. The local tier's pieces are saved so.
+class Part:
+    """This process's own part of a pytree, taken into host memory now (on the caller's
+    thread: the caller may then donate, delete or mutate its arrays), to be saved as a
+    checkpoint of this process's own by `write`, which the other processes of a JAX job
+    take no part in. A local tier's parts are saved so.
+
+    Every leaf is recorded as `save` records it (and what `save` refuses is refused here,
+    with the same error); a global array this process holds only blocks of is stored as
+    those blocks, each once (`StoredLeaf.blocks`).
 
     **Arguments:**
 
-    - `path`: where, as for `save`.
-    - `tree`: host leaves only (numpy arrays, Python scalars).
-    - `metadata`: a JSON-serialisable dict stored with the checkpoint.
-    - `overwrite`: replace a checkpoint already there.
-    - `durable`: make the arrays durable before the commit (False: they stay in the page
-      cache for the kernel to write back; the commit itself is still atomic).
+    - `tree`: any pytree `save` takes.
+    - `copy`: take a private copy of numpy leaves (False: the caller leaves them alone
+      until `write` returns).
 
     ```python
-    save_here("local/process-0/own/50", [np.arange(4)], metadata={})
+    part = Part(state)                                   # on the caller's thread
+    part.write("local/process-0/own/50", metadata={})    # anywhere, later
     ```
     """
-    location = resolve(path)
-    with collector_paused():
-        records, arrays = _plan(tree)
+
+    def __init__(self, tree: PyTree, copy: bool = True):
+        with collector_paused():
+            records, arrays = _plan(tree)
+            jobs = _snapshot(arrays, copy=copy, leader=True, multiprocess=False, own_blocks=True)
+            held = {job.record.path: job.record for job in jobs}  # with the blocks each holds
+            records = [held.get(r.path, r) for r in records]
+            self.records, self.jobs = _pack(records, jobs)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds (and writes)."""
+        return sum(piece.nbytes for job in self.jobs for piece in job.pieces)
+
+    def write(
+        self, path: CheckpointPath, *, metadata: dict[str, Any], overwrite: bool = False, durable: bool = True
+    ) -> None:
+        """Save it as a checkpoint at ``path``, now, on the caller's thread; background saves
+        in flight are not waited for.
+
+        **Arguments:**
+
+        - `path`: where, as for `save`.
+        - `metadata`: a JSON-serialisable dict stored with the checkpoint.
+        - `overwrite`: replace a checkpoint already there.
+        - `durable`: make the arrays durable before the commit (False: they stay in the page
+          cache for the kernel to write back; the commit itself is still atomic).
+
+        **Returns:** nothing.
+        """
+        location = resolve(path)
         location.check_target(overwrite)
-        jobs = _snapshot(arrays, copy=False, leader=True, multiprocess=False)
-        records, jobs = _pack(records, jobs)
-    manifest = Manifest(tuple(records), metadata)
-    hashing = _Hashing(manifest, jobs)
-    try:
-        with plan_reuse(None, manifest, jobs, location) as reuse:
-            SaveInProgress(location, manifest, reuse, overwrite, None, hashing, durable).run()
-    finally:
-        hashing.stop()
+        manifest = Manifest(tuple(self.records), metadata)
+        hashing = _Hashing(manifest, self.jobs)
+        try:
+            with plan_reuse(None, manifest, self.jobs, location) as reuse:
+                SaveInProgress(location, manifest, reuse, overwrite, None, hashing, durable).run()
+        finally:
+            hashing.stop()

@@ -63,6 +63,9 @@ class Source(abc.ABC):
     # Whether the format holds arrays only (safetensors, TensorFlow): then `load` takes a
     # `like`'s other leaves (Dropout's `p` and `inference`) from `like`, as `transforms=` does.
     arrays_only: bool = False
+    # One process's own checkpoint (a local tier's part): each process of a job restores
+    # from its own, so a restore never reads it together with the others (`read_once`).
+    per_process: bool = False
 
     _pin: Pin = UNPINNED  # what proves the source read is the one opened
 

@@ -387,6 +387,8 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
     if math.prod(chunk) * np.dtype(record.dtype).itemsize > CHUNK_BYTES:
         raise bad(f"has chunks of {chunk} (over {CHUNK_BYTES} bytes)")
     layout = ChunkLayout.stored(record, {"chunk_grid": grid})
+    if not layout.aligned():
+        raise bad(f"has chunks of {chunk}, which do not tile the blocks the manifest says this part holds")
     if layout.count > layout.max_count:  # each chunk costs a file, a read and a task, whatever its size
         raise bad(
             f"splits its {record.nbytes} bytes into {layout.count} chunks of {chunk} (at most {layout.max_count} "

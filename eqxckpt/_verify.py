@@ -393,9 +393,12 @@ def _slabs(layout: ChunkLayout) -> list[Region]:
     """An array's rows of chunks, in order: each holds a run of the array's C-order bytes."""
     if not layout.shape or 0 in layout.shape:
         return [tuple(slice(0, n) for n in layout.shape)]
-    rest = tuple(slice(0, n) for n in layout.shape[1:])
     rows = layout.chunk[0]
-    return [(slice(start, min(start + rows, layout.shape[0])), *rest) for start in range(0, layout.shape[0], rows)]
+    return [
+        (slice(start, min(start + rows, first.stop)), *rest)
+        for first, *rest in layout.held_regions()  # a part's blocks, one after another
+        for start in range(first.start, first.stop, rows)
+    ]
 
 
 def _tolerant(tasks: Iterable[Task], failed: list[CheckpointError]) -> Iterator[Task]:

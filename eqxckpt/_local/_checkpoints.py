@@ -1,19 +1,23 @@
 """`LocalCheckpoints`: a `CheckpointManager`'s local tier. Frequent saves of each
 process's part to a disk or tmpfs of its own host, copied to peers, and resume from the
-newest step every process can rebuild.
+newest step every process can restore.
 
 A local save of a step, in every process:
 
-1. its part (`HostShards`) is taken on the caller's thread, then, in the background,
-2. kept in its own tier (`LocalTier.write`: atomic, checksummed),
-3. offered to the peers that keep copies of it (`placement`), which fetch it with JAX's
-   transfer service and keep it in theirs (phases ``offer`` and ``copy``, every process),
+1. its part (`Part`: every leaf as `eqxckpt.save` records it, a global array as the
+   blocks this process holds) is taken on the caller's thread, then, in the background,
+2. saved as a checkpoint in its own tier (`LocalTier.write`: atomic, checksummed),
+3. whose files are sent to the peers that keep copies of it (`placement`), a group
+   within the host memory budget at a time, with JAX's transfer service, and kept in
+   theirs (phases ``write`` and ``copy``, every process),
 4. and once every process has come through ``copy``, the step is complete: retention
-   keeps the newest ``max_to_keep`` complete steps and deletes every other piece.
+   keeps the newest ``max_to_keep`` complete steps of this run and deletes every other part.
 
-Every piece of one save carries the save's token (a session agreed at the first local
-save, and the step), so a piece of another save of the same step (a job that died
-before finishing it, an older run's) is never taken for it.
+Every part of one save carries the save's token (a session agreed at the first local
+save, and the step), so a part of another save of the same step (a job that died
+before finishing it) is never taken for it; and the lineage of the persistent run it
+belongs to (the run's identity, and the newest persistent step then), so a part of a
+deleted run, or of another run at the same place, is never restored.
 """
 
 import concurrent.futures
@@ -25,25 +29,29 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jaxtyping import PyTree
 
-from .._distributed import Phases, coordination_client
+from .._distributed import Phases
 from .._errors import ArgumentError, CheckpointError, CheckpointExistsError
-from .._storage import Storage
-from ._layout import LocalTier, PieceInfo
+from .._load import load
+from .._save import Part
+from .._steps import RunSteps
+from .._window import host_memory_budget
+from ._layout import LocalTier, PartInfo
 from ._peers import Transfers, failure_domain, placement, transfer_id
-from ._shards import HostShards
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalChoice:
-    """A step every process can rebuild from the local tier: the save (``token``) of
-    ``step`` and, for each process, which process keeps the piece it restores from."""
+    """A step every process can restore from the local tier: the save (``token``) of
+    ``step`` and, for each process, which process keeps the part it restores from."""
 
     step: int
     token: str
     sources: dict[int, int]
-    complete: list[tuple[int, str]]  # every save (step, token) every process can rebuild, up to this one
+    complete: list[tuple[int, str]]  # every save (step, token) every process can restore, up to this one
+    parts: dict[int, PartInfo]  # each process's part, as its owner saved it
 
 
 def _positive(name: str, value: Any, zero: bool = False) -> int:
@@ -52,40 +60,68 @@ def _positive(name: str, value: Any, zero: bool = False) -> int:
     return value
 
 
+def _groups(files: list[tuple[str, np.ndarray]], budget: int) -> list[list[tuple[str, np.ndarray]]]:
+    """Files in groups of at most ``budget`` bytes (a larger file alone), in order: what
+    one offer holds on the device at a time."""
+    groups: list[list[tuple[str, np.ndarray]]] = [[]]
+    size = 0
+    for key, data in files:
+        if groups[-1] and size + data.nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append((key, data))
+        size += data.nbytes
+    return groups
+
+
 class LocalCheckpoints:
-    """The local tier of the run saved persistently at ``persistent``.
+    """The local tier of the run whose persistent steps ``steps`` holds.
 
     **Arguments:**
 
     - `local_path`: this host's directory for it (a tmpfs or local disk).
-    - `persistent`: the run's persistent directory (names the tier).
+    - `steps`: the run's persistent steps (its place names the tier; its identity and
+      newest step are each part's lineage).
     - `interval`: save every this many steps.
-    - `replicas`: peers keeping a copy of each process's pieces.
+    - `replicas`: peers keeping a copy of each process's parts.
     - `max_to_keep`: complete steps kept.
 
     ```python
-    local = LocalCheckpoints("/dev/shm/run", resolve("gs://b/run"), interval=50, replicas=1, max_to_keep=1)
+    local = LocalCheckpoints("/dev/shm/run", steps, interval=50, replicas=1, max_to_keep=1)
     local.save(50, state)
     ```
     """
 
-    def __init__(self, local_path: Any, persistent: Storage, interval: int, replicas: int, max_to_keep: int):
+    def __init__(self, local_path: Any, steps: RunSteps, interval: int, replicas: int, max_to_keep: int):
         self.interval = _positive("local_interval_steps", interval)
         self.replicas = _positive("local_replicas", replicas, zero=True)
         self.max_to_keep = _positive("local_max_to_keep", max_to_keep)
         self.me, self.processes = jax.process_index(), jax.process_count()
-        self.tier = LocalTier(local_path, persistent, self.me)
+        if self.replicas > self.processes - 1 and (self.replicas != 1 or self.processes > 1):
+            warnings.warn(
+                f"local_replicas={self.replicas} asks for more copies than the {self.processes - 1} other processes "
+                f"of this job can hold: each part is kept by {self.processes - 1} peers.",
+                stacklevel=3,
+            )
+        self.steps = steps
+        self.tier = LocalTier(local_path, steps.location, self.me)
         self.transfers = Transfers()
         self._session: str | None = None
+        self._run: str | None = None
         self._holders: list[list[int]] = [[] for _ in range(self.processes)]
         self._addresses: list[str] = []
         self._complete: list[tuple[int, str]] = []  # (step, token) of the complete saves kept
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-local")
         self._pending: concurrent.futures.Future | None = None
-        # Reads and writes of a process's own part, beside the transfers of the others.
-        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-local-own")
-        # Parts `choose` read (and so checked) for the restore that follows; dropped at a save.
-        self._parts: dict[tuple[int, int, str], HostShards] = {}
+        # Serving this process's files to its peers, while it fetches theirs.
+        self._server = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-local-serve")
+
+    def close(self) -> None:
+        """Wait for the save in flight, and let another manager hold this directory."""
+        try:
+            self.wait()
+        finally:
+            self.tier.close()
 
     # -- saving ------------------------------------------------------------------------
 
@@ -94,20 +130,22 @@ class LocalCheckpoints:
 
     def save(self, step: int, tree: PyTree, blocking: bool = False) -> None:
         """Save ``tree`` as ``step`` in the local tier (every process, as for `eqxckpt.save`):
-        its part is taken now, the rest happens in the background unless ``blocking``.
-        Waits for the previous local save first and raises its error."""
+        its part is taken now (what `eqxckpt.save` refuses is refused here, with the same
+        error), the rest happens in the background unless ``blocking``. Waits for the
+        previous local save first and raises its error."""
         self.wait()
-        self._parts.clear()
         if self._complete and step <= self._complete[-1][0]:
             raise CheckpointExistsError(
                 f"Step {step} is not newer than the local tier's newest step, {self._complete[-1][0]}: each step "
                 "is saved once, in order. Resume from latest_step() + 1."
             )
-        part = HostShards.take(tree)
+        part = Part(tree)
+        committed = self.steps.committed()
+        follows = committed[-1] if committed else None
         if blocking:
-            self._write(step, part)
+            self._write(step, part, follows)
         else:
-            self._pending = self._executor.submit(self._write, step, part)
+            self._pending = self._executor.submit(self._write, step, part, follows)
 
     def wait(self) -> None:
         """Wait for the local save in flight; raise its error."""
@@ -119,83 +157,110 @@ class LocalCheckpoints:
                 raise type(e)(f"The local tier's save failed: {e}") from e
 
     def _join(self) -> None:
-        """Agree on the session and where copies go (once, at the first local save)."""
+        """Agree on the session, the run's identity and where copies go (once, at the first
+        local save); the run's identity is made (process 0) if it has none yet."""
         if self._session is not None:
             return
         if self.processes == 1:
+            self._run = self.steps.run_id(create=True)
             self._session = uuid.uuid4().hex
             return
-        mine = {"domain": failure_domain(), "address": self.transfers.address if self.replicas else ""}
-        if self.me == 0:
-            mine["session"] = uuid.uuid4().hex
-        found = [json.loads(r) for r in Phases("local").run("join", lambda: json.dumps(mine))]
+
+        def mine() -> str:
+            found: dict[str, Any] = {
+                "domain": failure_domain(),
+                "address": self.transfers.address if self.replicas else "",
+            }
+            if self.me == 0:
+                found.update(session=uuid.uuid4().hex, run=self.steps.run_id(create=True))
+            return json.dumps(found)
+
+        found = [json.loads(r) for r in Phases("local").run("join", mine)]
         self._holders = placement([f["domain"] for f in found], self.replicas)
         self._addresses = [f["address"] for f in found]
-        self._session = found[0]["session"]
+        self._session, self._run = found[0]["session"], found[0]["run"]
 
-    def _write(self, step: int, part: HostShards) -> None:
+    def _write(self, step: int, part: Part, follows: int | None) -> None:
         self._join()
+        assert self._run is not None
         token = f"{self._session}:{step}"
+        info = PartInfo(self.me, step, token, self.processes, self._run, follows, self.me)
         if self.processes == 1:
-            self.tier.write(self.me, step, token, self.processes, part)
+            self.tier.write(info, part)
         else:
-            self._copy(step, token, part)
+            phases = Phases("local")
+            phases.run("write", lambda: self.tier.write(info, part))
+            del part  # its host copy: the peers are sent the files
+            phases.run("copy", lambda: self._copy(phases, info))
         self._completed(step, token)
 
-    def _copy(self, step: int, token: str, part: HostShards) -> None:
-        """Phases ``offer`` (each process offers its part to its peers) and ``copy`` (each
-        keeps its own part and the peers' it fetches): a failure anywhere is raised in
-        every process at the same phase."""
-        client = coordination_client()
-        phases = Phases("local")
-        owners = [owner for owner, holders in enumerate(self._holders) if self.me in holders]
-
-        def offer() -> str:
-            if self._holders[self.me]:
-                arrays = self.transfers.offer(transfer_id(token, self.me), part)
-                client.key_value_set(f"{phases.name}/{self.me}", json.dumps({"leaves": part.leaves, "arrays": arrays}))
-            return ""
-
-        def copy() -> str:
-            # Its own part is written while the peers' parts are fetched and written.
-            own = self._writer.submit(self.tier.write, self.me, step, token, self.processes, part)
-            try:
-                for owner in owners:
-                    described = json.loads(client.blocking_key_value_get(f"{phases.name}/{owner}", 60_000))
-                    number = transfer_id(token, owner)
-                    fetched = self.transfers.fetch(
-                        self._addresses[owner], number, described["leaves"], described["arrays"]
-                    )
-                    self.tier.write(owner, step, token, self.processes, fetched)
-            finally:
-                own.result()
-            return ""
-
+    def _copy(self, phases: Phases, info: PartInfo) -> None:
+        """Send this process's part to its peers while fetching the parts it keeps for others."""
+        serving = self._server.submit(self._serve, phases, info, self._holders[self.me], f"copy/{self.me}")
         try:
-            phases.run("offer", offer)
-            phases.run("copy", copy)
+            for owner, holders in enumerate(self._holders):
+                if self.me in holders:
+                    theirs = dataclasses.replace(info, owner=owner, holder=self.me)
+                    self.tier.receive(theirs, self._fetch(phases, f"copy/{owner}", self._addresses[owner]))
         finally:
-            self.transfers.release(transfer_id(token, self.me))
-        if self._holders[self.me]:
-            client.key_value_delete(f"{phases.name}/{self.me}")
+            serving.result()
+
+    def _serve(self, phases: Phases, info: PartInfo, peers: list[int], key: str) -> None:
+        """Offer part ``info``'s files to ``peers``, a group within the host memory budget at
+        a time, each group once every peer has fetched the one before: the device holds
+        one group, never a second copy of the whole part."""
+        if not peers:
+            return
+        groups = _groups(self.tier.files(info), host_memory_budget())
+        for at, group in enumerate(groups):
+            number = transfer_id(phases.name, key, at)
+            self.transfers.offer(number, [data for _, data in group])
+            try:
+                described = {"keys": [k for k, _ in group], "sizes": [d.nbytes for _, d in group]}
+                phases.post(f"{key}/{at}", json.dumps({**described, "last": at == len(groups) - 1}))
+                for peer in peers:
+                    phases.take(f"{key}/{at}/{peer}", f"process {peer}'s receipt of group {at} of {key}")
+            finally:
+                self.transfers.release(number)
+
+    def _fetch(self, phases: Phases, key: str, address: str) -> list[tuple[str, np.ndarray]]:
+        """The files a peer serves under ``key`` (`_serve`), every group of them."""
+        files: list[tuple[str, np.ndarray]] = []
+        at = 0
+        while True:
+            described = json.loads(phases.take(f"{key}/{at}", f"group {at} of {key}"))
+            data = self.transfers.fetch(address, transfer_id(phases.name, key, at), described["sizes"])
+            files.extend(zip(described["keys"], data))
+            phases.post(f"{key}/{at}/{self.me}", "")
+            if described["last"]:
+                return files
+            at += 1
 
     def _completed(self, step: int, token: str) -> None:
         """The save ``token`` of ``step`` is complete in every process: keep the newest
-        complete saves, delete every other piece (older ones, and those of saves that
-        never completed: an interrupted one's, an older run's)."""
+        complete saves of this run, delete every other part of it (older ones, and those
+        of saves that never completed), and the parts of a deleted run, with a warning."""
         self._complete = sorted({save for save in self._complete if save[0] != step} | {(step, token)})
         self._complete = self._complete[-self.max_to_keep :]
         kept = set(self._complete)
-        self.tier.delete([info for info in self.tier.pieces() if (info.step, info.token) not in kept])
+        parts = self.tier.parts()
+        stale = [info for info in parts if info.run != self._run]
+        if stale:
+            warnings.warn(
+                f"Local tier: deleted {len(stale)} parts of a run no longer at {self.steps.location} (steps "
+                f"{sorted({info.step for info in stale})}) from {self.tier.root}.",
+                stacklevel=2,
+            )
+        self.tier.delete([info for info in parts if info in stale or (info.step, info.token) not in kept])
 
     # -- resuming ----------------------------------------------------------------------
 
     def choose(self, persistent_latest: int | None, step: int | None = None) -> tuple[LocalChoice | None, int | None]:
-        """Agree (every process) on the step to resume from: the newest step whose parts,
-        all of one save, every process can have (its own, or a peer's copy), if it is no
-        older than the newest persistent step (process 0's view of it). Each part to be
-        restored from is read now (every chunk's checksum checked) and kept for `restore`:
-        a damaged one is left out, with a warning, and the choice made again.
+        """Agree (every process) on the step to resume from: the newest step of this run
+        whose parts, all of one save, every process can have (its own, or a peer's copy),
+        if it is no older than the newest persistent step (process 0's view of it). Each
+        part to be restored from is checked now (every chunk): a damaged one is left out,
+        with a warning, and the choice made again.
 
         **Arguments:**
 
@@ -205,35 +270,53 @@ class LocalCheckpoints:
         **Returns:** the local choice (None: resume from the persistent tier), and the
         newest persistent step every process is to use.
         """
-        self._parts.clear()
-        mine = [info.to_json() for info in self.tier.pieces()]
-        record = json.dumps({"pieces": mine, "persistent": persistent_latest})
-        found = [json.loads(r) for r in self._gather("inventory", lambda: record)]
-        persistent = found[0]["persistent"]
-        pieces = [PieceInfo.from_json(p) for each in found for p in each["pieces"]]
-        pieces = [p for p in pieces if p.processes == self.processes and 0 <= p.owner < self.processes]
+
+        def inventory() -> str:
+            mine = [info.to_json() for info in self.tier.parts()]
+            return json.dumps({"parts": mine, "persistent": persistent_latest, "run": self.steps.run_id(create=False)})
+
+        found = [json.loads(r) for r in self._gather("inventory", inventory)]
+        persistent, run = found[0]["persistent"], found[0]["run"]
+        parts = [PartInfo.from_json(p) for each in found for p in each["parts"]]
+        others = [p for p in parts if p.run != run]
+        if others and self.me == 0:
+            warnings.warn(
+                f"Local tier: {len(others)} parts (steps {sorted({p.step for p in others})}) belong to another or "
+                f"a deleted run, not to the run now at {self.steps.location}: they are never restored.",
+                stacklevel=3,
+            )
+        parts = [
+            p
+            for p in parts
+            if run is not None
+            and p.run == run
+            and p.processes == self.processes
+            and 0 <= p.owner < self.processes
+            and (p.follows is None or (persistent is not None and p.follows <= persistent))
+        ]
         while True:
-            keepers: dict[tuple[int, str], dict[int, list[int]]] = {}
-            for info in pieces:
-                keepers.setdefault((info.step, info.token), {}).setdefault(info.owner, []).append(info.holder)
+            keepers: dict[tuple[int, str], dict[int, list[PartInfo]]] = {}
+            for info in parts:
+                keepers.setdefault((info.step, info.token), {}).setdefault(info.owner, []).append(info)
             whole = sorted(save for save, owners in keepers.items() if len(owners) == self.processes)
             wanted = [save for save in whole if step is None or save[0] == step]
             if not wanted or (step is None and persistent is not None and wanted[-1][0] < persistent):
                 return None, persistent
             chosen = wanted[-1]
-            owners = keepers[chosen]
-            sources = {owner: owner if owner in holders else min(holders) for owner, holders in owners.items()}
-            reading = [
-                info for info in pieces if (info.step, info.token) == chosen and sources[info.owner] == info.holder
-            ]
+            reading: dict[int, PartInfo] = {}
+            for owner, kept in keepers[chosen].items():
+                reading[owner] = next((i for i in kept if i.holder == owner), min(kept, key=lambda i: i.holder))
 
-            def verify(reading: list[PieceInfo] = reading) -> str:
-                return json.dumps([i.to_json() for i in reading if i.holder == self.me and not self._read_ahead(i)])
+            def check(reading: dict[int, PartInfo] = reading) -> str:
+                mine = [i for i in reading.values() if i.holder == self.me]
+                return json.dumps([i.to_json() for i in mine if not self.tier.checked(i)])
 
-            damaged = {PieceInfo.from_json(d) for each in self._gather("verify", verify) for d in json.loads(each)}
+            damaged = {PartInfo.from_json(d) for each in self._gather("verify", check) for d in json.loads(each)}
             if not damaged:
                 complete = [save for save in whole if save <= chosen][-self.max_to_keep :]
-                return LocalChoice(chosen[0], chosen[1], sources, complete), persistent
+                sources = {owner: info.holder for owner, info in reading.items()}
+                own = {owner: dataclasses.replace(info, holder=owner) for owner, info in reading.items()}
+                return LocalChoice(chosen[0], chosen[1], sources, complete, own), persistent
             warnings.warn(
                 "The local tier's parts of step "
                 + ", ".join(
@@ -242,78 +325,56 @@ class LocalCheckpoints:
                 + " are damaged; they are left out and the step to resume from is chosen again.",
                 stacklevel=3,
             )
-            pieces = [p for p in pieces if p not in damaged]
-
-    def _read_ahead(self, info: PieceInfo) -> bool:
-        """Read the part ``info`` names (every chunk's checksum checked) and keep it for the
-        restore that follows: the part is read once. False if it cannot be read whole."""
-        try:
-            self._parts[(info.owner, info.step, info.token)] = self.tier.read(info.owner, info.step, info.token)
-        except CheckpointError:
-            return False
-        return True
-
-    def _part(self, owner: int, step: int, token: str) -> HostShards:
-        """The part ``latest_step`` read ahead, or read now."""
-        part = self._parts.pop((owner, step, token), None)
-        return part if part is not None else self.tier.read(owner, step, token)
+            parts = [p for p in parts if p not in damaged]
 
     def _gather(self, phase: str, work: Callable[[], str]) -> list[str]:
         """``work()`` of every process (a phase of a resume), or this one's alone."""
         return Phases("resume").run(phase, work) if self.processes > 1 else [work()]
 
-    def restore(self, choice: LocalChoice, like: PyTree) -> PyTree:
-        """Rebuild ``choice``'s step into ``like`` (every process): from this process's own
-        piece, else from the peer that keeps a copy of it (whose copy is then kept here
-        again). Every process succeeds, or every one raises."""
-        source = choice.sources[self.me]
+    def restore(self, choice: LocalChoice, like: PyTree, **load_kwargs: Any) -> PyTree:
+        """Restore ``choice``'s step into ``like`` (every process), with `eqxckpt.load`'s
+        options (``at=``...): each process from its own part, else from the copy a peer
+        keeps of it (sent now, and kept here again first). Every process succeeds, or every
+        one raises.
+
+        **Arguments:**
+
+        - `choice`: what `choose` agreed on.
+        - `like`, `load_kwargs`: as for `eqxckpt.load`; ``like``'s shardings must be those
+          the step was saved with (each process holds only its own blocks).
+
+        **Returns:** the restored pytree.
+        """
         self._complete = list(choice.complete)
+        own = choice.parts[self.me]
         if self.processes == 1:
-            return self._part(self.me, choice.step, choice.token).rebuild(like)
-        client = coordination_client()
+            return load(self.tier.open(own), like, **load_kwargs)
         phases = Phases("resume")
+        addresses = phases.run("address", lambda: self.transfers.address if self.replicas else "")
 
-        own = self._writer.submit(self._part, self.me, choice.step, choice.token) if source == self.me else None
-
-        def serve() -> str:  # while this process reads its own part
-            served = [owner for owner, holder in choice.sources.items() if holder == self.me and owner != self.me]
-            for owner in served:
-                part = self._part(owner, choice.step, choice.token)
-                arrays = self.transfers.offer(transfer_id(choice.token, owner, phases.name), part)
-                client.key_value_set(f"{phases.name}/{owner}", json.dumps({"leaves": part.leaves, "arrays": arrays}))
-            return self.transfers.address if served else ""
-
-        try:
-            addresses = phases.run("serve", serve)
-        except BaseException:
-            if own is not None:
-                own.cancel()
-            raise
-        restored: list[PyTree] = []
-        fetched: list[HostShards] = []
-
-        def rebuild() -> str:
-            if own is not None:
-                part = own.result()
-            else:
-                described = json.loads(client.blocking_key_value_get(f"{phases.name}/{self.me}", 60_000))
-                number = transfer_id(choice.token, self.me, phases.name)
-                part = self.transfers.fetch(addresses[source], number, described["leaves"], described["arrays"])
-                fetched.append(part)
-            restored.append(part.rebuild(like))
+        def copy() -> str:  # a part whose owner lost it comes back from the peer keeping it
+            served = [o for o, holder in choice.sources.items() if holder == self.me and o != self.me]
+            serving = [
+                self._server.submit(
+                    self._serve, phases, dataclasses.replace(choice.parts[o], holder=self.me), [o], f"restore/{o}"
+                )
+                for o in served
+            ]
+            try:
+                if choice.sources[self.me] != self.me:
+                    address = addresses[choice.sources[self.me]]
+                    self.tier.receive(own, self._fetch(phases, f"restore/{self.me}", address))
+            finally:
+                for future in serving:
+                    future.result()
             return ""
 
-        try:
-            phases.run("rebuild", rebuild)
-        finally:
-            for owner, holder in choice.sources.items():
-                if holder == self.me and owner != self.me:
-                    self.transfers.release(transfer_id(choice.token, owner, phases.name))
-        for owner, holder in choice.sources.items():
-            if holder == self.me and owner != self.me:
-                client.key_value_delete(f"{phases.name}/{owner}")
-        if fetched:  # this host keeps its own part again, in the background (the next local save waits)
-            self._pending = self._executor.submit(
-                self.tier.write, self.me, choice.step, choice.token, self.processes, fetched[0]
-            )
+        restored: list[PyTree] = []
+
+        def restore() -> str:
+            restored.append(load(self.tier.open(own), like, **load_kwargs))
+            return ""
+
+        phases.run("copy", copy)
+        phases.run("restore", restore)
         return restored[0]

@@ -1,156 +1,269 @@
-"""`LocalTier`: one process's directory of a run's local tier, and the pieces in it.
+"""`LocalTier`: one process's directory of a run's local tier, and the parts in it.
 
 ```
 <local_path>/eqxckpt-local/<run>/process-<k>/own/<step>/     process k's part of <step>
 <local_path>/eqxckpt-local/<run>/process-<k>/peer-<j>/<step>/  process j's part, kept by k
 ```
 
-Each piece is an eqxckpt checkpoint (committed atomically, checksummed) of one
-process's `HostShards`, whose metadata says whose part of which save it is. ``<run>``
-names the persistent directory the tier belongs to, so jobs saving to different
-places never share pieces; ``process-<k>`` lets several processes share one local
-directory. Nothing outside ``eqxckpt-local/<run>/process-<k>`` is ever touched, and
-inside it only eqxckpt's committed pieces and what its interrupted saves left.
+Each part is an ordinary eqxckpt checkpoint of one process's part of the state (`Part`:
+the tree's own leaves, a global array as the blocks this process holds), committed
+atomically and checksummed; its metadata's `PartInfo` says whose part of which save, of
+which persistent run, it is. ``<run>`` names the persistent place the tier belongs to
+(its address and endpoint), so jobs saving to different places never share parts;
+``process-<k>`` lets several processes share one local directory, and is held (a lock)
+by one manager at a time. Nothing outside ``eqxckpt-local/<run>/process-<k>`` is ever
+touched; inside it, only committed parts and what interrupted saves left, in real
+directories (a symlink among them is never followed).
 """
 
 import dataclasses
 import hashlib
+import json
 import os
 import pathlib
+import stat
 import warnings
+from typing import Any
 
-from .._checkpoint import open_checkpoint
+import numpy as np
+
+from .._checkpoint import Checkpoint, open_checkpoint
 from .._errors import ArgumentError, CheckpointError
-from .._load import load
-from .._save import save_here
+from .._manifest import parse_manifest
+from .._paths import MANIFEST_NAME
+from .._save import Part
 from .._steps import clean_leftovers, is_step_name
 from .._storage import Storage, resolve
-from ._shards import HostShards
+from .._storage._locks import DirLock
+from .._verify import verify
 
-# The key of a piece's own record in its checkpoint's metadata.
-PIECE_KEY = "eqxckpt.local"
+# The key of a part's own record in its checkpoint's metadata.
+PART_KEY = "eqxckpt.local"
+# The fields of that record, and their types.
+_FIELDS = {"owner": int, "step": int, "token": str, "processes": int, "run": str, "follows": (int, type(None))}
 
 
 @dataclasses.dataclass(frozen=True)
-class PieceInfo:
-    """A piece as its metadata describes it: whose part (``owner``) of which save (``step``,
+class PartInfo:
+    """A part as its metadata describes it: whose part (``owner``) of which save (``step``,
     ``token``: the one save of that step it belongs to) of a job of ``processes``
-    processes, and who keeps it (``holder``: the process whose tier it is in)."""
+    processes, of which persistent run (``run``, its identity; ``follows``, the newest
+    persistent step when it was saved), and who keeps it (``holder``)."""
 
     owner: int
     step: int
     token: str
     processes: int
+    run: str
+    follows: int | None
     holder: int
 
-    def to_json(self) -> list:
-        return [self.owner, self.step, self.token, self.processes, self.holder]
+    def record(self) -> dict[str, Any]:
+        """What its checkpoint's metadata holds (`PART_KEY`)."""
+        return {name: getattr(self, name) for name in _FIELDS}
 
     @classmethod
-    def from_json(cls, data: list) -> "PieceInfo":
-        owner, step, token, processes, holder = data
-        return cls(int(owner), int(step), str(token), int(processes), int(holder))
+    def of(cls, record: Any, holder: int, where: str) -> "PartInfo":
+        """The part a checkpoint's `PART_KEY` record describes, checked field by field."""
+        if not isinstance(record, dict) or record.keys() != _FIELDS.keys():
+            raise CheckpointError(f"{where} is not a local-tier part: its {PART_KEY!r} record is {str(record)[:200]}.")
+        for name, kind in _FIELDS.items():
+            value = record[name]
+            if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
+                raise CheckpointError(f"{where}: its {PART_KEY!r} record's {name} is {value!r}.")
+        return cls(**record, holder=holder)
+
+    def to_json(self) -> list:
+        return [*self.record().values(), self.holder]
+
+    @classmethod
+    def from_json(cls, data: list) -> "PartInfo":
+        return cls.of(dict(zip(_FIELDS, data[:-1])), int(data[-1]), "a part listed by another process")
 
 
 def run_key(persistent: Storage) -> str:
-    """The name of a run's local tier: a digest of its persistent directory's address."""
-    return hashlib.sha256(str(persistent).encode()).hexdigest()[:16]
+    """The name of a run's local tier: a digest of where its persistent steps are (the
+    address, and the endpoint of an object store)."""
+    spec = {k: v for k, v in persistent.kvstore.items() if k in ("driver", "bucket", "path", "endpoint")}
+    return hashlib.sha256(json.dumps([str(persistent), spec], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _directory_error(local_path: Any, why: str) -> ArgumentError:
+    return ArgumentError(f"local_path {str(local_path)!r} {why}: give a directory of this host it may write in.")
 
 
 class LocalTier:
     """Process ``process``'s directory of the local tier under ``local_path`` of the run
-    saved persistently at ``persistent``.
+    saved persistently at ``persistent``, held by this object until `close`.
 
     **Arguments:**
 
     - `local_path`: a directory on a disk or tmpfs of this host.
-    - `persistent`: the run's persistent directory.
+    - `persistent`: the run's persistent place.
     - `process`: this process's index.
+
+    Raises `ArgumentError` for a ``local_path`` that is no directory it can write in, and
+    while another live manager holds the same directory and process index.
 
     ```python
     tier = LocalTier("/dev/shm/run", resolve("gs://bucket/run"), jax.process_index())
-    tier.pieces()  # what this process keeps
+    tier.parts()  # what this process keeps
     ```
     """
 
     def __init__(self, local_path: str | os.PathLike, persistent: Storage, process: int):
         if not isinstance(local_path, (str, os.PathLike)) or "://" in str(local_path):
             raise ArgumentError(f"local_path must be a directory of this host (a path), got {local_path!r}.")
+        if "\0" in str(local_path):
+            raise _directory_error(local_path, "holds a NUL byte")
         self.process = process
         self.root = pathlib.Path(local_path) / "eqxckpt-local" / run_key(persistent) / f"process-{process}"
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _directory_error(local_path, f"cannot hold the local tier ({e.strerror or e})") from None
+        for directory in [self.root.parent.parent, self.root.parent, self.root]:
+            if directory.is_symlink() or not directory.is_dir():
+                raise _directory_error(local_path, f"has {directory}, which is a symlink or not a directory")
+        lock = DirLock.take(self.root, exclusive=True)
+        if lock is None:
+            raise ArgumentError(
+                f"Another live CheckpointManager holds the local tier {self.root} (the same local_path, run and "
+                "process index): two would delete each other's parts. Give each job its own local_path."
+            )
+        self._lock: DirLock | None = lock
+        if not os.access(self.root, os.W_OK):
+            self.close()
+            raise _directory_error(local_path, "is not writable")
         for _, directory in self._directories():
             if left_alone := clean_leftovers(directory):
                 warnings.warn(left_alone, stacklevel=3)
+
+    def close(self) -> None:
+        """Let another manager hold this directory."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _directory(self, owner: int) -> Storage:
         return resolve(self.root / ("own" if owner == self.process else f"peer-{owner}"))
 
     def _directories(self) -> list[tuple[int, Storage]]:
-        """(whose pieces, the directory) for each directory of pieces here."""
+        """(whose parts, the directory) for each real directory of parts here; a symlink
+        among them is skipped with a warning, never followed."""
         found = []
         for entry in sorted(self.root.iterdir()):
             if entry.name == "own":
-                found.append((self.process, resolve(entry)))
+                owner = self.process
             elif (
                 entry.name.startswith("peer-")
                 and entry.name[5:].isdigit()
                 and entry.name[5:] == str(int(entry.name[5:]))
             ):
-                found.append((int(entry.name[5:]), resolve(entry)))
+                owner = int(entry.name[5:])
+            else:
+                continue
+            if not stat.S_ISDIR(os.lstat(entry).st_mode):
+                warnings.warn(
+                    f"Local tier: skipped {entry}, which is not a directory of its own (a symlink?).", stacklevel=3
+                )
+                continue
+            found.append((owner, resolve(entry)))
         return found
 
-    def pieces(self) -> list[PieceInfo]:
-        """Every committed piece this process keeps (its own and its peers'), as stored now.
-        A piece that cannot be read is left out with a warning.
+    def parts(self) -> list[PartInfo]:
+        """Every committed part this process keeps (its own and its peers'), as stored now.
+        A part that cannot be read is left out with a warning.
 
-        **Returns:** a list of `PieceInfo`.
+        **Returns:** a list of `PartInfo`.
         """
         found = []
         for owner, directory in self._directories():
             for name, state in directory.entries():
                 if state != "committed" or not is_step_name(name):
                     continue
+                where = directory.sub(name)
                 try:
-                    record = open_checkpoint(directory.sub(name)).metadata.get(PIECE_KEY) or {}
-                    info = PieceInfo(
-                        int(record["owner"]),
-                        int(record["step"]),
-                        str(record["token"]),
-                        int(record["processes"]),
-                        self.process,
-                    )
-                except (CheckpointError, TypeError, KeyError, ValueError) as e:
-                    warnings.warn(f"Local tier: skipped {directory.sub(name)}: {e}", stacklevel=2)
+                    info = PartInfo.of(open_checkpoint(where).metadata.get(PART_KEY), self.process, str(where))
+                except CheckpointError as e:
+                    warnings.warn(f"Local tier: skipped {where}: {e}", stacklevel=2)
                     continue
                 if info.step == int(name) and info.owner == owner:
                     found.append(info)
         return found
 
-    def write(self, owner: int, step: int, token: str, processes: int, part: HostShards) -> None:
-        """Keep ``part``, process ``owner``'s part of the save ``token`` of ``step``, replacing
-        a piece of another save of that step (one that never completed)."""
-        record = {"owner": owner, "step": step, "token": token, "processes": processes, "leaves": part.leaves}
-        path = self._directory(owner).sub(str(step)).user_path()
+    def write(self, info: PartInfo, part: Part) -> None:
+        """Keep ``part`` as the part ``info`` describes, replacing a part of another save of
+        that step (one that never completed)."""
+        path = self._directory(info.owner).sub(str(info.step)).user_path()
         # Not synced: a host that fails loses its tier anyway, and a part a power cut damaged
-        # fails its checksums when `latest_step` reads it, and is left out.
-        save_here(path, part.arrays, metadata={PIECE_KEY: record}, overwrite=True, durable=False)
+        # fails its checksums when `latest_step` verifies it, and is left out.
+        part.write(path, metadata={PART_KEY: info.record()}, overwrite=True, durable=False)
 
-    def read(self, owner: int, step: int, token: str) -> HostShards:
-        """Process ``owner``'s part of the save ``token`` of ``step``, as kept here (every
-        chunk's checksum checked as it is read)."""
-        path = self._directory(owner).sub(str(step))
-        record = open_checkpoint(path).metadata.get(PIECE_KEY, {})
-        if record.get("token") != token or record.get("owner") != owner:
+    def files(self, info: PartInfo) -> list[tuple[str, np.ndarray]]:
+        """The files of the committed part ``info`` (its manifest last), as bytes: what a
+        peer is sent to keep a copy. Only plain files of real directories."""
+        root = self._directory(info.owner).sub(str(info.step)).local
+        assert root is not None
+        found: list[tuple[str, np.ndarray]] = []
+        pending = [""]
+        while pending:
+            relative = pending.pop()
+            with os.scandir(root / relative) as entries:
+                for entry in entries:
+                    key = f"{relative}{entry.name}"
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(f"{key}/")
+                    elif entry.is_file(follow_symlinks=False):
+                        found.append((key, np.fromfile(entry.path, np.uint8)))
+                    else:
+                        raise CheckpointError(f"Local tier: {entry.path} is not a plain file; the part is damaged.")
+        return sorted(found, key=lambda item: (item[0] == MANIFEST_NAME, item[0]))
+
+    def receive(self, info: PartInfo, files: list[tuple[str, np.ndarray]]) -> None:
+        """Keep a copy of another process's part from its files (`files` there), committed
+        atomically as its own save would be; checked when a restore chooses it."""
+        *arrays, (name, raw) = files
+        where = self._directory(info.owner).sub(str(info.step))
+        if name != MANIFEST_NAME:
+            raise CheckpointError(f"Local tier: the copy of {where} sent by its owner has no manifest.")
+        manifest = parse_manifest(raw.tobytes(), str(where))
+        staging = where.begin_save([], overwrite=True)
+        try:
+            writer = staging.storage.chunk_files()
+            for key, data in arrays:
+                writer.write(key, [data])
+            staging.commit(manifest, {key: data.nbytes for key, data in arrays})
+        except BaseException as e:
+            staging.abort(e)
+            raise
+        finally:
+            staging.release()
+
+    def checked(self, info: PartInfo) -> bool:
+        """Whether the part ``info`` is still that part and every chunk of it passes its checks
+        (`eqxckpt.verify`)."""
+        try:
+            self.open(info)
+            return verify(self._directory(info.owner).sub(str(info.step)).user_path()).ok
+        except CheckpointError:
+            return False
+
+    def open(self, info: PartInfo) -> Checkpoint:
+        """The part ``info`` names, opened for a restore of this process (`Source.per_process`).
+        Raises `CheckpointError` if it was replaced meanwhile."""
+        path = self._directory(info.owner).sub(str(info.step))
+        opened = open_checkpoint(path, per_process=True)
+        found = PartInfo.of(opened.metadata.get(PART_KEY), self.process, str(path))
+        if found != info:
             raise CheckpointError(
-                f"Local tier: {path} is no longer process {owner}'s part of step {step}'s save {token} "
-                f"(it holds {record.get('token')!r}); it was replaced meanwhile. Load again."
+                f"Local tier: {path} is no longer process {info.owner}'s part of step {info.step}'s save "
+                f"{info.token} (it holds {found.token!r}); it was replaced meanwhile. Load again."
             )
-        arrays = load(path.user_path())
-        return HostShards(list(record["leaves"]), list(arrays))
+        return opened
 
-    def delete(self, pieces: list[PieceInfo]) -> None:
-        """Delete these pieces (this process's own)."""
-        for info in pieces:
+    def delete(self, parts: list[PartInfo]) -> None:
+        """Delete these parts (this process's own, listed by `parts`)."""
+        for info in parts:
             assert info.holder == self.process
             self._directory(info.owner).sub(str(info.step)).delete()

@@ -1,5 +1,5 @@
-"""Peer copies: which processes keep which process's pieces (`placement`), and moving a
-piece between processes with JAX's own point-to-point transfer service (`Transfers`).
+"""Peer copies: which processes keep which process's parts (`placement`), and moving a
+part's files between processes with JAX's own point-to-point transfer service (`Transfers`).
 
 `jax.experimental.transfer` is used rather than a collective: a transfer involves only
 its two processes (a replaced host fetches from one peer while the others wait at no
@@ -8,7 +8,6 @@ instead of leaving every process in a collective (`benchmarks/README.md` compare
 """
 
 import hashlib
-import math
 import os
 import socket
 from collections.abc import Sequence
@@ -16,9 +15,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from .._dtypes import dtype_name
+from .._distributed import coordinator_address
 from .._errors import CheckpointError
-from ._shards import HostShards
 
 
 def failure_domain() -> str:
@@ -72,9 +70,7 @@ def _bind_host() -> str:
     (loopback when the coordinator is on loopback); ``EQXCKPT_TRANSFER_HOST`` overrides it."""
     if host := os.environ.get("EQXCKPT_TRANSFER_HOST"):
         return host
-    from jax._src.distributed import global_state  # the coordinator's address, as given
-
-    address = global_state.coordinator_address or "127.0.0.1:0"
+    address = coordinator_address() or "127.0.0.1:0"
     host = address.rsplit(":", 1)[0].strip("[]")
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))  # no packet is sent: this only picks the route
@@ -82,12 +78,13 @@ def _bind_host() -> str:
 
 
 class Transfers:
-    """This process's transfer server (started on first use), offering and fetching pieces.
+    """This process's transfer server (started on first use), offering and fetching byte
+    arrays (the files of a part).
 
     ```python
     transfers = Transfers()
-    transfers.offer(7, part)                  # in the owner: kept until fetched
-    part = transfers.fetch(address, 7, leaves, shapes)  # in the peer
+    transfers.offer(7, files)                     # in the owner: kept until released
+    files = transfers.fetch(address, 7, sizes)    # in the peer
     ```
     """
 
@@ -110,41 +107,31 @@ class Transfers:
         """Where peers reach this process's server."""
         return self._started().address()
 
-    def offer(self, number: int, part: HostShards) -> list[list]:
-        """Make ``part``'s arrays available to the peer that fetches transfer ``number``; they
-        are kept until `release`. Call before telling the peer.
-
-        Each array goes as its bytes: the device would narrow a 64-bit dtype (without
-        ``jax_enable_x64``) and may lack others, and the peer must get every bit.
-
-        **Returns:** each array's (shape, dtype) as the peer's `fetch` needs them.
-        """
+    def offer(self, number: int, data: list[np.ndarray]) -> None:
+        """Make ``data`` (flat uint8 arrays: bytes, which no device narrows) available to the
+        peers that fetch transfer ``number``, until `release`. Call before telling them.
+        Each array is put on the device as it is, once: the caller bounds what one offer holds."""
         device = jax.local_devices()[0]
-        sent = [_as_bytes(a) for a in part.arrays if a.nbytes]
-        arrays = [jax.device_put(b, device) for b in sent]
+        arrays = [jax.device_put(b, device) for b in data if b.nbytes]
         self._started().await_pull(number, arrays)
         self._offered[number] = arrays
-        return [[list(a.shape), dtype_name(a.dtype)] for a in part.arrays]
 
     def release(self, number: int) -> None:
-        """Forget offer ``number``: its peer has fetched it, or will not."""
+        """Forget offer ``number``: its peers have fetched it, or will not."""
         self._offered.pop(number, None)
 
-    def fetch(self, address: str, number: int, leaves: list[dict], arrays: list[list]) -> HostShards:
-        """The part that the process at ``address`` offered as transfer ``number``, in host memory.
+    def fetch(self, address: str, number: int, sizes: list[int]) -> list[np.ndarray]:
+        """The byte arrays that the process at ``address`` offered as transfer ``number``.
 
         **Arguments:**
 
         - `address`: the owner's server (`address`).
         - `number`: the transfer.
-        - `leaves`: the part's leaf records.
-        - `arrays`: what `offer` returned there.
+        - `sizes`: each array's bytes, as offered.
 
-        **Returns:** the `HostShards`. Raises `CheckpointError` if the peer died meanwhile.
+        **Returns:** the arrays, in host memory. Raises `CheckpointError` if the peer died meanwhile.
         """
         device = jax.local_devices()[0]
-        wanted = [(tuple(shape), np.dtype(dtype)) for shape, dtype in arrays]
-        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in wanted]
         single = jax.sharding.SingleDeviceSharding(device)
         specs = [jax.ShapeDtypeStruct((size,), np.uint8, sharding=single) for size in sizes if size]
         try:
@@ -153,11 +140,5 @@ class Transfers:
             received = [np.asarray(next(pulled)) if size else np.zeros(0, np.uint8) for size in sizes]
             del connection
         except Exception as e:  # the runtime's error for a connection lost mid-transfer
-            raise CheckpointError(f"Fetching a local-tier piece from {address} failed: {e}") from e
-        host = [data.view(dtype).reshape(shape) for data, (shape, dtype) in zip(received, wanted)]
-        return HostShards(leaves, host)
-
-
-def _as_bytes(array: np.ndarray) -> np.ndarray:
-    """``array``'s bytes, in order, as a flat uint8 array."""
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            raise CheckpointError(f"Fetching a local-tier part from {address} failed: {e}") from e
+        return received

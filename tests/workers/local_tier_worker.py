@@ -11,8 +11,8 @@ blocks it restores exactly. Environment:
   (all in DIRECTORY/shared, beside someone else's files).
 - LOCAL_SEED, LOCAL_UNTIL (train up to this step, exclusive), LOCAL_KEEP (local_max_to_keep).
 - LOCAL_FAULT: ``VICTIM:WHERE:STEP``: process VICTIM is SIGKILLed in the local save of
-  STEP, ``own`` (its own piece, written but not committed), ``copy`` (a peer's copy it
-  keeps, the same) or ``offer`` (just after offering its piece to the peer that copies it).
+  STEP, ``own`` (its own part, written but not committed), ``copy`` (a peer's copy it
+  keeps, the same) or ``offer`` (just after offering its part's files to the peer that copies it).
 
 Prints ``RESUMED <step or None> <elements checked>`` and ``SAVED <step>`` lines.
 """
@@ -89,18 +89,17 @@ def inject(fault: str) -> None:
         return
     writing = threading.local()
     saving: dict = {}  # the step of the local save in progress
-    write, commit, run = _local.LocalTier.write, _save.SaveInProgress.commit, _distributed.Phases.run
-    local_write = _local.LocalCheckpoints._write
+    write, commit, receive = _local.LocalTier.write, _save.SaveInProgress.commit, _local.LocalTier.receive
+    local_write, take = _local.LocalCheckpoints._write, _distributed.Phases.take
 
-    def checkpoints_write(self, step, part):
+    def checkpoints_write(self, step, part, follows):
         saving["step"] = step
-        return local_write(self, step, part)
+        return local_write(self, step, part, follows)
 
-    def tier_write(self, owner, step, *args):
-        mine = owner == self.process
-        writing.doomed = step == int(at) and ((where == "own" and mine) or (where == "copy" and not mine))
+    def tier_write(self, info, part):
+        writing.doomed = info.step == int(at) and where == "own"
         try:
-            return write(self, owner, step, *args)
+            return write(self, info, part)
         finally:
             writing.doomed = False
 
@@ -110,18 +109,28 @@ def inject(fault: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return commit(self)
 
-    def doomed_run(self, phase, work, left=None):
-        results = run(self, phase, work, left)
-        if where == "offer" and phase == "offer" and self.what == "local" and saving.get("step") == int(at):
-            # Its piece is offered and the peer told: it dies as the peer pulls it.
+    def doomed_receive(self, info, files):
+        if where == "copy" and info.step == int(at):
+            # The peer's copy half written, never committed.
+            staging = self._directory(info.owner).sub(str(info.step)).begin_save([], overwrite=True)
+            staging.storage.chunk_files().write(files[0][0], [files[0][1]])
+            print(f"KILLED in {where} {at}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return receive(self, info, files)
+
+    def doomed_take(self, key, what):
+        if where == "offer" and key.startswith(f"copy/{victim}/") and saving.get("step") == int(at):
+            # Its part's files are offered and its peer told: it dies as the peer pulls them,
+            # before it can hear that they arrived.
             print(f"KILLED in offer {at}", flush=True)
-            threading.Timer(0.02, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-        return results
+            os.kill(os.getpid(), signal.SIGKILL)
+        return take(self, key, what)
 
     _local.LocalTier.write = tier_write
+    _local.LocalTier.receive = doomed_receive
     _local.LocalCheckpoints._write = checkpoints_write
     _save.SaveInProgress.commit = doomed_commit
-    _distributed.Phases.run = doomed_run
+    _distributed.Phases.take = doomed_take
 
 
 def train(directory: str) -> None:
