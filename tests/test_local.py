@@ -28,6 +28,7 @@ from hypothesis import given, settings
 
 import eqxckpt
 from eqxckpt._local import LocalTier, placement
+from eqxckpt._local._layout import run_key
 from eqxckpt._save import Part
 from eqxckpt._storage import resolve
 
@@ -513,3 +514,146 @@ def test_a_stale_host_at_another_step_in_a_shared_directory_is_never_mixed_in(tm
         tier = LocalTier(shared, resolve(tmp_path / "run"), 2)
         parts = tier.parts()
     assert sorted({info.step for info in parts}) == [3, 4] and not old & {info.token for info in parts}
+
+
+# -- the numbered failures of the local tier built beside the pipeline (issue 51) ------------
+
+
+def _persistent_and_local(tmp_path: pathlib.Path, tree: dict, like: dict, **load_kwargs) -> tuple:
+    """``tree`` saved as step 4 (both tiers) and 5 (the local tier alone); what each tier restores."""
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        for step in (4, 5):
+            manager.save(step, tree)
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        persistent = manager.load(like, step=4, **load_kwargs)
+        assert manager.latest_step() == 5
+        return persistent, manager.load(like, **load_kwargs)
+
+
+def test_python_floats_keep_their_nan_payload_sign_and_complex_parts_in_the_local_tier(tmp_path):
+    nan = struct.unpack("<d", struct.pack("<Q", 0x7FF8_0000_0000_BEEF))[0]
+    tree = {"w": jnp.ones(2), "nan": nan, "neg": -0.0, "c": complex(-0.0, nan)}
+    persistent, local = _persistent_and_local(tmp_path, tree, tree)
+    bits = lambda x: struct.pack("<d", x)  # noqa: E731
+    for out in (persistent, local):
+        assert bits(out["nan"]) == bits(nan) and bits(out["neg"]) == bits(-0.0)
+        assert bits(out["c"].real) == bits(-0.0) and bits(out["c"].imag) == bits(nan)
+
+
+def test_a_float64_leaf_with_x64_off_comes_back_as_the_persistent_tier_gives_it(tmp_path):
+    exact = np.array([1 + 2**-40, -3.5], np.float64)  # not a float32
+    tree = {"h": exact}
+    like = {"h": jax.ShapeDtypeStruct((2,), np.float64)}
+    persistent, local = _persistent_and_local(tmp_path, tree, like)
+    assert type(local["h"]) is type(persistent["h"]) and local["h"].dtype == np.float64
+    assert np.asarray(local["h"]).tobytes() == exact.tobytes()
+
+
+def test_rbg_keys_are_refused_for_saved_threefry_keys_by_the_local_tier_as_by_load(tmp_path):
+    tree = {"k": jax.random.split(jax.random.key(3), 2)}
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        for step in (4, 5):
+            manager.save(step, tree)
+    rbg = {"k": jax.random.split(jax.random.key(3, impl="rbg"), 2)}
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        with pytest.raises(eqxckpt.StructureMismatchError) as by_persistent:
+            manager.load(rbg, step=4)
+        assert manager.latest_step() == 5
+        with pytest.raises(eqxckpt.StructureMismatchError) as by_local:
+            manager.load(rbg)
+    assert by_local.value.mismatched == by_persistent.value.mismatched and by_local.value.mismatched
+
+
+def test_a_local_restore_lands_in_pinned_host_memory(tmp_path):
+    tree = {"opt": jnp.arange(12.0).reshape(3, 4)}
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    like = {"opt": jax.ShapeDtypeStruct((3, 4), jnp.float32, sharding=sharding)}
+    persistent, local = _persistent_and_local(tmp_path, tree, like)
+    for out in (persistent, local):
+        assert out["opt"].sharding == sharding and np.array_equal(np.asarray(out["opt"]), np.asarray(tree["opt"]))
+
+
+def test_a_local_restore_into_a_wrong_shape_has_the_rows_of_load(tmp_path):
+    tree = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3), "n": 1}
+    like = {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32), "c": jax.ShapeDtypeStruct((3,), jnp.float32), "n": 1}
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        for step in (4, 5):
+            manager.save(step, tree)
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        with pytest.raises(eqxckpt.StructureMismatchError) as by_persistent:
+            manager.load(like, step=4)
+        assert manager.latest_step() == 5
+        with pytest.raises(eqxckpt.StructureMismatchError) as by_local:
+            manager.load(like)
+    for rows in ("missing", "unexpected", "mismatched"):
+        assert getattr(by_local.value, rows) == getattr(by_persistent.value, rows) != []
+
+
+def test_a_local_restore_takes_at_and_transforms_like_load(tmp_path):
+    tree = {"model": {"w": jnp.arange(6.0).reshape(2, 3)}, "opt": {"mu": jnp.zeros((2, 3))}}
+    model = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
+    persistent, local = _persistent_and_local(tmp_path, tree, model, at="model")
+    assert jnp.array_equal(local["w"], tree["model"]["w"]) and jnp.array_equal(persistent["w"], local["w"])
+
+
+def test_a_symlinked_directory_of_parts_is_never_followed_for_deletion(tmp_path):
+    run, local, backup = tmp_path / "run", tmp_path / "local", tmp_path / "backup"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        manager.save(1, _state(1))
+    [tier] = (local / "eqxckpt-local").iterdir()
+    own = tier / "process-0" / "own"
+    shutil.copytree(own, backup)  # the user's backup of the parts: step 1
+    shutil.rmtree(own)
+    own.symlink_to(backup)
+    with pytest.warns(UserWarning, match="not a directory of its own"):
+        with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+            for step in range(2, 5):
+                manager.save(step, _state(step))
+    assert (backup / "1" / "eqxckpt.json").exists() and own.is_symlink()
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file", "nul", "proc"])
+def test_a_bad_local_path_is_an_argument_error_naming_it(tmp_path, where):
+    (tmp_path / "file").write_text("x")
+    path = {
+        "file": tmp_path / "file",
+        "under-a-file": tmp_path / "file" / "local",
+        "nul": f"{tmp_path}/lo\0cal",
+        "proc": "/proc/eqxckpt-local-test",
+    }[where]
+    with pytest.raises(eqxckpt.ArgumentError, match="local_path"):
+        eqxckpt.CheckpointManager(tmp_path / "run", local_path=path)
+
+
+def test_local_replicas_no_peer_can_hold_are_warned_about(tmp_path):
+    with pytest.warns(UserWarning, match="local_replicas=2 asks for more copies"):
+        with eqxckpt.CheckpointManager(tmp_path / "run", local_path=tmp_path / "l", local_replicas=2):
+            pass
+
+
+def test_the_tiers_of_one_bucket_path_on_two_endpoints_are_apart():
+    spec = {"driver": "s3", "bucket": "b", "path": "run/"}
+    one = resolve({**spec, "endpoint": "http://127.0.0.1:9000"})
+    other = resolve({**spec, "endpoint": "http://127.0.0.1:9001"})
+    assert str(one) == str(other) and run_key(one) != run_key(other)
+
+
+def test_a_deleted_run_is_never_resumed_from_its_local_tier(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        for step in range(11):
+            manager.save(step, _state(step))
+    shutil.rmtree(run)  # starting afresh
+    with pytest.warns(UserWarning, match="another or a deleted run"):
+        with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+            assert manager.all_steps() == [] and manager.latest_step() is None
+            # A new run reaches step 10 at the same path: one state under one step number.
+            for step in range(11):
+                manager.save(step, _state(100 + step))
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        assert manager.latest_step() == 10
+        local_ten, persistent_ten = manager.load(_LIKE), manager.load(_LIKE, step=8)
+    assert jnp.array_equal(local_ten["w"], _state(110)["w"]) and persistent_ten["step"] == 108
