@@ -657,3 +657,29 @@ def test_a_deleted_run_is_never_resumed_from_its_local_tier(tmp_path):
         assert manager.latest_step() == 10
         local_ten, persistent_ten = manager.load(_LIKE), manager.load(_LIKE, step=8)
     assert jnp.array_equal(local_ten["w"], _state(110)["w"]) and persistent_ten["step"] == 108
+
+
+@pytest.mark.multiprocess
+def test_four_processes_never_resume_a_deleted_or_replaced_run_nor_onto_another_mesh(tmp_path):
+    # Run 0 reaches step 6 (persistent steps 0 and 4), each process's local tier on its own host.
+    _train(tmp_path, 7)
+    # Restored onto another mesh (every leaf replicated): each process holds only its own
+    # blocks, so every process refuses, naming the sharded leaves, before reading anything.
+    logs = launch("train", 4, tmp_path, worker=WORKER, LOCAL_UNTIL="7", LOCAL_LIKE="replicated")
+    refused = [line for log in logs for line in log.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 4 and all("params/w" in line and "holds only blocks" in line for line in refused)
+    # The run is deleted and started afresh (seed 1): no process resumes the deleted run's step 6.
+    shutil.rmtree(tmp_path / "run")
+    assert _train(tmp_path, 3, LOCAL_SEED="1") == [("None", 0)] * 4
+    # A new run at the same path reaches step 6 too: the local step 6 is the new run's, bit-exact.
+    resumed = _train(tmp_path, 7, LOCAL_SEED="1")
+    assert [step for step, _ in resumed] == ["2"] * 4 and all(checked > 0 for _, checked in resumed)
+    # A host comes back with the old run's tier (run 0's parts of step 6): never mixed in.
+    old = tmp_path / "old-host1"
+    shutil.copytree(tmp_path / "host1", old)
+    shutil.rmtree(tmp_path / "run")
+    _train(tmp_path, 5, LOCAL_SEED="2")  # run 2 reaches step 4
+    shutil.rmtree(tmp_path / "host1")
+    shutil.copytree(old, tmp_path / "host1")
+    resumed = _train(tmp_path, 6, LOCAL_SEED="2")
+    assert [step for step, _ in resumed] == ["4"] * 4 and all(checked > 0 for _, checked in resumed)

@@ -10,6 +10,8 @@ blocks it restores exactly. Environment:
 - LOCAL_HOSTS: ``separate`` (each process's local tier in DIRECTORY/host<i>) or ``shared``
   (all in DIRECTORY/shared, beside someone else's files).
 - LOCAL_SEED, LOCAL_UNTIL (train up to this step, exclusive), LOCAL_KEEP (local_max_to_keep).
+- LOCAL_LIKE: ``replicated`` restores into a replicated skeleton (not the mesh saved from)
+  and prints ``REFUSED <paths> <first row>`` for the error it gets.
 - LOCAL_FAULT: ``VICTIM:WHERE:STEP``: process VICTIM is SIGKILLed in the local save of
   STEP, ``own`` (its own part, written but not committed), ``copy`` (a peer's copy it
   keeps, the same) or ``offer`` (just after offering its part's files to the peer that copies it).
@@ -151,6 +153,18 @@ def train(directory: str) -> None:
     ) as manager:
         start = manager.latest_step()
         checked = 0
+        if start is not None and os.environ.get("LOCAL_LIKE") == "replicated":
+            replicated = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh(), P()))
+                if isinstance(x, jax.ShapeDtypeStruct)
+                else x,
+                skeleton(seed),
+            )
+            try:
+                manager.load(replicated)
+            except eqxckpt.StructureMismatchError as e:
+                print("REFUSED", json.dumps([path for path, _ in e.mismatched]), str(e).splitlines()[2], flush=True)
+                return
         if start is not None:
             checked = check(manager.load(skeleton(seed)), seed, start)
         print(f"RESUMED {start} {checked}", flush=True)
