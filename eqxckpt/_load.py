@@ -275,7 +275,11 @@ def _match_rules(
     produced: dict[Any, tuple[int, ...] | None] = {}
     rows: list[tuple[str, Row]] = []
     for slot, (path, target, rule) in enumerate(zip(paths, targets, rules)):
-        if rule.kind in (RuleKind.STACK, RuleKind.UNSTACK):
+        restacked = rule.kind in (RuleKind.STACK, RuleKind.UNSTACK, RuleKind.MULTI) or rule.value_fn is not None
+        if restacked and any(getattr(leaf, "blocks", None) for leaf in by_key.values()):
+            # A process's part (a local tier's) holds some blocks of its arrays: only restored as stored.
+            result.mismatched.append((path, "a process's part holds only blocks of its arrays: restore it as saved"))
+        elif rule.kind in (RuleKind.STACK, RuleKind.UNSTACK):
             if rule.kind is RuleKind.STACK:
                 layout = plan_stack(path, rule.key, target, by_key, strict, cast, result.source.origin)
             else:

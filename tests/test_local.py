@@ -663,6 +663,13 @@ def test_a_deleted_run_is_never_resumed_from_its_local_tier(tmp_path):
 def test_four_processes_never_resume_a_deleted_or_replaced_run_nor_onto_another_mesh(tmp_path):
     # Run 0 reaches step 6 (persistent steps 0 and 4), each process's local tier on its own host.
     _train(tmp_path, 7)
+    # Each part is an ordinary checkpoint of the tree's own leaves: a sharded leaf records the
+    # one block of it that process 1 holds (2 of 8 rows), a replicated one is whole.
+    [manifest] = (tmp_path / "host1").glob("eqxckpt-local/*/process-1/own/6/eqxckpt.json")
+    leaves = {leaf["path"]: leaf for leaf in json.loads(manifest.read_text())["leaves"]}
+    assert leaves["params/w"]["blocks"] == [[[2, 4], [0, 1024]]] and leaves["keys"]["blocks"] == [[[1, 2], [0, 2]]]
+    assert "blocks" not in leaves["replicated"] and leaves["step"]["value"] == 6
+    assert eqxckpt.verify(manifest.parent).ok
     # Restored onto another mesh (every leaf replicated): each process holds only its own
     # blocks, so every process refuses, naming the sharded leaves, before reading anything.
     logs = launch("train", 4, tmp_path, worker=WORKER, LOCAL_UNTIL="7", LOCAL_LIKE="replicated")

@@ -305,3 +305,33 @@ def test_a_leaf_changed_after_its_line_was_encoded_is_written_as_changed(tmp_pat
     changed = Manifest((with_storage(leaf, digest=digest),), {})
     assert parse_manifest(changed.to_bytes()).leaves[0].digest == digest
     assert parse_manifest(first.to_bytes()).leaves[0].digest is None
+
+
+@pytest.mark.parametrize(
+    "blocks,match",
+    [
+        ("x", "blocks must be a list"),
+        ([], "blocks must be a list"),
+        ([[[0, 1]]], "not a non-empty block of shape"),  # one dimension of two
+        ([[[0, 1], [0, True]]], "blocks must be a list"),
+        ([[[1, 1], [0, 3]]], "not a non-empty block"),
+        ([[[0, 2], [0, 4]]], "not a non-empty block"),  # past the edge
+        ([[[0, 2], [0, 3]]], "cover all"),  # the whole array: stored whole, never as a block
+        ([[[0, 1], [0, 3]], [[0, 1], [0, 3]]], "repeat"),
+        ([[[0, 2], [0, 2]], [[1, 2], [2, 3]]], "not the cells of one grid"),  # overlapping rows
+        ([[[0, 1], [0, 3]]] * 4097, "at most 4096"),
+    ],
+)
+def test_bad_blocks_of_a_part_are_refused(blocks, match):
+    with pytest.raises(ManifestError, match=match):
+        parse_manifest(doc({**GOOD, "blocks": blocks}))
+
+
+def test_a_part_leaf_round_trips_and_holds_only_its_blocks():
+    leaf = parse_manifest(doc({**GOOD, "shape": [4, 3], "blocks": [[[2, 4], [0, 3]]]})).leaves[0]
+    assert isinstance(leaf, ArrayLeaf) and leaf.blocks == (((2, 4), (0, 3)),) and leaf.nbytes == 2 * 3 * 4
+    assert parse_manifest(Manifest((leaf,), {}).to_bytes()).leaves[0] == leaf
+    with pytest.raises(ManifestError, match="packed leaf"):
+        parse_manifest(doc({**GOOD, "location": "%packed", "offset": 0, "blocks": [[[0, 1], [0, 3]]]}))
+    like = np.zeros((4, 3), np.float32)  # no sharding: all of it, which the part does not hold
+    assert "holds only blocks [2:4, 0:3]" in (leaf.mismatch(like, cast=False) or "")

@@ -155,9 +155,11 @@ def train(directory: str) -> None:
         checked = 0
         if start is not None and os.environ.get("LOCAL_LIKE") == "replicated":
             replicated = jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh(), P()))
-                if isinstance(x, jax.ShapeDtypeStruct)
-                else x,
+                lambda x: (
+                    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh(), P()))
+                    if isinstance(x, jax.ShapeDtypeStruct)
+                    else x
+                ),
                 skeleton(seed),
             )
             try:
