@@ -27,6 +27,9 @@ from ._errors import ManifestError, PathError
 MANIFEST_NAME = "eqxckpt.json"
 # An object-store save's lease (see `_storage/_lease`): reserved like the manifest's name.
 LEASE_NAME = "eqxckpt.lease.json"
+# A manager's run: the identity of the run at the root of its directory (see `_steps`),
+# beside its steps; no entry of the run (never a step, never deleted).
+RUN_NAME = "eqxckpt-run.json"
 MAX_SEGMENT = 120
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
 _SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-%~]+$")

@@ -29,7 +29,6 @@ from ._convert import aligned_empty
 from ._dtypes import little_endian
 from ._errors import (
     CheckpointError,
-    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ManifestError,
@@ -42,7 +41,7 @@ from ._paths import check_one_tree, encode_segment, key_entry_record
 from ._progress import Progress, advance, reporting
 from ._select import Selection
 from ._source import LazyArray, Source
-from ._storage import create_locked_file, fsync_path, read_capped, reading, remove_abandoned_files
+from ._storage import file_exists_error, read_capped, reading, write_file
 from ._tree import flatten, is_prng_key_dtype
 from ._window import Task, check_allocation, read_window, run_windowed
 
@@ -349,7 +348,7 @@ def save_safetensors(
         raise CheckpointError("safetensors metadata must map strings to strings.")
     final = pathlib.Path(path).absolute()
     if final.exists() and not overwrite:  # fail fast, before reading anything; checked again at the commit
-        raise _exists(final)
+        raise file_exists_error(final)
     flat, _ = flatten(tree)
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     arrays: list[Any] = []  # host arrays, or lazy entries read one at a time while writing
@@ -411,42 +410,3 @@ def _stored(value: Any) -> np.ndarray:
     """The array whose bytes a tensor's data are: little-endian (`little_endian`), in C order
     (np.asarray with order="C", not np.ascontiguousarray: that makes 0-d arrays shape [1])."""
     return np.asarray(little_endian(value), order="C")
-
-
-def write_file(final: pathlib.Path, body: Callable[[BinaryIO], object], overwrite: bool) -> None:
-    """Write a file whole, durably and atomically: ``body`` fills a hidden temporary
-    beside ``final``, which `commit_file` then moves into place."""
-    remove_abandoned_files(final)  # what a killed writer of this file left
-    tmp, f = create_locked_file(final)  # locked until the commit: no cleaner takes it from under us
-    try:
-        with f:
-            body(f)
-            f.flush()
-            os.fsync(f.fileno())
-            commit_file(tmp, final, overwrite)
-        fsync_path(final.parent)
-    finally:
-        tmp.unlink(missing_ok=True)  # a hard-link commit leaves the temporary name behind
-
-
-def commit_file(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
-    """Move the written file into place. Without ``overwrite`` a hard link makes it
-    appear only if nothing is there, atomically, so a file another process
-    created meanwhile is never replaced."""
-    if final.is_dir():
-        raise CheckpointError(f"Cannot write {final}: it is a directory.")
-    if overwrite:
-        os.replace(tmp, final)
-        return
-    try:
-        os.link(tmp, final)
-    except FileExistsError:
-        raise _exists(final) from None
-    except OSError:  # a filesystem without hard links: check, then rename
-        if final.exists():
-            raise _exists(final) from None
-        os.rename(tmp, final)
-
-
-def _exists(final: pathlib.Path) -> CheckpointExistsError:
-    return CheckpointExistsError(f"{final} exists; pass overwrite=True to replace it, or write elsewhere.")

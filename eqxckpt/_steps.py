@@ -1,11 +1,14 @@
-"""A run's steps: which entries of its directory are committed steps (`scan_steps`), and
-`RunSteps`, the steps one manager knows, with retention and reader-safe deletion."""
+"""A run's steps: which entries of its directory are committed steps (`scan_steps`),
+the run's identity (`read_run_id`), and `RunSteps`, the steps one manager knows, with
+retention and reader-safe deletion."""
 
 import collections
 import contextlib
 import dataclasses
+import json
 import re
 import threading
+import uuid
 from collections.abc import Iterable, Iterator
 
 import jax
@@ -18,7 +21,10 @@ from ._errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     IncompleteCheckpointError,
+    ManifestError,
 )
+from ._manifest import parse_json_object
+from ._paths import RUN_NAME
 from ._retention import Retention
 from ._scalars import float_from_json, float_to_json
 from ._storage import CheckpointPath, Storage
@@ -35,6 +41,107 @@ SCAN_ATTEMPTS = 3
 
 # Errors of a step that was deleted (or is being deleted) while it was read.
 GONE = (CheckpointNotFoundError, IncompleteCheckpointError)
+
+
+# The run's identity (docs/format.md, "The run's identity"): at most this many bytes, of
+# exactly this shape. A new field comes with a new format number.
+MAX_RUN_BYTES = 4096
+RUN_FORMAT = 1
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+_RUN_EXPECTED = f'{{"run": "<32 lowercase hex digits>", "format": {RUN_FORMAT}}} in at most {MAX_RUN_BYTES} bytes'
+_RUN_FIX = (
+    "eqxckpt writes this file once, when a CheckpointManager first saves to the run, and never changes it: "
+    "it ties the local tier's parts to this run. Restore it from a copy of the run; or delete it, and the next "
+    "manager gives the run a new identity (local parts saved before are then not restored)."
+)
+
+
+def run_identity_bytes(run_id: str) -> bytes:
+    """The bytes of the run identity file (`RUN_NAME`) for ``run_id`` (32 lowercase hex digits)."""
+    return (json.dumps({"run": run_id, "format": RUN_FORMAT}) + "\n").encode()
+
+
+def parse_run_identity(raw: bytes, where: str) -> str:
+    """The run id that ``raw``, the bytes of a run's identity file, holds; hostile input.
+
+    **Arguments:**
+
+    - `raw`: what was read (at most `MAX_RUN_BYTES` + 1 bytes of it).
+    - `where`: the file, for messages.
+
+    **Returns:** the id, 32 lowercase hex digits. Raises `ManifestError` naming the file,
+    what was expected and what was found, unless ``raw`` is exactly the JSON object
+    `run_identity_bytes` writes (any whitespace).
+
+    ```python
+    parse_run_identity(b'{"run": "3f2c9a...", "format": 1}', "run/eqxckpt-run.json")  # '3f2c9a...'
+    ```
+    """
+    if len(raw) > MAX_RUN_BYTES:
+        raise _not_a_run_identity(where, f"holds more than {MAX_RUN_BYTES} bytes")
+    try:
+        doc = parse_json_object(raw, where, MAX_RUN_BYTES)  # duplicate keys, depth and non-JSON refused there
+    except ManifestError as e:
+        raise _not_a_run_identity(where, str(e).removeprefix(f"{where} ").rstrip(".")) from None
+    if set(doc) != {"run", "format"}:
+        raise _not_a_run_identity(where, f"holds the fields {sorted(doc)}")
+    version, run_id = doc["format"], doc["run"]
+    if type(version) is not int:
+        raise _not_a_run_identity(where, f"names format {_shown(version)}")
+    if version != RUN_FORMAT:
+        raise _not_a_run_identity(
+            where, f"names format {version}, which this eqxckpt does not know (a newer one wrote it: upgrade eqxckpt)"
+        )
+    if not isinstance(run_id, str) or _RUN_ID.fullmatch(run_id) is None:
+        raise _not_a_run_identity(where, f"names the run {_shown(run_id)}")
+    return run_id
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _not_a_run_identity(where: str, found: str) -> ManifestError:
+    return ManifestError(f"{where} {found}: expected a run's identity, {_RUN_EXPECTED}. {_RUN_FIX}")
+
+
+def read_run_id(location: Storage, create: bool) -> str | None:
+    """The identity of the run at ``location``, as its `RUN_NAME` file holds it.
+
+    **Arguments:**
+
+    - `location`: the run's directory.
+    - `create`: if there is none, create it (a new random id); of processes racing to,
+      one creates it and every one returns its id.
+
+    **Returns:** 32 lowercase hex digits, or None if there is none and ``create`` is
+    False. Raises `ManifestError` if the file is not one eqxckpt writes.
+
+    ```python
+    read_run_id(resolve("run"), create=True)  # '3f2c9a...', the same ever after
+    ```
+    """
+    where = f"{str(location).rstrip('/')}/{RUN_NAME}"
+    raw = _read_run_file(location, where)
+    if raw is None and create:
+        location.create_once(RUN_NAME, run_identity_bytes(uuid.uuid4().hex))
+        raw = _read_run_file(location, where)  # the winner's, whoever created it
+        if raw is None:
+            raise CheckpointWriteError(
+                f"{where} was created and is gone again: something is deleting {location} while a manager saves "
+                "there. Stop it, then save again."
+            )
+    return None if raw is None else parse_run_identity(raw, where)
+
+
+def _read_run_file(location: Storage, where: str) -> bytes | None:
+    try:
+        return location.read_small(RUN_NAME, MAX_RUN_BYTES)
+    except OSError as e:
+        raise _not_a_run_identity(
+            where, f"cannot be read ({e.strerror or e}; a symlink, directory or special file is refused)"
+        ) from None
 
 
 def is_step_name(name: str) -> bool:
@@ -212,6 +319,8 @@ class RunSteps:
         # Steps being read in this process, and steps retention dropped that are not deleted yet.
         self._readers: collections.Counter[int] = collections.Counter()
         self._doomed: set[int] = set()
+        self._run_id: str | None = None  # read once (`run_id`), again after `rescan`
+        self._run_lock = threading.Lock()  # not the steps' lock: no step waits on the storage's answer
 
     def step_path(self, step: int) -> CheckpointPath:
         """What `load`, `save` and `open` accept to name ``step`` (a path, or a kvstore spec)."""
@@ -223,6 +332,29 @@ class RunSteps:
         with self._lock:
             scan = scan_steps(self.location)
             self._metrics, self._unreadable = scan.committed, scan.unreadable
+        with self._run_lock:
+            self._run_id = None  # the run may have been deleted and begun again
+
+    def run_id(self, create: bool) -> str | None:
+        """The identity of this run (`read_run_id`): read once, then kept until `rescan`.
+
+        **Arguments:**
+
+        - `create`: if the run has none yet, create it (call it before the run's first save
+          to either tier; every process that races to gets the same id).
+
+        **Returns:** 32 lowercase hex digits, or None if the run has none and ``create`` is
+        False (not kept: asked again, the storage is read again). Raises `ManifestError`
+        if the file is not one eqxckpt writes.
+
+        ```python
+        steps.run_id(create=True)  # '3f2c9a...': a local tier's parts belong to this run
+        ```
+        """
+        with self._run_lock:
+            if self._run_id is None:
+                self._run_id = read_run_id(self.location, create)
+            return self._run_id
 
     def run_id(self, create: bool) -> str | None:  # TEMPORARY stand-in until the lineage branch lands
         path = self.location.local

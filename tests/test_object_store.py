@@ -3,11 +3,14 @@ server and fake-gcs-server's Cloud Storage. Every test runs on both (the ``store
 fixture), except those that rely on conditional writes, which that Cloud Storage
 emulator ignores (real Cloud Storage honours them): those run on S3."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import warnings
 
 import equinox as eqx
 import jax
@@ -20,6 +23,8 @@ from conftest import BUCKET, ObjectStore, assert_trees_equal, crafted_manifest, 
 import eqxckpt
 import eqxckpt._storage
 from eqxckpt._cli import main as cli
+from eqxckpt._paths import RUN_NAME
+from eqxckpt._steps import clean_leftovers, read_run_id, run_identity_bytes, scan_steps
 from eqxckpt._storage import _backend
 from eqxckpt._storage._lease import Lease, holder_is_gone, read_lease
 
@@ -924,3 +929,80 @@ def test_a_chunk_replaced_between_groups_is_never_returned_as_a_mix(tmp_path, s3
     assert starts[:2] == [(0, 1 << 20), (1 << 20, 2 << 20)], starts
     if restored is not None:
         assert restored.tobytes() == first.tobytes()
+
+
+def test_the_run_identity_is_created_once_and_left_alone(store):
+    run = eqxckpt._storage.resolve(store.spec("runs/identity/"))
+    assert read_run_id(run, create=False) is None and store.keys("runs/identity/") == []
+    run_id = read_run_id(run, create=True)
+    assert run_id is not None and len(run_id) == 32 and int(run_id, 16) >= 0
+    assert store.get(f"runs/identity/{RUN_NAME}") == run_identity_bytes(run_id)
+    assert read_run_id(run, create=True) == read_run_id(run, create=False) == run_id
+    with pytest.raises(eqxckpt.CheckpointNotFoundError, match="a CheckpointManager run with no committed step yet"):
+        eqxckpt.load(store.spec("runs/identity/"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither the scan nor the cleanup says a word about it
+        with eqxckpt.CheckpointManager(store.spec("runs/identity/"), max_to_keep=1) as manager:
+            for step in range(3):
+                manager.save(step, {"x": np.full(2, float(step))})
+    assert {key.split("/")[2] for key in store.keys("runs/identity/")} == {"2", RUN_NAME}  # retention kept it
+    scan = scan_steps(run)
+    assert list(scan.committed) == [2] and scan.skipped == [] and scan.warning(run) is None
+    assert clean_leftovers(run) is None and run.entries() == [("2", "committed")]
+    assert store.get(f"runs/identity/{RUN_NAME}") == run_identity_bytes(run_id)
+    assert cli(["verify", json.dumps(store.spec("runs/identity/"))]) == 0
+    for key in store.keys("runs/identity/"):  # the run deleted: a new run, a new identity
+        store.delete(key)
+    assert read_run_id(run, create=False) is None
+    renewed = read_run_id(run, create=True)
+    assert renewed is not None and renewed != run_id
+
+
+def test_a_run_identity_that_is_not_eqxckpts_is_refused_unread_past_its_cap(store):
+    run = eqxckpt._storage.resolve(store.spec("runs/hostile-identity/"))
+    key = f"runs/hostile-identity/{RUN_NAME}"
+    for raw, found in [
+        (b'{"run": "%s", "format": 1}' % (b"g" * 32), 'names the run "gggg'),
+        (b'{"run": "%s"}' % (b"a" * 32), "holds the fields ['run']"),
+        (b"{" + b" " * (64 << 20) + b"}", "holds more than 4096 bytes"),
+    ]:
+        store.put(key, raw)
+        with pytest.raises(eqxckpt.ManifestError) as raised:
+            read_run_id(run, create=True)
+        assert str(raised.value).startswith(f"{store.url('runs/hostile-identity/')}{RUN_NAME} {found}")
+        assert "Restore it from a copy of the run" in str(raised.value)
+        assert store.get(key) == raw  # never rewritten
+
+
+def create_run_id_after(barrier: threading.Barrier, where: dict) -> str | None:
+    barrier.wait()
+    return read_run_id(eqxckpt._storage.resolve(where), create=True)  # a storage of its own each
+
+
+def test_creators_racing_on_s3_all_get_one_identity(s3):
+    endpoint, _ = s3
+    for attempt in range(5):
+        where = spec(endpoint, f"runs/race-{attempt}/")
+        barrier = threading.Barrier(6)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            found = list(pool.map(lambda _, b=barrier, w=where: create_run_id_after(b, w), range(6)))
+        assert len(set(found)) == 1 and found[0] is not None
+        assert read_run_id(eqxckpt._storage.resolve(where), create=False) == found[0]
+
+
+def create_once_after(barrier: threading.Barrier, where: dict, raw: bytes) -> bool:
+    barrier.wait()
+    return eqxckpt._storage.resolve(where).create_once(RUN_NAME, raw)
+
+
+def test_of_creators_racing_on_s3_exactly_one_writes(s3):
+    endpoint, client = s3
+    for attempt in range(5):
+        where = spec(endpoint, f"runs/race-once-{attempt}/")
+        barrier = threading.Barrier(6)
+        raws = [run_identity_bytes(f"{i:032x}") for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            created = list(pool.map(lambda raw, b=barrier, w=where: create_once_after(b, w, raw), raws))
+        assert created.count(True) == 1  # the others' conditional writes failed
+        stored = client.get_object(Bucket=BUCKET, Key=f"runs/race-once-{attempt}/{RUN_NAME}")["Body"].read()
+        assert stored == raws[created.index(True)]

@@ -25,6 +25,11 @@ from ._backend import (
     reading as reading,
 )
 from ._fs import fsync_path as fsync_path, read_capped as read_capped
-from ._locks import create_locked_file as create_locked_file, remove_abandoned_files as remove_abandoned_files
+from ._locks import (
+    create_locked_file as create_locked_file,
+    file_exists_error as file_exists_error,
+    remove_abandoned_files as remove_abandoned_files,
+    write_file as write_file,
+)
 from ._pins import UNPINNED as UNPINNED, LocalPin as LocalPin, Pin as Pin
 from ._resolve import resolve as resolve

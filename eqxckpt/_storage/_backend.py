@@ -26,7 +26,7 @@ from .._errors import (
 )
 from .._leaf import StoredLeaf
 from .._manifest import Manifest
-from .._paths import GROUP_METADATA, group_file, group_locations, validate_path
+from .._paths import GROUP_METADATA, RUN_NAME, group_file, group_locations, validate_path
 from .._tensorstore import reason, shared_context
 from .._window import blocking, done, host_memory_budget
 from ._kvstore import MIN_PART_BYTES, PART_BYTES, PartError, SizeError, read_parts
@@ -176,11 +176,17 @@ class Storage(abc.ABC):
 
     # -- a directory of checkpoints -----------------------------------------------------
 
-    @abc.abstractmethod
     def entries(self) -> list[tuple[str, str]]:
         """(name, state) for each visible entry, sorted: ``committed`` (holds a committed
         checkpoint), ``busy`` (a save or deletion holds it), ``retired`` (only the arrays
-        of a deleted checkpoint, which newer ones still refer to) or ``other``."""
+        of a deleted checkpoint, which newer ones still refer to) or ``other``. A run's
+        identity (`RUN_NAME`) is no entry: every reader of a run's entries (its steps,
+        cleanup, ``eqxckpt verify RUN/``) leaves it alone, without a word."""
+        return [(name, state) for name, state in self.list_entries() if name != RUN_NAME]
+
+    @abc.abstractmethod
+    def list_entries(self) -> list[tuple[str, str]]:
+        """Everything `entries` lists, the run's identity included (the backend's listing)."""
 
     def committed_entries(self) -> list[str]:
         """The names of the committed checkpoints in this directory (a manager's steps), steps
@@ -192,7 +198,7 @@ class Storage(abc.ABC):
         where one of its steps was meant): the error that names them; else None."""
         inside = self.committed_entries()
         if not inside:
-            return None
+            return self._empty_run_error()
         numbered = all(name.isdigit() for name in inside)
         listed = ", ".join(inside[:20]) + (f", ... ({len(inside)} in all)" if len(inside) > 20 else "")
         example = str(self).rstrip("/") + "/" + inside[-1]
@@ -202,6 +208,20 @@ class Storage(abc.ABC):
             + (" (a CheckpointManager run)" if numbered else "")
             + f": {listed}. Load one of them, e.g. eqxckpt.load({example!r}, ...)"
             + (", or CheckpointManager(...).load(like) for the latest step." if numbered else ".")
+        )
+
+    def _empty_run_error(self) -> CheckpointNotFoundError | None:
+        """If this place holds a run's identity and no committed checkpoint (a manager's run
+        before its first step committed): the error that says so; else None."""
+        try:
+            if self.read_small(RUN_NAME, 0) is None:
+                return None
+        except OSError:
+            pass  # something is there under that name: a run's, damaged
+        return CheckpointNotFoundError(
+            f"{str(self).rstrip('/')} is not a checkpoint but a CheckpointManager run with no committed step yet "
+            f"(it holds the run's identity, {RUN_NAME}). Load one of its steps once one is saved, e.g. "
+            "CheckpointManager(...).load(like) for the latest."
         )
 
     @abc.abstractmethod
@@ -228,6 +248,47 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete(self) -> bool:
         """Uncommit, then remove, this checkpoint; False if it is in use (try again later)."""
+
+    # -- small files of a directory of checkpoints (a run's identity) ---------------------
+
+    @abc.abstractmethod
+    def read_small(self, name: str, cap: int) -> bytes | None:
+        """The bytes of the file ``name`` in this directory, or None if there is none.
+
+        **Arguments:**
+
+        - `name`: the file's name (`RUN_NAME`).
+        - `cap`: at most ``cap + 1`` bytes are read: more, and the caller refuses it.
+
+        **Returns:** its bytes, or None. A local file that is a symlink, a directory or
+        anything but a regular file raises `OSError` (it is never followed).
+
+        ```python
+        resolve("run").read_small(RUN_NAME, 4096)  # b'{"run": "3f2c...", "format": 1}\n'
+        ```
+        """
+
+    @abc.abstractmethod
+    def create_once(self, name: str, raw: bytes) -> bool:
+        """Create the file ``name`` in this directory holding ``raw``, only if there is none.
+
+        Atomic: no reader ever sees the file part-written, and of creators racing, one
+        creates it and the others find it there (local disks: a hard link of a fully
+        written temporary; object stores: a write on condition that the key is absent,
+        as a lease is taken). The directory is created if needed. eqxckpt never replaces
+        or deletes a file it creates this way.
+
+        **Arguments:**
+
+        - `name`: the file's name (`RUN_NAME`).
+        - `raw`: its bytes.
+
+        **Returns:** True if this call created it; False if it was there already.
+
+        ```python
+        resolve("run").create_once(RUN_NAME, raw)  # True, then False ever after
+        ```
+        """
 
 
 class Staging(abc.ABC):

@@ -1,7 +1,8 @@
 """Key-level operations on an object store's kvstore, in one module: reads bounded
-before they allocate, existence, listing, the conditional write that commits a manifest,
-and deleting a save's prefix or a leaf's keys. The lease, holds and cleanup (`_lease`,
-`_holds`, `_reclaim`) and `ObjectStorage` touch keys only through these.
+before they allocate, existence, listing, the conditional writes that commit a manifest
+and create a key only if absent, and deleting a save's prefix or a leaf's keys. The
+lease, holds and cleanup (`_lease`, `_holds`, `_reclaim`) and `ObjectStorage` touch keys
+only through these.
 """
 
 import re
@@ -235,6 +236,15 @@ def write_manifest(store: ts.KvStore, raw: bytes, base: bytes) -> bool:
     # The condition failed: done already (by the save itself, or by a cleanup), or not at all.
     top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
     return top.state == "value" and bytes(top.value) == raw
+
+
+def create_if_absent(store: ts.KvStore, key: str, raw: bytes) -> bool:
+    """Write ``raw`` at ``key`` only if no value is there (the condition a lease is taken
+    with: the generation of a read that found none); True if this call wrote it."""
+    found = stat(store, key)
+    if found.state == "value":
+        return False
+    return bool(store.write(key, raw, if_equal=found.stamp.generation).result().generation)
 
 
 def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:

@@ -41,7 +41,7 @@ from ._backend import (
     entry_order,
 )
 from ._fs import exchange, fsync_path, hidden_sibling, link_or_copy, read_capped, start_writeback, sync_filesystem
-from ._locks import DirLock, create_staging, delete_local, join_staging, remove_abandoned, remove_tree
+from ._locks import DirLock, create_staging, delete_local, join_staging, remove_abandoned, remove_tree, write_file
 from ._pins import LocalPin
 
 
@@ -255,7 +255,7 @@ class LocalStorage(Storage):
         # Held while this process writes: a cleaner must see it as alive.
         return LocalStaging(self, tmp, join_staging(tmp), owner=False, overwrite=False)
 
-    def entries(self) -> list[tuple[str, str]]:
+    def list_entries(self) -> list[tuple[str, str]]:
         try:
             found = list(os.scandir(self.path))
         except (FileNotFoundError, NotADirectoryError):
@@ -313,6 +313,20 @@ class LocalStorage(Storage):
 
     def delete(self) -> bool:
         return delete_local(self.path)
+
+    def read_small(self, name: str, cap: int) -> bytes | None:
+        try:
+            return read_capped(self.path / name, cap)  # never through a symlink
+        except FileNotFoundError:
+            return None
+
+    def create_once(self, name: str, raw: bytes) -> bool:
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            write_file(self.path / name, lambda f: f.write(raw), overwrite=False)
+        except CheckpointExistsError:
+            return False
+        return True
 
 
 class LocalStaging(Staging):

@@ -1,6 +1,7 @@
 """Local filesystems: ``flock`` locks on directories and files, the staging directory a
-save writes into, and removing what no live process holds (abandoned staging, a deleted
-checkpoint). Who takes which lock, and when: docs/concurrency.md ("Local filesystems").
+save writes into, a file written whole and atomically beside its place (`write_file`), and
+removing what no live process holds (abandoned staging, a deleted checkpoint). Who takes
+which lock, and when: docs/concurrency.md ("Local filesystems").
 """
 
 import errno
@@ -11,7 +12,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from .._errors import CheckpointWriteError
+from .._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from .._paths import MANIFEST_NAME
 from ._fs import fsync_path, hidden_owner, hidden_sibling
 
@@ -219,3 +220,43 @@ def _check_removable(root: pathlib.Path) -> None:
     for where in [root.parent, root] + [pathlib.Path(d) for d, _, _ in os.walk(root) if d != str(root)]:
         if not os.access(where, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "Permission denied: cannot remove what it holds", str(where))
+
+
+def write_file(final: pathlib.Path, body: Callable[[BinaryIO], object], overwrite: bool) -> None:
+    """Write a file whole, durably and atomically: ``body`` fills a hidden temporary
+    beside ``final``, which `commit_file` then moves into place."""
+    remove_abandoned_files(final)  # what a killed writer of this file left
+    tmp, f = create_locked_file(final)  # locked until the commit: no cleaner takes it from under us
+    try:
+        with f:
+            body(f)
+            f.flush()
+            os.fsync(f.fileno())
+            commit_file(tmp, final, overwrite)
+        fsync_path(final.parent)
+    finally:
+        tmp.unlink(missing_ok=True)  # a hard-link commit leaves the temporary name behind
+
+
+def commit_file(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:
+    """Move the written file into place. Without ``overwrite`` a hard link makes it
+    appear only if nothing is there, atomically, so a file another process
+    created meanwhile is never replaced."""
+    if final.is_dir():
+        raise CheckpointError(f"Cannot write {final}: it is a directory.")
+    if overwrite:
+        os.replace(tmp, final)
+        return
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        raise file_exists_error(final) from None
+    except OSError:  # a filesystem without hard links: check, then rename
+        if final.exists():
+            raise file_exists_error(final) from None
+        os.rename(tmp, final)
+
+
+def file_exists_error(final: pathlib.Path) -> CheckpointExistsError:
+    """The error for a file that a write without ``overwrite`` found there."""
+    return CheckpointExistsError(f"{final} exists; pass overwrite=True to replace it, or write elsewhere.")

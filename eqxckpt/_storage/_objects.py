@@ -55,6 +55,7 @@ from ._backend import (
 )
 from ._holds import collect_prefix, delete_unheld, run_store, take_hold
 from ._kvstore import (
+    create_if_absent,
     delete_arrays,
     delete_leaf_keys,
     exists,
@@ -311,7 +312,7 @@ class ObjectStorage(Storage):
             groups.setdefault(head, set()).add(rest)
         return groups
 
-    def entries(self) -> list[tuple[str, str]]:
+    def list_entries(self) -> list[tuple[str, str]]:
         # An entry with a lease and no manifest is a save or deletion in progress, or cleanup's to finish.
         return [(head, _state(rests)) for head, rests in sorted(self._groups().items())]
 
@@ -356,6 +357,14 @@ class ObjectStorage(Storage):
         collect_garbage(store)
         self.collect_references(old.references())
         return True
+
+    def read_small(self, name: str, cap: int) -> bytes | None:
+        found = read_bounded(self.open_kvstore(), name, cap)
+        return bytes(found.value) if found.state == "value" else None
+
+    def create_once(self, name: str, raw: bytes) -> bool:
+        warn_if_not_atomic(self.kvstore)  # two creators could both write, where the store only emulates the condition
+        return create_if_absent(self.open_kvstore(), name, raw)
 
     def collect_references(self, refs: list[str]) -> None:
         """Delete the sibling prefixes in ``refs`` (what a deleted or replaced checkpoint here

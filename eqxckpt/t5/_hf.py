@@ -24,8 +24,8 @@ from .._errors import (
     StructureMismatchError,
 )
 from .._progress import Progress
-from .._safetensors import INDEX_NAME, open_safetensors, save_safetensors, write_file
-from .._storage import CheckpointPath, fsync_path
+from .._safetensors import INDEX_NAME, open_safetensors, save_safetensors
+from .._storage import CheckpointPath, fsync_path, write_file
 from .._translate import CheckpointTranslator, Transposed
 from .._tree import flatten
 from ._config import T5Config
