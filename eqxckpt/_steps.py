@@ -356,19 +356,6 @@ class RunSteps:
                 self._run_id = read_run_id(self.location, create)
             return self._run_id
 
-    def run_id(self, create: bool) -> str | None:  # TEMPORARY stand-in until the lineage branch lands
-        path = self.location.local
-        assert path is not None
-        found = path / "eqxckpt-run.json"
-        if not found.exists():
-            if not create:
-                return None
-            path.mkdir(parents=True, exist_ok=True)
-            import uuid
-
-            found.write_text(uuid.uuid4().hex)
-        return found.read_text()
-
     def committed(self) -> list[int]:
         """The committed steps, ascending."""
         with self._lock:

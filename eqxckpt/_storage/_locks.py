@@ -143,8 +143,11 @@ def create_locked_file(final: pathlib.Path) -> tuple[pathlib.Path, BinaryIO]:
         f = open(tmp, "xb")  # noqa: SIM115 - returned open, the caller closes it
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return tmp, f  # no locks here: cleanup cannot tell either, and removes nothing
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return tmp, f  # no locks here: cleanup cannot tell either, and removes nothing
+            f.close()  # a cleaner took it before our lock, and is removing it: another name
+            continue
         held, now = os.fstat(f.fileno()), _stat_or_none(tmp)
         if now is not None and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
             return tmp, f
