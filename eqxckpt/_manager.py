@@ -18,7 +18,7 @@ from ._progress import Progress
 from ._retention import Retention
 from ._steps import MANAGER_KEY, clean_leftovers, scan_steps
 from ._storage import CheckpointPath, resolve
-from ._tiers import LocalFirstTier, LocalSettings, PersistentTier, Resume, Tier
+from ._tiers import Details, LocalFirstTier, LocalSettings, PersistentTier, Resume, Tier
 
 
 class CheckpointManager:
@@ -163,15 +163,15 @@ class CheckpointManager:
         if not (preempted or tiers):
             return False
         self._resume = None  # what latest_step chose is no longer the newest
-        details: dict[str, Any] = {"metadata": metadata, "metrics": metrics, "progress": progress}
+        details = Details(metadata, metrics, progress)
         if preempted:
             return self._save_for_preemption(step, tree, details)
         with self._notices.saving(for_notice=False):
             for tier in tiers:  # in order: one that raises stops the others
-                tier.save(step, tree, blocking=self.blocking, **details)
+                tier.save(step, tree, blocking=self.blocking, details=details)
         return True
 
-    def _save_for_preemption(self, step: int, tree: PyTree, details: dict[str, Any]) -> bool:
+    def _save_for_preemption(self, step: int, tree: PyTree, details: Details) -> bool:
         """The job will be stopped: save ``step`` now (unless saved already), durably, then
         end the process (or return). If the save fails, the notice stands for the next."""
         with self._notices.saving(for_notice=True):
@@ -182,7 +182,7 @@ class CheckpointManager:
                     warnings.warn(f"Preemption notice: the local tier's save of step {step} failed: {e}", stacklevel=3)
             self._persistent.wait()
             if step not in self._persistent.steps.committed():
-                self._persistent.save(step, tree, blocking=True, **details)
+                self._persistent.save(step, tree, blocking=True, details=details)
         self._notices.saved_at = step
         if self.exit_on_preemption:
             print(f"eqxckpt: preemption notice; step {step} saved to {self.location}, exiting.", file=sys.stderr)

@@ -56,6 +56,15 @@ class Resume:
         return self.tier.restore(self, like, at=at, **load_kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class Details:
+    """What a `CheckpointManager.save` gives with a step besides the tree (as it documents)."""
+
+    metadata: dict[str, Any] | None = None
+    metrics: dict[str, float] | None = None
+    progress: Progress = False
+
+
 class Tier(abc.ABC):
     """What a `CheckpointManager` asks of each of its tiers."""
 
@@ -64,19 +73,10 @@ class Tier(abc.ABC):
         """Whether this tier's interval saves ``step``."""
 
     @abc.abstractmethod
-    def save(
-        self,
-        step: int,
-        tree: PyTree,
-        *,
-        blocking: bool,
-        metadata: dict[str, Any] | None = None,
-        metrics: dict[str, float] | None = None,
-        progress: Progress = False,
-    ) -> None:
+    def save(self, step: int, tree: PyTree, *, blocking: bool, details: Details | None = None) -> None:
         """Save ``tree`` as ``step``: what is saved is taken on the caller's thread, the
         rest happens in the background unless ``blocking``. Waits for this tier's save in
-        flight first and raises its error. A tier keeps what it can use of the rest."""
+        flight first and raises its error. A tier keeps what it can use of ``details``."""
 
     @abc.abstractmethod
     def wait(self) -> None:
@@ -119,23 +119,15 @@ class PersistentTier(Tier):
     def should_save(self, step: int) -> bool:
         return step % self.interval == 0
 
-    def save(
-        self,
-        step: int,
-        tree: PyTree,
-        *,
-        blocking: bool,
-        metadata: dict[str, Any] | None = None,
-        metrics: dict[str, float] | None = None,
-        progress: Progress = False,
-    ) -> None:
+    def save(self, step: int, tree: PyTree, *, blocking: bool, details: Details | None = None) -> None:
         self.steps.check_new(step)  # refused before waiting for the save in flight
         self.wait()
         self.steps.check_new(step)
-        metadata = dict(metadata or {})
+        details = details or Details()
+        metadata = dict(details.metadata or {})
         if MANAGER_KEY in metadata:
             raise ArgumentError(f"metadata key {MANAGER_KEY!r} is reserved for the manager's own record.")
-        metrics = {str(k): _metric(k, v) for k, v in (metrics or {}).items()}
+        metrics = {str(k): _metric(k, v) for k, v in (details.metrics or {}).items()}
         metadata[MANAGER_KEY] = manager_record(step, metrics)
         # Never overwrite: a committed step is never replaced (another manager that
         # committed this step first makes this save fail instead). Leaves unchanged since
@@ -143,7 +135,7 @@ class PersistentTier(Tier):
         committed = self.steps.committed()
         base = self.steps.step_path(committed[-1]) if committed and self.incremental else None
         path = self.steps.step_path(step)
-        handle = save(path, tree, metadata=metadata, blocking=blocking, progress=progress, base=base)
+        handle = save(path, tree, metadata=metadata, blocking=blocking, progress=details.progress, base=base)
         if blocking:
             self.steps.add(step, metrics)
             return
@@ -245,17 +237,8 @@ class LocalFirstTier(Tier):
     def should_save(self, step: int) -> bool:
         return self.local.should_save(step)
 
-    def save(
-        self,
-        step: int,
-        tree: PyTree,
-        *,
-        blocking: bool,
-        metadata: dict[str, Any] | None = None,
-        metrics: dict[str, float] | None = None,
-        progress: Progress = False,
-    ) -> None:
-        # Metadata and metrics are the persistent tier's: a local step is resumed from, never listed.
+    def save(self, step: int, tree: PyTree, *, blocking: bool, details: Details | None = None) -> None:
+        # Details are the persistent tier's: a local step is resumed from, never listed.
         self.local.save(step, tree, blocking=blocking)
 
     def wait(self) -> None:
