@@ -1,17 +1,20 @@
 """Preemption notices: one process-wide signal listener that managers join and leave."""
 
 import contextlib
+import math
 import os
 import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 
 from ._background import SAVES
+from ._errors import ArgumentError
 
 
 class _Listener:
@@ -255,3 +258,50 @@ class Preemption:
         if self._listening:
             self._listening = False
             LISTENER.leave(self)
+
+
+class Notices:
+    """A manager's preemption notices: listened for from its first save (`listen`) until it
+    is closed (`stop`) or garbage-collected, and the step it saved for one.
+
+    **Arguments:**
+
+    - `signals`: the signals that are a notice in a single process (None: not listening).
+    - `grace_s`: as for `CheckpointManager`'s ``preemption_grace_s``.
+
+    ```python
+    notices = Notices((signal.SIGTERM,), 30.0)
+    notices.listen(manager)
+    ```
+    """
+
+    def __init__(self, signals: tuple[int, ...] | None, grace_s: float):
+        if not isinstance(grace_s, (int, float)) or isinstance(grace_s, bool) or not 0 < grace_s < math.inf:
+            raise ArgumentError(f"preemption_grace_s must be a positive number of seconds, got {grace_s!r}.")
+        self.signals, self.grace_s = signals, float(grace_s)
+        self.saved_at: int | None = None  # the step saved for a notice
+        self._preemption: Preemption | None = None
+        self._stop: weakref.finalize | None = None
+
+    def listen(self, owner: object) -> None:
+        """Listen, if not yet, until `stop` or until ``owner`` is collected (the finalizer: a
+        manager dropped unclosed must not keep the signal)."""
+        if self._preemption is None and self.signals is not None:
+            self._preemption = Preemption(self.signals, self.grace_s)
+            self._stop = weakref.finalize(owner, self._preemption.close)
+
+    def reached(self, step: int) -> bool:
+        """Whether a notice came that no save answered (asked at every step, by every
+        process: with several, they agree on the step to save)."""
+        return self.saved_at is None and self._preemption is not None and self._preemption.reached(step)
+
+    def saving(self, for_notice: bool) -> contextlib.AbstractContextManager:
+        """A save runs (as for `Preemption.saving`; nothing if not listening): a notice's
+        grace period does not end the process in the middle of it."""
+        return self._preemption.saving(for_notice) if self._preemption else contextlib.nullcontext()
+
+    def stop(self) -> None:
+        """Stop listening (a later `listen` listens again)."""
+        if self._stop is not None:
+            self._stop()  # Preemption.close, once
+        self._preemption, self._stop = None, None

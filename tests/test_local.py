@@ -162,6 +162,36 @@ def test_a_manager_resumes_from_its_local_tier_then_from_the_persistent_one(tmp_
         assert out["step"] == 4 and jnp.array_equal(out["w"], _state(4)["w"])
 
 
+def test_a_local_step_restores_a_subtree_at_a_path(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, save_interval_steps=4, local_path=local, local_interval_steps=1) as manager:
+        for step in range(7):
+            manager.save(step, _state(step))
+    with eqxckpt.CheckpointManager(run, save_interval_steps=4, local_path=local, local_interval_steps=1) as manager:
+        assert manager.latest_step() == 6  # a local step: the persistent tier's newest is 4
+        w = manager.load(jax.ShapeDtypeStruct((2, 3), jnp.float32), at="w")
+        assert jnp.array_equal(w, _state(6)["w"])
+
+
+def test_a_step_the_persistent_tier_refuses_is_not_saved_locally_either(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, local_path=local, local_interval_steps=1) as manager:
+        manager.save(0, _state(0))
+        manager.wait()
+        for step, leaf in [(1, fractions.Fraction(1, 3)), (2, b"bytes")]:  # the local tier could hold these
+            with pytest.raises(eqxckpt.UnsupportedLeafError):
+                manager.save(step, {**_state(step), "extra": leaf})
+            manager.wait()
+    with eqxckpt.CheckpointManager(run, local_path=local, local_interval_steps=1) as manager:
+        assert manager.latest_step() == 0  # not a step a restart could not find persistently
+        assert manager.load(_LIKE)["step"] == 0
+    with eqxckpt.CheckpointManager(tmp_path / "fresh", local_path=tmp_path / "fresh-local") as manager:
+        with pytest.raises(eqxckpt.UnsupportedLeafError):
+            manager.save(0, {"extra": fractions.Fraction(1, 3)})
+        manager.wait()
+        assert manager.latest_step() is None
+
+
 def test_a_local_tier_older_than_the_persistent_one_is_not_used(tmp_path):
     run, local = tmp_path / "run", tmp_path / "local"
     with eqxckpt.CheckpointManager(run, save_interval_steps=100, local_path=local, local_interval_steps=1) as manager:

@@ -297,7 +297,7 @@ def test_a_load_racing_a_writer_is_retried_in_one_place(tmp_path, monkeypatch):
     a given step, `MAX_LATEST_ATTEMPTS` for the latest: the manager's retries, not those
     times `load`'s own (which a plain `eqxckpt.load` still makes)."""
     from eqxckpt._load import READ_ATTEMPTS, Plan
-    from eqxckpt._manager import MAX_LATEST_ATTEMPTS
+    from eqxckpt._tiers import MAX_LATEST_ATTEMPTS
 
     manager = eqxckpt.CheckpointManager(tmp_path, blocking=True)
     for step in range(2):

@@ -23,6 +23,7 @@ import os
 import pathlib
 import stat
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -131,7 +132,8 @@ class LocalTier:
                 f"Another live CheckpointManager holds the local tier {self.root} (the same local_path, run and "
                 "process index): two would delete each other's parts. Give each job its own local_path."
             )
-        self._lock: DirLock | None = lock
+        # Let go when closed, or when dropped unclosed (garbage-collected).
+        self._release = weakref.finalize(self, lock.release)
         if not os.access(self.root, os.W_OK):
             self.close()
             raise _directory_error(local_path, "is not writable")
@@ -141,9 +143,7 @@ class LocalTier:
 
     def close(self) -> None:
         """Let another manager hold this directory."""
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        self._release()
 
     def _directory(self, owner: int) -> Storage:
         return resolve(self.root / ("own" if owner == self.process else f"peer-{owner}"))
