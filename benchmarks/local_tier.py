@@ -152,6 +152,7 @@ def worker(args: argparse.Namespace) -> None:
     local = os.path.join(args.local, f"host{me}")
     result: dict[str, Any] = {"process": me}
     if args.role == "save":
+        offered = held_on_device()
         state = make_state(args.gib, STEP)
         result["checksums"] = checksums(state)
         with eqxckpt.CheckpointManager(
@@ -162,6 +163,7 @@ def worker(args: argparse.Namespace) -> None:
             manager.save(STEP, state)
             manager.wait()
             result["save_s"] = time.perf_counter() - start
+        result["offered_peak_bytes"] = offered["peak"]
     elif args.role == "restore":
         want = json.loads(pathlib.Path(args.expect).read_text())[str(me)]
         like = skeleton(args.gib)
@@ -191,6 +193,24 @@ def worker(args: argparse.Namespace) -> None:
         result["persistent"] = blocked(args, "persistent", eqxckpt.CheckpointManager(f"{store}-persistent"))
     print("RESULT " + json.dumps(result), flush=True)
     jax.distributed.shutdown()
+
+
+def held_on_device() -> dict[str, int]:
+    """The most bytes this process's offers to its peers held on its device at once (what
+    a local save adds to device memory), recorded as they are made: ``["peak"]``."""
+    from eqxckpt._local import _peers
+
+    seen = {"peak": 0}
+    offer = _peers.Transfers.offer
+
+    def recorded(self: Any, *args: Any) -> Any:
+        out = offer(self, *args)
+        held = sum(a.nbytes for arrays in self._offered.values() for a in arrays)
+        seen["peak"] = max(seen["peak"], held)
+        return out
+
+    _peers.Transfers.offer = recorded
+    return seen
 
 
 def skeleton(gib: float) -> dict:
@@ -289,6 +309,9 @@ def recovery(args: argparse.Namespace, work: str, store: str, paths: list[str]) 
     (``own``: nothing wiped; ``local``: host 2 wiped; ``disk``/``s3``: every host wiped),
     each in a fresh job."""
     saved = launch("save", args, work, store)
+    peak = max(r["offered_peak_bytes"] for r in saved) / 2**20
+    part = args.gib * 2**30 / PROCESSES / 2**20
+    print(f"  save: offers held at most {peak:.1f} MiB on a device at once (a part: {part:.1f} MiB)", flush=True)
     expect = os.path.join(work, "expect.json")
     pathlib.Path(expect).write_text(json.dumps({str(r["process"]): r["checksums"] for r in saved}))
     out = []

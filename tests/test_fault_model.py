@@ -26,6 +26,7 @@ import os
 import pathlib
 import posixpath
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -592,3 +593,122 @@ def test_fault_model_on_a_local_disk(tmp_path, request):
 
 def test_fault_model_on_object_stores(store, request):
     run_machine(request, lambda: StoreRun(store, f"fault-model/{uuid.uuid4().hex[:8]}/"), examples=3, steps=6)
+
+
+# -- the local tier ---------------------------------------------------------------------------
+
+
+class LocalTierModel(RuleBasedStateMachine):
+    """A run with a local tier (one process, a local disk for both tiers), against a model
+    of what each run saved: steps saved locally, persistently or both, a SIGKILLed writer
+    mid-save, the host's tier wiped, a stale copy of it brought back, the persistent run
+    deleted and begun again. After every rule a fresh manager resumes from a step of the
+    current run no older than its newest persistent step, with exactly that step's values
+    (or from nothing, if the run has none): never a deleted run's, never a mix."""
+
+    def __init__(self):
+        super().__init__()
+        self.root = pathlib.Path(self.workdir()) / uuid.uuid4().hex[:8]
+        self.run, self.local = self.root / "run", self.root / "local"
+        self.generation = 0  # the run now at `run`: begun again after each deletion
+        self.saved: dict[int, int] = {}  # this run's steps (either tier): their version
+        self.persistent: set[int] = set()
+        self.next = 1  # step 0 is a multiple of every interval: the persistent tier saves it too
+        self.stale: list[pathlib.Path] = []
+
+    @classmethod
+    def workdir(cls) -> str:
+        raise NotImplementedError
+
+    def _version(self, step: int) -> int:
+        return self.generation * 100 + step
+
+    def _options(self) -> dict:
+        return dict(save_interval_steps=10**9, local_path=self.local, local_interval_steps=1)
+
+    @rule(persist=st.booleans(), steps=st.integers(1, 3))
+    def save(self, persist, steps):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # parts of a deleted run, deleted with a warning
+            with eqxckpt.CheckpointManager(self.run, **self._options()) as manager:
+                for _ in range(steps):
+                    step, self.next = self.next, self.next + 1
+                    manager.save(step, tree(self._version(step)), force=persist)
+                    manager.wait()
+                    self.saved[step] = self._version(step)
+                    if persist:
+                        self.persistent.add(step)
+
+    @rule(at=st.floats(0.0, 1.5))
+    def kill_local_save(self, at):
+        """A writer saving the next step (locally) is SIGKILLed at a random instant: that
+        step may or may not be complete, never half of it."""
+        step, self.next = self.next, self.next + 1
+        script = (
+            "import sys, json, warnings, eqxckpt; sys.path.insert(0, %r)\n"
+            "from fault_model_worker import tree\n"
+            "warnings.simplefilter('ignore')\n"
+            "with eqxckpt.CheckpointManager(%r, save_interval_steps=10**9, local_path=%r, local_interval_steps=1) as m:\n"
+            "    print('ready', flush=True)\n"
+            "    m.save(%d, tree(%d)); m.wait()\n"
+        ) % (str(WORKERS), str(self.run), str(self.local), step, self._version(step))
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        time.sleep(at)
+        child.kill()
+        child.wait()
+        self.saved[step] = self._version(step)  # if it is complete, it holds these values
+
+    @rule()
+    def wipe_tier(self):
+        shutil.rmtree(self.local, ignore_errors=True)
+
+    @rule()
+    def keep_a_copy_of_the_tier(self):
+        if self.local.exists():
+            copy = self.root / f"stale-{len(self.stale)}"
+            shutil.copytree(self.local, copy, symlinks=True)
+            self.stale.append(copy)
+
+    @precondition(lambda self: self.stale)
+    @rule(which=INDEX)
+    def bring_back_a_stale_tier(self, which):
+        shutil.rmtree(self.local, ignore_errors=True)
+        shutil.copytree(self.stale[which % len(self.stale)], self.local, symlinks=True)
+
+    @rule()
+    def delete_and_restart_the_run(self):
+        shutil.rmtree(self.run, ignore_errors=True)
+        self.generation += 1
+        self.saved, self.persistent, self.next = {}, set(), 1
+
+    @invariant()
+    def resumes_from_a_step_of_this_run_exactly(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with eqxckpt.CheckpointManager(self.run, **self._options()) as manager:
+                assert sorted(manager.all_steps()) == sorted(self.persistent)
+                start = manager.latest_step()
+                if start is None:
+                    assert not self.persistent
+                    return
+                assert start in self.saved and start >= max(self.persistent, default=-1), (start, self.saved)
+                got = manager.load(tree(0))
+        want = tree(self.saved[start])
+        assert same_values(got, want), f"step {start} of generation {self.generation} is not what was saved"
+
+    def teardown(self):
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def test_fault_model_of_the_local_tier(tmp_path, request):
+    slow = request.config.getoption("--slow")
+    machine = type("LocalTierModel", (LocalTierModel,), {"workdir": classmethod(lambda cls: str(tmp_path))})
+    profile = settings(
+        max_examples=100 if slow else 4,
+        stateful_step_count=20 if slow else 6,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )
+    run_state_machine_as_test(machine, settings=profile)
