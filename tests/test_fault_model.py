@@ -644,14 +644,15 @@ class LocalTierModel(RuleBasedStateMachine):
         """A writer saving the next step (locally) is SIGKILLed at a random instant: that
         step may or may not be complete, never half of it."""
         step, self.next = self.next, self.next + 1
+        options = f"save_interval_steps=10**9, local_path={str(self.local)!r}, local_interval_steps=1"
         script = (
-            "import sys, json, warnings, eqxckpt; sys.path.insert(0, %r)\n"
+            f"import sys, warnings, eqxckpt; sys.path.insert(0, {str(WORKERS)!r})\n"
             "from fault_model_worker import tree\n"
             "warnings.simplefilter('ignore')\n"
-            "with eqxckpt.CheckpointManager(%r, save_interval_steps=10**9, local_path=%r, local_interval_steps=1) as m:\n"
+            f"with eqxckpt.CheckpointManager({str(self.run)!r}, {options}) as m:\n"
             "    print('ready', flush=True)\n"
-            "    m.save(%d, tree(%d)); m.wait()\n"
-        ) % (str(WORKERS), str(self.run), str(self.local), step, self._version(step))
+            f"    m.save({step}, tree({self._version(step)})); m.wait()\n"
+        )
         child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         assert child.stdout is not None and child.stdout.readline() == "ready\n"
         time.sleep(at)

@@ -189,14 +189,13 @@ class LocalCheckpoints:
             self.tier.write(info, part)
         else:
             phases = Phases("local")
-            phases.run("write", lambda: self.tier.write(info, part))
-            del part  # its host copy: the peers are sent the files
-            phases.run("copy", lambda: self._copy(phases, info))
+            phases.run("copy", lambda: self._copy(phases, info, part))
         self._completed(step, token)
 
-    def _copy(self, phases: Phases, info: PartInfo) -> None:
-        """Send this process's part to its peers while fetching the parts it keeps for others."""
-        serving = self._server.submit(self._serve, phases, info, self._holders[self.me], f"copy/{self.me}")
+    def _copy(self, phases: Phases, info: PartInfo, part: Part) -> None:
+        """Write this process's part and send it to its peers, while fetching (and keeping)
+        the parts it keeps for others as their owners write and send them."""
+        serving = self._server.submit(self._serve, phases, info, self._holders[self.me], f"copy/{self.me}", part)
         try:
             for owner, holders in enumerate(self._holders):
                 if self.me in holders:
@@ -205,13 +204,20 @@ class LocalCheckpoints:
         finally:
             serving.result()
 
-    def _serve(self, phases: Phases, info: PartInfo, peers: list[int], key: str) -> None:
-        """Offer part ``info``'s files to ``peers``, a group within the host memory budget at
-        a time, each group once every peer has fetched the one before: the device holds
-        one group, never a second copy of the whole part."""
-        if not peers:
-            return
-        groups = _groups(self.tier.files(info), host_memory_budget())
+    def _serve(self, phases: Phases, info: PartInfo, peers: list[int], key: str, part: Part | None = None) -> None:
+        """Write ``part`` as ``info`` first if given; then offer part ``info``'s files to
+        ``peers``, a group within the host memory budget at a time, each group once every
+        peer has fetched the one before: the device holds one group, never a second copy
+        of the whole part. A failure before the first offer is posted to the peers, who
+        raise it at once rather than wait for a group that will not come."""
+        try:
+            if part is not None:
+                self.tier.write(info, part)
+            groups = _groups(self.tier.files(info), host_memory_budget()) if peers else []
+        except Exception as e:
+            if peers:
+                phases.post(f"{key}/0", json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            raise
         for at, group in enumerate(groups):
             number = transfer_id(phases.name, key, at)
             self.transfers.offer(number, [data for _, data in group])
@@ -229,6 +235,8 @@ class LocalCheckpoints:
         at = 0
         while True:
             described = json.loads(phases.take(f"{key}/{at}", f"group {at} of {key}"))
+            if "error" in described:
+                raise CheckpointError(f"The part {key} could not be sent: {described['error']}")
             data = self.transfers.fetch(address, transfer_id(phases.name, key, at), described["sizes"])
             files.extend(zip(described["keys"], data))
             phases.post(f"{key}/{at}/{self.me}", "")
