@@ -152,7 +152,7 @@ def worker(args: argparse.Namespace) -> None:
     local = os.path.join(args.local, f"host{me}")
     result: dict[str, Any] = {"process": me}
     if args.role == "save":
-        offered = held_on_device()
+        offered = held_on_device(args.offer_mib)
         state = make_state(args.gib, STEP)
         result["checksums"] = checksums(state)
         with eqxckpt.CheckpointManager(
@@ -195,10 +195,14 @@ def worker(args: argparse.Namespace) -> None:
     jax.distributed.shutdown()
 
 
-def held_on_device() -> dict[str, int]:
+def held_on_device(offer_mib: float | None) -> dict[str, int]:
     """The most bytes this process's offers to its peers held on its device at once (what
-    a local save adds to device memory), recorded as they are made: ``["peak"]``."""
-    from eqxckpt._local import _peers
+    a local save adds to device memory), recorded as they are made: ``["peak"]``; with
+    ``offer_mib``, the host memory budget its offers are grouped within (default 256 MiB)."""
+    from eqxckpt._local import _checkpoints, _peers
+
+    if offer_mib is not None:
+        _checkpoints.host_memory_budget = lambda: int(offer_mib * 2**20)
 
     seen = {"peak": 0}
     offer = _peers.Transfers.offer
@@ -280,6 +284,7 @@ def launch(role: str, args: argparse.Namespace, work: str, store: str, expect: s
         command = [sys.executable, os.path.abspath(__file__), "--worker", role, "--port", str(port)]
         command += ["--process-id", str(i), "--gib", str(args.gib), "--steps", str(args.steps)]
         command += ["--store", store, "--local", args.local_dir, "--expect", expect]
+        command += [] if args.offer_mib is None else ["--offer-mib", str(args.offer_mib)]
         with open(log, "wb") as out:
             workers.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + args.timeout
@@ -415,6 +420,7 @@ def main() -> None:
     parser.add_argument("--local-root", default=None, help="where the local tiers' temp directory goes")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per job")
     parser.add_argument("--json", help="write every measurement here")
+    parser.add_argument("--offer-mib", type=float, default=None, help="the budget a local save's offers are grouped in")
     # A worker's arguments (the driver passes them).
     parser.add_argument("--worker", choices=["save", "restore", "blocked"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

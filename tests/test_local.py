@@ -720,3 +720,15 @@ def test_four_processes_never_resume_a_deleted_or_replaced_run_nor_onto_another_
     shutil.copytree(old, tmp_path / "host1")
     resumed = _train(tmp_path, 6, LOCAL_SEED="2")
     assert [step for step, _ in resumed] == ["4"] * 4 and all(checked > 0 for _, checked in resumed)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 100), max_size=12), budget=st.integers(1, 150))
+def test_a_part_is_offered_in_groups_within_the_budget_in_order(sizes, budget):
+    from eqxckpt._local._checkpoints import _groups
+
+    files = [(f"f{i}", np.zeros(n, np.uint8)) for i, n in enumerate(sizes)]
+    groups = _groups(files, budget)
+    assert [key for group in groups for key, _ in group] == [key for key, _ in files]  # each once, in order
+    for group in groups:  # within the budget, or one file larger than it alone
+        assert sum(data.nbytes for _, data in group) <= budget or len(group) == 1
