@@ -72,11 +72,13 @@ def _stored_bytes(data: np.ndarray) -> Any:
     return data.reshape(-1).view(np.uint8).data
 
 
-def digest(fields: list[Any], data: np.ndarray) -> str:
-    """The digest of a leaf described by ``fields`` holding ``data`` (whole, in memory):
-    what a `LeafDigest` given the same gives, in one step (a save digests every leaf)."""
+def digest(fields: list[Any], data: np.ndarray | list[np.ndarray]) -> str:
+    """The digest of a leaf described by ``fields`` holding ``data`` (whole, in memory; or,
+    for a part's leaf, the blocks it holds, in order): what a `LeafDigest` given the same
+    gives, in one step (a save digests every leaf)."""
     hashed = _started(fields)
-    hashed.update(_stored_bytes(data))
+    for piece in data if isinstance(data, list) else [data]:
+        hashed.update(_stored_bytes(piece))
     return f"{ALGORITHM}:{hashed.hexdigest()}"
 
 

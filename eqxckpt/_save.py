@@ -25,7 +25,7 @@ from ._leaf import Leaf, StoredLeaf, with_storage
 from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
 from ._paths import GROUP_METADATA, group_file, group_locations, key_entry
-from ._pieces import PackedWrite, Piece, record_of, snapshot
+from ._pieces import HostPiece, PackedWrite, Piece, record_of, snapshot
 from ._progress import Progress, advance, reporting
 from ._replicas import check_copies_agree, copy_digests
 from ._reuse import Reuse, plan_reuse
@@ -126,8 +126,11 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob], stop: threading.Event
     source's). Run where the writes run: off the caller's thread for a background save;
     batches of leaves are hashed on every core (the hash releases the GIL)."""
     by_offset = {r.offset: r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None}
-    whole: list[tuple[StoredLeaf, np.ndarray]] = []
+    whole: list[tuple[StoredLeaf, np.ndarray | list[np.ndarray]]] = []
     for leaf in leaves:
+        if leaf.record.blocks is not None:  # a part's blocks, each whole here, in order
+            whole.append((leaf.record, [piece.data for piece in leaf.pieces if isinstance(piece, HostPiece)]))
+            continue
         if len(leaf.pieces) != 1:
             continue
         for offset, data in leaf.pieces[0].hashed():
@@ -135,18 +138,18 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob], stop: threading.Event
                 whole.append((by_offset[offset], data))
             elif data.shape == leaf.record.data_shape:
                 whole.append((leaf.record, data))
-    batches: list[list[tuple[StoredLeaf, np.ndarray]]] = [[]]
+    batches: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray]]]] = [[]]
     size = 0
     for record, data in whole:
         if size >= DIGEST_BATCH_BYTES:
             batches.append([])
             size = 0
         batches[-1].append((record, data))
-        size += data.nbytes
+        size += record.nbytes
     digests: dict[str, str] = {}
     failures: list[tuple[str, Exception]] = []
 
-    def hash_batches(share: list[list[tuple[StoredLeaf, np.ndarray]]]) -> None:
+    def hash_batches(share: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray]]]]) -> None:
         for batch in share:
             if stop is not None and stop.is_set():
                 return  # the save failed meanwhile: its digests are never used

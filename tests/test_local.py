@@ -629,20 +629,40 @@ def test_a_local_restore_takes_at_and_transforms_like_load(tmp_path):
     assert jnp.array_equal(local["w"], tree["model"]["w"]) and jnp.array_equal(persistent["w"], local["w"])
 
 
-def test_a_symlinked_directory_of_parts_is_never_followed_for_deletion(tmp_path):
+def test_a_symlinked_directory_of_parts_is_never_followed(tmp_path):
+    # Attack 11, finding 9 (retention deleted a backup's copies through the link), and the
+    # attack on this change (saves were written through it): a symlinked `own` is refused.
     run, local, backup = tmp_path / "run", tmp_path / "local", tmp_path / "backup"
     with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
         manager.save(1, _state(1))
     [tier] = (local / "eqxckpt-local").iterdir()
     own = tier / "process-0" / "own"
     shutil.copytree(own, backup)  # the user's backup of the parts: step 1
+    (backup / "notes.txt").write_text("mine")
     shutil.rmtree(own)
     own.symlink_to(backup)
+    with pytest.raises(eqxckpt.ArgumentError, match="symlink"):
+        eqxckpt.CheckpointManager(run, **_local_options(local))
+    assert sorted(p.name for p in backup.iterdir()) == ["1", "notes.txt"] and own.is_symlink()
+    # A peer's directory that is a link is never written or deleted through either.
+    own.unlink()
+    (tier / "process-0" / "peer-1").symlink_to(backup)
     with pytest.warns(UserWarning, match="not a directory of its own"):
         with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
             for step in range(2, 5):
                 manager.save(step, _state(step))
-    assert (backup / "1" / "eqxckpt.json").exists() and own.is_symlink()
+    assert sorted(p.name for p in backup.iterdir()) == ["1", "notes.txt"]
+
+
+def test_a_second_manager_on_the_run_spelled_through_a_symlink_is_refused(tmp_path):
+    # The attack on this change: the lock named the run as spelled, so a second live manager
+    # on `run-link -> run` with the same local_path was accepted.
+    run, local = tmp_path / "run", tmp_path / "local"
+    (tmp_path / "run-link").symlink_to(run, target_is_directory=True)
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        manager.save(1, _state(1))
+        with pytest.raises(eqxckpt.ArgumentError, match="Another live CheckpointManager"):
+            eqxckpt.CheckpointManager(tmp_path / "run-link", **_local_options(local))
 
 
 @pytest.mark.parametrize("where", ["file", "under-a-file", "nul", "proc"])
@@ -700,6 +720,16 @@ def test_four_processes_never_resume_a_deleted_or_replaced_run_nor_onto_another_
     assert leaves["params/w"]["blocks"] == [[[2, 4], [0, 1024]]] and leaves["keys"]["blocks"] == [[[1, 2], [0, 2]]]
     assert "blocks" not in leaves["replicated"] and leaves["step"]["value"] == 6
     assert eqxckpt.verify(manifest.parent).ok
+    # Two chunk files of the same size swapped in process 1's part (each still passes its
+    # CRC-32C): the digest over the blocks it holds catches it, and process 1 resumes from
+    # its peer's copy, bit-exact (the outside attack on this change found it restored silently).
+    [w] = manifest.parent.glob("params/w/c/*/*")
+    [v] = manifest.parent.glob("params/v/c/*/*")
+    w_bytes, v_bytes = w.read_bytes(), v.read_bytes()
+    w.write_bytes(v_bytes)
+    v.write_bytes(w_bytes)
+    resumed = _train(tmp_path, 7)
+    assert [step for step, _ in resumed] == ["6"] * 4 and all(checked > 0 for _, checked in resumed)
     # Restored onto another mesh (every leaf replicated): each process holds only its own
     # blocks, so every process refuses, naming the sharded leaves, before reading anything.
     logs = launch("train", 4, tmp_path, worker=WORKER, LOCAL_UNTIL="7", LOCAL_LIKE="replicated")

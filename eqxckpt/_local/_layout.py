@@ -84,9 +84,14 @@ class PartInfo:
 
 def run_key(persistent: Storage) -> str:
     """The name of a run's local tier: a digest of where its persistent steps are (the
-    address, and the endpoint of an object store)."""
-    spec = {k: v for k, v in persistent.kvstore.items() if k in ("driver", "bucket", "path", "endpoint")}
-    return hashlib.sha256(json.dumps([str(persistent), spec], sort_keys=True).encode()).hexdigest()[:16]
+    address, and the endpoint of an object store; on a local disk, the real path, however
+    it is spelled: through symlinks, ``..``)."""
+    if persistent.local is not None:
+        where, spec = os.path.realpath(persistent.local), {}
+    else:
+        where = str(persistent)
+        spec = {k: v for k, v in persistent.kvstore.items() if k in ("driver", "bucket", "path", "endpoint")}
+    return hashlib.sha256(json.dumps([where, spec], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _directory_error(local_path: Any, why: str) -> ArgumentError:
@@ -134,6 +139,14 @@ class LocalTier:
             )
         # Let go when closed, or when dropped unclosed (garbage-collected).
         self._release = weakref.finalize(self, lock.release)
+        own = self.root / "own"
+        if own.is_symlink() or (own.exists() and not own.is_dir()):
+            self.close()
+            raise ArgumentError(
+                f"The local tier's directory {own} is a symlink or not a directory: eqxckpt keeps this process's "
+                "parts only in a directory of its own, never through a link. Remove it (what it points to is left "
+                "alone)."
+            )
         if not os.access(self.root, os.W_OK):
             self.close()
             raise _directory_error(local_path, "is not writable")
@@ -146,7 +159,17 @@ class LocalTier:
         self._release()
 
     def _directory(self, owner: int) -> Storage:
-        return resolve(self.root / ("own" if owner == self.process else f"peer-{owner}"))
+        """Where ``owner``'s parts are kept here: a real directory (made if missing), never
+        through a symlink (eqxckpt writes and deletes only inside its own directories)."""
+        path = self.root / ("own" if owner == self.process else f"peer-{owner}")
+        if not path.exists() and not path.is_symlink():
+            path.mkdir()
+        if path.is_symlink() or not path.is_dir():
+            raise CheckpointError(
+                f"Local tier: {path} is a symlink or not a directory; eqxckpt keeps its parts only in directories "
+                "of its own. Remove it (what it points to is left alone)."
+            )
+        return resolve(path)
 
     def _directories(self) -> list[tuple[int, Storage]]:
         """(whose parts, the directory) for each real directory of parts here; a symlink

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import eqxckpt
 from eqxckpt import _distributed, _local, _save
 
-SHAPES = {"w": (8, 1024), "b": (8,), "table": (16, 64)}  # sharded on the first axis
+SHAPES = {"w": (8, 1024), "v": (8, 1024), "b": (8,), "table": (16, 64)}  # sharded on the first axis
 
 
 def mesh() -> Mesh:
