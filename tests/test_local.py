@@ -665,7 +665,7 @@ def test_a_second_manager_on_the_run_spelled_through_a_symlink_is_refused(tmp_pa
             eqxckpt.CheckpointManager(tmp_path / "run-link", **_local_options(local))
 
 
-@pytest.mark.parametrize("where", ["file", "under-a-file", "nul", "proc"])
+@pytest.mark.parametrize("where", ["file", "under-a-file", "nul", "proc", "empty"])
 def test_a_bad_local_path_is_an_argument_error_naming_it(tmp_path, where):
     (tmp_path / "file").write_text("x")
     path = {
@@ -673,6 +673,7 @@ def test_a_bad_local_path_is_an_argument_error_naming_it(tmp_path, where):
         "under-a-file": tmp_path / "file" / "local",
         "nul": f"{tmp_path}/lo\0cal",
         "proc": "/proc/eqxckpt-local-test",
+        "empty": "",
     }[where]
     with pytest.raises(eqxckpt.ArgumentError, match="local_path"):
         eqxckpt.CheckpointManager(tmp_path / "run", local_path=path)

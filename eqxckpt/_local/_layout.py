@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import stat
 import warnings
 import weakref
@@ -72,6 +73,12 @@ class PartInfo:
             value = record[name]
             if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
                 raise CheckpointError(f"{where}: its {PART_KEY!r} record's {name} is {value!r}.")
+        if not re.fullmatch(r"[0-9a-f]{32}:(0|[1-9][0-9]*)", record["token"]) or not record["token"].endswith(
+            f":{record['step']}"
+        ):
+            raise CheckpointError(
+                f"{where}: its {PART_KEY!r} record's token {record['token'][:80]!r} is not its save's."
+            )
         return cls(**record, holder=holder)
 
     def to_json(self) -> list:
@@ -122,6 +129,8 @@ class LocalTier:
             raise ArgumentError(f"local_path must be a directory of this host (a path), got {local_path!r}.")
         if "\0" in str(local_path):
             raise _directory_error(local_path, "holds a NUL byte")
+        if not str(local_path):
+            raise _directory_error(local_path, "is empty")
         self.process = process
         self.root = pathlib.Path(local_path) / "eqxckpt-local" / run_key(persistent) / f"process-{process}"
         try:
