@@ -176,6 +176,7 @@ def worker(args: argparse.Namespace) -> None:
         barrier("restore")
         start = time.perf_counter()
         step = manager.latest_step()
+        result["choose_s"] = time.perf_counter() - start
         state = manager.load(like)
         jax.block_until_ready(state)
         result["restore_s"] = time.perf_counter() - start
@@ -340,6 +341,7 @@ def recovery(args: argparse.Namespace, work: str, store: str, paths: list[str]) 
             }
         )
         print(f"  {path}: max {max(seconds):.2f} s, each {[round(s, 2) for s in seconds]} (load {load})", flush=True)
+        print(f"    of which latest_step: {[round(r['choose_s'], 2) for r in restored]}", flush=True)
     return out
 
 
