@@ -1,24 +1,19 @@
 """`CheckpointManager`: which steps are saved (intervals, ``force``, preemption), handed
 to its tiers (`_tiers`: persistent, and local if asked), and resumed from them."""
 
-import contextlib
 import os
 import signal
 import sys
-import warnings
 from typing import Any
 
-import jax
 from jaxtyping import PyTree
 
-from ._checkpoint import open_checkpoint
 from ._errors import ArgumentError, CheckpointError
 from ._preemption import Notices
 from ._progress import Progress
 from ._retention import Retention
-from ._steps import MANAGER_KEY, clean_leftovers, scan_steps
 from ._storage import CheckpointPath, resolve
-from ._tiers import Details, LocalFirstTier, LocalSettings, PersistentTier, Resume, Tier
+from ._tiers import Details, LocalSettings, PersistentTier, Resume, Tiers
 
 
 class CheckpointManager:
@@ -93,25 +88,14 @@ class CheckpointManager:
         local_max_to_keep: int = 1,
     ):
         self.retention = Retention(max_to_keep, keep_every, best_metric, best_mode, keep_best)
-        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
-            raise ArgumentError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}.")
         self._notices = Notices(preemption_signals if save_on_preemption else None, preemption_grace_s)
         self.location = resolve(directory)
         self.blocking = blocking
         self.exit_on_preemption = exit_on_preemption
-        if jax.process_index() == 0 and (left_alone := clean_leftovers(self.location)):
-            warnings.warn(left_alone, stacklevel=2)
-        scan = scan_steps(self.location)
-        if skipped := scan.warning(self.location):
-            warnings.warn(skipped, stacklevel=2)
-        self._persistent = PersistentTier(self.location, self.retention, scan, save_interval_steps, incremental)
-        # Saved to in order, the persistent tier first (a step it refuses is saved to no other,
-        # for a restart to resume from); resumed from the last, which falls back on the first.
-        self._tiers: tuple[Tier, ...] = (self._persistent,)
-        if local_path is not None:
-            interval = save_interval_steps if local_interval_steps is None else local_interval_steps
-            settings = LocalSettings(local_path, interval, local_replicas, local_max_to_keep)
-            self._tiers += (LocalFirstTier(settings, self._persistent),)
+        self._persistent = PersistentTier.opened(self.location, self.retention, save_interval_steps, incremental)
+        interval = save_interval_steps if local_interval_steps is None else local_interval_steps
+        local = None if local_path is None else LocalSettings(local_path, interval, local_replicas, local_max_to_keep)
+        self._tiers = Tiers(self._persistent, local)
         # What `latest_step` chose, for the `load` that follows; a save drops it.
         self._resume: Resume | None = None
 
@@ -159,7 +143,7 @@ class CheckpointManager:
             raise ArgumentError(f"step must be a non-negative int, got {step!r}.")
         self._notices.listen(self)
         preempted = self._notices.reached(step)
-        tiers = [tier for tier in self._tiers if tier.should_save(step) or (force and tier is self._persistent)]
+        tiers = self._tiers.saving(step, force)
         if not (preempted or tiers):
             return False
         self._resume = None  # what latest_step chose is no longer the newest
@@ -172,17 +156,9 @@ class CheckpointManager:
         return True
 
     def _save_for_preemption(self, step: int, tree: PyTree, details: Details) -> bool:
-        """The job will be stopped: save ``step`` now (unless saved already), durably, then
-        end the process (or return). If the save fails, the notice stands for the next."""
+        """Save ``step`` durably for a notice, then exit (or return); if it fails, the notice stands."""
         with self._notices.saving(for_notice=True):
-            for fast in self._tiers[1:]:  # the fast copies first, then the durable one
-                try:
-                    fast.save(step, tree, blocking=True)
-                except CheckpointError as e:
-                    warnings.warn(f"Preemption notice: the local tier's save of step {step} failed: {e}", stacklevel=3)
-            self._persistent.wait()
-            if step not in self._persistent.steps.committed():
-                self._persistent.save(step, tree, blocking=True, details=details)
+            self._tiers.save_for_notice(step, tree, details)
         self._notices.saved_at = step
         if self.exit_on_preemption:
             print(f"eqxckpt: preemption notice; step {step} saved to {self.location}, exiting.", file=sys.stderr)
@@ -212,9 +188,7 @@ class CheckpointManager:
         manager.wait()  # e.g. before the job ends
         ```
         """
-        with contextlib.ExitStack() as every:  # every tier is waited for; the first error is raised
-            for tier in reversed(self._tiers):
-                every.callback(tier.wait)
+        self._tiers.wait()
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (a save still in flight is not among them).
@@ -236,8 +210,8 @@ class CheckpointManager:
         state = manager.load(skeleton) if start is not None else init_state()
         ```
         """
-        self._resume = self._tiers[-1].resumable()
-        return self._resume.step
+        self._resume = resume = self._tiers.resumable()
+        return resume.step
 
     def best_step(self) -> int | None:
         """The committed step with the best ``metrics[best_metric]``, or None.
@@ -267,10 +241,7 @@ class CheckpointManager:
         manager.metadata()["lr"]  # 0.0003
         ```
         """
-        steps = self._persistent.steps
-        metadata = dict(open_checkpoint(steps.step_path(steps.resolve(step))).metadata)
-        metadata.pop(MANAGER_KEY, None)
-        return metadata
+        return self._persistent.steps.metadata(step)
 
     def load(
         self, like: PyTree | None = None, *, step: int | None = None, at: str | None = None, **load_kwargs: Any
@@ -291,7 +262,7 @@ class CheckpointManager:
         """
         resume, self._resume = self._resume, None
         if step is not None or resume is None:
-            resume = self._tiers[-1].resumable(step)
+            resume = self._tiers.resumable(step)
         return resume.restore(like, at, load_kwargs)
 
     def path(self, step: int) -> Any:
@@ -318,9 +289,7 @@ class CheckpointManager:
         ```
         """
         try:
-            with contextlib.ExitStack() as every:  # every tier is closed; the first error is raised
-                for tier in reversed(self._tiers):
-                    every.callback(tier.close)
+            self._tiers.close()
         finally:
             self._notices.stop()
 

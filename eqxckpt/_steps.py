@@ -361,6 +361,12 @@ class RunSteps:
         with self._lock:
             return sorted(self._metrics)
 
+    def metadata(self, step: int | None) -> dict:
+        """The metadata saved with ``step`` (None: the latest), less the manager's own record."""
+        metadata = dict(open_checkpoint(self.step_path(self.resolve(step))).metadata)
+        metadata.pop(MANAGER_KEY, None)
+        return metadata
+
     def metrics(self, step: int) -> dict[str, float]:
         """The metrics saved with ``step``; `CheckpointNotFoundError` if it is not committed."""
         with self._lock:

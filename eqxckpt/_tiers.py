@@ -7,13 +7,14 @@ import abc
 import contextlib
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import jax
 from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
-from ._errors import ArgumentError, CheckpointChangedError
+from ._errors import ArgumentError, CheckpointChangedError, CheckpointError
 from ._formats import open as open_source
 from ._load import READ_ATTEMPTS, load
 from ._local import LocalCheckpoints
@@ -21,7 +22,7 @@ from ._progress import Progress
 from ._replicas import failing_together, spans_processes
 from ._retention import Retention
 from ._save import save
-from ._steps import GONE, MANAGER_KEY, RunSteps, StepScan, manager_record
+from ._steps import GONE, MANAGER_KEY, RunSteps, StepScan, clean_leftovers, manager_record, scan_steps
 from ._storage import Storage
 
 # How many steps `PersistentTier.restore` tries for the latest one when the one it picked
@@ -119,6 +120,20 @@ class PersistentTier(Tier):
         self.interval = interval
         self.incremental = incremental
         self._pending: SaveHandle | None = None
+
+    @classmethod
+    def opened(cls, location: Storage, retention: Retention, interval: int, incremental: bool) -> "PersistentTier":
+        """The run at ``location``, as a manager opens it: what interrupted saves left removed
+        (process 0; only what is provably abandoned and eqxckpt's), its steps listed, and a
+        warning naming entries that are not committed steps."""
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ArgumentError(f"save_interval_steps must be a positive int, got {interval!r}.")
+        if jax.process_index() == 0 and (left_alone := clean_leftovers(location)):
+            warnings.warn(left_alone, stacklevel=3)
+        scan = scan_steps(location)
+        if skipped := scan.warning(location):
+            warnings.warn(skipped, stacklevel=3)
+        return cls(location, retention, scan, interval, incremental)
 
     def should_save(self, step: int) -> bool:
         return step % self.interval == 0
@@ -280,3 +295,51 @@ def _metric(name: Any, value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ArgumentError(f"metric {name!r} must be a number, got {value!r}.") from None
+
+
+class Tiers:
+    """A manager's tiers, in the order it saves to them: the persistent tier first (a step
+    it refuses is saved to no other, for a restart to resume from), then the local tier if
+    ``local`` is given. Resumed from the last, which falls back on the first.
+
+    ```python
+    tiers = Tiers(persistent, LocalSettings("/dev/shm/run", 10, 1, 1))
+    tiers.resumable().step
+    ```
+    """
+
+    def __init__(self, persistent: PersistentTier, local: LocalSettings | None):
+        self.persistent = persistent
+        self.all: tuple[Tier, ...] = (persistent,) if local is None else (persistent, LocalFirstTier(local, persistent))
+
+    def saving(self, step: int, force: bool) -> list[Tier]:
+        """The tiers that save ``step`` (``force``: the persistent one whatever its interval)."""
+        return [tier for tier in self.all if tier.should_save(step) or (force and tier is self.persistent)]
+
+    def save_for_notice(self, step: int, tree: PyTree, details: Details) -> None:
+        """Save ``step`` for a preemption notice: the fast copies first (a failure there is
+        warned about), then durably in the persistent tier, unless it holds the step."""
+        for fast in self.all[1:]:
+            try:
+                fast.save(step, tree, blocking=True)
+            except CheckpointError as e:
+                warnings.warn(f"Preemption notice: the local tier's save of step {step} failed: {e}", stacklevel=4)
+        self.persistent.wait()
+        if step not in self.persistent.steps.committed():
+            self.persistent.save(step, tree, blocking=True, details=details)
+
+    def resumable(self, step: int | None = None) -> Resume:
+        """What to resume from (`Tier.resumable` of the last tier)."""
+        return self.all[-1].resumable(step)
+
+    def wait(self) -> None:
+        """Wait for every tier; the first error is raised."""
+        with contextlib.ExitStack() as every:
+            for tier in reversed(self.all):
+                every.callback(tier.wait)
+
+    def close(self) -> None:
+        """Close every tier; the first error is raised."""
+        with contextlib.ExitStack() as every:
+            for tier in reversed(self.all):
+                every.callback(tier.close)
