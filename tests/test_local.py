@@ -620,7 +620,7 @@ def test_a_local_restore_into_a_wrong_shape_has_the_rows_of_load(tmp_path):
         assert getattr(by_local, rows) == getattr(by_persistent, rows) != []
 
 
-def test_a_local_restore_takes_at_and_transforms_like_load(tmp_path):
+def test_a_local_restore_takes_at_like_load(tmp_path):
     tree = {"model": {"w": jnp.arange(6.0).reshape(2, 3)}, "opt": {"mu": jnp.zeros((2, 3))}}
     model = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
     persistent, local = _persistent_and_local(tmp_path, tree, model, at="model")
