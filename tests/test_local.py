@@ -729,6 +729,25 @@ def test_four_processes_never_resume_a_deleted_or_replaced_run_nor_onto_another_
     v.write_bytes(w_bytes)
     resumed = _train(tmp_path, 7)
     assert [step for step, _ in resumed] == ["6"] * 4 and all(checked > 0 for _, checked in resumed)
+    # Process 2's own part loses its manifest (its peer keeps a sound copy): set aside, not
+    # deleted, and the copy restored in its place (the second outside attack: load raised).
+    [lost] = (tmp_path / "host2").glob("eqxckpt-local/*/process-2/own/6/eqxckpt.json")
+    lost.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = _train(tmp_path, 7)
+    assert [step for step, _ in resumed] == ["6"] * 4 and all(checked > 0 for _, checked in resumed)
+    assert list(lost.parent.parent.glob(".6.set-aside-*")) and lost.exists()
+    # The job resumes from the persistent step 4 and saves steps 5 and 6 again (seed 3) while
+    # host 1 is away; host 1 then comes back with its tier of the first steps 5 and 6. Both
+    # saves of step 6 are complete: the newer one is restored, never the one it replaced.
+    away = tmp_path / "away-host1"
+    shutil.move(tmp_path / "host1", away)
+    _train(tmp_path, 7, LOCAL_FROM="4", LOCAL_FROM_SEED="0", LOCAL_SEED="3")
+    shutil.rmtree(tmp_path / "host1")
+    shutil.move(away, tmp_path / "host1")
+    resumed = _train(tmp_path, 7, LOCAL_SEED="3")
+    assert [step for step, _ in resumed] == ["6"] * 4 and all(checked > 0 for _, checked in resumed)
     # Restored onto another mesh (every leaf replicated): each process holds only its own
     # blocks, so every process refuses, naming the sharded leaves, before reading anything.
     logs = launch("train", 4, tmp_path, worker=WORKER, LOCAL_UNTIL="7", LOCAL_LIKE="replicated")
@@ -761,3 +780,23 @@ def test_a_part_is_offered_in_groups_within_the_budget_in_order(sizes, budget):
     assert [key for group in groups for key, _ in group] == [key for key, _ in files]  # each once, in order
     for group in groups:  # within the budget, or one file larger than it alone
         assert sum(data.nbytes for _, data in group) <= budget or len(group) == 1
+
+
+@pytest.mark.multiprocess
+def test_processes_given_different_local_settings_all_refuse_at_the_first_save(tmp_path):
+    # The second outside attack: one process with local_interval_steps=2 returned while the
+    # others waited out the barrier timeout and blamed a crash. Now every process refuses at
+    # the first local save (step 0, which every interval saves), naming the settings.
+    workers, logs = start_workers(
+        WORKER, "train", 4, tmp_path, EQXCKPT_BARRIER_TIMEOUT_S="60", LOCAL_UNTIL="3", LOCAL_INTERVAL_1="2"
+    )
+    try:
+        codes = [worker.wait(timeout=180) for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+    # Each raises it; one whose coordinator (process 0) exited first may be ended by JAX's
+    # distributed runtime before it prints it (SIGABRT), never left waiting.
+    assert codes[0] == 1 and all(code == 1 or code == -signal.SIGABRT for code in codes), codes
+    assert all("different local tier settings" in log.read_text() for log, code in zip(logs, codes) if code == 1)

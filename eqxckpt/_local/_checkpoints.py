@@ -23,6 +23,7 @@ deleted run, or of another run at the same place, is never restored.
 import concurrent.futures
 import dataclasses
 import json
+import time
 import uuid
 import warnings
 from collections.abc import Callable
@@ -52,6 +53,13 @@ class LocalChoice:
     sources: dict[int, int]
     complete: list[tuple[int, str]]  # every save (step, token) every process can restore, up to this one
     parts: dict[int, PartInfo]  # each process's part, as its owner saved it
+
+
+def _session() -> str:
+    """A new session: 32 hex digits, the first 16 the time it began (ns), so that of two
+    complete saves of one step (a job that saved the step again after resuming from an
+    earlier one), the newer sorts last and is the one restored."""
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:16]}"
 
 
 def _positive(name: str, value: Any, zero: bool = False) -> int:
@@ -140,6 +148,9 @@ class LocalCheckpoints:
                 "is saved once, in order. Resume from latest_step() + 1."
             )
         part = Part(tree)
+        # On the caller's thread (once): processes given different settings all refuse here,
+        # at the same save, rather than one waiting at a later phase for a save never made.
+        self._join()
         committed = self.steps.committed()
         follows = committed[-1] if committed else None
         if blocking:
@@ -163,25 +174,31 @@ class LocalCheckpoints:
             return
         if self.processes == 1:
             self._run = self.steps.run_id(create=True)
-            self._session = uuid.uuid4().hex
+            self._session = _session()
             return
+        settings = {"local_interval_steps": self.interval, "local_replicas": self.replicas}
 
         def mine() -> str:
             found: dict[str, Any] = {
                 "domain": failure_domain(),
                 "address": self.transfers.address if self.replicas else "",
+                "settings": settings,
             }
             if self.me == 0:
-                found.update(session=uuid.uuid4().hex, run=self.steps.run_id(create=True))
+                found.update(session=_session(), run=self.steps.run_id(create=True))
             return json.dumps(found)
 
         found = [json.loads(r) for r in Phases("local").run("join", mine)]
+        if differing := [(k, f["settings"]) for k, f in enumerate(found) if f["settings"] != settings]:
+            raise ArgumentError(
+                f"The processes of this job give CheckpointManager different local tier settings: process "
+                f"{self.me} has {settings}, process {differing[0][0]} {differing[0][1]}. Give every process the same."
+            )
         self._holders = placement([f["domain"] for f in found], self.replicas)
         self._addresses = [f["address"] for f in found]
         self._session, self._run = found[0]["session"], found[0]["run"]
 
     def _write(self, step: int, part: Part, follows: int | None) -> None:
-        self._join()
         assert self._run is not None
         token = f"{self._session}:{step}"
         info = PartInfo(self.me, step, token, self.processes, self._run, follows, self.me)

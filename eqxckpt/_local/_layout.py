@@ -23,6 +23,7 @@ import os
 import pathlib
 import re
 import stat
+import uuid
 import warnings
 import weakref
 from typing import Any
@@ -260,6 +261,7 @@ class LocalTier:
         if name != MANIFEST_NAME:
             raise CheckpointError(f"Local tier: the copy of {where} sent by its owner has no manifest.")
         manifest = parse_manifest(raw.tobytes(), str(where))
+        self._set_aside(where)
         staging = where.begin_save([], overwrite=True)
         try:
             writer = staging.storage.chunk_files()
@@ -271,6 +273,20 @@ class LocalTier:
             raise
         finally:
             staging.release()
+
+    def _set_aside(self, where: Storage) -> None:
+        """A step directory here that holds no committed part (its manifest lost, say) is
+        renamed to a hidden name, with a warning, so that a copy can take its place:
+        eqxckpt cannot prove it wrote what is in it, so it deletes none of it."""
+        path = where.local
+        assert path is not None
+        if path.is_dir() and not path.is_symlink() and not (path / MANIFEST_NAME).exists():
+            aside = path.with_name(f".{path.name}.set-aside-{uuid.uuid4().hex[:8]}")
+            os.rename(path, aside)
+            warnings.warn(
+                f"Local tier: {path} held no committed part; it was moved to {aside} and the copy put in its place.",
+                stacklevel=4,
+            )
 
     def checked(self, info: PartInfo) -> bool:
         """Whether the part ``info`` is still that part and every chunk of it passes its checks

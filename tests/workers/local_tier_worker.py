@@ -10,6 +10,9 @@ blocks it restores exactly. Environment:
 - LOCAL_HOSTS: ``separate`` (each process's local tier in DIRECTORY/host<i>) or ``shared``
   (all in DIRECTORY/shared, beside someone else's files).
 - LOCAL_SEED, LOCAL_UNTIL (train up to this step, exclusive), LOCAL_KEEP (local_max_to_keep).
+- LOCAL_FROM, LOCAL_FROM_SEED: resume from this persistent step, saved with that seed,
+  instead of the newest (then train with LOCAL_SEED: the steps after it saved again).
+- LOCAL_INTERVAL_<k>: process k's ``local_interval_steps`` (default 1).
 - LOCAL_LIKE: ``replicated`` restores into a replicated skeleton (not the mesh saved from)
   and prints ``REFUSED <paths> <first row>`` for the error it gets.
 - LOCAL_FAULT: ``VICTIM:WHERE:STEP``: process VICTIM is SIGKILLed in the local save of
@@ -147,7 +150,7 @@ def train(directory: str) -> None:
         persistent,
         save_interval_steps=4,
         local_path=local,
-        local_interval_steps=1,
+        local_interval_steps=int(os.environ.get(f"LOCAL_INTERVAL_{jax.process_index()}", "1")),
         local_replicas=1,
         local_max_to_keep=int(os.environ.get("LOCAL_KEEP", "1")),
     ) as manager:
@@ -167,7 +170,14 @@ def train(directory: str) -> None:
             except eqxckpt.StructureMismatchError as e:
                 print("REFUSED", json.dumps([path for path, _ in e.mismatched]), str(e).splitlines()[2], flush=True)
                 return
-        if start is not None:
+        if (rewind := os.environ.get("LOCAL_FROM")) is not None:  # resume from an earlier persistent step
+            start = int(rewind)
+            checked = check(
+                manager.load(skeleton(int(os.environ["LOCAL_FROM_SEED"])), step=start),
+                int(os.environ["LOCAL_FROM_SEED"]),
+                start,
+            )
+        elif start is not None:
             checked = check(manager.load(skeleton(seed)), seed, start)
         print(f"RESUMED {start} {checked}", flush=True)
         for step in range(0 if start is None else start + 1, until):
