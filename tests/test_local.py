@@ -796,7 +796,10 @@ def test_processes_given_different_local_settings_all_refuse_at_the_first_save(t
         for worker in workers:
             worker.kill()
             worker.wait()
-    # Each raises it; one whose coordinator (process 0) exited first may be ended by JAX's
-    # distributed runtime before it prints it (SIGABRT), never left waiting.
-    assert codes[0] == 1 and all(code == 1 or code == -signal.SIGABRT for code in codes), codes
-    assert all("different local tier settings" in log.read_text() for log, code in zip(logs, codes) if code == 1)
+    # Each raises it; one that was slower than process 0 (whose exit ends the coordination
+    # service) may instead hear that the service is gone, or be ended by JAX's distributed
+    # runtime (SIGABRT): none succeeds, none waits out the barrier timeout.
+    assert codes[0] == 1 and all(code in (1, -signal.SIGABRT) for code in codes), codes
+    texts = [log.read_text() for log in logs]
+    assert "different local tier settings" in texts[0]
+    assert all("different local tier settings" in text or "UNAVAILABLE" in text for text in texts)
