@@ -234,7 +234,7 @@ class CheckpointManager:
         return self._persistent.steps.metrics(step)
 
     def metadata(self, step: int | None = None) -> dict:
-        """The ``metadata`` dict saved with ``step``, a committed step (None: the latest).
+        """The ``metadata`` saved with ``step``, a persistent step (None: `all_steps()[-1]`).
 
         ```python
         manager.save(100, tree, metadata={"lr": 3e-4}), manager.wait()

@@ -40,7 +40,7 @@ class Retention:
     def __post_init__(self) -> None:
         for name in ("max_to_keep", "keep_every", "keep_best"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ArgumentError(f"{name} must be a positive int or None, got {value!r}.")
         if self.best_mode not in ("min", "max"):
             raise ArgumentError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}.")

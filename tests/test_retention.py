@@ -118,3 +118,11 @@ def test_the_documented_example():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(eqxckpt.ArgumentError, match=match):
         Retention(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["max_to_keep", "keep_every", "keep_best"])
+def test_a_bool_count_is_refused_as_save_interval_steps_is(tmp_path, name):
+    # An outside attack: max_to_keep=True was taken as 1 while the other counts refuse bools.
+    extra = {"best_metric": "loss"} if name == "keep_best" else {}
+    with pytest.raises(eqxckpt.ArgumentError, match=f"{name} must be a positive int"):
+        eqxckpt.CheckpointManager(tmp_path / "run", **{name: True}, **extra)

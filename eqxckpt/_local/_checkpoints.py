@@ -243,6 +243,9 @@ class LocalCheckpoints:
                 phases.post(f"{key}/{at}", json.dumps({**described, "last": at == len(groups) - 1}))
                 for peer in peers:
                     phases.take(f"{key}/{at}/{peer}", f"process {peer}'s receipt of group {at} of {key}")
+                # Every peer has it: the coordination service keeps nothing of it.
+                for posted in [f"{key}/{at}", *(f"{key}/{at}/{peer}" for peer in peers)]:
+                    phases.forget(posted)
             finally:
                 self.transfers.release(number)
 
