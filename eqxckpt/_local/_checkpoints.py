@@ -46,13 +46,13 @@ from ._peers import Transfers, failure_domain, placement, transfer_id
 @dataclasses.dataclass(frozen=True)
 class LocalChoice:
     """A step every process can restore from the local tier: the save (``token``) of
-    ``step`` and, for each process, which process keeps the part it restores from."""
+    ``step`` and, for each process, the part it restores from (its ``holder``: the
+    process that keeps it, itself unless its own was lost)."""
 
     step: int
     token: str
-    sources: dict[int, int]
+    parts: dict[int, PartInfo]
     complete: list[tuple[int, str]]  # every save (step, token) every process can restore, up to this one
-    parts: dict[int, PartInfo]  # each process's part, as its owner saved it
 
 
 def _session() -> str:
@@ -216,8 +216,7 @@ class LocalCheckpoints:
         try:
             for owner, holders in enumerate(self._holders):
                 if self.me in holders:
-                    theirs = dataclasses.replace(info, owner=owner, holder=self.me)
-                    self.tier.receive(theirs, self._fetch(phases, f"copy/{owner}", self._addresses[owner]))
+                    self.tier.receive(owner, info.step, self._fetch(phases, f"copy/{owner}", self._addresses[owner]))
         finally:
             serving.result()
 
@@ -342,9 +341,7 @@ class LocalCheckpoints:
             damaged = {PartInfo.from_json(d) for each in self._gather("verify", check) for d in json.loads(each)}
             if not damaged:
                 complete = [save for save in whole if save <= chosen][-self.max_to_keep :]
-                sources = {owner: info.holder for owner, info in reading.items()}
-                own = {owner: dataclasses.replace(info, holder=owner) for owner, info in reading.items()}
-                return LocalChoice(chosen[0], chosen[1], sources, complete, own), persistent
+                return LocalChoice(chosen[0], chosen[1], reading, complete), persistent
             warnings.warn(
                 "The local tier's parts of step "
                 + ", ".join(
@@ -374,24 +371,22 @@ class LocalCheckpoints:
         **Returns:** the restored pytree.
         """
         self._complete = list(choice.complete)
-        own = choice.parts[self.me]
+        kept = choice.parts[self.me]
+        own = dataclasses.replace(kept, holder=self.me)  # where it is restored from: here
         if self.processes == 1:
             return load(self.tier.open(own), like, **load_kwargs)
         phases = Phases("resume")
         addresses = phases.run("address", lambda: self.transfers.address if self.replicas else "")
 
         def copy() -> str:  # a part whose owner lost it comes back from the peer keeping it
-            served = [o for o, holder in choice.sources.items() if holder == self.me and o != self.me]
+            served = [info for o, info in choice.parts.items() if info.holder == self.me and o != self.me]
             serving = [
-                self._server.submit(
-                    self._serve, phases, dataclasses.replace(choice.parts[o], holder=self.me), [o], f"restore/{o}"
-                )
-                for o in served
+                self._server.submit(self._serve, phases, info, [info.owner], f"restore/{info.owner}") for info in served
             ]
             try:
-                if choice.sources[self.me] != self.me:
-                    address = addresses[choice.sources[self.me]]
-                    self.tier.receive(own, self._fetch(phases, f"restore/{self.me}", address))
+                if kept.holder != self.me:
+                    address = addresses[kept.holder]
+                    self.tier.receive(self.me, kept.step, self._fetch(phases, f"restore/{self.me}", address))
             finally:
                 for future in serving:
                     future.result()

@@ -114,14 +114,14 @@ def inject(fault: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return commit(self)
 
-    def doomed_receive(self, info, files):
-        if where == "copy" and info.step == int(at):
+    def doomed_receive(self, owner, step, files):
+        if where == "copy" and step == int(at):
             # The peer's copy half written, never committed.
-            staging = self._directory(info.owner).sub(str(info.step)).begin_save([], overwrite=True)
+            staging = self._directory(owner).sub(str(step)).begin_save([], overwrite=True)
             staging.storage.chunk_files().write(files[0][0], [files[0][1]])
             print(f"KILLED in {where} {at}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return receive(self, info, files)
+        return receive(self, owner, step, files)
 
     def doomed_take(self, key, what):
         if where == "offer" and key.startswith(f"copy/{victim}/") and saving.get("step") == int(at):
