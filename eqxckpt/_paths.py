@@ -30,6 +30,9 @@ LEASE_NAME = "eqxckpt.lease.json"
 # A manager's run: the identity of the run at the root of its directory (see `_steps`),
 # beside its steps; no entry of the run (never a step, never deleted).
 RUN_NAME = "eqxckpt-run.json"
+# The directory a local tier keeps its parts in, under its `local_path` (which may be the
+# run's own directory): like `RUN_NAME`, eqxckpt's, and no entry of a run.
+LOCAL_TIER_NAME = "eqxckpt-local"
 MAX_SEGMENT = 120
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
 _SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-%~]+$")

@@ -803,3 +803,17 @@ def test_processes_given_different_local_settings_all_refuse_at_the_first_save(t
     texts = [log.read_text() for log in logs]
     assert "different local tier settings" in texts[0]
     assert all("different local tier settings" in text or "UNAVAILABLE" in text for text in texts)
+
+
+def test_a_local_path_that_is_the_run_itself_is_no_entry_of_the_run(tmp_path):
+    # The last outside attack: a manager on a run whose local tier is in the run's own
+    # directory warned, at every open, that `eqxckpt-local` is not a committed step.
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run, **_local_options(run)) as manager:
+        for step in range(6):
+            manager.save(step, _state(step))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning about eqxckpt's own directory
+        with eqxckpt.CheckpointManager(run, **_local_options(run)) as manager:
+            assert manager.all_steps() == [0, 4] and manager.latest_step() == 5
+            assert jnp.array_equal(manager.load(_LIKE)["w"], _state(5)["w"])

@@ -17,6 +17,7 @@ directories (a symlink among them is never followed).
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -33,12 +34,13 @@ import numpy as np
 from .._checkpoint import Checkpoint, open_checkpoint
 from .._errors import ArgumentError, CheckpointError
 from .._manifest import parse_manifest
-from .._paths import MANIFEST_NAME
+from .._paths import LOCAL_TIER_NAME, MANIFEST_NAME
 from .._save import Part
 from .._steps import clean_leftovers, is_step_name
 from .._storage import Storage, resolve
 from .._storage._locks import DirLock
 from .._verify import verify
+from .._window import read_window, run_windowed
 
 # The key of a part's own record in its checkpoint's metadata.
 PART_KEY = "eqxckpt.local"
@@ -133,7 +135,7 @@ class LocalTier:
         if not str(local_path):
             raise _directory_error(local_path, "is empty")
         self.process = process
-        self.root = pathlib.Path(local_path) / "eqxckpt-local" / run_key(persistent) / f"process-{process}"
+        self.root = pathlib.Path(local_path) / LOCAL_TIER_NAME / run_key(persistent) / f"process-{process}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -253,11 +255,11 @@ class LocalTier:
                         raise CheckpointError(f"Local tier: {entry.path} is not a plain file; the part is damaged.")
         return sorted(found, key=lambda item: (item[0] == MANIFEST_NAME, item[0]))
 
-    def receive(self, info: PartInfo, files: list[tuple[str, np.ndarray]]) -> None:
-        """Keep a copy of another process's part from its files (`files` there), committed
+    def receive(self, owner: int, step: int, files: list[tuple[str, np.ndarray]]) -> None:
+        """Keep process ``owner``'s part of ``step`` from its files (`files` there), committed
         atomically as its own save would be; checked when a restore chooses it."""
         *arrays, (name, raw) = files
-        where = self._directory(info.owner).sub(str(info.step))
+        where = self._directory(owner).sub(str(step))
         if name != MANIFEST_NAME:
             raise CheckpointError(f"Local tier: the copy of {where} sent by its owner has no manifest.")
         manifest = parse_manifest(raw.tobytes(), str(where))
@@ -265,8 +267,9 @@ class LocalTier:
         staging = where.begin_save([], overwrite=True)
         try:
             writer = staging.storage.chunk_files()
-            for key, data in arrays:
-                writer.write(key, [data])
+            # Through the I/O threads' window, as a save writes its chunks.
+            tasks = [(data.nbytes, functools.partial(writer.writing, key, [data]), None) for key, data in arrays]
+            run_windowed(tasks, read_window(sum(data.nbytes for _, data in arrays)))
             staging.commit(manifest, {key: data.nbytes for key, data in arrays})
         except BaseException as e:
             staging.abort(e)

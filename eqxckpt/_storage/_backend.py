@@ -26,7 +26,7 @@ from .._errors import (
 )
 from .._leaf import StoredLeaf
 from .._manifest import Manifest
-from .._paths import GROUP_METADATA, RUN_NAME, group_file, group_locations, validate_path
+from .._paths import GROUP_METADATA, LOCAL_TIER_NAME, RUN_NAME, group_file, group_locations, validate_path
 from .._tensorstore import reason, shared_context
 from .._window import blocking, done, host_memory_budget
 from ._kvstore import MIN_PART_BYTES, PART_BYTES, PartError, SizeError, read_parts
@@ -180,9 +180,10 @@ class Storage(abc.ABC):
         """(name, state) for each visible entry, sorted: ``committed`` (holds a committed
         checkpoint), ``busy`` (a save or deletion holds it), ``retired`` (only the arrays
         of a deleted checkpoint, which newer ones still refer to) or ``other``. A run's
-        identity (`RUN_NAME`) is no entry: every reader of a run's entries (its steps,
-        cleanup, ``eqxckpt verify RUN/``) leaves it alone, without a word."""
-        return [(name, state) for name, state in self.list_entries() if name != RUN_NAME]
+        identity (`RUN_NAME`) and a local tier kept in the run's own directory
+        (`LOCAL_TIER_NAME`) are no entries: every reader of a run's entries (its steps,
+        cleanup, ``eqxckpt verify RUN/``) leaves them alone, without a word."""
+        return [(name, state) for name, state in self.list_entries() if name not in (RUN_NAME, LOCAL_TIER_NAME)]
 
     @abc.abstractmethod
     def list_entries(self) -> list[tuple[str, str]]:
