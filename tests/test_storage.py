@@ -2,6 +2,8 @@
 saves that never clear what eqxckpt did not write."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -190,3 +192,32 @@ def test_a_zarr_json_that_is_a_directory_is_named_by_its_path(tmp_path):
         eqxckpt.load(tmp_path / "c")
     assert "not a regular file" in str(caught.value) and str(zarr_json) in str(caught.value)
     assert caught.value.leaf_path == "w"
+
+
+def test_a_checkpoint_replaced_while_its_manifest_is_opened_is_changed_not_incomplete(tmp_path, monkeypatch):
+    # The window the overwrite race test hit once in CI: the reader holds the old directory
+    # open, the overwrite moves it aside and removes its manifest before the reader reads it.
+    import eqxckpt._storage._local as local_storage
+
+    eqxckpt.save(tmp_path / "c", {"x": np.arange(3)})
+    real_read = local_storage.read_capped
+
+    def overwritten_first(name, limit, *, dir_fd):
+        os.rename(tmp_path / "c", tmp_path / "aside")
+        os.unlink(tmp_path / "aside" / "eqxckpt.json")
+        eqxckpt.save(tmp_path / "c", {"x": np.arange(3) + 1})
+        monkeypatch.setattr(local_storage, "read_capped", real_read)
+        return real_read(name, limit, dir_fd=dir_fd)
+
+    monkeypatch.setattr(local_storage, "read_capped", overwritten_first)
+    with pytest.raises(eqxckpt.CheckpointChangedError, match="replaced or deleted"):
+        eqxckpt.open(tmp_path / "c")
+    # `load` reads a changed checkpoint again, and gets the new one whole.
+    shutil.rmtree(tmp_path / "aside")
+    eqxckpt.save(tmp_path / "c", {"x": np.arange(3)}, overwrite=True)
+    monkeypatch.setattr(local_storage, "read_capped", overwritten_first)
+    assert eqxckpt.load(tmp_path / "c")["x"].tolist() == [1, 2, 3]
+    # Unmoved and without a manifest, it is still an uncommitted save.
+    os.unlink(tmp_path / "c" / "eqxckpt.json")
+    with pytest.raises(eqxckpt.IncompleteCheckpointError):
+        eqxckpt.load(tmp_path / "c")

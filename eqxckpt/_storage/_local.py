@@ -20,6 +20,7 @@ import tensorstore as ts
 
 from .._chunks import ChunkFileError, ChunkFiles
 from .._errors import (
+    CheckpointChangedError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -113,6 +114,17 @@ class LocalStorage(Storage):
         pin = LocalPin(local, dir_fd)
         try:
             return parse_manifest(self._manifest_bytes(dir_fd), str(local)), pin
+        except IncompleteCheckpointError:
+            # A directory moved away by an overwrite or retention loses its manifest first:
+            # that is a checkpoint that changed while it was opened, not an uncommitted one.
+            moved = pin.moved()
+            pin.close()
+            if moved:
+                raise CheckpointChangedError(
+                    f"The checkpoint at {local} was replaced or deleted by another process while it was "
+                    "being opened. Open or load it again."
+                ) from None
+            raise
         except BaseException:
             pin.close()
             raise

@@ -82,8 +82,15 @@ class LocalPin(Pin):
 
     def changed(self) -> bool:
         try:
-            now = os.stat(self.path)
             os.stat(self.marker, dir_fd=self.fd, follow_symlinks=False)
+        except OSError:
+            return True
+        return self.moved()
+
+    def moved(self) -> bool:
+        """Whether the path no longer names the directory held open."""
+        try:
+            now = os.stat(self.path)
         except OSError:
             return True
         held = os.fstat(self.fd)
