@@ -49,19 +49,30 @@ def _started(fields: list[Any]) -> Any:
 
 class LeafDigest:
     """A digest computed as a leaf's bytes arrive, in C order (row blocks, chunks of a
-    slab, a packed leaf's bytes across batches): ``update`` each piece, then `value`."""
+    slab, a packed leaf's bytes across batches): ``update`` each piece, then `value`.
 
-    def __init__(self, fields: list[Any]):
+    A part's leaf (``blocks``: how many blocks it holds) is digested block by block: each
+    block's bytes in C order on their own, then the blocks' hashes in the manifest's
+    order, so its blocks may be read in any order, or band by band side by side."""
+
+    def __init__(self, fields: list[Any], blocks: int | None = None):
         self._hash = _started(fields)
+        self._blocks = None if blocks is None else [xxhash.xxh3_128() for _ in range(blocks)]
 
-    def update(self, data: np.ndarray) -> None:
-        """Add ``data``'s bytes as they are stored (`little_endian`), in C order."""
-        self._hash.update(_stored_bytes(data))
+    def update(self, data: np.ndarray, block: int = 0) -> None:
+        """Add ``data``'s bytes as they are stored (`little_endian`), in C order (of block
+        ``block``, for a part's leaf)."""
+        (self._hash if self._blocks is None else self._blocks[block]).update(_stored_bytes(data))
 
     @property
     def value(self) -> str:
         """The digest as the manifest records it: ``xxh3-128:`` and 32 hex digits."""
-        return f"{ALGORITHM}:{self._hash.hexdigest()}"
+        if self._blocks is None:
+            return f"{ALGORITHM}:{self._hash.hexdigest()}"
+        whole = self._hash.copy()
+        for block in self._blocks:
+            whole.update(block.digest())
+        return f"{ALGORITHM}:{whole.hexdigest()}"
 
 
 def _stored_bytes(data: np.ndarray) -> Any:
@@ -74,11 +85,15 @@ def _stored_bytes(data: np.ndarray) -> Any:
 
 def digest(fields: list[Any], data: np.ndarray | list[np.ndarray]) -> str:
     """The digest of a leaf described by ``fields`` holding ``data`` (whole, in memory; or,
-    for a part's leaf, the blocks it holds, in order): what a `LeafDigest` given the same
-    gives, in one step (a save digests every leaf)."""
+    for a part's leaf, a list of the blocks it holds, in order): what a `LeafDigest` given
+    the same gives, in one step (a save digests every leaf)."""
+    if isinstance(data, list):
+        hashing = LeafDigest(fields, len(data))
+        for block, piece in enumerate(data):
+            hashing.update(piece, block)
+        return hashing.value
     hashed = _started(fields)
-    for piece in data if isinstance(data, list) else [data]:
-        hashed.update(_stored_bytes(piece))
+    hashed.update(_stored_bytes(data))
     return f"{ALGORITHM}:{hashed.hexdigest()}"
 
 

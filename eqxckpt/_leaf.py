@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import numpy as np
 
 from ._convert import Adoptions, adopt, checked_astype, default_device, narrowed
-from ._digest import parse_digest
+from ._digest import LeafDigest, parse_digest
 from ._dtypes import STORED_DTYPES, check_dtype, dtype_name
 from ._errors import MAX_LISTED, ArgumentError, CastError, CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
@@ -251,6 +251,24 @@ class StoredLeaf(Leaf):
     def digest_fields(self) -> list[Any]:
         """What the digest covers besides the bytes: the kind, the stored dtype and shape."""
         return [self.kind, self.dtype, list(self.data_shape)]
+
+    def digesting(self) -> LeafDigest | None:
+        """A digest of this leaf to feed its stored bytes as they are read (a part's leaf:
+        block by block), or None where the manifest records none."""
+        if self.digest is None:
+            return None
+        return LeafDigest(self.digest_fields(), None if self.blocks is None else len(self.blocks))
+
+    def check_digest(self, value: str) -> None:
+        """Raise `CorruptCheckpointError` unless ``value``, the digest of the bytes read, is
+        the one the manifest records: chunks that pass their checksums but are swapped
+        between places or rewritten as other valid chunks."""
+        if value != self.digest:
+            raise CorruptCheckpointError(
+                f"Leaf {self.path!r}: its bytes pass their chunks' checksums but are not the bytes saved (digest {value}, the "
+                f"manifest records {self.digest}): chunks were swapped or rewritten. Restore it from a copy.",
+                leaf_path=self.path,
+            )
 
     def _fields(self) -> dict[str, Any]:
         fields = {"shape": list(self.shape), "dtype": self.dtype, "location": self.location}

@@ -121,7 +121,14 @@ class Placement:
         total = self.shape[0]
         return [(start, min(total, start + band)) for start in range(0, total, band)]
 
-    def run(self, convert: Callable[[np.ndarray], np.ndarray], read: Reader, window: int, rows: int = 1) -> "jax.Array":
+    def run(
+        self,
+        convert: Callable[[np.ndarray], np.ndarray],
+        read: Reader,
+        window: int,
+        rows: int = 1,
+        seen: Callable[[Block, np.ndarray], None] | None = None,
+    ) -> "jax.Array":
         """Read the leaf with ``read`` and put it on its devices.
 
         **Arguments:**
@@ -132,6 +139,9 @@ class Placement:
         - `window`: the reads in flight where blocks are read straight into the result.
         - `rows`: bands start at multiples of this many rows where a band holds as many
           (a chunk's rows: each chunk is then read once).
+        - `seen`: given each distinct block's stored data as it is read, ``(block, rows)``,
+          each block's rows in order (and blocks side by side in the order of their
+          first row): what digests the leaf as it is placed.
 
         **Returns:** the global array (of the stored shape) on the sharding's devices.
         """
@@ -140,8 +150,10 @@ class Placement:
         if self.direct:
             blocks = {key: aligned_empty(_extent(key), self.stored) for key in self.devices}
             read([(_box(key), block) for key, block in blocks.items()], window)
-            for block in blocks.values():
-                convert(block)  # checks only: the dtypes are the same
+            for key in sorted(blocks):
+                convert(blocks[key])  # checks only: the dtypes are the same
+                if seen is not None:
+                    seen(key, blocks[key])
             # Aligned: a CPU device keeps the buffer (replicas share it).
             arrays = [self._kept(jax.device_put(blocks[key], device), device) for device, key in self.order]
             return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
@@ -157,7 +169,9 @@ class Placement:
                 out = aligned_empty(tuple(map(len, box)), self.stored)
                 pieces.append((key, lo - (key[0][0] if key else 0), box, out))
             read([(box, out) for _, _, box, out in pieces], self.window)
-            for key, at, _, out in pieces:
+            for key, at, _, out in sorted(pieces, key=lambda piece: piece[0]):
+                if seen is not None:
+                    seen(key, out)
                 for first, part in self._slices(out):
                     sinks[key].put(at + first, convert(part))
             del pieces  # the band's host memory goes before the next is read

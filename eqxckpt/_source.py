@@ -23,10 +23,11 @@ import numpy as np
 
 from ._chunks import Region
 from ._convert import Adoption, Adoptions
+from ._digest import LeafDigest
 from ._errors import ArgumentError, CheckpointError
 from ._leaf import Leaf, StoredLeaf, check_bool_bytes, refuse_narrowing
 from ._paths import depth, did_you_mean, normalize_at, relative_to
-from ._place import Placement, Reader, on_host
+from ._place import Block, Placement, Reader, on_host
 from ._progress import advance
 from ._select import Selection
 from ._storage import UNPINNED, Pin, reading
@@ -125,6 +126,9 @@ class Source(abc.ABC):
             if again and data.nbytes:
                 data = data.copy()
             with reading(leaf):
+                if (digesting := leaf.digesting()) is not None:
+                    digesting.update(data)
+                    leaf.check_digest(digesting.value)
                 values[whole[j]] = leaf.finish(data, target, adoptions)
             advance(leaf.nbytes)
 
@@ -145,8 +149,11 @@ class Source(abc.ABC):
             leaf, target = wanted[i]
             with reading(leaf):
                 read, rows = self._box_reader(leaf)
-                run = functools.partial(placement.run, read=read, window=window, rows=rows)
+                digest = PlacedDigest.of(leaf, placement)
+                run = functools.partial(placement.run, read=read, window=window, rows=rows, seen=digest)
                 values[i] = leaf.assemble(target, run)
+                if digest is not None:
+                    digest.check()
             advance(leaf.nbytes)
         return values
 
@@ -539,6 +546,50 @@ class Source(abc.ABC):
         """A leaf's value as far as is known without reading: lazy for stored arrays,
         the scalar for scalars, None for opaque leaves."""
         return LazyArray(self, leaf) if isinstance(leaf, StoredLeaf) else leaf.value()
+
+
+class PlacedDigest:
+    """A leaf's digest fed by its `Placement` as it reads the leaf's blocks (`seen`), where
+    they hold its stored bytes in an order the digest covers: a part's held blocks, each
+    its own; or blocks of whole rows that tile the leaf (one, when it is replicated).
+
+    ```python
+    digest = PlacedDigest.of(leaf, placement)
+    placement.run(convert, read, window, seen=digest); digest.check()
+    ```
+    """
+
+    def __init__(self, leaf: StoredLeaf, digesting: LeafDigest, blocks: dict[Block, int] | None):
+        self.leaf, self.digesting, self.blocks = leaf, digesting, blocks
+
+    @classmethod
+    def of(cls, leaf: StoredLeaf, placement: Placement) -> "PlacedDigest | None":
+        """The digest ``placement`` can feed for ``leaf``, or None where it reads other
+        blocks (a part into a finer sharding; columns of a whole leaf) or none is recorded."""
+        digesting = leaf.digesting()
+        keys = sorted(placement.devices)
+        if digesting is None:
+            return None
+        if leaf.blocks is not None:
+            return (
+                cls(leaf, digesting, {b: n for n, b in enumerate(leaf.blocks)})
+                if set(keys) == set(leaf.blocks)
+                else None
+            )
+        shape = leaf.data_shape
+        if not shape:
+            return cls(leaf, digesting, None)
+        rows = [key[0] for key in keys]
+        whole_rows = all(key[1:] == tuple((0, n) for n in shape[1:]) for key in keys)
+        tiled = rows[0][0] == 0 and rows[-1][1] == shape[0] and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+        return cls(leaf, digesting, None) if whole_rows and tiled else None
+
+    def __call__(self, block: Block, data: np.ndarray) -> None:
+        self.digesting.update(data, 0 if self.blocks is None else self.blocks[block])
+
+    def check(self) -> None:
+        """Raise `CorruptCheckpointError` unless the bytes placed are the ones saved."""
+        self.leaf.check_digest(self.digesting.value)
 
 
 def checked_region(leaf: StoredLeaf, region: Any, out: Any) -> Region:

@@ -255,12 +255,8 @@ class _StoredCheck:
             value = digest.value
         try:
             leaf.check_known()  # e.g. a PRNG implementation this JAX knows
-            if problem is None and value is not None and value != leaf.digest:
-                raise CorruptCheckpointError(
-                    f"its bytes pass their chunks' checksums but are not the bytes saved (digest {value}, the "
-                    f"manifest records {leaf.digest}): chunks were swapped or rewritten. Restore it from a copy.",
-                    leaf_path=leaf.path,
-                )
+            if problem is None and value is not None:
+                leaf.check_digest(value)
         except CheckpointError as e:
             problem = e
         self.verdicts.append((leaf, problem))
@@ -268,8 +264,8 @@ class _StoredCheck:
 
     def _digest(self, leaf: StoredLeaf) -> None:
         """Start the digest of ``leaf``'s bytes, in order; none if the manifest records none."""
-        if leaf.digest is not None:
-            self._digests[leaf.path] = LeafDigest(leaf.digest_fields())
+        if (digesting := leaf.digesting()) is not None:
+            self._digests[leaf.path] = digesting
 
     def _own_reads(self, leaf: StoredLeaf, buffers: "_Buffers") -> Iterator[Task]:
         """The reads of a leaf with an array of its own: the leaf's problem is its first failure."""
@@ -284,11 +280,11 @@ class _StoredCheck:
         self._digest(leaf)
         failures: list[CheckpointError] = []
 
-        def settle(start: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
+        def settle(block: int, _: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
             if failure is not None and not failures:
                 failures.append(failure)
             elif not failures and leaf.path in self._digests:
-                self._digests[leaf.path].update(data)
+                self._digests[leaf.path].update(data, block)
             if last:
                 self._verdict(leaf, failures[0] if failures else None)
 
@@ -307,7 +303,7 @@ class _StoredCheck:
         values: dict[str, str] = {}  # each asked leaf's digest, once all its bytes were read
         streaming: dict[str, LeafDigest] = {}
 
-        def settle(start: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
+        def settle(_: int, start: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
             if failure is not None:  # its leaves are damaged, their digests unchecked
                 failures.append((start, start + data.size, _chunk_reason(failure)))
                 return
@@ -365,38 +361,41 @@ class _StoredCheck:
         array: StoredLeaf,
         layout: ChunkLayout,
         buffers: "_Buffers",
-        settle: Callable[[int, np.ndarray, CheckpointError | None, bool], None],
+        settle: Callable[[int, int, np.ndarray, CheckpointError | None, bool], None],
     ) -> Iterator[Task]:
         """Tasks that read ``array`` a slab of rows of chunks at a time, in order, each into a
-        buffer (made as the window takes it, let go once settled): ``settle(start, bytes,
-        failure, last)`` gets each slab's first byte in the array and its bytes, or why its
-        read failed (never raised: every other slab is still read)."""
+        buffer (made as the window takes it, let go once settled): ``settle(block, start,
+        bytes, failure, last)`` gets each slab's block (0 but in a part), its first byte in
+        the array (for an array stored whole) and its bytes, or why its read failed (never raised: every other slab is
+        still read)."""
         slabs = _slabs(layout)
         row = math.prod(layout.shape[1:]) * layout.dtype.itemsize
-        for n, slab in enumerate(slabs):
+        for n, (block, slab) in enumerate(slabs):
             buffer = buffers.take(tuple(s.stop - s.start for s in slab), layout.dtype)
             failed: list[CheckpointError] = []
 
             def done(
                 buffer: np.ndarray = buffer,
                 failed: list = failed,
+                block: int = block,
                 start: int = slab[0].start * row if slab else 0,
                 last: bool = n == len(slabs) - 1,
             ) -> None:
-                settle(start, buffer.reshape(-1).view(np.uint8), failed[0] if failed else None, last)
+                settle(block, start, buffer.reshape(-1).view(np.uint8), failed[0] if failed else None, last)
                 buffers.give(buffer)
 
             yield from _tolerant(self.stored.chunk_reads(array, layout, slab, buffer, done), failed)
 
 
-def _slabs(layout: ChunkLayout) -> list[Region]:
-    """An array's rows of chunks, in order: each holds a run of the array's C-order bytes."""
+def _slabs(layout: ChunkLayout) -> list[tuple[int, Region]]:
+    """An array's rows of chunks, in order, each with its block (0 but in a part): each
+    holds a run of its block's C-order bytes."""
     if not layout.shape or 0 in layout.shape:
-        return [tuple(slice(0, n) for n in layout.shape)]
+        return [(0, tuple(slice(0, n) for n in layout.shape))]
     rows = layout.chunk[0]
     return [
-        (slice(start, min(start + rows, first.stop)), *rest)
-        for first, *rest in layout.held_regions()  # a part's blocks, one after another
+        (block, (slice(start, min(start + rows, first.stop)), *rest))
+        for block, (first, *rest) in enumerate(layout.held_regions())  # a part's blocks, one after another
         for start in range(first.start, first.stop, rows)
     ]
 

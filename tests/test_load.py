@@ -383,3 +383,30 @@ def test_a_bad_host_memory_budget_is_an_argument_error(tmp_path, budget):
     eqxckpt.save(tmp_path / "c", {"w": np.ones(3, np.float32)})
     with pytest.raises(eqxckpt.ArgumentError, match="host_memory_budget"):
         eqxckpt.load(tmp_path / "c", None, host_memory_budget=budget)
+
+
+@pytest.mark.parametrize("path", ["whole", "placed", "placed-in-bands"])
+def test_a_load_refuses_chunks_swapped_between_leaves(tmp_path, monkeypatch, path):
+    """Each chunk passes its CRC-32C after the swap; the leaf's digest, checked as its bytes
+    are read (whole, or block by block as they are placed), does not: a load never returns
+    another leaf's bytes (before, it returned them)."""
+    from eqxckpt import _place
+
+    tree = {"p": np.zeros((300, 300), np.float32), "q": np.ones((300, 300), np.float32)}
+    eqxckpt.save(tmp_path / "c", tree)
+    p, q = tmp_path / "c/p/c/0/0", tmp_path / "c/q/c/0/0"
+    p_bytes, q_bytes = p.read_bytes(), q.read_bytes()
+    p.write_bytes(q_bytes)
+    q.write_bytes(p_bytes)
+    like = {k: jnp.zeros_like(v) for k, v in tree.items()}
+    budget = None
+    if path != "whole":
+        monkeypatch.setattr(_place, "STAGE_CPU", True)  # a GPU's path: the leaf is placed
+        budget = 64 << 10 if path == "placed-in-bands" else None
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match=r"'p'.*not the bytes saved.*Restore it from a copy"):
+        eqxckpt.load(tmp_path / "c", like, host_memory_budget=budget)
+    # The bytes put back, it loads.
+    p.write_bytes(p_bytes)
+    q.write_bytes(q_bytes)
+    loaded = eqxckpt.load(tmp_path / "c", like, host_memory_budget=budget)
+    assert all(np.array_equal(loaded[k], v) for k, v in tree.items())

@@ -329,12 +329,22 @@ def test_a_corrupt_local_piece_falls_back_to_the_persistent_step(tmp_path):
         data = bytearray(chunk.read_bytes())
         data[-1] ^= 1
         chunk.write_bytes(bytes(data))
+    damaged = {chunk.relative_to(piece): chunk.read_bytes() for chunk in chunks}
     with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
-        with pytest.warns(UserWarning, match="local tier"):
-            start = manager.latest_step()
-            out = manager.load(_LIKE)
+        # Its manifest reads: latest_step names it (without reading every chunk first). The
+        # load finds the damage as it reads, sets the part aside and raises, naming the step;
+        # never a different step than the one latest_step named.
+        assert manager.latest_step() == 6
+        with pytest.warns(UserWarning, match="Local tier: .* is damaged"):
+            with pytest.raises(eqxckpt.CorruptCheckpointError, match="step 6 cannot be restored.*latest_step"):
+                manager.load(_LIKE)
         # Not stuck on step 6 forever: the newest step that can be read, the persistent step 4.
+        start = manager.latest_step()
+        out = manager.load(_LIKE)
         assert start == 4 and out["step"] == 4 and jnp.array_equal(out["w"], _state(4)["w"])
+    # Set aside, not deleted: eqxckpt deletes nothing it cannot prove it wrote intact.
+    [aside] = piece.parent.glob(".6.set-aside-*")
+    assert all((aside / name).read_bytes() == data for name, data in damaged.items()) and not piece.exists()
 
 
 def test_a_leaf_the_local_tier_cannot_hold_is_never_taken_from_like(tmp_path):

@@ -34,7 +34,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._distributed import Phases
-from .._errors import ArgumentError, CheckpointError, CheckpointExistsError
+from .._errors import ArgumentError, CheckpointError, CheckpointExistsError, CorruptCheckpointError, ManifestError
 from .._load import load
 from .._save import Part
 from .._steps import RunSteps
@@ -53,6 +53,7 @@ class LocalChoice:
     token: str
     parts: dict[int, PartInfo]
     complete: list[tuple[int, str]]  # every save (step, token) every process can restore, up to this one
+    persistent: int | None  # the newest persistent step every process is to use
 
 
 def _session() -> str:
@@ -282,17 +283,19 @@ class LocalCheckpoints:
 
     # -- resuming ----------------------------------------------------------------------
 
-    def choose(self, persistent_latest: int | None, step: int | None = None) -> tuple[LocalChoice | None, int | None]:
+    def choose(
+        self, persistent_latest: int | None, step: int | None = None, damaged: frozenset[PartInfo] = frozenset()
+    ) -> tuple[LocalChoice | None, int | None]:
         """Agree (every process) on the step to resume from: the newest step of this run
         whose parts, all of one save, every process can have (its own, or a peer's copy),
         if it is no older than the newest persistent step (process 0's view of it). Each
-        part to be restored from is checked now (every chunk): a damaged one is left out,
-        with a warning, and the choice made again.
+        part's manifest was read to list it; its bytes are checked as `restore` reads them.
 
         **Arguments:**
 
         - `persistent_latest`: the newest persistent step this process knows.
         - `step`: only this step (None: the newest).
+        - `damaged`: parts a restore found damaged, never chosen.
 
         **Returns:** the local choice (None: resume from the persistent tier), and the
         newest persistent step every process is to use.
@@ -320,37 +323,21 @@ class LocalCheckpoints:
             and p.processes == self.processes
             and 0 <= p.owner < self.processes
             and (p.follows is None or (persistent is not None and p.follows <= persistent))
+            and p not in damaged
         ]
-        while True:
-            keepers: dict[tuple[int, str], dict[int, list[PartInfo]]] = {}
-            for info in parts:
-                keepers.setdefault((info.step, info.token), {}).setdefault(info.owner, []).append(info)
-            whole = sorted(save for save, owners in keepers.items() if len(owners) == self.processes)
-            wanted = [save for save in whole if step is None or save[0] == step]
-            if not wanted or (step is None and persistent is not None and wanted[-1][0] < persistent):
-                return None, persistent
-            chosen = wanted[-1]
-            reading: dict[int, PartInfo] = {}
-            for owner, kept in keepers[chosen].items():
-                reading[owner] = next((i for i in kept if i.holder == owner), min(kept, key=lambda i: i.holder))
-
-            def check(reading: dict[int, PartInfo] = reading) -> str:
-                mine = [i for i in reading.values() if i.holder == self.me]
-                return json.dumps([i.to_json() for i in mine if not self.tier.checked(i)])
-
-            damaged = {PartInfo.from_json(d) for each in self._gather("verify", check) for d in json.loads(each)}
-            if not damaged:
-                complete = [save for save in whole if save <= chosen][-self.max_to_keep :]
-                return LocalChoice(chosen[0], chosen[1], reading, complete), persistent
-            warnings.warn(
-                "The local tier's parts of step "
-                + ", ".join(
-                    f"{i.step} (process {i.owner}'s, kept by process {i.holder})" for i in sorted(damaged, key=str)
-                )
-                + " are damaged; they are left out and the step to resume from is chosen again.",
-                stacklevel=3,
-            )
-            parts = [p for p in parts if p not in damaged]
+        keepers: dict[tuple[int, str], dict[int, list[PartInfo]]] = {}
+        for info in parts:
+            keepers.setdefault((info.step, info.token), {}).setdefault(info.owner, []).append(info)
+        whole = sorted(save for save, owners in keepers.items() if len(owners) == self.processes)
+        wanted = [save for save in whole if step is None or save[0] == step]
+        if not wanted or (step is None and persistent is not None and wanted[-1][0] < persistent):
+            return None, persistent
+        chosen = wanted[-1]
+        reading: dict[int, PartInfo] = {}
+        for owner, kept in keepers[chosen].items():  # its own, else the lowest peer's copy
+            reading[owner] = next((i for i in kept if i.holder == owner), min(kept, key=lambda i: i.holder))
+        complete = [save for save in whole if save <= chosen][-self.max_to_keep :]
+        return LocalChoice(chosen[0], chosen[1], reading, complete, persistent), persistent
 
     def _gather(self, phase: str, work: Callable[[], str]) -> list[str]:
         """``work()`` of every process (a phase of a resume), or this one's alone."""
@@ -362,6 +349,11 @@ class LocalCheckpoints:
         keeps of it (sent now, and kept here again first). Every process succeeds, or every
         one raises.
 
+        A part whose bytes fail their checks as they are read (chunk checksums, each leaf's
+        digest) is set aside, and the step is restored again from another copy of that
+        part; if no sound copy is left, every process raises `CorruptCheckpointError` (and
+        `latest_step` names an older step from then on).
+
         **Arguments:**
 
         - `choice`: what `choose` agreed on.
@@ -370,34 +362,65 @@ class LocalCheckpoints:
 
         **Returns:** the restored pytree.
         """
-        self._complete = list(choice.complete)
+        damaged: frozenset[PartInfo] = frozenset()
+        while True:
+            restored, found = self._restore(choice, like, load_kwargs)
+            if not found:
+                self._complete = list(choice.complete)
+                return restored
+            damaged |= found
+            again, _ = self.choose(choice.persistent, step=choice.step, damaged=damaged)
+            if again is None or again.token != choice.token:
+                raise CorruptCheckpointError(
+                    f"The local tier's step {choice.step} cannot be restored: "
+                    + ", ".join(
+                        f"process {i.owner}'s part (kept by process {i.holder})" for i in sorted(damaged, key=str)
+                    )
+                    + " failed its checks, and no sound copy is left. It was set aside: call latest_step() again "
+                    "and resume from the step it names."
+                )
+            choice = again
+
+    def _restore(self, choice: LocalChoice, like: PyTree, load_kwargs: dict[str, Any]) -> tuple[Any, set[PartInfo]]:
+        """One try of `restore`: the restored pytree, or the parts (of every process) found
+        damaged as they were read, each set aside by the process keeping it."""
         kept = choice.parts[self.me]
         own = dataclasses.replace(kept, holder=self.me)  # where it is restored from: here
-        if self.processes == 1:
-            return load(self.tier.open(own), like, **load_kwargs)
-        phases = Phases("resume")
-        addresses = phases.run("address", lambda: self.transfers.address if self.replicas else "")
-
-        def copy() -> str:  # a part whose owner lost it comes back from the peer keeping it
-            served = [info for o, info in choice.parts.items() if info.holder == self.me and o != self.me]
-            serving = [
-                self._server.submit(self._serve, phases, info, [info.owner], f"restore/{info.owner}") for info in served
-            ]
-            try:
-                if kept.holder != self.me:
-                    address = addresses[kept.holder]
-                    self.tier.receive(self.me, kept.step, self._fetch(phases, f"restore/{self.me}", address))
-            finally:
-                for future in serving:
-                    future.result()
-            return ""
-
         restored: list[PyTree] = []
 
         def restore() -> str:
-            restored.append(load(self.tier.open(own), like, **load_kwargs))
-            return ""
+            try:
+                restored.append(load(self.tier.open(own), like, **load_kwargs))
+                return ""
+            except (CorruptCheckpointError, ManifestError) as e:
+                self.tier.set_aside(own, str(e))
+                return json.dumps(kept.to_json())
 
-        phases.run("copy", copy)
-        phases.run("restore", restore)
-        return restored[0]
+        if self.processes == 1:
+            found = [restore()]
+        else:
+            phases = Phases("resume")
+            addresses = phases.run("address", lambda: self.transfers.address if self.replicas else "")
+
+            def copy() -> str:  # a part whose owner lost it comes back from the peer keeping it
+                served = [info for o, info in choice.parts.items() if info.holder == self.me and o != self.me]
+                serving = [
+                    self._server.submit(self._serve, phases, info, [info.owner], f"restore/{info.owner}")
+                    for info in served
+                ]
+                try:
+                    if kept.holder != self.me:
+                        address = addresses[kept.holder]
+                        self.tier.receive(self.me, kept.step, self._fetch(phases, f"restore/{self.me}", address))
+                finally:
+                    for future in serving:
+                        future.result()
+                return ""
+
+            phases.run("copy", copy)
+            found = phases.run("restore", restore)
+        damaged = {PartInfo.from_json(json.loads(each)) for each in found if each}
+        for info in damaged:
+            if info.holder == self.me and info.owner != self.me:  # the copy this process sent
+                self.tier.set_aside(info, f"process {info.owner} found its copy damaged")
+        return (restored[0] if restored else None), damaged

@@ -39,7 +39,6 @@ from .._save import Part
 from .._steps import clean_leftovers, is_step_name
 from .._storage import Storage, resolve
 from .._storage._locks import DirLock
-from .._verify import verify
 from .._window import read_window, run_windowed
 
 # The key of a part's own record in its checkpoint's metadata.
@@ -232,7 +231,7 @@ class LocalTier:
         that step (one that never completed)."""
         path = self._directory(info.owner).sub(str(info.step)).user_path()
         # Not synced: a host that fails loses its tier anyway, and a part a power cut damaged
-        # fails its checksums when `latest_step` verifies it, and is left out.
+        # fails its checks when a restore reads it, and is set aside.
         part.write(path, metadata={PART_KEY: info.record()}, overwrite=True, durable=False)
 
     def files(self, info: PartInfo) -> list[tuple[str, np.ndarray]]:
@@ -279,26 +278,29 @@ class LocalTier:
 
     def _set_aside(self, where: Storage) -> None:
         """A step directory here that holds no committed part (its manifest lost, say) is
-        renamed to a hidden name, with a warning, so that a copy can take its place:
-        eqxckpt cannot prove it wrote what is in it, so it deletes none of it."""
+        moved aside (`_move_aside`) so that a copy can take its place."""
         path = where.local
         assert path is not None
         if path.is_dir() and not path.is_symlink() and not (path / MANIFEST_NAME).exists():
-            aside = path.with_name(f".{path.name}.set-aside-{uuid.uuid4().hex[:8]}")
-            os.rename(path, aside)
-            warnings.warn(
-                f"Local tier: {path} held no committed part; it was moved to {aside} and the copy put in its place.",
-                stacklevel=4,
-            )
+            self._move_aside(path, "held no committed part", "the copy put in its place")
 
-    def checked(self, info: PartInfo) -> bool:
-        """Whether the part ``info`` is still that part and every chunk of it passes its checks
-        (`eqxckpt.verify`)."""
+    def set_aside(self, info: PartInfo, why: str) -> None:
+        """Move the part ``info``, found damaged (``why``), aside (`_move_aside`): it is never
+        chosen again, and a sound copy may take its place. Nothing if it is no longer there."""
         try:
             self.open(info)
-            return verify(self._directory(info.owner).sub(str(info.step)).user_path()).ok
         except CheckpointError:
-            return False
+            return
+        path = self._directory(info.owner).sub(str(info.step)).local
+        assert path is not None
+        self._move_aside(path, f"is damaged ({why})", "it is never restored")
+
+    def _move_aside(self, path: pathlib.Path, what: str, then: str) -> None:
+        """Rename ``path`` to a hidden name, with a warning: eqxckpt cannot prove it wrote
+        what is in it (or it is damaged), so it deletes none of it."""
+        aside = path.with_name(f".{path.name}.set-aside-{uuid.uuid4().hex[:8]}")
+        os.rename(path, aside)
+        warnings.warn(f"Local tier: {path} {what}; it was moved to {aside} and {then}.", stacklevel=4)
 
     def open(self, info: PartInfo) -> Checkpoint:
         """The part ``info`` names, opened for a restore of this process (`Source.per_process`).
