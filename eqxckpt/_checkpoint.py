@@ -86,10 +86,7 @@ class Checkpoint(Source):
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """Only the chunks holding the selection are read, each checked as a whole read
         checks it; the whole leaf chunk by chunk (a packed one from the chunks holding it)."""
-        if leaf.blocks is not None:
-            box = tuple((r.start, r.stop) if len(r) else (0, 0) for r in selection.box())
-            if not any(inside(box, block) for block in leaf.blocks):
-                raise ArgumentError(f"Leaf {leaf.path!r}: {leaf.unheld(None)}; select within one of those blocks.")
+        _refuse_unheld(leaf, selection.box())
         with reading(leaf):
             if leaf.offset is None and not selection.covers(leaf.data_shape):
                 return self.stored.read_selection(leaf, selection)
@@ -112,6 +109,7 @@ class Checkpoint(Source):
         """The chunks holding ``region``, each read once (checksum checked) straight into ``out``."""
         if leaf.offset is not None:  # packed: small, read whole
             return super()._read_into(leaf, region, out)
+        _refuse_unheld(leaf, [range(s.start, s.stop) for s in region])
         with reading(leaf):
             self.stored.read_box(leaf, tuple(range(s.start, s.stop) for s in region), out)
             check_bool_bytes(out, leaf.path)
@@ -120,7 +118,17 @@ class Checkpoint(Source):
         """Each part read from only the chunks it needs; a packed leaf (small) read whole."""
         if leaf.offset is not None:
             return super().part_reader(leaf, selection)
+        _refuse_unheld(leaf, selection.box())
         return SelectionStream(self.stored, leaf, selection).read
+
+
+def _refuse_unheld(leaf: StoredLeaf, box: Sequence[range]) -> None:
+    """Raise `ArgumentError` if ``box`` of a part's leaf is not within one block the part
+    holds (where the part has no chunks: never read as zeros or as a crafted file's)."""
+    if leaf.blocks is not None:
+        extent = tuple((r.start, r.stop) if len(r) else (0, 0) for r in box)
+        if not any(inside(extent, block) for block in leaf.blocks):
+            raise ArgumentError(f"Leaf {leaf.path!r}: {leaf.unheld(None)}; select within one of those blocks.")
 
 
 class SelectionStream:

@@ -60,6 +60,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from rich.tree import Tree
 
     from ._formats import open as open_source
+    from ._leaf import listed_blocks
     from ._paths import depth, normalize_at
     from ._source import nothing_under
 
@@ -79,6 +80,8 @@ def _inspect(args: argparse.Namespace) -> int:
             if parts[:i] not in nodes:
                 nodes[parts[:i]] = nodes.get(parts[: i - 1], root).add(f"[bold blue]{parts[i - 1]}[/bold blue]")
         size = f"  [dim]{human_bytes(record.nbytes)}[/dim]" if record.stored else ""
+        if blocks := getattr(record, "blocks", None):  # a part of a checkpoint (a local tier's)
+            size += f"  [dim]holds {listed_blocks(blocks)}[/dim]"
         label = parts[-1] if rel and parts else escape("/".join(parts) or record.path or "<root>")
         nodes.get(parts[:-1], root).add(f"{label}  [green]{record.describe()}[/green]{size}")
     out.print(root)

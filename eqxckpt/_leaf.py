@@ -176,7 +176,7 @@ class StoredLeaf(Leaf):
         saved from: each of this process's blocks of ``target`` within a held block."""
         if self.blocks is None:
             return None
-        held = f"this part holds only blocks {_listed(self.blocks)} of {self.describe()}"
+        held = f"this part holds only blocks {listed_blocks(self.blocks)} of {self.describe()}"
         sharding = getattr(target, "sharding", None)
         if isinstance(target, (np.ndarray, np.generic)) or sharding is None or not self.can_shard(sharding):
             return f"{held}; like asks for all of it (no sharding): give like the sharding it was saved with"
@@ -186,7 +186,7 @@ class StoredLeaf(Leaf):
             return f"{held}; like's sharding does not fit it: {e}"
         for block in wanted:
             if not any(inside(block, own) for own in self.blocks):
-                return f"{held}; like's sharding asks for block {_listed([block])}: restore onto the mesh it was saved from"
+                return f"{held}; like's sharding asks for block {listed_blocks([block])}: restore onto the mesh it was saved from"
         return None
 
     @property
@@ -779,19 +779,19 @@ def check_blocks(blocks: tuple[Block, ...], shape: tuple[int, ...], path: str) -
     for block in blocks:
         if len(block) != len(shape) or not all(0 <= a < b <= n for (a, b), n in zip(block, shape)):
             raise ManifestError(
-                f"Leaf {path!r}: block {_listed([block])} is not a non-empty block of shape {list(shape)}."
+                f"Leaf {path!r}: block {listed_blocks([block])} is not a non-empty block of shape {list(shape)}."
             )
     cell = [max(b - a for a, b in dims) for dims in zip(*blocks)]
     for block in blocks:
         if not all(a % c == 0 and b == min(a + c, n) for (a, b), c, n in zip(block, cell, shape)):
-            raise ManifestError(f"Leaf {path!r}: blocks {_listed(blocks[:8])} are not the cells of one grid.")
+            raise ManifestError(f"Leaf {path!r}: blocks {listed_blocks(blocks[:8])} are not the cells of one grid.")
     if len({tuple(a for a, _ in block) for block in blocks}) != len(blocks):
-        raise ManifestError(f"Leaf {path!r}: blocks {_listed(blocks[:8])} repeat one.")
+        raise ManifestError(f"Leaf {path!r}: blocks {listed_blocks(blocks[:8])} repeat one.")
     if sum(math.prod(b - a for a, b in block) for block in blocks) >= math.prod(shape):
         raise ManifestError(f"Leaf {path!r}: its blocks cover all of shape {list(shape)}; it would be stored whole.")
 
 
-def _listed(blocks: Iterable[Block]) -> str:
+def listed_blocks(blocks: Iterable[Block]) -> str:
     """Blocks as a user reads them: ``[0:4, 0:3]``."""
     return ", ".join("[" + ", ".join(f"{a}:{b}" for a, b in block) + "]" for block in blocks)
 

@@ -1,4 +1,5 @@
 import asyncio
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -129,3 +130,37 @@ def test_location_is_the_path_as_a_string_for_every_format(tmp_path):
     assert ckpt.location == str(tmp_path / "c") and isinstance(ckpt.stored.storage, Storage)
     assert eqxckpt.open(tmp_path / "m.safetensors").location == str(tmp_path / "m.safetensors")
     assert repr(ckpt) == f"Checkpoint({str(tmp_path / 'c')!r}, 1 leaves, 16 bytes)"
+
+
+def test_a_parts_lazy_reads_outside_its_blocks_are_refused_even_with_files_there(tmp_path, monkeypatch, capsys):
+    """A part (a local tier's) holds some blocks of a leaf; a read of any other box is an
+    `ArgumentError` naming them, whether by `open(...)[...]`, a save copying the leaf, or
+    a chunk file crafted where the part holds none: never zeros, never the crafted bytes."""
+    import json
+
+    from conftest import crafted_manifest
+
+    monkeypatch.setattr("eqxckpt._chunks.CHUNK_BYTES", 8192)  # chunks of 2 rows
+    w = np.arange(8 * 1024, dtype=np.float32).reshape(8, 1024)
+    eqxckpt.save(tmp_path / "c", {"w": w})
+    assert sorted(p.name for p in (tmp_path / "c/w/c").iterdir()) == ["0", "1", "2", "3"]
+    doc = json.loads((tmp_path / "c/eqxckpt.json").read_text())
+    [leaf] = doc["leaves"]
+    leaf["blocks"] = [[[2, 4], [0, 1024]]]
+    del leaf["digest"]
+    (tmp_path / "c/eqxckpt.json").write_bytes(crafted_manifest(doc))
+    for row in ("2", "3"):  # rows 0-2 keep a (crafted) chunk file
+        shutil.rmtree(tmp_path / "c/w/c" / row)
+    ckpt = eqxckpt.open(tmp_path / "c")
+    assert np.array_equal(ckpt["w"][2:4].get(), w[2:4]) and np.array_equal(ckpt["w"][3, 5:9].get(), w[3, 5:9])
+    for outside in (np.s_[0:2], np.s_[1:3], np.s_[:], np.s_[5]):
+        with pytest.raises(eqxckpt.ArgumentError, match=r"'w'.*holds only blocks \[2:4, 0:1024\]"):
+            ckpt["w"][outside].get()
+    with pytest.raises(eqxckpt.CheckpointError, match=r"holds only blocks"):
+        eqxckpt.save(tmp_path / "copy", ckpt.tree())
+    assert not (tmp_path / "copy").exists()
+    # `eqxckpt inspect` shows what the part holds.
+    from eqxckpt._cli import main
+
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    assert "w  float32[8,1024]  8.0 KiB  holds [2:4, 0:1024]" in capsys.readouterr().out
