@@ -14,7 +14,7 @@ PIP := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar o
 # the package from any directory (an import hook is invisible to static tools).
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: demo test docs plots bench clean
+.PHONY: demo test quick docs plots bench clean
 
 $(BIN)/python:
 	@echo "Creating the virtual environment $(VENV) with $(PYTHON)."
@@ -54,7 +54,12 @@ test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pyright
-	$(BIN)/python -m pytest -q -n 3 --dist worksteal
+	$(BIN)/python -m pytest -q -n 3 --dist worksteal --durations=25
+
+# The fast loop: no servers, no worker processes, no TensorFlow (tests marked `slow`),
+# in two workers.
+quick: $(VENV)/.test-installed
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist worksteal
 
 docs: $(VENV)/.test-installed
 	$(BIN)/mkdocs build --strict

@@ -18,7 +18,7 @@ from ._digest import LeafDigest, parse_digest
 from ._dtypes import STORED_DTYPES, check_dtype, dtype_name
 from ._errors import MAX_LISTED, ArgumentError, CastError, CorruptCheckpointError, ManifestError, UnsupportedLeafError
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
-from ._place import Block, held_blocks, inside
+from ._place import Block, held_blocks
 from ._scalars import bits_fit, nan_bits, scalar_from_json, scalar_to_json, with_bits
 from ._tree import (
     SCALAR_TYPES,
@@ -173,7 +173,8 @@ class StoredLeaf(Leaf):
     def unheld(self, target: Any) -> str | None:
         """Why ``target`` needs blocks of this leaf that this part does not hold, or None
         (always, for a leaf stored whole). A part is restored onto the layout it was
-        saved from: each of this process's blocks of ``target`` within a held block."""
+        saved from: this process's blocks of ``target`` are the blocks it holds (each read
+        whole, so that its digest is checked; a finer sharding would read parts of them)."""
         if self.blocks is None:
             return None
         held = f"this part holds only blocks {listed_blocks(self.blocks)} of {self.describe()}"
@@ -184,9 +185,10 @@ class StoredLeaf(Leaf):
             wanted = held_blocks(sharding, self.shape, self.data_shape)
         except (ValueError, TypeError) as e:  # a sharding that does not fit the shape
             return f"{held}; like's sharding does not fit it: {e}"
-        for block in wanted:
-            if not any(inside(block, own) for own in self.blocks):
-                return f"{held}; like's sharding asks for block {listed_blocks([block])}: restore onto the mesh it was saved from"
+        if set(wanted) != set(self.blocks):
+            return (
+                f"{held}; like's sharding asks for {listed_blocks(wanted[:8])}: restore onto the mesh it was saved from"
+            )
         return None
 
     @property

@@ -210,7 +210,7 @@ class CheckpointManager:
         state = manager.load(skeleton) if start is not None else init_state()
         ```
         """
-        self._resume = resume = self._tiers.resumable()
+        self._resume = resume = self._tiers.resumable().told()
         return resume.step
 
     def best_step(self) -> int | None:

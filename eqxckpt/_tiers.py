@@ -14,7 +14,7 @@ import jax
 from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
-from ._errors import ArgumentError, CheckpointChangedError, CheckpointError
+from ._errors import ArgumentError, CheckpointChangedError, CheckpointError, CorruptCheckpointError
 from ._formats import open as open_source
 from ._load import READ_ATTEMPTS, load
 from ._local import LocalCheckpoints
@@ -40,6 +40,12 @@ class Resume:
     step: int | None
     choice: Any
     asked: int | None
+    named: bool = False  # `latest_step` told the user this step: only it may be restored
+
+    def told(self) -> "Resume":
+        """This resume, as `latest_step` named it to the user: `restore` then restores this
+        step or raises, never another."""
+        return dataclasses.replace(self, named=True)
 
     def restore(self, like: PyTree, at: str | None, load_kwargs: dict[str, Any]) -> PyTree:
         """Restore this step into ``like`` from its tier (every process, where the tier needs them).
@@ -280,12 +286,18 @@ class LocalFirstTier(Tier):
         options = load_kwargs if at is None else {"at": at, **load_kwargs}
         try:
             return self.local.restore(resume.choice, like, **options)
-        except GONE:
-            # The chosen parts were deleted meanwhile (by hand, after `choose` checked them):
-            # every process chooses again.
+        except (CorruptCheckpointError, *GONE) as e:
+            # The chosen parts were damaged in every copy, or deleted meanwhile (by hand): a
+            # step `latest_step` named is never swapped for another; otherwise every process
+            # chooses again (the damaged parts were set aside).
+            if resume.named or resume.asked is not None:
+                if isinstance(e, CorruptCheckpointError):
+                    raise
+                raise CheckpointChangedError(
+                    f"The local tier's step {resume.step}, which latest_step() named, was deleted meanwhile "
+                    f"(its parts: {e}). Call latest_step() again and resume from the step it names."
+                ) from e
             again = self.resumable(resume.asked)
-        if again.tier is self:
-            return self.local.restore(again.choice, like, **options)
         return again.restore(like, at, load_kwargs)
 
 

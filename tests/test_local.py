@@ -827,3 +827,62 @@ def test_a_local_path_that_is_the_run_itself_is_no_entry_of_the_run(tmp_path):
         with eqxckpt.CheckpointManager(run, **_local_options(run)) as manager:
             assert manager.all_steps() == [0, 4] and manager.latest_step() == 5
             assert jnp.array_equal(manager.load(_LIKE)["w"], _state(5)["w"])
+
+
+PARTS_WORKER = WORKERS / "local_parts_worker.py"
+
+
+@pytest.mark.multiprocess
+def test_parts_damaged_unsendable_or_deleted_never_restore_a_wrong_or_other_step(tmp_path):
+    """Two processes of two devices each, parts of one and of two blocks per leaf (the
+    fifth outside attack's harness): each way a part fails is found as the restore reads
+    or sends it, the part is set aside (never deleted), and a load returns the step
+    `latest_step` named, bit-exact, or raises; the next `latest_step` names one that loads."""
+    launch("save", 2, tmp_path, worker=PARTS_WORKER)
+    [tier] = (tmp_path / "host0" / "eqxckpt-local").iterdir()
+
+    def part(process: int, who: str, step: int) -> pathlib.Path:
+        return tmp_path / f"host{process}" / "eqxckpt-local" / tier.name / f"process-{process}" / who / str(step)
+
+    def tries(**env: str) -> list[list[str]]:
+        logs = launch("resume", 2, tmp_path, worker=PARTS_WORKER, **env)
+        return [[line for line in log.splitlines() if line.startswith("TRY")] for log in logs]
+
+    # Step 5's chunks of `w` in place of step 6's in process 0's own part: each passes its CRC.
+    own = part(0, "own", 6)
+    for chunk in (part(0, "own", 5) / "w").rglob("c/**/*"):
+        if chunk.is_file():
+            shutil.copy(chunk, own / "w" / chunk.relative_to(part(0, "own", 5) / "w"))
+    # Onto a finer sharding a part's blocks would be read in pieces, their digests unchecked
+    # (the attack: step 5's rows returned as step 6's): refused in every process, nothing read.
+    for lines in tries(LIKE="finer"):
+        assert len(lines) == 1 and "RAISED StructureMismatchError" in lines[0] and "holds only blocks" in lines[0]
+    # Onto the saved sharding the digest catches it: set aside, step 6 from process 1's copy.
+    assert tries() == [["TRY 0 latest=6 LOADED 6 True"]] * 2
+    assert len(list(own.parent.glob(".6.set-aside-*"))) == 1
+    # Process 0's manifest damaged with a user's notes beside it, process 1's part replaced
+    # by another checkpoint: both restored from their peers' copies, neither deleted (the
+    # attack: both were overwritten by the copies).
+    manifest = own / "eqxckpt.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"step"', b'"stop"', 1))
+    (own / "notes.txt").write_text("mine")
+    shutil.rmtree(part(1, "own", 6))
+    eqxckpt.save(part(1, "own", 6), {"mine": np.arange(3)})
+    assert tries() == [["TRY 0 latest=6 LOADED 6 True"]] * 2
+    assert [p.read_text() for p in own.parent.glob(".6.set-aside-*/notes.txt")] == ["mine"]
+    assert [eqxckpt.load(p)["mine"].tolist() for p in part(1, "own", 6).parent.glob(".6.set-aside-*")] == [[0, 1, 2]]
+    # Every copy of process 0's part deleted between latest_step and load: the load raises
+    # rather than restore step 5 in its place (the attack: step 5, silently); then step 5.
+    gone = tries(TRIES="2", GONE_0=str(own), GONE_1=str(part(1, "peer-0", 6)))
+    for lines in gone:
+        assert "TRY 0 latest=6 RAISED CheckpointChangedError" in lines[0] and "latest_step() named" in lines[0]
+        assert lines[1:] == ["TRY 1 latest=5 LOADED 5 True"]
+    # Process 0's part of step 5 lost and the copy process 1 keeps unreadable (a link in
+    # it): the copy is set aside, the load raises, and the persistent step 4 loads next
+    # (the attack: every restart raised the same error, forever).
+    shutil.rmtree(part(0, "own", 5))
+    os.symlink("/etc/hostname", part(1, "peer-0", 5) / "notes")
+    for lines in tries(TRIES="2"):
+        assert "TRY 0 latest=5 RAISED CorruptCheckpointError" in lines[0] and "no sound copy" in lines[0]
+        assert lines[1:] == ["TRY 1 latest=4 LOADED 4 True"]
+    assert list(part(1, "peer-0", 5).parent.glob(".5.set-aside-*/notes"))

@@ -233,7 +233,7 @@ class LocalCheckpoints:
             groups = _groups(self.tier.files(info), host_memory_budget()) if peers else []
         except Exception as e:
             if peers:
-                phases.post(f"{key}/0", json.dumps({"error": f"{type(e).__name__}: {e}"}))
+                phases.post(f"{key}/0", json.dumps({"error": f"{type(e).__name__}: {e}", "type": type(e).__name__}))
             raise
         for at, group in enumerate(groups):
             number = transfer_id(phases.name, key, at)
@@ -256,7 +256,10 @@ class LocalCheckpoints:
         while True:
             described = json.loads(phases.take(f"{key}/{at}", f"group {at} of {key}"))
             if "error" in described:
-                raise CheckpointError(f"The part {key} could not be sent: {described['error']}")
+                damaged = described.get("type") == CorruptCheckpointError.__name__
+                raise (CorruptCheckpointError if damaged else CheckpointError)(
+                    f"The part {key} could not be sent: {described['error']}"
+                )
             data = self.transfers.fetch(address, transfer_id(phases.name, key, at), described["sizes"])
             files.extend(zip(described["keys"], data))
             phases.post(f"{key}/{at}/{self.me}", "")
@@ -383,7 +386,7 @@ class LocalCheckpoints:
 
     def _restore(self, choice: LocalChoice, like: PyTree, load_kwargs: dict[str, Any]) -> tuple[Any, set[PartInfo]]:
         """One try of `restore`: the restored pytree, or the parts (of every process) found
-        damaged as they were read, each set aside by the process keeping it."""
+        damaged as they were sent or read, each set aside by the process keeping it."""
         kept = choice.parts[self.me]
         own = dataclasses.replace(kept, holder=self.me)  # where it is restored from: here
         restored: list[PyTree] = []
@@ -391,10 +394,10 @@ class LocalCheckpoints:
         def restore() -> str:
             try:
                 restored.append(load(self.tier.open(own), like, **load_kwargs))
-                return ""
+                return "[]"
             except (CorruptCheckpointError, ManifestError) as e:
                 self.tier.set_aside(own, str(e))
-                return json.dumps(kept.to_json())
+                return json.dumps([kept.to_json()])
 
         if self.processes == 1:
             found = [restore()]
@@ -403,23 +406,32 @@ class LocalCheckpoints:
             addresses = phases.run("address", lambda: self.transfers.address if self.replicas else "")
 
             def copy() -> str:  # a part whose owner lost it comes back from the peer keeping it
+                unsent: list[PartInfo] = []
                 served = [info for o, info in choice.parts.items() if info.holder == self.me and o != self.me]
                 serving = [
-                    self._server.submit(self._serve, phases, info, [info.owner], f"restore/{info.owner}")
+                    (info, self._server.submit(self._serve, phases, info, [info.owner], f"restore/{info.owner}"))
                     for info in served
                 ]
                 try:
                     if kept.holder != self.me:
-                        address = addresses[kept.holder]
-                        self.tier.receive(self.me, kept.step, self._fetch(phases, f"restore/{self.me}", address))
+                        try:
+                            files = self._fetch(phases, f"restore/{self.me}", addresses[kept.holder])
+                        except CorruptCheckpointError:  # its keeper could not read it: damaged
+                            unsent.append(kept)
+                        else:
+                            self.tier.receive(self.me, kept.step, files)
                 finally:
-                    for future in serving:
-                        future.result()
-                return ""
+                    for info, future in serving:
+                        try:
+                            future.result()
+                        except CorruptCheckpointError as e:
+                            self.tier.set_aside(info, str(e))
+                return json.dumps([info.to_json() for info in unsent])
 
-            phases.run("copy", copy)
-            found = phases.run("restore", restore)
-        damaged = {PartInfo.from_json(json.loads(each)) for each in found if each}
+            found = phases.run("copy", copy)
+            if all(each == "[]" for each in found):  # every process agrees: restore, or try again
+                found = phases.run("restore", restore)
+        damaged = {PartInfo.from_json(info) for each in found for info in json.loads(each)}
         for info in damaged:
             if info.holder == self.me and info.owner != self.me:  # the copy this process sent
                 self.tier.set_aside(info, f"process {info.owner} found its copy damaged")

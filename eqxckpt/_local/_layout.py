@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .._checkpoint import Checkpoint, open_checkpoint
-from .._errors import ArgumentError, CheckpointError
+from .._errors import ArgumentError, CheckpointError, CorruptCheckpointError
 from .._manifest import parse_manifest
 from .._paths import LOCAL_TIER_NAME, MANIFEST_NAME
 from .._save import Part
@@ -229,6 +229,7 @@ class LocalTier:
     def write(self, info: PartInfo, part: Part) -> None:
         """Keep ``part`` as the part ``info`` describes, replacing a part of another save of
         that step (one that never completed)."""
+        self._make_way(info.owner, info.step)
         path = self._directory(info.owner).sub(str(info.step)).user_path()
         # Not synced: a host that fails loses its tier anyway, and a part a power cut damaged
         # fails its checks when a restore reads it, and is set aside.
@@ -241,17 +242,22 @@ class LocalTier:
         assert root is not None
         found: list[tuple[str, np.ndarray]] = []
         pending = [""]
-        while pending:
-            relative = pending.pop()
-            with os.scandir(root / relative) as entries:
-                for entry in entries:
-                    key = f"{relative}{entry.name}"
-                    if entry.is_dir(follow_symlinks=False):
-                        pending.append(f"{key}/")
-                    elif entry.is_file(follow_symlinks=False):
-                        found.append((key, np.fromfile(entry.path, np.uint8)))
-                    else:
-                        raise CheckpointError(f"Local tier: {entry.path} is not a plain file; the part is damaged.")
+        try:
+            while pending:
+                relative = pending.pop()
+                with os.scandir(root / relative) as entries:
+                    for entry in entries:
+                        key = f"{relative}{entry.name}"
+                        if entry.is_dir(follow_symlinks=False):
+                            pending.append(f"{key}/")
+                        elif entry.is_file(follow_symlinks=False):
+                            found.append((key, np.fromfile(entry.path, np.uint8)))
+                        else:
+                            raise CorruptCheckpointError(
+                                f"Local tier: {entry.path} is not a plain file; the part is damaged."
+                            )
+        except OSError as e:  # its keeper cannot read it: as damaged as a failed checksum
+            raise CorruptCheckpointError(f"Local tier: cannot read the part at {root}: {e}.") from None
         return sorted(found, key=lambda item: (item[0] == MANIFEST_NAME, item[0]))
 
     def receive(self, owner: int, step: int, files: list[tuple[str, np.ndarray]]) -> None:
@@ -262,7 +268,7 @@ class LocalTier:
         if name != MANIFEST_NAME:
             raise CheckpointError(f"Local tier: the copy of {where} sent by its owner has no manifest.")
         manifest = parse_manifest(raw.tobytes(), str(where))
-        self._set_aside(where)
+        self._make_way(owner, step)
         staging = where.begin_save([], overwrite=True)
         try:
             writer = staging.storage.chunk_files()
@@ -276,13 +282,34 @@ class LocalTier:
         finally:
             staging.release()
 
-    def _set_aside(self, where: Storage) -> None:
-        """A step directory here that holds no committed part (its manifest lost, say) is
-        moved aside (`_move_aside`) so that a copy can take its place."""
+    def _make_way(self, owner: int, step: int) -> None:
+        """Before process ``owner``'s part of ``step`` is written here: what is at its place
+        is replaced only if it is such a part eqxckpt wrote (its manifest reads, it records
+        that owner and step, and it holds nothing its manifest does not name); anything else
+        (a part whose manifest was lost or damaged, another checkpoint, a user's files) is
+        moved aside (`_move_aside`), never deleted."""
+        where = self._directory(owner).sub(str(step))
         path = where.local
         assert path is not None
-        if path.is_dir() and not path.is_symlink() and not (path / MANIFEST_NAME).exists():
-            self._move_aside(path, "held no committed part", "the copy put in its place")
+        if not os.path.lexists(path):
+            return
+        if path.is_symlink() or not path.is_dir():
+            self._move_aside(path, "is not a directory (a link, a file)", "the new part put in its place")
+            return
+        try:
+            opened = open_checkpoint(where)
+            info = PartInfo.of(opened.metadata.get(PART_KEY), self.process, str(where))
+        except CheckpointError as e:
+            self._move_aside(path, f"held no part this tier can read ({e})", "the new part put in its place")
+            return
+        if (info.owner, info.step) != (owner, step):
+            self._move_aside(
+                path, f"held process {info.owner}'s part of step {info.step}", "the new part put in its place"
+            )
+        elif unlisted := opened.stored.unlisted():
+            self._move_aside(
+                path, f"held files its manifest does not name ({unlisted[0][0]})", "the new part put in its place"
+            )
 
     def set_aside(self, info: PartInfo, why: str) -> None:
         """Move the part ``info``, found damaged (``why``), aside (`_move_aside`): it is never
