@@ -3,6 +3,7 @@ leaves can be told apart from changed ones without reading them, and `verify` ca
 check each leaf end to end (per-chunk checksums miss chunks swapped between leaves)."""
 
 import json
+import math
 import re
 from typing import Any
 
@@ -83,10 +84,67 @@ def _stored_bytes(data: np.ndarray) -> Any:
     return data.reshape(-1).view(np.uint8).data
 
 
-def digest(fields: list[Any], data: np.ndarray | list[np.ndarray]) -> str:
-    """The digest of a leaf described by ``fields`` holding ``data`` (whole, in memory; or,
-    for a part's leaf, a list of the blocks it holds, in order): what a `LeafDigest` given
-    the same gives, in one step (a save digests every leaf)."""
+# A tiled leaf is digested a band of rows at a time, copied together in C order.
+TILED_BAND_BYTES = 8 << 20
+
+
+class Tiled:
+    """A leaf held as blocks that tile it (a sharded array whose every shard this process
+    holds): ``blocks`` pairs each block, ``((start, stop), ...)`` per dimension, with its
+    data. Its digest is the whole leaf's, in C order (`digest`)."""
+
+    def __init__(self, shape: tuple[int, ...], blocks: list[tuple[tuple[tuple[int, int], ...], np.ndarray]]):
+        self.shape, self.blocks = shape, sorted(blocks, key=lambda pair: pair[0])
+
+    @staticmethod
+    def tiles(shape: tuple[int, ...], blocks: list[tuple[tuple[int, int], ...]]) -> bool:
+        """Whether ``blocks`` cover ``shape`` exactly, each element once, in bands of rows
+        (blocks that share their rows), as a sharding's blocks do."""
+        if not blocks or len(set(blocks)) != len(blocks) or any(len(b) != len(shape) for b in blocks):
+            return False
+        if not all(0 <= a < b <= n for block in blocks for (a, b), n in zip(block, shape)):
+            return bool(not shape and blocks == [()])
+        rows = sorted({block[0] for block in blocks})
+        if rows[0][0] != 0 or rows[-1][1] != shape[0] or any(a[1] != b[0] for a, b in zip(rows, rows[1:])):
+            return False
+
+        def overlap(x: tuple[tuple[int, int], ...], y: tuple[tuple[int, int], ...]) -> bool:
+            return all(a < d and c < b for (a, b), (c, d) in zip(x, y))
+
+        if any(overlap(x, y) for i, x in enumerate(blocks) for y in blocks[i + 1 :] if x[0] == y[0]):
+            return False
+        return sum(math.prod(b - a for a, b in block) for block in blocks) == math.prod(shape)
+
+    def update(self, hashing: Any) -> None:
+        """Feed ``hashing`` the leaf's bytes as stored, in C order: a band of rows (of the
+        blocks starting at the same row) at a time, assembled in a buffer of at most
+        `TILED_BAND_BYTES` rows."""
+        if not self.shape:
+            hashing.update(_stored_bytes(self.blocks[0][1]))
+            return
+        dtype = self.blocks[0][1].dtype
+        row = max(1, math.prod(self.shape[1:]) * dtype.itemsize)
+        bands: dict[tuple[int, int], list[tuple[tuple[tuple[int, int], ...], np.ndarray]]] = {}
+        for block, data in self.blocks:
+            bands.setdefault(block[0], []).append((block, data))
+        for (start, stop), members in sorted(bands.items()):
+            step = max(1, TILED_BAND_BYTES // row)
+            for first in range(start, stop, step):
+                last = min(stop, first + step)
+                buffer = np.empty((last - first, *self.shape[1:]), dtype)
+                for block, data in members:
+                    buffer[(slice(None), *(slice(a, b) for a, b in block[1:]))] = data[first - start : last - start]
+                hashing.update(_stored_bytes(buffer))
+
+
+def digest(fields: list[Any], data: "np.ndarray | list[np.ndarray] | Tiled") -> str:
+    """The digest of a leaf described by ``fields`` holding ``data`` (whole, in memory; as
+    blocks that tile it, `Tiled`; or, for a part's leaf, a list of the blocks it holds, in
+    order): what a `LeafDigest` given the same gives, in one step (a save digests every leaf)."""
+    if isinstance(data, Tiled):
+        hashed = _started(fields)
+        data.update(hashed)
+        return f"{ALGORITHM}:{hashed.hexdigest()}"
     if isinstance(data, list):
         hashing = LeafDigest(fields, len(data))
         for block, piece in enumerate(data):

@@ -16,7 +16,7 @@ from jaxtyping import PyTree
 
 from ._background import SAVES, SaveHandle
 from ._chunks import ChunkLayout, encode
-from ._digest import digest
+from ._digest import Tiled, digest
 from ._distributed import Phases, is_multiprocess
 from ._errors import ArgumentError, CheckpointError, CheckpointWriteError
 from ._gc import collector_paused
@@ -26,6 +26,7 @@ from ._manifest import Manifest
 from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
 from ._paths import GROUP_METADATA, group_file, group_locations, key_entry
 from ._pieces import HostPiece, PackedWrite, Piece, record_of, snapshot
+from ._place import Block, slice_key
 from ._progress import Progress, advance, reporting
 from ._replicas import check_copies_agree, copy_digests
 from ._reuse import Reuse, plan_reuse
@@ -126,19 +127,21 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob], stop: threading.Event
     source's). Run where the writes run: off the caller's thread for a background save;
     batches of leaves are hashed on every core (the hash releases the GIL)."""
     by_offset = {r.offset: r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None}
-    whole: list[tuple[StoredLeaf, np.ndarray | list[np.ndarray]]] = []
+    whole: list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]] = []
     for leaf in leaves:
         if leaf.record.blocks is not None:  # a part's blocks, each whole here, in order
             whole.append((leaf.record, [piece.data for piece in leaf.pieces if isinstance(piece, HostPiece)]))
             continue
         if len(leaf.pieces) != 1:
+            if (tiled := _tiled(leaf)) is not None:
+                whole.append((leaf.record, tiled))
             continue
         for offset, data in leaf.pieces[0].hashed():
             if offset is not None:
                 whole.append((by_offset[offset], data))
             elif data.shape == leaf.record.data_shape:
                 whole.append((leaf.record, data))
-    batches: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray]]]] = [[]]
+    batches: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]]] = [[]]
     size = 0
     for record, data in whole:
         if size >= DIGEST_BATCH_BYTES:
@@ -149,7 +152,7 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob], stop: threading.Event
     digests: dict[str, str] = {}
     failures: list[tuple[str, Exception]] = []
 
-    def hash_batches(share: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray]]]]) -> None:
+    def hash_batches(share: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]]]) -> None:
         for batch in share:
             if stop is not None and stop.is_set():
                 return  # the save failed meanwhile: its digests are never used
@@ -179,6 +182,18 @@ def _digested(manifest: Manifest, leaves: list[_WriteJob], stop: threading.Event
         for r in manifest.leaves
     ]
     return dataclasses.replace(manifest, leaves=tuple(records))
+
+
+def _tiled(leaf: _WriteJob) -> Tiled | None:
+    """A leaf this process holds as shards that tile it (a sharded array on this process's
+    devices alone), to digest whole; None if other processes hold or write some of it."""
+    blocks: dict[Block, np.ndarray] = {}
+    shape = leaf.record.data_shape
+    for piece in leaf.pieces:
+        if not isinstance(piece, HostPiece) or piece.index is None or piece.parts is not None or piece.shared:
+            return None
+        blocks[slice_key(piece.index, shape)] = piece.data
+    return Tiled(shape, list(blocks.items())) if Tiled.tiles(shape, list(blocks)) else None
 
 
 class _Hashing:

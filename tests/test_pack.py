@@ -338,6 +338,14 @@ def test_a_packed_bool_byte_other_than_0_or_1_is_refused_on_read_and_by_verify(t
     [flags] = [leaf for leaf in manifest(tmp_path / "c")["leaves"] if leaf["path"] == "flags"]
     assert flags["offset"] is not None
     _rewrite_packed_bytes(tmp_path / "c", flags["offset"], b"\x01\x02\x01")
+    # The leaf's digest (checked first, as its bytes are read) or, for a checkpoint without
+    # digests, the bool bytes themselves.
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="Leaf 'flags': its bytes pass their chunks' checksums"):
+        eqxckpt.load(tmp_path / "c")
+    doc = manifest(tmp_path / "c")
+    for leaf in doc["leaves"]:
+        leaf.pop("digest", None)
+    (tmp_path / "c" / "eqxckpt.json").write_bytes(crafted_manifest(doc))
     with pytest.raises(eqxckpt.CorruptCheckpointError, match="Leaf 'flags': its bool data holds bytes"):
         eqxckpt.load(tmp_path / "c")
     with pytest.raises(eqxckpt.CorruptCheckpointError, match="Leaf 'flags'"):
