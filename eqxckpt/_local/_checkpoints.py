@@ -405,7 +405,10 @@ class LocalCheckpoints:
             phases = Phases("resume")
             addresses = phases.run("address", lambda: self.transfers.address if self.replicas else "")
 
-            def copy() -> str:  # a part whose owner lost it comes back from the peer keeping it
+            def copy() -> str:
+                """A part whose owner lost it comes back from the peer keeping it; meanwhile
+                a process holding its own part restores from it (while serving its peers)."""
+                found_here = "[]"
                 unsent: list[PartInfo] = []
                 served = [info for o, info in choice.parts.items() if info.holder == self.me and o != self.me]
                 serving = [
@@ -420,17 +423,19 @@ class LocalCheckpoints:
                             unsent.append(kept)
                         else:
                             self.tier.receive(self.me, kept.step, files)
+                    else:
+                        found_here = restore()
                 finally:
                     for info, future in serving:
                         try:
                             future.result()
                         except CorruptCheckpointError as e:
                             self.tier.set_aside(info, str(e))
-                return json.dumps([info.to_json() for info in unsent])
+                return json.dumps([info.to_json() for info in unsent] + json.loads(found_here))
 
             found = phases.run("copy", copy)
             if all(each == "[]" for each in found):  # every process agrees: restore, or try again
-                found = phases.run("restore", restore)
+                found = phases.run("restore", lambda: restore() if kept.holder != self.me else "[]")
         damaged = {PartInfo.from_json(info) for each in found for info in json.loads(each)}
         for info in damaged:
             if info.holder == self.me and info.owner != self.me:  # the copy this process sent
