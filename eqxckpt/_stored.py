@@ -25,7 +25,17 @@ from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._pack import PackedArray
 from ._select import Selection
-from ._storage import MAX_ZARR_JSON_BYTES, UNPINNED, CheckpointPath, Pin, Storage, corrupt, reading, resolve
+from ._storage import (
+    MAX_ZARR_JSON_BYTES,
+    UNPINNED,
+    CheckpointPath,
+    Pin,
+    Storage,
+    corrupt,
+    expected_files,
+    reading,
+    resolve,
+)
 from ._window import Task, check_allocation, read_window, run_windowed
 
 
@@ -137,6 +147,22 @@ class StoredArrays:
         """Files among the checkpoint's own arrays that its manifest does not name, as
         ``(path, why)`` problems (what `verify` reports)."""
         return self.arrays.unlisted(set(self.manifest.stored_paths()))
+
+    def unwritten(self) -> list[str]:
+        """Files here (on a local disk) that the save which made this checkpoint did not
+        write: what `unlisted` names, and any file in a leaf's own directory beside its
+        ``zarr.json`` and its chunks (or anything there that is not a plain file). What a
+        deleter must leave alone. Raises `CheckpointError` if a leaf's layout is damaged."""
+        found = [path for path, _ in self.unlisted()]
+        own = [r for r in self.manifest.leaves if isinstance(r, StoredLeaf) and r.arrays is None and r.offset is None]
+        for record in [*own, *([self.packed] if self.packed is not None else [])]:
+            files = self.arrays.leaf_files(record.path)
+            if files is None:
+                found.append(record.path)
+                continue
+            written = expected_files([(record, self.layout(record))])
+            found.extend(sorted(key for key in files if key not in written))
+        return found
 
     def sharers(self, leaf: StoredLeaf) -> list[str]:
         """The checkpoints beside this one that hold the very files ``leaf`` (one of its

@@ -886,3 +886,45 @@ def test_parts_damaged_unsendable_or_deleted_never_restore_a_wrong_or_other_step
         assert "TRY 0 latest=5 RAISED CorruptCheckpointError" in lines[0] and "no sound copy" in lines[0]
         assert lines[1:] == ["TRY 1 latest=4 LOADED 4 True"]
     assert list(part(1, "peer-0", 5).parent.glob(".5.set-aside-*/notes"))
+
+
+def test_a_step_saved_again_moves_aside_a_part_holding_files_eqxckpt_did_not_write(tmp_path):
+    """The sixth outside attack: a user's file in a part's leaf directory (and a stray chunk
+    file) were deleted when the step was saved again after a restart; a part is replaced
+    only if it holds exactly what its save wrote, and is otherwise renamed aside."""
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        for step in range(2):
+            manager.save(step, _state(step))
+    [tier] = (local / "eqxckpt-local").iterdir()
+    part = tier / "process-0" / "own" / "1"
+    assert eqxckpt.open(part).stored.unwritten() == []
+    (part / "w" / "notes.txt").write_text("mine")
+    (part / "w" / "c" / "7").write_bytes(b"stray")
+    assert eqxckpt.open(part).stored.unwritten() == ["w/c/7", "w/notes.txt"]
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        with pytest.warns(UserWarning, match=r"held files eqxckpt did not write \(w/c/7\)"):
+            manager.save(1, _state(10))  # a restart that saves step 1 again, without a load
+            manager.wait()
+    [aside] = part.parent.glob(".1.set-aside-*")
+    assert (aside / "w" / "notes.txt").read_text() == "mine" and (aside / "w" / "c" / "7").read_bytes() == b"stray"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        assert manager.latest_step() == 1 and manager.load(_LIKE)["w"].tolist() == _state(10)["w"].tolist()
+
+
+def test_a_part_deleted_while_it_is_sent_is_gone_not_damaged(tmp_path):
+    """The sixth outside attack: a copy deleted meanwhile was reported (and handled) as
+    damaged; it is gone (`CheckpointNotFoundError`, which a restore meets with
+    `CheckpointChangedError` after latest_step named it)."""
+    run, local = tmp_path / "run", tmp_path / "local"
+    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
+        manager.save(0, _state(0))
+    tier = LocalTier(local, resolve(run), 0)
+    try:
+        [info] = tier.parts()
+        assert [key for key, _ in tier.files(info)][-1] == "eqxckpt.json"
+        shutil.rmtree(tier.root / "own" / "0")
+        with pytest.raises(eqxckpt.CheckpointNotFoundError, match="deleted meanwhile"):
+            tier.files(info)
+    finally:
+        tier.close()

@@ -34,7 +34,14 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._distributed import Phases
-from .._errors import ArgumentError, CheckpointError, CheckpointExistsError, CorruptCheckpointError, ManifestError
+from .._errors import (
+    ArgumentError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+)
 from .._load import load
 from .._save import Part
 from .._steps import RunSteps
@@ -255,9 +262,9 @@ class LocalCheckpoints:
         at = 0
         while True:
             described = json.loads(phases.take(f"{key}/{at}", f"group {at} of {key}"))
-            if "error" in described:
-                damaged = described.get("type") == CorruptCheckpointError.__name__
-                raise (CorruptCheckpointError if damaged else CheckpointError)(
+            if "error" in described:  # as its keeper raised it: damaged, deleted meanwhile, or else
+                kinds = {kind.__name__: kind for kind in (CorruptCheckpointError, CheckpointNotFoundError)}
+                raise kinds.get(described.get("type"), CheckpointError)(
                     f"The part {key} could not be sent: {described['error']}"
                 )
             data = self.transfers.fetch(address, transfer_id(phases.name, key, at), described["sizes"])

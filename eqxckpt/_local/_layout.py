@@ -17,6 +17,7 @@ directories (a symlink among them is never followed).
 """
 
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .._checkpoint import Checkpoint, open_checkpoint
-from .._errors import ArgumentError, CheckpointError, CorruptCheckpointError
+from .._errors import ArgumentError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._manifest import parse_manifest
 from .._paths import LOCAL_TIER_NAME, MANIFEST_NAME
 from .._save import Part
@@ -89,6 +90,10 @@ class PartInfo:
     @classmethod
     def from_json(cls, data: list) -> "PartInfo":
         return cls.of(dict(zip(_FIELDS, data[:-1])), int(data[-1]), "a part listed by another process")
+
+
+# Errors reading a part that say nothing about the part (the process ran out of something).
+_PASSING = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR}
 
 
 def run_key(persistent: Storage) -> str:
@@ -256,7 +261,12 @@ class LocalTier:
                             raise CorruptCheckpointError(
                                 f"Local tier: {entry.path} is not a plain file; the part is damaged."
                             )
-        except OSError as e:  # its keeper cannot read it: as damaged as a failed checksum
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"Local tier: the part at {root} was deleted meanwhile.") from None
+        except OSError as e:
+            if e.errno in _PASSING:
+                raise CheckpointError(f"Local tier: cannot read the part at {root} now: {e}.") from None
+            # Its keeper cannot read it (EIO, EACCES...): as damaged as a failed checksum.
             raise CorruptCheckpointError(f"Local tier: cannot read the part at {root}: {e}.") from None
         return sorted(found, key=lambda item: (item[0] == MANIFEST_NAME, item[0]))
 
@@ -299,6 +309,7 @@ class LocalTier:
         try:
             opened = open_checkpoint(where)
             info = PartInfo.of(opened.metadata.get(PART_KEY), self.process, str(where))
+            unwritten = opened.stored.unwritten()
         except CheckpointError as e:
             self._move_aside(path, f"held no part this tier can read ({e})", "the new part put in its place")
             return
@@ -306,9 +317,9 @@ class LocalTier:
             self._move_aside(
                 path, f"held process {info.owner}'s part of step {info.step}", "the new part put in its place"
             )
-        elif unlisted := opened.stored.unlisted():
+        elif unwritten:
             self._move_aside(
-                path, f"held files its manifest does not name ({unlisted[0][0]})", "the new part put in its place"
+                path, f"held files eqxckpt did not write ({unwritten[0]})", "the new part put in its place"
             )
 
     def set_aside(self, info: PartInfo, why: str) -> None:
