@@ -129,6 +129,14 @@ class BackgroundSaves:
                     f"{error}. That checkpoint was not written; fix the cause and save again."
                 ) from error
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's saves and their thread are the parent's (its
+        futures would never finish here, and the child's exit would wait on them for ever);
+        the child starts with none, and a thread of its own if it saves."""
+        self._executor = None
+        self._in_flight = {}
+        self._lock = threading.Lock()
+
     def finish_at_exit(self) -> None:
         """A background save must not vanish with the interpreter, nor its error: a failure
         no one saw is printed, and the process exits with status 1 (a script or scheduler
@@ -148,3 +156,4 @@ class BackgroundSaves:
 
 
 SAVES = BackgroundSaves()
+os.register_at_fork(after_in_child=SAVES.reset_after_fork)

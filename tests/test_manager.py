@@ -730,3 +730,37 @@ def test_bad_arguments_to_a_managers_save_are_argument_errors(tmp_path, kwargs, 
     with eqxckpt.CheckpointManager(tmp_path / "run", blocking=True) as manager:
         with pytest.raises(eqxckpt.ArgumentError, match=match):
             manager.save(0, {"w": np.ones(3, np.float32)}, **kwargs)
+
+
+FORK_DURING_A_SAVE = r"""
+import os, signal, sys, threading, numpy as np, eqxckpt
+from eqxckpt._background import SAVES
+
+manager = eqxckpt.CheckpointManager(sys.argv[1])
+manager.save(0, {"w": np.arange(1 << 20, dtype=np.float32)})
+release = threading.Event()
+SAVES.submit("held", release.wait)  # after the save, on its thread: in flight until the child is done
+pid = os.fork()
+if pid == 0:  # a data loader's worker: it never saves, and exits as a script does
+    signal.alarm(30)  # a hang at exit ends here, as SIGALRM
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+release.set()
+manager.wait()
+print("parent", manager.all_steps(), flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_child_forked_during_a_background_save_exits(tmp_path):
+    """#53 item 1: a child forked while a background save was in flight waited at exit
+    for the parent's save, whose thread is not in the child: it never ended."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_DURING_A_SAVE, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert done.stdout.splitlines() == ["child 0", "parent [0]"], done.stderr[-3000:]
