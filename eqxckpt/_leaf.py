@@ -8,6 +8,7 @@ value `load` takes from `like`. A new kind is one class here, registered in `KIN
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -638,7 +639,17 @@ class ScalarLeaf(Leaf):
 
     @classmethod
     def of(cls, path: str, keys: tuple[KeyRecord, ...], value: Any) -> "ScalarLeaf":
-        """The leaf of a Python scalar, string or None, bit for bit."""
+        """The leaf of a Python scalar, string or None, bit for bit; `UnsupportedLeafError`
+        for an int with more digits than Python converts to and from text (JSON)."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                str(value)
+            except ValueError:
+                raise UnsupportedLeafError(
+                    f"Leaf {path!r}: an int of about {int(value.bit_length() * 0.30103)} digits, more than Python "
+                    f"reads from or writes to JSON ({sys.get_int_max_str_digits()}): it could be saved but never "
+                    "loaded. Save it as a str, or as a numpy array of its bytes."
+                ) from None
         return cls(path, keys, *scalar_to_json(value), nan_bits(value))
 
     def describe(self) -> str:

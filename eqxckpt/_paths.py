@@ -22,7 +22,7 @@ import re
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from ._errors import ManifestError, PathError
+from ._errors import ArgumentError, ManifestError, PathError
 
 MANIFEST_NAME = "eqxckpt.json"
 # An object-store save's lease (see `_storage/_lease`): reserved like the manifest's name.
@@ -321,7 +321,7 @@ def normalize_at(at: str | None) -> str:
     if at is None:
         return ""
     if not isinstance(at, str):
-        raise TypeError(f"at= must be a path string such as 'model/layers/0', got {type(at).__name__}.")
+        raise ArgumentError(f"at= must be a path string such as 'model/layers/0', got {type(at).__name__}.")
     return at.strip("/")
 
 

@@ -84,3 +84,23 @@ def test_the_documented_retry_on_exists_never_saves_into_a_busy_place(s3):
     except eqxckpt.CheckpointExistsError:
         eqxckpt.save(where, {"x": np.ones(3)}, overwrite=True)
     np.testing.assert_array_equal(eqxckpt.load(where)["x"], np.ones(3))
+
+
+def test_an_int_json_cannot_carry_is_refused_at_save_naming_the_leaf(tmp_path):
+    """#53 item 5: a bare ValueError from deep in the manifest encoder; and an int of more
+    digits than Python parses would have saved a checkpoint no load can read."""
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+    with pytest.raises(eqxckpt.UnsupportedLeafError, match=r"Leaf 'n': an int of about 5000 digits.*never"):
+        eqxckpt.save(tmp_path / "c", {"n": 10**5000})
+    assert not (tmp_path / "c").exists()
+    big = 10 ** (limit - 1)  # the most digits Python converts: saved and loaded exactly
+    eqxckpt.save(tmp_path / "ok", {"n": big, "neg": -big})
+    assert eqxckpt.load(tmp_path / "ok") == {"n": big, "neg": -big}
+
+
+def test_an_at_that_is_not_a_string_is_an_argument_error(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"n": 1})
+    with pytest.raises(eqxckpt.ArgumentError, match="at= must be a path string"):
+        eqxckpt.load(tmp_path / "c", at=5)  # type: ignore[arg-type]
