@@ -127,6 +127,7 @@ class Source(abc.ABC):
                 data = data.copy()
             with reading(leaf):
                 if (digesting := leaf.digesting()) is not None:
+                    leaf.check_known()  # what it is (a PRNG implementation) before what it holds
                     digesting.update(data)
                     leaf.check_digest(digesting.value)
                 values[whole[j]] = leaf.finish(data, target, adoptions)
