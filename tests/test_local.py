@@ -316,13 +316,20 @@ def test_a_failing_local_tier_never_stops_the_persistent_save(tmp_path):
         assert out["step"] == 4 and jnp.array_equal(out["w"], _state(4)["w"])
 
 
-def test_a_corrupt_local_piece_falls_back_to_the_persistent_step(tmp_path):
+def _saved(tmp_path: pathlib.Path, steps: int) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """Steps ``0..steps-1`` saved by a manager with a local tier: the run, the local path,
+    and the directory of process 0's own parts."""
     run, local = tmp_path / "run", tmp_path / "local"
     with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
-        for step in range(7):
+        for step in range(steps):
             manager.save(step, _state(step))
     [tier] = (local / "eqxckpt-local").iterdir()
-    piece = tier / "process-0" / "own" / "6"
+    return run, local, tier / "process-0" / "own"
+
+
+def test_a_corrupt_local_piece_falls_back_to_the_persistent_step(tmp_path):
+    run, local, own = _saved(tmp_path, 7)
+    piece = own / "6"
     chunks = [p for p in piece.rglob("*") if p.is_file() and "c" in p.relative_to(piece).parts]
     assert chunks
     for chunk in chunks:  # bit rot in the one local step kept
@@ -892,12 +899,8 @@ def test_a_step_saved_again_moves_aside_a_part_holding_files_eqxckpt_did_not_wri
     """The sixth outside attack: a user's file in a part's leaf directory (and a stray chunk
     file) were deleted when the step was saved again after a restart; a part is replaced
     only if it holds exactly what its save wrote, and is otherwise renamed aside."""
-    run, local = tmp_path / "run", tmp_path / "local"
-    with eqxckpt.CheckpointManager(run, **_local_options(local)) as manager:
-        for step in range(2):
-            manager.save(step, _state(step))
-    [tier] = (local / "eqxckpt-local").iterdir()
-    part = tier / "process-0" / "own" / "1"
+    run, local, own = _saved(tmp_path, 2)
+    part = own / "1"
     assert eqxckpt.open(part).stored.unwritten() == []
     (part / "w" / "notes.txt").write_text("mine")
     (part / "w" / "c" / "7").write_bytes(b"stray")
