@@ -30,6 +30,7 @@ from ._dtypes import little_endian
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     CorruptCheckpointError,
     ManifestError,
     PathError,
@@ -402,6 +403,12 @@ def save_safetensors(
                 f.write(array.reshape(-1).view(np.uint8).data)
                 advance(array.nbytes)
 
+    try:  # as `save` makes a checkpoint's parents
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointWriteError(
+            f"Cannot make the directory {final.parent} for {final.name}: {e.strerror or e}. Nothing was written."
+        ) from None
     with reporting(f"writing {final.name}", offset, len(arrays), progress):
         write_file(final, body, overwrite)
 

@@ -496,3 +496,16 @@ def test_a_lazy_slice_of_a_safetensors_file_saves_into_either_format(sliced_file
     again = stn.load_file(str(tmp_path / "again.safetensors"))
     np.testing.assert_array_equal(again["rows"], tensors["m"][1:6:2])
     np.testing.assert_array_equal(again["half"], tensors["t"][:, 1].astype(np.float32))
+
+
+def test_save_safetensors_makes_its_parents_as_save_does(tmp_path):
+    """#53 item 6: a bare FileNotFoundError naming its temporary file, where `save` makes
+    the parents; a parent that is a file is a CheckpointWriteError naming it."""
+    tree = {"w": np.arange(3, dtype=np.float32)}
+    target = tmp_path / "new" / "deeper" / "model.safetensors"
+    eqxckpt.save_safetensors(target, tree)
+    assert stn.load_file(str(target))["w"].tolist() == [0.0, 1.0, 2.0]
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(eqxckpt.CheckpointWriteError, match=r"a-file.*Nothing was written"):
+        eqxckpt.save_safetensors(tmp_path / "a-file" / "model.safetensors", tree)
+    assert (tmp_path / "a-file").read_text() == "x"
