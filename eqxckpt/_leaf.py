@@ -6,6 +6,7 @@ value `load` takes from `like`. A new kind is one class here, registered in `KIN
 """
 
 import dataclasses
+import enum
 import functools
 import math
 import sys
@@ -676,10 +677,16 @@ class ScalarLeaf(Leaf):
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if is_array_like(target) or not isinstance(target, SCALAR_TYPES) or self.type_name != scalar_to_json(target)[0]:
             return self._differs(target)
+        if isinstance(target, enum.Enum):
+            try:
+                type(target)(self.value())
+            except ValueError:
+                return f"{self.describe()} is no member of {type(target).__qualname__}, which `like` holds"
         return None
 
     def value(self, target: Any = None) -> Any:
-        """The value, bit for bit as it was saved (``target`` is ignored).
+        """The value, bit for bit as it was saved; of ``target``'s type where that is an
+        enum of ints or strs that holds it (an `IntEnum`, a `(str, Enum)`), or `np.str_`.
 
         **Returns:** the int, float, bool, complex, str or None.
 
@@ -688,7 +695,11 @@ class ScalarLeaf(Leaf):
         ```
         """
         value = scalar_from_json(self.type_name, self.json_value)
-        return value if self.bits is None else with_bits(value, self.bits)
+        value = value if self.bits is None else with_bits(value, self.bits)
+        if type(value) in (int, str) and isinstance(target, type(value)):
+            if isinstance(target, enum.Enum) or type(target) is np.str_:
+                return type(target)(value)  # `mismatch` checked that it holds it
+        return value
 
     @property
     def is_none(self) -> bool:

@@ -410,3 +410,27 @@ def test_a_load_refuses_chunks_swapped_between_leaves(tmp_path, monkeypatch, pat
     q.write_bytes(q_bytes)
     loaded = eqxckpt.load(tmp_path / "c", like, host_memory_budget=budget)
     assert all(np.array_equal(loaded[k], v) for k, v in tree.items())
+
+
+def test_enum_and_numpy_str_leaves_come_back_as_the_type_like_holds(tmp_path):
+    """#53 item 6: an IntEnum, a (str, Enum) and np.str_ came back as plain int and str even
+    when `like` held the original type (`.name`, `isinstance`, `type(x) is` broke); a value
+    that is no member of like's enum is a mismatch row, not a ValueError."""
+    import enum
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    class Mode(str, enum.Enum):  # noqa: UP042 - the (str, Enum) users write, which StrEnum is not
+        A = "a"
+
+    class Other(enum.IntEnum):
+        X = 5
+
+    eqxckpt.save(tmp_path / "c", {"c": Color.RED, "m": Mode.A, "s": np.str_("x"), "i": 3})
+    out = eqxckpt.load(tmp_path / "c", {"c": Color.RED, "m": Mode.A, "s": np.str_("y"), "i": 0})
+    assert out["c"] is Color.RED and out["m"] is Mode.A and type(out["s"]) is np.str_ and out["s"] == "x"
+    assert type(out["i"]) is int and out["i"] == 3
+    assert {k: type(v) for k, v in eqxckpt.load(tmp_path / "c").items()} == {"c": int, "m": str, "s": str, "i": int}
+    with pytest.raises(eqxckpt.StructureMismatchError, match="c: int = 1 is no member of .*Other"):
+        eqxckpt.load(tmp_path / "c", {"c": Other.X, "m": Mode.A, "s": "", "i": 0})
