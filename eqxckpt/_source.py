@@ -23,7 +23,7 @@ import numpy as np
 
 from ._chunks import Region
 from ._convert import Adoption, Adoptions
-from ._digest import LeafDigest
+from ._digest import LeafDigest, Tiled
 from ._errors import ArgumentError, CheckpointError
 from ._leaf import Leaf, StoredLeaf, check_bool_bytes, refuse_narrowing
 from ._paths import depth, did_you_mean, normalize_at, relative_to
@@ -578,12 +578,11 @@ class PlacedDigest:
                 else None
             )
         shape = leaf.data_shape
-        if not shape:
+        if not shape or 0 in shape:  # no bytes, or one: no order to keep
             return cls(leaf, digesting, None)
-        rows = [key[0] for key in keys]
+        # Bands of whole rows, one after another: their bytes arrive in the leaf's C order.
         whole_rows = all(key[1:] == tuple((0, n) for n in shape[1:]) for key in keys)
-        tiled = rows[0][0] == 0 and rows[-1][1] == shape[0] and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
-        return cls(leaf, digesting, None) if whole_rows and tiled else None
+        return cls(leaf, digesting, None) if whole_rows and Tiled.tiles(shape, keys) else None
 
     def __call__(self, block: Block, data: np.ndarray) -> None:
         self.digesting.update(data, 0 if self.blocks is None else self.blocks[block])
