@@ -677,11 +677,8 @@ class ScalarLeaf(Leaf):
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if is_array_like(target) or not isinstance(target, SCALAR_TYPES) or self.type_name != scalar_to_json(target)[0]:
             return self._differs(target)
-        if isinstance(target, enum.Enum):
-            try:
-                type(target)(self.value())
-            except ValueError:
-                return f"{self.describe()} is no member of {type(target).__qualname__}, which `like` holds"
+        if _as_like(self.value(), target) is None and (isinstance(target, enum.Enum) or isinstance(target, np.str_)):
+            return f"{self.describe()} is no member of {type(target).__qualname__}, which `like` holds"
         return None
 
     def value(self, target: Any = None) -> Any:
@@ -696,14 +693,28 @@ class ScalarLeaf(Leaf):
         """
         value = scalar_from_json(self.type_name, self.json_value)
         value = value if self.bits is None else with_bits(value, self.bits)
-        if type(value) in (int, str) and isinstance(target, type(value)):
-            if isinstance(target, enum.Enum) or type(target) is np.str_:
-                return type(target)(value)  # `mismatch` checked that it holds it
-        return value
+        kept = _as_like(value, target)
+        return value if kept is None else kept
 
     @property
     def is_none(self) -> bool:
         return self.type_name == "none"
+
+
+def _as_like(value: Any, target: Any) -> Any:
+    """``value`` (an int or str) as ``target``'s type, where that is an enum of ints or strs
+    or an `np.str_`, and holds exactly ``value`` (an enum's ``_missing_`` may map a value to
+    another member: that is no member); None otherwise."""
+    if type(value) not in (int, str) or not isinstance(target, type(value)):
+        return None
+    if not isinstance(target, (enum.Enum, np.str_)):
+        return None
+    try:
+        kept = type(target)(value)
+    except Exception:  # noqa: BLE001 - a user's enum may raise anything for a non-member
+        return None
+    held = kept.value if isinstance(kept, enum.Enum) else str(kept)
+    return kept if type(held) is type(value) and held == value else None
 
 
 @dataclasses.dataclass(frozen=True)

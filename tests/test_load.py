@@ -434,3 +434,34 @@ def test_enum_and_numpy_str_leaves_come_back_as_the_type_like_holds(tmp_path):
     assert {k: type(v) for k, v in eqxckpt.load(tmp_path / "c").items()} == {"c": int, "m": str, "s": str, "i": int}
     with pytest.raises(eqxckpt.StructureMismatchError, match="c: int = 1 is no member of .*Other"):
         eqxckpt.load(tmp_path / "c", {"c": Other.X, "m": Mode.A, "s": "", "i": 0})
+
+    # The final outside attack: an enum whose lookup maps a value to another member (a flag's
+    # bits, a `_missing_` that lowercases or clamps) or raises something else changed the
+    # value silently or raised a raw TypeError; each is a mismatch row, the value never changed.
+    class Flag(enum.IntFlag):
+        A = 1
+        B = 2
+
+    class Lower(str, enum.Enum):  # noqa: UP042 - the (str, Enum) users write
+        a = "a"
+
+        @classmethod
+        def _missing_(cls, value):
+            return cls(value.lower())
+
+    class Raises(enum.IntEnum):
+        A = 1
+
+        @classmethod
+        def _missing_(cls, value):
+            raise TypeError(value)
+
+    class Text(np.str_):
+        pass
+
+    eqxckpt.save(tmp_path / "d", {"f": -1, "s": "A", "r": 9, "ok": 3, "t": "q"})
+    for like in ({"f": Flag.A}, {"s": Lower.a}, {"r": Raises.A}):
+        with pytest.raises(eqxckpt.StructureMismatchError, match="is no member of"):
+            eqxckpt.load(tmp_path / "d", {"f": 0, "s": "", "r": 0, "ok": 0, "t": "", **like})
+    out = eqxckpt.load(tmp_path / "d", {"f": 0, "s": "", "r": 0, "ok": Flag.A, "t": Text("x")})
+    assert out["ok"] == Flag.A | Flag.B and type(out["ok"]) is Flag and type(out["t"]) is Text and out["t"] == "q"
