@@ -895,6 +895,38 @@ def test_parts_damaged_unsendable_or_deleted_never_restore_a_wrong_or_other_step
     assert list(part(1, "peer-0", 5).parent.glob(".5.set-aside-*/notes"))
 
 
+@pytest.mark.multiprocess
+def test_a_copy_sent_is_restored_as_it_arrives_then_kept_only_if_sound(tmp_path):
+    """A process whose part was lost restores from the copy its peer sends as it arrives
+    (never first written to its disk), then keeps it: byte for byte the copy. A copy whose
+    bytes fail the digest as they are read is never kept; its keeper sets it aside."""
+    launch("save", 2, tmp_path, worker=PARTS_WORKER)
+    [tier] = (tmp_path / "host0" / "eqxckpt-local").iterdir()
+    own = tmp_path / "host0" / "eqxckpt-local" / tier.name / "process-0" / "own"
+    copy = tmp_path / "host1" / "eqxckpt-local" / tier.name / "process-1" / "peer-0"
+
+    def files(part: pathlib.Path) -> dict[str, bytes]:
+        return {str(f.relative_to(part)): f.read_bytes() for f in part.rglob("*") if f.is_file()}
+
+    def tries(**env: str) -> list[list[str]]:
+        logs = launch("resume", 2, tmp_path, worker=PARTS_WORKER, **env)
+        return [[line for line in log.splitlines() if line.startswith("TRY")] for log in logs]
+
+    shutil.rmtree(own / "6")
+    assert tries() == [["TRY 0 latest=6 LOADED 6 True"]] * 2
+    assert files(own / "6") == files(copy / "6")  # kept again, as sent
+    # Step 5's chunks of `w` in the copy (each passes its CRC), process 0's own part lost.
+    shutil.rmtree(own / "6")
+    for chunk in (copy / "5" / "w").rglob("c/**/*"):
+        if chunk.is_file():
+            shutil.copy(chunk, copy / "6" / "w" / chunk.relative_to(copy / "5" / "w"))
+    for lines in tries(TRIES="2"):
+        assert "TRY 0 latest=6 RAISED CorruptCheckpointError" in lines[0] and "no sound copy" in lines[0]
+        assert lines[1:] == ["TRY 1 latest=5 LOADED 5 True"]
+    assert not (own / "6").exists() and len(list(copy.glob(".6.set-aside-*"))) == 1
+    assert not list(own.glob(".6.*"))  # nothing of the damaged copy was ever written here
+
+
 def test_a_step_saved_again_moves_aside_a_part_holding_files_eqxckpt_did_not_write(tmp_path):
     """The sixth outside attack: a user's file in a part's leaf directory (and a stray chunk
     file) were deleted when the step was saved again after a restart; a part is replaced

@@ -8,11 +8,14 @@ import subprocess
 import sys
 import textwrap
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 import eqxckpt
-from eqxckpt._storage import resolve
+from eqxckpt._checkpoint import open_checkpoint
+from eqxckpt._storage import BufferStorage, resolve
 from eqxckpt._storage._fs import exchange
 
 
@@ -221,3 +224,51 @@ def test_a_checkpoint_replaced_while_its_manifest_is_opened_is_changed_not_incom
     os.unlink(tmp_path / "c" / "eqxckpt.json")
     with pytest.raises(eqxckpt.IncompleteCheckpointError):
         eqxckpt.load(tmp_path / "c")
+
+
+# -- a checkpoint held as its files' bytes (`BufferStorage`) ----------------------------------
+
+
+def _files_of(path) -> dict[str, np.ndarray]:
+    return {str(f.relative_to(path)): np.fromfile(f, np.uint8) for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 5), max_size=3).map(tuple), min_size=1, max_size=4),
+    dtype=st.sampled_from([np.float32, np.int8, np.complex64, np.bool_]),
+)
+def test_a_checkpoint_read_from_its_files_bytes_loads_as_from_disk(tmp_path_factory, shapes, dtype):
+    path = tmp_path_factory.mktemp("held") / "c"
+    rng = np.random.default_rng(len(shapes))
+    tree = {f"l{i}": rng.integers(0, 100, shape).astype(dtype) for i, shape in enumerate(shapes)}
+    eqxckpt.save(path, {**tree, "n": 3})
+    held = BufferStorage.of(_files_of(path), "a copy")
+    loaded = eqxckpt.load(open_checkpoint(held))
+    assert loaded["n"] == 3 and loaded.keys() == {*tree, "n"}
+    for name, value in tree.items():
+        assert loaded[name].dtype == value.dtype and np.array_equal(loaded[name], value)
+
+
+def test_a_held_checkpoint_with_damaged_or_missing_files_is_refused_naming_the_leaf(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"w": np.arange(4096, dtype=np.float32), "v": np.ones(3)})
+    files = _files_of(tmp_path / "c")
+    [chunk] = [key for key in files if key.startswith("w/c/")]
+    flipped = files[chunk].copy()
+    flipped[7] ^= 1
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="'w'"):
+        eqxckpt.load(open_checkpoint(BufferStorage.of({**files, chunk: flipped}, "a copy")))
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="'w'"):  # refused before any allocation
+        eqxckpt.load(open_checkpoint(BufferStorage.of({k: d for k, d in files.items() if k != chunk}, "a copy")))
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="'w'"):
+        eqxckpt.load(
+            open_checkpoint(BufferStorage.of({**files, chunk: files[chunk][:-1], "w/c/x": files[chunk][:8]}, "a copy"))
+        )
+    with pytest.raises(eqxckpt.CheckpointNotFoundError, match="a copy"):
+        eqxckpt.load(
+            open_checkpoint(BufferStorage.of({k: d for k, d in files.items() if k != "eqxckpt.json"}, "a copy"))
+        )
+    held = BufferStorage.of(files, "a copy")
+    with pytest.raises(eqxckpt.CheckpointError, match="read only"):
+        held.begin_save(["w"], overwrite=True)
+    assert np.array_equal(eqxckpt.load(open_checkpoint(held))["w"], np.arange(4096, dtype=np.float32))

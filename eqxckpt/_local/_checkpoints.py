@@ -129,6 +129,7 @@ class LocalCheckpoints:
         self._complete: list[tuple[int, str]] = []  # (step, token) of the complete saves kept
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-local")
         self._pending: concurrent.futures.Future | None = None
+        self._keeping: concurrent.futures.Future | None = None  # a received copy being kept (`_keep`)
         # Serving this process's files to its peers, while it fetches theirs.
         self._server = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqxckpt-local-serve")
 
@@ -149,7 +150,7 @@ class LocalCheckpoints:
         its part is taken now (what `eqxckpt.save` refuses is refused here, with the same
         error), the rest happens in the background unless ``blocking``. Waits for the
         previous local save first and raises its error."""
-        self.wait()
+        self._saved()  # a restored copy still being kept is written first, in the background
         if self._complete and step <= self._complete[-1][0]:
             raise CheckpointExistsError(
                 f"Step {step} is not newer than the local tier's newest step, {self._complete[-1][0]}: each step "
@@ -162,11 +163,17 @@ class LocalCheckpoints:
         committed = self.steps.committed()
         follows = committed[-1] if committed else None
         if blocking:
+            self._kept()  # on this thread: after it, as the executor would have
             self._write(step, part, follows)
         else:
             self._pending = self._executor.submit(self._write, step, part, follows)
 
     def wait(self) -> None:
+        """Wait for the local save in flight (and a restored copy being kept); raise the save's error."""
+        self._kept()
+        self._saved()
+
+    def _saved(self) -> None:
         """Wait for the local save in flight; raise its error."""
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -274,6 +281,25 @@ class LocalCheckpoints:
                 return files
             at += 1
 
+    def _keep(self, info: PartInfo, files: list[tuple[str, np.ndarray]]) -> None:
+        """Keep the copy of this process's part a peer sent (and it was restored from) in
+        the background, as its own save would; the next local save is written after it. A
+        copy that cannot be kept is warned about: the peer still keeps its own."""
+
+        def keep() -> None:
+            try:
+                self.tier.receive(info.owner, info.step, files)
+            except (CheckpointError, OSError) as e:
+                warnings.warn(f"Local tier: the restored copy of step {info.step} was not kept here: {e}", stacklevel=2)
+
+        self._keeping = self._executor.submit(keep)
+
+    def _kept(self) -> None:
+        """Wait until the copy being kept (`_keep`), if any, is."""
+        keeping, self._keeping = self._keeping, None
+        if keeping is not None:
+            keeping.result()
+
     def _completed(self, step: int, token: str) -> None:
         """The save ``token`` of ``step`` is complete in every process: keep the newest
         complete saves of this run, delete every other part of it (older ones, and those
@@ -310,6 +336,8 @@ class LocalCheckpoints:
         **Returns:** the local choice (None: resume from the persistent tier), and the
         newest persistent step every process is to use.
         """
+
+        self._kept()  # listed once kept: chosen from here, never also fetched again
 
         def inventory() -> str:
             mine = [info.to_json() for info in self.tier.parts()]
@@ -356,7 +384,8 @@ class LocalCheckpoints:
     def restore(self, choice: LocalChoice, like: PyTree, **load_kwargs: Any) -> PyTree:
         """Restore ``choice``'s step into ``like`` (every process), with `eqxckpt.load`'s
         options (``at=``...): each process from its own part, else from the copy a peer
-        keeps of it (sent now, and kept here again first). Every process succeeds, or every
+        keeps of it (sent now, restored from as it arrived, then kept here in the
+        background). Every process succeeds, or every
         one raises.
 
         A part whose bytes fail their checks as they are read (chunk checksums, each leaf's
@@ -397,14 +426,21 @@ class LocalCheckpoints:
         kept = choice.parts[self.me]
         own = dataclasses.replace(kept, holder=self.me)  # where it is restored from: here
         restored: list[PyTree] = []
+        received: list[list[tuple[str, np.ndarray]]] = []  # a peer's copy of this process's part
 
         def restore() -> str:
             try:
-                restored.append(load(self.tier.open(own), like, **load_kwargs))
-                return "[]"
+                if not received:
+                    restored.append(load(self.tier.open(own), like, **load_kwargs))
+                    return "[]"
+                # Restored from the copy as it arrived, and kept here after (not first, on the way).
+                restored.append(load(self.tier.received(own, received[0]), like, **load_kwargs))
             except (CorruptCheckpointError, ManifestError) as e:
-                self.tier.set_aside(own, str(e))
+                if not received:
+                    self.tier.set_aside(own, str(e))
                 return json.dumps([kept.to_json()])
+            self._keep(own, received[0])
+            return "[]"
 
         if self.processes == 1:
             found = [restore()]
@@ -429,7 +465,7 @@ class LocalCheckpoints:
                         except CorruptCheckpointError:  # its keeper could not read it: damaged
                             unsent.append(kept)
                         else:
-                            self.tier.receive(self.me, kept.step, files)
+                            received.append(files)
                     else:
                         found_here = restore()
                 finally:
@@ -442,7 +478,7 @@ class LocalCheckpoints:
 
             found = phases.run("copy", copy)
             if all(each == "[]" for each in found):  # every process agrees: restore, or try again
-                found = phases.run("restore", lambda: restore() if kept.holder != self.me else "[]")
+                found = phases.run("restore", lambda: restore() if received else "[]")
         damaged = {PartInfo.from_json(info) for each in found for info in json.loads(each)}
         for info in damaged:
             if info.holder == self.me and info.owner != self.me:  # the copy this process sent

@@ -38,7 +38,7 @@ from .._manifest import parse_manifest
 from .._paths import LOCAL_TIER_NAME, MANIFEST_NAME
 from .._save import Part
 from .._steps import clean_leftovers, is_step_name
-from .._storage import Storage, resolve
+from .._storage import BufferStorage, Storage, resolve
 from .._storage._locks import DirLock
 from .._window import read_window, run_windowed
 
@@ -343,18 +343,36 @@ class LocalTier:
     def open(self, info: PartInfo) -> Checkpoint:
         """The part ``info`` names, opened for a restore of this process (`Source.per_process`).
         Raises `CheckpointError` if it was replaced meanwhile."""
-        path = self._directory(info.owner).sub(str(info.step))
-        opened = open_checkpoint(path, per_process=True)
-        found = PartInfo.of(opened.metadata.get(PART_KEY), self.process, str(path))
-        if found != info:
-            raise CheckpointError(
-                f"Local tier: {path} is no longer process {info.owner}'s part of step {info.step}'s save "
-                f"{info.token} (it holds {found.token!r}); it was replaced meanwhile. Load again."
-            )
-        return opened
+        return _opened(self._directory(info.owner).sub(str(info.step)), info, "it was replaced meanwhile. Load again")
+
+    def received(self, info: PartInfo, files: list[tuple[str, np.ndarray]]) -> Checkpoint:
+        """The copy of part ``info`` a peer sent (its `files`), opened for a restore of this
+        process as it is held in memory: read once, checked as it is read, and kept here
+        afterwards (`receive`) if it is sound. Raises `CorruptCheckpointError` if it is
+        not the part ``info`` names."""
+        where = BufferStorage.of(dict(files), f"process {info.owner}'s part of step {info.step} as sent to it")
+        try:
+            return _opened(where, info, "the copy is damaged")
+        except CheckpointError as e:
+            if isinstance(e, CorruptCheckpointError):
+                raise
+            raise CorruptCheckpointError(str(e)) from None
 
     def delete(self, parts: list[PartInfo]) -> None:
         """Delete these parts (this process's own, listed by `parts`)."""
         for info in parts:
             assert info.holder == self.process
             self._directory(info.owner).sub(str(info.step)).delete()
+
+
+def _opened(where: Storage, info: PartInfo, otherwise: str) -> Checkpoint:
+    """The part ``info`` at ``where``, opened for a restore of this process; a
+    `CheckpointError` saying ``otherwise`` if it holds another."""
+    opened = open_checkpoint(where, per_process=True)
+    found = PartInfo.of(opened.metadata.get(PART_KEY), info.holder, str(where))
+    if found != info:
+        raise CheckpointError(
+            f"Local tier: {where} is not process {info.owner}'s part of step {info.step}'s save {info.token} "
+            f"(it holds {found.token!r}): {otherwise}."
+        )
+    return opened

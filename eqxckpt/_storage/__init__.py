@@ -5,7 +5,7 @@ One `Storage` type per backend owns its side of the concurrency protocol
 a checkpoint is deleted, how a directory of checkpoints is listed, how the
 manifest is read, and which checks a leaf's files get before TensorStore reads
 them. `_backend.py` holds the interface; `_local.py` and `_objects.py` the two
-implementations. Their primitives: `_locks.py` (local ``flock`` locks and
+implementations (and `_buffers.py`, a read-only copy held in memory). Their primitives: `_locks.py` (local ``flock`` locks and
 staging), `_pins.py` (what pins a checkpoint being read), `_kvstore.py` (key-level
 operations on an object store), `_lease.py` (the object-store lease), `_holds.py`
 (holds on prefixes that incremental saves refer to), `_reclaim.py` (cleanup on
@@ -24,6 +24,7 @@ from ._backend import (
     nothing_committed as nothing_committed,
     reading as reading,
 )
+from ._buffers import BufferStorage as BufferStorage
 from ._fs import fsync_path as fsync_path, read_capped as read_capped
 from ._locks import (
     create_locked_file as create_locked_file,
