@@ -449,8 +449,8 @@ class LocalCheckpoints:
             addresses = phases.run("address", lambda: self.transfers.address if self.replicas else "")
 
             def copy() -> str:
-                """A part whose owner lost it comes back from the peer keeping it; meanwhile
-                a process holding its own part restores from it (while serving its peers)."""
+                """Each process restores, while serving its peers: from its own part, or
+                from the copy of it the peer keeping it sends (as it arrives)."""
                 found_here = "[]"
                 unsent: list[PartInfo] = []
                 served = [info for o, info in choice.parts.items() if info.holder == self.me and o != self.me]
@@ -466,6 +466,7 @@ class LocalCheckpoints:
                             unsent.append(kept)
                         else:
                             received.append(files)
+                            found_here = restore()
                     else:
                         found_here = restore()
                 finally:
@@ -476,9 +477,7 @@ class LocalCheckpoints:
                             self.tier.set_aside(info, str(e))
                 return json.dumps([info.to_json() for info in unsent] + json.loads(found_here))
 
-            found = phases.run("copy", copy)
-            if all(each == "[]" for each in found):  # every process agrees: restore, or try again
-                found = phases.run("restore", lambda: restore() if received else "[]")
+            found = phases.run("copy", copy)  # every process restored, or every one tries again
         damaged = {PartInfo.from_json(info) for each in found for info in json.loads(each)}
         for info in damaged:
             if info.holder == self.me and info.owner != self.me:  # the copy this process sent
