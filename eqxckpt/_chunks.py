@@ -42,6 +42,12 @@ Region = tuple[slice, ...]
 # declare a 4 MiB leaf in a million one-element chunks.
 MIN_CHUNK_LIMIT = 1 << 16
 MIN_MEAN_CHUNK_BYTES = 4096
+# Along a sharded dimension a chunk divides the shard; where the shard's length has no
+# divisor within this factor below the budget (a prime number of rows), the chunk is the
+# smallest divisor above it instead, the dimensions after it cut to fit: a chunk may then
+# exceed its budget, and a reader accepts chunks of up to MAX_CHUNK_BYTES.
+MAX_CHUNK_FACTOR = 4
+MAX_CHUNK_BYTES = MAX_CHUNK_FACTOR * CHUNK_BYTES
 
 
 def chunk_budget(path: str) -> int:
@@ -57,25 +63,49 @@ def chunk_shape(
     Trailing dimensions are kept whole while they fit, so each chunk is one
     contiguous run of the array and a full read is a few large sequential reads.
     Along a sharded dimension the chunk divides the shard exactly, so no chunk
-    straddles two writers' shards (two writers on one chunk would lose data).
+    straddles two writers' shards (two writers on one chunk would lose data). Where
+    the shard's length has no divisor near the budget (a prime), the chunk takes the
+    smallest divisor above it along that dimension and the dimensions after it are
+    cut to fit (`MAX_CHUNK_FACTOR`): a shard in a few chunks, never in one per row.
 
     ```python
     chunk_shape((1024, 1024), 4, budget=1 << 20)                    # [256, 1024]
     chunk_shape((1024, 1024), 4, shard=(512, 1024), budget=3 << 20)  # [512, 1024]
+    chunk_shape((262, 256), 4, shard=(131, 256), budget=1 << 16)     # [131, 86]
     ```
     """
     shard = tuple(shape) if shard is None else tuple(shard)
     elements = max(1, (CHUNK_BYTES if budget is None else budget) // max(1, itemsize))
+    return _chunk(tuple(shape), shard, elements, balanced=False)
+
+
+def _chunk(
+    shape: tuple[int, ...], shard: tuple[int, ...], elements: int, balanced: bool, most: int | None = None
+) -> list[int]:
+    """`chunk_shape` of ``elements`` elements, or up to ``most`` (`MAX_CHUNK_FACTOR` times
+    as many) where a shard's length has no divisor near the budget; ``balanced``: an
+    unsharded dimension cut into chunks of equal size (no chunk of a few elements at its end)."""
+    most = MAX_CHUNK_FACTOR * elements if most is None else most
     chunk: list[int] = []
-    for dim, part in zip(reversed(shape), reversed(shard)):
-        part = max(1, part)
+    budget = elements
+    for at in reversed(range(len(shape))):
+        dim, part = shape[at], max(1, shard[at])
         if part <= elements:
             chunk.append(part)
             elements //= part
+            continue
+        if part == dim:  # not sharded: any size
+            size = -(-dim // -(-dim // elements)) if balanced else elements
         else:
-            size = max(1, elements)
-            chunk.append(_largest_divisor(part, size) if part < dim else size)
-            elements = 1
+            size = _largest_divisor(part, elements)
+            if size * MAX_CHUNK_FACTOR < elements:  # no divisor near the budget
+                above = _smallest_divisor_above(part, elements)
+                inner = _chunk(shape[at + 1 :], shard[at + 1 :], max(1, budget // above), True, most // above)
+                if above * math.prod(inner) <= most:
+                    size, chunk = above, inner[::-1]
+        chunk.append(size)
+        chunk.extend([1] * at)
+        break
     return chunk[::-1]
 
 
@@ -85,6 +115,16 @@ def _largest_divisor(n: int, at_most: int) -> int:
         if n % d == 0:
             for candidate in (d, n // d):
                 if best < candidate <= at_most:
+                    best = candidate
+    return best
+
+
+def _smallest_divisor_above(n: int, at_least: int) -> int:
+    best = n
+    for d in range(1, int(n**0.5) + 1):
+        if n % d == 0:
+            for candidate in (d, n // d):
+                if at_least <= candidate < best:
                     best = candidate
     return best
 
@@ -192,6 +232,21 @@ class ChunkLayout:
         if self.held is None:
             return [tuple(slice(0, n) for n in self.shape)]
         return [tuple(slice(a, b) for a, b in block) for block in self.held]
+
+    def refusal(self) -> str | None:
+        """Why a reader refuses this layout (what a ``zarr.json`` declaring it "has" or
+        "does"), or None: the one check a load applies and a save applies before it
+        writes, so that no save writes what a load refuses."""
+        if self.chunk_nbytes > MAX_CHUNK_BYTES:
+            return f"has chunks of {list(self.chunk)} (over {MAX_CHUNK_BYTES} bytes)"
+        if not self.aligned():
+            return f"has chunks of {list(self.chunk)}, which do not tile the blocks the manifest says this part holds"
+        if self.count > self.max_count:  # each chunk costs a file, a read and a task, whatever its size
+            return (
+                f"splits its {math.prod(self.shape) * self.dtype.itemsize} bytes into {self.count} chunks of "
+                f"{list(self.chunk)} (at most {self.max_count} are accepted: one per 4 KiB, or 65536)"
+            )
+        return None
 
     @property
     def max_count(self) -> int:

@@ -7,7 +7,7 @@ import numpy as np
 
 from ._dtypes import check_dtype
 from ._errors import UnsupportedLeafError
-from ._leaf import ArrayLeaf, KeyLeaf, KeyRecord, Leaf, OpaqueLeaf, ScalarLeaf
+from ._leaf import MAX_RANK, ArrayLeaf, KeyLeaf, KeyRecord, Leaf, OpaqueLeaf, ScalarLeaf, shape_refusal
 from ._tree import (
     SCALAR_TYPES,
     code_name,
@@ -28,6 +28,12 @@ def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, A
     import jax
 
     if is_array_like(value) and not isinstance(value, (jax.ShapeDtypeStruct, np.ma.MaskedArray)):
+        if (why := shape_refusal(value.shape)) or len(value.shape) > MAX_RANK:
+            raise UnsupportedLeafError(
+                f"Leaf {path!r}: its shape {tuple(value.shape)} "
+                + (why or f"has more than {MAX_RANK} dimensions")
+                + ": a load would refuse it, so it is not saved. Reshape it, or keep it out of the saved tree."
+            )
         if isinstance(value, jax.Array) and is_prng_key_dtype(value.dtype):
             data = jax.random.key_data(value)
             leaf = KeyLeaf(

@@ -10,7 +10,7 @@ import enum
 import functools
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
@@ -770,15 +770,24 @@ def parse_shape(value: Any, where: str) -> tuple[int, ...]:
     """A shape from the manifest: at most `MAX_RANK` non-negative ints, fewer than 2**53 elements."""
     if not isinstance(value, list) or len(value) > MAX_RANK:
         raise ManifestError(f"Leaf {where!r}: shape must be a list of at most {MAX_RANK} ints, found {value!r}.")
+    if why := shape_refusal(value):
+        raise ManifestError(f"Leaf {where!r}: shape {value!r} {why}.")
+    return tuple(value)
+
+
+def shape_refusal(shape: Sequence[Any]) -> str | None:
+    """Why a reader refuses ``shape`` (a list of at most `MAX_RANK` entries), or None: the
+    check a load applies and a save applies first, so that no save writes what a load
+    refuses."""
     elements = 1  # zero dimensions counted as one: numpy refuses an empty array whose other dimensions overflow
-    for d in value:  # one plain loop: every leaf of a manifest has a shape
+    for d in shape:  # one plain loop: every leaf of a manifest has a shape
         if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < MAX_ELEMENTS:
-            raise ManifestError(f"Leaf {where!r}: shape {value!r} has a negative, huge or non-integer dimension.")
+            return "has a negative, huge or non-integer dimension"
         if d > 1:
             elements *= d
     if elements >= MAX_ELEMENTS:
-        raise ManifestError(f"Leaf {where!r}: shape {value!r} declares an absurd number of elements.")
-    return tuple(value)
+        return "declares an absurd number of elements"
+    return None
 
 
 def parse_blocks(value: Any, path: str) -> tuple[Block, ...]:

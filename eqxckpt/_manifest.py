@@ -14,7 +14,7 @@ from typing import Any
 
 from crc32c import crc32c
 
-from ._errors import ManifestError
+from ._errors import ArgumentError, ManifestError
 from ._gc import collector_paused
 from ._leaf import KeyRecord, Leaf, StoredLeaf, parse_leaf
 from ._pack import PackedArray
@@ -84,6 +84,32 @@ class Manifest:
         with collector_paused():
             return [_line(leaf) for leaf in self.leaves]
 
+    def refuse_oversized(self, metadata_bytes: int) -> None:
+        """Refuse (`ArgumentError`) to save what a load would refuse as too large: a manifest
+        over `MAX_MANIFEST_BYTES`, with the digests its arrays will have. Bounded from above
+        cheaply first (each leaf as if every character of its path and value were escaped);
+        only a tree near the limit is encoded to tell. ``metadata_bytes``: the metadata's
+        JSON size."""
+        bound = (
+            metadata_bytes + 4096 + sum(_LINE_BOUND + 36 * len(leaf.path) + _json_bound(leaf) for leaf in self.leaves)
+        )
+        if bound <= MAX_MANIFEST_BYTES:
+            return
+        undigested = sum(1 for leaf in self.leaves if isinstance(leaf, StoredLeaf) and leaf.digest is None)
+        self.refuse_bytes(len(self.to_bytes()) + _DIGEST_FIELD_BYTES * undigested)
+
+    @staticmethod
+    def refuse_bytes(size: int, parse_cost: int = 0) -> None:
+        """Refuse (`ArgumentError`) a manifest of ``size`` bytes that a load would refuse."""
+        if size > MAX_MANIFEST_BYTES or parse_cost > MAX_PARSE_FACTOR * size + (16 << 20):
+            raise ArgumentError(
+                f"This save's manifest would be {size} bytes"
+                + (f", too densely packed to parse ({parse_cost >> 20} MiB)" if size <= MAX_MANIFEST_BYTES else "")
+                + f"; a load reads manifests of at most {MAX_MANIFEST_BYTES} bytes, so nothing is saved. Save fewer "
+                "leaves (a list of many small arrays as one stacked array), shorter keys, less metadata, or long "
+                "strings as uint8 arrays."
+            )
+
     def to_bytes(self) -> bytes:
         head = {
             "format": FORMAT,
@@ -98,7 +124,32 @@ class Manifest:
         # One leaf per line: easy to read, grep and diff.
         lines = self.leaf_lines()
         body = json.dumps(head, indent=1, allow_nan=False)[:-2]
-        return with_checksum((body + ',\n "leaves": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n").encode())
+        raw = with_checksum((body + ',\n "leaves": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n").encode())
+        self.refuse_bytes(len(raw), parse_cost(raw))  # what a load would refuse is never committed
+        return raw
+
+
+# At most this many bytes of a leaf's line besides its path (as escaped, at most 36 bytes a
+# character: it appears in the path, the keys and the location) and its value (`_json_bound`).
+_LINE_BOUND = 400
+_DIGEST_FIELD_BYTES = len(', "digest": "xxh3-128:' + "0" * 32 + '"')
+
+
+def _json_bound(leaf: Leaf) -> int:
+    """At most the bytes a scalar leaf's value takes in its line, as escaped JSON."""
+    value = getattr(leaf, "json_value", None)
+    bits = getattr(leaf, "bits", None)
+    return _value_bound(value) + _value_bound(bits)
+
+
+def _value_bound(value: Any) -> int:
+    if isinstance(value, str):
+        return 12 * len(value) + 2
+    if isinstance(value, int):
+        return value.bit_length() // 3 + 3
+    if isinstance(value, (list, tuple)):
+        return sum(_value_bound(v) + 2 for v in value) + 2
+    return 32
 
 
 def _line(leaf: Leaf) -> str:

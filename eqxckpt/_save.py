@@ -18,7 +18,7 @@ from ._background import SAVES, SaveHandle
 from ._chunks import ChunkLayout, encode
 from ._digest import Tiled, digest
 from ._distributed import Phases, is_multiprocess
-from ._errors import ArgumentError, CheckpointError, CheckpointWriteError
+from ._errors import ArgumentError, CheckpointError, CheckpointWriteError, UnsupportedLeafError
 from ._gc import collector_paused
 from ._interrupts import interrupts_deferred
 from ._leaf import Leaf, StoredLeaf, with_storage
@@ -89,7 +89,18 @@ def _snapshot(
 ) -> list[_WriteJob]:
     """The pieces this process must write, in host memory it owns (see `_pieces.snapshot`)."""
     planned = snapshot(arrays, copy, leader, multiprocess, own_blocks)
-    return [_WriteJob(record, shard, pieces) for record, shard, pieces in planned]
+    jobs = [_WriteJob(record, shard, pieces) for record, shard, pieces in planned]
+    for job in jobs:  # in every process alike, before any is written
+        if why := job.layout.refusal():
+            record = job.record
+            raise UnsupportedLeafError(
+                f"Leaf {record.path!r} ({record.dtype}{list(record.data_shape)}"
+                + ("" if job.shard is None else f", in shards of {list(job.shard)}")
+                + f"): its array {why}, which a load refuses, so it is not saved. Give each shard a length "
+                "with a divisor near 64 MiB's worth of its rows (pad it, e.g. to a multiple of 8), or shard it "
+                "along another dimension."
+            )
+    return jobs
 
 
 def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], list[_WriteJob]]:
@@ -516,7 +527,7 @@ def save(
     location = resolve(path)
     metadata = {} if metadata is None else metadata
     try:
-        json.dumps(metadata, allow_nan=False)
+        metadata_bytes = len(json.dumps(metadata, allow_nan=False))
     except (TypeError, ValueError) as e:
         raise ArgumentError(f"metadata must be a JSON-serialisable dict: {e}") from None
     if not isinstance(metadata, dict):
@@ -538,6 +549,7 @@ def save(
         if phases is None:  # with several processes every leaf keeps its own array
             records, jobs = _pack(records, jobs)
     manifest = Manifest(tuple(records), metadata)
+    manifest.refuse_oversized(metadata_bytes)  # before anything is written
 
     def run() -> None:
         # Only process 0's manifest is committed: the others hash nothing. Which leaves a
@@ -621,6 +633,7 @@ class Part:
         location = resolve(path)
         location.check_target(overwrite)
         manifest = Manifest(tuple(self.records), metadata)
+        manifest.refuse_oversized(len(json.dumps(metadata)))
         hashing = _Hashing(manifest, self.jobs)
         try:
             with plan_reuse(None, manifest, self.jobs, location) as reuse:

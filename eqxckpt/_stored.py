@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._chunks import CHUNK_BYTES, ChunkLayout, Region, read_into, read_scattered
+from ._chunks import ChunkLayout, Region, read_into, read_scattered
 from ._convert import aligned_empty
 from ._errors import CorruptCheckpointError
 from ._leaf import Leaf, StoredLeaf
@@ -368,7 +368,7 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
 
     Only the codec chain eqxckpt writes (raw little-endian bytes plus a crc32c
     checksum), a zero fill value, and a regular grid of chunks of at most
-    `CHUNK_BYTES` and at most `ChunkLayout.max_count` of them are accepted, so a
+    `MAX_CHUNK_BYTES` and at most `ChunkLayout.max_count` of them are accepted, so a
     crafted file can neither skip the checksum, nor make a read allocate more than
     the array's own size plus one chunk, nor cut a leaf into a million chunks. Every
     read (whole, lazy selection, sharded, `verify`) goes through this one check.
@@ -410,16 +410,8 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
         and all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= max(1, n) for c, n in zip(chunk, shape))
     ):
         raise bad(f"has a chunk grid {grid!r} that does not fit the shape {list(shape)}")
-    if math.prod(chunk) * np.dtype(record.dtype).itemsize > CHUNK_BYTES:
-        raise bad(f"has chunks of {chunk} (over {CHUNK_BYTES} bytes)")
-    layout = ChunkLayout.stored(record, {"chunk_grid": grid})
-    if not layout.aligned():
-        raise bad(f"has chunks of {chunk}, which do not tile the blocks the manifest says this part holds")
-    if layout.count > layout.max_count:  # each chunk costs a file, a read and a task, whatever its size
-        raise bad(
-            f"splits its {record.nbytes} bytes into {layout.count} chunks of {chunk} (at most {layout.max_count} "
-            "are accepted: one per 4 KiB, or 65536)"
-        )
+    if why := ChunkLayout.stored(record, {"chunk_grid": grid}).refusal():
+        raise bad(why)
     if not _is_zero(doc.get("fill_value", None), record.dtype):
         raise bad(f"has a fill_value of {doc.get('fill_value', '(none)')!r}, not the zero eqxckpt writes")
     encoding = doc.get("chunk_key_encoding")

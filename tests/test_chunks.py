@@ -3,6 +3,7 @@
 zarr-python and TensorStore still open and verify."""
 
 import json
+import math
 import os
 import pathlib
 
@@ -18,7 +19,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import eqxckpt
 import eqxckpt._chunks as chunks_module
 import eqxckpt._pack as pack_module
-from eqxckpt._chunks import ChunkFileError, ChunkLayout, chunk_regions, chunk_shape, encode, read_chunk
+from eqxckpt._chunks import (
+    MAX_CHUNK_FACTOR,
+    ChunkFileError,
+    ChunkLayout,
+    chunk_regions,
+    chunk_shape,
+    encode,
+    read_chunk,
+)
 from eqxckpt._storage._local import LocalChunkFiles
 from eqxckpt._window import blocking
 
@@ -193,11 +202,35 @@ def test_chunks_never_straddle_shards(dims, itemsize, budget):
     shard = tuple(length for _, length in dims)
     shape = tuple(count * length for count, length in dims)
     chunk = chunk_shape(shape, itemsize, shard, budget=budget)
-    assert np.prod(chunk, dtype=int) * itemsize <= max(budget, itemsize)
+    # Within the budget, or (a shard length with no divisor near it) the smallest divisor
+    # above it with the dimensions after it cut to fit, within a small factor of it.
+    nbytes = math.prod(chunk) * itemsize
+    assert nbytes <= max(budget, itemsize) * MAX_CHUNK_FACTOR
     for dim, part, size in zip(shape, shard, chunk):
         assert 0 < size <= part
         if part < dim:  # sharded: every chunk boundary falls inside one shard
             assert part % size == 0
+    # A few chunks per budget's worth of each shard, never one per row (#53: a prime
+    # number of rows per shard was cut into one-row chunks that a load then refused), where
+    # such a layout exists: one dimension sharded, a row along any dimension within budget.
+    if sum(count > 1 for count, _ in dims) <= 1 and budget >= itemsize * max(shard):
+        per_shard = math.prod(-(-p // c) for p, c in zip(shard, chunk))
+        assert per_shard <= 2 * MAX_CHUNK_FACTOR * -(-math.prod(shard) * itemsize // budget)
+
+
+@pytest.mark.parametrize(
+    "shape,shard,chunk",
+    [
+        ((262142, 256), (131071, 256), [131071, 128]),  # a prime number of rows per shard: 2 chunks, not 131071
+        ((16787 * 4, 1000), (16787, 1000), [16787, 500]),  # the columns split evenly, not 999 + 1
+        ((131071 * 2,), (131071,), [131071]),  # no other dimension to cut: the shard whole
+        ((1024, 1024), (512, 1024), [512, 1024]),  # a divisor near the budget: as before
+    ],
+)
+def test_a_shard_length_without_a_divisor_near_the_budget_is_cut_in_a_few_chunks(shape, shard, chunk):
+    assert chunk_shape(shape, 4, shard) == chunk
+    layout = ChunkLayout(shape, np.dtype("float32"), tuple(chunk))
+    assert layout.refusal() is None and layout.count <= 16
 
 
 @given(st.lists(st.tuples(st.integers(0, 9), st.integers(1, 4), st.integers(0, 3)), max_size=3))
@@ -213,3 +246,25 @@ def test_chunk_regions_tile_the_region_chunk_by_chunk(dims):
     inside = covered[tuple(region)]
     assert inside.size == 0 or (inside == 1).all()
     assert covered.sum() == inside.size
+
+
+@pytest.mark.multiprocess
+def test_every_sharded_save_loads_back_in_a_few_chunks_per_budget(tmp_path):
+    """On 4 CPU devices (a worker process), hypothesis over shard lengths (primes among
+    them), columns, dtypes and splits: every save loads back bit-exact, in at most a few
+    chunk files per budget's worth of each shard (#53: one-row chunks a load refused)."""
+    import subprocess
+    import sys
+
+    from conftest import WORKERS
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run(
+        [sys.executable, str(WORKERS / "chunk_probe.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "40"

@@ -861,3 +861,51 @@ def test_bad_save_arguments_are_argument_errors(tmp_path, kwargs):
 def test_a_bare_array_given_to_save_is_an_argument_error(tmp_path):
     with pytest.raises(eqxckpt.ArgumentError, match="container"):
         eqxckpt.save(tmp_path / "c", np.ones(3, np.float32))
+
+
+# -- a save never writes what a load refuses (#53, defect 0) -----------------------------------
+
+
+def test_a_manifest_a_load_would_refuse_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    import eqxckpt._manifest as manifest_module
+
+    # Over the reader's 64 MiB cap: metadata, a string leaf (each refused before a chunk is written).
+    with pytest.raises(eqxckpt.ArgumentError, match="manifest would be .* bytes; a load reads manifests of at most"):
+        eqxckpt.save(tmp_path / "meta", {"w": np.zeros(2)}, metadata={"blob": "x" * (70 << 20)})
+    with pytest.raises(eqxckpt.ArgumentError, match="manifest would be"):
+        eqxckpt.save(tmp_path / "string", {"s": "y" * (66 << 20), "w": np.zeros(2)})
+    assert not (tmp_path / "meta").exists() and not (tmp_path / "string").exists()
+    # Many small leaves, the cap made small: refused exactly at the line, whatever the estimate says.
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 256 * 1024)
+    many = {f"p{i}": {f"l{j}": np.float32(j) for j in range(100)} for i in range(12)}  # about 290 KB
+    with pytest.raises(eqxckpt.ArgumentError, match="manifest would be"):
+        eqxckpt.save(tmp_path / "many", many)
+    assert not (tmp_path / "many").exists()
+    fewer = {f"p{i}": {f"l{j}": np.float32(j) for j in range(100)} for i in range(9)}  # over the bound, under the cap
+    eqxckpt.save(tmp_path / "fewer", fewer)
+    assert (tmp_path / "fewer" / "eqxckpt.json").stat().st_size <= 256 * 1024
+    assert eqxckpt.load(tmp_path / "fewer")["p8"]["l99"] == 99
+    # The commit's own check, whatever came before it.
+    manifest = manifest_module.Manifest((), {"x": "y" * 300_000})
+    with pytest.raises(eqxckpt.ArgumentError, match="manifest would be"):
+        manifest.to_bytes()
+
+
+def test_a_shape_a_load_would_refuse_is_refused_at_save_naming_the_leaf(tmp_path):
+    with pytest.raises(eqxckpt.UnsupportedLeafError, match=r"Leaf 'z'.*absurd number of elements.*not saved"):
+        eqxckpt.save(tmp_path / "c", {"w": np.ones(2), "z": np.zeros((0, 2**20, 2**20, 2**20), np.int8)})
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_chunk_layout_a_load_would_refuse_is_refused_at_save(tmp_path, monkeypatch):
+    import eqxckpt._chunks as chunks_module
+
+    eqxckpt.save(tmp_path / "ok", {"w": np.arange(5000, dtype=np.float32)})
+    # The one check, `ChunkLayout.refusal`, is the reader's and the writer's: with a smaller
+    # bound on chunks, the save is refused before it writes, and the checkpoint made before is refused.
+    monkeypatch.setattr(chunks_module, "MAX_CHUNK_BYTES", 1024)
+    with pytest.raises(eqxckpt.UnsupportedLeafError, match=r"Leaf 'w' \(float32\[5000\]\).*over 1024 bytes.*not saved"):
+        eqxckpt.save(tmp_path / "c", {"w": np.arange(5000, dtype=np.float32)})
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="over 1024 bytes"):
+        eqxckpt.load(tmp_path / "ok")
