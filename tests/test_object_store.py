@@ -1006,3 +1006,27 @@ def test_of_creators_racing_on_s3_exactly_one_writes(s3):
         assert created.count(True) == 1  # the others' conditional writes failed
         stored = client.get_object(Bucket=BUCKET, Key=f"runs/race-once-{attempt}/{RUN_NAME}")["Body"].read()
         assert stored == raws[created.index(True)]
+
+
+def test_steps_whose_base_another_tool_deleted_are_listed_unreadable_not_dropped(store):
+    """#53 defect 3: steps 1 and 2 refer to step 0's prefix; another tool deletes `run/0/`.
+    They were taken for deleted meanwhile: listed nowhere, no warning, `latest_step()` None
+    and the trainer's next save refused. They are unreadable steps, named in a warning with
+    the missing prefix, and loading one says what is gone."""
+    top = f"vanished-base-{store.name}/"
+    frozen = np.arange(20_000, dtype=np.float32)
+    with eqxckpt.CheckpointManager(store.spec(top)) as manager:
+        for step in range(3):
+            manager.save(step, {"frozen": frozen, "step": step})
+            manager.wait()
+    assert json.loads(store.get(f"{top}2/eqxckpt.json"))["leaves"][0]["arrays"].startswith("../0/%arrays.")
+    for key in store.keys(f"{top}0/"):
+        store.delete(key)
+    with pytest.warns(UserWarning, match=r"1 \(CorruptCheckpointError: .* refers to unchanged leaves in \.\./0/%arrays"):
+        manager = eqxckpt.CheckpointManager(store.spec(top))
+    with manager:
+        assert manager.all_steps() == [] and manager.latest_step() is None
+        with pytest.raises(eqxckpt.CheckpointExistsError, match="holds a checkpoint that cannot be read"):
+            manager.save(1, {"frozen": frozen, "step": 1})
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="Restore that prefix from a copy"):
+        eqxckpt.load(store.spec(f"{top}2"))

@@ -24,6 +24,7 @@ from .._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointWriteError,
+    CorruptCheckpointError,
     IncompleteCheckpointError,
     ManifestError,
 )
@@ -123,10 +124,14 @@ class ObjectStorage(Storage):
                     )
                 for ref in manifest.references():
                     if not exists(self.referenced(ref).open_kvstore(), COMMIT_NAME):
-                        raise IncompleteCheckpointError(
+                        if StorePin(self, result.stamp.generation).changed():
+                            # Deleted while it was read: its base may go once nothing refers to it.
+                            raise CheckpointChangedError(f"The checkpoint at {self} was deleted while it was opened.")
+                        # Committed, with data gone: damaged, and listed so (never taken for deleted).
+                        raise CorruptCheckpointError(
                             f"{self} refers to unchanged leaves in {ref}, which is gone: something other than "
-                            "eqxckpt (or an eqxckpt older than format version 4) deleted it. Load another "
-                            "checkpoint."
+                            "eqxckpt (or an eqxckpt older than format version 4) deleted it. Restore that prefix "
+                            "from a copy, or load another checkpoint."
                         )
                 return manifest, StorePin(self, result.stamp.generation)
             _, lease = read_lease(store)
