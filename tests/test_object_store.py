@@ -1022,7 +1022,9 @@ def test_steps_whose_base_another_tool_deleted_are_listed_unreadable_not_dropped
     assert json.loads(store.get(f"{top}2/eqxckpt.json"))["leaves"][0]["arrays"].startswith("../0/%arrays.")
     for key in store.keys(f"{top}0/"):
         store.delete(key)
-    with pytest.warns(UserWarning, match=r"1 \(CorruptCheckpointError: .* refers to unchanged leaves in \.\./0/%arrays"):
+    with pytest.warns(
+        UserWarning, match=r"1 \(CorruptCheckpointError: .* refers to unchanged leaves in \.\./0/%arrays"
+    ):
         manager = eqxckpt.CheckpointManager(store.spec(top))
     with manager:
         assert manager.all_steps() == [] and manager.latest_step() is None
