@@ -13,7 +13,7 @@ from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFound
 from ._leaf import StoredLeaf, check_bool_bytes
 from ._paths import MANIFEST_NAME, PACKED_LOCATION
 from ._progress import Progress, advance, reporting
-from ._storage import CheckpointPath, resolve
+from ._storage import CheckpointPath, Storage, resolve
 from ._stored import StoredArrays
 from ._window import SLAB_BYTES, Task, completed, read_window, run_windowed
 
@@ -156,7 +156,11 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
     assert report.ok, report
     ```
     """
-    location = resolve(path)
+    return verify_location(resolve(path), progress)
+
+
+def verify_location(location: Storage, progress: Progress = False) -> VerifyReport:
+    """`verify` of the checkpoint at ``location`` (any `Storage`: a copy held in memory too)."""
     report = VerifyReport(str(location))
     try:
         stored = StoredArrays.open(location)

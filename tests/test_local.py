@@ -532,6 +532,19 @@ def test_four_processes_resume_from_peers_then_from_an_object_store(tmp_path, st
 
 
 @pytest.mark.multiprocess
+def test_two_copies_of_each_part_restore_a_step_whose_owner_and_first_keeper_are_lost(tmp_path):
+    """``local_replicas=2`` with four processes (the seventh outside attack: every local
+    save hung at its copy phase, as each offer could be pulled by one peer only). Hosts 0
+    and 2 lost: process 0's part comes from its second keeper, process 1, bit-exact."""
+    assert _train(tmp_path, 4, LOCAL_REPLICAS="2") == [("None", 0)] * 4
+    assert len(list(tmp_path.glob("host*/eqxckpt-local/*/process-*/peer-*/3"))) == 8  # two copies of each part
+    for host in (0, 2):
+        shutil.rmtree(tmp_path / f"host{host}")
+    resumed = _train(tmp_path, 5, LOCAL_REPLICAS="2")
+    assert [step for step, _ in resumed] == ["3"] * 4 and all(checked > 0 for _, checked in resumed)
+
+
+@pytest.mark.multiprocess
 def test_a_stale_host_at_another_step_in_a_shared_directory_is_never_mixed_in(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -915,8 +928,17 @@ def test_a_copy_sent_is_restored_as_it_arrives_then_kept_only_if_sound(tmp_path)
     shutil.rmtree(own / "6")
     assert tries() == [["TRY 0 latest=6 LOADED 6 True"]] * 2
     assert files(own / "6") == files(copy / "6")  # kept again, as sent
-    # Step 5's chunks of `w` in the copy (each passes its CRC), process 0's own part lost.
+    # A byte of `u` flipped in the copy, and a restore of `w` alone (the seventh outside
+    # attack: the copy was kept, damaged, and the next restore failed on it): `w` comes back
+    # bit-exact, and the copy, checked whole before it is kept, is not kept.
     shutil.rmtree(own / "6")
+    chunk = next(f for f in (copy / "6" / "u").rglob("c/**/*") if f.is_file())
+    saved = chunk.read_bytes()
+    chunk.write_bytes(bytes([saved[0] ^ 1]) + saved[1:])
+    assert tries(AT="w") == [["TRY 0 latest=6 LOADED w of 6 True"]] * 2
+    assert not (own / "6").exists()
+    chunk.write_bytes(saved)
+    # Step 5's chunks of `w` in the copy (each passes its CRC), process 0's own part lost.
     for chunk in (copy / "5" / "w").rglob("c/**/*"):
         if chunk.is_file():
             shutil.copy(chunk, copy / "6" / "w" / chunk.relative_to(copy / "5" / "w"))

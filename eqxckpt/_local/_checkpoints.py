@@ -250,8 +250,8 @@ class LocalCheckpoints:
                 phases.post(f"{key}/0", json.dumps({"error": f"{type(e).__name__}: {e}", "type": type(e).__name__}))
             raise
         for at, group in enumerate(groups):
-            number = transfer_id(phases.name, key, at)
-            self.transfers.offer(number, [data for _, data in group])
+            numbers = [transfer_id(phases.name, key, at, peer) for peer in peers]  # a transfer is pulled once
+            self.transfers.offer(numbers, [data for _, data in group])
             try:
                 described = {"keys": [k for k, _ in group], "sizes": [d.nbytes for _, d in group]}
                 phases.post(f"{key}/{at}", json.dumps({**described, "last": at == len(groups) - 1}))
@@ -261,7 +261,8 @@ class LocalCheckpoints:
                 for posted in [f"{key}/{at}", *(f"{key}/{at}/{peer}" for peer in peers)]:
                     phases.forget(posted)
             finally:
-                self.transfers.release(number)
+                for number in numbers:
+                    self.transfers.release(number)
 
     def _fetch(self, phases: Phases, key: str, address: str) -> list[tuple[str, np.ndarray]]:
         """The files a peer serves under ``key`` (`_serve`), every group of them."""
@@ -274,7 +275,7 @@ class LocalCheckpoints:
                 raise kinds.get(described.get("type"), CheckpointError)(
                     f"The part {key} could not be sent: {described['error']}"
                 )
-            data = self.transfers.fetch(address, transfer_id(phases.name, key, at), described["sizes"])
+            data = self.transfers.fetch(address, transfer_id(phases.name, key, at, self.me), described["sizes"])
             files.extend(zip(described["keys"], data))
             phases.post(f"{key}/{at}/{self.me}", "")
             if described["last"]:
@@ -283,11 +284,18 @@ class LocalCheckpoints:
 
     def _keep(self, info: PartInfo, files: list[tuple[str, np.ndarray]]) -> None:
         """Keep the copy of this process's part a peer sent (and it was restored from) in
-        the background, as its own save would; the next local save is written after it. A
-        copy that cannot be kept is warned about: the peer still keeps its own."""
+        the background, as its own save would, once every chunk and digest of it passed
+        (a restore of some leaves read only theirs); the next local save is written after
+        it. A copy that is damaged or cannot be kept is warned about: the peer still keeps
+        its own."""
 
         def keep() -> None:
             try:
+                if why := self.tier.unsound(info, files):
+                    warnings.warn(
+                        f"Local tier: the copy of step {info.step} sent here was not kept: {why}", stacklevel=2
+                    )
+                    return
                 self.tier.receive(info.owner, info.step, files)
             except (CheckpointError, OSError) as e:
                 warnings.warn(f"Local tier: the restored copy of step {info.step} was not kept here: {e}", stacklevel=2)

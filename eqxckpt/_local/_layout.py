@@ -40,6 +40,7 @@ from .._save import Part
 from .._steps import clean_leftovers, is_step_name
 from .._storage import BufferStorage, Storage, resolve
 from .._storage._locks import DirLock
+from .._verify import verify_location
 from .._window import read_window, run_windowed
 
 # The key of a part's own record in its checkpoint's metadata.
@@ -344,6 +345,12 @@ class LocalTier:
         """The part ``info`` names, opened for a restore of this process (`Source.per_process`).
         Raises `CheckpointError` if it was replaced meanwhile."""
         return _opened(self._directory(info.owner).sub(str(info.step)), info, "it was replaced meanwhile. Load again")
+
+    def unsound(self, info: PartInfo, files: list[tuple[str, np.ndarray]]) -> str | None:
+        """What `verify` finds wrong with the copy of part ``info`` a peer sent (`files`),
+        held in memory, or None: every chunk and digest checked, whatever a restore read."""
+        report = verify_location(BufferStorage.of(dict(files), f"process {info.owner}'s part of step {info.step}"))
+        return None if report.ok else str(report)
 
     def received(self, info: PartInfo, files: list[tuple[str, np.ndarray]]) -> Checkpoint:
         """The copy of part ``info`` a peer sent (its `files`), opened for a restore of this

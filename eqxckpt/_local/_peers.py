@@ -107,14 +107,16 @@ class Transfers:
         """Where peers reach this process's server."""
         return self._started().address()
 
-    def offer(self, number: int, data: list[np.ndarray]) -> None:
-        """Make ``data`` (flat uint8 arrays: bytes, which no device narrows) available to the
-        peers that fetch transfer ``number``, until `release`. Call before telling them.
-        Each array is put on the device as it is, once: the caller bounds what one offer holds."""
+    def offer(self, numbers: list[int], data: list[np.ndarray]) -> None:
+        """Make ``data`` (flat uint8 arrays: bytes, which no device narrows) available as each
+        of the transfers ``numbers`` (one per peer: a transfer is pulled once), until
+        `release`. Call before telling the peers. Each array is put on the device as it is,
+        once, whatever the peers: the caller bounds what one offer holds."""
         device = jax.local_devices()[0]
         arrays = [jax.device_put(b, device) for b in data if b.nbytes]
-        self._started().await_pull(number, arrays)
-        self._offered[number] = arrays
+        for number in numbers:
+            self._started().await_pull(number, arrays)
+            self._offered[number] = arrays
 
     def release(self, number: int) -> None:
         """Forget offer ``number``: its peers have fetched it, or will not."""

@@ -11,7 +11,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._chunks import ChunkFileError, ChunkFiles
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError, CheckpointNotFoundError, ManifestError
 from .._leaf import StoredLeaf
 from .._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .._paths import MANIFEST_NAME, validate_path
@@ -85,8 +85,10 @@ class BufferStorage(Storage):
         raw = self._bytes(MANIFEST_NAME)
         if raw is None:
             raise CheckpointNotFoundError(f"No checkpoint in {self}: it holds no {MANIFEST_NAME}.")
-        if raw.nbytes > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{self}: its manifest holds {raw.nbytes} bytes, over {MAX_MANIFEST_BYTES}.")
+        if raw.nbytes > MAX_MANIFEST_BYTES:  # as `parse_manifest` says it, without a copy of it first
+            raise ManifestError(
+                f"The manifest of {self} is {raw.nbytes} bytes, over the {MAX_MANIFEST_BYTES}-byte limit."
+            )
         return parse_manifest(raw.tobytes(), str(self)), UNPINNED
 
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
@@ -118,7 +120,7 @@ class BufferStorage(Storage):
     def clean_leftovers(self, entries: Callable[[str], bool]) -> list[str]:
         return []
 
-    def delete(self) -> bool:
+    def delete(self, keep: Sequence[str] = ()) -> bool:
         raise self._read_only()
 
     def read_small(self, name: str, cap: int) -> bytes | None:

@@ -151,7 +151,7 @@ def train(directory: str) -> None:
         save_interval_steps=4,
         local_path=local,
         local_interval_steps=int(os.environ.get(f"LOCAL_INTERVAL_{jax.process_index()}", "1")),
-        local_replicas=1,
+        local_replicas=int(os.environ.get("LOCAL_REPLICAS", "1")),
         local_max_to_keep=int(os.environ.get("LOCAL_KEEP", "1")),
     ) as manager:
         start = manager.latest_step()
