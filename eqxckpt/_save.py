@@ -8,6 +8,7 @@ import json
 import math
 import os
 import threading
+import warnings
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -39,6 +40,7 @@ from ._storage import (
     nothing_committed,
     resolve,
 )
+from ._stored import unwritten_at
 from ._tensorstore import is_storage_error, reason
 from ._tree import flatten
 from ._window import Task, read_window, run_windowed
@@ -345,6 +347,8 @@ class SaveInProgress:
         linked = [job for job, _ in self.reuse.linked]
         everything = [*self.writing, *linked, *(job for job, _ in self.reuse.referred)]
         self.staging = staging = self.location.begin_save([job.record.path for job in everything], self.overwrite)
+        if self.overwrite:  # what another tool put in the checkpoint replaced stays (`Storage.delete`)
+            staging.keep_replaced = unwritten_at(self.location)
         self.manifest, unheld = self.reuse.refer_from(staging, self.manifest)
         self.writing.extend(unheld)  # doomed meanwhile: written
         # The directories above the arrays become zarr groups, written while the arrays are created.
@@ -411,6 +415,13 @@ class SaveInProgress:
             jobs = [*self.writing, *(job for job, _ in self.reuse.linked)]
             self.staging.commit(self.manifest, expected_files([(job.record, job.layout) for job in jobs]))
             self.committed = True
+            if (kept := self.staging.kept_at) is not None:
+                warnings.warn(
+                    f"Saving over {self.location} left {len(self.staging.keep_replaced)} files eqxckpt did not write "
+                    f"in the checkpoint it replaced where they were, now in {kept}: "
+                    f"{', '.join(self.staging.keep_replaced[:10])}. Move them, and remove that directory.",
+                    stacklevel=2,
+                )
 
     def _after_commit(self) -> str:
         """What a save whose processes did not all reach the end of the commit left."""

@@ -9,6 +9,7 @@ import json
 import re
 import threading
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator
 
 import jax
@@ -28,6 +29,7 @@ from ._paths import RUN_NAME
 from ._retention import Retention
 from ._scalars import float_from_json, float_to_json
 from ._storage import CheckpointPath, Storage
+from ._stored import unwritten_at
 from ._tensorstore import is_storage_error
 
 # The manager's own record in each checkpoint's metadata: the step and its metrics.
@@ -462,8 +464,10 @@ class RunSteps:
         with self._lock:
             ready = sorted(s for s in self._doomed if not self._readers[s])
         for old in ready:
+            where = self.location.sub(str(old))
+            keep = unwritten_at(where)
             try:
-                deleted = self.location.sub(str(old)).delete()
+                deleted = where.delete(keep)
             except (OSError, ValueError) as e:
                 if isinstance(e, ValueError) and not is_storage_error(e):
                     raise
@@ -471,6 +475,14 @@ class RunSteps:
                     f"Deleting step {old} of {self.location} (retention) failed: {e}. The manager no longer "
                     "lists the step and tries again after its next save. Fix the cause (permissions, the store)."
                 ) from e
+            if deleted and keep:
+                warnings.warn(
+                    f"Retention deleted step {old} of {self.location} but left {len(keep)} files eqxckpt did not "
+                    f"write where they were, in {where}: {', '.join(keep[:10])}"
+                    + (" ..." if len(keep) > 10 else "")
+                    + ". That directory is no step any more; move them and remove it.",
+                    stacklevel=4,
+                )
             if deleted:
                 with self._lock:
                     self._doomed.discard(old)

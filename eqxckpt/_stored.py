@@ -20,7 +20,7 @@ import tensorstore as ts
 
 from ._chunks import ChunkLayout, Region, read_into, read_scattered
 from ._convert import aligned_empty
-from ._errors import CorruptCheckpointError
+from ._errors import CheckpointError, CorruptCheckpointError
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._pack import PackedArray
@@ -361,6 +361,23 @@ _ZARR_KEYS = {
     "dimension_names",
     "storage_transformers",
 }
+
+
+def unwritten_at(location: Storage) -> list[str]:
+    """The files of the committed checkpoint at ``location`` that the save which made it did
+    not write (`StoredArrays.unwritten`), which a deleter leaves where they are; [] where it
+    cannot tell (an object store deletes only keys eqxckpt wrote; no readable checkpoint).
+
+    ```python
+    resolve("run/3").delete(keep=unwritten_at(resolve("run/3")))
+    ```
+    """
+    if location.local is None:
+        return []
+    try:
+        return StoredArrays.open(location).unwritten()
+    except CheckpointError:
+        return []
 
 
 def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:

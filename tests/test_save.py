@@ -909,3 +909,16 @@ def test_a_chunk_layout_a_load_would_refuse_is_refused_at_save(tmp_path, monkeyp
     assert not (tmp_path / "c").exists()
     with pytest.raises(eqxckpt.CorruptCheckpointError, match="over 1024 bytes"):
         eqxckpt.load(tmp_path / "ok")
+
+
+def test_saving_over_a_checkpoint_leaves_files_eqxckpt_did_not_write_with_a_warning(tmp_path):
+    """#53 defect 7, overwrite: the files another tool put in a checkpoint are not deleted
+    with it; they are left in a directory beside it, named in a warning."""
+    eqxckpt.save(tmp_path / "c", {"w": np.arange(4.0)})
+    (tmp_path / "c" / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match=r"Saving over .* left 1 files .* now in .*c\.replaced-.*: notes.txt"):
+        eqxckpt.save(tmp_path / "c", {"w": np.arange(4.0) + 1}, overwrite=True)
+    assert eqxckpt.load(tmp_path / "c")["w"].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert eqxckpt.open(tmp_path / "c").stored.unwritten() == []
+    [kept] = tmp_path.glob("c.replaced-*")
+    assert sorted(p.name for p in kept.rglob("*")) == ["notes.txt"] and (kept / "notes.txt").read_text() == "mine"

@@ -322,3 +322,27 @@ def test_of_threads_racing_to_create_the_file_exactly_one_writes(tmp_path):
         assert created.count(True) == 1
         assert (tmp_path / f"run{attempt}" / RUN_NAME).read_bytes() == raws[created.index(True)]
         assert os.listdir(tmp_path / f"run{attempt}") == [RUN_NAME]
+
+
+def test_retention_leaves_files_eqxckpt_did_not_write_with_a_warning(tmp_path):
+    """#53 defect 7: a user's file inside a committed step directory on a local disk was
+    deleted with the step. eqxckpt deletes what the manifest says it wrote, and leaves
+    the rest where it was, naming it."""
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run, max_to_keep=1) as manager:
+        manager.save(0, {"w": np.arange(6.0), "step": 0})
+        manager.wait()
+        (run / "0" / "notes.txt").write_text("mine")
+        (run / "0" / "w" / "plot.png").write_bytes(b"png")
+        with pytest.warns(UserWarning, match=r"Retention deleted step 0 .* left 2 files .*notes.txt, w/plot.png"):
+            manager.save(1, {"w": np.arange(6.0) + 1, "step": 1})
+            manager.wait()
+        assert manager.all_steps() == [1]
+    left = sorted(str(p.relative_to(run / "0")) for p in (run / "0").rglob("*"))
+    assert left == ["notes.txt", "w", "w/plot.png"] and (run / "0" / "notes.txt").read_text() == "mine"
+    # Another step without such files goes whole, without a word.
+    with eqxckpt.CheckpointManager(run, max_to_keep=1) as manager, warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Retention")
+        manager.save(2, {"w": np.arange(6.0) + 2, "step": 2})
+        manager.wait()
+        assert manager.all_steps() == [2] and not (run / "1").exists()

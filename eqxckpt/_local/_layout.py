@@ -40,6 +40,7 @@ from .._save import Part
 from .._steps import clean_leftovers, is_step_name
 from .._storage import BufferStorage, Storage, resolve
 from .._storage._locks import DirLock
+from .._stored import unwritten_at
 from .._verify import verify_location
 from .._window import read_window, run_windowed
 
@@ -369,7 +370,15 @@ class LocalTier:
         """Delete these parts (this process's own, listed by `parts`)."""
         for info in parts:
             assert info.holder == self.process
-            self._directory(info.owner).sub(str(info.step)).delete()
+            where = self._directory(info.owner).sub(str(info.step))
+            if (keep := unwritten_at(where)) and where.delete(keep):
+                warnings.warn(
+                    f"Local tier: deleted the part at {where} but left {len(keep)} files eqxckpt did not write where "
+                    f"they were: {', '.join(keep[:10])}.",
+                    stacklevel=3,
+                )
+            elif not keep:
+                where.delete()
 
 
 def _opened(where: Storage, info: PartInfo, otherwise: str) -> Checkpoint:

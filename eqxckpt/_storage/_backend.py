@@ -247,8 +247,11 @@ class Storage(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def delete(self) -> bool:
-        """Uncommit, then remove, this checkpoint; False if it is in use (try again later)."""
+    def delete(self, keep: Sequence[str] = ()) -> bool:
+        """Uncommit, then remove, this checkpoint; False if it is in use (try again later).
+        ``keep``: files in it (relative paths, as `StoredArrays.unwritten` names them) that
+        eqxckpt did not write: left where they are, in a directory that is no checkpoint
+        any more (a local disk; an object store deletes only keys eqxckpt wrote anyway)."""
 
     # -- small files of a directory of checkpoints (a run's identity) ---------------------
 
@@ -324,6 +327,11 @@ class Staging(abc.ABC):
     def release(self) -> None:
         """Give up what this process holds (locks)."""
         return None
+
+    # Files of the checkpoint this save replaces that eqxckpt did not write (`Storage.delete`'s
+    # ``keep``), and where they were left once it committed (local disks).
+    keep_replaced: Sequence[str] = ()
+    kept_at: "pathlib.Path | None" = None
 
 
 class KvChunkFiles(ChunkFiles):

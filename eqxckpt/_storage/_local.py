@@ -13,6 +13,7 @@ import os
 import pathlib
 import stat
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -42,7 +43,16 @@ from ._backend import (
     entry_order,
 )
 from ._fs import exchange, fsync_path, hidden_sibling, link_or_copy, read_capped, start_writeback, sync_filesystem
-from ._locks import DirLock, create_staging, delete_local, join_staging, remove_abandoned, remove_tree, write_file
+from ._locks import (
+    DirLock,
+    create_staging,
+    delete_local,
+    join_staging,
+    remove_abandoned,
+    remove_except,
+    remove_tree,
+    write_file,
+)
 from ._pins import LocalPin
 
 
@@ -323,8 +333,8 @@ class LocalStorage(Storage):
                     break
         return sorted(found, key=entry_order)
 
-    def delete(self) -> bool:
-        return delete_local(self.path)
+    def delete(self, keep: Sequence[str] = ()) -> bool:
+        return delete_local(self.path, keep)
 
     def read_small(self, name: str, cap: int) -> bytes | None:
         try:
@@ -395,7 +405,7 @@ class LocalStaging(Staging):
         # Replace: swap atomically where the OS can, so a reader always sees a
         # complete checkpoint; else move the old one aside first (it stays complete).
         if exchange(tmp, final):
-            remove_tree(tmp)  # now the old checkpoint; a reader of it notices and reads again
+            self._remove_replaced(tmp)  # now the old checkpoint; a reader of it notices and reads again
             return
         # The old one is held (a shared lock moves with the directory), so no cleaner
         # removes it while it is aside, and it goes back if the second rename fails.
@@ -407,7 +417,18 @@ class LocalStaging(Staging):
             except BaseException:
                 os.rename(aside, final)
                 raise
-        remove_tree(aside)
+        self._remove_replaced(aside)
+
+    def _remove_replaced(self, old: pathlib.Path) -> None:
+        """Remove the checkpoint this save replaced, now at ``old``, but for the files in it
+        eqxckpt did not write (`keep_replaced`), left in a directory beside it (`kept_at`)."""
+        if not self.keep_replaced:
+            remove_tree(old)
+            return
+        remove_except(old, self.keep_replaced)
+        kept = self.final.path.with_name(f"{self.final.path.name}.replaced-{uuid.uuid4().hex[:8]}")
+        os.rename(old, kept)
+        self.kept_at = kept
 
     def abort(self, error: BaseException) -> None:
         if self.owner:

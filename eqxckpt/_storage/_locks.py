@@ -9,7 +9,7 @@ import fcntl
 import os
 import pathlib
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 from .._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
@@ -110,6 +110,32 @@ def remove_tree(path: pathlib.Path) -> bool:
     return not os.path.lexists(path)
 
 
+def remove_except(root: pathlib.Path, keep: Sequence[str]) -> None:
+    """Remove everything in the directory ``root`` but the paths ``keep`` names (relative:
+    files, or directories kept whole) and the directories leading to them. A symlink is
+    removed, never followed."""
+    kept = {pathlib.PurePosixPath(k) for k in keep}
+    leading = {parent for k in kept for parent in k.parents}
+    for dirpath, dirnames, filenames in os.walk(root, topdown=True):
+        relative = pathlib.PurePosixPath(os.path.relpath(dirpath, root).replace(os.sep, "/"))
+        for name in list(dirnames):
+            path = relative / name if str(relative) != "." else pathlib.PurePosixPath(name)
+            full = os.path.join(dirpath, name)
+            if path in kept or (path in leading and not os.path.islink(full)):
+                if path in kept:
+                    dirnames.remove(name)  # kept whole
+                continue
+            dirnames.remove(name)
+            if os.path.islink(full):
+                os.unlink(full)
+            else:
+                shutil.rmtree(full, ignore_errors=True)
+        for name in filenames:
+            path = relative / name if str(relative) != "." else pathlib.PurePosixPath(name)
+            if path not in kept:
+                os.unlink(os.path.join(dirpath, name))
+
+
 def remove_abandoned(parent: pathlib.Path, owners: Callable[[str], bool]) -> list[str]:
     """Remove hidden siblings in ``parent`` of the checkpoints whose names ``owners``
     accepts, that no live process holds. Returns the names removed."""
@@ -192,8 +218,10 @@ def remove_abandoned_files(final: pathlib.Path) -> list[str]:
     return removed
 
 
-def delete_local(final: pathlib.Path) -> bool:
-    """Delete a committed checkpoint, unless a reader holds it.
+def delete_local(final: pathlib.Path, keep: Sequence[str] = ()) -> bool:
+    """Delete a committed checkpoint, unless a reader holds it; the files ``keep`` names
+    (relative to it: eqxckpt did not write them) stay where they are, in a directory that
+    is no checkpoint any more.
 
     Returns False (nothing done) while it is being read; True once it is gone.
     """
@@ -212,6 +240,10 @@ def delete_local(final: pathlib.Path) -> bool:
             os.unlink(aside / MANIFEST_NAME)
         except FileNotFoundError:
             pass
+        if keep:
+            remove_except(aside, keep)
+            os.rename(aside, final if not os.path.lexists(final) else hidden_sibling(final, "kept"))
+            return True
         if not remove_tree(aside):
             raise OSError(errno.EACCES, f"{aside} could not be removed whole (uncommitted, it is never loaded)")
     return True

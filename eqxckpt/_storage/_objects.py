@@ -12,7 +12,7 @@ import os
 import socket
 import urllib.parse
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorstore as ts
@@ -333,7 +333,7 @@ class ObjectStorage(Storage):
                 left += [f"{head}/{name}" for name in collect_garbage(self.sub(head).open_kvstore())]
         return left
 
-    def delete(self) -> bool:
+    def delete(self, keep: Sequence[str] = ()) -> bool:
         store = self.open_kvstore()
         top = read_bounded(store, MANIFEST_NAME, MAX_MANIFEST_BYTES)
         if top.state != "value":
