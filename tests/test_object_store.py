@@ -6,6 +6,7 @@ emulator ignores (real Cloud Storage honours them): those run on S3."""
 import concurrent.futures
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import threading
@@ -1032,3 +1033,53 @@ def test_steps_whose_base_another_tool_deleted_are_listed_unreadable_not_dropped
             manager.save(1, {"frozen": frozen, "step": 1})
     with pytest.raises(eqxckpt.CorruptCheckpointError, match="Restore that prefix from a copy"):
         eqxckpt.load(store.spec(f"{top}2"))
+
+
+def test_a_live_holder_in_another_pid_namespace_is_never_judged_dead(tmp_path):
+    """#53 defect 4: a lease holder in a container (``unshare --pid --mount-proc``), checked
+    from a process that entered its pid namespace but kept the host's /proc: the holder's
+    pid was looked up in the host's numbering, and the live holder's lease taken over.
+    There the answer is "cannot tell" (only the lease's clock decides)."""
+    token = f"eqxckpt-holder-{os.getpid()}-{time.monotonic_ns()}"
+    code = (
+        "import json, os, sys, time; from eqxckpt._storage._lease import _holder; "
+        "print(json.dumps({**_holder(), 'pid': os.getpid()}), flush=True); time.sleep(120)"
+    )
+    try:
+        holder = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code, token],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    try:
+        line = holder.stdout.readline() if holder.stdout else ""
+        if not line:
+            pytest.skip(f"cannot make a pid namespace here: {holder.stderr.read() if holder.stderr else ''}")
+        doc = json.loads(line)
+        assert doc["pid_namespace"] and doc["pid"] <= 3  # its own namespace's numbering
+
+        def runs_holder(entry: pathlib.Path) -> bool:
+            try:
+                return (
+                    token.encode() in (entry / "cmdline").read_bytes() and "unshare" not in (entry / "comm").read_text()
+                )
+            except OSError:  # gone meanwhile
+                return False
+
+        [host_pid] = [p.name for p in pathlib.Path("/proc").iterdir() if p.name.isdigit() and runs_holder(p)]
+        check = f"import json; from eqxckpt._storage._lease import holder_is_gone; print(holder_is_gone({doc!r}))"
+        entered = subprocess.run(
+            ["nsenter", f"--pid=/proc/{host_pid}/ns/pid", sys.executable, "-c", check],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert entered.returncode == 0, entered.stderr
+        assert entered.stdout.strip() == "False"  # not "gone": the holder is alive
+        assert not holder_is_gone(doc)  # from the host's namespace: another namespace, cannot tell
+    finally:
+        holder.kill()
+        holder.wait()

@@ -100,10 +100,14 @@ def is_abandoned(doc: dict) -> bool:
 def _machine() -> tuple[str, str] | None:
     """This kernel boot's id and this process's pid namespace: where a pid names one
     process, and its start time tells it from a later one with the same pid. None where
-    either cannot be read (no /proc)."""
+    either cannot be read (no /proc), or where /proc numbers processes as another pid
+    namespace does (a process that entered a container's namespace and kept the host's
+    /proc): there a pid read from a lease cannot be looked up."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
         return boot, os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
