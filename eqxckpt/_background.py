@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -105,12 +106,24 @@ class BackgroundSaves:
             if self._in_flight.get(key) is handle and handle.error() is None:
                 del self._in_flight[key]
 
-    def wait_idle(self) -> None:
-        """Wait for all work submitted so far to finish; its errors stay for whoever waits on it."""
+    def wait_idle(self, timeout: float | None = None) -> list[str]:
+        """Wait for all work submitted so far to finish, at most ``timeout`` seconds (None:
+        however long); its errors stay for whoever waits on it.
+
+        **Returns:** the paths of the saves still running when the wait ended (none if idle).
+        """
         with self._lock:
             previous = list(self._in_flight.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
         for handle in previous:
-            handle.error()
+            if deadline is None:
+                handle.error()
+            else:
+                try:
+                    handle.wait(max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - its error stays for its waiter; a timeout leaves it running
+                    pass
+        return [handle.path for handle in previous if not handle.done()]
 
     def settle(self) -> None:
         """Wait for all work in flight (so at most one snapshot is held in memory), then

@@ -25,7 +25,9 @@ class _Listener:
     ours is still the current handler (a handler the program set since stays, and is
     never replaced). With no manager listening, the signal does what it would have
     done without eqxckpt. A notice that no manager's save answers within the grace
-    period ends the process as the signal would have, once the saves in flight finish.
+    period ends the process as the signal would have, once the saves in flight finish,
+    or, where they do not finish within one more grace period (an object store that
+    stopped answering), without them, naming what it gave up on.
     """
 
     def __init__(self) -> None:
@@ -33,6 +35,9 @@ class _Listener:
         self._members: frozenset[Preemption] = frozenset()
         self._found: dict[int, Any] = {}  # signal -> the disposition found when ours was installed
         self._armed: dict[int, float] = {}  # signal -> when a notice no save has answered ends the process
+        self._grace: dict[int, float] = {}  # signal -> its grace period: saves running past due get one more
+        self._forced: set[int] = set()  # signals the watchdog sent itself with saves still running
+        self._gave_up: list[str] = []  # what those saves were
         self._ending: set[int] = set()  # signals the watchdog sent itself: the handler passes them on
         self._saving = 0  # managers' saves running now: the process is not ended under them
         self._notices = 0  # notices armed so far (a save tells whether one came while it ran)
@@ -46,7 +51,7 @@ class _Listener:
         is gone; the handler stays, so a signal does what it would without them."""
         self._lock = threading.RLock()
         self._members = frozenset()
-        self._armed, self._ending = {}, set()
+        self._armed, self._ending, self._grace, self._forced = {}, set(), {}, set()
         self._saving = self._notices = 0
         self._wake = threading.Event()
         self._watchdog = None
@@ -120,12 +125,14 @@ class _Listener:
             found = self._found.get(signum, signal.SIG_DFL)
             if signum in self._ending:  # sent by the watchdog: the grace period ran out
                 self._ending.discard(signum)
-                if signum not in self._armed or self._saving:  # answered meanwhile, or a save runs
+                forced = signum in self._forced
+                self._forced.discard(signum)
+                if signum not in self._armed or (self._saving and not forced):  # answered meanwhile, or a save runs
                     self._wake.set()
                     return
                 del self._armed[signum]
                 members = []
-                _announce(signum)
+                _announce(signum, self._gave_up if forced else [])
             else:
                 members = [m for m in self._members if signum in m.signals]
             # Called by the signal itself, or by a handler the program set later that calls
@@ -135,7 +142,8 @@ class _Listener:
                 member.noticed = True
             arm = bool(members) and found == signal.SIG_DFL and signum not in self._armed
             if arm:
-                self._armed[signum] = time.monotonic() + max(m.grace_s for m in members)
+                self._grace[signum] = max(m.grace_s for m in members)
+                self._armed[signum] = time.monotonic() + self._grace[signum]
                 self._notices += 1
         if arm:
             self._wake.set()
@@ -164,19 +172,28 @@ class _Listener:
                 if not self._members and not self._armed:
                     self._watchdog = None  # the next join starts another
                     return
-                waiting = [due for signum, due in self._armed.items() if signum not in self._ending]
-                due = None if self._saving or not waiting else min(waiting)
+                waiting = {signum: due for signum, due in self._armed.items() if signum not in self._ending}
+                # Past its grace period a notice waits for the saves running, one more at most.
+                last = min((due + self._grace.get(s, 0.0) for s, due in waiting.items()), default=None)
+                due = last if self._saving else min(waiting.values(), default=None)
             if due is None or due > time.monotonic():
                 self._wake.wait(None if due is None else due - time.monotonic())
                 continue
-            SAVES.wait_idle()
-            self._end()
+            assert last is not None
+            running = SAVES.wait_idle(timeout=max(0.0, last - time.monotonic()))
+            self._end(running, force=time.monotonic() >= last)
 
-    def _end(self) -> None:
+    def _end(self, running: list[str], force: bool) -> None:
+        """End the process for the notices past their grace period: once no save runs, or
+        (``force``) past one more grace period whatever still runs (``running``: the
+        background saves given up on)."""
         send: list[int] = []
         with self._lock:
-            if self._saving:
+            if self._saving and not force:
                 return  # a save started meanwhile: it may answer the notice
+            if running and not force:
+                return  # looked at again: they finished since, or their time is up
+            gave_up = running + (["a save of the manager's, still running"] if self._saving else [])
             now = time.monotonic()
             for signum, due in list(self._armed.items()):
                 if due > now or signum in self._ending:
@@ -184,12 +201,15 @@ class _Listener:
                 current = signal.getsignal(signum)
                 if current == signal.SIG_DFL:
                     del self._armed[signum]  # ours was put back: the default ends the process
-                    _announce(signum)
+                    _announce(signum, gave_up)
                     send.append(signum)
                 elif callable(current):
                     # Ours, or the program's that called ours for the notice: ours (in the
                     # main thread) passes it on.
                     self._ending.add(signum)
+                    if gave_up:
+                        self._forced.add(signum)
+                        self._gave_up = gave_up
                     send.append(signum)
                 else:
                     del self._armed[signum]  # the program ignores the signal now
@@ -197,10 +217,16 @@ class _Listener:
             os.kill(os.getpid(), signum)
 
 
-def _announce(signum: int) -> None:
+def _announce(signum: int, gave_up: list[str]) -> None:
+    given_up = (
+        f" Gave up on the saves still running after another preemption_grace_s (a store that stopped "
+        f"answering?), which commit nothing: {', '.join(gave_up)}."
+        if gave_up
+        else ""
+    )
     print(
         f"eqxckpt: {signal.Signals(signum).name} received and no checkpoint saved for it within "
-        "preemption_grace_s; ending the process as the signal would have.",
+        f"preemption_grace_s; ending the process as the signal would have.{given_up}",
         file=sys.stderr,
         flush=True,
     )

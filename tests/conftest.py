@@ -530,3 +530,55 @@ class CountingProxy:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class PausableProxy:
+    """A TCP proxy on 127.0.0.1 in front of the server at ``endpoint`` (``http://host:port``)
+    that can stop forwarding, as a store that stops answering (SIGSTOPped, a partition),
+    and go on again. ``endpoint``: its own address, to give a client instead."""
+
+    def __init__(self, endpoint: str):
+        target = urllib.parse.urlsplit(endpoint)
+        assert target.hostname == "127.0.0.1"
+        self._target = (target.hostname, target.port)
+        self._running = threading.Event()
+        self._running.set()
+        self._closed = False
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._running.set()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._target)
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                self._running.wait()  # paused: held, neither sent nor refused
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -326,3 +327,51 @@ def test_a_signal_the_program_ignores_is_no_notice(tmp_path):
     """)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["saved False False", "ignored True"]
+
+
+@pytest.mark.multiprocess
+def test_a_notice_while_a_save_waits_on_a_store_that_stopped_answering_still_ends_the_process(tmp_path, s3):
+    """#53 defect 2: SIGTERM with a background save in flight to an S3 server that stopped
+    answering (a proxy on 127.0.0.1, paused): the process lived on for as long as the store
+    stalled. Past the grace period the saves running get one more; then the process ends
+    as SIGTERM would have, naming the save it gave up on (which commits nothing)."""
+    from conftest import PausableProxy, s3_spec
+
+    endpoint, _ = s3
+    proxy = PausableProxy(endpoint)
+    prefix = f"stalled-{os.getpid()}-{time.monotonic_ns()}/"
+    go = tmp_path / "go"
+    code = "import os, signal, sys, time\nimport numpy as np\nimport eqxckpt\n" + textwrap.dedent(f"""
+        manager = eqxckpt.CheckpointManager({s3_spec(proxy.endpoint, prefix)!r}, preemption_grace_s=2)
+        manager.save(0, {{"w": np.zeros(4)}})
+        manager.wait()
+        print("saved", flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.02)
+        manager.save(1, {{"w": np.ones(4)}})  # in the background: its first request never answered
+        print("saving", flush=True)
+        time.sleep(300)
+        print("still running", flush=True)
+    """)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == "saved\n"
+        proxy.pause()
+        go.touch()
+        assert worker.stdout.readline() == "saving\n"
+        worker.send_signal(signal.SIGTERM)
+        out, err = worker.communicate(timeout=120)  # hung until the store answered, before
+    finally:
+        worker.kill()
+        proxy.resume()
+    assert worker.returncode == -signal.SIGTERM, err
+    assert out == "" and "Gave up on the saves still running" in err and prefix + "1" in err
+    with eqxckpt.CheckpointManager(s3_spec(endpoint, prefix)) as manager:
+        assert manager.all_steps() == [0]
+    proxy.close()
