@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._arguments import checked_arguments
 from ._checkpoint import Checkpoint
 from ._errors import plural
 from ._formats import open as open_source
@@ -81,6 +82,7 @@ class Diff:
         return "\n".join([head, *lines])
 
 
+@checked_arguments
 def diff(
     a: CheckpointPath | Source,
     b: CheckpointPath | Source,

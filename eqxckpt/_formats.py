@@ -17,6 +17,7 @@ from the file.
 import pathlib
 from typing import TYPE_CHECKING
 
+from ._arguments import checked_arguments
 from ._errors import CheckpointNotFoundError, UnsupportedFormatError
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle")
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
+@checked_arguments
 def open(path: "CheckpointPath", *, format: str | None = None) -> "Source":  # noqa: A001 - public name fixed by the design
     """Open a checkpoint read-only, without reading any array.
 

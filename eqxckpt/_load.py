@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._arguments import checked_arguments
 from ._convert import checked_astype, narrowed
 from ._errors import MAX_LISTED, CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
@@ -452,6 +453,7 @@ def load(path: CheckpointPath | Source, like: Callable[[], _T], **options: Unpac
 def load(path: CheckpointPath | Source, like: _T, **options: Unpack[_LoadOptions]) -> _T: ...
 
 
+@checked_arguments
 def load(
     path: CheckpointPath | Source,
     like: PyTree | None = None,

@@ -8,6 +8,7 @@ from typing import Any
 
 from jaxtyping import PyTree
 
+from ._arguments import checked_arguments
 from ._errors import ArgumentError, CheckpointError
 from ._preemption import Notices
 from ._progress import Progress
@@ -66,6 +67,7 @@ class CheckpointManager:
     incremental = property(lambda self: self._persistent.incremental)
     preemption_grace_s = property(lambda self: self._notices.grace_s)
 
+    @checked_arguments
     def __init__(
         self,
         directory: CheckpointPath,

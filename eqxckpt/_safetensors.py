@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from ._arguments import checked_arguments
 from ._chunks import Region
 from ._convert import aligned_empty
 from ._dtypes import little_endian
@@ -307,6 +308,7 @@ def open_safetensors(path: pathlib.Path) -> SafetensorsCheckpoint:
     raise CheckpointNotFoundError(f"No safetensors file at {path} (no {SINGLE_NAME} or {INDEX_NAME}).")
 
 
+@checked_arguments
 def save_safetensors(
     path: str | os.PathLike[str],
     tree: "PyTree",

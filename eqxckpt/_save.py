@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from jaxtyping import PyTree
 
+from ._arguments import checked_arguments
 from ._background import SAVES, SaveHandle
 from ._chunks import ChunkLayout, encode
 from ._digest import Tiled, digest
@@ -472,6 +473,7 @@ class SaveInProgress:
                 self.staging.release()
 
 
+@checked_arguments
 def save(
     path: CheckpointPath,
     tree: PyTree,

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ._arguments import checked_arguments
 from ._chunks import PACK_CHUNK_BYTES, ChunkFileError, ChunkLayout, Region
 from ._digest import LeafDigest, digest
 from ._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
@@ -132,6 +133,7 @@ class VerifyReport:
         return "\n".join([head] + lines)
 
 
+@checked_arguments
 def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
     """Read every chunk of every leaf, checking checksums, shapes and dtypes
     against the manifest, and each leaf's bytes against the digest the manifest

@@ -72,17 +72,17 @@ def test_interval_force_and_metadata(tmp_path):
     "kwargs,match",
     [
         ({"max_to_keep": 0}, "max_to_keep must be a positive int or None, got 0"),
-        ({"max_to_keep": "2"}, "max_to_keep must be a positive int"),
+        ({"max_to_keep": "2"}, "max_to_keep must be an int or None, got str '2'"),
         ({"keep_every": -5}, "keep_every must be a positive int"),
         ({"keep_best": 0, "best_metric": "loss"}, "keep_best must be a positive int"),
         ({"keep_best": 1}, "keep_best needs best_metric"),
         ({"best_mode": "lowest", "best_metric": "loss"}, "best_mode must be 'min' or 'max', got 'lowest'"),
         ({"save_interval_steps": 0}, "save_interval_steps must be a positive int"),
-        ({"save_interval_steps": 2.5}, "save_interval_steps must be a positive int"),
+        ({"save_interval_steps": 2.5}, "save_interval_steps must be an int, got float 2.5"),
         ({"preemption_grace_s": 0}, "preemption_grace_s must be a positive number of seconds"),
         ({"preemption_grace_s": float("inf")}, "preemption_grace_s must be a positive number"),
-        ({"preemption_grace_s": True}, "preemption_grace_s must be a positive number"),
-        ({"preemption_grace_s": "30"}, "preemption_grace_s must be a positive number"),
+        ({"preemption_grace_s": True}, "preemption_grace_s must be a number, got bool True"),
+        ({"preemption_grace_s": "30"}, "preemption_grace_s must be a number, got str '30'"),
     ],
 )
 def test_each_bad_argument_is_an_argument_error(tmp_path, kwargs, match):

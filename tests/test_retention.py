@@ -124,5 +124,5 @@ def test_bad_arguments(kwargs, match):
 def test_a_bool_count_is_refused_as_save_interval_steps_is(tmp_path, name):
     # An outside attack: max_to_keep=True was taken as 1 while the other counts refuse bools.
     extra = {"best_metric": "loss"} if name == "keep_best" else {}
-    with pytest.raises(eqxckpt.ArgumentError, match=f"{name} must be a positive int"):
+    with pytest.raises(eqxckpt.ArgumentError, match=f"{name} must be an int or None, got bool True"):
         eqxckpt.CheckpointManager(tmp_path / "run", **{name: True}, **extra)

@@ -153,7 +153,7 @@ def test_the_read_window_is_a_quarter_between_its_floor_and_the_budget():
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "1"])
 def test_a_budget_that_is_not_a_positive_number_of_bytes_is_refused(tmp_path, bad):
     eqxckpt.save(tmp_path / "c", {"w": np.ones(3)})
-    with pytest.raises(eqxckpt.CheckpointError, match="host_memory_budget must be a positive number of bytes"):
+    with pytest.raises(eqxckpt.ArgumentError, match="host_memory_budget must be a"):
         eqxckpt.load(tmp_path / "c", host_memory_budget=bad)
     assert host_memory_budget() == DEFAULT_HOST_MEMORY_BUDGET
 

@@ -4,9 +4,7 @@ import os
 import pathlib
 from typing import Any
 
-from .._errors import (
-    CheckpointError,
-)
+from .._errors import ArgumentError, CheckpointError
 from ._backend import CheckpointPath, Storage, environment_endpoint
 from ._local import LocalStorage
 from ._objects import ObjectStorage
@@ -31,7 +29,7 @@ def resolve(path: CheckpointPath | Storage) -> Storage:
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     if not isinstance(path, str) or not path:
-        raise TypeError(f"path must be a str, os.PathLike or kvstore spec dict, got {path!r}.")
+        raise ArgumentError(f"path must be a non-empty str, os.PathLike or kvstore spec dict, got {path!r}.")
     scheme, sep, rest = path.partition("://")
     if not sep:
         return LocalStorage.at(pathlib.Path(path).expanduser().absolute())

@@ -1,0 +1,142 @@
+"""`checked_arguments`: a public function's arguments checked against its annotations, so
+that an argument of the wrong type is an `ArgumentError` naming it, never a bare
+`TypeError` from deep inside (or a value silently taken for another: ``overwrite="no"``).
+
+Only the annotations' outer types are checked (a ``dict`` is a dict, whatever it holds;
+a ``Callable`` is callable), with ``bool`` apart from ``int``: what a function accepts
+beyond its type (a positive count, a known mode) it checks itself.
+"""
+
+import functools
+import inspect
+import os
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ._errors import ArgumentError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value``'s outer type is one ``hint`` allows (unknown hints allow anything)."""
+    if hint is Any or hint is object:
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arm) for arm in typing.get_args(hint))
+    if hint is bool:
+        return isinstance(value, bool) or _numpy_kind(value) == "b"
+    if hint is int:
+        return (isinstance(value, int) and not isinstance(value, bool)) or _numpy_kind(value) in ("i", "u")
+    if hint is float:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)) or _numpy_kind(value) in (
+            "i",
+            "u",
+            "f",
+        )
+    if hint is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(args) == len(value) and all(_fits(v, a) for v, a in zip(value, args))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    target = origin if origin is not None else hint
+    if target in (Callable, typing.Callable) or getattr(target, "__name__", "") == "Callable":
+        return callable(value)
+    if target is os.PathLike:
+        return isinstance(value, os.PathLike)
+    if isinstance(target, type) and target.__module__ in ("builtins", "collections.abc") or _is_eqxckpt(target):
+        return isinstance(value, target)
+    return True  # a pytree, a type variable: anything
+
+
+def _numpy_kind(value: Any) -> str:
+    """A numpy scalar's kind (``b``, ``i``, ``u``, ``f``...), or "" for anything else: told
+    without importing numpy."""
+    if type(value).__module__ != "numpy" or getattr(value, "ndim", None) != 0:
+        return ""
+    return str(getattr(getattr(value, "dtype", None), "kind", ""))
+
+
+def _is_eqxckpt(target: Any) -> bool:
+    return isinstance(target, type) and target.__module__.startswith("eqxckpt.")
+
+
+_NAMES = {bool: "True or False", int: "an int", float: "a number", str: "a str", dict: "a dict", list: "a list"}
+
+
+def _describe(hint: Any) -> str:
+    """What ``hint`` asks for, in words: ``an int or None``."""
+    if hint is type(None) or hint is None:
+        return "None"
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(_describe(arm) for arm in typing.get_args(hint)))
+    target = origin if origin is not None else hint
+    if target in _NAMES:
+        return _NAMES[target]
+    if getattr(target, "__name__", "") == "Callable":
+        return "a callable"
+    if target is os.PathLike:
+        return "a path"
+    if target is tuple:
+        return "a tuple"
+    return getattr(target, "__name__", str(hint))
+
+
+def _hints(function: Callable[..., Any]) -> dict[str, Any]:
+    """``function``'s annotations, evaluated; where one names what its module imports only
+    for type checkers (to stay light: the command line's help imports no JAX), the
+    parameters annotated as plain types only (the others are checked where they are used)."""
+    try:
+        return typing.get_type_hints(function)
+    except NameError:
+        return {
+            name: parameter.annotation
+            for name, parameter in inspect.signature(function).parameters.items()
+            if not isinstance(parameter.annotation, str) and parameter.annotation is not inspect.Parameter.empty
+        }
+
+
+def checked_arguments(function: F) -> F:
+    """Wrap the public ``function`` so that every argument is checked against its
+    annotation first: one of the wrong type, or an unknown keyword, raises `ArgumentError`
+    naming it and what it must be.
+
+    ```python
+    @checked_arguments
+    def save(path: CheckpointPath, tree: PyTree, *, overwrite: bool = False) -> SaveHandle: ...
+    ```
+    """
+    signature = inspect.signature(function)
+    name = function.__qualname__.replace(".__init__", "")
+    hints: dict[str, Any] | None = None
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal hints
+        if hints is None:  # resolved at the first call: every module is loaded by then
+            hints = _hints(function)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise ArgumentError(f"{name}: {e}.") from None
+        for parameter, value in bound.arguments.items():
+            hint = hints.get(parameter)
+            if hint is not None and parameter != "self" and not _fits(value, hint):
+                raise ArgumentError(
+                    f"{name}: {parameter} must be {_describe(hint)}, got {type(value).__name__} {value!r:.100}."
+                )
+        return function(*args, **kwargs)
+
+    return typing.cast(F, wrapper)
