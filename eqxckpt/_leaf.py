@@ -641,15 +641,19 @@ class ScalarLeaf(Leaf):
     @classmethod
     def of(cls, path: str, keys: tuple[KeyRecord, ...], value: Any) -> "ScalarLeaf":
         """The leaf of a Python scalar, string or None, bit for bit; `UnsupportedLeafError`
-        for an int with more digits than Python converts to and from text (JSON)."""
+        for an int with more digits than Python converts to and from text (JSON) by default:
+        a process that raised its own limit could save what no other process loads."""
         if isinstance(value, int) and not isinstance(value, bool):
+            limit = sys.int_info.default_max_str_digits
             try:
-                str(value)
+                digits = len(str(abs(value)))
             except ValueError:
+                digits = None
+            if digits is None or (limit and digits > limit):
                 raise UnsupportedLeafError(
                     f"Leaf {path!r}: an int of about {int(value.bit_length() * 0.30103)} digits, more than Python "
-                    f"reads from or writes to JSON ({sys.get_int_max_str_digits()}): it could be saved but never "
-                    "loaded. Save it as a str, or as a numpy array of its bytes."
+                    f"reads from or writes to JSON by default ({limit}): it could be saved but not loaded where "
+                    "the default holds. Save it as a str, or as a numpy array of its bytes."
                 ) from None
         return cls(path, keys, *scalar_to_json(value), nan_bits(value))
 

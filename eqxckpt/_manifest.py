@@ -356,7 +356,17 @@ def _parse_manifest(raw: bytes, where: str) -> Manifest:
         )
     try:
         doc = json.loads(raw)
-    except (ValueError, RecursionError) as e:
+    except ValueError as e:
+        if "integer string conversion" in str(e):  # written where a raised limit let it be
+            raise ManifestError(
+                f"The manifest of {where} holds an int of more digits than this Python converts ({e}). Load it "
+                "after raising the limit with sys.set_int_max_str_digits, as the process that saved it had."
+            ) from None
+        raise ManifestError(
+            f"The manifest of {where} is not valid JSON ({e}); the checkpoint is corrupt. "
+            "Load an earlier checkpoint or restore this one from a copy."
+        ) from None
+    except RecursionError as e:
         raise ManifestError(
             f"The manifest of {where} is not valid JSON ({e}); the checkpoint is corrupt. "
             "Load an earlier checkpoint or restore this one from a copy."

@@ -92,12 +92,25 @@ def test_an_int_json_cannot_carry_is_refused_at_save_naming_the_leaf(tmp_path):
     import sys
 
     limit = sys.get_int_max_str_digits()
-    with pytest.raises(eqxckpt.UnsupportedLeafError, match=r"Leaf 'n': an int of about 5000 digits.*never"):
+    with pytest.raises(eqxckpt.UnsupportedLeafError, match=r"Leaf 'n': an int of about 5000 digits.*not loaded"):
         eqxckpt.save(tmp_path / "c", {"n": 10**5000})
     assert not (tmp_path / "c").exists()
     big = 10 ** (limit - 1)  # the most digits Python converts: saved and loaded exactly
     eqxckpt.save(tmp_path / "ok", {"n": big, "neg": -big})
     assert eqxckpt.load(tmp_path / "ok") == {"n": big, "neg": -big}
+    # A process that raised its limit saved what no process with the default could load
+    # (reported as a corrupt manifest): refused at save, whatever this process's limit.
+    sys.set_int_max_str_digits(0)
+    try:
+        with pytest.raises(eqxckpt.UnsupportedLeafError, match=r"more than Python reads .* by default \(4300\)"):
+            eqxckpt.save(tmp_path / "raised", {"n": 10**5000})
+    finally:
+        sys.set_int_max_str_digits(limit)
+    # One written so anyway (by hand, or by an earlier eqxckpt): said so, not "corrupt".
+    manifest = tmp_path / "ok" / "eqxckpt.json"
+    manifest.write_bytes(manifest.read_bytes().replace(str(big).encode(), b"1" * 5000, 1))
+    with pytest.raises(eqxckpt.ManifestError, match="set_int_max_str_digits"):
+        eqxckpt.load(tmp_path / "ok")
 
 
 def test_an_at_that_is_not_a_string_is_an_argument_error(tmp_path):
