@@ -2,11 +2,14 @@
 that an argument of the wrong type is an `ArgumentError` naming it, never a bare
 `TypeError` from deep inside (or a value silently taken for another: ``overwrite="no"``).
 
-Only the annotations' outer types are checked (a ``dict`` is a dict, whatever it holds;
-a ``Callable`` is callable), with ``bool`` apart from ``int``: what a function accepts
-beyond its type (a positive count, a known mode) it checks itself.
+Only the annotations' outer types are checked (a ``dict`` is any mapping, whatever it
+holds; a ``Callable`` is callable), with ``bool`` apart from ``int``; a numpy scalar, a
+mapping or a list where a Python scalar, a dict or a tuple is asked for is passed on as
+one. What a function accepts beyond its type (a positive count, a known mode) it checks
+itself.
 """
 
+import collections.abc
 import functools
 import inspect
 import os
@@ -41,10 +44,12 @@ def _fits(value: Any, hint: Any) -> bool:
         )
     if hint is str:
         return isinstance(value, str)
-    if origin is tuple:
+    if origin is tuple or hint is tuple:
         args = typing.get_args(hint)
-        if not isinstance(value, tuple):
+        if not isinstance(value, (tuple, list)):
             return False
+        if not args:
+            return True
         if len(args) == 2 and args[1] is Ellipsis:
             return all(_fits(v, args[0]) for v in value)
         return len(args) == len(value) and all(_fits(v, a) for v, a in zip(value, args))
@@ -55,9 +60,25 @@ def _fits(value: Any, hint: Any) -> bool:
         return callable(value)
     if target is os.PathLike:
         return isinstance(value, os.PathLike)
+    if target is dict:
+        return isinstance(value, collections.abc.Mapping)
     if isinstance(target, type) and target.__module__ in ("builtins", "collections.abc") or _is_eqxckpt(target):
         return isinstance(value, target)
     return True  # a pytree, a type variable: anything
+
+
+def _normalized(value: Any, hint: Any) -> Any:
+    """``value`` as the function expects the type ``hint`` allows it as: a numpy scalar as
+    the Python scalar, another mapping as a dict, a list as a tuple."""
+    arms = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    origins = {typing.get_origin(arm) or arm for arm in arms}
+    if _numpy_kind(value) and origins & {bool, int, float}:
+        return value.item()
+    if dict in origins and not isinstance(value, dict) and isinstance(value, collections.abc.Mapping):
+        return dict(value)
+    if tuple in origins and isinstance(value, list):
+        return tuple(value)
+    return value
 
 
 def _numpy_kind(value: Any) -> str:
@@ -133,10 +154,13 @@ def checked_arguments(function: F) -> F:
             raise ArgumentError(f"{name}: {e}.") from None
         for parameter, value in bound.arguments.items():
             hint = hints.get(parameter)
-            if hint is not None and parameter != "self" and not _fits(value, hint):
+            if hint is None or parameter == "self":
+                continue
+            if not _fits(value, hint):
                 raise ArgumentError(
                     f"{name}: {parameter} must be {_describe(hint)}, got {type(value).__name__} {value!r:.100}."
                 )
-        return function(*args, **kwargs)
+            bound.arguments[parameter] = _normalized(value, hint)
+        return function(*bound.args, **bound.kwargs)
 
     return typing.cast(F, wrapper)

@@ -101,12 +101,20 @@ def _chunk(
             if size * MAX_CHUNK_FACTOR < elements:  # no divisor near the budget
                 above = _smallest_divisor_above(part, elements)
                 inner = _chunk(shape[at + 1 :], shard[at + 1 :], max(1, budget // above), True, most // above)
-                if above * math.prod(inner) <= most:
+                # Taken only where it cuts the shard into fewer chunks (both dimensions may be prime).
+                if above * math.prod(inner) <= most and _per_shard(shard[at:], [above, *inner]) < _per_shard(
+                    shard[at:], [size, *chunk[::-1]]
+                ):
                     size, chunk = above, inner[::-1]
         chunk.append(size)
         chunk.extend([1] * at)
         break
     return chunk[::-1]
+
+
+def _per_shard(shard: Sequence[int], chunk: Sequence[int]) -> int:
+    """How many chunks of ``chunk`` a shard of ``shard`` is cut into."""
+    return math.prod(-(-max(1, p) // c) for p, c in zip(shard, chunk))
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

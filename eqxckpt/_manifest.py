@@ -102,12 +102,16 @@ class Manifest:
     def refuse_bytes(size: int, parse_cost: int = 0) -> None:
         """Refuse (`ArgumentError`) a manifest of ``size`` bytes that a load would refuse."""
         if size > MAX_MANIFEST_BYTES or parse_cost > MAX_PARSE_FACTOR * size + (16 << 20):
+            why = (
+                f"a load reads manifests of at most {MAX_MANIFEST_BYTES} bytes"
+                if size > MAX_MANIFEST_BYTES
+                else f"parsing it would take {parse_cost >> 20} MiB, more than a load allows for its size (deep "
+                "nesting: each level of a key path costs JSON objects)"
+            )
             raise ArgumentError(
-                f"This save's manifest would be {size} bytes"
-                + (f", too densely packed to parse ({parse_cost >> 20} MiB)" if size <= MAX_MANIFEST_BYTES else "")
-                + f"; a load reads manifests of at most {MAX_MANIFEST_BYTES} bytes, so nothing is saved. Save fewer "
-                "leaves (a list of many small arrays as one stacked array), shorter keys, less metadata, or long "
-                "strings as uint8 arrays."
+                f"This save's manifest would be {size} bytes; {why}, so nothing is saved. Save fewer leaves (a list "
+                "of many small arrays as one stacked array), shorter keys or shallower trees, less metadata, or "
+                "long strings as uint8 arrays."
             )
 
     def to_bytes(self) -> bytes:
@@ -150,6 +154,38 @@ def _value_bound(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_value_bound(v) + 2 for v in value) + 2
     return 32
+
+
+# How deep a save's metadata may nest: far beyond any real use, far within what JSON's
+# encoders and decoders take without running out of stack.
+MAX_METADATA_DEPTH = 100
+
+
+def metadata_bytes(metadata: Any) -> int:
+    """The size of ``metadata`` (a save's) as JSON, or `ArgumentError` saying why it cannot
+    be stored as it is: not a dict, not JSON (NaN, objects), keys that are not strings
+    (JSON would turn ``1`` into ``"1"``, and two keys into one), nested deeper than
+    `MAX_METADATA_DEPTH`."""
+    if not isinstance(metadata, dict):
+        raise ArgumentError(f"metadata must be a dict, got {type(metadata).__name__}.")
+    pending: list[tuple[Any, int]] = [(metadata, 0)]
+    while pending:  # no recursion: a deep nest is refused here, not by a RecursionError elsewhere
+        value, depth = pending.pop()
+        if depth > MAX_METADATA_DEPTH:
+            raise ArgumentError(f"metadata is nested more than {MAX_METADATA_DEPTH} levels deep; flatten it.")
+        if isinstance(value, dict):
+            if bad := [key for key in value if not isinstance(key, str)]:
+                raise ArgumentError(
+                    f"metadata keys must be strings, got {bad[0]!r:.100}: JSON keeps no other, so it would come back "
+                    "as a string, or collide with one."
+                )
+            pending.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend((v, depth + 1) for v in value)
+    try:
+        return len(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ArgumentError(f"metadata must be a JSON-serialisable dict: {type(e).__name__}: {e}") from None
 
 
 def _line(leaf: Leaf) -> str:

@@ -220,7 +220,8 @@ class _Listener:
 def _announce(signum: int, gave_up: list[str]) -> None:
     given_up = (
         f" Gave up on the saves still running after another preemption_grace_s (a store that stopped "
-        f"answering?), which commit nothing: {', '.join(gave_up)}."
+        f"answering, or a save slower than that: raise preemption_grace_s), which commit nothing: "
+        f"{', '.join(gave_up)}."
         if gave_up
         else ""
     )
@@ -302,8 +303,18 @@ class Notices:
     """
 
     def __init__(self, signals: tuple[int, ...] | None, grace_s: float):
-        if not isinstance(grace_s, (int, float)) or isinstance(grace_s, bool) or not 0 < grace_s < math.inf:
-            raise ArgumentError(f"preemption_grace_s must be a positive number of seconds, got {grace_s!r}.")
+        try:
+            finite = 0 < float(grace_s) < math.inf
+        except (TypeError, ValueError, OverflowError):
+            finite = False
+        if not isinstance(grace_s, (int, float)) or isinstance(grace_s, bool) or not finite:
+            raise ArgumentError(f"preemption_grace_s must be a positive number of seconds, got {grace_s!r:.100}.")
+        catchable = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+        for signum in signals or ():
+            if isinstance(signum, bool) or not isinstance(signum, int) or signum not in catchable:
+                raise ArgumentError(
+                    f"preemption_signals must be signals a process can catch (signal.SIGTERM...), got {signum!r:.100}."
+                )
         self.signals, self.grace_s = signals, float(grace_s)
         self.saved_at: int | None = None  # the step saved for a notice
         self._preemption: Preemption | None = None

@@ -4,7 +4,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import threading
@@ -24,7 +23,7 @@ from ._errors import ArgumentError, CheckpointError, CheckpointWriteError, Unsup
 from ._gc import collector_paused
 from ._interrupts import interrupts_deferred
 from ._leaf import Leaf, StoredLeaf, with_storage
-from ._manifest import Manifest
+from ._manifest import Manifest, metadata_bytes
 from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
 from ._paths import GROUP_METADATA, group_file, group_locations, key_entry
 from ._pieces import HostPiece, PackedWrite, Piece, record_of, snapshot
@@ -539,12 +538,7 @@ def save(
     """
     location = resolve(path)
     metadata = {} if metadata is None else metadata
-    try:
-        metadata_bytes = len(json.dumps(metadata, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise ArgumentError(f"metadata must be a JSON-serialisable dict: {e}") from None
-    if not isinstance(metadata, dict):
-        raise ArgumentError(f"metadata must be a dict, got {type(metadata).__name__}.")
+    size = metadata_bytes(metadata)
     with collector_paused():  # records per leaf, no cycles among them
         records, arrays = _plan(tree)
     key = str(location)
@@ -562,7 +556,7 @@ def save(
         if phases is None:  # with several processes every leaf keeps its own array
             records, jobs = _pack(records, jobs)
     manifest = Manifest(tuple(records), metadata)
-    manifest.refuse_oversized(metadata_bytes)  # before anything is written
+    manifest.refuse_oversized(size)  # before anything is written
 
     def run() -> None:
         # Only process 0's manifest is committed: the others hash nothing. Which leaves a
@@ -646,7 +640,7 @@ class Part:
         location = resolve(path)
         location.check_target(overwrite)
         manifest = Manifest(tuple(self.records), metadata)
-        manifest.refuse_oversized(len(json.dumps(metadata)))
+        manifest.refuse_oversized(metadata_bytes(metadata))
         hashing = _Hashing(manifest, self.jobs)
         try:
             with plan_reuse(None, manifest, self.jobs, location) as reuse:

@@ -477,10 +477,10 @@ class RunSteps:
                 ) from e
             if deleted and keep:
                 warnings.warn(
-                    f"Retention deleted step {old} of {self.location} but left {len(keep)} files eqxckpt did not "
-                    f"write where they were, in {where}: {', '.join(keep[:10])}"
+                    f"Retention deleted step {old} of {self.location} but kept {len(keep)} files eqxckpt did not "
+                    f"write in it, as they were, in {where}.kept-<hex> beside it: {', '.join(keep[:10])}"
                     + (" ..." if len(keep) > 10 else "")
-                    + ". That directory is no step any more; move them and remove it.",
+                    + ". Move them, and remove that directory.",
                     stacklevel=4,
                 )
             if deleted:

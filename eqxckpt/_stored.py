@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from ._errors import CheckpointError, CorruptCheckpointError
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._pack import PackedArray
+from ._paths import MANIFEST_NAME
 from ._select import Selection
 from ._storage import (
     MAX_ZARR_JSON_BYTES,
@@ -152,15 +154,20 @@ class StoredArrays:
         """Files here (on a local disk) that the save which made this checkpoint did not
         write: what `unlisted` names, and any file in a leaf's own directory beside its
         ``zarr.json`` and its chunks (or anything there that is not a plain file). What a
-        deleter must leave alone. Raises `CheckpointError` if a leaf's layout is damaged."""
+        deleter must leave alone: a leaf whose layout is damaged (which files are its
+        cannot be told) is named whole."""
         found = [path for path, _ in self.unlisted()]
         own = [r for r in self.manifest.leaves if isinstance(r, StoredLeaf) and r.arrays is None and r.offset is None]
         for record in [*own, *([self.packed] if self.packed is not None else [])]:
             files = self.arrays.leaf_files(record.path)
-            if files is None:
+            try:
+                layout: ChunkLayout | None = self.layout(record)
+            except CheckpointError:
+                layout = None
+            if files is None or layout is None:
                 found.append(record.path)
                 continue
-            written = expected_files([(record, self.layout(record))])
+            written = expected_files([(record, layout)])
             found.extend(sorted(key for key in files if key not in written))
         return found
 
@@ -365,8 +372,9 @@ _ZARR_KEYS = {
 
 def unwritten_at(location: Storage) -> list[str]:
     """The files of the committed checkpoint at ``location`` that the save which made it did
-    not write (`StoredArrays.unwritten`), which a deleter leaves where they are; [] where it
-    cannot tell (an object store deletes only keys eqxckpt wrote; no readable checkpoint).
+    not write (`StoredArrays.unwritten`), which a deleter keeps; [] on an object store (whose
+    deletions take only keys eqxckpt wrote); where the checkpoint cannot be read (its
+    manifest damaged meanwhile), everything in it but the manifest: nothing is proven.
 
     ```python
     resolve("run/3").delete(keep=unwritten_at(resolve("run/3")))
@@ -377,7 +385,10 @@ def unwritten_at(location: Storage) -> list[str]:
     try:
         return StoredArrays.open(location).unwritten()
     except CheckpointError:
-        return []
+        try:
+            return sorted(name for name in os.listdir(location.local) if name != MANIFEST_NAME)
+        except OSError:
+            return []  # gone
 
 
 def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:

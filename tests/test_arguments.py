@@ -115,3 +115,64 @@ def test_a_path_of_the_wrong_type_or_an_unknown_keyword_is_an_argument_error(cal
         calls[call](5)
     with pytest.raises(eqxckpt.ArgumentError, match="unexpected keyword argument 'overwrit'"):
         calls[call](tmp_path / "x", overwrit=True)
+
+
+def test_numpy_scalars_mappings_and_lists_are_taken_as_python_values(tmp_path):
+    """The eighth outside attack: numpy ints passed the type check and were then refused by
+    the value checks; a list of signals or a mapping proxy were refused outright."""
+    import signal
+    import types
+
+    with eqxckpt.CheckpointManager(
+        tmp_path / "run",
+        max_to_keep=np.int64(2),
+        save_interval_steps=np.uint8(1),
+        preemption_grace_s=np.float32(3),
+        preemption_signals=[signal.SIGTERM],
+        blocking=np.bool_(True),
+    ) as manager:
+        assert manager.save(0, {"w": np.arange(3.0)}, metadata=types.MappingProxyType({"lr": 0.1}))
+        assert manager.metadata(0) == {"lr": 0.1}
+    assert eqxckpt.load(tmp_path / "run" / "0", host_memory_budget=np.int64(1 << 30))["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "path,match",
+    [
+        ({"driver": 5}, "driver"),
+        ({"driver": "zarr3", "path": "x"}, "driver must be 'file', 'memory', 's3' or 'gcs'"),
+        ("/tmp/x\0y", "no NUL"),
+        ("", "non-empty"),
+    ],
+)
+def test_a_path_no_storage_can_name_is_an_argument_error(path, match):
+    with pytest.raises(eqxckpt.ArgumentError, match=match):
+        eqxckpt.load(path)
+
+
+@pytest.mark.parametrize("signum", [9, 19, 0, -1, 10**30])
+def test_a_signal_no_process_can_catch_is_refused_at_once(tmp_path, signum):
+    with pytest.raises(eqxckpt.ArgumentError, match="preemption_signals must be signals a process can catch"):
+        eqxckpt.CheckpointManager(tmp_path / "run", preemption_signals=(signum,))
+
+
+@pytest.mark.parametrize(
+    "metadata,match",
+    [
+        ({1: "a", "1": "b"}, "keys must be strings, got 1"),
+        ({"a": {None: 1}}, "keys must be strings, got None"),
+        ({"a": {False: 1}}, "keys must be strings, got False"),
+        ({"a": {1, 2}}, "JSON-serialisable"),
+        ({"x": float("nan")}, "JSON-serialisable"),
+    ],
+)
+def test_metadata_json_would_change_is_refused_at_save(tmp_path, metadata, match):
+    with pytest.raises(eqxckpt.ArgumentError, match=match):
+        eqxckpt.save(tmp_path / "c", {"w": np.arange(3.0)}, metadata=metadata)
+    deep: dict = {}
+    inner = deep
+    for _ in range(2000):
+        inner["a"] = inner = {}
+    with pytest.raises(eqxckpt.ArgumentError, match="nested more than 100 levels"):
+        eqxckpt.save(tmp_path / "c", {"w": np.arange(3.0)}, metadata=deep)
+    assert not (tmp_path / "c").exists()

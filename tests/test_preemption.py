@@ -120,9 +120,9 @@ def test_a_notice_no_save_answers_ends_the_process_after_the_grace_period(tmp_pa
 
 @pytest.mark.multiprocess
 def test_a_save_for_the_notice_outlasting_the_grace_period_completes(tmp_path):
-    """The grace period never ends the process under the save for the notice (made slow:
-    its progress callback sleeps past the grace period), and a notice that save answered
-    ends nothing later. The grace period (3 s) leaves the save time to start on a loaded
+    """The grace period does not end the process under the save for the notice (made slow:
+    its progress callback sleeps past the grace period; it has one more grace period), and
+    a notice that save answered ends nothing later. The grace period (3 s) leaves the save time to start on a loaded
     machine: only its start must come within it."""
     done = run(f"""
         manager = eqxckpt.CheckpointManager(

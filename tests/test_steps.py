@@ -334,15 +334,36 @@ def test_retention_leaves_files_eqxckpt_did_not_write_with_a_warning(tmp_path):
         manager.wait()
         (run / "0" / "notes.txt").write_text("mine")
         (run / "0" / "w" / "plot.png").write_bytes(b"png")
-        with pytest.warns(UserWarning, match=r"Retention deleted step 0 .* left 2 files .*notes.txt, w/plot.png"):
+        with pytest.warns(UserWarning, match=r"Retention deleted step 0 .* kept 2 files .*notes.txt, w/plot.png"):
             manager.save(1, {"w": np.arange(6.0) + 1, "step": 1})
             manager.wait()
         assert manager.all_steps() == [1]
-    left = sorted(str(p.relative_to(run / "0")) for p in (run / "0").rglob("*"))
-    assert left == ["notes.txt", "w", "w/plot.png"] and (run / "0" / "notes.txt").read_text() == "mine"
+    [kept] = run.glob("0.kept-*")  # beside it: step 0 may be saved again
+    left = sorted(str(p.relative_to(kept)) for p in kept.rglob("*"))
+    assert left == ["notes.txt", "w", "w/plot.png"] and (kept / "notes.txt").read_text() == "mine"
+    assert not (run / "0").exists()
     # Another step without such files goes whole, without a word.
     with eqxckpt.CheckpointManager(run, max_to_keep=1) as manager, warnings.catch_warnings():
         warnings.filterwarnings("error", message="Retention")
         manager.save(2, {"w": np.arange(6.0) + 2, "step": 2})
         manager.wait()
         assert manager.all_steps() == [2] and not (run / "1").exists()
+
+
+def test_retention_keeps_a_damaged_leaf_whole_with_the_users_files(tmp_path):
+    """The eighth outside attack: with one leaf's zarr.json damaged, which files eqxckpt
+    wrote could not be told, and retention deleted the step whole, the user's notes too.
+    A leaf whose layout cannot be read is kept whole, as are the notes."""
+    run = tmp_path / "run"
+    with eqxckpt.CheckpointManager(run, max_to_keep=1) as manager:
+        manager.save(0, {"w": np.arange(6.0), "b": np.arange(4.0)})
+        manager.wait()
+        (run / "0" / "notes.txt").write_text("mine")
+        (run / "0" / "b" / "zarr.json").write_text("garbage")
+        with pytest.warns(UserWarning, match=r"kept 2 files .*: notes.txt, b\."):
+            manager.save(1, {"w": np.arange(6.0) + 1, "b": np.arange(4.0)})
+            manager.wait()
+        assert manager.all_steps() == [1] and not (run / "0").exists()
+    [kept] = run.glob("0.kept-*")
+    assert (kept / "notes.txt").read_text() == "mine" and (kept / "b" / "zarr.json").read_text() == "garbage"
+    eqxckpt.save(run / "0", {"w": np.arange(6.0)})  # its name is free again

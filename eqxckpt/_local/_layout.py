@@ -373,8 +373,8 @@ class LocalTier:
             where = self._directory(info.owner).sub(str(info.step))
             if (keep := unwritten_at(where)) and where.delete(keep):
                 warnings.warn(
-                    f"Local tier: deleted the part at {where} but left {len(keep)} files eqxckpt did not write where "
-                    f"they were: {', '.join(keep[:10])}.",
+                    f"Local tier: deleted the part at {where} but kept {len(keep)} files eqxckpt did not write in it, "
+                    f"in {where}.kept-<hex> beside it: {', '.join(keep[:10])}.",
                     stacklevel=3,
                 )
             elif not keep:

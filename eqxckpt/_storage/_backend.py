@@ -250,8 +250,8 @@ class Storage(abc.ABC):
     def delete(self, keep: Sequence[str] = ()) -> bool:
         """Uncommit, then remove, this checkpoint; False if it is in use (try again later).
         ``keep``: files in it (relative paths, as `StoredArrays.unwritten` names them) that
-        eqxckpt did not write: left where they are, in a directory that is no checkpoint
-        any more (a local disk; an object store deletes only keys eqxckpt wrote anyway)."""
+        eqxckpt did not write: kept as they were, in ``<name>.kept-<hex>`` beside it (a
+        local disk; an object store deletes only keys eqxckpt wrote anyway)."""
 
     # -- small files of a directory of checkpoints (a run's identity) ---------------------
 

@@ -13,7 +13,6 @@ import os
 import pathlib
 import stat
 import threading
-import uuid
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -48,6 +47,7 @@ from ._locks import (
     create_staging,
     delete_local,
     join_staging,
+    kept_sibling,
     remove_abandoned,
     remove_except,
     remove_tree,
@@ -426,9 +426,8 @@ class LocalStaging(Staging):
             remove_tree(old)
             return
         remove_except(old, self.keep_replaced)
-        kept = self.final.path.with_name(f"{self.final.path.name}.replaced-{uuid.uuid4().hex[:8]}")
-        os.rename(old, kept)
-        self.kept_at = kept
+        self.kept_at = kept_sibling(self.final.path, "replaced")
+        os.rename(old, self.kept_at)
 
     def abort(self, error: BaseException) -> None:
         if self.owner:

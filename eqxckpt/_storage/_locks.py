@@ -9,6 +9,7 @@ import fcntl
 import os
 import pathlib
 import shutil
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
@@ -218,10 +219,17 @@ def remove_abandoned_files(final: pathlib.Path) -> list[str]:
     return removed
 
 
+def kept_sibling(final: pathlib.Path, why: str) -> pathlib.Path:
+    """Where the files eqxckpt did not write in checkpoint ``final`` go when it is deleted
+    (``why``: ``kept``) or replaced (``replaced``): a visible directory beside it,
+    ``<name>.<why>-<hex>``, which no scan takes for a checkpoint and no cleanup removes."""
+    return final.with_name(f"{final.name}.{why}-{uuid.uuid4().hex[:8]}")
+
+
 def delete_local(final: pathlib.Path, keep: Sequence[str] = ()) -> bool:
     """Delete a committed checkpoint, unless a reader holds it; the files ``keep`` names
-    (relative to it: eqxckpt did not write them) stay where they are, in a directory that
-    is no checkpoint any more.
+    (relative to it: eqxckpt did not write them) are kept, as they were, in a directory
+    beside it (`kept_sibling`).
 
     Returns False (nothing done) while it is being read; True once it is gone.
     """
@@ -241,8 +249,9 @@ def delete_local(final: pathlib.Path, keep: Sequence[str] = ()) -> bool:
         except FileNotFoundError:
             pass
         if keep:
+            # Beside it, under a name of its own: the checkpoint's name is free to be saved again.
             remove_except(aside, keep)
-            os.rename(aside, final if not os.path.lexists(final) else hidden_sibling(final, "kept"))
+            os.rename(aside, kept_sibling(final, "kept"))
             return True
         if not remove_tree(aside):
             raise OSError(errno.EACCES, f"{aside} could not be removed whole (uncommitted, it is never loaded)")

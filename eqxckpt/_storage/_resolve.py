@@ -20,16 +20,27 @@ def resolve(path: CheckpointPath | Storage) -> Storage:
         return path
     if isinstance(path, dict):
         spec = dict(path)
-        if "driver" not in spec:
-            raise CheckpointError(f"A kvstore spec needs a 'driver' member, got {path!r}.")
+        if not isinstance(spec.get("driver"), str) or not isinstance(spec.get("path", ""), str):
+            raise ArgumentError(f"A kvstore spec needs a 'driver' (and a 'path') that are strings, got {path!r:.200}.")
+        if spec["driver"] not in ("file", "memory", "s3", "gcs"):
+            raise ArgumentError(
+                f"A kvstore spec's driver must be 'file', 'memory', 's3' or 'gcs', got {spec['driver']!r:.100}."
+            )
         spec["path"] = _as_dir(spec.get("path", ""))
         if spec["driver"] == "file":
             return LocalStorage.at(pathlib.Path(spec["path"]).absolute())
         return ObjectStorage(spec)
+    given: Any = path
     if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str) or not path:
-        raise ArgumentError(f"path must be a non-empty str, os.PathLike or kvstore spec dict, got {path!r}.")
+        try:
+            given = os.fspath(path)
+        except TypeError:  # its __fspath__ returned neither str nor bytes
+            given = None
+    if not isinstance(given, str) or not given or "\0" in given:
+        raise ArgumentError(
+            f"path must be a non-empty str (no NUL), os.PathLike or kvstore spec dict, got {path!r:.200}."
+        )
+    path = given
     scheme, sep, rest = path.partition("://")
     if not sep:
         return LocalStorage.at(pathlib.Path(path).expanduser().absolute())
