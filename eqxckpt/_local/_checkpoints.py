@@ -435,6 +435,8 @@ class LocalCheckpoints:
         own = dataclasses.replace(kept, holder=self.me)  # where it is restored from: here
         restored: list[PyTree] = []
         received: list[list[tuple[str, np.ndarray]]] = []  # a peer's copy of this process's part
+        # A copy restored from memory is held beside the result: at most the host memory budget.
+        budget = load_kwargs.get("host_memory_budget") or host_memory_budget()
 
         def restore() -> str:
             try:
@@ -473,7 +475,11 @@ class LocalCheckpoints:
                         except CorruptCheckpointError:  # its keeper could not read it: damaged
                             unsent.append(kept)
                         else:
-                            received.append(files)
+                            if sum(data.nbytes for _, data in files) <= budget:
+                                received.append(files)  # restored from as it is, kept after
+                            else:  # more than the host memory budget: kept first, then read back
+                                self.tier.receive(self.me, kept.step, files)
+                                del files
                             found_here = restore()
                     else:
                         found_here = restore()
