@@ -268,6 +268,12 @@ def test_a_held_checkpoint_with_damaged_or_missing_files_is_refused_naming_the_l
         eqxckpt.load(
             open_checkpoint(BufferStorage.of({k: d for k, d in files.items() if k != "eqxckpt.json"}, "a copy"))
         )
+    import eqxckpt._storage._buffers as buffers_module
+
+    with pytest.MonkeyPatch.context() as patch:  # an oversized manifest: as the disk says it
+        patch.setattr(buffers_module, "MAX_MANIFEST_BYTES", 64)
+        with pytest.raises(eqxckpt.ManifestError, match="over the 64-byte limit"):
+            eqxckpt.load(open_checkpoint(BufferStorage.of(files, "a copy")))
     held = BufferStorage.of(files, "a copy")
     with pytest.raises(eqxckpt.CheckpointError, match="read only"):
         held.begin_save(["w"], overwrite=True)
