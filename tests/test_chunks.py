@@ -254,18 +254,7 @@ def test_every_sharded_save_loads_back_in_a_few_chunks_per_budget(tmp_path):
     """On 4 CPU devices (a worker process), hypothesis over shard lengths (primes among
     them), columns, dtypes and splits: every save loads back bit-exact, in at most a few
     chunk files per budget's worth of each shard (#53: one-row chunks a load refused)."""
-    import subprocess
-    import sys
+    from conftest import WORKERS, on_devices
 
-    from conftest import WORKERS
-
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    done = subprocess.run(
-        [sys.executable, str(WORKERS / "chunk_probe.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "40"
+    out = on_devices(4, [str(WORKERS / "chunk_probe.py"), str(tmp_path)], timeout=600)
+    assert out.strip().splitlines()[-1] == "40"

@@ -264,12 +264,6 @@ def test_a_leaf_sharded_over_one_processs_devices_is_digested_and_checked(tmp_pa
     """4 CPU devices in one process: leaves sharded by rows, columns, a grid, half the
     devices each get the whole leaf's digest (the fifth outside attack: none was written,
     so chunks swapped between leaves loaded and verified silently)."""
-    import os
-    import subprocess
-    import sys
+    from conftest import on_devices
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    done = subprocess.run(
-        [sys.executable, "-c", SHARDED_SAVE, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert on_devices(4, ["-c", SHARDED_SAVE, str(tmp_path)]).strip().endswith("ok")

@@ -318,21 +318,9 @@ def test_sharded_skeletons_along_every_axis_from_three_formats(tmp_path):
     """Onto 4 CPU devices (a worker process): stacked along the layer axis and the others,
     a 2-D mesh and replicated; rows by rows, columns, 2-D. Every device's block is the
     stored values; eqxckpt's chunks (256 bytes, straddling blocks) are each read once."""
-    import subprocess
-    import sys
+    from conftest import WORKERS, on_devices
 
-    from conftest import WORKERS
-
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    done = subprocess.run(
-        [sys.executable, str(WORKERS / "layout_probe.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "30"
+    assert on_devices(4, [str(WORKERS / "layout_probe.py"), str(tmp_path)]).strip().splitlines()[-1] == "30"
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -307,22 +307,9 @@ def test_sharded_restores_hold_the_saved_values_for_every_split(tmp_path):
     """Onto 8 CPU devices (a worker process): by rows, columns, 2-D meshes, replicated,
     PRNG keys, a 0-d leaf; chunks of 256 bytes that straddle blocks, partial edge chunks. Every
     device's block is the saved values (each chunk read once, copied into each block)."""
-    import os
-    import subprocess
-    import sys
+    from conftest import WORKERS, on_devices
 
-    from conftest import WORKERS
-
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    done = subprocess.run(
-        [sys.executable, str(WORKERS / "shard_probe.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "15"
+    assert on_devices(8, [str(WORKERS / "shard_probe.py"), str(tmp_path)]).strip().splitlines()[-1] == "15"
 
 
 def test_non_strict_says_why_it_could_not_help(tmp_path):

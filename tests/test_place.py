@@ -5,10 +5,6 @@ is what a GPU takes; `_place.STAGE_CPU` runs it on CPU devices, so it is checked
 without a GPU.
 """
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -138,15 +134,9 @@ print("ok")
 def test_sharded_blocks_larger_than_the_budget_are_bit_exact(tmp_path, staged_flag):
     """4 CPU devices on a 2x2 mesh, by rows, columns, both, replicated; a 2 KiB budget,
     so every block is placed in several bands; as stored and cast; PRNG keys."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    done = subprocess.run(
-        [sys.executable, "-c", SHARDED, str(tmp_path), staged_flag],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    from conftest import on_devices
+
+    assert on_devices(4, ["-c", SHARDED, str(tmp_path), staged_flag]).strip().endswith("ok")
 
 
 def test_an_upcast_at_the_default_ratio_of_budget_to_chunk_reads_each_chunk_once(staged, tmp_path, monkeypatch):
