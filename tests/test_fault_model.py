@@ -43,6 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import eqxckpt
 from eqxckpt._storage import resolve
+from eqxckpt._stored import unwritten_at
 
 STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
 # Objects eqxckpt reads only for their presence or protocol, not a step's data.
@@ -182,6 +183,9 @@ class Model:
     suspect: set[int] = dataclasses.field(default_factory=set)
     listed: set[int] = dataclasses.field(default_factory=set)
     foreign: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    # Users' files put inside a step directory: where they were, or (the step deleted or
+    # replaced since) kept as they were in ``<step>.kept-<hex>`` or ``<step>.replaced-<hex>``.
+    inside: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
     def saved(self, number: int, version: int) -> None:
         """A step committed afresh: whole, whatever it held before."""
@@ -363,7 +367,8 @@ class FaultModel(RuleBasedStateMachine):
             return
         number = listed[which % len(listed)]
         note(f"delete step {number}")
-        assert resolve(self.where.step(number)).delete()
+        where = resolve(self.where.step(number))
+        assert where.delete(unwritten_at(where))  # what eqxckpt did not write is kept
         self.model.gone(number)
 
     # -- faults -------------------------------------------------------------------------------
@@ -430,6 +435,24 @@ class FaultModel(RuleBasedStateMachine):
             self.where.write(key, content)
             self.model.foreign[key] = content
         note(f"user's files: {sorted(files)}")
+
+    @rule(which=INDEX, into_leaf=st.booleans(), body=st.binary(min_size=1, max_size=64))
+    def put_inside(self, which, into_leaf, body):
+        """A user's file inside a step directory (beside its manifest, or in a leaf's
+        directory beside its chunks), on a local disk: retention, deletion and overwrites
+        keep it (#53 item 7)."""
+        steps = sorted(self.model.versions)
+        if self.where.name != "local" or not steps:
+            return
+        number = steps[which % len(steps)]
+        leaves = sorted(
+            {k.rsplit("/", 1)[0] for k in self.where.keys() if k.startswith(f"{number}/") and k.endswith("/zarr.json")}
+        )
+        folder = leaves[which % len(leaves)] if into_leaf and leaves else str(number)
+        key = f"{folder}/notes-{len(self.model.inside)}.txt"
+        self.where.write(key, body)
+        self.model.inside[key] = body
+        note(f"user's file inside step {number}: {key}")
 
     # -- writers in other processes -----------------------------------------------------------
 
@@ -533,6 +556,15 @@ class FaultModel(RuleBasedStateMachine):
         for key, body in self.model.foreign.items():
             found = self.where.read(key)
             assert found == body, f"{key!r}, which eqxckpt did not write, was {'changed' if found else 'deleted'}"
+        for key, body in self.model.inside.items():
+            number, rest = key.split("/", 1)
+            places = [key] + [
+                str(p.relative_to(self.where.run))
+                for p in self.where.run.glob(f"{number}.*-*/{rest}")  # pyright: ignore[reportAttributeAccessIssue]
+            ]
+            assert any(self.where.read(place) == body for place in places), (
+                f"{key!r}, which a user put inside step {number}, was deleted or changed (looked in {places})"
+            )
 
     @invariant()
     def steps_are_what_the_model_says(self):
@@ -566,8 +598,8 @@ class FaultModel(RuleBasedStateMachine):
                 assert not ok, f"verify passed step {number}, which is damaged"
             elif number in model.suspect:
                 assert exact or not ok, f"verify passed step {number}, which does not load exactly"
-            else:
-                assert ok, f"verify flagged step {number}, which is undamaged"
+            elif not any(k.startswith(f"{number}/") and self.where.read(k) for k in model.inside):
+                assert ok, f"verify flagged step {number}, which is undamaged"  # (a user's file in it: may)
         self.users_files_untouched()
 
 
