@@ -252,8 +252,9 @@ def test_chunk_regions_tile_the_region_chunk_by_chunk(dims):
 @pytest.mark.multiprocess
 def test_every_sharded_save_loads_back_in_a_few_chunks_per_budget(tmp_path):
     """On 4 CPU devices (a worker process), hypothesis over shard lengths (primes among
-    them), columns, dtypes and splits: every save loads back bit-exact, in at most a few
-    chunk files per budget's worth of each shard (#53: one-row chunks a load refused)."""
+    them), columns, dtypes and splits: every save loads back bit-exact, and one sharded by
+    one dimension in at most a few chunk files per budget's worth of each shard (#53:
+    one-row chunks a load refused)."""
     from conftest import WORKERS, on_devices
 
     out = on_devices(4, [str(WORKERS / "chunk_probe.py"), str(tmp_path)], timeout=600)
