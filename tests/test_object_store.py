@@ -1083,3 +1083,17 @@ def test_a_live_holder_in_another_pid_namespace_is_never_judged_dead(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_retention_on_an_object_store_leaves_a_users_keys_inside_a_step(store):
+    """What docs/concurrency.md says of object stores: only keys eqxckpt wrote are deleted;
+    a user's object inside a step's prefix stays where it is."""
+    top = f"users-keys-{store.name}-{time.monotonic_ns()}/"
+    with eqxckpt.CheckpointManager(store.spec(top), max_to_keep=1) as manager:
+        manager.save(0, {"w": np.arange(4.0)})
+        manager.wait()
+        store.put(f"{top}0/notes.txt", b"mine")
+        manager.save(1, {"w": np.arange(4.0) + 1})
+        manager.wait()
+        assert manager.all_steps() == [1]
+    assert store.get(f"{top}0/notes.txt") == b"mine"
