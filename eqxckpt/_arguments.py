@@ -81,6 +81,14 @@ def _normalized(value: Any, hint: Any) -> Any:
     return value
 
 
+def _shown(value: Any) -> str:
+    """``value`` as an error names it: its type and repr (just its type if repr fails)."""
+    try:
+        return f"{type(value).__name__} {value!r:.100}"
+    except Exception:  # noqa: BLE001 - a user's object whose repr raises
+        return type(value).__name__
+
+
 def _numpy_kind(value: Any) -> str:
     """A numpy scalar's kind (``b``, ``i``, ``u``, ``f``...), or "" for anything else: told
     without importing numpy."""
@@ -157,9 +165,7 @@ def checked_arguments(function: F) -> F:
             if hint is None or parameter == "self":
                 continue
             if not _fits(value, hint):
-                raise ArgumentError(
-                    f"{name}: {parameter} must be {_describe(hint)}, got {type(value).__name__} {value!r:.100}."
-                )
+                raise ArgumentError(f"{name}: {parameter} must be {_describe(hint)}, got {_shown(value)}.")
             bound.arguments[parameter] = _normalized(value, hint)
         return function(*bound.args, **bound.kwargs)
 

@@ -180,7 +180,11 @@ def metadata_bytes(metadata: Any) -> int:
                     "as a string, or collide with one."
                 )
             pending.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, tuple):
+            raise ArgumentError(
+                f"metadata holds a tuple, {value!r:.100}: JSON would give it back as a list. Pass a list."
+            )
+        elif isinstance(value, list):
             pending.extend((v, depth + 1) for v in value)
     try:
         return len(json.dumps(metadata, allow_nan=False))

@@ -176,3 +176,18 @@ def test_metadata_json_would_change_is_refused_at_save(tmp_path, metadata, match
     with pytest.raises(eqxckpt.ArgumentError, match="nested more than 100 levels"):
         eqxckpt.save(tmp_path / "c", {"w": np.arange(3.0)}, metadata=deep)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_tuple_in_metadata_or_an_argument_whose_repr_fails_is_an_argument_error(tmp_path):
+    """The ninth outside attack: a tuple in metadata came back as a list; an argument of
+    the wrong type whose repr raises gave a bare RuntimeError."""
+
+    class BadRepr:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    with pytest.raises(eqxckpt.ArgumentError, match="tuple"):
+        eqxckpt.save(tmp_path / "c", {"w": np.arange(3.0)}, metadata={"a": (1, 2)})
+    with pytest.raises(eqxckpt.ArgumentError, match="overwrite must be True or False, got BadRepr"):
+        eqxckpt.save(tmp_path / "c", {"w": np.arange(3.0)}, overwrite=BadRepr())  # type: ignore[arg-type]
+    assert not (tmp_path / "c").exists()
