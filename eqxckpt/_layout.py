@@ -21,6 +21,7 @@ from ._chunks import Region
 from ._convert import aligned_empty, checked_astype
 from ._errors import TransformError
 from ._leaf import ArrayLeaf, Leaf
+from ._place import global_array
 from ._progress import advance, unreported
 from ._source import Source
 from ._storage import reading
@@ -316,10 +317,9 @@ def _placed(blocks: dict[Key, list[Any]], data: dict[Key, np.ndarray]) -> dict[A
 
 def _assembled(shape: tuple[int, ...], target: Any, arrays: dict[Any, Any]) -> Any:
     """The global array of ``target``'s sharding from this process's devices' arrays."""
-    import jax
 
     devices = target.sharding.addressable_devices_indices_map(shape)
-    return jax.make_array_from_single_device_arrays(shape, target.sharding, [arrays[d] for d in devices])
+    return global_array(shape, target.sharding, [arrays[d] for d in devices], target.dtype)
 
 
 def _staged(blocks: dict[Key, list[Any]], itemsize: int) -> list[list[Key]]:

@@ -183,6 +183,7 @@ def snapshot(
     leader: bool,
     multiprocess: bool | None = None,
     own_blocks: bool = False,
+    global_leaves: frozenset[int] | None = None,
 ) -> list[tuple[StoredLeaf, tuple[int, ...] | None, list[Piece]]]:
     """For each array leaf, the shape its chunks must tile (None: whole) and the pieces
     this process writes, in host memory it owns.
@@ -196,6 +197,9 @@ def snapshot(
     checkpoint too (None: whether the job has several). ``own_blocks``: a checkpoint of
     this process's own (a local tier's part): a global array it holds only blocks of is
     stored as those blocks, each once (`StoredLeaf.blocks` in the record returned).
+    ``global_leaves``: the indices of the global arrays among ``arrays``, as every process
+    of a multi-process save agreed (`_replicas.global_leaves`); None: those this process
+    does not hold whole.
     """
     import jax
 
@@ -203,13 +207,18 @@ def snapshot(
     shares = WriteShares(jax.process_count()) if multiprocess else None
     # Each piece: (index, data, chunk parts or None for all, whether other processes hold the part too).
     planned: list[tuple[StoredLeaf, tuple[int, ...] | None, list[tuple[tuple[slice, ...] | None, Any, Any, bool]]]] = []
-    for record, value in arrays:
-        if isinstance(value, jax.Array) and isinstance(value.sharding, jax.sharding.SingleDeviceSharding):
+    for i, (record, value) in enumerate(arrays):
+        spans = (
+            i in global_leaves
+            if global_leaves is not None
+            else isinstance(value, jax.Array) and not value.is_fully_addressable
+        )
+        if isinstance(value, jax.Array) and not spans and isinstance(value.sharding, jax.sharding.SingleDeviceSharding):
             # The common case, without asking for shards (costly per leaf in a tree of many small ones).
             planned.append((record, None, [(None, value, None, False)] if leader or not multiprocess else []))
-        elif own_blocks and isinstance(value, jax.Array) and not value.is_fully_addressable:
+        elif own_blocks and spans:
             planned.append(_own_blocks(record, value))
-        elif isinstance(value, jax.Array) and shares is not None and not value.is_fully_addressable:
+        elif shares is not None and spans:
             tile, mine = shares.plan(record, value)
             pieces = [(s.index, s.data, parts, shared) for s, parts, shared in mine]
             if leader and not any(_covers(index) for index, _, _, _ in pieces):

@@ -156,7 +156,7 @@ class Placement:
                     seen(key, blocks[key])
             # Aligned: a CPU device keeps the buffer (replicas share it).
             arrays = [self._kept(jax.device_put(blocks[key], device), device) for device, key in self.order]
-            return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+            return global_array(self.shape, self.sharding, arrays, self.dtype)
         sinks = {key: _Block(_extent(key), self.dtype, devices, self.host) for key, devices in self.devices.items()}
         for start, stop in self._bands(self._budget, self._per_element, max(1, rows)):
             pieces = []
@@ -176,7 +176,7 @@ class Placement:
                     sinks[key].put(at + first, convert(part))
             del pieces  # the band's host memory goes before the next is read
         arrays = [self._kept(sinks[key].array(device), device) for device, key in self.order]
-        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+        return global_array(self.shape, self.sharding, arrays, self.dtype)
 
     def _slices(self, out: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """``out`` (a band of a block) as ``(first row, rows)`` slices to convert one at a
@@ -268,3 +268,13 @@ class _Block:
         if device not in self.on:  # an empty block no band wrote
             self.on[device] = _zeros()(self.extent, self.dtype, device)
         return self.on[device]
+
+
+def global_array(shape: tuple[int, ...], sharding: Any, arrays: list[Any], dtype: Any) -> Any:
+    """The global array of ``sharding`` from this process's devices' ``arrays``: none where
+    this process holds none of it (a leaf on other processes' devices only)."""
+    import jax
+
+    if not arrays:  # the dtype then cannot be taken from them
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

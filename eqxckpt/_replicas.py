@@ -28,6 +28,7 @@ from ._window import host_memory_budget
 if TYPE_CHECKING:
     import jax
 
+    from ._distributed import Phases
     from ._source import Source
 
 # A part of an array replicated across processes is split among its holders in pieces of
@@ -279,14 +280,59 @@ def _held(sharding: "jax.sharding.Sharding", shape: tuple[int, ...], nbytes: int
     return most * nbytes // max(1, math.prod(shape))
 
 
+def held_by(leaf: Any) -> frozenset[int]:
+    """The JAX processes whose devices hold ``leaf`` (an array or a `like` target), the
+    same in every process for a global array; empty for one without a sharding (numpy)."""
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        return frozenset()
+    return frozenset(device.process_index for device in sharding.device_set)
+
+
 def spans_processes(like: Any) -> bool:
-    """Whether ``like`` (a `load`'s) has a leaf placed across several JAX processes: then
-    every process restores it together (`read_once`, `failing_together`)."""
+    """Whether ``like`` (a `load`'s) has leaves placed across several JAX processes: then
+    every process restores it together (`read_once`, `failing_together`).
+
+    Decided from the placements alone, so that every process decides alike: a leaf held
+    by several processes, or leaves held by this process and others held by other
+    processes only (a pipeline's stages, each on one host's devices). A process holding
+    none of a leaf another process holds whole reads nothing of it."""
     import jax
 
     if jax.process_count() == 1:
         return False
-    return any(not _addressable(leaf) for leaf in jax.tree_util.tree_leaves(like))
+    me = jax.process_index()
+    here = elsewhere = False
+    for leaf in jax.tree_util.tree_leaves(like):
+        held = held_by(leaf)
+        if len(held) > 1:
+            return True
+        here, elsewhere = here or me in held, elsewhere or bool(held - {me})
+    return here and elsewhere
+
+
+def global_leaves(values: Sequence[Any], phases: "Phases") -> frozenset[int]:
+    """Which of ``values`` (a multi-process save's array leaves, in the same order in every
+    process) are global arrays, agreed by every process in one phase: those some process
+    does not hold whole. A global array held whole by one process looks host-local there
+    (fully addressable); only the others know it is not. The rest are host-local, each
+    process's own copy (process 0's is saved)."""
+    import jax
+
+    partial = [i for i, value in enumerate(values) if isinstance(value, jax.Array) and not value.is_fully_addressable]
+    found = phases.run("placement", lambda: json.dumps(_runs(partial)))
+    return frozenset(i for runs in found for start, stop in json.loads(runs) for i in range(start, stop))
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted ``indices`` as ``[start, stop)`` runs (a tree's global leaves are mostly consecutive)."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 @contextlib.contextmanager
@@ -338,7 +384,7 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]], togeth
     # From `like` alone: the same in every process, so every process takes the same phases.
     # Targets spanning processes make one global array of every process's reads: those
     # processes must agree on the checkpoint and the targets, spread or not.
-    shared = [i for i, (_, target) in enumerate(wanted) if not _addressable(target)]
+    shared = [i for i, (_, target) in enumerate(wanted) if len(held_by(target)) > 1]
     if not shared and not together:
         return source.read(wanted)
     candidates: dict[int, Any] = {}
@@ -404,11 +450,6 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]], togeth
         for i, value in zip(batch, moved):
             values[i] = value
     return values
-
-
-def _addressable(target: Any) -> bool:
-    sharding = getattr(target, "sharding", None)
-    return sharding is None or sharding.is_fully_addressable
 
 
 def describe_target(target: Any) -> str:

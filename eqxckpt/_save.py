@@ -29,7 +29,7 @@ from ._paths import GROUP_METADATA, group_file, group_locations, key_entry
 from ._pieces import HostPiece, PackedWrite, Piece, record_of, snapshot
 from ._place import Block, slice_key
 from ._progress import Progress, advance, reporting
-from ._replicas import check_copies_agree, copy_digests
+from ._replicas import check_copies_agree, copy_digests, global_leaves
 from ._reuse import Reuse, plan_reuse
 from ._storage import (
     NOTHING_COMMITTED,
@@ -88,9 +88,10 @@ def _snapshot(
     leader: bool,
     multiprocess: bool | None = None,
     own_blocks: bool = False,
+    global_leaves: frozenset[int] | None = None,
 ) -> list[_WriteJob]:
     """The pieces this process must write, in host memory it owns (see `_pieces.snapshot`)."""
-    planned = snapshot(arrays, copy, leader, multiprocess, own_blocks)
+    planned = snapshot(arrays, copy, leader, multiprocess, own_blocks, global_leaves)
     jobs = [_WriteJob(record, shard, pieces) for record, shard, pieces in planned]
     for job in jobs:  # in every process alike, before any is written
         if why := job.layout.refusal():
@@ -551,8 +552,10 @@ def save(
     # of them see the same verdict and none waits at a barrier for nothing.
     phases = Phases() if is_multiprocess() else None
     leader = phases is None or phases.rank == 0
+    # Which arrays are global, agreed before any process takes its pieces of them.
+    spanning = None if phases is None else global_leaves([value for _, value in arrays], phases)
     with collector_paused():
-        jobs = _snapshot(arrays, copy=not blocking, leader=leader)
+        jobs = _snapshot(arrays, copy=not blocking, leader=leader, global_leaves=spanning)
         if phases is None:  # with several processes every leaf keeps its own array
             records, jobs = _pack(records, jobs)
     manifest = Manifest(tuple(records), metadata)

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from attack_worker import values as attack_values  # pyright: ignore[reportMissingImports]
 from conftest import BUCKET, WORKERS, WorkerFailed, assert_trees_equal, launch, s3_spec
 from distributed_worker import global_state
 
@@ -325,3 +326,22 @@ def test_a_process_lost_on_an_object_store_leaves_the_last_step_whole(tmp_path, 
     restored = manager.load(step=0)
     for k in ("r", "s"):
         assert np.asarray(restored[k]).tobytes() == values(f"step0/{k}", (1024, 256), np.float32).tobytes()
+
+
+def test_leaves_on_one_process_devices_save_and_load_together(tmp_path):
+    """Leaves placed on one process's devices only (a pipeline stage's, or one remote
+    device's) are global arrays: held by one process, seen as fully addressable there and
+    as held elsewhere by the others. Every process must agree who writes them (their
+    holder) and restore them together; a host-local leaf (each process's own) is still
+    process 0's."""
+    logs = launch("one_process_leaves", 2, tmp_path, timeout=120, worker=ATTACKER, ATTACK_DEVICES="2")
+    results = _results(logs)
+    for found in results:
+        assert {"saved": True} in found, found
+        loads = [r for r in found if "loaded" in r]
+        assert [r["loaded"] for r in loads] == [None, "on0", "on1"], found
+        assert all("error" not in r and not any(r["wrong"].values()) for r in loads), found
+    restored = eqxckpt.load(tmp_path / "c")  # one process, no mesh: every leaf whole
+    for name in ("on0", "on1", "single0", "single1", "everywhere"):
+        np.testing.assert_array_equal(restored[name], attack_values(name, (8, 4), "float32"))
+    np.testing.assert_array_equal(restored["local"], np.zeros(3, np.float32))

@@ -40,7 +40,7 @@ def values(path: str, shape: tuple[int, ...], dtype) -> np.ndarray:
 
 def global_array(path: str, shape, dtype, sharding) -> jax.Array:
     value = values(path, shape, dtype)
-    return jax.make_array_from_callback(shape, sharding, lambda i: value[i])
+    return jax.make_array_from_callback(shape, sharding, lambda i: value[i], dtype=value.dtype)
 
 
 def on_object_store(at: str, act) -> None:
@@ -559,6 +559,53 @@ def manager_one_sided(directory: str) -> None:
     _attempts(me, [lambda manager=manager: manager.load(like) for manager in managers])
 
 
+def one_process_leaves(directory: str) -> None:
+    """Leaves placed on one process's devices only (as a pipeline stage's are), each
+    process's in turn, also on one device of the other process: saved together, loaded
+    together; and a host-local leaf each process holds its own copy of (process 0's is
+    saved)."""
+    import eqxckpt
+
+    me = jax.process_index()
+
+    def on(owner: int, count: int | None = None):
+        devices = [d for d in jax.devices() if d.process_index == owner][:count]
+        return NamedSharding(Mesh(np.array(devices), ("x",)), P("x"))
+
+    def remote_single(owner: int):
+        device = [d for d in jax.devices() if d.process_index == owner][-1]
+        return jax.sharding.SingleDeviceSharding(device)
+
+    everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+    shardings = {
+        "on0": on(0),
+        "on1": on(1),
+        "single0": remote_single(0),
+        "single1": remote_single(1),
+        "everywhere": everywhere,
+    }
+    tree = {name: global_array(name, (8, 4), "float32", sharding) for name, sharding in shardings.items()}
+    tree["local"] = jax.device_put(np.full((3,), me, np.float32), jax.local_devices()[0])
+    try:
+        eqxckpt.save(f"{directory}/c", tree)
+    except eqxckpt.CheckpointError as e:
+        result(saved=False, error=f"{type(e).__name__}: {e}"[:800])
+        return
+    like = {name: jax.ShapeDtypeStruct((8, 4), np.float32, sharding=s) for name, s in shardings.items()}
+    for only in (None, "on0", "on1"):
+        wanted = {**like, "local": np.zeros(3, np.float32)} if only is None else like[only]
+        try:
+            out = eqxckpt.load(f"{directory}/c", wanted, at=only)
+        except eqxckpt.CheckpointError as e:
+            result(loaded=only, error=f"{type(e).__name__}: {e}"[:800])
+            continue
+        if only is not None:
+            out = {only: out}
+        wrong = {name: mismatches(name, out[name], values(name, (8, 4), "float32")) for name in like if name in out}
+        result(loaded=only, wrong=wrong)
+    result(saved=True)
+
+
 SPECS = {"r": P(), "s": P("p")}
 
 
@@ -573,6 +620,7 @@ SCENARIOS = {
         one_sided_failure,
         signalled,
         manager_one_sided,
+        one_process_leaves,
     ]
 }
 
