@@ -37,8 +37,12 @@ class CheckpointManager:
     - `preemption_signals`: the signals that are a notice in a single process.
     - `preemption_grace_s`: a notice no `save` answers within this many seconds
       ends the process as its signal would have: it is never swallowed.
-    - `incremental`: if True (default), leaves unchanged since the latest step are
+    - `incremental`: if True (default), leaves unchanged since an earlier step are
       shared with it (`eqxckpt.save`'s ``base``); False writes every leaf every step.
+    - `kept_copies`: how many physical copies of each leaf the kept steps hold (2): a
+      step writes a leaf afresh rather than share it where sharing would leave one copy
+      behind every kept step, so a flipped bit in one is mended from another
+      (``eqxckpt verify --repair``). 1 shares every unchanged leaf with the latest step.
     - `local_path`: a directory on this host (a tmpfs, a local SSD) for a local tier:
       each process saves its part there and peers keep copies; `latest_step` and
       `load` resume from it first, every process together (see the scale guide).
@@ -65,6 +69,7 @@ class CheckpointManager:
     keep_best = property(lambda self: self.retention.keep_best)
     save_interval_steps = property(lambda self: self._persistent.interval)
     incremental = property(lambda self: self._persistent.incremental)
+    kept_copies = property(lambda self: self._persistent.copies)
     preemption_grace_s = property(lambda self: self._notices.grace_s)
 
     @checked_arguments
@@ -84,6 +89,7 @@ class CheckpointManager:
         preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
         preemption_grace_s: float = 30.0,
         incremental: bool = True,
+        kept_copies: int = 2,
         local_path: str | os.PathLike | None = None,
         local_interval_steps: int | None = None,
         local_replicas: int = 1,
@@ -94,7 +100,9 @@ class CheckpointManager:
         self.location = resolve(directory)
         self.blocking = blocking
         self.exit_on_preemption = exit_on_preemption
-        self._persistent = PersistentTier.opened(self.location, self.retention, save_interval_steps, incremental)
+        self._persistent = PersistentTier.opened(
+            self.location, self.retention, save_interval_steps, incremental, kept_copies
+        )
         interval = save_interval_steps if local_interval_steps is None else local_interval_steps
         local = None if local_path is None else LocalSettings(local_path, interval, local_replicas, local_max_to_keep)
         self._tiers = Tiers(self._persistent, local)

@@ -162,10 +162,14 @@ def is_step_name(name: str) -> bool:
     return _STEP_NAME.fullmatch(name) is not None
 
 
-def manager_record(step: int, metrics: dict[str, float]) -> dict:
+def manager_record(step: int, metrics: dict[str, float], copy: int | None = None) -> dict:
     """What the manager stores under `MANAGER_KEY` in a step's metadata (metrics that
-    are not finite written as JSON allows)."""
-    return {"step": step, "metrics": {k: float_to_json(v) for k, v in metrics.items()}}
+    are not finite written as JSON allows; ``copy``: which physical copy of the leaves
+    it shares, `RunSteps.plan_copy`)."""
+    record: dict = {"step": step, "metrics": {k: float_to_json(v) for k, v in metrics.items()}}
+    if copy is not None:
+        record["copy"] = copy
+    return record
 
 
 def step_metrics(location: Storage) -> dict[str, float]:
@@ -181,9 +185,26 @@ def step_metrics(location: Storage) -> dict[str, float]:
     step_metrics(resolve("run").sub("300"))  # {'loss': 0.25}
     ```
     """
+    return step_record(location)[0]
+
+
+def step_record(location: Storage) -> tuple[dict[str, float], int | None]:
+    """The metrics saved with the step at ``location`` and which physical copy of its
+    leaves it shares (`RunSteps.plan_copy`; None for a step saved without one). Raises
+    the `CheckpointError` of a step that cannot be opened.
+
+    ```python
+    step_record(resolve("run").sub("300"))  # ({'loss': 0.25}, 1)
+    ```
+    """
     record = open_checkpoint(location).metadata.get(MANAGER_KEY, {})
-    metrics = record.get("metrics", {}) if isinstance(record, dict) else {}
-    return {k: float_from_json(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+    record = record if isinstance(record, dict) else {}
+    metrics = record.get("metrics", {})
+    copy = record.get("copy")
+    return (
+        {k: float_from_json(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {},
+        copy if isinstance(copy, int) and not isinstance(copy, bool) else None,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,11 +217,14 @@ class StepScan:
     - `unreadable`: each step whose checkpoint cannot be read (a damaged
       manifest), with why; never saved over.
     - `skipped`: ``"name (why)"`` for each entry that is not a committed step.
+    - `copies`: for each committed step, which physical copy of the leaves it shares
+      (`RunSteps.plan_copy`; None if saved without one).
     """
 
     committed: dict[int, dict[str, float]]
     unreadable: dict[int, str]
     skipped: list[str]
+    copies: dict[int, int | None] = dataclasses.field(default_factory=dict)
 
     def warning(self, location: Storage) -> str | None:
         """The warning naming the skipped entries of ``location``, or None if none were.
@@ -254,7 +278,7 @@ def scan_steps(location: Storage) -> StepScan:
                 scan.skipped.append(f"{name} (no committed checkpoint in it)")
             else:
                 try:
-                    scan.committed[int(name)] = step_metrics(location.sub(name))
+                    scan.committed[int(name)], scan.copies[int(name)] = step_record(location.sub(name))
                 except (*GONE, CheckpointChangedError):
                     vanished = True  # deleted meanwhile
                 except CheckpointError as e:
@@ -317,6 +341,7 @@ class RunSteps:
         self.retention = retention
         self._lock = threading.RLock()
         self._metrics: dict[int, dict[str, float]] = dict(scan.committed)
+        self._copies: dict[int, int | None] = dict(scan.copies)
         self._unreadable: dict[int, str] = dict(scan.unreadable)
         # Steps being read in this process, and steps retention dropped that are not deleted yet.
         self._readers: collections.Counter[int] = collections.Counter()
@@ -333,7 +358,7 @@ class RunSteps:
         deleted since); only where one process uses the list, as the others would not follow."""
         with self._lock:
             scan = scan_steps(self.location)
-            self._metrics, self._unreadable = scan.committed, scan.unreadable
+            self._metrics, self._unreadable, self._copies = scan.committed, scan.unreadable, dict(scan.copies)
         with self._run_lock:
             self._run_id = None  # the run may have been deleted and begun again
 
@@ -445,14 +470,61 @@ class RunSteps:
             if doomed:
                 self.delete_doomed()
 
-    def add(self, step: int, metrics: dict[str, float]) -> None:
-        """Record that ``step`` committed, with ``metrics``, then apply retention (the steps
-        it drops are deleted now, or once no reader here holds them)."""
+    def plan_copy(self, step: int, metrics: dict[str, float], copies: int) -> tuple[int, int | None]:
+        """Which physical copy of its leaves a new ``step`` shares, and the step it shares
+        them with (its incremental save's base; None: every leaf is written afresh).
+
+        Steps are in ``copies`` groups, and a step shares leaves only with an earlier step
+        of its own group: each group holds its own physical copy of every leaf. A new step
+        joins a group that the steps kept with it (as retention will keep them, with
+        ``metrics``) lack, while they span fewer than ``copies`` groups (or fewer than the
+        kept steps); else the newest step's group. So once two or more steps are kept, no
+        single copy of a leaf stands behind every kept step, and one damaged by a flipped
+        bit has a twin to be mended from (`verify` with ``repair=True``). Steps saved
+        without a group form one of their own.
+
+        **Arguments:**
+
+        - `step`: the step to save.
+        - `metrics`: its metrics (retention may keep it for them).
+        - `copies`: how many physical copies the kept steps hold (1: every step shares
+          with the newest).
+
+        **Returns:** ``(group, base step or None)``.
+
+        ```python
+        steps.plan_copy(300, {}, copies=2)  # (1, 100): step 200 and 300 are in group 0
+        ```
+        """
+        with self._lock:
+            committed = sorted(self._metrics)
+            if copies == 1:
+                return 0, committed[-1] if committed else None
+            kept = self.retention.kept({**self._metrics, step: metrics}) - {step}
+            held = {self._copies.get(s) for s in kept}
+            newest = {}  # each group's newest committed step
+            for s in committed:
+                newest[self._copies.get(s)] = s
+            if len(held) >= min(copies, len(kept) + 1):
+                group = self._copies.get(committed[-1]) if committed else None
+                if group is not None:
+                    return group, committed[-1]
+            # A group the kept steps lack: the one with the newest step to share with.
+            lacking = [g for g in range(copies) if g not in held] or list(range(copies))
+            group = max(lacking, key=lambda g: (newest.get(g, -1), -g))
+            return group, newest.get(group)
+
+    def add(self, step: int, metrics: dict[str, float], copy: int | None = None) -> None:
+        """Record that ``step`` committed, with ``metrics`` (and its group of `plan_copy`),
+        then apply retention (the steps it drops are deleted now, or once no reader here
+        holds them)."""
         with self._lock:
             self._metrics[step] = metrics
+            self._copies[step] = copy
             dropped = set(self._metrics) - self.retention.kept(self._metrics)
             for old in dropped:
                 del self._metrics[old]
+                self._copies.pop(old, None)
             self._doomed |= dropped
         self.delete_doomed()
 

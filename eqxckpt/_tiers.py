@@ -113,7 +113,9 @@ class PersistentTier(Tier):
     - `retention`: which steps to keep.
     - `scan`: what the directory holds now (`scan_steps`).
     - `interval`: save every this many steps.
-    - `incremental`: share unchanged leaves with the latest step.
+    - `incremental`: share unchanged leaves with an earlier step.
+    - `copies`: how many physical copies of each leaf the kept steps hold
+      (`RunSteps.plan_copy`).
 
     ```python
     tier = PersistentTier(location, Retention(max_to_keep=2), scan_steps(location), interval=100, incremental=True)
@@ -121,25 +123,32 @@ class PersistentTier(Tier):
     ```
     """
 
-    def __init__(self, location: Storage, retention: Retention, scan: StepScan, interval: int, incremental: bool):
+    def __init__(
+        self, location: Storage, retention: Retention, scan: StepScan, interval: int, incremental: bool, copies: int = 2
+    ):
         self.steps = RunSteps(location, retention, scan)
         self.interval = interval
         self.incremental = incremental
+        self.copies = copies
         self._pending: SaveHandle | None = None
 
     @classmethod
-    def opened(cls, location: Storage, retention: Retention, interval: int, incremental: bool) -> "PersistentTier":
+    def opened(
+        cls, location: Storage, retention: Retention, interval: int, incremental: bool, copies: int = 2
+    ) -> "PersistentTier":
         """The run at ``location``, as a manager opens it: what interrupted saves left removed
         (process 0; only what is provably abandoned and eqxckpt's), its steps listed, and a
         warning naming entries that are not committed steps."""
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ArgumentError(f"save_interval_steps must be a positive int, got {interval!r}.")
+        if not isinstance(copies, int) or isinstance(copies, bool) or copies < 1:
+            raise ArgumentError(f"kept_copies must be a positive int, got {copies!r}.")
         if jax.process_index() == 0 and (left_alone := clean_leftovers(location)):
             warnings.warn(left_alone, stacklevel=3)
         scan = scan_steps(location)
         if skipped := scan.warning(location):
             warnings.warn(skipped, stacklevel=3)
-        return cls(location, retention, scan, interval, incremental)
+        return cls(location, retention, scan, interval, incremental, copies)
 
     def should_save(self, step: int) -> bool:
         return step % self.interval == 0
@@ -153,25 +162,26 @@ class PersistentTier(Tier):
         if MANAGER_KEY in metadata:
             raise ArgumentError(f"metadata key {MANAGER_KEY!r} is reserved for the manager's own record.")
         metrics = {str(k): _metric(k, v) for k, v in (details.metrics or {}).items()}
-        metadata[MANAGER_KEY] = manager_record(step, metrics)
         # Never overwrite: a committed step is never replaced (another manager that
         # committed this step first makes this save fail instead). Leaves unchanged since
-        # the latest step are taken from it, not written again (unless not incremental).
-        committed = self.steps.committed()
-        base = self.steps.step_path(committed[-1]) if committed and self.incremental else None
+        # an earlier step of the same copy are taken from it, not written again (unless
+        # not incremental).
+        copy, shared = self.steps.plan_copy(step, metrics, self.copies)
+        metadata[MANAGER_KEY] = manager_record(step, metrics, copy)
+        base = self.steps.step_path(shared) if shared is not None and self.incremental else None
         path = self.steps.step_path(step)
         handle = save(path, tree, metadata=metadata, blocking=blocking, progress=details.progress, base=base)
         if blocking:
-            self.steps.add(step, metrics)
+            self.steps.add(step, metrics, copy)
             return
         # Queued behind the save on the same single background thread, and tracked like
         # a save: the next save waits for it, its error is raised by wait(), by the next
         # save, or printed at exit.
-        self._pending = SAVES.submit(handle.path, self._after_save, handle, step, metrics)
+        self._pending = SAVES.submit(handle.path, self._after_save, handle, step, metrics, copy)
 
-    def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, float]) -> None:
+    def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, float], copy: int) -> None:
         handle.wait()
-        self.steps.add(step, metrics)
+        self.steps.add(step, metrics, copy)
 
     def wait(self) -> None:
         pending, self._pending = self._pending, None

@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 from conftest import WORKERS, assert_trees_equal, crafted_manifest, kill_when
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt._storage._lease import Lease, read_lease
@@ -433,7 +434,8 @@ def test_incremental_saves_link_unchanged_leaves_and_survive_retention(tmp_path)
         return {"frozen": frozen, "adapter": adapter, "odd": odd, "small": small, "step": step}
 
     run = tmp_path / "run"
-    with eqxckpt.CheckpointManager(run, max_to_keep=3, blocking=False) as manager:
+    # One copy: every step shares with the latest (two copies: `test_kept_steps_hold_two_copies...`).
+    with eqxckpt.CheckpointManager(run, max_to_keep=3, blocking=False, kept_copies=1) as manager:
         for step in range(6):
             manager.save(step, state(step), force=True)
     inode = lambda step, leaf, chunk="c/0/0": os.stat(run / str(step) / leaf / chunk).st_ino  # noqa: E731
@@ -446,7 +448,7 @@ def test_incremental_saves_link_unchanged_leaves_and_survive_retention(tmp_path)
         assert eqxckpt.verify(manager.path(step)).ok
         assert_trees_equal(eqxckpt.load(manager.path(step), state(step)), state(step))
     # Retention again: deleting 3 and 4 leaves 5 (and the new steps) whole.
-    with eqxckpt.CheckpointManager(run, max_to_keep=1, blocking=True) as manager:
+    with eqxckpt.CheckpointManager(run, max_to_keep=1, blocking=True, kept_copies=1) as manager:
         manager.save(6, state(6))
     assert manager.all_steps() == [6] and os.stat(run / "6/frozen/c/0/0").st_nlink == 1
     assert_trees_equal(eqxckpt.load(manager.path(6), state(6)), state(6))
@@ -477,7 +479,7 @@ def test_incremental_saves_on_object_stores_refer_to_unchanged_leaves(store):
         manifest = json.loads(store.get(f"{top}{step}/eqxckpt.json"))
         return {leaf["path"]: leaf.get("arrays") for leaf in manifest["leaves"] if "location" in leaf}
 
-    with eqxckpt.CheckpointManager(run, max_to_keep=3, blocking=False) as manager:
+    with eqxckpt.CheckpointManager(run, max_to_keep=3, blocking=False, kept_copies=1) as manager:
         for step in range(6):
             manager.save(step, state(step), force=True)
     assert manager.all_steps() == [3, 4, 5]
@@ -496,7 +498,7 @@ def test_incremental_saves_on_object_stores_refer_to_unchanged_leaves(store):
         assert eqxckpt.verify(manager.path(step)).ok
         assert_trees_equal(eqxckpt.load(manager.path(step), state(step)), state(step))
     # Keep one step: 3 and 4 go (3's prefix stays for 5's `odd`), then 5.
-    with eqxckpt.CheckpointManager(run, max_to_keep=1, blocking=True) as manager:
+    with eqxckpt.CheckpointManager(run, max_to_keep=1, blocking=True, kept_copies=1) as manager:
         manager.save(6, state(6))
         assert written("odd") == ["0", "3"] and arrays(6)["odd"] == refs[5]["odd"]
         manager.save(7, state(7, shift=1.0))  # the frozen leaf changes: nothing needs 0's prefix now
@@ -557,7 +559,7 @@ def test_bit_rot_in_a_base_step_is_not_spread_into_later_steps(tmp_path, damaged
     writes it afresh from the caller's values and says so; after retention, the kept steps
     hold what the caller saved."""
     run = tmp_path / "run"
-    with eqxckpt.CheckpointManager(run, max_to_keep=2, blocking=True) as manager:
+    with eqxckpt.CheckpointManager(run, max_to_keep=2, blocking=True, kept_copies=1) as manager:
         manager.save(0, _rotting_state(0))
         chunk = run / "0" / damaged
         chunk.write_bytes(_flip_bit(chunk.read_bytes()))
@@ -581,7 +583,7 @@ def test_bit_rot_in_a_base_step_on_an_object_store_is_not_referred_to(store, dam
     """The same on an object store: step 1 does not refer to step 0's damaged prefix but
     writes the leaf in its own, and the kept steps load what the caller saved."""
     top = f"rot-{store.name}-{damaged[:3]}/run/"
-    with eqxckpt.CheckpointManager(store.spec(top), max_to_keep=2, blocking=True) as manager:
+    with eqxckpt.CheckpointManager(store.spec(top), max_to_keep=2, blocking=True, kept_copies=1) as manager:
         manager.save(0, _rotting_state(0))
         [key] = [k for k in store.keys(f"{top}0/") if k.endswith(f"/{damaged}")]
         store.put(key, _flip_bit(store.get(key)))
@@ -767,3 +769,28 @@ def test_a_child_forked_during_a_background_save_exits(tmp_path):
         env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert done.stdout.splitlines() == ["child 0", "parent [0]"], done.stderr[-3000:]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    max_to_keep=st.sampled_from([1, 2, 3, 5, None]),
+    keep_every=st.sampled_from([None, 2, 3]),
+    steps=st.integers(2, 9),
+    changes=st.sets(st.integers(1, 8), max_size=2),
+)
+def test_kept_steps_hold_two_copies_of_every_leaf(tmp_path_factory, max_to_keep, keep_every, steps, changes):
+    """With the default ``kept_copies=2``, once two or more steps are kept no single file
+    holds a leaf for every kept step, whatever the retention (a backbone frozen, changed
+    now and then): one flipped bit leaves a twin to mend from. With 1, every step shares
+    the latest's."""
+    run = tmp_path_factory.mktemp("copies") / "run"
+    version = 0
+    with eqxckpt.CheckpointManager(run, max_to_keep=max_to_keep, keep_every=keep_every, blocking=True) as manager:
+        for step in range(steps):
+            version += step in changes
+            state = {"backbone": np.full((64, 64), version, np.float32), "head": np.full(300, step, np.float32)}
+            manager.save(step, state)
+            kept = manager.all_steps()
+            files = {os.stat(run / str(s) / "backbone" / "c" / "0" / "0").st_ino for s in kept}
+            assert len(kept) < 2 or len(files) >= 2, (step, kept)
+            assert_trees_equal(eqxckpt.load(manager.path(step), state), state)

@@ -219,7 +219,7 @@ def test_verify_names_every_checkpoint_that_shares_a_damaged_file(tmp_path):
     copy (incremental=False) shares nothing and is not named; neither is a leaf that
     changed."""
     run = tmp_path / "run"
-    with eqxckpt.CheckpointManager(run, blocking=True) as manager:
+    with eqxckpt.CheckpointManager(run, blocking=True, kept_copies=1) as manager:
         for step in range(3):
             manager.save(step, shared_state(step))
     with eqxckpt.CheckpointManager(run, blocking=True, incremental=False) as manager:
@@ -247,7 +247,7 @@ def test_verify_names_every_checkpoint_that_refers_to_a_damaged_prefix(store):
     that wrote it included while it is kept, are named; after retention deleted that step,
     the steps that still refer to its prefix are."""
     top = f"shared-{store.name}/run/"
-    with eqxckpt.CheckpointManager(store.spec(top), blocking=True) as manager:
+    with eqxckpt.CheckpointManager(store.spec(top), blocking=True, kept_copies=1) as manager:
         for step in range(3):
             manager.save(step, shared_state(step))
     [key] = [k for k in store.keys(f"{top}0/") if k.endswith("/frozen/c/0")]
@@ -256,7 +256,7 @@ def test_verify_names_every_checkpoint_that_refers_to_a_damaged_prefix(store):
     store.put(key, bytes(data))
     report = eqxckpt.verify(store.spec(f"{top}1"))
     assert [path for path, _ in report.problems] == ["frozen"] and report.shared_with == {"frozen": ["0", "2"]}
-    with eqxckpt.CheckpointManager(store.spec(top), blocking=True, max_to_keep=2) as manager:
+    with eqxckpt.CheckpointManager(store.spec(top), blocking=True, max_to_keep=2, kept_copies=1) as manager:
         with pytest.warns(UserWarning, match=r"Leaf 'frozen' of .*run/2/.* is damaged"):
             manager.save(3, shared_state(3))  # its frozen leaf is written afresh; 0 and 1 go
     assert manager.all_steps() == [2, 3]
