@@ -105,12 +105,13 @@ def _verify(args: argparse.Namespace) -> int:
     out = console()
     path = checkpoint_path(args.path)
     try:
-        report = verify(path, progress=True)
+        report = verify(path, progress=True, repair=args.repair)
     except CheckpointNotFoundError:
         steps = resolve(path).committed_entries()
         if not steps:
             raise
-        return _verify_run(out, resolve(path), steps)
+        return _verify_run(out, resolve(path), steps, args.repair)
+    _print_mended(out, "", report.mended)
     for leaf, message, details in report.lines():
         out.print(f"[bold red]{escape(leaf)}[/bold red]: {escape(message)}")
         for detail in details:
@@ -123,10 +124,17 @@ def _verify(args: argparse.Namespace) -> int:
     return _verdict(out, report.ok, ("OK", "DAMAGED", "red"), summary)
 
 
-def _verify_run(out: "Console", run: "Storage", steps: list[str]) -> int:
-    """``eqxckpt verify`` of a directory of checkpoints (a manager's run): each one verified,
-    and a problem in files several of them share (incremental saves) told once, naming them
-    all, rather than once per checkpoint."""
+def _print_mended(out: "Console", prefix: str, mended: list[tuple[str, str]]) -> None:
+    from rich.markup import escape
+
+    for leaf, twin in mended:
+        out.print(f"[bold green]{escape(prefix + leaf)}[/bold green]: mended from its twin in {escape(twin)}")
+
+
+def _verify_run(out: "Console", run: "Storage", steps: list[str], repair: bool = False) -> int:
+    """``eqxckpt verify`` of a directory of checkpoints (a manager's run): each one verified
+    (and mended, with ``repair``), and a problem in files several of them share
+    (incremental saves) told once, naming them all, rather than once per checkpoint."""
     from rich.markup import escape
 
     from ._errors import CheckpointNotFoundError, plural
@@ -137,9 +145,10 @@ def _verify_run(out: "Console", run: "Storage", steps: list[str]) -> int:
     checked, verified = 0, 0
     for step in steps:
         try:
-            report = verify(run.sub(step).user_path(), progress=True)
+            report = verify(run.sub(step).user_path(), progress=True, repair=repair)
         except CheckpointNotFoundError:
             continue  # deleted since the directory was listed (retention)
+        _print_mended(out, f"{step}/", report.mended)
         verified += 1
         checked += report.bytes_checked
         if not report.ok:
@@ -303,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("verify", help="read every chunk and check it against the manifest; exit 1 if damaged")
     check.add_argument(
         "path", help="checkpoint directory, URL or kvstore spec as JSON; a directory of checkpoints verifies each"
+    )
+    check.add_argument(
+        "--repair",
+        action="store_true",
+        help="mend damaged leaves from a twin that verifies in a checkpoint beside them (a run's other steps)",
     )
     check.set_defaults(run=_verify)
     compare = sub.add_parser("diff", help="compare two checkpoints leaf by leaf (any formats); exit 1 if they differ")

@@ -75,6 +75,9 @@ class VerifyReport:
     # this one hold too (incremental saves share unchanged leaves): their names, in order.
     # The damage is theirs as well: one file, not one per checkpoint.
     shared_with: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    # With ``repair=True``: each leaf (or the packed array) mended, with the twin it was
+    # mended from; what is still damaged is in ``problems``.
+    mended: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     _packed: set[str] = dataclasses.field(default_factory=set, repr=False)  # damaged packed leaves' paths
 
     @property
@@ -134,7 +137,7 @@ class VerifyReport:
 
 
 @checked_arguments
-def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
+def verify(path: CheckpointPath, *, progress: Progress = False, repair: bool = False) -> VerifyReport:
     """Read every chunk of every leaf, checking checksums, shapes and dtypes
     against the manifest, and each leaf's bytes against the digest the manifest
     records for it (which catches chunks swapped between leaves or put back
@@ -150,15 +153,34 @@ def verify(path: CheckpointPath, *, progress: Progress = False) -> VerifyReport:
 
     - `path`: where the checkpoint is (as for `eqxckpt.open`).
     - `progress`: as for `eqxckpt.save` (True: a bar on a terminal). Off by default.
+    - `repair`: mend each damaged leaf from a twin beside it: the same leaf (same digest
+      and chunk layout) in another checkpoint of the same directory, stored in other
+      files, that verifies whole (a `CheckpointManager` keeps two such copies). Its
+      damaged files are rewritten in place: on a local disk every checkpoint sharing them
+      (hard links) is mended with it; on an object store the objects are written again.
+      Nothing is mended from a twin that does not verify; a leaf without one stays damaged.
 
-    **Returns:** a `VerifyReport`; ``report.ok`` is True if nothing is wrong.
+    **Returns:** a `VerifyReport`; ``report.ok`` is True if nothing is wrong (after
+    mending, with ``repair``: ``report.mended`` names what was mended, and from where).
 
     ```python
     report = eqxckpt.verify("checkpoints/step_100")
     assert report.ok, report
+    report = eqxckpt.verify("run/300", repair=True)  # report.mended: [('model/w', 'run/200')]
     ```
     """
-    return verify_location(resolve(path), progress)
+    location = resolve(path)
+    report = verify_location(location, progress)
+    if not repair or report.ok:
+        return report
+    from ._repair import repair as mend
+
+    done = mend(location, [leaf for leaf, _ in report.problems])
+    if not done.mended:
+        return report
+    report = verify_location(location, progress)
+    report.mended = done.mended
+    return report
 
 
 def verify_location(location: Storage, progress: Progress = False) -> VerifyReport:

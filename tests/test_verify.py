@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import assert_trees_equal
 
 import eqxckpt
 from eqxckpt._cli import main as cli
@@ -291,3 +292,82 @@ def test_swapped_packed_chunks_damage_exactly_the_leaves_in_them(tmp_path):
     restored = eqxckpt.load(where, at="l079") if "l079" not in found else None
     if restored is not None:
         assert np.asarray(restored).tobytes() == tree["l079"].tobytes()
+
+
+def _five_steps(run) -> None:
+    with eqxckpt.CheckpointManager(run, max_to_keep=5, blocking=True) as manager:  # two copies (default)
+        for step in range(5):
+            manager.save(step, shared_state(step))
+
+
+def test_repair_mends_a_flipped_bit_from_the_other_copy_in_every_sharer(tmp_path, capsys):
+    """Issue #53: one bit flipped in a frozen leaf's file and in a packed chunk damages the
+    kept steps sharing those files, never all of them (two copies by default);
+    ``eqxckpt verify --repair RUN/`` rewrites the files in place from the other copy, so every
+    sharer is mended, and every step then verifies and loads exactly."""
+    run = tmp_path / "run"
+    _five_steps(run)
+    for damaged in ("frozen/c/0", "%packed/c/0"):
+        flip_first_bit(run / "0" / damaged)
+    broken = [step for step in range(5) if not eqxckpt.verify(run / str(step)).ok]
+    assert 0 in broken and len(broken) < 5  # another copy stands behind the other steps
+    assert cli(["verify", str(run)]) == 1
+    capsys.readouterr()
+    assert cli(["verify", "--repair", str(run)]) == 0
+    printed = capsys.readouterr().out
+    assert "0/frozen: mended from its twin in" in printed and "0/%packed: mended" in printed
+    for step in range(5):
+        assert eqxckpt.verify(run / str(step)).ok
+        assert_trees_equal(eqxckpt.load(run / str(step), shared_state(step)), shared_state(step))
+    assert os.stat(run / "0/frozen/c/0").st_ino == os.stat(run / f"{broken[-1]}/frozen/c/0").st_ino  # in place
+
+
+def test_repair_mends_nothing_from_a_twin_that_does_not_verify(tmp_path):
+    """Both copies damaged (in different chunks): neither is taken to mend the other, both
+    stay listed, and no file changes; a leaf with no twin (changed every step) stays damaged
+    and is named."""
+    run = tmp_path / "run"
+    _five_steps(run)
+    copies = sorted({os.stat(run / str(s) / "frozen/c/0").st_ino: s for s in range(5)}.values())
+    assert len(copies) == 2
+    for step in copies:
+        flip_first_bit(run / str(step) / "frozen/c/0")
+    flip_first_bit(run / "4" / "adapter/c/0")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for step in range(5):
+        report = eqxckpt.verify(run / str(step), repair=True)
+        assert report.mended == [] and "frozen" in {path for path, _ in report.problems}
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert "adapter" in {path for path, _ in eqxckpt.verify(run / "4", repair=True).problems}
+
+
+def test_repair_never_writes_through_a_symlink_planted_in_a_checkpoint(tmp_path):
+    """A damaged chunk replaced by a symlink to a file outside the run: repair refuses to
+    write through it; the outside file is untouched and the leaf is still listed damaged."""
+    run = tmp_path / "run"
+    _five_steps(run)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    chunk = run / "0" / "frozen/c/0"
+    chunk.unlink()
+    chunk.symlink_to(outside)
+    report = eqxckpt.verify(run / "0", repair=True)
+    assert "frozen" in {path for path, _ in report.problems} and outside.read_bytes() == b"precious"
+    assert not any(path == "frozen" for path, _ in report.mended)
+
+
+def test_repair_rewrites_a_damaged_object_from_the_other_copy(store):
+    """On S3 and GCS: the damaged object is written again from the twin, and every step that
+    refers to its prefix loads exactly."""
+    top = f"repair-{store.name}/run/"
+    with eqxckpt.CheckpointManager(store.spec(top), max_to_keep=5, blocking=True) as manager:
+        for step in range(4):
+            manager.save(step, shared_state(step))
+    [key] = [k for k in store.keys(f"{top}0/") if k.endswith("/frozen/c/0")]
+    store.put(key, bytes([store.get(key)[0] ^ 1]) + store.get(key)[1:])
+    assert not eqxckpt.verify(store.spec(f"{top}0")).ok
+    report = eqxckpt.verify(store.spec(f"{top}0"), repair=True)
+    assert report.ok and [path for path, _ in report.mended] == ["frozen"], report
+    for step in range(4):
+        assert eqxckpt.verify(store.spec(f"{top}{step}")).ok
+        assert_trees_equal(eqxckpt.load(store.spec(f"{top}{step}"), shared_state(step)), shared_state(step))

@@ -246,6 +246,24 @@ class Storage(abc.ABC):
         them. Empty where none does."""
         return []
 
+    def beside(self) -> list["Storage"]:
+        """The committed checkpoints beside this one (entries of the same directory, numbers
+        in order): where `verify` with ``repair=True`` looks for a twin of a damaged leaf.
+        Empty where there is no such directory (a copy held in memory)."""
+        return []
+
+    def mend(self, key: str, raw: bytes) -> None:
+        """Make the file ``key`` of these arrays hold ``raw`` (bytes of a verified twin), in
+        place: on a local disk the file itself is rewritten, so every checkpoint sharing it
+        (hard links) is mended; on an object store the object is written again, so every
+        checkpoint referring to its prefix is. Raises `CheckpointWriteError` where it cannot.
+
+        ```python
+        stored.files_of(leaf).mend("w/c/0/0", good_bytes)
+        ```
+        """
+        raise CheckpointWriteError(f"{self} cannot be mended: it is read-only here.")
+
     @abc.abstractmethod
     def delete(self, keep: Sequence[str] = ()) -> bool:
         """Uncommit, then remove, this checkpoint; False if it is in use (try again later).

@@ -52,6 +52,39 @@ def read_capped(path: pathlib.Path | str, cap: int, dir_fd: int | None = None) -
         return f.read(min(cap, info.st_size) + 1)
 
 
+def rewrite_in_place(root: pathlib.Path, key: str, raw: bytes) -> None:
+    """Make ``root/key`` hold ``raw``, rewriting the file itself (its other hard links see
+    the new bytes), created where missing; no component is followed through a symlink.
+    ``OSError`` if one is a symlink or not what it should be."""
+    *directories, name = key.split("/")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in directories:
+            if part in ("", ".", ".."):
+                raise OSError(errno.EINVAL, "not a file of this checkpoint", key)
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                os.mkdir(part, dir_fd=fd)
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=fd)
+        try:
+            if not stat.S_ISREG(os.fstat(out).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", key)
+            view = memoryview(raw)
+            while view:
+                view = view[os.pwrite(out, view, len(raw) - len(view)) :]
+            os.ftruncate(out, len(raw))
+            os.fsync(out)
+        finally:
+            os.close(out)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_path(path: pathlib.Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

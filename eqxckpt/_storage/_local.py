@@ -24,6 +24,7 @@ from .._errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     ManifestError,
@@ -41,7 +42,16 @@ from ._backend import (
     corrupt,
     entry_order,
 )
-from ._fs import exchange, fsync_path, hidden_sibling, link_or_copy, read_capped, start_writeback, sync_filesystem
+from ._fs import (
+    exchange,
+    fsync_path,
+    hidden_sibling,
+    link_or_copy,
+    read_capped,
+    rewrite_in_place,
+    start_writeback,
+    sync_filesystem,
+)
 from ._locks import (
     DirLock,
     create_staging,
@@ -332,6 +342,20 @@ class LocalStorage(Storage):
                     found.append(name)
                     break
         return sorted(found, key=entry_order)
+
+    def beside(self) -> list[Storage]:
+        parent = LocalStorage.at(self.path.parent)
+        return [
+            LocalStorage.at(self.path.parent / name)
+            for name, state in parent.entries()
+            if state == "committed" and name != self.path.name
+        ]
+
+    def mend(self, key: str, raw: bytes) -> None:
+        try:
+            rewrite_in_place(self.path, key, raw)
+        except OSError as e:
+            raise CheckpointWriteError(f"{self.path / key} could not be rewritten: {e}") from e
 
     def delete(self, keep: Sequence[str] = ()) -> bool:
         return delete_local(self.path, keep)

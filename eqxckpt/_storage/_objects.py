@@ -213,6 +213,24 @@ class ObjectStorage(Storage):
                 continue  # deleted or replaced meanwhile, or damaged: it shares nothing that can be told
         return sorted(found, key=entry_order)
 
+    def beside(self) -> list[Storage]:
+        parent, name = self.directory()
+        if not name:
+            return []
+        return [
+            self._sibling(entry)
+            for entry, state in ObjectStorage(parent).entries()
+            if state == "committed" and entry != name
+        ]
+
+    def mend(self, key: str, raw: bytes) -> None:
+        try:
+            self.open_kvstore().write(key, raw).result()
+        except Exception as e:
+            if not is_storage_error(e):
+                raise
+            raise CheckpointWriteError(f"{self}{key} could not be written again: {reason(e)}") from e
+
     def read_leaf_metadata(self, leaf: StoredLeaf) -> ts.Future:
         # At most MAX_ZARR_JSON_BYTES + 1 bytes are downloaded: more is refused unparsed.
         read = read_bounded_future(self.open_kvstore(), f"{leaf.path}/zarr.json", MAX_ZARR_JSON_BYTES)

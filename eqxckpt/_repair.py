@@ -1,0 +1,160 @@
+"""`verify`'s repair: a damaged leaf mended from a twin beside it that verifies.
+
+A twin is the same leaf in a checkpoint beside the damaged one (a step of the same run)
+with the same digest and chunk layout, stored in other files (a manager keeps two
+physical copies, `RunSteps.plan_copy`): its files are then the very bytes the damaged
+leaf's must be. Nothing is mended from a twin that does not verify whole, and a mended
+leaf is verified again before it is called mended.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+from ._chunks import ChunkLayout
+from ._errors import CheckpointError
+from ._leaf import StoredLeaf
+from ._paths import PACKED_LOCATION
+from ._storage import MAX_ZARR_JSON_BYTES, Storage, expected_files
+from ._stored import StoredArrays
+from ._verify import damaged_leaves
+
+
+@dataclasses.dataclass
+class Repair:
+    """What a repair did: ``mended`` ``(leaf path, twin's location)`` for each leaf (or the
+    packed array, `PACKED_LOCATION`) mended, ``unmended`` ``(leaf path, why)`` for each it
+    could not mend."""
+
+    mended: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    unmended: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+
+def repair(location: Storage, damaged: Sequence[str]) -> Repair:
+    """Mend the ``damaged`` leaves of the checkpoint at ``location`` from twins beside it.
+
+    **Arguments:**
+
+    - `location`: the damaged checkpoint.
+    - `damaged`: the paths of its damaged leaves (`VerifyReport.problems`); packed leaves
+      are mended by mending the packed array they are in.
+
+    **Returns:** a `Repair`.
+
+    ```python
+    repair(resolve("run/3"), ["model/w"]).mended  # [('model/w', 'run/4')]
+    ```
+    """
+    done = Repair()
+    try:
+        stored = StoredArrays.open(location)
+    except CheckpointError as e:
+        done.unmended.extend((path, f"its checkpoint cannot be opened: {e}") for path in damaged)
+        return done
+    units: dict[str, StoredLeaf] = {}
+    for path in damaged:
+        record = stored.records.get(path)
+        if not isinstance(record, StoredLeaf):
+            done.unmended.append((path, "not a stored leaf of the manifest: only leaves' files are mended"))
+        elif record.offset is not None and stored.packed is not None:
+            units[PACKED_LOCATION] = stored.packed
+        else:
+            units[path] = record
+    twins = [twin for twin in (_opened(beside) for beside in location.beside()) if twin is not None]
+    for path, record in units.items():
+        why = "no checkpoint beside it holds a twin (the same digest and chunk layout)"
+        for twin in twins:
+            found = _twin_record(stored, twin, record)
+            if found is None:
+                continue
+            try:
+                _mend(stored, record, twin, found)
+            except CheckpointError as e:
+                why = f"mending it from {twin.location} failed: {e}"
+                continue
+            if not _damaged(StoredArrays.open(location), path):
+                done.mended.append((path, twin.location))
+                break
+            why = f"still damaged after mending it from {twin.location}"
+        else:
+            done.unmended.append((path, why))
+    return done
+
+
+def _opened(location: Storage) -> StoredArrays | None:
+    try:
+        return StoredArrays.open(location)
+    except CheckpointError:
+        return None  # damaged, deleted meanwhile, not one: no twin there
+
+
+def _twin_record(stored: StoredArrays, twin: StoredArrays, record: StoredLeaf) -> StoredLeaf | None:
+    """``twin``'s record of ``record`` (of ``stored``) if it holds the same bytes, in the same
+    layout, and they verify there; else None."""
+    if record.path == PACKED_LOCATION:
+        if stored.packing is None or twin.packing is None or not stored.packing.same_bytes_as(twin.packing):
+            return None
+        found = twin.packed
+        members = [r for r in twin.manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
+    else:
+        found = twin.stored_leaf(record.path)
+        if (
+            found is None
+            or found.offset is not None
+            or found.digest is None
+            or (found.digest, found.digest_fields()) != (record.digest, record.digest_fields())
+        ):
+            return None
+        members = [found]
+    assert found is not None
+    try:
+        theirs = twin.layout(found)
+        if _layout(stored, record) not in (None, theirs) or damaged_leaves(twin, members):
+            return None
+    except CheckpointError:
+        return None
+    return found
+
+
+def _layout(stored: StoredArrays, record: StoredLeaf) -> ChunkLayout | None:
+    """The leaf's layout as its own ``zarr.json`` says; None where that is damaged (it is
+    then mended from the twin's)."""
+    try:
+        return stored.layout(record)
+    except CheckpointError:
+        return None
+
+
+def _mend(stored: StoredArrays, record: StoredLeaf, twin: StoredArrays, found: StoredLeaf) -> None:
+    """Rewrite each file of ``record``'s array that differs from ``twin``'s (``found``'s)."""
+    layout = twin.layout(found)
+    theirs, mine = twin.files_of(found), stored.files_of(record)
+    for key, size in expected_files([(record, layout)]).items():
+        if not key.startswith(f"{record.path}/"):
+            continue  # the groups' zarr.json: not the leaf's
+        cap = size if size >= 0 else MAX_ZARR_JSON_BYTES
+        good = _read(theirs, key, cap)
+        if good is None or (size >= 0 and len(good) != size) or len(good) > cap:
+            raise CheckpointError(f"its twin's {key} is not the file it should be")
+        if _read(mine, key, cap) != good:
+            mine.mend(key, good)
+
+
+def _read(files: Storage, key: str, cap: int) -> bytes | None:
+    try:
+        return files.read_small(key, cap)
+    except (OSError, CheckpointError):
+        return None
+
+
+def _damaged(stored: StoredArrays, path: str) -> bool:
+    if path == PACKED_LOCATION:
+        records = [r for r in stored.manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
+    else:
+        record = stored.stored_leaf(path)
+        if record is None:
+            return True
+        records = [record]
+    try:
+        return bool(damaged_leaves(stored, records))
+    except CheckpointError:
+        return True
