@@ -90,9 +90,11 @@ def _shown(value: Any) -> str:
 
 
 def _numpy_kind(value: Any) -> str:
-    """A numpy scalar's kind (``b``, ``i``, ``u``, ``f``...), or "" for anything else: told
-    without importing numpy."""
-    if type(value).__module__ != "numpy" or getattr(value, "ndim", None) != 0:
+    """A numpy scalar's (or a 0-d numpy or JAX array's: a step counter kept on a device)
+    kind (``b``, ``i``, ``u``, ``f``...), or "" for anything else: told without importing
+    numpy."""
+    module = type(value).__module__.partition(".")[0]
+    if module not in ("numpy", "jax", "jaxlib") or getattr(value, "ndim", None) != 0:
         return ""
     return str(getattr(getattr(value, "dtype", None), "kind", ""))
 

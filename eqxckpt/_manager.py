@@ -120,6 +120,7 @@ class CheckpointManager:
         """
         return self._persistent.should_save(step)
 
+    @checked_arguments
     def save(
         self,
         step: int,

@@ -136,6 +136,20 @@ def test_numpy_scalars_mappings_and_lists_are_taken_as_python_values(tmp_path):
     assert eqxckpt.load(tmp_path / "run" / "0", host_memory_budget=np.int64(1 << 30))["w"].tolist() == [0.0, 1.0, 2.0]
 
 
+def test_a_step_counter_kept_on_a_device_is_taken_as_an_int(tmp_path):
+    """A trainer's step is often a 0-d JAX array (``state.step``): taken as its int by the
+    manager's counts and `save`; a float or a 1-d one is still an `ArgumentError`."""
+    import jax.numpy as jnp
+
+    with eqxckpt.CheckpointManager(tmp_path / "run", max_to_keep=jnp.int32(1), blocking=True) as manager:
+        assert manager.max_to_keep == 1 and type(manager.max_to_keep) is int
+        assert manager.save(jnp.int32(3), {"w": np.arange(3.0)}, metrics={"loss": jnp.float32(0.5)})
+        assert manager.all_steps() == [3]
+        for bad in (jnp.float32(4.0), jnp.arange(2)):
+            with pytest.raises(eqxckpt.ArgumentError, match="step must be an int"):
+                manager.save(bad, {"w": np.arange(3.0)})
+
+
 @pytest.mark.parametrize(
     "path,match",
     [
