@@ -349,7 +349,7 @@ class SaveInProgress:
         everything = [*self.writing, *linked, *(job for job, _ in self.reuse.referred)]
         self.staging = staging = self.location.begin_save([job.record.path for job in everything], self.overwrite)
         if self.overwrite:  # what another tool put in the checkpoint replaced stays (`Storage.delete`)
-            staging.keep_replaced = unwritten_at(self.location)
+            staging.unwritten = unwritten_at
         self.manifest, unheld = self.reuse.refer_from(staging, self.manifest)
         self.writing.extend(unheld)  # doomed meanwhile: written
         # The directories above the arrays become zarr groups, written while the arrays are created.

@@ -922,3 +922,18 @@ def test_saving_over_a_checkpoint_leaves_files_eqxckpt_did_not_write_with_a_warn
     assert eqxckpt.open(tmp_path / "c").stored.unwritten() == []
     [kept] = tmp_path.glob("c.replaced-*")
     assert sorted(p.name for p in kept.rglob("*")) == ["notes.txt"] and (kept / "notes.txt").read_text() == "mine"
+
+
+def test_a_file_put_in_a_checkpoint_while_a_save_replaces_it_is_kept(tmp_path):
+    """The files kept are those the replaced checkpoint holds when it is replaced, not when
+    the save began: a file another tool puts in it while the save writes is kept too."""
+    eqxckpt.save(tmp_path / "c", {"w": np.arange(4.0)})
+
+    def put_a_file_midway(*counts: int) -> None:  # called as the chunks are written
+        if not (tmp_path / "c" / "late.txt").exists():
+            (tmp_path / "c" / "late.txt").write_text("mine")
+
+    with pytest.warns(UserWarning, match=r"left 1 files .*: late.txt"):
+        eqxckpt.save(tmp_path / "c", {"w": np.arange(4.0) + 1}, overwrite=True, progress=put_a_file_midway)
+    [kept] = tmp_path.glob("c.replaced-*")
+    assert (kept / "late.txt").read_text() == "mine"

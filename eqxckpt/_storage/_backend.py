@@ -346,8 +346,10 @@ class Staging(abc.ABC):
         """Give up what this process holds (locks)."""
         return None
 
-    # Files of the checkpoint this save replaces that eqxckpt did not write (`Storage.delete`'s
-    # ``keep``), and where they were left once it committed (local disks).
+    # How to find the files of the checkpoint this save replaces that eqxckpt did not write
+    # (`Storage.delete`'s ``keep``), asked of it once it is replaced (local disks): what it
+    # holds then, not at the save's start. What was found, and where it was left.
+    unwritten: "Callable[[Storage], list[str]] | None" = None
     keep_replaced: Sequence[str] = ()
     kept_at: "pathlib.Path | None" = None
 

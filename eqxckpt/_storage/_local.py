@@ -445,7 +445,9 @@ class LocalStaging(Staging):
 
     def _remove_replaced(self, old: pathlib.Path) -> None:
         """Remove the checkpoint this save replaced, now at ``old``, but for the files in it
-        eqxckpt did not write (`keep_replaced`), left in a directory beside it (`kept_at`)."""
+        eqxckpt did not write (`unwritten`, found now: `keep_replaced`), left in a directory
+        beside it (`kept_at`)."""
+        self.keep_replaced = [] if self.unwritten is None else self.unwritten(LocalStorage.at(old))
         if not self.keep_replaced:
             remove_tree(old)
             return
