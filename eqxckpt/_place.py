@@ -155,7 +155,7 @@ class Placement:
                 if seen is not None:
                     seen(key, blocks[key])
             # Aligned: a CPU device keeps the buffer (replicas share it).
-            arrays = [self._kept(jax.device_put(blocks[key], device), device) for device, key in self.order]
+            arrays = [jax.device_put(blocks[key], device) for device, key in self.order]
             return global_array(self.shape, self.sharding, arrays, self.dtype)
         sinks = {key: _Block(_extent(key), self.dtype, devices, self.host) for key, devices in self.devices.items()}
         for start, stop in self._bands(self._budget, self._per_element, max(1, rows)):
@@ -175,7 +175,7 @@ class Placement:
                 for first, part in self._slices(out):
                     sinks[key].put(at + first, convert(part))
             del pieces  # the band's host memory goes before the next is read
-        arrays = [self._kept(sinks[key].array(device), device) for device, key in self.order]
+        arrays = [sinks[key].array(device) for device, key in self.order]
         return global_array(self.shape, self.sharding, arrays, self.dtype)
 
     def _slices(self, out: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -186,16 +186,6 @@ class Placement:
         row = max(1, out[0].size * (self.dtype.itemsize + 2))
         rows = max(1, CAST_SLICE_BYTES // row)
         return [(first, out[first : first + rows]) for first in range(0, len(out), rows)]
-
-    def _kept(self, array: "jax.Array", device: Any) -> "jax.Array":
-        """``array`` in the memory the target's sharding names (a host memory kind, for
-        offloaded state), where bands were built in the device's own."""
-        import jax
-
-        kind = self.sharding.memory_kind
-        if kind is None or array.sharding.memory_kind == kind:
-            return array
-        return jax.device_put(array, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
 
 
 def _extent(key: tuple) -> tuple[int, ...]:
@@ -271,10 +261,20 @@ class _Block:
 
 
 def global_array(shape: tuple[int, ...], sharding: Any, arrays: list[Any], dtype: Any) -> Any:
-    """The global array of ``sharding`` from this process's devices' ``arrays``: none where
-    this process holds none of it (a leaf on other processes' devices only)."""
+    """The global array of ``sharding`` from this process's devices' ``arrays`` (in the
+    order of its addressable devices), each moved into the memory the sharding names (a
+    host memory kind, for offloaded state) where it was built in its device's own; none
+    where this process holds none of it (a leaf on other processes' devices only)."""
     import jax
 
+    kind = sharding.memory_kind
+    if kind is not None:
+        arrays = [
+            array
+            if array.sharding.memory_kind == kind
+            else jax.device_put(array, jax.sharding.SingleDeviceSharding(next(iter(array.devices())), memory_kind=kind))
+            for array in arrays
+        ]
     if not arrays:  # the dtype then cannot be taken from them
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

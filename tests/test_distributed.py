@@ -333,7 +333,8 @@ def test_leaves_on_one_process_devices_save_and_load_together(tmp_path):
     device's) are global arrays: held by one process, seen as fully addressable there and
     as held elsewhere by the others. Every process must agree who writes them (their
     holder) and restore them together; a host-local leaf (each process's own) is still
-    process 0's."""
+    process 0's. A leaf replicated over both processes is read once into pinned host
+    memory (#52)."""
     logs = launch("one_process_leaves", 2, tmp_path, timeout=120, worker=ATTACKER, ATTACK_DEVICES="2")
     results = _results(logs)
     for found in results:
@@ -341,6 +342,7 @@ def test_leaves_on_one_process_devices_save_and_load_together(tmp_path):
         loads = [r for r in found if "loaded" in r]
         assert [r["loaded"] for r in loads] == [None, "on0", "on1"], found
         assert all("error" not in r and not any(r["wrong"].values()) for r in loads), found
+        assert {"pinned": ["pinned_host"], "wrong": 0} in found, found  # read once, into host memory
     restored = eqxckpt.load(tmp_path / "c")  # one process, no mesh: every leaf whole
     for name in ("on0", "on1", "single0", "single1", "everywhere"):
         np.testing.assert_array_equal(restored[name], attack_values(name, (8, 4), "float32"))

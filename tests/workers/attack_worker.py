@@ -603,6 +603,15 @@ def one_process_leaves(directory: str) -> None:
             out = {only: out}
         wrong = {name: mismatches(name, out[name], values(name, (8, 4), "float32")) for name in like if name in out}
         result(loaded=only, wrong=wrong)
+    # Read once across the processes (replicated over them), into pinned host memory.
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    pinned = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P(), memory_kind="pinned_host"))
+    try:
+        out = eqxckpt.load(f"{directory}/c", pinned, at="everywhere")
+        kinds = sorted({s.data.sharding.memory_kind for s in out.addressable_shards})
+        result(pinned=kinds, wrong=mismatches("everywhere", out, values("everywhere", (8, 4), "float32")))
+    except eqxckpt.CheckpointError as e:
+        result(pinned="error", error=f"{type(e).__name__}: {e}"[:800])
     result(saved=True)
 
 
