@@ -21,7 +21,7 @@ from ._chunks import Region
 from ._convert import aligned_empty, checked_astype
 from ._errors import TransformError
 from ._leaf import ArrayLeaf, Leaf
-from ._place import global_array
+from ._place import global_array, slice_key
 from ._progress import advance, unreported
 from ._source import Source
 from ._storage import reading
@@ -286,7 +286,7 @@ def _blocks(target: Any, shape: tuple[int, ...]) -> dict[Key, list[Any]] | None:
         return None
     blocks: dict[Key, list[Any]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        key = slice_key(index, shape)
         blocks.setdefault(key, []).append(device)
     return blocks
 

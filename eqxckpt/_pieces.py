@@ -88,7 +88,7 @@ class HostPiece(Piece):
         region = (
             tuple(slice(0, n) for n in layout.shape)
             if self.index is None
-            else tuple(slice(*s.indices(n)[:2]) for s, n in zip(self.index, layout.shape))
+            else tuple(slice(a, b) for a, b in slice_key(self.index, layout.shape))
         )
 
         def values(part: Region) -> np.ndarray:

@@ -107,21 +107,28 @@ def _twin_record(stored: StoredArrays, twin: StoredArrays, record: StoredLeaf) -
         members = [found]
     assert found is not None
     try:
-        theirs = twin.layout(found)
-        if _layout(stored, record) not in (None, theirs) or damaged_leaves(twin, members):
+        if not _same_layout(stored, record, twin.layout(found)) or damaged_leaves(twin, members):
             return None
     except CheckpointError:
         return None
     return found
 
 
-def _layout(stored: StoredArrays, record: StoredLeaf) -> ChunkLayout | None:
-    """The leaf's layout as its own ``zarr.json`` says; None where that is damaged (it is
-    then mended from the twin's)."""
+def _same_layout(stored: StoredArrays, record: StoredLeaf, theirs: ChunkLayout) -> bool:
+    """Whether ``record``'s array is laid out as ``theirs``: as its own ``zarr.json`` says,
+    or where that is damaged, as the chunk files it holds show (on a local disk; elsewhere
+    its layout is unknown and nothing is mended): its chunk files may be shared with other
+    checkpoints, which must read the same layout from them after the mend."""
     try:
-        return stored.layout(record)
+        return stored.layout(record) == theirs
     except CheckpointError:
-        return None
+        pass
+    found = stored.leaf_files(record.path)
+    if found is None:
+        return False
+    metadata = f"{record.path}/zarr.json"
+    expected = {k: v for k, v in expected_files([(record, theirs)]).items() if k.startswith(f"{record.path}/")}
+    return {k: v for k, v in found.items() if k != metadata} == {k: v for k, v in expected.items() if k != metadata}
 
 
 def _mend(stored: StoredArrays, record: StoredLeaf, twin: StoredArrays, found: StoredLeaf) -> None:

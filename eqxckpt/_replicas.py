@@ -23,6 +23,7 @@ from ._chunks import ChunkLayout, Region, chunk_budget, chunk_shape
 from ._digest import digest
 from ._errors import MAX_LISTED, ArgumentError, CheckpointChangedError, UnsupportedLeafError, plural
 from ._leaf import StoredLeaf
+from ._place import slice_key
 from ._window import host_memory_budget
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ class WriteShares:
         assert tuple(value.shape) == shape, (value.shape, shape)  # a PRNG key leaf's value is its key data
         holders: dict[tuple, set[int]] = {}
         for device, index in value.sharding.devices_indices_map(shape).items():
-            holders.setdefault(_key(index, shape), set()).add(device.process_index)
+            holders.setdefault(slice_key(index, shape), set()).add(device.process_index)
         shard = tuple(value.sharding.shard_shape(shape))
         tile = split_shard(shape, shard, itemsize, max(len(on) for on in holders.values()), chunk_budget(record.path))
         layout = ChunkLayout.planned(record, tile)
@@ -122,12 +123,8 @@ class WriteShares:
                     own.setdefault(key, []).append(part)
         shards = {}
         for s in sorted(value.addressable_shards, key=lambda s: s.replica_id):
-            shards.setdefault(_key(s.index, shape), s)
+            shards.setdefault(slice_key(s.index, shape), s)
         return tile, [(shards[key], parts, len(holders[key]) > 1) for key, parts in own.items()]
-
-
-def _key(index: Any, shape: tuple[int, ...]) -> tuple:
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
 def copy_digests(copies: Sequence[tuple[StoredLeaf, Any, np.ndarray]], known: Mapping[str, str]) -> str:
@@ -138,7 +135,7 @@ def copy_digests(copies: Sequence[tuple[StoredLeaf, Any, np.ndarray]], known: Ma
     (process 0's, hashed for the manifest) where it is there: nothing is hashed twice."""
     found: dict[str, dict[str, str]] = {}
     for record, index, data in copies:
-        span = _key(index, record.data_shape)
+        span = slice_key(index, record.data_shape)
         whole = all(bounds == (0, n) for bounds, n in zip(span, record.data_shape))
         part = ",".join(f"{a}:{b}" for a, b in span)
         if whole:
@@ -256,7 +253,7 @@ def readers_apart(chunk: Sequence[int], sharding: "jax.sharding.Sharding", shape
     """
     owners: dict[tuple, set[int]] = {}
     for device, index in sharding.devices_indices_map(shape).items():
-        owners.setdefault(_key(index, shape), set()).add(device.process_index)
+        owners.setdefault(slice_key(index, shape), set()).add(device.process_index)
     edges = [sorted({key[d] for key in owners}) for d in range(len(shape))]  # each dimension's block runs
     layout = [max(1, c) for c in chunk[: len(shape)]]
     for start in itertools.product(*(range(0, max(1, n), c) for n, c in zip(shape, layout))):
@@ -275,7 +272,7 @@ def _held(sharding: "jax.sharding.Sharding", shape: tuple[int, ...], nbytes: int
     holds the most: the same in every process (batches must be)."""
     blocks: dict[int, set[tuple]] = {}
     for device, index in sharding.devices_indices_map(shape).items():
-        blocks.setdefault(device.process_index, set()).add(_key(index, shape))
+        blocks.setdefault(device.process_index, set()).add(slice_key(index, shape))
     most = max(sum(math.prod(b - a for a, b in key) for key in keys) for keys in blocks.values())
     return most * nbytes // max(1, math.prod(shape))
 
@@ -476,7 +473,7 @@ def describe_target(target: Any) -> str:
         order = hashlib.blake2b(np.asarray(mesh.device_ids, np.int64).tobytes(), digest_size=6).hexdigest()
         where = f"NamedSharding(P{tuple(entry or None for entry in spec)}, mesh {axes}, devices #{order}"
     else:
-        blocks = sorted((d.id, _key(index, shape)) for d, index in sharding.devices_indices_map(shape).items())
+        blocks = sorted((d.id, slice_key(index, shape)) for d, index in sharding.devices_indices_map(shape).items())
         where = f"{type(sharding).__name__}(blocks #{hashlib.blake2b(repr(blocks).encode(), digest_size=6).hexdigest()}"
     kind = "" if sharding.memory_kind in (None, "device") else f", memory {sharding.memory_kind}"
     return f"{target.dtype}[{','.join(map(str, shape))}] {where}{kind})"

@@ -481,7 +481,9 @@ class RunSteps:
         kept steps); else the newest step's group. So once two or more steps are kept, no
         single copy of a leaf stands behind every kept step, and one damaged by a flipped
         bit has a twin to be mended from (`verify` with ``repair=True``). Steps saved
-        without a group form one of their own.
+        without a group (by an older eqxckpt) count for none, as they may share any
+        group's files: where the groups kept are too few even with the new step's, it
+        shares nothing.
 
         **Arguments:**
 
@@ -501,17 +503,21 @@ class RunSteps:
             if copies == 1:
                 return 0, committed[-1] if committed else None
             kept = self.retention.kept({**self._metrics, step: metrics}) - {step}
-            held = {self._copies.get(s) for s in kept}
-            newest = {}  # each group's newest committed step
+            # Steps saved without a group count for none: they may link any group's files.
+            held = {self._copies[s] for s in kept if self._copies.get(s) is not None}
+            need = min(copies, len(kept) + 1)
+            newest: dict[int, int] = {}  # each group's newest committed step
             for s in committed:
-                newest[self._copies.get(s)] = s
-            if len(held) >= min(copies, len(kept) + 1):
-                group = self._copies.get(committed[-1]) if committed else None
-                if group is not None:
-                    return group, committed[-1]
+                if (group := self._copies.get(s)) is not None:
+                    newest[group] = s
+            latest = self._copies.get(committed[-1]) if committed else None
+            if len(held) >= need and latest is not None:
+                return latest, committed[-1]
             # A group the kept steps lack: the one with the newest step to share with.
             lacking = [g for g in range(copies) if g not in held] or list(range(copies))
             group = max(lacking, key=lambda g: (newest.get(g, -1), -g))
+            if len(held) + 1 < need:
+                return group, None  # even so too few copies: this step writes its own
             return group, newest.get(group)
 
     def add(self, step: int, metrics: dict[str, float], copy: int | None = None) -> None:

@@ -794,3 +794,26 @@ def test_kept_steps_hold_two_copies_of_every_leaf(tmp_path_factory, max_to_keep,
             files = {os.stat(run / str(s) / "backbone" / "c" / "0" / "0").st_ino for s in kept}
             assert len(kept) < 2 or len(files) >= 2, (step, kept)
             assert_trees_equal(eqxckpt.load(manager.path(step), state), state)
+
+
+def test_a_step_saved_without_a_group_never_leaves_one_copy_behind_the_kept_steps(tmp_path):
+    """The sixteenth outside attack: an older eqxckpt saved step 2 (no group in its record),
+    linking step 1's files; step 3 then joined step 1's group and linked the same files, so
+    one file stood behind both kept steps. A step saved without a group counts for none: step
+    3 writes its own copy."""
+    run = tmp_path / "run"
+    frozen = np.arange(70_000, dtype=np.float32)
+    state = lambda step: {"frozen": frozen, "moving": np.full(70_000, step, np.float32)}  # noqa: E731
+    with eqxckpt.CheckpointManager(run, max_to_keep=2, blocking=True) as manager:
+        manager.save(0, state(0))
+        manager.save(1, state(1))
+    # As an older manager saved it: based on the latest step, its record without a group.
+    eqxckpt.save(run / "2", state(2), base=run / "1", metadata={"eqxckpt.manager": {"step": 2, "metrics": {}}})
+    shutil.rmtree(run / "0")
+    inode = lambda step: os.stat(run / str(step) / "frozen" / "c" / "0").st_ino  # noqa: E731
+    assert inode(1) == inode(2)
+    with eqxckpt.CheckpointManager(run, max_to_keep=2, blocking=True) as manager:
+        manager.save(3, state(3))
+        assert manager.all_steps() == [2, 3] and inode(2) != inode(3)
+        manager.save(4, state(4))
+        assert manager.all_steps() == [3, 4] and inode(3) != inode(4)

@@ -371,3 +371,43 @@ def test_repair_rewrites_a_damaged_object_from_the_other_copy(store):
     for step in range(4):
         assert eqxckpt.verify(store.spec(f"{top}{step}")).ok
         assert_trees_equal(eqxckpt.load(store.spec(f"{top}{step}"), shared_state(step)), shared_state(step))
+
+
+def test_repair_takes_no_twin_of_another_layout_where_the_zarr_json_is_damaged(tmp_path, monkeypatch):
+    """The sixteenth outside attack: step 2 links step 1's chunk files, and its own zarr.json
+    is damaged; step 0 holds the same values in two chunks. Mending step 2 from step 0 would
+    rewrite the chunk file step 1 shares into another layout: the twin must be laid out as
+    step 2's chunk files are (step 1), and step 1 stays whole."""
+    import eqxckpt._chunks as chunks_module
+
+    run, values = tmp_path / "run", np.arange(131072, dtype=np.float32)
+    monkeypatch.setattr(chunks_module, "CHUNK_BYTES", 1 << 18)
+    eqxckpt.save(run / "0", {"w": values})  # two chunks
+    monkeypatch.undo()
+    eqxckpt.save(run / "1", {"w": values})  # one chunk
+    eqxckpt.save(run / "2", {"w": values}, base=run / "1")  # links step 1's files
+    assert len(list((run / "0" / "w" / "c").iterdir())) == 2
+    metadata = run / "2" / "w" / "zarr.json"
+    damaged = metadata.read_bytes()[:-5]
+    metadata.unlink()  # its own file now (step 1's is intact)
+    metadata.write_bytes(damaged)
+    assert cli(["verify", "--repair", str(run)]) == 0
+    for step in range(3):
+        assert eqxckpt.verify(run / str(step)).ok
+        np.testing.assert_array_equal(eqxckpt.load(run / str(step))["w"], values)
+    assert os.stat(run / "1/w/c/0").st_ino == os.stat(run / "2/w/c/0").st_ino
+
+
+def test_repair_never_rewrites_a_file_with_a_hard_link_outside_the_run(tmp_path):
+    """The sixteenth outside attack: a damaged chunk is a hard link to a user's file outside
+    the run; rewriting it in place would change that file. Refused: the leaf stays listed."""
+    run = tmp_path / "run"
+    _five_steps(run)
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(b"user's notes")
+    chunk = run / "0" / "frozen/c/0"
+    chunk.unlink()
+    os.link(precious, chunk)
+    report = eqxckpt.verify(run / "0", repair=True)
+    assert "frozen" in {path for path, _ in report.problems} and report.mended == []
+    assert precious.read_bytes() == b"user's notes"

@@ -11,6 +11,7 @@ import shutil
 import stat
 import uuid
 import warnings
+from collections.abc import Callable
 
 # --- local filesystem commit ---------------------------------------------------------
 
@@ -52,10 +53,14 @@ def read_capped(path: pathlib.Path | str, cap: int, dir_fd: int | None = None) -
         return f.read(min(cap, info.st_size) + 1)
 
 
-def rewrite_in_place(root: pathlib.Path, key: str, raw: bytes) -> None:
+def rewrite_in_place(
+    root: pathlib.Path, key: str, raw: bytes, links: Callable[[os.stat_result], bool] = lambda _: True
+) -> None:
     """Make ``root/key`` hold ``raw``, rewriting the file itself (its other hard links see
     the new bytes), created where missing; no component is followed through a symlink.
-    ``OSError`` if one is a symlink or not what it should be."""
+    ``links(stat)`` says whether the file as opened may be rewritten (where its other hard
+    links are). ``OSError`` if a component is a symlink, or the file is not what it should
+    be or may not be rewritten."""
     *directories, name = key.split("/")
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
@@ -71,8 +76,11 @@ def rewrite_in_place(root: pathlib.Path, key: str, raw: bytes) -> None:
             fd = inner
         out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=fd)
         try:
-            if not stat.S_ISREG(os.fstat(out).st_mode):
+            info = os.fstat(out)
+            if not stat.S_ISREG(info.st_mode):
                 raise OSError(errno.EINVAL, "not a regular file", key)
+            if not links(info):
+                raise OSError(errno.EMLINK, "it has hard links outside the checkpoints beside it", key)
             view = memoryview(raw)
             while view:
                 view = view[os.pwrite(out, view, len(raw) - len(view)) :]

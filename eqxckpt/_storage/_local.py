@@ -352,8 +352,22 @@ class LocalStorage(Storage):
         ]
 
     def mend(self, key: str, raw: bytes) -> None:
+        def linked_beside_only(info: os.stat_result) -> bool:
+            # Every other name of the file is the same file of a checkpoint beside this one
+            # (incremental saves' links): rewriting it changes nothing outside them.
+            if info.st_nlink == 1:
+                return True
+            names = 0
+            for entry in os.listdir(self.path.parent):
+                try:
+                    other = os.lstat(self.path.parent / entry / key)
+                except OSError:
+                    continue
+                names += (other.st_dev, other.st_ino) == (info.st_dev, info.st_ino)
+            return names == info.st_nlink
+
         try:
-            rewrite_in_place(self.path, key, raw)
+            rewrite_in_place(self.path, key, raw, linked_beside_only)
         except OSError as e:
             raise CheckpointWriteError(f"{self.path / key} could not be rewritten: {e}") from e
 
