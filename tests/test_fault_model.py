@@ -1121,3 +1121,87 @@ def test_a_forked_child_leaving_the_managers_block_does_not_wait_for_the_parents
         out, err = writer.communicate(timeout=180)
     assert writer.returncode == 0 and "committed" in out, err[-3000:]
     assert re.search(r"child 0 \d", out), f"the forked child did not end at once: {out}"
+
+
+# -- a job of several processes -----------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_fault_model_across_processes(tmp_path, request):
+    """Jobs of 2 or 3 JAX processes on 127.0.0.1 resume one run on a local disk: each loads
+    every listed step (its replicated leaf restored read once), then saves more
+    (replica-parallel, with retention and incremental reuse). In all but the last job a
+    process is SIGKILLed at a random instant (loading or saving) and the others are killed
+    with it, as a scheduler would; the next job has another process count. After each job
+    every listed step loads exactly here (one process) and in the next job, and no step
+    its save did not finish whole is listed. The instants come from a fixed seed."""
+    import random
+
+    from conftest import start_workers
+    from fault_model_processes import SHAPE, SPECS, tag  # pyright: ignore[reportMissingImports]
+    from test_replicas_faults import _parsed
+
+    slow = request.config.getoption("--slow")
+    rng = random.Random(20261129)
+    run = tmp_path / "run"
+    jobs = 8 if slow else 3
+    counts = [2, 3] if slow else [2, 3, 2]
+    attempted: set[int] = set()
+    for job in range(jobs):
+        processes = counts[job % len(counts)]
+        last = job == jobs - 1
+        victim = None if last else rng.randrange(processes)
+        delay = rng.uniform(0.0, 1.2)
+        directory = tmp_path / f"job{job}"
+        directory.mkdir()
+        workers, logs = start_workers(
+            WORKERS / "fault_model_processes.py", "round", processes, directory,
+            FM_RUN=str(run), FM_SAVES="3", EQXCKPT_BARRIER_TIMEOUT_S="30",
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 180
+            if victim is not None:
+                while '"listed"' not in logs[victim].read_text():
+                    assert workers[victim].poll() is None and time.monotonic() < deadline, logs[victim].read_text()
+                    time.sleep(0.02)
+                time.sleep(delay)
+                workers[victim].kill()
+                for other in workers:  # the job is lost: the scheduler ends it
+                    other.kill()
+            while any(w.poll() is None for w in workers):
+                assert time.monotonic() < deadline, "\n".join(log.read_text() for log in logs)
+                time.sleep(0.05)
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                w.wait()
+        texts = [log.read_text() for log in logs]
+        results = [[_parsed(line[7:]) for line in t.splitlines() if line.startswith("RESULT ")] for t in texts]
+        if victim is None:
+            assert all(w.returncode == 0 for w in workers), texts
+        for rs in results:
+            for r in rs:
+                assert r.get("bad", 0) == 0, f"job {job} ({processes} processes) loaded step {r['checked']} wrong"
+                if "saving" in r:
+                    attempted.add(r["saving"])
+        saved = {r["saved"] for rs in results for r in rs if "saved" in r}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            listed = eqxckpt.CheckpointManager(run).all_steps()
+        summary = f"job {job}: {processes} processes, victim {victim} after {delay:.2f} s; saved {sorted(saved)}, listed {listed}"
+        print(summary)
+        assert set(listed) <= attempted, summary
+        assert len(listed) <= 3 and (not listed or set(listed) >= {s for s in saved if s > max(listed) - 3}), summary
+        for step in listed:
+            got = eqxckpt.load(run / str(step))
+            for name in SPECS:
+                want = values_of(tag(step, name), SHAPE)
+                assert np.asarray(got[name]).tobytes() == want.tobytes(), f"{summary}: step {step} {name} differs"
+    assert listed, "the last job saved nothing"
+
+
+def values_of(path: str, shape) -> np.ndarray:
+    from attack_worker import values  # pyright: ignore[reportMissingImports]
+
+    return values(path, shape, np.float32)
