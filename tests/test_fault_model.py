@@ -727,6 +727,9 @@ class FaultModel(RuleBasedStateMachine):
         if source == to:
             return
         self.where.copy(source, to)
+        for key, body in list(self.model.inside.items()):  # the user's files in it: copied too
+            if key.startswith(f"{source}/") and self.where.read(key) == body:
+                self.model.inside[f"{to}/{key.split('/', 1)[1]}"] = body
         version = self.model.versions[source]
         note(f"another tool copied step {source} to {to}")
         try:
