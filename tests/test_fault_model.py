@@ -16,7 +16,13 @@ where a step holds its own keys and those its manifest refers to). A step saved 
 fault is undamaged: whatever it takes from an earlier step must be sound.
 
 SIGSTOP past a lease runs on S3 only: local disks have no leases (a stopped writer keeps
-its lock), and fake-gcs-server ignores the preconditions leases rely on.
+its lock), and fake-gcs-server ignores the preconditions leases rely on; so does SIGTERM
+with a stalled store (a proxy that stops answering).
+
+Other tools act on the run too: they delete a whole step, a prefix of one (a base that
+later incremental steps refer to, a retired one), copy a step under a new number, and put
+files inside steps. A reader in another process loads and slices steps while saves run.
+A multi-process job (`test_fault_model_across_processes`) is killed at random instants.
 """
 
 import contextlib
@@ -28,15 +34,18 @@ import posixpath
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import warnings
 from collections.abc import Iterator
 
 import numpy as np
-from conftest import WORKERS
+import pytest
+from conftest import WORKERS, PausableProxy, s3_spec
 from fault_model_worker import train_version, tree  # pyright: ignore[reportMissingImports]
 from hypothesis import HealthCheck, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
@@ -44,6 +53,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import eqxckpt
 from eqxckpt._storage import resolve
 from eqxckpt._stored import unwritten_at
+
+# Fixed, the fork rule's child leaving the manager's `with` block (see
+# test_a_forked_child_leaving_the_managers_block_does_not_wait_for_the_parents_save).
+FORKED_CHILD_CLOSE_FIXED = False
+# The stalled-store rule's grace period, and what it may take beyond twice that.
+GRACE_S = 1.0
+GRACE_SLACK_S = 8.0
 
 STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
 # Objects eqxckpt reads only for their presence or protocol, not a step's data.
@@ -124,6 +140,24 @@ class LocalRun:
     def held(self, number: int, keys: list[str]) -> set:
         return {self.identity(k) for k in keys if k.startswith(f"{number}/")}
 
+    def refers(self, number: int, keys: list[str]) -> set[str]:
+        """The keys (not files) a step reads: its own (others' are hard links)."""
+        return {k for k in keys if k.startswith(f"{number}/")}
+
+    def prefixes(self, keys: list[str], retired: bool) -> list[str]:
+        """What a tool may delete inside a step: a leaf's directory (none is retired here)."""
+        leaves = {k.rsplit("/", 1)[0] for k in keys if re.match(r"^[^/]+/[^/]+/zarr.json$", k)}
+        return [] if retired else sorted(p for p in leaves if STEP_NAME.match(p.split("/")[0]))
+
+    def remove(self, prefix: str) -> list[str]:
+        """``rm -r`` of a directory: the keys it held."""
+        gone = [k for k in self.keys() if k.startswith(prefix + "/")]
+        shutil.rmtree(self.run / prefix, ignore_errors=True)
+        return gone
+
+    def copy(self, source: int, to: int) -> None:
+        shutil.copytree(self.run / str(source), self.run / str(to), symlinks=True)
+
 
 class StoreRun:
     """A run under a prefix of an object store: objects, identified by key. A step holds
@@ -164,6 +198,25 @@ class StoreRun:
             prefixes = []  # a damaged manifest refers to nothing
         return own | {k for k in keys for p in prefixes if k.startswith(p)}
 
+    refers = held
+
+    def prefixes(self, keys: list[str], retired: bool) -> list[str]:
+        """Saves' own prefixes (``<step>/%arrays.<hex>``): those marked retired, or the others."""
+        names = {"/".join(k.split("/")[:2]) for k in keys if re.match(r"^[^/]+/%arrays\.[0-9a-f]{32}/", k)}
+        names = sorted(p for p in names if STEP_NAME.match(p.split("/")[0]))  # not a user's copy (``007``)
+        return [p for p in names if (f"{p}/%retired" in keys) == retired]
+
+    def remove(self, prefix: str) -> list[str]:
+        gone = [k for k in self.keys() if k.startswith(prefix + "/")]
+        for key in gone:
+            self.store.delete(self.top + key)
+        return gone
+
+    def copy(self, source: int, to: int) -> None:
+        for key in self.keys():
+            if key.startswith(f"{source}/") and not key.endswith("eqxckpt.lease.json"):
+                self.write(f"{to}/{key.split('/', 1)[1]}", self.read(key) or b"")
+
 
 # -- the model ---------------------------------------------------------------------------------
 
@@ -186,17 +239,22 @@ class Model:
     # Users' files put inside a step directory: where they were, or (the step deleted or
     # replaced since) kept as they were in ``<step>.kept-<hex>`` or ``<step>.replaced-<hex>``.
     inside: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    # Steps that refer to a prefix another tool deleted: a manager skips them, its warning
+    # naming the step and the prefix (``../<step>/%arrays.<hex>``).
+    missing: dict[int, set[str]] = dataclasses.field(default_factory=dict)
 
     def saved(self, number: int, version: int) -> None:
         """A step committed afresh: whole, whatever it held before."""
         self.versions[number] = version
         for flags in (self.damaged, self.broken, self.suspect, self.listed):
             flags.discard(number)
+        self.missing.pop(number, None)
 
     def gone(self, number: int) -> None:
         self.versions.pop(number, None)
         for flags in (self.damaged, self.broken, self.suspect, self.listed):
             flags.discard(number)
+        self.missing.pop(number, None)
 
     def clean(self, number: int) -> bool:
         return number in self.versions and number not in self.damaged | self.broken | self.suspect
@@ -271,6 +329,33 @@ def is_stopped(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "T"
     except OSError:
         return False
+
+
+class DroppingProxy(PausableProxy):
+    """`PausableProxy` whose `drop` closes every connection without forwarding what it
+    holds: a paused request is never delivered after the test looked."""
+
+    dropped = False
+
+    def drop(self) -> None:
+        self.dropped = True
+        self.close()
+
+    def _pump(self, source, sink) -> None:
+        try:
+            while data := source.recv(65536):
+                self._running.wait()
+                if self.dropped:
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
+                    end.close()
 
 
 class FaultModel(RuleBasedStateMachine):
@@ -365,10 +450,17 @@ class FaultModel(RuleBasedStateMachine):
         listed = sorted(self.model.manager_steps())
         if not listed:
             return
-        number = listed[which % len(listed)]
+        self._delete(listed[which % len(listed)])
+
+    def _delete(self, number: int, wait: float = 0.0) -> None:
+        """eqxckpt deletes the step; ``wait``: for so long, tried again while a reader in
+        another process holds it (on a local disk a reader's lock defers a deletion)."""
         note(f"delete step {number}")
         where = resolve(self.where.step(number))
-        assert where.delete(unwritten_at(where))  # what eqxckpt did not write is kept
+        deadline = time.monotonic() + wait
+        while not where.delete(unwritten_at(where)):  # what eqxckpt did not write is kept
+            assert time.monotonic() < deadline, f"step {number} was not deleted"
+            time.sleep(0.01)
         self.model.gone(number)
 
     # -- faults -------------------------------------------------------------------------------
@@ -439,14 +531,20 @@ class FaultModel(RuleBasedStateMachine):
     @rule(which=INDEX, into_leaf=st.booleans(), body=st.binary(min_size=1, max_size=64))
     def put_inside(self, which, into_leaf, body):
         """A user's file inside a step directory (beside its manifest, or in a leaf's
-        directory beside its chunks), on a local disk: retention, deletion and overwrites
-        keep it (#53 item 7)."""
+        directory beside its chunks): retention, deletion and overwrites keep it (#53 item
+        7), on a local disk in ``<step>.kept-<hex>``, on an object store where it is."""
         steps = sorted(self.model.versions)
-        if self.where.name != "local" or not steps:
+        if not steps:
             return
         number = steps[which % len(steps)]
         leaves = sorted(
-            {k.rsplit("/", 1)[0] for k in self.where.keys() if k.startswith(f"{number}/") and k.endswith("/zarr.json")}
+            {
+                k.rsplit("/", 1)[0]
+                for k in self.where.keys()
+                if k.startswith(f"{number}/")
+                and k.endswith("/zarr.json")
+                and k.count("/") > 1 + (self.where.name != "local")
+            }
         )
         folder = leaves[which % len(leaves)] if into_leaf and leaves else str(number)
         key = f"{folder}/notes-{len(self.model.inside)}.txt"
@@ -471,6 +569,23 @@ class FaultModel(RuleBasedStateMachine):
     def kill_writer(self, number, version, manager, when):
         """SIGKILL a child saving a step (a new one, or overwriting a whole one) at its
         k-th progress report or after a delay; then see whether it committed."""
+        self._signal_writer(number, version, manager, when, "KILL")
+
+    @precondition(_child)
+    @rule(
+        number=STEPS,
+        version=VERSIONS,
+        manager=st.booleans(),
+        when=st.one_of(
+            st.tuples(st.just("report"), st.integers(0, 4)), st.tuples(st.just("delay"), st.floats(0.0, 1.5))
+        ),
+    )
+    def interrupt_writer(self, number, version, manager, when):
+        """SIGINT (Ctrl-C) into a child saving a step, at its k-th progress report or after
+        a delay: what is committed loads exactly, nothing half-written is listed."""
+        self._signal_writer(number, version, manager, when, "INT")
+
+    def _signal_writer(self, number, version, manager, when, sig):
         if number in self.model.versions and not self.model.clean(number):
             return
         self.started += 1
@@ -479,21 +594,25 @@ class FaultModel(RuleBasedStateMachine):
         job = {"run": self.where.location(), "step": self.where.step(number), "number": number, "version": version}
         job["mode"] = mode
         if when[0] == "report":
-            job["signal_at"] = [when[1], "KILL"]
+            job["signal_at"] = [when[1], sig]
         with worker(job) as child:
             if when[0] == "delay":
                 assert child.stdout is not None
                 child.stdout.readline()  # "ready"
                 time.sleep(when[1])
                 if child.poll() is None:
-                    child.send_signal(signal.SIGKILL)
+                    child.send_signal(getattr(signal, "SIG" + sig))
             out, err = child.communicate(timeout=180)
-        assert child.returncode in (0, -signal.SIGKILL), err[-3000:]
+        if sig == "KILL":
+            assert child.returncode in (0, -signal.SIGKILL), err[-3000:]
+        else:  # Ctrl-C: the save ends (or finishes first) and KeyboardInterrupt ends the child
+            assert child.returncode in (0, 1, -signal.SIGINT), (child.returncode, err[-3000:])
+            assert child.returncode != 1 or "KeyboardInterrupt" in err, err[-3000:]
         # No wait for its lease to time out: its holder is dead on this machine, so the next
         # manager finishes its action at once (`_lease.holder_is_gone`).
         manager_, _ = quiet_manager(self.where.location())
         listed = set(manager_.all_steps())
-        note(f"killed {mode} writer of step {number}: exit {child.returncode}, listed: {number in listed}")
+        note(f"SIG{sig} {mode} writer of step {number}: exit {child.returncode}, listed: {number in listed}")
         if old is not None:
             assert number in listed, f"a killed overwrite of step {number} left it uncommitted"
             got = eqxckpt.load(self.where.step(number), tree(0))
@@ -549,6 +668,211 @@ class FaultModel(RuleBasedStateMachine):
         assert number > first + after - 1, (number, first, after)
         self.model.saved(number, train_version(number))
 
+    # -- other tools --------------------------------------------------------------------------
+
+    @rule(kind=st.sampled_from(["step", "prefix", "retired"]), which=INDEX)
+    def foreign_delete(self, kind, which):
+        """Another tool deletes a whole step (``rm -r``, every key under it), a prefix inside
+        one (a leaf's directory on a local disk; a save's own prefix on an object store,
+        which later incremental steps may refer to as their base), or a retired prefix (an
+        object store's, kept while later steps refer to it). A step that loses its own
+        prefix disappears (eqxckpt cannot tell it from a deletion it was interrupted in);
+        one that refers to a deleted prefix of another step is skipped by a manager, whose
+        warning names it and the prefix; a local step that loses a leaf is damaged. None
+        loads other values, nor vanishes unnamed."""
+        keys = self.where.keys()
+        if kind == "step":
+            candidates = [str(n) for n in sorted(self.model.versions)]
+        else:
+            candidates = self.where.prefixes(keys, retired=kind == "retired")
+        if not candidates:
+            return
+        prefix = candidates[which % len(candidates)]
+        refers = {n: self.where.refers(n, keys) for n in self.model.versions}
+        gone = set(self.where.remove(prefix))
+        note(f"another tool deleted {prefix} ({kind}): {len(gone)} keys")
+        for key in list(self.model.inside):
+            if key in gone:
+                del self.model.inside[key]  # the user's own, deleted with it
+        entry = prefix.split("/")[0]
+        for number, held in refers.items():
+            if not held & gone:
+                continue
+            if str(number) == entry and (kind == "step" or self.where.name != "local"):
+                self.model.gone(number)  # its manifest, or its own arrays, deleted
+                with pytest.raises(eqxckpt.CheckpointError):
+                    eqxckpt.load(self.where.step(number), tree(0))
+            elif str(number) == entry:
+                self.model.damaged.add(number)  # a local leaf's directory
+            else:
+                self.model.broken.add(number)
+                if "/%arrays." in prefix:
+                    self.model.missing.setdefault(number, set()).add(f"../{prefix}")
+                else:  # the whole step: whichever of its prefixes this step refers to
+                    names = {"/".join(k.split("/")[:2]) for k in held & gone}
+                    self.model.missing.setdefault(number, set()).update(f"../{n}" for n in names)
+
+    @rule(which=INDEX, to=STEPS)
+    def foreign_copy(self, which, to):
+        """Another tool copies a whole step under a new step number (``cp -r``; key by key,
+        the lease aside). eqxckpt must load the copy exactly (a copy is a checkpoint: its
+        references are relative), or refuse it: never other values. On an object store the
+        copy holds none of the bases it refers to, so retention may delete them under it
+        later: from then on it may fail to load, or be skipped (`suspect`)."""
+        steps = sorted(self.model.versions)
+        keys = self.where.keys()
+        if not steps or to in self.model.versions or any(k.split("/")[0] == str(to) for k in keys):
+            return
+        source = steps[which % len(steps)]
+        if source == to:
+            return
+        self.where.copy(source, to)
+        for key, body in list(self.model.inside.items()):  # the user's files in it: copied too
+            if key.startswith(f"{source}/") and self.where.read(key) == body:
+                self.model.inside[f"{to}/{key.split('/', 1)[1]}"] = body
+        version = self.model.versions[source]
+        note(f"another tool copied step {source} to {to}")
+        try:
+            exact = same_values(eqxckpt.load(self.where.step(to), tree(0)), tree(version))
+            assert exact, f"the copy of step {source} as {to} loaded other values than {source} holds"
+        except eqxckpt.CheckpointError as e:
+            assert not self.model.clean(source), f"the copy of undamaged step {source} as {to} does not load: {e!r}"
+        model = self.model
+        model.saved(to, version)
+        for flags in (model.damaged, model.broken, model.suspect):
+            if source in flags:
+                flags.add(to)
+        if source in model.missing:
+            model.missing[to] = set(model.missing[source])
+        if self.where.name != "local":
+            model.suspect.add(to)
+
+    # -- a reader in another process ----------------------------------------------------------
+
+    @precondition(_child)
+    @rule(
+        ops=st.lists(
+            st.tuples(st.sampled_from(["save", "overwrite", "manager", "retain", "delete"]), STEPS, VERSIONS),
+            min_size=1,
+            max_size=4,
+        ),
+        lazy=st.booleans(),
+    )
+    def concurrent_reader(self, ops, lazy):
+        """A reader in another process loads every step number in turn (whole, or lazily a
+        few slices, through `eqxckpt.open`) while saves, overwrites, incremental saves,
+        retention and deletions run here. Each read must be exactly the values of one
+        version the model says that step held at some moment while it ran, or raise a
+        `CheckpointError`. (On a local disk a read defers a deletion, retention's too: the
+        harness tries it again, as the manager's next save would.)"""
+        self.started += 1
+        held = {n: {v} for n, v in self.model.versions.items()}
+        stop = pathlib.Path(tempfile.mkdtemp()) / "stop"
+        job = {"mode": "read", "steps": {n: self.where.step(n) for n in range(6)}, "lazy": lazy, "stop": str(stop)}
+        with worker(job) as child:
+            assert child.stdout is not None and child.stdout.readline() == "ready\n"
+            for kind, number, version in ops:
+                if kind in ("save", "overwrite"):
+                    self._plain_save(number, version, kind == "overwrite", True)
+                elif kind in ("manager", "retain"):
+                    self.manager_save(number, version, 2 if kind == "retain" else None, True)
+                elif number in self.model.manager_steps():
+                    self._delete(number, wait=30)
+                self._settle()
+                for n, v in self.model.versions.items():
+                    held.setdefault(n, set()).add(v)
+            time.sleep(0.2)  # a few reads of the last state too
+            stop.touch()
+            out, err = child.communicate(timeout=120)
+        shutil.rmtree(stop.parent, ignore_errors=True)
+        assert child.returncode == 0, err[-3000:]
+        outcomes = [json.loads(line) for line in out.splitlines()]
+        note(f"reader ({'lazy' if lazy else 'load'}): {outcomes}")
+        for got in outcomes:
+            number = got["n"]
+            if "error" in got:
+                assert got["ours"], f"a read of step {number} raised {got['error']}: {got['message']}"
+                continue
+            assert got["versions"], f"a read of step {number} returned values of no version: {got}"
+            assert set(got["versions"]) & held.get(number, set()), (
+                f"a read of step {number} returned version {got['versions']}; it held {held.get(number)}"
+            )
+
+    def _settle(self) -> None:
+        """Steps the model says were deleted that a fresh manager still lists: a reader's
+        lock deferred retention's deletion (local disks): delete them now, waiting for it."""
+        if self.where.name != "local":
+            return
+        manager, _ = quiet_manager(self.where.location())
+        for number in set(manager.all_steps()) - set(self.model.versions):
+            self._delete(number, wait=30)
+
+    # -- forks and signals --------------------------------------------------------------------
+
+    @precondition(_child)
+    @rule(version=VERSIONS, child=st.sampled_from(["exit", "sigterm"]), delay=st.floats(0.0, 0.3))
+    def fork_during_background_save(self, version, child, delay):
+        """A process forks while its manager saves in the background (a data loader's
+        worker): the child ends promptly, leaving the manager's block (``sys.exit``) or
+        by SIGTERM, and the parent's save commits."""
+        if child == "exit" and not FORKED_CHILD_CLOSE_FIXED:
+            return  # hangs for ever: see the strict xfail test below
+        self.started += 1
+        number = max(self.model.versions, default=-1) + 1
+        job = {"run": self.where.location(), "step": None, "number": number, "version": version, "mode": "fork"}
+        job |= {"child": child, "delay": delay}
+        with worker(job) as writer:
+            out, err = writer.communicate(timeout=180)
+        assert writer.returncode == 0 and "committed" in out, err[-3000:]
+        found = re.search(r"child (\S+) (\S+)", out)
+        assert found and found.group(1) != "hung", f"the forked child did not end: {out}"
+        status, seconds = int(found.group(1)), float(found.group(2))
+        assert status == (0 if child == "exit" else -signal.SIGTERM), out
+        assert seconds < 10, f"the forked child took {seconds} s to end"
+        self.model.saved(number, version)
+
+    @precondition(lambda self: self._child() and self.where.name == "s3")
+    @rule(version=VERSIONS, other=VERSIONS, during=st.booleans(), delay=st.floats(0.0, 0.3))
+    def stalled_preemption(self, version, other, during, delay):
+        """SIGTERM to a process whose manager (``preemption_grace_s``) saves in the background
+        to a store that stopped answering (a proxy on 127.0.0.1, paused before that save,
+        or ``delay`` s into it): the process ends by SIGTERM within twice the grace period
+        (and a bounded time more); its committed step loads exactly, the step it was saving
+        is committed whole or not listed."""
+        self.started += 1
+        number = max(self.model.versions, default=-1) + 1
+        proxy = DroppingProxy(self.where.store.endpoint)
+        go = pathlib.Path(tempfile.mkdtemp()) / "go"
+        job = {"run": s3_spec(proxy.endpoint, self.where.top), "number": number, "version": version, "mode": "stall"}
+        job |= {"next": other, "grace": GRACE_S, "go": str(go), "step": None}
+        try:
+            with worker(job) as child:
+                assert child.stdout is not None
+                assert child.stdout.readline() == "saved\n", child.communicate(timeout=60)
+                if not during:
+                    proxy.pause()
+                go.touch()
+                assert child.stdout.readline() == "saving\n"
+                if during:
+                    time.sleep(delay)
+                    proxy.pause()
+                child.send_signal(signal.SIGTERM)
+                start = time.monotonic()
+                out, err = child.communicate(timeout=120)
+                took = time.monotonic() - start
+        finally:
+            proxy.drop()  # what it holds is never delivered: nothing lands after the check
+            shutil.rmtree(go.parent, ignore_errors=True)
+        assert child.returncode == -signal.SIGTERM, (child.returncode, err[-3000:])
+        assert took < 2 * GRACE_S + GRACE_SLACK_S, f"SIGTERM took {took:.1f} s to end the process"
+        self.model.saved(number, version)
+        manager, _ = quiet_manager(self.where.location())
+        note(
+            f"stalled store, SIGTERM: ended in {took:.1f} s; step {number + 1} listed: {number + 1 in manager.all_steps()}"
+        )
+        if number + 1 in manager.all_steps():
+            self.model.saved(number + 1, other)
+
     # -- what must hold after every rule ------------------------------------------------------
 
     @invariant()
@@ -558,10 +882,9 @@ class FaultModel(RuleBasedStateMachine):
             assert found == body, f"{key!r}, which eqxckpt did not write, was {'changed' if found else 'deleted'}"
         for key, body in self.model.inside.items():
             number, rest = key.split("/", 1)
-            places = [key] + [
-                str(p.relative_to(self.where.run))
-                for p in self.where.run.glob(f"{number}.*-*/{rest}")  # pyright: ignore[reportAttributeAccessIssue]
-            ]
+            places = [key]
+            if isinstance(self.where, LocalRun):  # kept beside the step, if eqxckpt deleted or replaced it
+                places += [str(p.relative_to(self.where.run)) for p in self.where.run.glob(f"{number}.*-*/{rest}")]
             assert any(self.where.read(place) == body for place in places), (
                 f"{key!r}, which a user put inside step {number}, was deleted or changed (looked in {places})"
             )
@@ -581,6 +904,12 @@ class FaultModel(RuleBasedStateMachine):
             assert any(f"{number} (" in message for message in caught), (
                 f"step {number}'s manifest is damaged, but the manager did not warn: {caught}"
             )
+        for number, prefixes in model.missing.items():
+            assert any(f"{number} (" in m and any(p in m for p in prefixes) for m in caught), (
+                f"step {number} refers to {sorted(prefixes)}, which another tool deleted, but no warning names both: "
+                f"{caught}"
+            )
+        keys = self.where.keys()
         for number, version in sorted(model.versions.items()):
             want = tree(version)
             try:
@@ -598,17 +927,21 @@ class FaultModel(RuleBasedStateMachine):
                 assert not ok, f"verify passed step {number}, which is damaged"
             elif number in model.suspect:
                 assert exact or not ok, f"verify passed step {number}, which does not load exactly"
-            elif not any(k.startswith(f"{number}/") and self.where.read(k) for k in model.inside):
+            elif not any(
+                self.where.read(k)
+                for k in model.inside
+                if k in self.where.refers(number, keys) or k.startswith(f"{number}/")
+            ):
                 assert ok, f"verify flagged step {number}, which is undamaged"  # (a user's file in it: may)
         self.users_files_untouched()
 
 
 def run_machine(request, make_run, examples: int, steps: int) -> None:
     """Run the machine: ``examples`` runs of ``steps`` rules, one child process each (the
-    short profile); with ``--slow``, 200 runs of 25 rules, two child processes each."""
+    short profile); with ``--slow``, 200 runs of 25 rules, three child processes each."""
     slow = request.config.getoption("--slow")
     machine = type("FaultModel", (FaultModel,), {"make_run": classmethod(lambda cls: make_run())})
-    machine.children = 2 if slow else 1
+    machine.children = 3 if slow else 1
     profile = settings(
         max_examples=200 if slow else examples,
         stateful_step_count=25 if slow else steps,
@@ -774,3 +1107,106 @@ def test_fault_model_of_the_local_tier(tmp_path, request):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )
     run_state_machine_as_test(machine, settings=profile)
+
+
+# -- defects the machine found, each reduced to a test of its own --------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="a forked child's manager.close() waits for ever on the parent's save")
+def test_a_forked_child_leaving_the_managers_block_does_not_wait_for_the_parents_save(tmp_path):
+    """Found by `fork_during_background_save`. docs/concurrency.md: a process forked after a
+    manager's first save "does not inherit the parent's background saves (their thread is
+    the parent's), so it exits without waiting for them". A child that forks while the
+    manager's background save runs and leaves the manager's ``with`` block (``sys.exit``)
+    hangs in ``CheckpointManager.close`` on the parent's save's future, which no thread in
+    the child will ever finish. Expected: the child ends at once (exit 0)."""
+    job = {"run": str(tmp_path / "run"), "step": None, "number": 0, "version": 1, "mode": "fork"}
+    job |= {"child": "exit", "delay": 0.0, "patience": 5}
+    with worker(job) as writer:
+        out, err = writer.communicate(timeout=180)
+    assert writer.returncode == 0 and "committed" in out, err[-3000:]
+    assert re.search(r"child 0 \d", out), f"the forked child did not end at once: {out}"
+
+
+# -- a job of several processes -----------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_fault_model_across_processes(tmp_path, request):
+    """Jobs of 2 or 3 JAX processes on 127.0.0.1 resume one run on a local disk: each loads
+    every listed step (its replicated leaf restored read once), then saves more
+    (replica-parallel, with retention and incremental reuse). In all but the last job a
+    process is SIGKILLed at a random instant (loading or saving) and the others are killed
+    with it, as a scheduler would; the next job has another process count. After each job
+    every listed step loads exactly here (one process) and in the next job, and no step
+    its save did not finish whole is listed. The instants come from a fixed seed."""
+    import random
+
+    from conftest import start_workers
+    from fault_model_processes import SHAPE, SPECS, tag  # pyright: ignore[reportMissingImports]
+    from test_replicas_faults import _parsed
+
+    slow = request.config.getoption("--slow")
+    rng = random.Random(20261129)
+    run = tmp_path / "run"
+    jobs = 8 if slow else 3
+    counts = [2, 3] if slow else [2, 3, 2]
+    attempted: set[int] = set()
+    for job in range(jobs):
+        processes = counts[job % len(counts)]
+        last = job == jobs - 1
+        victim = None if last else rng.randrange(processes)
+        delay = rng.uniform(0.0, 1.2)
+        directory = tmp_path / f"job{job}"
+        directory.mkdir()
+        workers, logs = start_workers(
+            WORKERS / "fault_model_processes.py", "round", processes, directory,
+            FM_RUN=str(run), FM_SAVES="3", EQXCKPT_BARRIER_TIMEOUT_S="30",
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 180
+            if victim is not None:
+                while '"listed"' not in logs[victim].read_text():
+                    assert workers[victim].poll() is None and time.monotonic() < deadline, logs[victim].read_text()
+                    time.sleep(0.02)
+                time.sleep(delay)
+                workers[victim].kill()
+                for other in workers:  # the job is lost: the scheduler ends it
+                    other.kill()
+            while any(w.poll() is None for w in workers):
+                assert time.monotonic() < deadline, "\n".join(log.read_text() for log in logs)
+                time.sleep(0.05)
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                w.wait()
+        texts = [log.read_text() for log in logs]
+        results = [[_parsed(line[7:]) for line in t.splitlines() if line.startswith("RESULT ")] for t in texts]
+        if victim is None:
+            assert all(w.returncode == 0 for w in workers), texts
+        for rs in results:
+            for r in rs:
+                assert r.get("bad", 0) == 0, f"job {job} ({processes} processes) loaded step {r['checked']} wrong"
+                if "saving" in r:
+                    attempted.add(r["saving"])
+        saved = {r["saved"] for rs in results for r in rs if "saved" in r}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            listed = eqxckpt.CheckpointManager(run).all_steps()
+        summary = f"job {job}: {processes} processes, victim {victim} after {delay:.2f} s; saved {sorted(saved)}, listed {listed}"
+        print(summary)
+        assert set(listed) <= attempted, summary
+        assert len(listed) <= 3 and (not listed or set(listed) >= {s for s in saved if s > max(listed) - 3}), summary
+        for step in listed:
+            got = eqxckpt.load(run / str(step))
+            for name in SPECS:
+                want = values_of(tag(step, name), SHAPE)
+                assert np.asarray(got[name]).tobytes() == want.tobytes(), f"{summary}: step {step} {name} differs"
+    assert listed, "the last job saved nothing"
+
+
+def values_of(path: str, shape) -> np.ndarray:
+    from attack_worker import values  # pyright: ignore[reportMissingImports]
+
+    return values(path, shape, np.float32)
