@@ -27,6 +27,10 @@ class SaveHandle:
         self.path = path
         self._future = future
         self.observed = False  # whether its outcome was seen (by wait() or the next save)
+        self._pid = os.getpid()  # a forked child has no thread to finish it: not its to wait on
+
+    def _forked_away(self) -> bool:
+        return os.getpid() != self._pid and not self._future.done()
 
     def done(self) -> bool:
         """Whether the save has finished (successfully or not).
@@ -47,11 +51,16 @@ class SaveHandle:
 
         - `timeout`: seconds to wait at most (None: no limit); `TimeoutError` after.
 
+        In a process forked while the save ran (a data loader's worker), returns at once:
+        the save is the parent's, whose thread finishes it.
+
         ```python
         eqxckpt.save("ckpt", tree, blocking=False).wait()
         ```
         """
         self.observed = True
+        if self._forked_away():
+            return
         self._future.result(timeout)
 
     def error(self) -> BaseException | None:
@@ -64,6 +73,8 @@ class SaveHandle:
             log(error)
         ```
         """
+        if self._forked_away():
+            return None  # the parent's to report
         return self._future.exception()
 
     def __repr__(self) -> str:

@@ -54,9 +54,6 @@ import eqxckpt
 from eqxckpt._storage import resolve
 from eqxckpt._stored import unwritten_at
 
-# Fixed, the fork rule's child leaving the manager's `with` block (see
-# test_a_forked_child_leaving_the_managers_block_does_not_wait_for_the_parents_save).
-FORKED_CHILD_CLOSE_FIXED = False
 # The stalled-store rule's grace period, and what it may take beyond twice that.
 GRACE_S = 1.0
 GRACE_SLACK_S = 8.0
@@ -815,8 +812,6 @@ class FaultModel(RuleBasedStateMachine):
         """A process forks while its manager saves in the background (a data loader's
         worker): the child ends promptly, leaving the manager's block (``sys.exit``) or
         by SIGTERM, and the parent's save commits."""
-        if child == "exit" and not FORKED_CHILD_CLOSE_FIXED:
-            return  # hangs for ever: see the strict xfail test below
         self.started += 1
         number = max(self.model.versions, default=-1) + 1
         job = {"run": self.where.location(), "step": None, "number": number, "version": version, "mode": "fork"}
@@ -1112,14 +1107,13 @@ def test_fault_model_of_the_local_tier(tmp_path, request):
 # -- defects the machine found, each reduced to a test of its own --------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a forked child's manager.close() waits for ever on the parent's save")
 def test_a_forked_child_leaving_the_managers_block_does_not_wait_for_the_parents_save(tmp_path):
     """Found by `fork_during_background_save`. docs/concurrency.md: a process forked after a
     manager's first save "does not inherit the parent's background saves (their thread is
     the parent's), so it exits without waiting for them". A child that forks while the
     manager's background save runs and leaves the manager's ``with`` block (``sys.exit``)
-    hangs in ``CheckpointManager.close`` on the parent's save's future, which no thread in
-    the child will ever finish. Expected: the child ends at once (exit 0)."""
+    hung in ``CheckpointManager.close`` on the parent's save's future, which no thread in
+    the child will ever finish. The child ends at once (exit 0)."""
     job = {"run": str(tmp_path / "run"), "step": None, "number": 0, "version": 1, "mode": "fork"}
     job |= {"child": "exit", "delay": 0.0, "patience": 5}
     with worker(job) as writer:
