@@ -22,7 +22,7 @@ from workloads import build  # noqa: E402
 
 import eqxckpt  # noqa: E402
 import eqxckpt._save as save_module  # noqa: E402
-import eqxckpt._storage._local as local_module  # noqa: E402
+import eqxckpt._storage._disk as local_module  # noqa: E402
 from eqxckpt._gc import collector_paused  # noqa: E402
 
 

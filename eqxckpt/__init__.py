@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from ._checkpoint import Checkpoint as Checkpoint
     from ._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
     from ._formats import open as open
-    from ._layout import Stack as Stack, Unstack as Unstack
     from ._leaf import (
         ArrayLeaf as ArrayLeaf,
         KeyLeaf as KeyLeaf,
@@ -48,6 +47,7 @@ if TYPE_CHECKING:
     )
     from ._load import load as load
     from ._manager import CheckpointManager as CheckpointManager
+    from ._restack import Stack as Stack, Unstack as Unstack
     from ._safetensors import save_safetensors as save_safetensors
     from ._save import save as save
     from ._source import LazyArray as LazyArray, Source as Source
@@ -62,8 +62,8 @@ _LAZY = {
     "SaveHandle": "_background",
     "Checkpoint": "_checkpoint",
     "LazyArray": "_source",
-    "Stack": "_layout",
-    "Unstack": "_layout",
+    "Stack": "_restack",
+    "Unstack": "_restack",
     "Leaf": "_leaf",
     "StoredLeaf": "_leaf",
     "ArrayLeaf": "_leaf",

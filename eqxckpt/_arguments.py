@@ -73,7 +73,10 @@ def _normalized(value: Any, hint: Any) -> Any:
     arms = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     origins = {typing.get_origin(arm) or arm for arm in arms}
     if _numpy_kind(value) and origins & {bool, int, float}:
-        return value.item()
+        try:
+            return value.item()
+        except Exception:  # noqa: BLE001 - a traced value (inside jit) has none: refused as it is
+            return value
     if dict in origins and not isinstance(value, dict) and isinstance(value, collections.abc.Mapping):
         return dict(value)
     if tuple in origins and isinstance(value, list):

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from ._storage import Storage
+    from ._verify import VerifyReport
 
 
 def human_bytes(n: int) -> str:
@@ -111,7 +112,7 @@ def _verify(args: argparse.Namespace) -> int:
         if not steps:
             raise
         return _verify_run(out, resolve(path), steps, args.repair)
-    _print_mended(out, "", report.mended)
+    _print_mended(out, "", report)
     for leaf, message, details in report.lines():
         out.print(f"[bold red]{escape(leaf)}[/bold red]: {escape(message)}")
         for detail in details:
@@ -124,11 +125,13 @@ def _verify(args: argparse.Namespace) -> int:
     return _verdict(out, report.ok, ("OK", "DAMAGED", "red"), summary)
 
 
-def _print_mended(out: "Console", prefix: str, mended: list[tuple[str, str]]) -> None:
+def _print_mended(out: "Console", prefix: str, report: "VerifyReport") -> None:
     from rich.markup import escape
 
-    for leaf, twin in mended:
+    for leaf, twin in report.mended:
         out.print(f"[bold green]{escape(prefix + leaf)}[/bold green]: mended from its twin in {escape(twin)}")
+    for leaf, why in report.unmended:
+        out.print(f"[bold red]{escape(prefix + leaf)}[/bold red]: not mended: {escape(why)}")
 
 
 def _verify_run(out: "Console", run: "Storage", steps: list[str], repair: bool = False) -> int:
@@ -148,7 +151,7 @@ def _verify_run(out: "Console", run: "Storage", steps: list[str], repair: bool =
             report = verify(run.sub(step).user_path(), progress=True, repair=repair)
         except CheckpointNotFoundError:
             continue  # deleted since the directory was listed (retention)
-        _print_mended(out, f"{step}/", report.mended)
+        _print_mended(out, f"{step}/", report)
         verified += 1
         checked += report.bytes_checked
         if not report.ok:

@@ -21,11 +21,11 @@ from ._convert import checked_astype, narrowed
 from ._errors import MAX_LISTED, CastError, CheckpointChangedError, StructureMismatchError, plural
 from ._formats import open as open_source
 from ._gc import collector_paused
-from ._layout import Layout, Row, plan_stack, plan_unstack, read_layouts, unrestored_rows
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf, refuse_narrowing
 from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
 from ._replicas import failing_together, read_once, spans_processes
+from ._restack import Layout, Row, plan_stack, plan_unstack, read_layouts, unrestored_rows
 from ._source import LazyArray, Source, nothing_under
 from ._storage import CheckpointPath
 from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path

@@ -109,6 +109,7 @@ class CheckpointManager:
         # What `latest_step` chose, for the `load` that follows; a save drops it.
         self._resume: Resume | None = None
 
+    @checked_arguments
     def should_save(self, step: int) -> bool:
         """Whether `save` would save ``step`` (a step number) without ``force``.
 
@@ -118,6 +119,8 @@ class CheckpointManager:
         state = gather_state() if manager.should_save(step) else None  # only build what is saved
         ```
         """
+        if step < 0:
+            raise ArgumentError(f"step must be a non-negative int, got {step!r}.")
         return self._persistent.should_save(step)
 
     @checked_arguments

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from ._chunks import ChunkLayout
-from ._errors import CheckpointError
+from ._errors import CheckpointChangedError, CheckpointError
 from ._leaf import StoredLeaf
 from ._paths import PACKED_LOCATION
 from ._storage import MAX_ZARR_JSON_BYTES, Storage, expected_files
@@ -61,23 +61,38 @@ def repair(location: Storage, damaged: Sequence[str]) -> Repair:
             units[path] = record
     twins = [twin for twin in (_opened(beside) for beside in location.beside()) if twin is not None]
     for path, record in units.items():
-        why = "no checkpoint beside it holds a twin (the same digest and chunk layout)"
-        for twin in twins:
-            found = _twin_record(stored, twin, record)
-            if found is None:
-                continue
-            try:
-                _mend(stored, record, twin, found)
-            except CheckpointError as e:
-                why = f"mending it from {twin.location} failed: {e}"
-                continue
-            if not _damaged(StoredArrays.open(location), path):
-                done.mended.append((path, twin.location))
-                break
-            why = f"still damaged after mending it from {twin.location}"
+        twin, why = _mend_from_twins(location, stored, record, twins)
+        if twin is not None:
+            done.mended.append((path, twin))
         else:
             done.unmended.append((path, why))
     return done
+
+
+def _mend_from_twins(
+    location: Storage, stored: StoredArrays, record: StoredLeaf, twins: list[StoredArrays]
+) -> tuple[str | None, str]:
+    """Mend ``record``'s array from the first of ``twins`` that holds it soundly: that
+    twin's location, or None and why nothing was mended."""
+    why = "no checkpoint beside it holds a twin (the same digest and chunk layout)"
+    for twin in twins:
+        found = _twin_record(stored, twin, record)
+        if found is None:
+            continue
+        try:
+            # Held (a local disk) and written in the checkpoint whose manifest was read:
+            # one that replaced or deleted it meanwhile is never written to.
+            with stored.consistent():
+                _mend(stored, record, twin, found)
+        except CheckpointChangedError:
+            return None, "it was replaced or deleted while it was mended: nothing of what is there now was written"
+        except CheckpointError as e:
+            why = f"mending it from {twin.location} failed: {e}"
+            continue
+        if not _damaged(location, record.path):
+            return twin.location, ""
+        why = f"still damaged after mending it from {twin.location}"
+    return None, why
 
 
 def _opened(location: Storage) -> StoredArrays | None:
@@ -143,7 +158,7 @@ def _mend(stored: StoredArrays, record: StoredLeaf, twin: StoredArrays, found: S
         if good is None or (size >= 0 and len(good) != size) or len(good) > cap:
             raise CheckpointError(f"its twin's {key} is not the file it should be")
         if _read(mine, key, cap) != good:
-            mine.mend(key, good)
+            stored.mend(record, key, good)
 
 
 def _read(files: Storage, key: str, cap: int) -> bytes | None:
@@ -153,7 +168,13 @@ def _read(files: Storage, key: str, cap: int) -> bytes | None:
         return None
 
 
-def _damaged(stored: StoredArrays, path: str) -> bool:
+def _damaged(location: Storage, path: str) -> bool:
+    """Whether the leaf ``path`` (or the packed array) of the checkpoint now at ``location``
+    fails verify's checks (or cannot be opened)."""
+    try:
+        stored = StoredArrays.open(location)
+    except CheckpointError:
+        return True
     if path == PACKED_LOCATION:
         records = [r for r in stored.manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
     else:

@@ -503,14 +503,20 @@ class RunSteps:
             if copies == 1:
                 return 0, committed[-1] if committed else None
             kept = self.retention.kept({**self._metrics, step: metrics}) - {step}
-            # Steps saved without a group count for none: they may link any group's files.
-            held = {self._copies[s] for s in kept if self._copies.get(s) is not None}
+
+            def group_of(s: int) -> int | None:
+                # Steps saved without a group, or with one this manager does not make (another
+                # tool's, or another setting's), count for none: they may link any group's files.
+                found = self._copies.get(s)
+                return found if found is not None and 0 <= found < copies else None
+
+            held = {group_of(s) for s in kept} - {None}
             need = min(copies, len(kept) + 1)
             newest: dict[int, int] = {}  # each group's newest committed step
             for s in committed:
-                if (group := self._copies.get(s)) is not None:
+                if (group := group_of(s)) is not None:
                     newest[group] = s
-            latest = self._copies.get(committed[-1]) if committed else None
+            latest = group_of(committed[-1]) if committed else None
             if len(held) >= need and latest is not None:
                 return latest, committed[-1]
             # A group the kept steps lack: the one with the newest step to share with.

@@ -188,6 +188,18 @@ class StoredArrays:
         """
         return self.storage.sharers(self.manifest, leaf)
 
+    def mend(self, leaf: StoredLeaf, key: str, raw: bytes) -> None:
+        """Rewrite the file ``key`` of ``leaf``'s array with ``raw`` (a verified twin's bytes)
+        in place, in this checkpoint (never one that replaced it: `Storage.mend`). Call it
+        inside `consistent`, which tells afterwards whether it was replaced meanwhile.
+
+        ```python
+        with stored.consistent():
+            stored.mend(stored.records["w"], "w/c/0", good_bytes)
+        ```
+        """
+        self.files_of(leaf).mend(key, raw, self._pin)
+
     def leaf_files(self, path: str) -> dict[str, int] | None:
         """The files of the leaf ``path`` among the checkpoint's own arrays with their sizes,
         on a local disk (None where they cannot be listed)."""

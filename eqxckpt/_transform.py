@@ -20,8 +20,8 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._errors import TransformError
-from ._layout import Stack, Unstack, layer_keys
 from ._paths import key_entry_record
+from ._restack import Stack, Unstack, layer_keys
 
 
 @dataclasses.dataclass(frozen=True)

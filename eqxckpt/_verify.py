@@ -78,6 +78,8 @@ class VerifyReport:
     # With ``repair=True``: each leaf (or the packed array) mended, with the twin it was
     # mended from; what is still damaged is in ``problems``.
     mended: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    # ...and each it could not mend, with why.
+    unmended: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     _packed: set[str] = dataclasses.field(default_factory=set, repr=False)  # damaged packed leaves' paths
 
     @property
@@ -161,7 +163,8 @@ def verify(path: CheckpointPath, *, progress: Progress = False, repair: bool = F
       Nothing is mended from a twin that does not verify; a leaf without one stays damaged.
 
     **Returns:** a `VerifyReport`; ``report.ok`` is True if nothing is wrong (after
-    mending, with ``repair``: ``report.mended`` names what was mended, and from where).
+    mending, with ``repair``: ``report.mended`` names what was mended, and from where,
+    ``report.unmended`` what was not, and why).
 
     ```python
     report = eqxckpt.verify("checkpoints/step_100")
@@ -176,10 +179,9 @@ def verify(path: CheckpointPath, *, progress: Progress = False, repair: bool = F
     from ._repair import repair as mend
 
     done = mend(location, [leaf for leaf, _ in report.problems])
-    if not done.mended:
-        return report
-    report = verify_location(location, progress)
-    report.mended = done.mended
+    if done.mended:
+        report = verify_location(location, progress)
+    report.mended, report.unmended = done.mended, done.unmended
     return report
 
 

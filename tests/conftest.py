@@ -28,7 +28,7 @@ from eqxckpt._tree import is_prng_key_dtype
 if TYPE_CHECKING:
     import collections
 
-    from eqxckpt._storage._local import LocalStorage
+    from eqxckpt._storage._disk import LocalStorage
 
 # The scripts tests start in other processes (and whose helpers some tests import).
 WORKERS = pathlib.Path(__file__).parent / "workers"
@@ -431,7 +431,7 @@ def counting_storage(path: pathlib.Path) -> "tuple[LocalStorage, collections.Cou
     import collections
     from collections.abc import Sequence
 
-    from eqxckpt._storage._local import LocalChunkFiles, LocalStorage
+    from eqxckpt._storage._disk import LocalChunkFiles, LocalStorage
 
     reads: collections.Counter = collections.Counter()
 

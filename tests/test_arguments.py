@@ -205,3 +205,15 @@ def test_a_tuple_in_metadata_or_an_argument_whose_repr_fails_is_an_argument_erro
     with pytest.raises(eqxckpt.ArgumentError, match="overwrite must be True or False, got BadRepr"):
         eqxckpt.save(tmp_path / "c", {"w": np.arange(3.0)}, overwrite=BadRepr())  # type: ignore[arg-type]
     assert not (tmp_path / "c").exists()
+
+
+def test_should_save_checks_its_step_as_save_does(tmp_path):
+    """The seventeenth outside attack: `should_save` answered for a 1-d array, a bool and a
+    negative step, which `save` refuses."""
+    import jax.numpy as jnp
+
+    manager = eqxckpt.CheckpointManager(tmp_path / "run", save_interval_steps=4)
+    assert manager.should_save(jnp.int32(8)) is True and manager.should_save(6) is False
+    for bad in (jnp.array([8]), jnp.array(True), jnp.array(-2), -4, "8"):
+        with pytest.raises(eqxckpt.ArgumentError, match="step must be"):
+            manager.should_save(bad)

@@ -245,7 +245,7 @@ def test_verify_of_a_run_directory_tells_a_shared_damaged_file_once(tmp_path, ca
     """``eqxckpt verify run/`` verifies every step; a damaged file that incremental steps
     share is told once, naming every step that holds it, not once per step."""
     run = tmp_path / "run"
-    with eqxckpt.CheckpointManager(run, blocking=True) as manager:
+    with eqxckpt.CheckpointManager(run, blocking=True, kept_copies=1) as manager:
         for step in range(3):
             manager.save(step, {"frozen": np.arange(50_000, dtype=np.float32), "step": np.full(70_000, step)})
     assert main(["verify", str(run)]) == 0

@@ -325,7 +325,7 @@ def test_odd_entries_never_stop_a_run_from_opening(tmp_path):
 def test_a_step_deleted_during_a_load_is_a_clear_error(tmp_path, monkeypatch, leaves, trigger):
     """A leaf check that finds the step gone raises CheckpointChangedError
     (the load is pinned to the directory it opened), never FileNotFoundError."""
-    from eqxckpt._storage._local import LocalStorage
+    from eqxckpt._storage._disk import LocalStorage
 
     run = tmp_path / "run"
     eqxckpt.save(run / "1", state(1, leaves))

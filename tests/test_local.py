@@ -28,7 +28,7 @@ from hypothesis import given, settings
 
 import eqxckpt
 from eqxckpt._local import LocalTier, placement
-from eqxckpt._local._layout import run_key
+from eqxckpt._local._directory import run_key
 from eqxckpt._save import Part
 from eqxckpt._storage import resolve
 

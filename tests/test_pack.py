@@ -296,7 +296,7 @@ def test_packed_leaves_on_object_stores(store):
 
 
 def test_the_packed_array_is_opened_once_per_checkpoint(tmp_path, monkeypatch):
-    from eqxckpt._storage._local import LocalStorage
+    from eqxckpt._storage._disk import LocalStorage
 
     tree = small_tree()
     eqxckpt.save(tmp_path / "c", tree)

@@ -115,7 +115,7 @@ def test_a_save_syncs_through_a_descriptor_opened_before_its_writes(tmp_path, mo
     and leaves that descriptor open (the lock is released after the commit)."""
     import os
 
-    import eqxckpt._storage._local as local
+    import eqxckpt._storage._disk as local
 
     used = []
     real = local.sync_filesystem
@@ -200,7 +200,7 @@ def test_a_zarr_json_that_is_a_directory_is_named_by_its_path(tmp_path):
 def test_a_checkpoint_replaced_while_its_manifest_is_opened_is_changed_not_incomplete(tmp_path, monkeypatch):
     # The window the overwrite race test hit once in CI: the reader holds the old directory
     # open, the overwrite moves it aside and removes its manifest before the reader reads it.
-    import eqxckpt._storage._local as local_storage
+    import eqxckpt._storage._disk as local_storage
 
     eqxckpt.save(tmp_path / "c", {"x": np.arange(3)})
     real_read = local_storage.read_capped

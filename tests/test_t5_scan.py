@@ -173,7 +173,7 @@ def test_convert_hf_writes_a_scanned_t5_that_loads_into_its_skeleton(tmp_path, s
 
 
 def test_scanned_load_hf_reads_each_tensor_once_straight_into_the_stacked_leaves(monkeypatch):
-    from eqxckpt import _layout, _load, _safetensors
+    from eqxckpt import _load, _restack, _safetensors
 
     reads, stacked = [], []
     read_range, read_layouts = _safetensors.read_range, _load.read_layouts
@@ -184,7 +184,7 @@ def test_scanned_load_hf_reads_each_tensor_once_straight_into_the_stacked_leaves
     )
 
     def spied_read_layouts(source, wanted):
-        stacked.extend(layout.leaf.path for layout, _ in wanted if isinstance(layout, _layout.Stacked))
+        stacked.extend(layout.leaf.path for layout, _ in wanted if isinstance(layout, _restack.Stacked))
         return read_layouts(source, wanted)
 
     monkeypatch.setattr(_load, "read_layouts", spied_read_layouts)

@@ -411,3 +411,65 @@ def test_repair_never_rewrites_a_file_with_a_hard_link_outside_the_run(tmp_path)
     report = eqxckpt.verify(run / "0", repair=True)
     assert "frozen" in {path for path, _ in report.problems} and report.mended == []
     assert precious.read_bytes() == b"user's notes"
+
+
+def _while_repairing(monkeypatch, act) -> None:
+    """Make ``act()`` run once, just after repair has found and checked a twin and before it
+    writes anything (another process's save or retention at that instant)."""
+    import eqxckpt._repair as repair_module
+
+    found_twin = repair_module._twin_record
+    acted: list[bool] = []
+
+    def then_act(*args):
+        found = found_twin(*args)
+        if found is not None and not acted:
+            acted.append(True)
+            act()
+        return found
+
+    monkeypatch.setattr(repair_module, "_twin_record", then_act)
+
+
+@pytest.mark.parametrize("same_values", [False, True])
+def test_repair_never_writes_into_a_checkpoint_that_replaced_the_damaged_one(tmp_path, monkeypatch, same_values):
+    """The seventeenth outside attack: step 0 is replaced (``overwrite=True``) after repair
+    checked its twin; repair wrote the twin's file into the new step 0 by its path,
+    damaging it. Repair writes only in the directory it opened, says it was replaced, and
+    the new step 0 is untouched."""
+    run = tmp_path / "run"
+    _five_steps(run)
+    chunk = run / "0" / "frozen/c/0"
+    damaged = bytearray(chunk.read_bytes())
+    damaged[0] ^= 1
+    chunk.unlink()  # its own file: the other steps of its group stay sound
+    chunk.write_bytes(bytes(damaged))
+    new = shared_state(0) | {"frozen": np.arange(131072, dtype=np.float32) + (0 if same_values else 1)}
+    _while_repairing(monkeypatch, lambda: eqxckpt.save(run / "0", new, overwrite=True))
+    report = eqxckpt.verify(run / "0", repair=True)
+    assert report.mended == [] and [path for path, _ in report.unmended] == ["frozen"]
+    assert "replaced or deleted while it was mended" in report.unmended[0][1]
+    assert eqxckpt.verify(run / "0").ok
+    assert_trees_equal(eqxckpt.load(run / "0"), new)
+
+
+def test_repair_racing_retention_on_an_object_store_creates_nothing(store, monkeypatch):
+    """The seventeenth outside attack: retention deletes step 0 (nothing refers to it) after
+    repair checked its twin; repair then raised and wrote step 0's chunk back into the
+    deleted prefix, where it stayed for ever. An object is written again only where it is
+    still there, and a checkpoint gone meanwhile is reported, not raised."""
+    top = f"repair-race-{store.name}/run/"
+    with eqxckpt.CheckpointManager(store.spec(top), max_to_keep=5, blocking=True) as manager:
+        for step in range(5):
+            manager.save(step, shared_state(step))
+    [key] = [k for k in store.keys(f"{top}0/") if k.endswith("/frozen/c/0")]
+    store.put(key, bytes([store.get(key)[0] ^ 1]) + store.get(key)[1:])
+
+    def retention_deletes_step_0():
+        with eqxckpt.CheckpointManager(store.spec(top), max_to_keep=5, blocking=True, incremental=False) as manager:
+            manager.save(5, shared_state(5))
+
+    _while_repairing(monkeypatch, retention_deletes_step_0)
+    report = eqxckpt.verify(store.spec(f"{top}0"), repair=True)
+    assert report.mended == [] and [path for path, _ in report.unmended] == ["frozen"]
+    assert store.keys(f"{top}0/") == []

@@ -2,5 +2,5 @@
 own host, with copies kept by peers (see `_checkpoints`)."""
 
 from ._checkpoints import LocalCheckpoints as LocalCheckpoints, LocalChoice as LocalChoice
-from ._layout import LocalTier as LocalTier, PartInfo as PartInfo
+from ._directory import LocalTier as LocalTier, PartInfo as PartInfo
 from ._peers import placement as placement

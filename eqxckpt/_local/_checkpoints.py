@@ -46,7 +46,7 @@ from .._load import load
 from .._save import Part
 from .._steps import RunSteps
 from .._window import host_memory_budget
-from ._layout import LocalTier, PartInfo
+from ._directory import LocalTier, PartInfo
 from ._peers import Transfers, failure_domain, placement, transfer_id
 
 

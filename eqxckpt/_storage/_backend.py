@@ -252,14 +252,18 @@ class Storage(abc.ABC):
         Empty where there is no such directory (a copy held in memory)."""
         return []
 
-    def mend(self, key: str, raw: bytes) -> None:
+    def mend(self, key: str, raw: bytes, pin: Pin) -> None:
         """Make the file ``key`` of these arrays hold ``raw`` (bytes of a verified twin), in
-        place: on a local disk the file itself is rewritten, so every checkpoint sharing it
-        (hard links) is mended; on an object store the object is written again, so every
-        checkpoint referring to its prefix is. Raises `CheckpointWriteError` where it cannot.
+        place, in the checkpoint ``pin`` ties them to (`StoredArrays.mend`): on a local disk
+        the file itself is rewritten in the directory held open since its manifest was read
+        (never in one that replaced it), so every checkpoint sharing it (hard links) is
+        mended; on an object store the object is written again on condition that it is
+        the one there now (never created: a prefix deleted meanwhile stays deleted), so
+        every checkpoint referring to its prefix is. Raises `CheckpointWriteError` where
+        it cannot.
 
         ```python
-        stored.files_of(leaf).mend("w/c/0/0", good_bytes)
+        stored.files_of(leaf).mend("w/c/0/0", good_bytes, pin)
         ```
         """
         raise CheckpointWriteError(f"{self} cannot be mended: it is read-only here.")

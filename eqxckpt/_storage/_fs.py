@@ -53,16 +53,15 @@ def read_capped(path: pathlib.Path | str, cap: int, dir_fd: int | None = None) -
         return f.read(min(cap, info.st_size) + 1)
 
 
-def rewrite_in_place(
-    root: pathlib.Path, key: str, raw: bytes, links: Callable[[os.stat_result], bool] = lambda _: True
-) -> None:
-    """Make ``root/key`` hold ``raw``, rewriting the file itself (its other hard links see
-    the new bytes), created where missing; no component is followed through a symlink.
+def rewrite_in_place(root: int, key: str, raw: bytes, links: Callable[[os.stat_result], bool] = lambda _: True) -> None:
+    """Make ``key`` under the directory open as ``root`` (a descriptor) hold ``raw``,
+    rewriting the file itself (its other hard links see the new bytes), created where
+    missing; no component is followed through a symlink.
     ``links(stat)`` says whether the file as opened may be rewritten (where its other hard
     links are). ``OSError`` if a component is a symlink, or the file is not what it should
     be or may not be rewritten."""
     *directories, name = key.split("/")
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    fd = os.dup(root)
     try:
         for part in directories:
             if part in ("", ".", ".."):

@@ -63,6 +63,7 @@ from ._kvstore import (
     list_keys,
     read_bounded,
     read_bounded_future,
+    stat,
     write_manifest,
 )
 from ._lease import Lease, describe_lease, is_abandoned, read_lease, warn_if_not_atomic
@@ -223,11 +224,18 @@ class ObjectStorage(Storage):
             if state == "committed" and entry != name
         ]
 
-    def mend(self, key: str, raw: bytes) -> None:
+    def mend(self, key: str, raw: bytes, pin: Pin) -> None:
+        store = self.open_kvstore()
         try:
-            self.open_kvstore().write(key, raw).result()
+            found = stat(store, key)
+            if found.state != "value":
+                raise CheckpointWriteError(
+                    f"{self}{key} is missing: only objects that are there are written again (its prefix may be "
+                    "deleted). Save the step again to replace it."
+                )
+            store.write(key, raw, if_equal=found.stamp.generation).result()
         except Exception as e:
-            if not is_storage_error(e):
+            if isinstance(e, CheckpointError) or not is_storage_error(e):
                 raise
             raise CheckpointWriteError(f"{self}{key} could not be written again: {reason(e)}") from e
 

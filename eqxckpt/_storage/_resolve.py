@@ -6,7 +6,7 @@ from typing import Any
 
 from .._errors import ArgumentError, CheckpointError
 from ._backend import CheckpointPath, Storage, environment_endpoint
-from ._local import LocalStorage
+from ._disk import LocalStorage
 from ._objects import ObjectStorage
 
 

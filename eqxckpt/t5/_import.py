@@ -5,10 +5,10 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import StructureMismatchError
-from .._layout import Stack
 from .._leaf import ArrayLeaf
 from .._load import differences, load, plan
 from .._progress import Progress
+from .._restack import Stack
 from .._save import save
 from .._storage import CheckpointPath
 from .._translate import TranslatedSource

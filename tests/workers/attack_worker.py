@@ -474,7 +474,7 @@ def signalled(directory: str) -> None:
 
     import eqxckpt
     import eqxckpt._replicas as replicas
-    import eqxckpt._storage._local as local
+    import eqxckpt._storage._disk as local
 
     me = jax.process_index()
     victim, at = int(os.environ["ATTACK_VICTIM"]), os.environ["ATTACK_AT"]

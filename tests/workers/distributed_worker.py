@@ -163,7 +163,7 @@ def layout_scenario(process_id: int, num_processes: int, devices: np.ndarray, di
     over every device, and DIRECTORY/stacked into per-layer leaves sharded by rows; print
     each restore's chunk files read by this process (JSON) once every value is checked."""
     import eqxckpt
-    import eqxckpt._storage._local as local
+    import eqxckpt._storage._disk as local
 
     read: list[str] = []
 

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqxckpt
 import eqxckpt._chunks as chunks_module
-from eqxckpt._storage._local import LocalChunkFiles
+from eqxckpt._storage._disk import LocalChunkFiles
 
 LAYERS = 4
 STACK = {r"blocks/(.*)": eqxckpt.Stack(r"blocks/{i}/\1")}
@@ -65,7 +65,7 @@ def check(out: jax.Array, expected: np.ndarray, sharding: NamedSharding, what: s
 
 def main(directory: str) -> None:
     chunks_module.CHUNK_BYTES = 256
-    import eqxckpt._storage._local as local
+    import eqxckpt._storage._disk as local
 
     local.LocalChunkFiles = CountedFiles  # type: ignore[misc]
     for name in ("for_orbax", "per_layer", "stacked"):

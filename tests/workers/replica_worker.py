@@ -89,7 +89,7 @@ class Counters:
         self.where = where
         self.chunks = {"read": 0, "written": 0}
         if where not in ("s3", "gcs"):  # chunk files alone, apart from everything else
-            import eqxckpt._storage._local as local
+            import eqxckpt._storage._disk as local
 
             counts = self.chunks
 

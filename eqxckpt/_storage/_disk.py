@@ -351,7 +351,10 @@ class LocalStorage(Storage):
             if state == "committed" and name != self.path.name
         ]
 
-    def mend(self, key: str, raw: bytes) -> None:
+    def mend(self, key: str, raw: bytes, pin: Pin) -> None:
+        if not isinstance(pin, LocalPin) or pin.fd < 0:
+            raise CheckpointWriteError(f"{self.path} cannot be mended: it is not held open.")
+
         def linked_beside_only(info: os.stat_result) -> bool:
             # Every other name of the file is the same file of a checkpoint beside this one
             # (incremental saves' links): rewriting it changes nothing outside them.
@@ -367,7 +370,7 @@ class LocalStorage(Storage):
             return names == info.st_nlink
 
         try:
-            rewrite_in_place(self.path, key, raw, linked_beside_only)
+            rewrite_in_place(pin.fd, key, raw, linked_beside_only)
         except OSError as e:
             raise CheckpointWriteError(f"{self.path / key} could not be rewritten: {e}") from e
 
