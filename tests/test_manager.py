@@ -96,7 +96,7 @@ def test_each_bad_argument_is_an_argument_error(tmp_path, kwargs, match):
 @pytest.mark.parametrize("step", [-1, True, 1.0, "3"])
 def test_a_bad_step_is_an_argument_error(tmp_path, step):
     with eqxckpt.CheckpointManager(tmp_path, blocking=True) as manager:
-        with pytest.raises(eqxckpt.ArgumentError, match="step must be a non-negative int") as caught:
+        with pytest.raises(eqxckpt.ArgumentError, match="step must be (a non-negative int|an int)") as caught:
             manager.save(step, tree(0))
         assert isinstance(caught.value, ValueError)
         assert manager.all_steps() == []
