@@ -65,6 +65,8 @@ NOT_DATA = {"eqxckpt.lease.json", "eqxckpt.commit.json", "%doomed"}
 LEASE_S = 1.0
 
 STEPS = st.integers(0, 5)
+# When a writer child is signalled: at its k-th progress report, or after a delay.
+WHEN = st.one_of(st.tuples(st.just("report"), st.integers(0, 4)), st.tuples(st.just("delay"), st.floats(0.0, 1.5)))
 VERSIONS = st.integers(0, 3)
 
 
@@ -559,9 +561,7 @@ class FaultModel(RuleBasedStateMachine):
         number=STEPS,
         version=VERSIONS,
         manager=st.booleans(),
-        when=st.one_of(
-            st.tuples(st.just("report"), st.integers(0, 4)), st.tuples(st.just("delay"), st.floats(0.0, 1.5))
-        ),
+        when=WHEN,
     )
     def kill_writer(self, number, version, manager, when):
         """SIGKILL a child saving a step (a new one, or overwriting a whole one) at its
@@ -573,9 +573,7 @@ class FaultModel(RuleBasedStateMachine):
         number=STEPS,
         version=VERSIONS,
         manager=st.booleans(),
-        when=st.one_of(
-            st.tuples(st.just("report"), st.integers(0, 4)), st.tuples(st.just("delay"), st.floats(0.0, 1.5))
-        ),
+        when=WHEN,
     )
     def interrupt_writer(self, number, version, manager, when):
         """SIGINT (Ctrl-C) into a child saving a step, at its k-th progress report or after
