@@ -557,28 +557,12 @@ class FaultModel(RuleBasedStateMachine):
         return self.started < self.children
 
     @precondition(_child)
-    @rule(
-        number=STEPS,
-        version=VERSIONS,
-        manager=st.booleans(),
-        when=WHEN,
-    )
-    def kill_writer(self, number, version, manager, when):
-        """SIGKILL a child saving a step (a new one, or overwriting a whole one) at its
-        k-th progress report or after a delay; then see whether it committed."""
-        self._signal_writer(number, version, manager, when, "KILL")
-
-    @precondition(_child)
-    @rule(
-        number=STEPS,
-        version=VERSIONS,
-        manager=st.booleans(),
-        when=WHEN,
-    )
-    def interrupt_writer(self, number, version, manager, when):
-        """SIGINT (Ctrl-C) into a child saving a step, at its k-th progress report or after
-        a delay: what is committed loads exactly, nothing half-written is listed."""
-        self._signal_writer(number, version, manager, when, "INT")
+    @rule(number=STEPS, version=VERSIONS, manager=st.booleans(), when=WHEN, sig=st.sampled_from(["KILL", "INT"]))
+    def signal_writer(self, number, version, manager, when, sig):
+        """SIGKILL, or SIGINT (Ctrl-C), into a child saving a step (a new one, or
+        overwriting a whole one) at its k-th progress report or after a delay: what is
+        committed loads exactly, nothing half-written is listed."""
+        self._signal_writer(number, version, manager, when, sig)
 
     def _signal_writer(self, number, version, manager, when, sig):
         if number in self.model.versions and not self.model.clean(number):
