@@ -185,7 +185,7 @@ KeyValues = tuple[Array, Array]
 Cache = list[KeyValues] | KeyValues
 
 
-class Stack(eqx.Module):
+class BlockStack(eqx.Module):
     # Per layer, a list of blocks; scanned, one block whose arrays have a leading layer axis.
     blocks: list[Block] | Block
     relative_attention_bias: Float[Array, "heads buckets"] | None  # shared by every block (None: per block)
@@ -309,8 +309,8 @@ class T5(eqx.Module):
     """
 
     shared: Float[Array, "vocab d_model"]
-    encoder: Stack
-    decoder: Stack
+    encoder: BlockStack
+    decoder: BlockStack
     logits_kernel: Float[Array, "d_model vocab"] | None  # None: tied to `shared` (v1.0)
     config: T5Config = eqx.field(static=True)
 
@@ -347,11 +347,11 @@ class T5(eqx.Module):
         def bias():
             return normal((config.num_heads, config.relative_attention_num_buckets), 0.1)
 
-        def stack(layers: int, causal: bool) -> Stack:
+        def stack(layers: int, causal: bool) -> BlockStack:
             shared = None if config.relative_attention_per_layer else bias()
             # Drawn per block either way, so that both layouts of one key hold the same weights.
             blocks = [block(causal) for _ in range(layers)]
-            return Stack(
+            return BlockStack(
                 _stacked(blocks) if scan_layers else blocks,
                 shared,
                 norm(),
