@@ -11,7 +11,7 @@ from ._chunks import ChunkLayout, Region
 from ._errors import ArgumentError
 from ._leaf import StoredLeaf, check_bool_bytes
 from ._place import Reader, inside
-from ._replicas import readers_apart
+from ._read_once import readers_apart
 from ._select import Selection
 from ._source import Source, reading
 from ._storage import CheckpointPath, Storage
@@ -72,7 +72,7 @@ class Checkpoint(Source):
 
     def reads_apart(self, leaf: StoredLeaf, sharding: Any) -> bool:
         """A leaf with its own array placed block by block (`Placement`), each of whose chunks
-        lies within the blocks of one process (`_replicas.readers_apart`)."""
+        lies within the blocks of one process (`_read_once.readers_apart`)."""
         if leaf.offset is not None or len(sharding.device_set) == 1 or not leaf.can_shard(sharding):
             return False
         with reading(leaf):

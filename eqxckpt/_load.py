@@ -24,7 +24,7 @@ from ._gc import collector_paused
 from ._leaf import ArrayLeaf, Leaf, StoredLeaf, refuse_narrowing
 from ._paths import depth, normalize_at
 from ._progress import Progress, reporting
-from ._replicas import failing_together, read_once, spans_processes
+from ._read_once import failing_together, read_once, spans_processes
 from ._restack import Layout, Row, plan_stack, plan_unstack, read_layouts, unrestored_rows
 from ._source import LazyArray, Source, nothing_under
 from ._storage import CheckpointPath

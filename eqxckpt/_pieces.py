@@ -19,7 +19,7 @@ from ._dtypes import little_endian
 from ._leaf import KeyRecord, Leaf, StoredLeaf, with_storage
 from ._pack import PackedArray
 from ._place import held_blocks, slice_key
-from ._replicas import WriteShares
+from ._shares import WriteShares
 from ._source import LazyArray
 
 if TYPE_CHECKING:  # `_source` reads checkpoints, whose module packs leaves with these pieces
@@ -55,7 +55,7 @@ class Piece(abc.ABC):
         """``(index, data)``: this process's copy of a part that other processes hold too
         (`WriteShares`), whatever it writes of it (all, some, or nothing: kept only for the
         leaf's digest); every copy written from or digested must be equal
-        (`_replicas.check_copies_agree`). None otherwise."""
+        (`_shares.check_copies_agree`). None otherwise."""
         return None
 
     @abc.abstractmethod
@@ -66,7 +66,7 @@ class Piece(abc.ABC):
 class HostPiece(Piece):
     """An array in host memory that nothing changes while it is written: the whole leaf
     (``index`` None) or the shard of it at ``index``; of which only the chunks ``parts``
-    if given (a shard several processes hold, split among them: `_replicas.WriteShares`).
+    if given (a shard several processes hold, split among them: `_shares.WriteShares`).
     ``shared``: other processes hold the same part (`shared_copy`)."""
 
     def __init__(
@@ -189,7 +189,7 @@ def snapshot(
     this process writes, in host memory it owns.
 
     Every element is written by exactly one process. A part of a global array that
-    several processes hold is split among them chunk by chunk (`_replicas.WriteShares`);
+    several processes hold is split among them chunk by chunk (`_shares.WriteShares`);
     process 0 also keeps a leaf it holds whole, to digest it, whatever it writes of it.
     Host-local leaves (numpy, fully addressable arrays in a multi-process run) are
     written by process 0 alone. ``copy``: take a private copy of numpy leaves, which the
@@ -198,7 +198,7 @@ def snapshot(
     this process's own (a local tier's part): a global array it holds only blocks of is
     stored as those blocks, each once (`StoredLeaf.blocks` in the record returned).
     ``global_leaves``: the indices of the global arrays among ``arrays``, as every process
-    of a multi-process save agreed (`_replicas.global_leaves`); None: those this process
+    of a multi-process save agreed (`_shares.global_leaves`); None: those this process
     does not hold whole.
     """
     import jax

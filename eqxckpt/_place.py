@@ -278,3 +278,12 @@ def global_array(shape: tuple[int, ...], sharding: Any, arrays: list[Any], dtype
     if not arrays:  # the dtype then cannot be taken from them
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def held_by(leaf: Any) -> frozenset[int]:
+    """The JAX processes whose devices hold ``leaf`` (an array or a `like` target), the
+    same in every process for a global array; empty for one without a sharding (numpy)."""
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        return frozenset()
+    return frozenset(device.process_index for device in sharding.device_set)

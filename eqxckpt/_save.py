@@ -29,8 +29,8 @@ from ._paths import GROUP_METADATA, group_file, group_locations, key_entry
 from ._pieces import HostPiece, PackedWrite, Piece, record_of, snapshot
 from ._place import Block, slice_key
 from ._progress import Progress, advance, reporting
-from ._replicas import check_copies_agree, copy_digests, global_leaves
 from ._reuse import Reuse, plan_reuse
+from ._shares import check_copies_agree, copy_digests, global_leaves
 from ._storage import (
     NOTHING_COMMITTED,
     CheckpointPath,
@@ -375,7 +375,7 @@ class SaveInProgress:
         - `where`: what `prepare` returned on process 0.
 
         **Returns:** the digests of this process's copies of parts other processes write
-        from too (`_replicas.copy_digests`), which the commit compares.
+        from too (`_shares.copy_digests`), which the commit compares.
 
         ```python
         saving.write(where)

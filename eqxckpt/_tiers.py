@@ -19,7 +19,7 @@ from ._formats import open as open_source
 from ._load import READ_ATTEMPTS, load
 from ._local import LocalCheckpoints
 from ._progress import Progress
-from ._replicas import failing_together, spans_processes
+from ._read_once import failing_together, spans_processes
 from ._retention import Retention
 from ._save import save
 from ._steps import GONE, MANAGER_KEY, RunSteps, StepScan, clean_leftovers, manager_record, scan_steps
