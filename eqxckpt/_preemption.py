@@ -220,8 +220,9 @@ class _Listener:
 def _announce(signum: int, gave_up: list[str]) -> None:
     given_up = (
         f" Gave up on the saves still running after another preemption_grace_s (a store that stopped "
-        f"answering, or a save slower than that: raise preemption_grace_s), which commit nothing: "
-        f"{', '.join(gave_up)}."
+        f"answering, or a save slower than that: raise preemption_grace_s): "
+        f"{', '.join(gave_up)}. Each is committed whole only if it had written its commit before it was "
+        "given up (then a new manager lists it); else nothing of it is."
         if gave_up
         else ""
     )

@@ -15,7 +15,7 @@ from ._errors import CheckpointChangedError, CheckpointError
 from ._leaf import StoredLeaf
 from ._paths import PACKED_LOCATION
 from ._storage import MAX_ZARR_JSON_BYTES, Storage, expected_files
-from ._stored import StoredArrays
+from ._stored import StoredArrays, validate_array_metadata
 from ._verify import damaged_leaves
 
 
@@ -130,14 +130,17 @@ def _twin_record(stored: StoredArrays, twin: StoredArrays, record: StoredLeaf) -
 
 
 def _same_layout(stored: StoredArrays, record: StoredLeaf, theirs: ChunkLayout) -> bool:
-    """Whether ``record``'s array is laid out as ``theirs``: as its own ``zarr.json`` says,
-    or where that is damaged, as the chunk files it holds show (on a local disk; elsewhere
-    its layout is unknown and nothing is mended): its chunk files may be shared with other
-    checkpoints, which must read the same layout from them after the mend."""
-    try:
-        return stored.layout(record) == theirs
-    except CheckpointError:
-        pass
+    """Whether ``record``'s array is laid out as ``theirs``: as its own ``zarr.json`` declares
+    (whatever its chunk files hold now: some may be short or gone), or where that is
+    damaged, as the chunk files it holds show (on a local disk; elsewhere its layout is
+    unknown and nothing is mended): its chunk files may be shared with other checkpoints,
+    which must read the same layout from them after the mend."""
+    raw = _read(stored.files_of(record), f"{record.path}/zarr.json", MAX_ZARR_JSON_BYTES)
+    if raw is not None:
+        try:  # as it declares, whatever its chunk files hold now (some may be short or gone)
+            return ChunkLayout.stored(record, validate_array_metadata(raw, record)) == theirs
+        except CheckpointError:
+            pass
     found = stored.leaf_files(record.path)
     if found is None:
         return False

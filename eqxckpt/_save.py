@@ -418,7 +418,7 @@ class SaveInProgress:
             self.committed = True
             if (kept := self.staging.kept_at) is not None:
                 warnings.warn(
-                    f"Saving over {self.location} left {len(self.staging.keep_replaced)} files eqxckpt did not write "
+                    f"Saving over {self.location} left {len(self.staging.keep_replaced)} files eqxckpt cannot show it wrote "
                     f"in the checkpoint it replaced where they were, now in {kept}: "
                     f"{', '.join(self.staging.keep_replaced[:10])}. Move them, and remove that directory.",
                     stacklevel=2,

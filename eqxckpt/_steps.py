@@ -470,7 +470,7 @@ class RunSteps:
             if doomed:
                 self.delete_doomed()
 
-    def plan_copy(self, step: int, metrics: dict[str, float], copies: int) -> tuple[int, int | None]:
+    def plan_copy(self, step: int, metrics: dict[str, float], copies: int) -> tuple[int | None, int | None]:
         """Which physical copy of its leaves a new ``step`` shares, and the step it shares
         them with (its incremental save's base; None: every leaf is written afresh).
 
@@ -492,7 +492,8 @@ class RunSteps:
         - `copies`: how many physical copies the kept steps hold (1: every step shares
           with the newest).
 
-        **Returns:** ``(group, base step or None)``.
+        **Returns:** ``(group, base step or None)``; with ``copies=1`` the group is the
+        newest step's, whose files it shares (None if that step has none).
 
         ```python
         steps.plan_copy(300, {}, copies=2)  # (1, 100): step 200 and 300 are in group 0
@@ -500,8 +501,8 @@ class RunSteps:
         """
         with self._lock:
             committed = sorted(self._metrics)
-            if copies == 1:
-                return 0, committed[-1] if committed else None
+            if copies == 1:  # every step shares the newest's files: it is in that step's group
+                return (self._copies.get(committed[-1]), committed[-1]) if committed else (0, None)
             kept = self.retention.kept({**self._metrics, step: metrics}) - {step}
 
             def group_of(s: int) -> int | None:
@@ -561,8 +562,8 @@ class RunSteps:
                 ) from e
             if deleted and keep:
                 warnings.warn(
-                    f"Retention deleted step {old} of {self.location} but kept {len(keep)} files eqxckpt did not "
-                    f"write in it, as they were, in {where}.kept-<hex> beside it: {', '.join(keep[:10])}"
+                    f"Retention deleted step {old} of {self.location} but kept {len(keep)} files eqxckpt cannot show "
+                    f"it wrote in it, as they were, in {where}.kept-<hex> beside it: {', '.join(keep[:10])}"
                     + (" ..." if len(keep) > 10 else "")
                     + ". Move them, and remove that directory.",
                     stacklevel=4,

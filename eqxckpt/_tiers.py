@@ -179,7 +179,7 @@ class PersistentTier(Tier):
         # save, or printed at exit.
         self._pending = SAVES.submit(handle.path, self._after_save, handle, step, metrics, copy)
 
-    def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, float], copy: int) -> None:
+    def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, float], copy: int | None) -> None:
         handle.wait()
         self.steps.add(step, metrics, copy)
 

@@ -372,6 +372,7 @@ class FaultModel(RuleBasedStateMachine):
         self.where = self.make_run()
         self.model = Model()
         self.started = 0
+        self.rotted: dict = {}  # each file rotted (by identity): its bytes since
 
     # -- saving and deleting ---------------------------------------------------------------
 
@@ -477,11 +478,14 @@ class FaultModel(RuleBasedStateMachine):
         if not body:
             return
         identity = self.where.identity(key)
+        if self.rotted.get(identity) == body:
+            return  # rotted already (a second flip of the same bit would mend it)
         # Who holds it, from the outside, now: later steps that take it must not trust it.
         holders = [n for n in self.model.versions if identity in self.where.held(n, keys)]
         at %= len(body)
         after = body[:at] if truncate else body[:at] + bytes([body[at] ^ (1 << bit)]) + body[at + 1 :]
         self.where.write(key, after)
+        self.rotted[identity] = after
         outcome = effect(kind, body, after)
         how = f"truncated to {at} bytes" if truncate else f"bit {bit} of byte {at} flipped"
         note(f"{key} ({kind}, held by steps {sorted(holders)}): {how}: {outcome}")

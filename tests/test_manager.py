@@ -817,3 +817,19 @@ def test_a_step_no_manager_grouped_never_leaves_one_copy_behind_the_kept_steps(t
         for step in range(3, 7):
             manager.save(step, state(step))
             assert len({inode(kept) for kept in manager.all_steps()}) == 2, (step, manager.all_steps())
+
+
+def test_kept_copies_changed_back_to_two_makes_two_copies_again(tmp_path):
+    """The eighteenth outside attack: a step saved with ``kept_copies=1`` was put in group 0
+    while it linked the newest step's files (group 1's); saved with 2 again, both groups
+    looked held and one file stood behind every kept step for good. A step that shares
+    the newest's files is in its group."""
+    run = tmp_path / "run"
+    frozen = np.arange(70_000, dtype=np.float32)
+    inode = lambda step: os.stat(run / str(step) / "frozen" / "c" / "0").st_ino  # noqa: E731
+    for steps, copies in ((range(0, 2), 2), (range(2, 3), 1), (range(3, 7), 2)):
+        with eqxckpt.CheckpointManager(run, max_to_keep=2, blocking=True, kept_copies=copies) as manager:
+            for step in steps:
+                manager.save(step, {"frozen": frozen, "moving": np.full(70_000, step, np.float32)})
+                if copies == 2 and step:
+                    assert len({inode(kept) for kept in manager.all_steps()}) == 2, (step, manager.all_steps())

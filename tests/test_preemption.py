@@ -334,7 +334,7 @@ def test_a_notice_while_a_save_waits_on_a_store_that_stopped_answering_still_end
     """#53 defect 2: SIGTERM with a background save in flight to an S3 server that stopped
     answering (a proxy on 127.0.0.1, paused): the process lived on for as long as the store
     stalled. Past the grace period the saves running get one more; then the process ends
-    as SIGTERM would have, naming the save it gave up on (which commits nothing)."""
+    as SIGTERM would have, naming the save it gave up on (committed whole only if it had written its commit)."""
     from conftest import PausableProxy, s3_spec
 
     endpoint, _ = s3
@@ -372,6 +372,7 @@ def test_a_notice_while_a_save_waits_on_a_store_that_stopped_answering_still_end
         proxy.resume()
     assert worker.returncode == -signal.SIGTERM, err
     assert out == "" and "Gave up on the saves still running" in err and prefix + "1" in err
+    assert "committed whole only if it had written its commit" in err
     with eqxckpt.CheckpointManager(s3_spec(endpoint, prefix)) as manager:
         assert manager.all_steps() == [0]
     proxy.close()

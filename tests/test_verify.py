@@ -341,11 +341,12 @@ def test_repair_mends_nothing_from_a_twin_that_does_not_verify(tmp_path):
     assert "adapter" in {path for path, _ in eqxckpt.verify(run / "4", repair=True).problems}
 
 
-@pytest.mark.parametrize("link", ["symlink", "hard link"])
+@pytest.mark.parametrize("link", ["symlink", "hard link", "hard link, and an alias of the step"])
 def test_repair_never_writes_to_a_file_outside_the_run(tmp_path, link):
     """A damaged chunk replaced by a symlink to a user's file outside the run, or (the
     sixteenth outside attack) a hard link to one: rewriting it in place would change that
-    file. Refused: the file is untouched and the leaf is still listed damaged."""
+    file. Refused: the file is untouched and the leaf is still listed damaged. (The
+    eighteenth: a symlink ``latest -> 0`` in the run counted the link twice, so it passed.)"""
     run = tmp_path / "run"
     _five_steps(run)
     precious = tmp_path / "precious.txt"
@@ -353,6 +354,8 @@ def test_repair_never_writes_to_a_file_outside_the_run(tmp_path, link):
     chunk = run / "0" / "frozen/c/0"
     chunk.unlink()
     chunk.symlink_to(precious) if link == "symlink" else os.link(precious, chunk)
+    if "alias" in link:
+        (run / "latest").symlink_to("0")
     report = eqxckpt.verify(run / "0", repair=True)
     assert "frozen" in {path for path, _ in report.problems} and report.mended == []
     assert [path for path, _ in report.unmended] == ["frozen"] and precious.read_bytes() == b"user's notes"
@@ -460,3 +463,20 @@ def test_repair_racing_retention_on_an_object_store_creates_nothing(store, monke
     report = eqxckpt.verify(store.spec(f"{top}0"), repair=True)
     assert report.mended == [] and [path for path, _ in report.unmended] == ["frozen"]
     assert store.keys(f"{top}0/") == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_repair_mends_a_chunk_file_cut_short_or_gone(tmp_path, damage):
+    """The eighteenth outside attack: a chunk file truncated or deleted (its zarr.json
+    intact) was never mended, "no twin" said: the leaf's layout was read with its files'
+    size checks. Its layout is what its zarr.json declares; the file is written again."""
+    run = tmp_path / "run"
+    _five_steps(run)
+    chunk = run / "0" / "frozen/c/0"
+    good = chunk.read_bytes()
+    chunk.unlink()  # its own file (its twin in the other group stays whole)
+    if damage == "truncated":
+        chunk.write_bytes(good[: len(good) // 2])
+    report = eqxckpt.verify(run / "0", repair=True)
+    assert report.ok and [path for path, _ in report.mended] == ["frozen"], report
+    assert chunk.read_bytes() == good

@@ -50,6 +50,7 @@ from ._fs import (
     read_capped,
     rewrite_in_place,
     start_writeback,
+    stat_inside,
     sync_filesystem,
 )
 from ._locks import (
@@ -348,7 +349,7 @@ class LocalStorage(Storage):
         return [
             LocalStorage.at(self.path.parent / name)
             for name, state in parent.entries()
-            if state == "committed" and name != self.path.name
+            if state == "committed" and name != self.path.name and not (self.path.parent / name).is_symlink()
         ]
 
     def mend(self, key: str, raw: bytes, pin: Pin) -> None:
@@ -356,17 +357,16 @@ class LocalStorage(Storage):
             raise CheckpointWriteError(f"{self.path} cannot be mended: it is not held open.")
 
         def linked_beside_only(info: os.stat_result) -> bool:
-            # Every other name of the file is the same file of a checkpoint beside this one
-            # (incremental saves' links): rewriting it changes nothing outside them.
+            # Every other name of the file is the same file of a committed checkpoint beside
+            # this one, reached without a symlink (incremental saves' links): rewriting it
+            # changes nothing outside them.
             if info.st_nlink == 1:
                 return True
-            names = 0
-            for entry in os.listdir(self.path.parent):
-                try:
-                    other = os.lstat(self.path.parent / entry / key)
-                except OSError:
-                    continue
-                names += (other.st_dev, other.st_ino) == (info.st_dev, info.st_ino)
+            names = 1  # its own
+            for other in self.beside():
+                assert isinstance(other, LocalStorage)
+                found = stat_inside(other.path, key)
+                names += found is not None and (found.st_dev, found.st_ino) == (info.st_dev, info.st_ino)
             return names == info.st_nlink
 
         try:

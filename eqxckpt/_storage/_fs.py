@@ -92,6 +92,26 @@ def rewrite_in_place(root: int, key: str, raw: bytes, links: Callable[[os.stat_r
         os.close(fd)
 
 
+def stat_inside(root: pathlib.Path, key: str) -> os.stat_result | None:
+    """The file ``key`` under ``root`` as it is, found without following a symlink in any
+    component (``root`` included); None where there is no such file so reached."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        *directories, name = key.split("/")
+        for part in directories:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def fsync_path(path: pathlib.Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
