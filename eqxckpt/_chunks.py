@@ -490,6 +490,16 @@ def _scatter(layout: ChunkLayout, part: Region, targets: list[tuple[Region, np.n
     return [piece for piece in pieces if piece.size]
 
 
+def chunk_file_sound(raw: bytes) -> bool:
+    """Whether ``raw`` (a whole chunk file: its bytes, then their CRC-32C) passes its checksum.
+
+    ```python
+    chunk_file_sound(path.read_bytes())  # False after a flipped bit or a truncation
+    ```
+    """
+    return len(raw) >= 4 and crc32c(raw[:-4]) == int.from_bytes(raw[-4:], "little")
+
+
 def _check(key: str, pieces: Sequence[np.ndarray], stored: np.ndarray) -> None:
     """Raise unless ``stored`` is the CRC-32C of ``pieces``."""
     computed = _crc(pieces)

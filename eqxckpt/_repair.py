@@ -10,7 +10,7 @@ leaf is verified again before it is called mended.
 import dataclasses
 from collections.abc import Sequence
 
-from ._chunks import ChunkLayout
+from ._chunks import ChunkLayout, chunk_file_sound
 from ._errors import CheckpointChangedError, CheckpointError
 from ._leaf import StoredLeaf
 from ._paths import PACKED_LOCATION
@@ -153,13 +153,24 @@ def _mend(stored: StoredArrays, record: StoredLeaf, twin: StoredArrays, found: S
     """Rewrite each file of ``record``'s array that differs from ``twin``'s (``found``'s)."""
     layout = twin.layout(found)
     theirs, mine = twin.files_of(found), stored.files_of(record)
+    metadata = f"{record.path}/zarr.json"
     for key, size in expected_files([(record, layout)]).items():
         if not key.startswith(f"{record.path}/"):
             continue  # the groups' zarr.json: not the leaf's
         cap = size if size >= 0 else MAX_ZARR_JSON_BYTES
         good = _read(theirs, key, cap)
+        # Read from the twin that was verified, and sound as read: one replaced (or a file
+        # of it changed) since is never copied, into this leaf or the steps sharing its files.
+        try:
+            twin.check_unchanged()
+        except CheckpointChangedError as e:  # the twin's, not this checkpoint's: try another
+            raise CheckpointError(f"its twin was replaced or deleted while it was read ({e})") from None
         if good is None or (size >= 0 and len(good) != size) or len(good) > cap:
             raise CheckpointError(f"its twin's {key} is not the file it should be")
+        if key == metadata:
+            validate_array_metadata(good, record)
+        elif not chunk_file_sound(good):
+            raise CheckpointError(f"its twin's {key} fails its CRC-32C checksum as read now")
         if _read(mine, key, cap) != good:
             stored.mend(record, key, good)
 

@@ -480,3 +480,78 @@ def test_repair_mends_a_chunk_file_cut_short_or_gone(tmp_path, damage):
     report = eqxckpt.verify(run / "0", repair=True)
     assert report.ok and [path for path, _ in report.mended] == ["frozen"], report
     assert chunk.read_bytes() == good
+
+
+def test_repair_never_copies_from_a_twin_replaced_while_it_is_read(tmp_path, monkeypatch):
+    """The nineteenth outside attack: step 0's leaf (4 chunks) is damaged in one chunk, its
+    other chunks shared with step 2; step 1, the twin, is replaced with other values after
+    it was checked. Repair read the new files by path and rewrote step 0's chunks, and so
+    step 2's, with them. A twin is read as it was checked, or not at all."""
+    import eqxckpt._chunks as chunks_module
+
+    run, values = tmp_path / "run", np.arange(131072, dtype=np.float32)
+    monkeypatch.setattr(chunks_module, "CHUNK_BYTES", 1 << 17)  # four chunks
+    eqxckpt.save(run / "0", {"w": values})
+    eqxckpt.save(run / "1", {"w": values})
+    eqxckpt.save(run / "2", {"w": values}, base=run / "0")  # links step 0's files
+    chunk = run / "0" / "w/c/0"
+    damaged = bytearray(chunk.read_bytes())
+    damaged[0] ^= 1
+    chunk.unlink()  # step 0's own file now: step 2 shares the other three
+    chunk.write_bytes(bytes(damaged))
+    _while_repairing(monkeypatch, lambda: eqxckpt.save(run / "1", {"w": values + 1}, overwrite=True))
+    report = eqxckpt.verify(run / "0", repair=True)
+    assert eqxckpt.verify(run / "2").ok  # untouched
+    np.testing.assert_array_equal(eqxckpt.load(run / "2")["w"], values)
+    if report.mended:  # from step 2, the one twin left
+        assert report.ok and [twin for _, twin in report.mended] == [str(run / "2")]
+        np.testing.assert_array_equal(eqxckpt.load(run / "0")["w"], values)
+
+
+def test_repair_never_counts_a_bind_mounted_step_as_another(tmp_path):
+    """The nineteenth outside attack: step 0 also mounted as ``run/9`` (a bind mount) made
+    a hard link to a user's file look like two links inside the run. Each directory is
+    counted once: refused, the user's file untouched."""
+    import subprocess
+
+    run = tmp_path / "run"
+    _five_steps(run)
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(b"user's notes")
+    chunk = run / "0" / "frozen/c/0"
+    chunk.unlink()
+    os.link(precious, chunk)
+    (run / "9").mkdir()
+    if subprocess.run(["mount", "--bind", str(run / "0"), str(run / "9")], capture_output=True).returncode:
+        (run / "9").rmdir()
+        pytest.skip("bind mounts need CAP_SYS_ADMIN")
+    try:
+        report = eqxckpt.verify(run / "0", repair=True)
+    finally:
+        subprocess.run(["umount", "-l", str(run / "9")], check=False)
+    assert report.mended == [] and precious.read_bytes() == b"user's notes"
+
+
+def test_repair_of_a_local_copy_of_an_object_store_step(s3, tmp_path):
+    """The nineteenth outside attack: a step copied from S3 to a disk keeps its arrays in
+    its ``%arrays.<hex>/`` directory; repair wrote the mended file beside it (at the key as
+    the arrays name it), so the leaf stayed damaged and stray files stayed. It is mended
+    where it is, and nothing else is written."""
+    from conftest import ObjectStore
+
+    endpoint, client = s3
+    store, top = ObjectStore("s3", endpoint, client), "repair-copy/run/"
+    with eqxckpt.CheckpointManager(store.spec(top), max_to_keep=5, blocking=True) as manager:
+        for step in range(2):  # two copies: each step its own prefix
+            manager.save(step, shared_state(step))
+    local = tmp_path / "copy"
+    for key in store.keys(top):
+        (local / key[len(top) :]).parent.mkdir(parents=True, exist_ok=True)
+        (local / key[len(top) :]).write_bytes(store.get(key))
+    [chunk] = (local / "0").rglob("frozen/c/0")
+    assert chunk.parent.parent.parent.name.startswith("%arrays.")
+    flip_first_bit(chunk)
+    files = sorted(local.rglob("*"))
+    report = eqxckpt.verify(local / "0", repair=True)
+    assert report.ok and [path for path, _ in report.mended] == ["frozen"], report
+    assert sorted(local.rglob("*")) == files

@@ -353,24 +353,32 @@ class LocalStorage(Storage):
         ]
 
     def mend(self, key: str, raw: bytes, pin: Pin) -> None:
-        if not isinstance(pin, LocalPin) or pin.fd < 0:
-            raise CheckpointWriteError(f"{self.path} cannot be mended: it is not held open.")
+        if not isinstance(pin, LocalPin) or pin.fd < 0 or not self.path.is_relative_to(pin.path):
+            raise CheckpointWriteError(f"{self.path} cannot be mended: it is not inside the checkpoint held open.")
+        # The key as the checkpoint names it: these arrays may be a directory inside it.
+        inside = "/".join([*self.path.relative_to(pin.path).parts, key])
+        checkpoint = LocalStorage.at(pin.path)
 
         def linked_beside_only(info: os.stat_result) -> bool:
             # Every other name of the file is the same file of a committed checkpoint beside
-            # this one, reached without a symlink (incremental saves' links): rewriting it
-            # changes nothing outside them.
+            # this one, reached without a symlink, each directory counted once (a bind mount
+            # of one is the same directory): rewriting it changes nothing outside them.
             if info.st_nlink == 1:
                 return True
-            names = 1  # its own
-            for other in self.beside():
+            held = os.fstat(pin.fd)
+            seen, names = {(held.st_dev, held.st_ino)}, 1  # its own
+            for other in checkpoint.beside():
                 assert isinstance(other, LocalStorage)
-                found = stat_inside(other.path, key)
+                root = stat_inside(other.path.parent, other.path.name)
+                if root is None or (root.st_dev, root.st_ino) in seen:
+                    continue
+                seen.add((root.st_dev, root.st_ino))
+                found = stat_inside(other.path, inside)
                 names += found is not None and (found.st_dev, found.st_ino) == (info.st_dev, info.st_ino)
             return names == info.st_nlink
 
         try:
-            rewrite_in_place(pin.fd, key, raw, linked_beside_only)
+            rewrite_in_place(pin.fd, inside, raw, linked_beside_only)
         except OSError as e:
             raise CheckpointWriteError(f"{self.path / key} could not be rewritten: {e}") from e
 
