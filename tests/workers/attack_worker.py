@@ -1,5 +1,5 @@
 """One of several JAX processes probing replica-parallel saves and single-read restores
-(`eqxckpt._replicas`) at their edges. Started by tests/test_distributed.py.
+(`eqxckpt._shares`, `eqxckpt._read_once`) at their edges. Started by tests/test_distributed.py.
 
     python attack_worker.py SCENARIO PORT NUM_PROCESSES PROCESS_ID DIRECTORY
 
@@ -473,7 +473,7 @@ def signalled(directory: str) -> None:
     import signal
 
     import eqxckpt
-    import eqxckpt._replicas as replicas
+    import eqxckpt._read_once as read_once
     import eqxckpt._storage._disk as local
 
     me = jax.process_index()
@@ -505,8 +505,8 @@ def signalled(directory: str) -> None:
 
     if me == victim and store:
         if at == "move":
-            identity = replicas._identity
-            replicas._identity = lambda *v: (stop_here(), identity(*v))[1]
+            identity = read_once._identity
+            read_once._identity = lambda *v: (stop_here(), identity(*v))[1]
         else:
             on_object_store(at, stop_here)
     elif me == victim:
@@ -520,8 +520,8 @@ def signalled(directory: str) -> None:
             read = local.LocalChunkFiles.read
             local.LocalChunkFiles.read = lambda self, key, into: (stop_here(), read(self, key, into))[1]
         elif at == "move":
-            identity = replicas._identity
-            replicas._identity = lambda *v: (stop_here(), identity(*v))[1]
+            identity = read_once._identity
+            read_once._identity = lambda *v: (stop_here(), identity(*v))[1]
     start = time.monotonic()
     try:
         if at in ("write", "commit"):
