@@ -31,7 +31,7 @@ def main() -> None:
     import xxhash
 
     import eqxckpt
-    import eqxckpt._save as save_module
+    import eqxckpt._write._save as save_module
 
     data = np.random.default_rng(0).integers(0, 255, 256 << 20, dtype=np.uint8)
     view = data.data

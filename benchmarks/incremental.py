@@ -66,9 +66,9 @@ def main() -> None:
         print(f"later steps: {later_s:.3f} s, {later_b / 2**20:.1f} MiB written per step (median)")
         # The check a step makes before it shares the unchanged base (issue #37): every
         # chunk read and its CRC-32C checked, each leaf's digest computed, as `save` does.
+        from eqxckpt._check._verify import damaged_leaves
         from eqxckpt._leaf import StoredLeaf
         from eqxckpt._stored import StoredArrays
-        from eqxckpt._verify import damaged_leaves
 
         latest = StoredArrays.open(manager.path(steps - 1))
         shared = [r for r in latest.manifest.leaves if isinstance(r, StoredLeaf) and r.path.startswith("base/")]

@@ -2,7 +2,7 @@
 
     python benchmarks/save_phases.py --leaves 10000 --repeats 7
 
-First the Python before the first write (`_plan`, `_snapshot`, `_pack` of `eqxckpt._save`,
+First the Python before the first write (`_plan`, `_snapshot`, `_pack` of `eqxckpt._write._save`,
 the collector paused as a save pauses it; medians), then the timestamps of whole saves
 (into a temporary directory): when planning ends, when the chunks are written, how long
 the one ``syncfs`` takes, and the commit.
@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import build  # noqa: E402
 
 import eqxckpt  # noqa: E402
-import eqxckpt._save as save_module  # noqa: E402
 import eqxckpt._storage._disk as local_module  # noqa: E402
+import eqxckpt._write._save as save_module  # noqa: E402
 from eqxckpt._gc import collector_paused  # noqa: E402
 
 

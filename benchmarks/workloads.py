@@ -190,9 +190,9 @@ def op_save(peer, path, state):
     elif peer == "eqxckpt":
         eqxckpt.save(path, state)
     elif peer == "eqxckpt-unpacked":  # the layout before packed leaves: one array per leaf
-        import eqxckpt._save
+        import eqxckpt._write._save
 
-        eqxckpt._save.PACK_MIN_LEAVES = 1 << 62
+        eqxckpt._write._save.PACK_MIN_LEAVES = 1 << 62
         eqxckpt.save(path, state)
     else:
         import orbax.checkpoint as ocp

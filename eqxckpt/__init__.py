@@ -33,10 +33,10 @@ from ._interrupts import interrupts_deferred
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from ._background import SaveHandle as SaveHandle
-    from ._checkpoint import Checkpoint as Checkpoint
-    from ._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
-    from ._formats import open as open
+    from ._check._diff import ChangedLeaf as ChangedLeaf, Diff as Diff, diff as diff
+    from ._check._verify import VerifyReport as VerifyReport, verify as verify
+    from ._formats._open import open as open
+    from ._formats._safetensors import save_safetensors as save_safetensors
     from ._leaf import (
         ArrayLeaf as ArrayLeaf,
         KeyLeaf as KeyLeaf,
@@ -45,46 +45,46 @@ if TYPE_CHECKING:
         ScalarLeaf as ScalarLeaf,
         StoredLeaf as StoredLeaf,
     )
-    from ._load import load as load
-    from ._manager import CheckpointManager as CheckpointManager
-    from ._restack import Stack as Stack, Unstack as Unstack
-    from ._safetensors import save_safetensors as save_safetensors
-    from ._save import save as save
-    from ._source import LazyArray as LazyArray, Source as Source
+    from ._read._checkpoint import Checkpoint as Checkpoint
+    from ._read._load import load as load
+    from ._read._restack import Stack as Stack, Unstack as Unstack
+    from ._read._source import LazyArray as LazyArray, Source as Source
+    from ._read._transform import Transform as Transform, apply_transformations as apply_transformations
+    from ._read._translate import CheckpointTranslator as CheckpointTranslator
+    from ._run._manager import CheckpointManager as CheckpointManager
     from ._storage import CheckpointPath as CheckpointPath
-    from ._transform import Transform as Transform, apply_transformations as apply_transformations
-    from ._translate import CheckpointTranslator as CheckpointTranslator
-    from ._verify import VerifyReport as VerifyReport, verify as verify
+    from ._write._background import SaveHandle as SaveHandle
+    from ._write._save import save as save
 
 # The names above that import JAX, each imported from its module on first use: the
 # command line (`eqxckpt --help`, `eqxckpt inspect`) runs without JAX's start-up cost.
 _LAZY = {
-    "SaveHandle": "_background",
-    "Checkpoint": "_checkpoint",
-    "LazyArray": "_source",
-    "Stack": "_restack",
-    "Unstack": "_restack",
+    "SaveHandle": "_write._background",
+    "Checkpoint": "_read._checkpoint",
+    "LazyArray": "_read._source",
+    "Stack": "_read._restack",
+    "Unstack": "_read._restack",
     "Leaf": "_leaf",
     "StoredLeaf": "_leaf",
     "ArrayLeaf": "_leaf",
     "KeyLeaf": "_leaf",
     "ScalarLeaf": "_leaf",
     "OpaqueLeaf": "_leaf",
-    "ChangedLeaf": "_diff",
-    "Diff": "_diff",
-    "diff": "_diff",
-    "open": "_formats",
-    "load": "_load",
-    "CheckpointManager": "_manager",
-    "save_safetensors": "_safetensors",
-    "save": "_save",
-    "Source": "_source",
+    "ChangedLeaf": "_check._diff",
+    "Diff": "_check._diff",
+    "diff": "_check._diff",
+    "open": "_formats._open",
+    "load": "_read._load",
+    "CheckpointManager": "_run._manager",
+    "save_safetensors": "_formats._safetensors",
+    "save": "_write._save",
+    "Source": "_read._source",
     "CheckpointPath": "_storage",
-    "Transform": "_transform",
-    "apply_transformations": "_transform",
-    "CheckpointTranslator": "_translate",
-    "VerifyReport": "_verify",
-    "verify": "_verify",
+    "Transform": "_read._transform",
+    "apply_transformations": "_read._transform",
+    "CheckpointTranslator": "_read._translate",
+    "VerifyReport": "_check._verify",
+    "verify": "_check._verify",
 }
 
 

@@ -25,7 +25,7 @@ from crc32c import crc32c
 from ._errors import CheckpointError
 from ._leaf import StoredLeaf
 from ._paths import PACKED_LOCATION
-from ._place import Block
+from ._read._place import Block
 
 CRC_BYTES = 4
 # Chunks are bounded so a partial or resharded read touches little more than

@@ -10,14 +10,14 @@ import sys
 from typing import TYPE_CHECKING
 
 from ._errors import CheckpointError
-from ._formats import FORMATS
+from ._formats._open import FORMATS
 from ._version import __version__
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from ._check._verify import VerifyReport
     from ._storage import Storage
-    from ._verify import VerifyReport
 
 
 def human_bytes(n: int) -> str:
@@ -60,10 +60,10 @@ def _inspect(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.tree import Tree
 
-    from ._formats import open as open_source
+    from ._formats._open import open as open_source
     from ._leaf import listed_blocks
     from ._paths import depth, normalize_at
-    from ._source import nothing_under
+    from ._read._source import nothing_under
 
     checkpoint = open_source(checkpoint_path(args.path), format=args.format)
     prefix = normalize_at(args.at)
@@ -99,9 +99,9 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
+    from ._check._verify import verify
     from ._errors import CheckpointNotFoundError, plural
     from ._storage import resolve
-    from ._verify import verify
 
     out = console()
     path = checkpoint_path(args.path)
@@ -140,8 +140,8 @@ def _verify_run(out: "Console", run: "Storage", steps: list[str], repair: bool =
     (incremental saves) told once, naming them all, rather than once per checkpoint."""
     from rich.markup import escape
 
+    from ._check._verify import verify
     from ._errors import CheckpointNotFoundError, plural
-    from ._verify import verify
 
     told: set[tuple[str, str, tuple[str, ...]]] = set()
     damaged: list[str] = []
@@ -183,8 +183,8 @@ def _verdict(out: "Console", ok: bool, words: tuple[str, str, str], summary: str
 def _diff(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
-    from ._diff import diff
-    from ._formats import open as open_source
+    from ._check._diff import diff
+    from ._formats._open import open as open_source
 
     out = console()
     result = diff(
@@ -236,12 +236,12 @@ def _convert(args: argparse.Namespace) -> int:
 
     import jax
 
-    from ._formats import open as open_source
+    from ._formats._open import open as open_source
+    from ._formats._safetensors import save_safetensors
     from ._progress import reporting
-    from ._safetensors import save_safetensors
-    from ._save import save
-    from ._source import LazyArray
+    from ._read._source import LazyArray
     from ._storage import resolve
+    from ._write._save import save
 
     _check_not_nested(resolve(checkpoint_path(args.src)), resolve(checkpoint_path(args.dst)))
     source = open_source(checkpoint_path(args.src), format=args.format)

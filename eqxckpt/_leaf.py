@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
-from ._convert import Adoptions, adopt, checked_astype, default_device, narrowed
 from ._digest import LeafDigest, parse_digest
 from ._dtypes import STORED_DTYPES, check_dtype, dtype_name
 from ._errors import MAX_LISTED, ArgumentError, CastError, CorruptCheckpointError, ManifestError, UnsupportedLeafError
+from ._formats._convert import Adoptions, adopt, checked_astype, default_device, narrowed
 from ._paths import PACK_ALIGNMENT, PACKED_LOCATION, parse_reference, validate_path
-from ._place import Block, held_blocks
+from ._read._place import Block, held_blocks
 from ._scalars import bits_fit, nan_bits, scalar_from_json, scalar_to_json, with_bits
 from ._tree import (
     SCALAR_TYPES,

@@ -17,9 +17,9 @@ from crc32c import crc32c
 from ._errors import ArgumentError, ManifestError
 from ._gc import collector_paused
 from ._leaf import KeyRecord, Leaf, StoredLeaf, parse_leaf
-from ._pack import PackedArray
 from ._paths import ARRAYS_PREFIX, PACKED_LOCATION, is_arrays_name, record_segment
 from ._version import __version__
+from ._write._pack import PackedArray
 
 FORMAT = "eqxckpt"
 # Version 2 adds packed leaves; version 3 the "arrays" prefix (object stores); version 4

@@ -20,13 +20,12 @@ import numpy as np
 import tensorstore as ts
 
 from ._chunks import ChunkLayout, Region, read_into, read_scattered
-from ._convert import aligned_empty
 from ._errors import CheckpointError, CorruptCheckpointError
+from ._formats._convert import aligned_empty
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
-from ._pack import PackedArray
 from ._paths import MANIFEST_NAME
-from ._select import Selection
+from ._read._select import Selection
 from ._storage import (
     MAX_ZARR_JSON_BYTES,
     UNPINNED,
@@ -39,6 +38,7 @@ from ._storage import (
     resolve,
 )
 from ._window import Task, check_allocation, read_window, run_windowed
+from ._write._pack import PackedArray
 
 
 class StoredArrays:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
 import eqxckpt._chunks as chunks_module
-import eqxckpt._pack as pack_module
+import eqxckpt._write._pack as pack_module
 from eqxckpt._chunks import (
     MAX_CHUNK_FACTOR,
     ChunkFileError,

@@ -339,7 +339,7 @@ def test_a_step_deleted_during_a_load_is_a_clear_error(tmp_path, monkeypatch, le
         return real(root, record)
 
     monkeypatch.setattr(LocalStorage, "check_leaf_files", delete_midway)
-    monkeypatch.setattr(eqxckpt._load, "READ_ATTEMPTS", 1)
+    monkeypatch.setattr(eqxckpt._read._load, "READ_ATTEMPTS", 1)
     with pytest.raises(eqxckpt.CheckpointChangedError, match="replaced or deleted by another process"):
         eqxckpt.load(run / "1", state(0, leaves))
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt import _chunks as chunks_module
-from eqxckpt._checkpoint import open_checkpoint
 from eqxckpt._paths import PACKED_LOCATION
+from eqxckpt._read._checkpoint import open_checkpoint
 from eqxckpt._stored import StoredArrays
 
 
@@ -88,7 +88,7 @@ def test_large_leaves_are_compared_in_slabs_with_the_same_result(tmp_path, monke
     eqxckpt.save(tmp_path / "x", {"w": x})
     eqxckpt.save(tmp_path / "y", {"w": y})
     whole = eqxckpt.diff(tmp_path / "x", tmp_path / "y").changed
-    monkeypatch.setattr("eqxckpt._diff.SLAB_BYTES", 1000)
+    monkeypatch.setattr("eqxckpt._check._diff.SLAB_BYTES", 1000)
     reads = []
     real = eqxckpt.LazyArray.get
     monkeypatch.setattr(eqxckpt.LazyArray, "get", lambda self: (reads.append(self.shape), real(self))[1])
@@ -127,7 +127,7 @@ def test_each_packed_chunk_is_read_once_for_all_its_changed_leaves(tmp_path, mon
     assert sorted(result.unchanged) == sorted(f"w{i}" for i in range(0, 600, 3))
     assert reads_a == reads_b == dict.fromkeys(chunks, 1)
     # Batches smaller than the chunks give the same answer (a chunk read once per batch it serves).
-    monkeypatch.setattr("eqxckpt._diff.SLAB_BYTES", 20 * 1024)
+    monkeypatch.setattr("eqxckpt._check._diff.SLAB_BYTES", 20 * 1024)
     again = eqxckpt.diff(open_checkpoint(storage_a), open_checkpoint(storage_b))
     assert again.changed == result.changed and sorted(again.unchanged) == sorted(result.unchanged)
 
@@ -150,7 +150,7 @@ def test_a_large_leaf_against_another_format_is_compared_whole(tmp_path, monkeyp
     y[40, 7] = 3.0
     eqxckpt.save(tmp_path / "x", {"w": x})
     safetensors.numpy.save_file({"w": y}, str(tmp_path / "y.safetensors"))
-    monkeypatch.setattr("eqxckpt._diff.SLAB_BYTES", 1000)
+    monkeypatch.setattr("eqxckpt._check._diff.SLAB_BYTES", 1000)
     [changed] = eqxckpt.diff(tmp_path / "x", tmp_path / "y.safetensors").changed
     assert changed.leaf_path == "w" and changed.max_abs == pytest.approx(3.0 - x[40, 7])
     assert eqxckpt.diff(tmp_path / "y.safetensors", tmp_path / "y.safetensors").same

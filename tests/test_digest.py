@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt._digest import LeafDigest, digest
-from eqxckpt._pack import PACK_MIN_LEAVES
+from eqxckpt._write._pack import PACK_MIN_LEAVES
 
 
 def by_the_spec(fields: list, data: np.ndarray) -> str:
@@ -148,7 +148,7 @@ def test_a_large_tree_is_hashed_in_batches_on_threads_each_save(tmp_path, monkey
     """Batches of leaves are hashed on several threads, to the digests the specification
     gives; every save hashes what it holds (a jax.Array on CPU may share memory with a
     numpy array that changed since, so nothing is remembered between saves)."""
-    import eqxckpt._save as save_module
+    import eqxckpt._write._save as save_module
 
     monkeypatch.setattr(save_module, "DIGEST_BATCH_BYTES", 1 << 20)
     hashed = []

@@ -16,9 +16,9 @@ from conftest import untracked
 
 import eqxckpt
 import eqxckpt.t5
-from eqxckpt._pack import PACK_MIN_LEAVES
 from eqxckpt._paths import PACKED_LOCATION
 from eqxckpt._storage import resolve
+from eqxckpt._write._pack import PACK_MIN_LEAVES
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"

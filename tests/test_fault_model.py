@@ -406,7 +406,7 @@ class FaultModel(RuleBasedStateMachine):
         """A save whose leaf digests (computed beside its writes) fail at the ``at``-th leaf:
         nothing is committed and the step keeps what it held (a save with fewer leaves
         than that commits, as any other)."""
-        import eqxckpt._save as save_module
+        import eqxckpt._write._save as save_module
 
         real, hashed = save_module.digest, []
 

@@ -377,7 +377,7 @@ def test_a_load_refuses_chunks_swapped_between_leaves(tmp_path, monkeypatch, pat
     """Each chunk passes its CRC-32C after the swap; the leaf's digest, checked as its bytes
     are read (whole, or block by block as they are placed), does not: a load never returns
     another leaf's bytes (before, it returned them)."""
-    from eqxckpt import _place
+    from eqxckpt._read import _place
 
     tree = {"p": np.zeros((300, 300), np.float32), "q": np.ones((300, 300), np.float32)}
     eqxckpt.save(tmp_path / "c", tree)

@@ -29,8 +29,8 @@ from hypothesis import given, settings
 import eqxckpt
 from eqxckpt._local import LocalTier, placement
 from eqxckpt._local._directory import run_key
-from eqxckpt._save import Part
 from eqxckpt._storage import resolve
+from eqxckpt._write._save import Part
 
 WORKER = WORKERS / "local_tier_worker.py"
 

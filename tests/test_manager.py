@@ -257,7 +257,7 @@ def test_loads_never_fail_while_saves_and_deletions_run(tmp_path, monkeypatch):
     saves new steps in the background and deletes old ones."""
     import threading
 
-    from eqxckpt._checkpoint import Checkpoint
+    from eqxckpt._read._checkpoint import Checkpoint
 
     real_read = Checkpoint.read
 
@@ -297,8 +297,8 @@ def test_a_load_racing_a_writer_is_retried_in_one_place(tmp_path, monkeypatch):
     """A read that keeps finding its checkpoint replaced is tried `READ_ATTEMPTS` times for
     a given step, `MAX_LATEST_ATTEMPTS` for the latest: the manager's retries, not those
     times `load`'s own (which a plain `eqxckpt.load` still makes)."""
-    from eqxckpt._load import READ_ATTEMPTS, Plan
-    from eqxckpt._tiers import MAX_LATEST_ATTEMPTS
+    from eqxckpt._read._load import READ_ATTEMPTS, Plan
+    from eqxckpt._run._tiers import MAX_LATEST_ATTEMPTS
 
     manager = eqxckpt.CheckpointManager(tmp_path, blocking=True)
     for step in range(2):
@@ -736,7 +736,7 @@ def test_bad_arguments_to_a_managers_save_are_argument_errors(tmp_path, kwargs, 
 
 FORK_DURING_A_SAVE = r"""
 import os, signal, sys, threading, numpy as np, eqxckpt
-from eqxckpt._background import SAVES
+from eqxckpt._write._background import SAVES
 
 manager = eqxckpt.CheckpointManager(sys.argv[1])
 manager.save(0, {"w": np.arange(1 << 20, dtype=np.float32)})

@@ -25,7 +25,7 @@ import eqxckpt
 import eqxckpt._storage
 from eqxckpt._cli import main as cli
 from eqxckpt._paths import RUN_NAME
-from eqxckpt._steps import clean_leftovers, read_run_id, run_identity_bytes, scan_steps
+from eqxckpt._run._steps import clean_leftovers, read_run_id, run_identity_bytes, scan_steps
 from eqxckpt._storage import _backend
 from eqxckpt._storage._lease import Lease, holder_is_gone, read_lease
 

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import eqxckpt
 from eqxckpt._chunks import PACK_CHUNK_BYTES
 from eqxckpt._leaf import ArrayLeaf
-from eqxckpt._pack import PACK_MAX_BYTES, PACK_MIN_LEAVES, PackedArray
 from eqxckpt._paths import PACK_ALIGNMENT, PACKED_LOCATION
+from eqxckpt._write._pack import PACK_MAX_BYTES, PACK_MIN_LEAVES, PackedArray
 
 DTYPES = [np.bool_, np.int8, np.uint16, np.int32, np.float16, ml_dtypes.bfloat16, np.float32, np.complex64]
 

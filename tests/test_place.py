@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import eqxckpt
-from eqxckpt import _place
-from eqxckpt._place import Placement
+from eqxckpt._read import _place
+from eqxckpt._read._place import Placement
 
 
 @pytest.fixture(params=[False, True], ids=["host", "staged"])
@@ -106,7 +106,7 @@ SHARDED = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np, ml_dtypes
 import eqxckpt
-from eqxckpt import _place
+from eqxckpt._read import _place
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 _place.STAGE_CPU = sys.argv[2] == "1"
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
@@ -149,7 +149,7 @@ def test_an_upcast_at_the_default_ratio_of_budget_to_chunk_reads_each_chunk_once
     from conftest import counting_storage
 
     from eqxckpt import _chunks
-    from eqxckpt._checkpoint import open_checkpoint
+    from eqxckpt._read._checkpoint import open_checkpoint
 
     monkeypatch.setattr(_chunks, "CHUNK_BYTES", 64 << 10)
     w = values((1024, 256), ml_dtypes.bfloat16)  # 512 KiB: over the budget, 8 chunks of 128 rows

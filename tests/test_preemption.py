@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqxckpt
-from eqxckpt import _preemption
-from eqxckpt._preemption import Preemption
+from eqxckpt._run import _preemption
+from eqxckpt._run._preemption import Preemption
 
 
 def run(script: str) -> subprocess.CompletedProcess:

@@ -1,11 +1,11 @@
-"""Planning single-read restores (`eqxckpt._read_once`); the restores themselves run
+"""Planning single-read restores (`eqxckpt._read._read_once`); the restores themselves run
 across real processes in tests/test_distributed.py."""
 
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from eqxckpt._read_once import spanning_axes, spread_spec
+from eqxckpt._read._read_once import spanning_axes, spread_spec
 
 SQUARE = {"a": 2, "b": 2}
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqxckpt
-from eqxckpt._retention import Retention
+from eqxckpt._run._retention import Retention
 
 counts = st.none() | st.integers(1, 6)
 values = st.floats(allow_nan=True, allow_infinity=True)

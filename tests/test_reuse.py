@@ -11,10 +11,10 @@ import pytest
 import eqxckpt
 from eqxckpt._leaf import StoredLeaf
 from eqxckpt._manifest import Manifest
-from eqxckpt._pack import PACK_MIN_LEAVES
 from eqxckpt._paths import PACKED_LOCATION
-from eqxckpt._reuse import Reuse, plan_reuse
 from eqxckpt._storage import CheckpointPath, resolve
+from eqxckpt._write._pack import PACK_MIN_LEAVES
+from eqxckpt._write._reuse import Reuse, plan_reuse
 
 
 @dataclasses.dataclass

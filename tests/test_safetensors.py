@@ -15,7 +15,7 @@ from conftest import assert_trees_equal
 from hypothesis import given, settings, strategies as st
 
 import eqxckpt
-import eqxckpt._safetensors as safetensors_module
+import eqxckpt._formats._safetensors as safetensors_module
 
 
 def make_model(key=None):

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
 from eqxckpt._errors import CheckpointError, CheckpointExistsError
-from eqxckpt._pack import PACK_MAX_BYTES, PACK_MIN_LEAVES
+from eqxckpt._write._pack import PACK_MAX_BYTES, PACK_MIN_LEAVES
 
 NUMPY_DTYPES = [
     np.float16,
@@ -195,7 +195,7 @@ def test_failed_save_leaves_previous_intact(tmp_path):
     with pytest.raises(CheckpointError, match="uint4"):
         eqxckpt.save(tmp_path / "c", {"a": np.zeros(3, ml_dtypes.uint4)}, overwrite=True)
     # ...and a failure in the middle of writing removes the temporary directory
-    import eqxckpt._save as save_module
+    import eqxckpt._write._save as save_module
 
     real = save_module._write
 
@@ -219,7 +219,7 @@ def test_failed_save_leaves_previous_intact(tmp_path):
 def test_a_failure_while_hashing_during_the_writes_commits_nothing(tmp_path, monkeypatch, blocking, count):
     """Without a base the digests are computed while the chunks are written: a failure
     there must still abort the save before its commit, and keep what was there."""
-    import eqxckpt._save as save_module
+    import eqxckpt._write._save as save_module
 
     old = {f"x{i}": np.full(4, i, np.float32) for i in range(count)}
     eqxckpt.save(tmp_path / "c", old)
@@ -248,7 +248,7 @@ def test_a_failure_while_hashing_during_the_writes_commits_nothing(tmp_path, mon
 def test_a_failed_save_stops_hashing_its_leaves(tmp_path, monkeypatch):
     """A save whose writes fail returns once its hashing thread stopped (after the batch
     in hand), not after hashing the rest of the tree, and leaves no thread behind."""
-    import eqxckpt._save as save_module
+    import eqxckpt._write._save as save_module
 
     tree = {f"x{i:02d}": np.full(1 << 18, i, np.float32) for i in range(64)}  # 64 MiB: four batches
     started = []
@@ -344,7 +344,7 @@ def test_async_save_keeps_values_of_donated_and_deleted_buffers(tmp_path):
     # Hold the background thread, so the step and the deletion below certainly
     # run while the save still needs the buffers (deterministic on a busy machine).
     gate = threading.Event()
-    eqxckpt._background.SAVES.executor().submit(gate.wait)
+    eqxckpt._write._background.SAVES.executor().submit(gate.wait)
     handle = eqxckpt.save(tmp_path / "c", {"params": params, "big": big}, blocking=False)
     new_params = step(params)  # the training step donates the saved buffers
     big.delete()
@@ -571,15 +571,15 @@ def test_saving_a_lazy_tree_copies_the_checkpoint(tmp_path):
 def test_a_lazy_copy_whose_source_is_replaced_commits_nothing(tmp_path, monkeypatch):
     eqxckpt.save(tmp_path / "src", {"w": np.zeros(1000), "v": np.ones(10)})
     tree = eqxckpt.open(tmp_path / "src").tree()
-    real = eqxckpt._save._write
+    real = eqxckpt._write._save._write
 
     def replace_source_midway(target, leaves, **what):
         real(target, leaves, **what)
         if what["chunks"]:
-            monkeypatch.setattr(eqxckpt._save, "_write", real)
+            monkeypatch.setattr(eqxckpt._write._save, "_write", real)
             eqxckpt.save(tmp_path / "src", {"w": np.ones(1000), "v": np.ones(10)}, overwrite=True)  # another process
 
-    monkeypatch.setattr(eqxckpt._save, "_write", replace_source_midway)
+    monkeypatch.setattr(eqxckpt._write._save, "_write", replace_source_midway)
     with pytest.raises(eqxckpt.CheckpointChangedError):
         eqxckpt.save(tmp_path / "dst", tree)
     assert not (tmp_path / "dst").exists()

@@ -1,4 +1,4 @@
-"""Planning replica-parallel saves (`eqxckpt._shares`); the saves themselves run across
+"""Planning replica-parallel saves (`eqxckpt._write._shares`); the saves themselves run across
 real processes in tests/test_distributed.py."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 
 import eqxckpt
 from eqxckpt._chunks import chunk_shape
-from eqxckpt._shares import REPLICA_PIECE_BYTES, split_shard
+from eqxckpt._write._shares import REPLICA_PIECE_BYTES, split_shard
 
 
 def test_a_shard_held_by_several_processes_is_cut_into_that_many_tiles():
@@ -40,7 +40,7 @@ def test_copies_of_a_part_must_agree_between_processes():
     A copy of a whole leaf has the leaf's digest, which process 0 takes from its manifest."""
     from eqxckpt._digest import digest
     from eqxckpt._leaf import ArrayLeaf
-    from eqxckpt._shares import check_copies_agree, copy_digests
+    from eqxckpt._write._shares import check_copies_agree, copy_digests
 
     data = np.arange(24, dtype=np.float32).reshape(6, 4)
     rows = (slice(0, 3), slice(None))

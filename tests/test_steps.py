@@ -19,8 +19,8 @@ from conftest import run_cli
 
 import eqxckpt
 from eqxckpt._paths import RUN_NAME
-from eqxckpt._retention import Retention
-from eqxckpt._steps import (
+from eqxckpt._run._retention import Retention
+from eqxckpt._run._steps import (
     MANAGER_KEY,
     RunSteps,
     clean_leftovers,
@@ -196,7 +196,7 @@ def test_threads_racing_to_create_the_identity_all_get_one(tmp_path):
 
 RACER = """
 import os, sys, time
-from eqxckpt._steps import read_run_id
+from eqxckpt._run._steps import read_run_id
 from eqxckpt._storage import resolve
 go, runs = sys.argv[1], sys.argv[2:]
 while not os.path.exists(go):

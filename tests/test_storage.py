@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 
 import eqxckpt
-from eqxckpt._checkpoint import open_checkpoint
+from eqxckpt._read._checkpoint import open_checkpoint
 from eqxckpt._storage import BufferStorage, resolve
 from eqxckpt._storage._fs import exchange
 

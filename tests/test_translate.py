@@ -143,7 +143,7 @@ def test_a_rule_can_transpose_a_stored_matrix_lazily_and_misfits_name_the_stored
     """A rule returning `Transposed` (how HuggingFace's ``[out, in]`` matrices are read):
     the view's leaf has the turned shape, is read only when restored, turned as it is
     read and cast like any leaf; errors name the tensor as the file does."""
-    from eqxckpt._translate import Transposed
+    from eqxckpt._read._translate import Transposed
 
     rng = np.random.default_rng(0)
     tensors = {"proj.weight": rng.standard_normal((3, 5)).astype(np.float32), "proj.bias": np.ones(3, np.float32)}
@@ -296,7 +296,7 @@ def _transposed_int64_view(tmp_path):
         eqxckpt.save(tmp_path / "c", {"w": jax.numpy.asarray(BIG_INT64)})
     assert not jax.config.read("jax_enable_x64")
     t = eqxckpt.CheckpointTranslator()
-    from eqxckpt._translate import Transposed
+    from eqxckpt._read._translate import Transposed
 
     t.add(r"w")(lambda opts, key, value: ("t", Transposed(value)))
     return t.apply(eqxckpt.open(tmp_path / "c"))

@@ -42,10 +42,10 @@ from .._errors import (
     CorruptCheckpointError,
     ManifestError,
 )
-from .._load import load
-from .._save import Part
-from .._steps import RunSteps
+from .._read._load import load
+from .._run._steps import RunSteps
 from .._window import host_memory_budget
+from .._write._save import Part
 from ._directory import LocalTier, PartInfo
 from ._peers import Transfers, failure_domain, placement, transfer_id
 

@@ -32,17 +32,17 @@ from typing import Any
 
 import numpy as np
 
-from .._checkpoint import Checkpoint, open_checkpoint
+from .._check._verify import verify_location
 from .._errors import ArgumentError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._manifest import parse_manifest
 from .._paths import LOCAL_TIER_NAME, MANIFEST_NAME
-from .._save import Part
-from .._steps import clean_leftovers, is_step_name
+from .._read._checkpoint import Checkpoint, open_checkpoint
+from .._run._steps import clean_leftovers, is_step_name
 from .._storage import BufferStorage, Storage, resolve
 from .._storage._locks import DirLock
 from .._stored import unwritten_at
-from .._verify import verify_location
 from .._window import read_window, run_windowed
+from .._write._save import Part
 
 # The key of a part's own record in its checkpoint's metadata.
 PART_KEY = "eqxckpt.local"

@@ -23,10 +23,10 @@ from .._errors import (
     CheckpointNotFoundError,
     StructureMismatchError,
 )
+from .._formats._safetensors import INDEX_NAME, open_safetensors, save_safetensors
 from .._progress import Progress
-from .._safetensors import INDEX_NAME, open_safetensors, save_safetensors
+from .._read._translate import CheckpointTranslator, Transposed
 from .._storage import CheckpointPath, fsync_path, write_file
-from .._translate import CheckpointTranslator, Transposed
 from .._tree import flatten
 from ._config import T5Config
 from ._import import SUBLAYERS, read_t5, write_converted

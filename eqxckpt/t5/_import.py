@@ -6,12 +6,12 @@ from typing import Any
 
 from .._errors import StructureMismatchError
 from .._leaf import ArrayLeaf
-from .._load import differences, load, plan
 from .._progress import Progress
-from .._restack import Stack
-from .._save import save
+from .._read._load import differences, load, plan
+from .._read._restack import Stack
+from .._read._translate import TranslatedSource
 from .._storage import CheckpointPath
-from .._translate import TranslatedSource
+from .._write._save import save
 from ._config import T5Config, check_weights_fit, weights_dtype
 from ._model import PER_LAYER_BLOCK_LEAF, SCANNED_BLOCK_LEAF, T5, skeleton
 

@@ -10,12 +10,12 @@ import pathlib
 from typing import Any
 
 from .._errors import CheckpointError
+from .._formats._tensorflow import TFCheckpoint, open_tf
 from .._leaf import ArrayLeaf
-from .._load import load
 from .._progress import Progress
+from .._read._load import load
+from .._read._translate import CheckpointTranslator, TranslatedSource
 from .._storage import CheckpointPath
-from .._tensorflow import TFCheckpoint, open_tf
-from .._translate import CheckpointTranslator, TranslatedSource
 from ._config import T5Config
 from ._import import SUBLAYERS, read_t5, write_converted
 from ._model import T5

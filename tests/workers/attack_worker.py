@@ -1,5 +1,5 @@
 """One of several JAX processes probing replica-parallel saves and single-read restores
-(`eqxckpt._shares`, `eqxckpt._read_once`) at their edges. Started by tests/test_distributed.py.
+(`eqxckpt._write._shares`, `eqxckpt._read._read_once`) at their edges. Started by tests/test_distributed.py.
 
     python attack_worker.py SCENARIO PORT NUM_PROCESSES PROCESS_ID DIRECTORY
 
@@ -473,7 +473,7 @@ def signalled(directory: str) -> None:
     import signal
 
     import eqxckpt
-    import eqxckpt._read_once as read_once
+    import eqxckpt._read._read_once as read_once
     import eqxckpt._storage._disk as local
 
     me = jax.process_index()

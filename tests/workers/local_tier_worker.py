@@ -35,7 +35,8 @@ from distributed_worker import run_scenarios
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqxckpt
-from eqxckpt import _distributed, _local, _save
+from eqxckpt import _distributed, _local
+from eqxckpt._write import _save
 
 SHAPES = {"w": (8, 1024), "v": (8, 1024), "b": (8,), "table": (16, 64)}  # sharded on the first axis
 

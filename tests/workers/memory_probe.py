@@ -135,7 +135,7 @@ def big(path, op, budget_mib="256", spec="one", dtype="float32", staged="0"):
         eqxckpt.save(path, {"w": data})
         print(json.dumps({"peak": 0, "bytes": data.nbytes}))
         return
-    from eqxckpt import _place
+    from eqxckpt._read import _place
 
     _place.STAGE_CPU = staged == "1"
     devices = jax.devices()

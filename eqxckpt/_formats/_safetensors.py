@@ -1,0 +1,421 @@
+"""safetensors files as a read-only `Source`, and `save_safetensors`.
+
+A file is an 8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and byte range in the data that follows, then the data.
+The header is validated as strictly as a manifest (size cap, offsets inside
+the data, sizes that match the shapes, no overlaps) before anything is read,
+and each tensor is read lazily, with one ranged read of exactly its bytes.
+
+Tensor names map to paths by splitting at ``.``:
+``encoder.block.0.layer.0.SelfAttention.q.weight`` is
+``encoder/block/0/layer/0/SelfAttention/q/weight``.
+"""
+
+import contextlib
+import json
+import math
+import os
+import pathlib
+import stat
+import struct
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+
+from .._arguments import checked_arguments
+from .._chunks import Region
+from .._dtypes import little_endian
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    ManifestError,
+    PathError,
+    UnsupportedLeafError,
+)
+from .._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, check_bool_bytes, parse_shape
+from .._manifest import MAX_PARSE_FACTOR, parse_json_object
+from .._paths import check_one_tree, encode_segment, key_entry_record
+from .._progress import Progress, advance, reporting
+from .._read._select import Selection
+from .._read._source import LazyArray, Source
+from .._storage import file_exists_error, read_capped, reading, write_file
+from .._tree import flatten, is_prng_key_dtype
+from .._window import Task, check_allocation, read_window, run_windowed
+from ._convert import aligned_empty
+
+if TYPE_CHECKING:  # JAX is imported where a tree is saved, not to read a file
+    from jaxtyping import PyTree
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# The safetensors library refuses headers over 100 MB; so does this reader.
+MAX_HEADER_BYTES = 100_000_000
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+# What one tensor costs in memory from opening a file to loading it (measured: about
+# 1.5 KiB for a float32[1] tensor), so that a header is refused before it is parsed
+# when reading it would take more than MAX_PARSE_FACTOR times its size.
+LOAD_BYTES_PER_TENSOR = 1600
+DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def name_to_keys(name: str) -> tuple[str, tuple[KeyRecord, ...]]:
+    """A tensor name's path and key records: one dict key per ``.``-separated part."""
+    parts = name.split(".")
+    return "/".join(encode_segment(part) for part in parts), tuple(("dict", part) for part in parts)
+
+
+class SafetensorsCheckpoint(Source):
+    """One safetensors file, or a sharded HuggingFace directory, as a read-only source.
+
+    Its `metadata` is the file's ``__metadata__`` (for a sharded directory, the
+    index's ``metadata``); every tensor is read lazily, on its own. Each file is
+    opened once, when its header is read, and every tensor is read from that
+    open file: a file replaced meanwhile (``save_safetensors(overwrite=True)``)
+    is still read whole from the version whose header was validated, never mixed.
+    """
+
+    arrays_only = True
+
+    def __init__(self, location: str, files: dict[str, pathlib.Path], index: dict[str, str] | None = None):
+        self.location = location
+        self.metadata: dict[str, Any] = {}
+        self._leaves = {}
+        self._where: dict[str, tuple[int, int]] = {}  # path -> (open file, absolute offset)
+        self._fds: list[int] = []
+        weakref.finalize(self, _close_all, self._fds)
+        self._names: dict[str, str] = {}  # path -> tensor name
+        names = self._names
+        for shard, file in files.items():
+            fd = open_file(file)
+            self._fds.append(fd)
+            header, data_start, file_metadata = read_header(fd, file)
+            if index is None:
+                self.metadata = dict(file_metadata)
+            for name, (leaf_dtype, shape, begin) in header.items():
+                if index is not None and index.get(name) != shard:
+                    raise ManifestError(
+                        f"{file} holds tensor {name!r}, but {INDEX_NAME} puts it in {index.get(name)!r}. "
+                        "The directory is inconsistent; re-save it."
+                    )
+                path, keys = name_to_keys(name)
+                if path in names:
+                    raise ManifestError(f"Tensors {names[path]!r} and {name!r} both map to path {path!r}.")
+                names[path] = name
+                self._leaves[path] = ArrayLeaf(path, keys, shape, leaf_dtype, UNKNOWN)
+                self._where[path] = (fd, data_start + begin)
+        if index is not None:
+            missing = sorted(set(index) - set(names.values()))
+            if missing:
+                raise ManifestError(
+                    f"{INDEX_NAME} of {location} lists {len(missing)} tensors its shards do not hold "
+                    f"(e.g. {missing[0]!r}). The directory is incomplete."
+                )
+        check_one_tree(self._leaves, location, lambda path: names[path])
+
+    def origin(self, leaf_path: str) -> str:
+        self.leaf(leaf_path)
+        return self._names[leaf_path]
+
+    def _fetch(
+        self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
+    ) -> None:
+        # Each tensor with one ranged read straight into the buffer it is restored in,
+        # on the I/O threads (a fresh process's page faults are spread over the cores).
+        reserve(sum(leaf.nbytes for leaf in leaves))
+        tasks: list[Task] = []
+        for i, leaf in enumerate(leaves):
+            fd, offset = self._where[leaf.path]
+            buffer = aligned_empty(leaf.data_shape, np.dtype(leaf.dtype))
+            read = lambda fd=fd, offset=offset, buffer=buffer, path=leaf.path: read_range(fd, offset, buffer, path)  # noqa: E731
+            tasks.append((buffer.nbytes, read, lambda _, i=i, buffer=buffer: done(i, buffer)))
+        run_windowed(tasks, read_window(sum(leaf.nbytes for leaf in leaves)))
+
+    def rows_per_read(self, leaf: StoredLeaf) -> int:
+        """One row: a selection is read from its first row to its last."""
+        return 1
+
+    def _read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
+        """Whole rows: one ranged read straight into ``out``."""
+        whole_rows = all((s.start, s.stop) == (0, n) for s, n in zip(region[1:], leaf.shape[1:]))
+        if not region or not whole_rows or not out.size:
+            return super()._read_into(leaf, region, out)
+        fd, offset = self._where[leaf.path]
+        with reading(leaf):
+            read_range(fd, offset + region[0].start * (leaf.nbytes // leaf.shape[0]), out, leaf.path)
+        check_bool_bytes(out, leaf.path)
+
+    def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
+        """One ranged read of the rows from the first selected to the last (a tensor is
+        stored in C order), selected from."""
+        box, dtype = selection.box(), np.dtype(leaf.dtype)
+        if not all(box):  # nothing selected: nothing to read
+            return selection.finish(np.empty(tuple(len(r) for r in box), dtype))
+        if not box:  # a 0-d tensor: one element
+            return super().read_selection(leaf, selection)
+        rows = box[0]
+        fd, offset = self._where[leaf.path]
+        row_bytes = leaf.nbytes // leaf.shape[0]
+        buffer = aligned_empty((rows[-1] + 1 - rows[0], *leaf.shape[1:]), dtype)
+        check_allocation(buffer.nbytes, f"Reading leaf {leaf.path!r} of {self.location}")
+        with reading(leaf):
+            read_range(fd, offset + rows[0] * row_bytes, buffer, leaf.path)
+        check_bool_bytes(buffer, leaf.path)
+        return selection.take(buffer, (rows[0],))
+
+
+def read_range(fd: int, offset: int, buffer: np.ndarray, path: str) -> None:
+    """Fill ``buffer`` with the bytes of the open file ``fd`` from ``offset`` (one ranged read)."""
+    view = buffer.reshape(-1).view(np.uint8).data
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(
+                f"Leaf {path!r}: its file ended before the tensor's bytes (it was truncated in place).", leaf_path=path
+            )
+        done += n
+
+
+def open_file(file: pathlib.Path) -> int:
+    """``file`` opened for reading; a symlink or anything but a regular file is refused
+    (opened without blocking, so a FIFO in its place cannot hang the reader)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise CheckpointNotFoundError(f"Cannot open {file}: {e.strerror} (symlinks are refused).") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ManifestError(f"{file} is not a regular file (a FIFO, device or directory); refusing to read it.")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def read_header(fd: int, file: pathlib.Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], int, dict[str, str]]:
+    """The tensors ``{name: (dtype, shape, begin)}`` of the safetensors file open as ``fd``,
+    where its data starts, and its ``__metadata__``; `ManifestError` for anything off."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise ManifestError(f"{file} is too short to be a safetensors file ({size} bytes).")
+    (length,) = struct.unpack("<Q", head)
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        raise ManifestError(
+            f"{file}: its header claims {length} bytes (the file has {size}; at most {MAX_HEADER_BYTES} are "
+            "accepted). It is not a safetensors file, or it is damaged or crafted."
+        )
+    raw = os.pread(fd, length, 8)
+    data_size = size - 8 - length
+    tensors_declared = raw.count(b"data_offsets")  # counted before parsing: an upper bound
+    if tensors_declared * LOAD_BYTES_PER_TENSOR > MAX_PARSE_FACTOR * length + (16 << 20):
+        raise ManifestError(
+            f"{file}: its {length}-byte header declares up to {tensors_declared} tensors; opening and loading "
+            f"them would take about {tensors_declared * LOAD_BYTES_PER_TENSOR >> 20} MiB, over {MAX_PARSE_FACTOR} "
+            "times the header (real files spend about 100 bytes of header on each tensor). It is crafted, or "
+            "splits its data into too many tiny tensors: refusing to read it."
+        )
+    doc = parse_json_object(raw, f"The header of {file}", MAX_HEADER_BYTES)
+    metadata = doc.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ManifestError(f"{file}: its __metadata__ must map strings to strings.")
+    tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in doc.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise ManifestError(f"{file}: tensor {name!r} is not {{dtype, shape, data_offsets}}.")
+        dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise ManifestError(f"{file}: tensor {name!r} has an unknown dtype {entry['dtype']!r}.")
+        shape = parse_shape(entry["shape"], name)
+        offsets = entry["data_offsets"]
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_size
+        ):
+            raise ManifestError(
+                f"{file}: tensor {name!r} has data_offsets {offsets!r} outside the {data_size} bytes of data. "
+                "The file is truncated, damaged or crafted."
+            )
+        if offsets[1] - offsets[0] != math.prod(shape) * np.dtype(dtype).itemsize:
+            raise ManifestError(
+                f"{file}: tensor {name!r} is {entry['dtype']}{list(shape)} but spans {offsets[1] - offsets[0]} bytes."
+            )
+        tensors[name] = (dtype, shape, offsets[0])
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ManifestError(
+                f"{file}: tensors {first!r} and {second!r} overlap in the data. The file is damaged or crafted."
+            )
+    return tensors, 8 + length, metadata
+
+
+def open_safetensors(path: pathlib.Path) -> SafetensorsCheckpoint:
+    """A ``.safetensors`` file, a directory holding ``model.safetensors``, or a sharded
+    directory (``model.safetensors.index.json`` and its shards)."""
+    if path.is_file():
+        return SafetensorsCheckpoint(str(path), {path.name: path})
+    index_file = path / INDEX_NAME
+    if index_file.is_file() or index_file.is_symlink():
+        try:
+            raw = read_capped(index_file, MAX_INDEX_BYTES)
+        except OSError as e:
+            raise ManifestError(
+                f"Cannot read {index_file}: {e.strerror or e} (a symlink or special file in its place is refused)."
+            ) from None
+        doc = parse_json_object(raw, str(index_file), MAX_INDEX_BYTES)
+        weight_map = doc.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ManifestError(f"{index_file} has no 'weight_map' of tensor names to shard files.")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if "/" in shard or "\\" in shard or shard.startswith(".") or not shard:
+                raise ManifestError(f"{index_file} names shard {shard!r}, which is not a file in {path}.")
+        source = SafetensorsCheckpoint(str(path), {shard: path / shard for shard in shards}, weight_map)
+        metadata = doc.get("metadata", {})
+        source.metadata = dict(metadata) if isinstance(metadata, dict) else {}
+        return source
+    if (path / SINGLE_NAME).is_file():
+        return SafetensorsCheckpoint(str(path), {SINGLE_NAME: path / SINGLE_NAME})
+    raise CheckpointNotFoundError(f"No safetensors file at {path} (no {SINGLE_NAME} or {INDEX_NAME}).")
+
+
+@checked_arguments
+def save_safetensors(
+    path: str | os.PathLike[str],
+    tree: "PyTree",
+    *,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+    progress: Progress = False,
+) -> None:
+    """Write a pytree's arrays as one safetensors file, atomically.
+
+    Tensor names are the leaves' paths with ``/`` turned into ``.``
+    (``layers/0/weight`` is ``layers.0.weight``), so the file loads in
+    `safetensors` itself and back through `eqxckpt.load`.
+
+    **Arguments:**
+
+    - `path`: the ``.safetensors`` file to write.
+    - `tree`: a pytree whose leaves are arrays (other leaves are refused: a
+      safetensors file holds tensors only; filter them out first with
+      ``eqx.filter(tree, eqx.is_array)``). Lazy arrays of an opened checkpoint
+      (``eqxckpt.open(src).tree()``) are read one at a time while writing. Arrays
+      of any byte order are written little-endian, as safetensors' data are.
+    - `metadata`: string-to-string metadata, stored as ``__metadata__``.
+    - `overwrite`: replace a file already at ``path`` (atomically). Without it,
+      an existing file is never touched: `CheckpointExistsError`.
+    - `progress`: True for a progress bar on a terminal, or a callable called
+      with ``(bytes_done, bytes_total, leaves_done, leaves_total)``.
+
+    **Returns:** nothing; the file is complete and durable on return.
+
+    ```python
+    eqxckpt.save_safetensors("model.safetensors", eqx.filter(model, eqx.is_array))
+    params = safetensors.numpy.load_file("model.safetensors")
+    ```
+    """
+    import jax
+
+    metadata = {} if metadata is None else metadata
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError("safetensors metadata must map strings to strings.")
+    final = pathlib.Path(path).absolute()
+    if final.exists() and not overwrite:  # fail fast, before reading anything; checked again at the commit
+        raise file_exists_error(final)
+    flat, _ = flatten(tree)
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    arrays: list[Any] = []  # host arrays, or lazy entries read one at a time while writing
+    offset = 0
+    for leaf_path, keypath, leaf in flat:
+        if leaf is None:
+            continue
+        if not (isinstance(leaf, (jax.Array, np.ndarray, np.generic, LazyArray))):
+            raise CheckpointError(
+                f"Leaf {leaf_path!r} is {type(leaf).__name__}, not an array: a safetensors file holds tensors only. "
+                "Filter the tree first (eqx.filter(tree, eqx.is_array))."
+            )
+        parts = [str(key_entry_record(entry)[1]) for entry in keypath]
+        if any("." in part for part in parts) or not all(parts):
+            raise PathError(
+                f"Leaf {leaf_path!r}: its keys {parts} contain '.' or are empty, so its safetensors name would be "
+                "ambiguous. Rename the key, or use eqxckpt.save."
+            )
+        name = ".".join(parts)
+        if name == "__metadata__":
+            raise PathError(
+                f"Leaf {leaf_path!r} would be the tensor '__metadata__', the name safetensors reserves for the "
+                "file's metadata (no reader could open the file). Rename the key."
+            )
+        if is_prng_key_dtype(leaf.dtype):
+            raise UnsupportedLeafError(
+                f"Leaf {leaf_path!r} is a typed PRNG key array, which safetensors cannot hold. Save its key data "
+                "(jax.random.key_data(x)) instead, or use eqxckpt.save, which stores keys."
+            )
+        array = leaf if isinstance(leaf, LazyArray) else _stored(leaf)
+        dtype = NAMES.get(np.dtype(array.dtype).name)
+        if dtype is None:
+            raise CheckpointError(f"Leaf {leaf_path!r} has dtype {array.dtype}, which safetensors cannot hold.")
+        if name in header:
+            raise PathError(f"Two leaves are both named {name!r} in safetensors.")
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        arrays.append(array)
+        offset += array.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the safetensors library writes
+
+    def body(f: BinaryIO) -> None:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        with contextlib.ExitStack() as sources:
+            for source in {id(a.source): a.source for a in arrays if isinstance(a, LazyArray)}.values():
+                sources.enter_context(source.consistent())
+            for array in arrays:
+                if isinstance(array, LazyArray):
+                    array = _stored(array.get())
+                f.write(array.reshape(-1).view(np.uint8).data)
+                advance(array.nbytes)
+
+    try:  # as `save` makes a checkpoint's parents
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointWriteError(
+            f"Cannot make the directory {final.parent} for {final.name}: {e.strerror or e}. Nothing was written."
+        ) from None
+    with reporting(f"writing {final.name}", offset, len(arrays), progress):
+        write_file(final, body, overwrite)
+
+
+def _stored(value: Any) -> np.ndarray:
+    """The array whose bytes a tensor's data are: little-endian (`little_endian`), in C order
+    (np.asarray with order="C", not np.ascontiguousarray: that makes 0-d arrays shape [1])."""
+    return np.asarray(little_endian(value), order="C")

@@ -1,0 +1,286 @@
+"""Incremental saves: which leaves a save takes unchanged from an earlier checkpoint, and how.
+
+A save with a ``base`` takes a leaf from it when ``base`` holds it as this save would
+write it (same path, digest, dtype and shape, in an array of its own, or all the packed
+leaves together) and its bytes there pass every check `verify` makes. On a local disk
+its files are hard-linked into the new checkpoint; on an object store the new manifest
+refers to ``base``'s prefix. Everything else is written afresh.
+"""
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Generic, Protocol, TypeVar
+
+from .._check._verify import damaged_leaves
+from .._chunks import ChunkLayout
+from .._errors import CheckpointChangedError, CheckpointError, plural
+from .._leaf import StoredLeaf
+from .._manifest import Manifest
+from .._paths import PACKED_LOCATION, reference
+from .._storage import CheckpointPath, Staging, Storage, expected_files
+from .._stored import StoredArrays
+from ._pack import PackedArray
+
+
+class Job(Protocol):
+    """What reuse needs of one array a save writes: its record, and the shard shape its
+    chunks must tile (None: written whole by one process)."""
+
+    @property
+    def record(self) -> StoredLeaf: ...
+
+    @property
+    def shard(self) -> tuple[int, ...] | None: ...
+
+
+J = TypeVar("J", bound=Job)
+
+
+@dataclasses.dataclass
+class Reuse(Generic[J]):
+    """What a save takes from its ``base``, and what it writes afresh: each of its jobs is
+    in exactly one of ``linked``, ``referred`` and ``written``.
+
+    A context manager: on a local disk, ``base`` is held (retention does not delete it)
+    from when its files are checked until the save that links them ends.
+
+    **Arguments:**
+
+    - `base`: the stored arrays of the checkpoint taken from; None where nothing is.
+    - `linked`: jobs whose files are hard-linked from ``base`` (local disks), each with
+      those files' keys.
+    - `referred`: jobs whose array stays in a sibling's prefix (object stores), each
+      with that prefix as the manifest names it.
+    - `written`: jobs written afresh (changed, not in ``base``, or damaged there).
+
+    ```python
+    with plan_reuse(base, manifest, jobs, location) as reuse:
+        staging.link_files(...)  # see `link_into`
+    ```
+    """
+
+    base: StoredArrays | None
+    linked: list[tuple[J, list[str]]]
+    referred: list[tuple[J, str]]
+    written: list[J]
+    hold: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
+
+    def __enter__(self) -> "Reuse[J]":
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release ``base`` (its hold, where one was taken).
+
+        ```python
+        reuse.close()  # the save that linked its files is over
+        ```
+        """
+        self.hold.close()
+
+    def link_into(self, staging: Staging) -> None:
+        """Hard-link (or copy where links are refused) the ``linked`` files of ``base`` into
+        ``staging``, then check ``base`` is still the checkpoint that was checked.
+
+        **Arguments:**
+
+        - `staging`: the save's staging place, on the same disk as ``base``.
+
+        **Returns:** nothing; raises `CheckpointChangedError` if ``base`` was replaced or
+        deleted meanwhile (what was linked may not be what its manifest describes).
+
+        ```python
+        reuse.link_into(staging)
+        ```
+        """
+        if not self.linked:
+            return
+        assert self.base is not None
+        staging.link_files(self.base.arrays, [key for _, keys in self.linked for key in keys])
+        self.base.check_unchanged()
+
+    def refer_from(self, staging: Staging, manifest: Manifest) -> tuple[Manifest, list[J]]:
+        """Hold the ``referred`` prefixes for ``staging``'s save, as many as can be held.
+
+        **Arguments:**
+
+        - `staging`: the save's staging place, beside ``base`` on an object store.
+        - `manifest`: the manifest the save commits.
+
+        **Returns:** ``manifest`` with each leaf whose prefix is held naming it, and the
+        ``referred`` jobs whose prefix could not be held (doomed meanwhile): to write.
+
+        ```python
+        manifest, also_written = reuse.refer_from(staging, manifest)
+        ```
+        """
+        if not self.referred:
+            return manifest, []
+        held = staging.refer(sorted({ref for _, ref in self.referred}))
+        manifest = _referring(manifest, {job.record.path: ref for job, ref in self.referred if ref in held})
+        return manifest, [job for job, ref in self.referred if ref not in held]
+
+
+def plan_reuse(base: CheckpointPath | None, manifest: Manifest, jobs: Sequence[J], location: Storage) -> Reuse[J]:
+    """Which of ``jobs`` a save to ``location`` takes unchanged from ``base``, and how.
+
+    A leaf is taken when ``base`` holds it as this save writes it (same path and digest,
+    so kind, dtype and shape; each in an array of its own, or all the packed leaves at the
+    same offsets) and its bytes there pass every check `verify` makes. A damaged one is
+    written afresh, with a warning naming it: one bit flipped in ``base`` is never shared.
+    Leaves whose shards several processes write, and leaves without a digest, are written.
+
+    **Arguments:**
+
+    - `base`: the earlier checkpoint (None: nothing is taken). It is taken from only if
+      committed: on a local disk when ``location`` is one too (files are linked), beside
+      ``location`` on an object store (prefixes are referred to); else nothing is.
+    - `manifest`: the save's manifest, with the digests of the leaves it holds whole.
+    - `jobs`: the arrays the save would write.
+    - `location`: where the save goes.
+
+    **Returns:** a `Reuse`; enter it (or ``close()`` it) to release its hold on ``base``.
+    A ``base`` replaced or deleted meanwhile gives nothing taken.
+
+    ```python
+    with plan_reuse("run/1", manifest, jobs, resolve("run/2")) as reuse:
+        [job.record.path for job in reuse.written]  # the leaves that changed
+    ```
+    """
+    stored = _open_base(base, location)
+    if stored is None:
+        return Reuse(None, [], [], list(jobs))
+    with contextlib.ExitStack() as hold:
+        reusable: dict[int, list[str]] = {}
+        referable: dict[int, str] = {}
+        if stored.arrays.local is None:
+            try:
+                referable = _referable(stored, manifest, jobs, location)
+            except CheckpointChangedError:
+                pass  # replaced or deleted meanwhile: everything is written
+        else:
+            try:  # held, not deleted by retention, while its files are checked and linked
+                hold.enter_context(stored.held())
+                reusable = _reusable(stored, manifest, jobs)
+            except CheckpointChangedError:
+                pass  # deleted meanwhile: everything is written
+        if not reusable:
+            hold.close()
+        return Reuse(
+            stored,
+            [(job, reusable[id(job)]) for job in jobs if id(job) in reusable],
+            [(job, referable[id(job)]) for job in jobs if id(job) in referable],
+            [job for job in jobs if id(job) not in reusable and id(job) not in referable],
+            hold.pop_all(),
+        )
+
+
+def _open_base(base: CheckpointPath | None, location: Storage) -> StoredArrays | None:
+    """The checkpoint a save may take unchanged leaves from: one committed on a local disk,
+    into another on a local disk (its files are linked), or one beside it on an object
+    store (referred to); None where there is none to take from."""
+    if base is None:
+        return None
+    try:
+        stored = StoredArrays.open(base)
+    except CheckpointError:  # gone, damaged, not one: nothing is taken from it
+        return None
+    if location.local is not None:
+        return stored if stored.arrays.local is not None else None
+    sibling = location.sibling_name(stored.storage) is not None
+    return stored if sibling and stored.manifest.arrays else None
+
+
+def _unchanged(base: StoredArrays, manifest: Manifest, jobs: Sequence[J]) -> Iterator[tuple[J, StoredLeaf]]:
+    """The jobs whose leaf ``base`` already holds as this save would write it, with base's
+    leaf: same path and digest (so kind, dtype and shape), each in an array of its own."""
+    recorded = {r.path: r for r in manifest.leaves if isinstance(r, StoredLeaf)}
+    for job in jobs:
+        if job.record.path == PACKED_LOCATION:
+            new_packing, old_packing = PackedArray.of(manifest.leaves), base.packing
+            if new_packing is not None and old_packing is not None and new_packing.same_bytes_as(old_packing):
+                yield job, old_packing.record
+            continue
+        new, old = recorded.get(job.record.path), base.stored_leaf(job.record.path)
+        if not (
+            new is None  # the packed array: rewritten whole
+            or job.shard is not None
+            or new.offset is not None
+            or new.digest is None
+            or old is None
+            or old.offset is not None
+            or (old.digest, old.digest_fields()) != (new.digest, new.digest_fields())
+        ):
+            yield job, old
+
+
+def _reusable(base: StoredArrays, manifest: Manifest, jobs: Sequence[J]) -> dict[int, list[str]]:
+    """The unchanged leaves of ``base`` (a committed checkpoint on a local disk) whose files
+    are plain files exactly as `expected_files` lays the leaf out, and intact (`_intact`),
+    by ``id`` of their job, with the files to take."""
+    laid_out: list[tuple[J, StoredLeaf]] = []
+    files: dict[int, list[str]] = {}
+    for job, old in _unchanged(base, manifest, jobs):
+        expected = {
+            k: v for k, v in expected_files([(old, ChunkLayout.planned(old))]).items() if k.startswith(f"{old.path}/")
+        }
+        found = base.leaf_files(old.path)
+        if found is not None and found.keys() == expected.keys():
+            if all(size < 0 or found[key] == size for key, size in expected.items()):
+                laid_out.append((job, old))
+                files[id(job)] = sorted(found)
+    return {id(job): files[id(job)] for job, _ in _intact(base, laid_out)}
+
+
+def _referable(base: StoredArrays, manifest: Manifest, jobs: Sequence[J], location: Storage) -> dict[int, str]:
+    """The unchanged and intact (`_intact`) leaves of ``base`` (a committed checkpoint beside
+    this one on an object store), by ``id`` of their job, with the prefix their array is in
+    (base's own, or the one base refers to: references are never chained)."""
+    entry = location.sibling_name(base.storage)
+    assert entry is not None
+    own = reference(entry, base.manifest.arrays)
+    return {id(job): old.arrays or own for job, old in _intact(base, list(_unchanged(base, manifest, jobs)))}
+
+
+def _intact(base: StoredArrays, taken: list[tuple[J, StoredLeaf]]) -> list[tuple[J, StoredLeaf]]:
+    """Of ``taken`` (unchanged leaves, each with ``base``'s record of it), those whose bytes
+    in ``base`` pass every check `verify` makes (chunks' CRC-32C, digests): a save shares
+    nothing unchecked, or one bit flipped in ``base`` would be in every later checkpoint.
+    The others are written afresh from the values being saved, with a warning naming them.
+    Raises `CheckpointChangedError` if ``base`` was replaced or deleted meanwhile."""
+    members = [r for r in base.manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None]
+    records = {id(job): members if old.path == PACKED_LOCATION else [old] for job, old in taken}
+    damaged = damaged_leaves(base, [r for group in records.values() for r in group]) if taken else {}
+    intact: list[tuple[J, StoredLeaf]] = []
+    for job, old in taken:
+        bad = [r.path for r in records[id(job)] if r.path in damaged]
+        if not bad:
+            intact.append((job, old))
+            continue
+        what = f"Leaf {bad[0]!r}" if old.path != PACKED_LOCATION else f"Packed leaf {bad[0]!r}"
+        others = f" (and {plural(len(bad) - 1, 'other packed leaf', 'other packed leaves')})" if len(bad) > 1 else ""
+        warnings.warn(
+            f"{what}{others} of {base.location}, which this save would share unchanged, is damaged there "
+            f"({damaged[bad[0]].rstrip('.')}). This save writes it again from the values being saved; "
+            f"{base.location} itself stays damaged (eqxckpt verify names every checkpoint sharing it).",
+            stacklevel=2,
+        )
+    return intact
+
+
+def _referring(manifest: Manifest, refs: dict[str, str]) -> Manifest:
+    """The manifest with each leaf at a path in ``refs`` naming the prefix its array is in
+    (every packed leaf, if the packed array is in ``refs``)."""
+    where = lambda r: refs.get(PACKED_LOCATION if r.offset is not None else r.path)  # noqa: E731
+    records = [
+        dataclasses.replace(r, arrays=where(r)) if isinstance(r, StoredLeaf) and where(r) else r
+        for r in manifest.leaves
+    ]
+    return dataclasses.replace(manifest, leaves=tuple(records))

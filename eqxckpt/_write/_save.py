@@ -1,0 +1,652 @@
+"""`save`: write a pytree as per-leaf zarr3 arrays plus a manifest, atomically."""
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import threading
+import warnings
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+from jaxtyping import PyTree
+
+from .._arguments import checked_arguments
+from .._chunks import ChunkLayout, encode
+from .._digest import Tiled, digest
+from .._distributed import Phases, is_multiprocess
+from .._errors import ArgumentError, CheckpointError, CheckpointWriteError, UnsupportedLeafError
+from .._gc import collector_paused
+from .._interrupts import interrupts_deferred
+from .._leaf import Leaf, StoredLeaf, with_storage
+from .._manifest import Manifest, metadata_bytes
+from .._paths import GROUP_METADATA, group_file, group_locations, key_entry
+from .._progress import Progress, advance, reporting
+from .._read._place import Block, slice_key
+from .._storage import (
+    NOTHING_COMMITTED,
+    CheckpointPath,
+    Staging,
+    Storage,
+    expected_files,
+    nothing_committed,
+    resolve,
+)
+from .._stored import unwritten_at
+from .._tensorstore import is_storage_error, reason
+from .._tree import flatten
+from .._window import Task, read_window, run_windowed
+from ._background import SAVES, SaveHandle
+from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
+from ._pieces import HostPiece, PackedWrite, Piece, record_of, snapshot
+from ._reuse import Reuse, plan_reuse
+from ._shares import check_copies_agree, copy_digests, global_leaves
+
+
+@dataclasses.dataclass
+class _WriteJob:
+    """One array leaf to write: its record, the shard shape its chunks must tile
+    (None: whole), its chunk layout (planned once, from those), and the pieces this
+    process writes."""
+
+    record: StoredLeaf
+    shard: tuple[int, ...] | None
+    pieces: list[Piece]
+
+    @functools.cached_property
+    def layout(self) -> ChunkLayout:
+        # Planned on first use: by a background save, off the caller's thread.
+        return ChunkLayout.planned(self.record, self.shard)
+
+
+def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
+    """Every leaf's manifest record, and the arrays to write (``LazyArray`` leaves
+    are copied from their checkpoint)."""
+    flat, _ = flatten(tree, empty_in_sequences=True)
+    records: list[Leaf] = []
+    arrays: list[tuple[StoredLeaf, Any]] = []
+    for path, keypath, value in flat:
+        if not path:
+            raise ArgumentError(
+                "save needs a container at the top of the tree (a module, dict, list...); "
+                "wrap a single array, e.g. save(path, {'x': array})."
+            )
+        keys = tuple(key_entry(e)[0] for e in keypath)
+        record, data = record_of(path, keys, value)
+        records.append(record)
+        if isinstance(record, StoredLeaf):
+            arrays.append((record, data))
+    return records, arrays
+
+
+def _snapshot(
+    arrays: list[tuple[StoredLeaf, Any]],
+    copy: bool,
+    leader: bool,
+    multiprocess: bool | None = None,
+    own_blocks: bool = False,
+    global_leaves: frozenset[int] | None = None,
+) -> list[_WriteJob]:
+    """The pieces this process must write, in host memory it owns (see `_pieces.snapshot`)."""
+    planned = snapshot(arrays, copy, leader, multiprocess, own_blocks, global_leaves)
+    jobs = [_WriteJob(record, shard, pieces) for record, shard, pieces in planned]
+    for job in jobs:  # in every process alike, before any is written
+        if why := job.layout.refusal():
+            record = job.record
+            raise UnsupportedLeafError(
+                f"Leaf {record.path!r} ({record.dtype}{list(record.data_shape)}"
+                + ("" if job.shard is None else f", in shards of {list(job.shard)}")
+                + f"): its array {why}, which a load refuses, so it is not saved. Give each shard a length "
+                "with a divisor near 64 MiB's worth of its rows (pad it, e.g. to a multiple of 8), or shard it "
+                "along another dimension."
+            )
+    return jobs
+
+
+def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], list[_WriteJob]]:
+    """Small leaves written whole from host memory go into the packed array (see `_pack`)
+    when there are enough of them to be worth it; the records say where each one is."""
+    small = [
+        leaf
+        for leaf in leaves
+        if leaf.shard is None and len(leaf.pieces) == 1 and leaf.pieces[0].whole is not None and packable(leaf.record)
+    ]
+    if len(small) < PACK_MIN_LEAVES:
+        return records, leaves
+    placed = assign_offsets([leaf.record for leaf in small])
+    where = {id(leaf.record): record for leaf, record in zip(small, placed)}
+    packing = PackedArray(placed)
+    written = PackedWrite(
+        packing,
+        {record.path: whole for leaf, record in zip(small, placed) if (whole := leaf.pieces[0].whole) is not None},
+    )
+    chosen = {id(leaf) for leaf in small}
+    return (
+        [where.get(id(record), record) for record in records],
+        [leaf for leaf in leaves if id(leaf) not in chosen] + [_WriteJob(packing.record, None, [written])],
+    )
+
+
+# A batch of leaves hashed by one thread: large enough that a tree of many small leaves
+# costs few tasks, small enough that two cores share a large tree's hashing.
+DIGEST_BATCH_BYTES = 16 * 1024 * 1024
+
+
+def _digested(manifest: Manifest, leaves: list[_WriteJob], stop: threading.Event | None = None) -> Manifest:
+    """The manifest with the digest of each leaf this process holds whole in host memory
+    (a leaf whose shards several processes write gets none; a copied leaf keeps its
+    source's). Run where the writes run: off the caller's thread for a background save;
+    batches of leaves are hashed on every core (the hash releases the GIL)."""
+    by_offset = {r.offset: r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None}
+    whole: list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]] = []
+    for leaf in leaves:
+        if leaf.record.blocks is not None:  # a part's blocks, each whole here, in order
+            whole.append((leaf.record, [piece.data for piece in leaf.pieces if isinstance(piece, HostPiece)]))
+            continue
+        if len(leaf.pieces) != 1:
+            if (tiled := _tiled(leaf)) is not None:
+                whole.append((leaf.record, tiled))
+            continue
+        for offset, data in leaf.pieces[0].hashed():
+            if offset is not None:
+                whole.append((by_offset[offset], data))
+            elif data.shape == leaf.record.data_shape:
+                whole.append((leaf.record, data))
+    batches: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]]] = [[]]
+    size = 0
+    for record, data in whole:
+        if size >= DIGEST_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append((record, data))
+        size += record.nbytes
+    digests: dict[str, str] = {}
+    failures: list[tuple[str, Exception]] = []
+
+    def hash_batches(share: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]]]) -> None:
+        for batch in share:
+            if stop is not None and stop.is_set():
+                return  # the save failed meanwhile: its digests are never used
+            for record, data in batch:
+                try:
+                    digests[record.path] = digest(record.digest_fields(), data)
+                except Exception as e:  # raised below, naming the leaf, whichever thread hashed it
+                    failures.append((record.path, e))
+                    return
+
+    # Plain threads, not an executor: a background save may run while the interpreter
+    # exits, when executors take no new work.
+    workers = min(len(batches), os.cpu_count() or 1)
+    threads = [threading.Thread(target=hash_batches, args=(batches[i::workers],)) for i in range(1, workers)]
+    for thread in threads:
+        thread.start()
+    hash_batches(batches[0::workers])
+    for thread in threads:
+        thread.join()
+    if failures:
+        path, e = failures[0]
+        raise CheckpointWriteError(f"Hashing leaf {path!r} failed: {e!r}. {NOTHING_COMMITTED}") from e
+    if len(digests) != len(whole):
+        raise CheckpointWriteError(f"Hashing the leaves failed (see above). {NOTHING_COMMITTED}")
+    records = [
+        with_storage(r, digest=digests[r.path]) if isinstance(r, StoredLeaf) and r.path in digests else r
+        for r in manifest.leaves
+    ]
+    return dataclasses.replace(manifest, leaves=tuple(records))
+
+
+def _tiled(leaf: _WriteJob) -> Tiled | None:
+    """A leaf this process holds as shards that tile it (a sharded array on this process's
+    devices alone), to digest whole; None if other processes hold or write some of it."""
+    blocks: dict[Block, np.ndarray] = {}
+    shape = leaf.record.data_shape
+    for piece in leaf.pieces:
+        if not isinstance(piece, HostPiece) or piece.index is None or piece.parts is not None or piece.shared:
+            return None
+        blocks[slice_key(piece.index, shape)] = piece.data
+    return Tiled(shape, list(blocks.items())) if Tiled.tiles(shape, list(blocks)) else None
+
+
+class _Hashing:
+    """`_digested` on a thread of its own, started now: a save without a base needs the
+    digests only to commit, so they are computed while the chunks are written (hashing
+    and writing each leave the GIL free for most of their time)."""
+
+    def __init__(self, manifest: Manifest, leaves: list[_WriteJob]):
+        self._result: Manifest | None = None
+        self._error: BaseException | None = None
+        self.stopping = threading.Event()  # set once the save failed
+
+        def hash_all() -> None:
+            try:
+                with collector_paused():
+                    self._result = _digested(manifest, leaves, self.stopping)
+                    self._result.leaf_lines()  # encoded now, for the commit
+            except BaseException as e:  # raised where the save waits for it
+                self._error = e
+
+        # A plain thread, as in `_digested`.
+        self._thread = threading.Thread(target=hash_all, name="eqxckpt-hashing")
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop hashing (after the batch in hand) and wait for it: the save failed, and a
+        failed save is over only once nothing reads its leaves any more."""
+        self.stopping.set()
+        self._thread.join()
+
+    def result(self) -> Manifest:
+        """The manifest with its digests, once hashed; raises what hashing raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def _write(target: Storage, leaves: list[_WriteJob], *, metadata: bool, chunks: bool) -> None:
+    """Write each leaf's ``zarr.json`` (``metadata``) and its pieces' chunks (``chunks``),
+    all through one window: a chunk's values are produced (a view of host memory, a packed
+    chunk assembled, a copied chunk read) on an I/O thread just before it is written.
+
+    Views reference the source buffers rather than copy them: nothing changes them while
+    we wait, since jax arrays are immutable, an async save copied its numpy leaves, and
+    a blocking save returns only afterwards. Nothing is still writing when this returns
+    or raises, so a failed save can remove its files."""
+    files = target.chunk_files()
+
+    def written(
+        record: StoredLeaf, key: str, produce: Callable[[], list[np.ndarray]]
+    ) -> Callable[[], Coroutine[Any, Any, None]]:
+        async def work() -> None:
+            try:
+                await files.writing(f"{record.path}/{key}", produce())
+            except CheckpointError:
+                raise
+            except Exception as e:
+                why = reason(e) or type(e).__name__
+                error = CheckpointWriteError(f"Writing leaf {record.path!r} failed: {why}. {nothing_committed(why)}")
+                error.errno = getattr(e, "errno", None)
+                raise error from e
+
+        return work
+
+    tasks: list[Task] = []
+    for leaf in leaves if metadata else []:
+        doc = np.frombuffer(leaf.layout.zarr_json(), np.uint8)
+        tasks.append((0, written(leaf.record, "zarr.json", lambda doc=doc: [doc]), None))
+    for leaf in leaves if chunks else []:
+        layout = leaf.layout
+        for piece in leaf.pieces:
+            for key, part, values, done in piece.chunks(layout):
+                nbytes = math.prod(s.stop - s.start for s in part) * layout.dtype.itemsize
+                produce = lambda layout=layout, part=part, values=values: encode(layout, part, values())  # noqa: E731
+                report = lambda _, nbytes=nbytes, done=done: advance(nbytes, done)  # noqa: E731
+                tasks.append((nbytes, written(leaf.record, key, produce), report))
+    run_windowed(tasks, read_window(sum(nbytes for nbytes, _, _ in tasks)))
+
+
+class SaveInProgress:
+    """One save, from claiming its place to its commit, in three steps: `prepare` (process
+    0), `write` (every process), `commit` (process 0). `run` takes them in turn, each a
+    phase that ends at a barrier when several processes save together (`_distributed`).
+
+    **Arguments:**
+
+    - `location`: where the checkpoint goes.
+    - `manifest`: what it commits, with its leaves' digests.
+    - `reuse`: what process 0 takes from a base (`plan_reuse`; elsewhere nothing), and
+      the jobs written.
+    - `overwrite`: whether a checkpoint there is replaced.
+    - `phases`: the phases of a multi-process save; None with one process.
+    - `hashing`: where the digests are still being computed (`manifest` then has none):
+      waited for before the commit.
+
+    ```python
+    SaveInProgress(location, manifest, reuse, overwrite=False, phases=None).run()
+    ```
+    """
+
+    def __init__(
+        self,
+        location: Storage,
+        manifest: Manifest,
+        reuse: Reuse[_WriteJob],
+        overwrite: bool,
+        phases: Phases | None,
+        hashing: _Hashing | None = None,
+        durable: bool = True,
+    ):
+        self.location = location
+        self.durable = durable
+        self.manifest = manifest
+        self.hashing = hashing
+        self.reuse = reuse
+        self.overwrite = overwrite
+        self.phases = phases
+        self.leader = phases is None or phases.rank == 0
+        self.writing = list(reuse.written)  # and referred leaves whose prefix cannot be held
+        self.staging: Staging | None = None
+        self.committed = False
+        self.copies: list[str] = []  # each process's `write` result: digests of shared copies
+
+    def prepare(self) -> str | None:
+        """Process 0: claim the place, take the leaves reused from the base (held prefixes,
+        linked files), and create the zarr groups and every array written.
+
+        **Returns:** where the other processes write (`Staging.where`); None elsewhere.
+
+        ```python
+        where = saving.prepare()
+        ```
+        """
+        if not self.leader:
+            return None
+        linked = [job for job, _ in self.reuse.linked]
+        everything = [*self.writing, *linked, *(job for job, _ in self.reuse.referred)]
+        self.staging = staging = self.location.begin_save([job.record.path for job in everything], self.overwrite)
+        if self.overwrite:  # what another tool put in the checkpoint replaced stays (`Storage.delete`)
+            staging.unwritten = unwritten_at
+        self.manifest, unheld = self.reuse.refer_from(staging, self.manifest)
+        self.writing.extend(unheld)  # doomed meanwhile: written
+        # The directories above the arrays become zarr groups, written while the arrays are created.
+        store = staging.storage.open_kvstore()
+        own = [job.record.path for job in [*self.writing, *linked]]
+        groups = [store.write(group_file(g), GROUP_METADATA) for g in group_locations(own)]
+        self.reuse.link_into(staging)
+        try:  # every process then writes its chunks into these arrays
+            _write(staging.storage, self.writing, metadata=True, chunks=False)
+        finally:  # nothing may still be writing when a failed save removes its files
+            failures = [written.exception() for written in groups]  # (Ctrl-C is held back here)
+        for failure in failures:
+            if failure is not None:
+                raise failure
+        return staging.where
+
+    def write(self, where: str) -> str:
+        """Every process: write its pieces' chunks into the arrays `prepare` made, and make
+        them durable.
+
+        **Arguments:**
+
+        - `where`: what `prepare` returned on process 0.
+
+        **Returns:** the digests of this process's copies of parts other processes write
+        from too (`_shares.copy_digests`), which the commit compares.
+
+        ```python
+        saving.write(where)
+        ```
+        """
+        if self.staging is None:
+            self.staging = self.location.join_save(where)
+        with contextlib.ExitStack() as sources:
+            # Leaves copied from other checkpoints: those must stay the same until written.
+            copied = {id(p.source): p.source for job in self.writing for p in job.pieces if p.source is not None}
+            for source in copied.values():
+                sources.enter_context(source.consistent())
+            _write(self.staging.storage, self.writing, metadata=False, chunks=True)
+        if self.durable:
+            self.staging.sync()
+        copies = [(job.record, *copy) for job in self.writing for piece in job.pieces if (copy := piece.shared_copy())]
+        if not copies:
+            return ""
+        known: dict[str, str] = {}
+        if self.leader:  # process 0 hashed the leaves it holds whole for the manifest
+            if self.hashing is not None:
+                self.manifest = self.hashing.result()
+            known = {r.path: r.digest for r in self.manifest.leaves if isinstance(r, StoredLeaf) and r.digest}
+        return copy_digests(copies, known)
+
+    def commit(self) -> None:
+        """Process 0, once every process has written: check every file is there, then commit
+        the manifest.
+
+        ```python
+        saving.commit()
+        ```
+        """
+        if self.leader and self.staging is not None:
+            check_copies_agree(self.copies)
+            if self.hashing is not None:
+                self.manifest = self.hashing.result()
+            jobs = [*self.writing, *(job for job, _ in self.reuse.linked)]
+            self.staging.commit(self.manifest, expected_files([(job.record, job.layout) for job in jobs]))
+            self.committed = True
+            if (kept := self.staging.kept_at) is not None:
+                warnings.warn(
+                    f"Saving over {self.location} left {len(self.staging.keep_replaced)} files eqxckpt cannot show it wrote "
+                    f"in the checkpoint it replaced where they were, now in {kept}: "
+                    f"{', '.join(self.staging.keep_replaced[:10])}. Move them, and remove that directory.",
+                    stacklevel=2,
+                )
+
+    def _after_commit(self) -> str:
+        """What a save whose processes did not all reach the end of the commit left."""
+        if self.committed:
+            return (
+                f"This process committed {self.location} (complete: every process had written its part), but "
+                "the others did not hear so in time and raise: check it with eqxckpt.open before saving it again."
+            )
+        return (
+            f"Process 0 may have committed {self.location} meanwhile (complete: every process had written its "
+            "part), or not: check with eqxckpt.open before saving it again."
+        )
+
+    def run(self) -> None:
+        """Prepare, write, commit. A failure removes what this save wrote and is raised as a
+        `CheckpointWriteError` where it was the storage's.
+
+        ```python
+        saving.run()
+        ```
+        """
+        phase = self.phases.run if self.phases is not None else (lambda _, work: [work()])
+        try:
+            # Ctrl-C waits while a staging directory is made and recorded, or committed:
+            # interrupted there, one would be left behind half made. Writes stay interruptible.
+            with interrupts_deferred():
+                [where, *_] = phase("prepare", self.prepare)
+            self.copies = phase("write", lambda: self.write(where or ""))
+            with interrupts_deferred():
+                if self.phases is None:
+                    self.commit()
+                else:  # process 0 may commit and then wait in vain: the error must not deny it
+                    self.phases.run("commit", self.commit, self._after_commit)
+        except BaseException as e:
+            if self.staging is not None:
+                with interrupts_deferred():
+                    self.staging.abort(e)
+            if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+                error = CheckpointWriteError(f"Saving to {self.location} failed: {e}. {NOTHING_COMMITTED}")
+                error.errno = e.errno
+                raise error from e
+            if is_storage_error(e):
+                why = reason(e)
+                raise CheckpointWriteError(f"Saving to {self.location} failed: {why}. {nothing_committed(why)}") from e
+            raise
+        finally:
+            if self.staging is not None:
+                self.staging.release()
+
+
+@checked_arguments
+def save(
+    path: CheckpointPath,
+    tree: PyTree,
+    *,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    blocking: bool = True,
+    progress: Progress = False,
+    base: CheckpointPath | None = None,
+) -> SaveHandle:
+    """Save a pytree as a checkpoint directory: one zarr3 array per array leaf.
+
+    **Arguments:**
+
+    - `path`: a local directory, a ``file://``/``memory://``/``s3://``/``gs://`` URL,
+      or a TensorStore kvstore spec dict (e.g. an S3 endpoint and credentials).
+    - `tree`: any pytree (Equinox modules, optax states, dicts, lists...). Array
+      leaves are stored at their key path (``model/layers/0/weight``), little-endian
+      whatever their byte order (a big-endian numpy array loads as the same values,
+      native); Python scalars and strings go into the manifest; other leaves
+      (functions) are recorded by type and restored from ``like`` on load.
+    - `metadata`: a JSON-serialisable dict stored with the checkpoint.
+    - `overwrite`: replace an existing checkpoint (atomically on local disks).
+    - `blocking`: if False, return as soon as the arrays are in host memory
+      (device arrays copied, CPU arrays held, numpy arrays copied), and write,
+      sync and commit in the background. The checkpoint is independent of
+      what the caller does next (donating, deleting or mutating the arrays
+      included). Errors surface on ``handle.wait()``, on the next `save`, or
+      at interpreter exit.
+    - `progress`: True shows a progress bar (bytes and leaves, rate, time
+      left) on stderr when it is a terminal; a callable receives
+      ``(done_bytes, total_bytes, done_leaves, total_leaves)`` after each leaf.
+      Off by default.
+    - `base`: an earlier checkpoint (`CheckpointManager` passes its latest
+      step). A leaf whose digest, dtype and shape equal ``base``'s leaf at the
+      same path is not written again, once its bytes in ``base`` pass every
+      check `verify` makes (each chunk's CRC-32C, the leaf's digest): a
+      damaged one is written from the values being saved, with a warning
+      naming it, so damage in ``base`` never spreads. On a local disk
+      (``base`` on the same disk) it is hard-linked from ``base`` (copied
+      where links are refused): the new checkpoint is complete on its own,
+      and deleting ``base`` later leaves it whole. On an object store (``base`` beside ``path``, in the
+      same directory) the manifest refers to ``base``'s copy, which eqxckpt's
+      deletions then keep while any checkpoint refers to it (see the format
+      specification). Ignored otherwise. Leaves whose shards several
+      processes write are written in full, and packed small leaves are
+      taken only all together, when none of them changed.
+
+    With several JAX processes (``jax.process_count() > 1``) every process
+    calls `save` with the same tree of global arrays; each writes only shards
+    it holds (the chunks of a shard several processes hold are divided among
+    them, so each writes its share of replicated data), and process 0 commits
+    once all have finished.
+
+    **Returns:** a `SaveHandle` (already finished when ``blocking=True``).
+
+    ```python
+    model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
+    eqxckpt.save("checkpoints/step_0", {"model": model}, metadata={"step": 0})
+    handle = eqxckpt.save("checkpoints/step_1", {"model": model}, blocking=False)
+    handle.wait()
+    ```
+    """
+    location = resolve(path)
+    metadata = {} if metadata is None else metadata
+    size = metadata_bytes(metadata)
+    with collector_paused():  # records per leaf, no cycles among them
+        records, arrays = _plan(tree)
+    key = str(location)
+    # One save in flight at a time: wait for the previous one, so at most one
+    # snapshot is held in memory and its error, if any, is raised right here.
+    SAVES.settle()
+    if not is_multiprocess():
+        location.check_target(overwrite)  # fail fast, on the caller's thread
+    # Several processes: process 0 checks inside the first phase, so that all
+    # of them see the same verdict and none waits at a barrier for nothing.
+    phases = Phases() if is_multiprocess() else None
+    leader = phases is None or phases.rank == 0
+    # Which arrays are global, agreed before any process takes its pieces of them.
+    spanning = None if phases is None else global_leaves([value for _, value in arrays], phases)
+    with collector_paused():
+        jobs = _snapshot(arrays, copy=not blocking, leader=leader, global_leaves=spanning)
+        if phases is None:  # with several processes every leaf keeps its own array
+            records, jobs = _pack(records, jobs)
+    manifest = Manifest(tuple(records), metadata)
+    manifest.refuse_oversized(size)  # before anything is written
+
+    def run() -> None:
+        # Only process 0's manifest is committed: the others hash nothing. Which leaves a
+        # base holds is known by their digests; without one, they are hashed while written.
+        hashing = None
+        if leader and base is not None:
+            with collector_paused():
+                digested = _digested(manifest, jobs)
+        else:
+            digested, hashing = manifest, _Hashing(manifest, jobs) if leader else None
+        try:
+            # The base is opened here, off the caller's thread for a background save, and only
+            # by the process that holds whole leaves (and their digests): process 0.
+            with plan_reuse(base if leader else None, digested, jobs, location) as reuse:
+                pieces = [piece for job in reuse.written for piece in job.pieces]
+                with reporting(f"saving {key}", sum(p.nbytes for p in pieces), sum(p.leaves for p in pieces), progress):
+                    SaveInProgress(location, digested, reuse, overwrite, phases, hashing).run()
+        finally:
+            if hashing is not None:  # done after a commit; stopped after a failure
+                hashing.stop()
+
+    if blocking:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        run()
+        future.set_result(None)
+        return SaveHandle(key, future)
+    return SAVES.submit(key, run)
+
+
+class Part:
+    """This process's own part of a pytree, taken into host memory now (on the caller's
+    thread: the caller may then donate, delete or mutate its arrays), to be saved as a
+    checkpoint of this process's own by `write`, which the other processes of a JAX job
+    take no part in. A local tier's parts are saved so.
+
+    Every leaf is recorded as `save` records it (and what `save` refuses is refused here,
+    with the same error); a global array this process holds only blocks of is stored as
+    those blocks, each once (`StoredLeaf.blocks`).
+
+    **Arguments:**
+
+    - `tree`: any pytree `save` takes.
+    - `copy`: take a private copy of numpy leaves (False: the caller leaves them alone
+      until `write` returns).
+
+    ```python
+    part = Part(state)                                   # on the caller's thread
+    part.write("local/process-0/own/50", metadata={})    # anywhere, later
+    ```
+    """
+
+    def __init__(self, tree: PyTree, copy: bool = True):
+        with collector_paused():
+            records, arrays = _plan(tree)
+            jobs = _snapshot(arrays, copy=copy, leader=True, multiprocess=False, own_blocks=True)
+            held = {job.record.path: job.record for job in jobs}  # with the blocks each holds
+            records = [held.get(r.path, r) for r in records]
+            self.records, self.jobs = _pack(records, jobs)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds (and writes)."""
+        return sum(piece.nbytes for job in self.jobs for piece in job.pieces)
+
+    def write(
+        self, path: CheckpointPath, *, metadata: dict[str, Any], overwrite: bool = False, durable: bool = True
+    ) -> None:
+        """Save it as a checkpoint at ``path``, now, on the caller's thread; background saves
+        in flight are not waited for.
+
+        **Arguments:**
+
+        - `path`: where, as for `save`.
+        - `metadata`: a JSON-serialisable dict stored with the checkpoint.
+        - `overwrite`: replace a checkpoint already there.
+        - `durable`: make the arrays durable before the commit (False: they stay in the page
+          cache for the kernel to write back; the commit itself is still atomic).
+
+        **Returns:** nothing.
+        """
+        location = resolve(path)
+        location.check_target(overwrite)
+        manifest = Manifest(tuple(self.records), metadata)
+        manifest.refuse_oversized(metadata_bytes(metadata))
+        hashing = _Hashing(manifest, self.jobs)
+        try:
+            with plan_reuse(None, manifest, self.jobs, location) as reuse:
+                SaveInProgress(location, manifest, reuse, overwrite, None, hashing, durable).run()
+        finally:
+            hashing.stop()
