@@ -46,9 +46,10 @@ if TYPE_CHECKING:
         StoredLeaf as StoredLeaf,
     )
     from ._read._checkpoint import Checkpoint as Checkpoint
+    from ._read._lazy import LazyArray as LazyArray
     from ._read._load import load as load
     from ._read._restack import Stack as Stack, Unstack as Unstack
-    from ._read._source import LazyArray as LazyArray, Source as Source
+    from ._read._source import Source as Source
     from ._read._transform import Transform as Transform, apply_transformations as apply_transformations
     from ._read._translate import CheckpointTranslator as CheckpointTranslator
     from ._run._manager import CheckpointManager as CheckpointManager
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "SaveHandle": "_write._background",
     "Checkpoint": "_read._checkpoint",
-    "LazyArray": "_read._source",
+    "LazyArray": "_read._lazy",
     "Stack": "_read._restack",
     "Unstack": "_read._restack",
     "Leaf": "_leaf",

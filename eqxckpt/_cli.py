@@ -62,8 +62,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     from ._formats._open import open as open_source
     from ._leaf import listed_blocks
-    from ._paths import depth, normalize_at
-    from ._read._source import nothing_under
+    from ._paths import depth, normalize_at, nothing_under
 
     checkpoint = open_source(checkpoint_path(args.path), format=args.format)
     prefix = normalize_at(args.at)
@@ -239,7 +238,7 @@ def _convert(args: argparse.Namespace) -> int:
     from ._formats._open import open as open_source
     from ._formats._safetensors import save_safetensors
     from ._progress import reporting
-    from ._read._source import LazyArray
+    from ._read._lazy import LazyArray
     from ._storage import resolve
     from ._write._save import save
 

@@ -20,9 +20,12 @@ import functools
 import hashlib
 import re
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._errors import ArgumentError, ManifestError, PathError
+from ._errors import ArgumentError, CheckpointError, ManifestError, PathError
+
+if TYPE_CHECKING:
+    from ._read._source import Source
 
 MANIFEST_NAME = "eqxckpt.json"
 # An object-store save's lease (see `_storage/_lease`): reserved like the manifest's name.
@@ -383,3 +386,28 @@ def did_you_mean(wanted: str, known: Iterable[str]) -> str:
     """`` Did you mean 'a/b'?`` naming the paths closest to ``wanted``, or "" if none is close."""
     close = difflib.get_close_matches(wanted, known, n=3)
     return f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+
+
+def nothing_under(source: "Source", at: str | None) -> CheckpointError:
+    """The error for an ``at=`` that selects nothing: the closest paths as deep as it
+    (``model/layer/0``: ``model/layers/0``), a hint where it is written with dots or
+    brackets (``model.layers[0]``), and what is at the top level."""
+    prefix = normalize_at(at)
+    tops = sorted({path.split("/")[0] for path in source.paths})
+    # Python's spelling of a key path (`jax.tree_util.keystr`, attribute access) into eqxckpt's.
+    slashed = re.sub(r"\[['\"]?([^\]'\"]*)['\"]?\]", r".\1", prefix).strip(".").replace(".", "/")
+    try:
+        selects = slashed != prefix and bool(source.records(slashed))
+    except CheckpointError:  # not a path at all ('model///w')
+        selects = False
+    if selects:  # offered only where it selects something
+        hint = f" Paths use '/' between keys (at={slashed!r}, not at={prefix!r})."
+    else:
+        keys = depth(slashed)
+        as_deep = {"/".join(path.split("/")[:keys]) for path in source.paths if depth(path) >= keys}
+        hint = did_you_mean(slashed, as_deep)
+        if slashed != prefix and "" not in slashed.split("/"):  # written with dots or brackets
+            hint += " Paths use '/' between keys, not '.' or '[...]'."
+    return CheckpointError(
+        f"Nothing under at={at!r} in {source.location}.{hint} Its top-level entries are: {', '.join(tops) or 'none'}."
+    )

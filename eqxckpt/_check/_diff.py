@@ -14,7 +14,8 @@ from .._formats._open import open as open_source
 from .._leaf import Leaf, ScalarLeaf, StoredLeaf
 from .._progress import Progress, advance, reporting
 from .._read._checkpoint import Checkpoint
-from .._read._source import LazyArray, Source
+from .._read._lazy import LazyArray
+from .._read._source import Source
 from .._storage import CheckpointPath
 from .._tree import is_prng_key_dtype
 from .._window import SLAB_BYTES

@@ -40,8 +40,9 @@ from .._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, check_bool_bytes,
 from .._manifest import MAX_PARSE_FACTOR, parse_json_object
 from .._paths import check_one_tree, encode_segment, key_entry_record
 from .._progress import Progress, advance, reporting
+from .._read._lazy import LazyArray
 from .._read._select import Selection
-from .._read._source import LazyArray, Source
+from .._read._source import Source
 from .._storage import file_exists_error, read_capped, reading, write_file
 from .._tree import flatten, is_prng_key_dtype
 from .._window import Task, check_allocation, read_window, run_windowed

@@ -22,14 +22,15 @@ from .._formats._convert import checked_astype, narrowed
 from .._formats._open import open as open_source
 from .._gc import collector_paused
 from .._leaf import ArrayLeaf, Leaf, StoredLeaf, refuse_narrowing
-from .._paths import depth, normalize_at
+from .._paths import depth, normalize_at, nothing_under
 from .._progress import Progress, reporting
 from .._storage import CheckpointPath
 from .._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype
 from .._window import limited_host_memory
+from ._lazy import LazyArray
 from ._read_once import failing_together, read_once, spans_processes
 from ._restack import Layout, Row, plan_stack, plan_unstack, read_layouts, unrestored_rows
-from ._source import LazyArray, Source, nothing_under
+from ._source import Source
 from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path
 
 # How often a load reads a checkpoint that another process replaced while it read it.

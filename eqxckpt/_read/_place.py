@@ -1,5 +1,8 @@
 """`Placement`: one leaf put on its devices a band of rows at a time, so that the host
-holds at most the result's own host memory plus the host memory budget (and a chunk).
+holds at most the result's own host memory plus the host memory budget (and a chunk);
+blocks of a sharding (`slice_key`, `held_blocks`, `held_by`), the one assembly of a
+global array (`global_array`), and a leaf's digest fed as its blocks are placed
+(`PlacedDigest`).
 
 A leaf is read as this process's distinct blocks (one per slice its sharding gives:
 replicas share theirs). On CPU devices the blocks are the result itself: read straight
@@ -17,10 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._digest import LeafDigest, Tiled
 from .._formats._convert import aligned_empty
 
 if TYPE_CHECKING:
     import jax
+
+    from .._leaf import StoredLeaf
 
 # What fills host buffers with boxes of a leaf: ``read(pairs, window)``, each pair a box
 # (one range per dimension of the stored shape) and a C-contiguous buffer shaped like
@@ -287,3 +293,46 @@ def held_by(leaf: Any) -> frozenset[int]:
     if sharding is None:
         return frozenset()
     return frozenset(device.process_index for device in sharding.device_set)
+
+
+class PlacedDigest:
+    """A leaf's digest fed by its `Placement` as it reads the leaf's blocks (`seen`), where
+    they hold its stored bytes in an order the digest covers: a part's held blocks, each
+    its own; or blocks of whole rows that tile the leaf (one, when it is replicated).
+
+    ```python
+    digest = PlacedDigest.of(leaf, placement)
+    placement.run(convert, read, window, seen=digest); digest.check()
+    ```
+    """
+
+    def __init__(self, leaf: "StoredLeaf", digesting: LeafDigest, blocks: dict[Block, int] | None):
+        self.leaf, self.digesting, self.blocks = leaf, digesting, blocks
+
+    @classmethod
+    def of(cls, leaf: "StoredLeaf", placement: Placement) -> "PlacedDigest | None":
+        """The digest ``placement`` can feed for ``leaf``, or None where it reads other
+        blocks (a part into a finer sharding; columns of a whole leaf) or none is recorded."""
+        digesting = leaf.digesting()
+        keys = sorted(placement.devices)
+        if digesting is None:
+            return None
+        if leaf.blocks is not None:
+            return (
+                cls(leaf, digesting, {b: n for n, b in enumerate(leaf.blocks)})
+                if set(keys) == set(leaf.blocks)
+                else None
+            )
+        shape = leaf.data_shape
+        if not shape or 0 in shape:  # no bytes, or one: no order to keep
+            return cls(leaf, digesting, None)
+        # Bands of whole rows, one after another: their bytes arrive in the leaf's C order.
+        whole_rows = all(key[1:] == tuple((0, n) for n in shape[1:]) for key in keys)
+        return cls(leaf, digesting, None) if whole_rows and Tiled.tiles(shape, keys) else None
+
+    def __call__(self, block: Block, data: np.ndarray) -> None:
+        self.digesting.update(data, 0 if self.blocks is None else self.blocks[block])
+
+    def check(self) -> None:
+        """Raise `CorruptCheckpointError` unless the bytes placed are the ones saved."""
+        self.leaf.check_digest(self.digesting.value)

@@ -1,5 +1,5 @@
-"""`Source`, the read-only interface every readable checkpoint implements, and
-`LazyArray`, one stored array of any source.
+"""`Source`, the read-only interface every readable checkpoint implements (`LazyArray`,
+one stored array of any source, is in `_lazy`).
 
 A source is a set of named leaves (`Leaf`: path, key records, shape and dtype
 for arrays) with metadata, and a way to read the stored ones. eqxckpt
@@ -9,12 +9,10 @@ translated views of either (`CheckpointTranslator.apply`) are sources, so
 """
 
 import abc
-import asyncio
 import contextlib
 import functools
 import math
 import operator
-import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -22,8 +20,7 @@ from typing import Any
 import numpy as np
 
 from .._chunks import Region
-from .._digest import LeafDigest, Tiled
-from .._errors import ArgumentError, CheckpointError
+from .._errors import ArgumentError
 from .._formats._convert import Adoption, Adoptions
 from .._leaf import Leaf, StoredLeaf, check_bool_bytes, refuse_narrowing
 from .._paths import depth, did_you_mean, normalize_at, relative_to
@@ -31,7 +28,7 @@ from .._progress import advance
 from .._storage import UNPINNED, Pin, reading
 from .._tree import build_plain_tree
 from .._window import check_allocation, host_memory_budget, read_window, start_jax
-from ._place import Block, Placement, Reader, on_host
+from ._place import PlacedDigest, Placement, Reader, on_host
 from ._select import Selection
 
 
@@ -546,50 +543,9 @@ class Source(abc.ABC):
     def _value(self, leaf: Leaf) -> Any:
         """A leaf's value as far as is known without reading: lazy for stored arrays,
         the scalar for scalars, None for opaque leaves."""
+        from ._lazy import LazyArray  # which reads through this interface
+
         return LazyArray(self, leaf) if isinstance(leaf, StoredLeaf) else leaf.value()
-
-
-class PlacedDigest:
-    """A leaf's digest fed by its `Placement` as it reads the leaf's blocks (`seen`), where
-    they hold its stored bytes in an order the digest covers: a part's held blocks, each
-    its own; or blocks of whole rows that tile the leaf (one, when it is replicated).
-
-    ```python
-    digest = PlacedDigest.of(leaf, placement)
-    placement.run(convert, read, window, seen=digest); digest.check()
-    ```
-    """
-
-    def __init__(self, leaf: StoredLeaf, digesting: LeafDigest, blocks: dict[Block, int] | None):
-        self.leaf, self.digesting, self.blocks = leaf, digesting, blocks
-
-    @classmethod
-    def of(cls, leaf: StoredLeaf, placement: Placement) -> "PlacedDigest | None":
-        """The digest ``placement`` can feed for ``leaf``, or None where it reads other
-        blocks (a part into a finer sharding; columns of a whole leaf) or none is recorded."""
-        digesting = leaf.digesting()
-        keys = sorted(placement.devices)
-        if digesting is None:
-            return None
-        if leaf.blocks is not None:
-            return (
-                cls(leaf, digesting, {b: n for n, b in enumerate(leaf.blocks)})
-                if set(keys) == set(leaf.blocks)
-                else None
-            )
-        shape = leaf.data_shape
-        if not shape or 0 in shape:  # no bytes, or one: no order to keep
-            return cls(leaf, digesting, None)
-        # Bands of whole rows, one after another: their bytes arrive in the leaf's C order.
-        whole_rows = all(key[1:] == tuple((0, n) for n in shape[1:]) for key in keys)
-        return cls(leaf, digesting, None) if whole_rows and Tiled.tiles(shape, keys) else None
-
-    def __call__(self, block: Block, data: np.ndarray) -> None:
-        self.digesting.update(data, 0 if self.blocks is None else self.blocks[block])
-
-    def check(self) -> None:
-        """Raise `CorruptCheckpointError` unless the bytes placed are the ones saved."""
-        self.leaf.check_digest(self.digesting.value)
 
 
 def checked_region(leaf: StoredLeaf, region: Any, out: Any) -> Region:
@@ -619,236 +575,3 @@ def checked_region(leaf: StoredLeaf, region: Any, out: Any) -> Region:
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ArgumentError(f"{what}: out must be C-contiguous and writeable.")
     return tuple(checked)
-
-
-def nothing_under(source: Source, at: str | None) -> CheckpointError:
-    """The error for an ``at=`` that selects nothing: the closest paths as deep as it
-    (``model/layer/0``: ``model/layers/0``), a hint where it is written with dots or
-    brackets (``model.layers[0]``), and what is at the top level."""
-    prefix = normalize_at(at)
-    tops = sorted({path.split("/")[0] for path in source.paths})
-    # Python's spelling of a key path (`jax.tree_util.keystr`, attribute access) into eqxckpt's.
-    slashed = re.sub(r"\[['\"]?([^\]'\"]*)['\"]?\]", r".\1", prefix).strip(".").replace(".", "/")
-    try:
-        selects = slashed != prefix and bool(source.records(slashed))
-    except CheckpointError:  # not a path at all ('model///w')
-        selects = False
-    if selects:  # offered only where it selects something
-        hint = f" Paths use '/' between keys (at={slashed!r}, not at={prefix!r})."
-    else:
-        keys = depth(slashed)
-        as_deep = {"/".join(path.split("/")[:keys]) for path in source.paths if depth(path) >= keys}
-        hint = did_you_mean(slashed, as_deep)
-        if slashed != prefix and "" not in slashed.split("/"):  # written with dots or brackets
-            hint += " Paths use '/' between keys, not '.' or '[...]'."
-    return CheckpointError(
-        f"Nothing under at={at!r} in {source.location}.{hint} Its top-level entries are: {', '.join(tops) or 'none'}."
-    )
-
-
-class LazyArray:
-    """One stored array of a source, whatever its format: ``shape``, ``dtype`` and
-    ``nbytes`` now, data on ``get()``.
-
-    Indexing (``lazy[0, :4]``) and ``astype`` are deferred too. An eqxckpt
-    checkpoint reads only the chunks holding the selected elements, a
-    safetensors file only the bytes from the first selected row to the last;
-    other formats read the tensor and select from it.
-
-    **Attributes:** `source`, the `Source` it belongs to; `leaf`, the `StoredLeaf`
-    it reads.
-
-    ```python
-    w = eqxckpt.open("ckpt")["model/w"]
-    w.shape, w.dtype          # no I/O beyond the manifest
-    w[:2].astype("float32").get()
-    eqxckpt.open("model.safetensors")["encoder/proj/weight"][1:3].get()
-    ```
-    """
-
-    def __init__(self, source: Source, leaf: StoredLeaf, index: Any = (), dtype: Any = None):
-        self.source = source
-        self.leaf = leaf
-        self._index = index
-        self._indexed = not (isinstance(index, tuple) and not index)  # compared without ==: numpy ints
-        self._dtype = None if dtype is None else np.dtype(dtype)
-
-    @property
-    def leaf_path(self) -> str:
-        """The leaf's path in its source.
-
-        **Returns:** the path (``model/w``).
-
-        ```python
-        ckpt["model/w"].leaf_path  # 'model/w'
-        ```
-        """
-        return self.leaf.path
-
-    @property
-    def checkpoint(self) -> Source:
-        """The checkpoint this array belongs to (its `source`).
-
-        **Returns:** the `Checkpoint` or other `Source` it was read from.
-
-        ```python
-        lazy.checkpoint.metadata
-        ```
-        """
-        return self.source
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of what `get` returns (after any indexing).
-
-        **Returns:** a tuple of ints.
-
-        ```python
-        ckpt["model/w"][:2].shape  # (2, 3)
-        ```
-        """
-        shape = self.leaf.shape
-        if not self._indexed:
-            return shape
-        return Selection.of(self._index, shape).shape
-
-    @property
-    def ndim(self) -> int:
-        """The number of dimensions.
-
-        **Returns:** ``len(shape)``.
-
-        ```python
-        ckpt["model/w"].ndim  # 2
-        ```
-        """
-        return len(self.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The dtype of what `get` returns (after any `astype`; ``key<impl>`` for PRNG keys).
-
-        **Returns:** a numpy dtype.
-
-        ```python
-        ckpt["model/w"].astype("float16").dtype  # dtype('float16')
-        ```
-        """
-        return self._dtype if self._dtype is not None else self.leaf.value_dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes `get` returns (for PRNG keys: their key data).
-
-        **Returns:** an int.
-
-        ```python
-        sum(ckpt[p].nbytes for p in ckpt.paths if p.startswith("model/"))
-        ```
-        """
-        return self.leaf.selection_nbytes(self.shape, self.dtype)
-
-    @property
-    def as_stored(self) -> bool:
-        """Whether `get` gives the leaf as it is stored: neither indexed nor cast. (Saving
-        such an array keeps its stored digest.)
-
-        **Returns:** a bool.
-
-        ```python
-        ckpt["model/w"].as_stored, ckpt["model/w"][:2].as_stored  # (True, False)
-        ```
-        """
-        return not self._indexed and self._dtype is None
-
-    def __getitem__(self, index: Any) -> "LazyArray":
-        """A lazy selection: only the selected elements are read on `get` (as far as
-        the format allows: see above).
-
-        **Arguments:**
-
-        - `index`: a basic numpy index (ints, slices, ``...``, ``None``), applied once.
-
-        **Returns:** a `LazyArray`. An index out of range raises numpy's `IndexError`
-        now; arrays and masks raise `NotImplementedError` (index what `get` returns).
-
-        ```python
-        first_rows = ckpt["model/w"][:2].get()
-        ```
-        """
-        if self._indexed:
-            raise NotImplementedError("Index a LazyArray once; combine the indices into one expression.")
-        if not self.leaf.sliceable:
-            raise NotImplementedError(
-                f"Leaf {self.leaf_path!r} ({self.leaf.describe()}) cannot be sliced lazily; get() the whole array."
-            )
-        Selection.of(index, self.leaf.shape)  # refused now, not when read
-        return LazyArray(self.source, self.leaf, index, self._dtype)
-
-    def astype(self, dtype: Any) -> "LazyArray":
-        """A lazy cast: the conversion happens on ``get()``.
-
-        **Arguments:**
-
-        - `dtype`: the dtype to convert to (numpy's conversion rules).
-
-        **Returns:** a `LazyArray`.
-
-        ```python
-        w = ckpt["model/w"].astype("float32").get()
-        ```
-        """
-        return LazyArray(self.source, self.leaf, self._index, dtype)
-
-    def _selection(self) -> Selection:
-        # Of the stored shape: a PRNG key array (never indexed) is read as its key data.
-        return Selection.of(self._index, self.leaf.data_shape)
-
-    def get(self) -> Any:
-        """Read the data.
-
-        **Returns:** a numpy array (a jax key array for PRNG keys).
-
-        ```python
-        w = eqxckpt.open("ckpt")["model/w"].get()
-        ```
-        """
-        with self.source.consistent():
-            data = self.source.read_selection(self.leaf, self._selection())
-        return self.leaf.host_value(data, self._dtype)
-
-    async def get_async(self) -> Any:
-        """Read without blocking the event loop.
-
-        **Returns:** as for `get`.
-
-        ```python
-        w = await ckpt["model/w"].get_async()
-        ```
-        """
-        return await asyncio.to_thread(self.get)
-
-    def part_reader(self) -> Callable[[Region], np.ndarray]:
-        """What copies this array (indexed and cast as it is) a part at a time, as a save
-        does, without holding all of it where the format allows (`Source.part_reader`).
-
-        **Returns:** a function of a part of `shape` (a tuple of slices from 0, step 1)
-        giving that part's values (for PRNG keys: their key data), from any thread.
-
-        ```python
-        read = ckpt["model/w"].astype("float16").part_reader()
-        read((slice(0, 2), slice(0, 3))).shape  # (2, 3)
-        ```
-        """
-        read = self.source.part_reader(self.leaf, self._selection())
-        dtype = self._dtype
-        if dtype is None:
-            return read
-        return lambda part: read(part).astype(dtype)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        data = np.asarray(self.get())
-        return data if dtype is None else data.astype(dtype)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.leaf_path!r}, shape={self.shape}, dtype={self.dtype})"

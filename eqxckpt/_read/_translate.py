@@ -12,8 +12,9 @@ from .._classify import leaf_of
 from .._errors import TransformError
 from .._leaf import ArrayLeaf, StoredLeaf
 from .._paths import check_one_tree
+from ._lazy import LazyArray
 from ._select import Selection
-from ._source import LazyArray, Source
+from ._source import Source
 
 RuleFn = Callable[..., tuple[str | None, Any]]
 

@@ -17,8 +17,8 @@ from .._classify import leaf_of
 from .._distributed import is_multiprocess
 from .._dtypes import little_endian
 from .._leaf import KeyRecord, Leaf, StoredLeaf, with_storage
+from .._read._lazy import LazyArray
 from .._read._place import held_blocks, slice_key
-from .._read._source import LazyArray
 from ._pack import PackedArray
 from ._shares import WriteShares
 
