@@ -15,7 +15,8 @@ eqxckpt.t5.save_hf("my-t5", model)  # config.json + model.safetensors, as Huggin
 from ._config import T5Config as T5Config
 from ._generate import GenerateOutput as GenerateOutput, generate as generate
 from ._hf import convert_hf as convert_hf, load_hf as load_hf, save_hf as save_hf
-from ._model import T5 as T5, relative_position_bucket as relative_position_bucket, scan as scan, unscan as unscan
+from ._model import T5 as T5, relative_position_bucket as relative_position_bucket
+from ._scan import scan as scan, unscan as unscan
 from ._tf import convert_tf as convert_tf, load_tf as load_tf
 
 __all__ = [

@@ -30,7 +30,8 @@ from .._storage import CheckpointPath, fsync_path, write_file
 from .._tree import flatten
 from ._config import T5Config
 from ._import import SUBLAYERS, read_t5, write_converted
-from ._model import SCANNED_BLOCK_LEAF, T5, per_layer_path
+from ._model import T5
+from ._scan import SCANNED_BLOCK_LEAF, per_layer_path
 
 ATTENTION = {"self_attention": "SelfAttention", "cross_attention": "EncDecAttention"}
 # Leaves stored transposed: every matrix but the embedding.

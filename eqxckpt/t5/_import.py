@@ -13,7 +13,8 @@ from .._read._translate import TranslatedSource
 from .._storage import CheckpointPath
 from .._write._save import save
 from ._config import T5Config, check_weights_fit, weights_dtype
-from ._model import PER_LAYER_BLOCK_LEAF, SCANNED_BLOCK_LEAF, T5, skeleton
+from ._model import T5
+from ._scan import PER_LAYER_BLOCK_LEAF, SCANNED_BLOCK_LEAF, skeleton
 
 # The sub-layers of a block, in the order both formats number them.
 SUBLAYERS = {
