@@ -148,12 +148,12 @@ def test_a_large_tree_is_hashed_in_batches_on_threads_each_save(tmp_path, monkey
     """Batches of leaves are hashed on several threads, to the digests the specification
     gives; every save hashes what it holds (a jax.Array on CPU may share memory with a
     numpy array that changed since, so nothing is remembered between saves)."""
-    import eqxckpt._write._save as save_module
+    import eqxckpt._write._jobs as jobs_module
 
-    monkeypatch.setattr(save_module, "DIGEST_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(jobs_module, "DIGEST_BATCH_BYTES", 1 << 20)
     hashed = []
-    real = save_module.digest
-    monkeypatch.setattr(save_module, "digest", lambda fields, data: (hashed.append(fields), real(fields, data))[1])
+    real = jobs_module.digest
+    monkeypatch.setattr(jobs_module, "digest", lambda fields, data: (hashed.append(fields), real(fields, data))[1])
     tree = {f"w{i}": jnp.full(300_000, i, jnp.float32) for i in range(6)}  # 1.2 MB each: 6 batches
     tree["small"] = [np.full(3, i, np.int8) for i in range(PACK_MIN_LEAVES)]
     for step in range(2):

@@ -406,9 +406,9 @@ class FaultModel(RuleBasedStateMachine):
         """A save whose leaf digests (computed beside its writes) fail at the ``at``-th leaf:
         nothing is committed and the step keeps what it held (a save with fewer leaves
         than that commits, as any other)."""
-        import eqxckpt._write._save as save_module
+        import eqxckpt._write._jobs as jobs_module
 
-        real, hashed = save_module.digest, []
+        real, hashed = jobs_module.digest, []
 
         def failing(fields, data):
             hashed.append(1)
@@ -416,14 +416,14 @@ class FaultModel(RuleBasedStateMachine):
                 raise MemoryError("injected while hashing")
             return real(fields, data)
 
-        save_module.digest = failing
+        jobs_module.digest = failing
         try:
             self._plain_save(number, version, overwrite, blocking)
         except eqxckpt.CheckpointWriteError as e:
             assert "Hashing leaf" in str(e) and "injected while hashing" in str(e), repr(e)
             note(f"save of step {number} failed while hashing, as injected")
         finally:
-            save_module.digest = real
+            jobs_module.digest = real
 
     def _plain_save(self, number, version, overwrite, blocking):
         exists = number in self.model.versions

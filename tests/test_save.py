@@ -219,11 +219,11 @@ def test_failed_save_leaves_previous_intact(tmp_path):
 def test_a_failure_while_hashing_during_the_writes_commits_nothing(tmp_path, monkeypatch, blocking, count):
     """Without a base the digests are computed while the chunks are written: a failure
     there must still abort the save before its commit, and keep what was there."""
-    import eqxckpt._write._save as save_module
+    import eqxckpt._write._jobs as jobs_module
 
     old = {f"x{i}": np.full(4, i, np.float32) for i in range(count)}
     eqxckpt.save(tmp_path / "c", old)
-    real = save_module.digest
+    real = jobs_module.digest
     hashed = []
 
     def failing(fields, data):
@@ -232,14 +232,14 @@ def test_a_failure_while_hashing_during_the_writes_commits_nothing(tmp_path, mon
             raise MemoryError("out of memory while hashing")
         return real(fields, data)
 
-    monkeypatch.setattr(save_module, "digest", failing)
+    monkeypatch.setattr(jobs_module, "digest", failing)
     new = {f"x{i}": np.full(4, -i, np.float32) for i in range(count)}
     with pytest.raises(eqxckpt.CheckpointWriteError, match="Hashing leaf 'x.*out of memory"):
         eqxckpt.save(tmp_path / "c", new, overwrite=True, blocking=blocking).wait()
     assert sorted(os.listdir(tmp_path)) == ["c"]
     assert_trees_equal(eqxckpt.load(tmp_path / "c"), old)
     assert eqxckpt.verify(tmp_path / "c").ok
-    monkeypatch.setattr(save_module, "digest", real)
+    monkeypatch.setattr(jobs_module, "digest", real)
     eqxckpt.save(tmp_path / "c", new, overwrite=True).wait()  # and the next save commits
     assert_trees_equal(eqxckpt.load(tmp_path / "c"), new)
     assert eqxckpt.verify(tmp_path / "c").ok
@@ -248,12 +248,13 @@ def test_a_failure_while_hashing_during_the_writes_commits_nothing(tmp_path, mon
 def test_a_failed_save_stops_hashing_its_leaves(tmp_path, monkeypatch):
     """A save whose writes fail returns once its hashing thread stopped (after the batch
     in hand), not after hashing the rest of the tree, and leaves no thread behind."""
+    import eqxckpt._write._jobs as jobs_module
     import eqxckpt._write._save as save_module
 
     tree = {f"x{i:02d}": np.full(1 << 18, i, np.float32) for i in range(64)}  # 64 MiB: four batches
     started = []
     hashed = []
-    real_digest, real_write, real_hashing = save_module.digest, save_module._write, save_module._Hashing
+    real_digest, real_write, real_hashing = jobs_module.digest, save_module._write, save_module.Hashing
 
     class Hashing(real_hashing):
         def __init__(self, *args):
@@ -270,8 +271,8 @@ def test_a_failed_save_stops_hashing_its_leaves(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         real_write(target, leaves, **what)
 
-    monkeypatch.setattr(save_module, "_Hashing", Hashing)
-    monkeypatch.setattr(save_module, "digest", digest)
+    monkeypatch.setattr(save_module, "Hashing", Hashing)
+    monkeypatch.setattr(jobs_module, "digest", digest)
     monkeypatch.setattr(save_module, "_write", write)
     with pytest.raises(eqxckpt.CheckpointWriteError, match="No space"):
         eqxckpt.save(tmp_path / "c", tree)

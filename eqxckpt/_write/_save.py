@@ -2,11 +2,7 @@
 
 import concurrent.futures
 import contextlib
-import dataclasses
-import functools
 import math
-import os
-import threading
 import warnings
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -15,17 +11,15 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._arguments import checked_arguments
-from .._chunks import ChunkLayout, encode
-from .._digest import Tiled, digest
+from .._chunks import encode
 from .._distributed import Phases, is_multiprocess
 from .._errors import ArgumentError, CheckpointError, CheckpointWriteError, UnsupportedLeafError
 from .._gc import collector_paused
 from .._interrupts import interrupts_deferred
-from .._leaf import Leaf, StoredLeaf, with_storage
+from .._leaf import Leaf, StoredLeaf
 from .._manifest import Manifest, metadata_bytes
 from .._paths import GROUP_METADATA, group_file, group_locations, key_entry
 from .._progress import Progress, advance, reporting
-from .._read._place import Block, slice_key
 from .._storage import (
     NOTHING_COMMITTED,
     CheckpointPath,
@@ -40,26 +34,11 @@ from .._tensorstore import is_storage_error, reason
 from .._tree import flatten
 from .._window import Task, read_window, run_windowed
 from ._background import SAVES, SaveHandle
+from ._jobs import Hashing, WriteJob, digested
 from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
-from ._pieces import HostPiece, PackedWrite, Piece, record_of, snapshot
+from ._pieces import PackedWrite, record_of, snapshot
 from ._reuse import Reuse, plan_reuse
 from ._shares import check_copies_agree, copy_digests, global_leaves
-
-
-@dataclasses.dataclass
-class _WriteJob:
-    """One array leaf to write: its record, the shard shape its chunks must tile
-    (None: whole), its chunk layout (planned once, from those), and the pieces this
-    process writes."""
-
-    record: StoredLeaf
-    shard: tuple[int, ...] | None
-    pieces: list[Piece]
-
-    @functools.cached_property
-    def layout(self) -> ChunkLayout:
-        # Planned on first use: by a background save, off the caller's thread.
-        return ChunkLayout.planned(self.record, self.shard)
 
 
 def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
@@ -89,10 +68,10 @@ def _snapshot(
     multiprocess: bool | None = None,
     own_blocks: bool = False,
     global_leaves: frozenset[int] | None = None,
-) -> list[_WriteJob]:
+) -> list[WriteJob]:
     """The pieces this process must write, in host memory it owns (see `_pieces.snapshot`)."""
     planned = snapshot(arrays, copy, leader, multiprocess, own_blocks, global_leaves)
-    jobs = [_WriteJob(record, shard, pieces) for record, shard, pieces in planned]
+    jobs = [WriteJob(record, shard, pieces) for record, shard, pieces in planned]
     for job in jobs:  # in every process alike, before any is written
         if why := job.layout.refusal():
             record = job.record
@@ -106,7 +85,7 @@ def _snapshot(
     return jobs
 
 
-def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], list[_WriteJob]]:
+def _pack(records: list[Leaf], leaves: list[WriteJob]) -> tuple[list[Leaf], list[WriteJob]]:
     """Small leaves written whole from host memory go into the packed array (see `_pack`)
     when there are enough of them to be worth it; the records say where each one is."""
     small = [
@@ -126,128 +105,11 @@ def _pack(records: list[Leaf], leaves: list[_WriteJob]) -> tuple[list[Leaf], lis
     chosen = {id(leaf) for leaf in small}
     return (
         [where.get(id(record), record) for record in records],
-        [leaf for leaf in leaves if id(leaf) not in chosen] + [_WriteJob(packing.record, None, [written])],
+        [leaf for leaf in leaves if id(leaf) not in chosen] + [WriteJob(packing.record, None, [written])],
     )
 
 
-# A batch of leaves hashed by one thread: large enough that a tree of many small leaves
-# costs few tasks, small enough that two cores share a large tree's hashing.
-DIGEST_BATCH_BYTES = 16 * 1024 * 1024
-
-
-def _digested(manifest: Manifest, leaves: list[_WriteJob], stop: threading.Event | None = None) -> Manifest:
-    """The manifest with the digest of each leaf this process holds whole in host memory
-    (a leaf whose shards several processes write gets none; a copied leaf keeps its
-    source's). Run where the writes run: off the caller's thread for a background save;
-    batches of leaves are hashed on every core (the hash releases the GIL)."""
-    by_offset = {r.offset: r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None}
-    whole: list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]] = []
-    for leaf in leaves:
-        if leaf.record.blocks is not None:  # a part's blocks, each whole here, in order
-            whole.append((leaf.record, [piece.data for piece in leaf.pieces if isinstance(piece, HostPiece)]))
-            continue
-        if len(leaf.pieces) != 1:
-            if (tiled := _tiled(leaf)) is not None:
-                whole.append((leaf.record, tiled))
-            continue
-        for offset, data in leaf.pieces[0].hashed():
-            if offset is not None:
-                whole.append((by_offset[offset], data))
-            elif data.shape == leaf.record.data_shape:
-                whole.append((leaf.record, data))
-    batches: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]]] = [[]]
-    size = 0
-    for record, data in whole:
-        if size >= DIGEST_BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append((record, data))
-        size += record.nbytes
-    digests: dict[str, str] = {}
-    failures: list[tuple[str, Exception]] = []
-
-    def hash_batches(share: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]]]) -> None:
-        for batch in share:
-            if stop is not None and stop.is_set():
-                return  # the save failed meanwhile: its digests are never used
-            for record, data in batch:
-                try:
-                    digests[record.path] = digest(record.digest_fields(), data)
-                except Exception as e:  # raised below, naming the leaf, whichever thread hashed it
-                    failures.append((record.path, e))
-                    return
-
-    # Plain threads, not an executor: a background save may run while the interpreter
-    # exits, when executors take no new work.
-    workers = min(len(batches), os.cpu_count() or 1)
-    threads = [threading.Thread(target=hash_batches, args=(batches[i::workers],)) for i in range(1, workers)]
-    for thread in threads:
-        thread.start()
-    hash_batches(batches[0::workers])
-    for thread in threads:
-        thread.join()
-    if failures:
-        path, e = failures[0]
-        raise CheckpointWriteError(f"Hashing leaf {path!r} failed: {e!r}. {NOTHING_COMMITTED}") from e
-    if len(digests) != len(whole):
-        raise CheckpointWriteError(f"Hashing the leaves failed (see above). {NOTHING_COMMITTED}")
-    records = [
-        with_storage(r, digest=digests[r.path]) if isinstance(r, StoredLeaf) and r.path in digests else r
-        for r in manifest.leaves
-    ]
-    return dataclasses.replace(manifest, leaves=tuple(records))
-
-
-def _tiled(leaf: _WriteJob) -> Tiled | None:
-    """A leaf this process holds as shards that tile it (a sharded array on this process's
-    devices alone), to digest whole; None if other processes hold or write some of it."""
-    blocks: dict[Block, np.ndarray] = {}
-    shape = leaf.record.data_shape
-    for piece in leaf.pieces:
-        if not isinstance(piece, HostPiece) or piece.index is None or piece.parts is not None or piece.shared:
-            return None
-        blocks[slice_key(piece.index, shape)] = piece.data
-    return Tiled(shape, list(blocks.items())) if Tiled.tiles(shape, list(blocks)) else None
-
-
-class _Hashing:
-    """`_digested` on a thread of its own, started now: a save without a base needs the
-    digests only to commit, so they are computed while the chunks are written (hashing
-    and writing each leave the GIL free for most of their time)."""
-
-    def __init__(self, manifest: Manifest, leaves: list[_WriteJob]):
-        self._result: Manifest | None = None
-        self._error: BaseException | None = None
-        self.stopping = threading.Event()  # set once the save failed
-
-        def hash_all() -> None:
-            try:
-                with collector_paused():
-                    self._result = _digested(manifest, leaves, self.stopping)
-                    self._result.leaf_lines()  # encoded now, for the commit
-            except BaseException as e:  # raised where the save waits for it
-                self._error = e
-
-        # A plain thread, as in `_digested`.
-        self._thread = threading.Thread(target=hash_all, name="eqxckpt-hashing")
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop hashing (after the batch in hand) and wait for it: the save failed, and a
-        failed save is over only once nothing reads its leaves any more."""
-        self.stopping.set()
-        self._thread.join()
-
-    def result(self) -> Manifest:
-        """The manifest with its digests, once hashed; raises what hashing raised."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-
-def _write(target: Storage, leaves: list[_WriteJob], *, metadata: bool, chunks: bool) -> None:
+def _write(target: Storage, leaves: list[WriteJob], *, metadata: bool, chunks: bool) -> None:
     """Write each leaf's ``zarr.json`` (``metadata``) and its pieces' chunks (``chunks``),
     all through one window: a chunk's values are produced (a view of host memory, a packed
     chunk assembled, a copied chunk read) on an I/O thread just before it is written.
@@ -314,10 +176,10 @@ class SaveInProgress:
         self,
         location: Storage,
         manifest: Manifest,
-        reuse: Reuse[_WriteJob],
+        reuse: Reuse[WriteJob],
         overwrite: bool,
         phases: Phases | None,
-        hashing: _Hashing | None = None,
+        hashing: Hashing | None = None,
         durable: bool = True,
     ):
         self.location = location
@@ -567,16 +429,16 @@ def save(
         hashing = None
         if leader and base is not None:
             with collector_paused():
-                digested = _digested(manifest, jobs)
+                with_digests = digested(manifest, jobs)
         else:
-            digested, hashing = manifest, _Hashing(manifest, jobs) if leader else None
+            with_digests, hashing = manifest, Hashing(manifest, jobs) if leader else None
         try:
             # The base is opened here, off the caller's thread for a background save, and only
             # by the process that holds whole leaves (and their digests): process 0.
-            with plan_reuse(base if leader else None, digested, jobs, location) as reuse:
+            with plan_reuse(base if leader else None, with_digests, jobs, location) as reuse:
                 pieces = [piece for job in reuse.written for piece in job.pieces]
                 with reporting(f"saving {key}", sum(p.nbytes for p in pieces), sum(p.leaves for p in pieces), progress):
-                    SaveInProgress(location, digested, reuse, overwrite, phases, hashing).run()
+                    SaveInProgress(location, with_digests, reuse, overwrite, phases, hashing).run()
         finally:
             if hashing is not None:  # done after a commit; stopped after a failure
                 hashing.stop()
@@ -644,7 +506,7 @@ class Part:
         location.check_target(overwrite)
         manifest = Manifest(tuple(self.records), metadata)
         manifest.refuse_oversized(metadata_bytes(metadata))
-        hashing = _Hashing(manifest, self.jobs)
+        hashing = Hashing(manifest, self.jobs)
         try:
             with plan_reuse(None, manifest, self.jobs, location) as reuse:
                 SaveInProgress(location, manifest, reuse, overwrite, None, hashing, durable).run()
