@@ -117,7 +117,8 @@ def counting_storage(path: pathlib.Path) -> "tuple[LocalStorage, collections.Cou
     import collections
     from collections.abc import Sequence
 
-    from eqxckpt._storage._disk import LocalChunkFiles, LocalStorage
+    from eqxckpt._storage._disk import LocalStorage
+    from eqxckpt._storage._disk_chunks import LocalChunkFiles
 
     reads: collections.Counter = collections.Counter()
 

@@ -28,7 +28,7 @@ from eqxckpt._chunks import (
     encode,
     read_chunk,
 )
-from eqxckpt._storage._disk import LocalChunkFiles
+from eqxckpt._storage._disk_chunks import LocalChunkFiles
 from eqxckpt._window import blocking
 
 BEFORE = pathlib.Path(__file__).parent / "fixtures" / "written_before_25"

@@ -286,7 +286,7 @@ def test_all_writes_are_issued_before_any_is_awaited(tmp_path, monkeypatch):
     """Writes run concurrently: as many leaves' chunks as there are I/O threads are being
     written at once (each write waits until all are in flight; written one at a time, the
     barrier breaks)."""
-    from eqxckpt._storage._disk import LocalChunkFiles
+    from eqxckpt._storage._disk_chunks import LocalChunkFiles
     from eqxckpt._window import IO_THREADS
 
     together = threading.Barrier(IO_THREADS, timeout=60)
