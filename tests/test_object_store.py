@@ -1097,3 +1097,18 @@ def test_retention_on_an_object_store_leaves_a_users_keys_inside_a_step(store):
         manager.wait()
         assert manager.all_steps() == [1]
     assert store.get(f"{top}0/notes.txt") == b"mine"
+
+
+def test_retention_leaves_a_users_key_inside_a_steps_own_prefix(store):
+    """Found by the fault harness's foreign-tool rule: a user's key put inside a step's own
+    ``%arrays.<hex>/`` prefix (beside a leaf's chunks) was deleted with the step, as the
+    whole prefix was. Only the keys eqxckpt writes there are deleted; the user's stays."""
+    top = f"users-key-{store.name}/run/"
+    with eqxckpt.CheckpointManager(store.spec(top), max_to_keep=1, blocking=True, incremental=False) as manager:
+        manager.save(0, {"w": np.arange(1000.0)})
+        [chunk] = [k for k in store.keys(f"{top}0/") if k.endswith("/w/c/0")]
+        mine = chunk.replace("/w/c/0", "/w/notes.txt")
+        store.put(mine, b"mine")
+        manager.save(1, {"w": np.arange(1000.0) + 1})
+    assert manager.all_steps() == [1] and store.get(mine) == b"mine"
+    assert [k for k in store.keys(f"{top}0/")] == [mine]  # the step's own keys are gone

@@ -8,7 +8,7 @@ against: docs/concurrency.md ("Incremental saves: holds").
 import tensorstore as ts
 
 from .._paths import COMMIT_NAME, DOOMED_NAME, HOLDS_NAME, RETIRED_NAME, is_arrays_name, is_entry_name
-from ._kvstore import committed_arrays, delete_arrays, exists, list_keys
+from ._kvstore import committed_arrays, delete_arrays, delete_ours, exists, list_keys
 from ._lease import read_lease
 
 
@@ -112,10 +112,8 @@ def delete_unheld(store: ts.KvStore, names: list[str]) -> list[str]:
         store.write(f"{name}/{DOOMED_NAME}", b"").result()
         if _holds_live(store, run, name):
             continue  # a save took a hold meanwhile and may use it; the prefix stays doomed
-        doomed, retired = f"{name}/{DOOMED_NAME}", f"{name}/{RETIRED_NAME}"  # doomed < retired
-        store.delete_range(ts.KvStore.KeyRange(f"{name}/", doomed)).result()
-        store.delete_range(ts.KvStore.KeyRange(doomed + "\0", retired)).result()
-        store.delete_range(ts.KvStore.KeyRange(retired + "\0", f"{name}0")).result()
+        doomed, retired = f"{name}/{DOOMED_NAME}", f"{name}/{RETIRED_NAME}"
+        delete_ours(store, name, but=(doomed, retired))  # a user's file there stays
         store.write(retired, None).result()  # until now, listings see a retired prefix
         store.write(doomed, None).result()  # last: until now a save that looks sees it doomed
         deleted.append(name)

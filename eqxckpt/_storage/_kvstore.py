@@ -277,9 +277,23 @@ def delete_leaf_keys(store: ts.KvStore, paths: list[str]) -> None:
             pass
 
 
-def delete_arrays(store: ts.KvStore, names: list[str]) -> None:
-    """Delete saves' own prefixes (``%arrays.<hex>/``): keys no other save ever writes.
-    Only for prefixes that were never committed (no save refers to those); committed
-    ones are deleted by `delete_unheld`."""
-    for future in [store.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")) for name in names]:
+# The keys eqxckpt writes in a save's own prefix, by their names: zarr metadata and chunks
+# (its arrays and groups), its commit mark, other saves' holds on it, its marks. Anything
+# else there (a user's file) is not eqxckpt's to delete.
+_OURS = re.compile(r"(?:[^/]+/)*(?:zarr\.json|c(?:/\d+)*)|eqxckpt\.commit\.json|%holds/.+|%doomed|%retired")
+
+
+def delete_ours(store: ts.KvStore, name: str, but: tuple[str, ...] = ()) -> None:
+    """Delete the keys of the prefix ``name`` that eqxckpt writes (`_OURS`), but ``but``
+    (names in it, deleted later); keys of any other name are left as they are."""
+    keys = [key for key in list_keys(store, f"{name}/") if _OURS.fullmatch(key[len(name) + 1 :]) and key not in but]
+    for future in [store.write(key, None) for key in keys]:
         future.result()
+
+
+def delete_arrays(store: ts.KvStore, names: list[str]) -> None:
+    """Delete saves' own prefixes (``%arrays.<hex>/``): the keys eqxckpt wrote there
+    (`delete_ours`). Only for prefixes that were never committed (no save refers to those);
+    committed ones are deleted by `delete_unheld`."""
+    for name in names:
+        delete_ours(store, name)
