@@ -214,7 +214,10 @@ class _Listener:
                 else:
                     del self._armed[signum]  # the program ignores the signal now
         for signum in send:
-            os.kill(os.getpid(), signum)
+            # At the main thread, where Python runs handlers: sent to the process from this
+            # thread, it is delivered here, and a main thread asleep (or in a blocking call)
+            # would not run ours until it woke.
+            signal.pthread_kill(threading.main_thread().ident or 0, signum)
 
 
 def _announce(signum: int, gave_up: list[str]) -> None:
