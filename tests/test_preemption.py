@@ -350,7 +350,8 @@ def test_a_notice_while_a_save_waits_on_a_store_that_stopped_answering_still_end
             time.sleep(0.02)
         manager.save(1, {{"w": np.ones(4)}})  # in the background: its first request never answered
         print("saving", flush=True)
-        time.sleep(300)
+        for _ in range(3000):  # a trainer's main thread, back in Python between steps
+            time.sleep(0.1)
         print("still running", flush=True)
     """)
     worker = subprocess.Popen(
