@@ -87,10 +87,15 @@ def launch(
                 terminate = None
             time.sleep(0.05)
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-            w.wait()
+        end_workers(workers)
+
+
+def end_workers(workers: list[subprocess.Popen]) -> None:
+    """Kill the workers still running, and wait for every one."""
+    for worker in workers:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
 
 
 def returns_within(call, seconds: float = 60.0, release=None):

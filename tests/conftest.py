@@ -38,6 +38,7 @@ from _trees import assert_trees_equal as assert_trees_equal, crafted_manifest as
 from _workers import (  # noqa: E402
     WORKERS as WORKERS,
     WorkerFailed as WorkerFailed,
+    end_workers as end_workers,
     kill_when as kill_when,
     launch as launch,
     on_devices as on_devices,

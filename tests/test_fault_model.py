@@ -1122,7 +1122,7 @@ def test_fault_model_across_processes(tmp_path, request):
     its save did not finish whole is listed. The instants come from a fixed seed."""
     import random
 
-    from conftest import start_workers
+    from conftest import end_workers, start_workers
     from fault_model_processes import SHAPE, SPECS, tag  # pyright: ignore[reportMissingImports]
     from test_replicas_faults import _parsed
 
@@ -1157,10 +1157,7 @@ def test_fault_model_across_processes(tmp_path, request):
                 assert time.monotonic() < deadline, "\n".join(log.read_text() for log in logs)
                 time.sleep(0.05)
         finally:
-            for w in workers:
-                if w.poll() is None:
-                    w.kill()
-                w.wait()
+            end_workers(workers)
         texts = [log.read_text() for log in logs]
         results = [[_parsed(line[7:]) for line in t.splitlines() if line.startswith("RESULT ")] for t in texts]
         if victim is None:

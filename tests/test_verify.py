@@ -294,6 +294,19 @@ def test_swapped_packed_chunks_damage_exactly_the_leaves_in_them(tmp_path):
         assert np.asarray(restored).tobytes() == tree["l079"].tobytes()
 
 
+def _a_chunk_linked_to_a_users_file(tmp_path, symlink: bool = False):
+    """Five steps, step 0's frozen chunk replaced by a link to a user's file outside the
+    run: the run and that file."""
+    run = tmp_path / "run"
+    _five_steps(run)
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(b"user's notes")
+    chunk = run / "0" / "frozen/c/0"
+    chunk.unlink()
+    chunk.symlink_to(precious) if symlink else os.link(precious, chunk)
+    return run, precious
+
+
 def _five_steps(run) -> None:
     with eqxckpt.CheckpointManager(run, max_to_keep=5, blocking=True) as manager:  # two copies (default)
         for step in range(5):
@@ -347,13 +360,7 @@ def test_repair_never_writes_to_a_file_outside_the_run(tmp_path, link):
     sixteenth outside attack) a hard link to one: rewriting it in place would change that
     file. Refused: the file is untouched and the leaf is still listed damaged. (The
     eighteenth: a symlink ``latest -> 0`` in the run counted the link twice, so it passed.)"""
-    run = tmp_path / "run"
-    _five_steps(run)
-    precious = tmp_path / "precious.txt"
-    precious.write_bytes(b"user's notes")
-    chunk = run / "0" / "frozen/c/0"
-    chunk.unlink()
-    chunk.symlink_to(precious) if link == "symlink" else os.link(precious, chunk)
+    run, precious = _a_chunk_linked_to_a_users_file(tmp_path, symlink=link == "symlink")
     if "alias" in link:
         (run / "latest").symlink_to("0")
     report = eqxckpt.verify(run / "0", repair=True)
@@ -514,13 +521,7 @@ def test_repair_never_counts_a_bind_mounted_step_as_another(tmp_path):
     counted once: refused, the user's file untouched."""
     import subprocess
 
-    run = tmp_path / "run"
-    _five_steps(run)
-    precious = tmp_path / "precious.txt"
-    precious.write_bytes(b"user's notes")
-    chunk = run / "0" / "frozen/c/0"
-    chunk.unlink()
-    os.link(precious, chunk)
+    run, precious = _a_chunk_linked_to_a_users_file(tmp_path)
     (run / "9").mkdir()
     if subprocess.run(["mount", "--bind", str(run / "0"), str(run / "9")], capture_output=True).returncode:
         (run / "9").rmdir()

@@ -36,7 +36,7 @@ from .._window import Task, read_window, run_windowed
 from ._background import SAVES, SaveHandle
 from ._jobs import Hashing, WriteJob, digested
 from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
-from ._pieces import PackedWrite, record_of, snapshot
+from ._pieces import PackedWrite, Piece, record_of, snapshot
 from ._reuse import Reuse, plan_reuse
 from ._shares import check_copies_agree, copy_digests, global_leaves
 
@@ -61,16 +61,9 @@ def _plan(tree: PyTree) -> tuple[list[Leaf], list[tuple[StoredLeaf, Any]]]:
     return records, arrays
 
 
-def _snapshot(
-    arrays: list[tuple[StoredLeaf, Any]],
-    copy: bool,
-    leader: bool,
-    multiprocess: bool | None = None,
-    own_blocks: bool = False,
-    global_leaves: frozenset[int] | None = None,
-) -> list[WriteJob]:
-    """The pieces this process must write, in host memory it owns (see `_pieces.snapshot`)."""
-    planned = snapshot(arrays, copy, leader, multiprocess, own_blocks, global_leaves)
+def _jobs(planned: list[tuple[StoredLeaf, tuple[int, ...] | None, list[Piece]]]) -> list[WriteJob]:
+    """The jobs of what `_pieces.snapshot` planned (the pieces this process must write, in
+    host memory it owns), each layout checked as a load would check it."""
     jobs = [WriteJob(record, shard, pieces) for record, shard, pieces in planned]
     for job in jobs:  # in every process alike, before any is written
         if why := job.layout.refusal():
@@ -417,7 +410,7 @@ def save(
     # Which arrays are global, agreed before any process takes its pieces of them.
     spanning = None if phases is None else global_leaves([value for _, value in arrays], phases)
     with collector_paused():
-        jobs = _snapshot(arrays, copy=not blocking, leader=leader, global_leaves=spanning)
+        jobs = _jobs(snapshot(arrays, copy=not blocking, leader=leader, global_leaves=spanning))
         if phases is None:  # with several processes every leaf keeps its own array
             records, jobs = _pack(records, jobs)
     manifest = Manifest(tuple(records), metadata)
@@ -476,7 +469,7 @@ class Part:
     def __init__(self, tree: PyTree, copy: bool = True):
         with collector_paused():
             records, arrays = _plan(tree)
-            jobs = _snapshot(arrays, copy=copy, leader=True, multiprocess=False, own_blocks=True)
+            jobs = _jobs(snapshot(arrays, copy=copy, leader=True, multiprocess=False, own_blocks=True))
             held = {job.record.path: job.record for job in jobs}  # with the blocks each holds
             records = [held.get(r.path, r) for r in records]
             self.records, self.jobs = _pack(records, jobs)
