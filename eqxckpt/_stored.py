@@ -25,7 +25,6 @@ from ._formats._convert import aligned_empty
 from ._leaf import Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._paths import MANIFEST_NAME
-from ._read._select import Selection
 from ._storage import (
     MAX_ZARR_JSON_BYTES,
     UNPINNED,
@@ -37,7 +36,7 @@ from ._storage import (
     reading,
     resolve,
 )
-from ._window import Task, check_allocation, read_window, run_windowed
+from ._window import Task, read_window, run_windowed
 from ._write._pack import PackedArray
 
 
@@ -100,7 +99,7 @@ class StoredArrays:
 
         ```python
         with stored.consistent():
-            stored.read_whole(stored.records["model/w"])
+            stored.fetch([stored.records["model/w"]], print, lambda nbytes: None)
         ```
         """
         return self._pin.consistent(self.location)
@@ -310,24 +309,6 @@ class StoredArrays:
                     yield from self.chunk_reads(packing.record, layout, (slice(start, end),), buffer, unpacked)
 
         run_windowed(tasks(), read_window(sum(leaf.nbytes for leaf in leaves)))
-
-    def read_whole(self, leaf: StoredLeaf) -> np.ndarray:
-        """One leaf's stored array, read whole."""
-        found: list[np.ndarray] = []
-        reserve = lambda nbytes: check_allocation(nbytes, f"Reading leaf {leaf.path!r}")  # noqa: E731
-        self.fetch([leaf], lambda _, data: found.append(data), reserve)
-        return found[0]
-
-    def read_selection(self, leaf: StoredLeaf, selection: Selection, layout: ChunkLayout | None = None) -> np.ndarray:
-        """The elements ``selection`` takes of a leaf with its own array: only the chunks
-        holding them are read, each checked as a whole read checks it. ``layout``: the
-        leaf's, if it was checked already."""
-        box = selection.box()
-        nbytes = math.prod(len(r) for r in box) * np.dtype(leaf.dtype).itemsize
-        check_allocation(nbytes, f"Reading leaf {leaf.path!r}")
-        out = np.empty(tuple(len(r) for r in box), leaf.dtype)
-        self.read_box(leaf, box, out, layout)
-        return selection.finish(out)
 
     def read_box(
         self, leaf: StoredLeaf, box: Sequence[range], out: np.ndarray, layout: ChunkLayout | None = None

@@ -120,3 +120,86 @@ def test_a_narrowing_mismatch_says_what_was_found_and_why(tmp_path):
     message = str(caught.value)
     assert "found int64[3], which cannot be restored as it is: int64 would become int32" in message
     assert "expected int64[3]" not in message
+
+
+class Rows(eqxckpt.Source):
+    """#52's toy format, as a new format's author writes one (`Source`'s contract): numpy
+    arrays in memory, read whole or by boxes of whole rows; every read is logged."""
+
+    def __init__(self, arrays):
+        self.location, self.metadata, self.arrays, self.log = "memory", {"step": 7}, arrays, []
+        self._leaves = {}
+        for path, array in arrays.items():
+            keys = tuple(("dict", part) for part in path.split("/"))
+            self._leaves[path] = eqxckpt.ArrayLeaf(path, keys, array.shape, array.dtype.name)
+
+    def _fetch(self, leaves, done, reserve):
+        reserve(sum(leaf.nbytes for leaf in leaves))
+        for i, leaf in enumerate(leaves):
+            self.log.append(("whole", leaf.path))
+            done(i, self.arrays[leaf.path].copy())
+
+    def chunk_shapes(self, leaves):
+        return [(1, *leaf.shape[1:]) if leaf.shape else None for leaf in leaves]
+
+    def _read_boxes(self, leaf, boxes, window):
+        for box, out in boxes:
+            assert all(r.step > 0 for r in box) and out.flags.c_contiguous
+            self.log.append(("box", leaf.path, tuple((r.start, r.stop, r.step) for r in box)))
+            out[...] = self.arrays[leaf.path][tuple(slice(r.start, r.stop, r.step) for r in box)]
+
+
+def test_a_new_format_is_a_fetch_and_a_box_reader(tmp_path, monkeypatch):
+    """#52: a format that implements `_fetch`, `chunk_shapes` and `_read_boxes` alone
+    restores, slices lazily, restacks (both ways), is placed band by band, is copied part by
+    part into a save and is translated: the engine does the rest, reading only what it needs."""
+    import jax
+    import jax.numpy as jnp
+
+    from eqxckpt._read import _place
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "w": rng.standard_normal((6, 4)).astype(np.float32),
+        "layers/0/b": np.arange(3, dtype=np.float32),
+        "layers/1/b": np.arange(3, 6, dtype=np.float32),
+        "stacked": rng.standard_normal((4, 5)).astype(np.float32),
+    }
+    rows = Rows({"w": arrays["w"]})
+    # A plain restore: whole, through the format's one fetch.
+    out = eqxckpt.load(rows, {"w": jnp.zeros((6, 4))})
+    np.testing.assert_array_equal(np.asarray(out["w"]), arrays["w"])
+    assert isinstance(out["w"], jax.Array) and rows.log == [("whole", "w")]
+    # A lazy slice reads its rows only, strided as asked; a scalar read whole.
+    rows.log.clear()
+    np.testing.assert_array_equal(rows["w"][1:5:2, ::3].get(), arrays["w"][1:5:2, ::3])
+    assert rows.log == [("box", "w", ((1, 5, 2), (0, 4, 3)))]
+    assert rows.metadata == {"step": 7} and rows.leaf("w").describe() == "float32[6,4]"
+    # Stack: layers into a scanned leaf; Unstack: rows of a stacked leaf, each read once.
+    layered = Rows({k: v for k, v in arrays.items() if k != "w"})
+    like = {"b": jax.ShapeDtypeStruct((2, 3), jnp.float32), "rows": [np.zeros(5, np.float32) for _ in range(4)]}
+    transforms = {"b": eqxckpt.Stack("layers/{i}/b"), r"rows/(\d+)": eqxckpt.Unstack("stacked", index=r"\1")}
+    out = eqxckpt.load(layered, like, transforms=transforms)
+    np.testing.assert_array_equal(np.asarray(out["b"]), np.stack([arrays["layers/0/b"], arrays["layers/1/b"]]))
+    for i in range(4):
+        np.testing.assert_array_equal(out["rows"][i], arrays["stacked"][i])
+    read_rows = [r for kind, path, *box in layered.log if path == "stacked" for r in range(*box[0][0][:2])]
+    assert sorted(read_rows) == [0, 1, 2, 3]  # every row of the stacked leaf once
+    # Larger than the host memory budget, cast on the way to a device: placed a band at a time.
+    rows.log.clear()
+    monkeypatch.setattr(_place, "STAGE_CPU", True)  # a GPU's path, on this machine's CPU
+    placed = eqxckpt.load(rows, {"w": jnp.zeros((6, 4), jnp.bfloat16)}, cast=True, host_memory_budget=64)
+    np.testing.assert_array_equal(np.asarray(placed["w"]), arrays["w"].astype(jnp.bfloat16))
+    assert len(rows.log) > 1 and all(kind == "box" for kind, *_ in rows.log)
+    monkeypatch.setattr(_place, "STAGE_CPU", False)
+    # A region into a caller's buffer; a save copying a lazy selection part by part.
+    region = np.empty((2, 4), np.float32)
+    rows.read_into(rows.leaf("w"), (slice(2, 4), slice(0, 4)), region)
+    np.testing.assert_array_equal(region, arrays["w"][2:4])
+    eqxckpt.save(tmp_path / "copy", {"w": rows["w"][::2]})
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "copy")["w"], arrays["w"][::2])
+    # A translated view reads through the format as it is.
+    translator = eqxckpt.CheckpointTranslator()
+    translator.add(r"w")(lambda opts, key, value: ("kernel", value))
+    view = translator.apply(rows)
+    np.testing.assert_array_equal(view["kernel"][3].get(), arrays["w"][3])

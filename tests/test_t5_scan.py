@@ -174,21 +174,21 @@ def test_convert_hf_writes_a_scanned_t5_that_loads_into_its_skeleton(tmp_path, s
 
 def test_scanned_load_hf_reads_each_tensor_once_straight_into_the_stacked_leaves(monkeypatch):
     from eqxckpt._formats import _safetensors
-    from eqxckpt._read import _load, _restack
+    from eqxckpt._read import _restack, _restore
 
     reads, stacked = [], []
-    read_range, read_layouts = _safetensors.read_range, _load.read_layouts
+    read_range, read_layouts = _safetensors.read_range, _restore._read_layouts
     monkeypatch.setattr(
         _safetensors,
         "read_range",
         lambda fd, offset, buffer, path: (reads.append(path), read_range(fd, offset, buffer, path))[1],
     )
 
-    def spied_read_layouts(source, wanted):
-        stacked.extend(layout.leaf.path for layout, _ in wanted if isinstance(layout, _restack.Stacked))
-        return read_layouts(source, wanted)
+    def spied_read_layouts(source, layouts):
+        stacked.extend(layout.leaf.path for layout, _ in layouts if isinstance(layout, _restack.Stacked))
+        return read_layouts(source, layouts)
 
-    monkeypatch.setattr(_load, "read_layouts", spied_read_layouts)
+    monkeypatch.setattr(_restore, "_read_layouts", spied_read_layouts)
     model = t5.load_hf(FIXTURE / "hf", scan_layers=True)
     assert len(reads) == len(set(reads)) == 52
     # Every stacked leaf came from eqxckpt.Stack, not from a per-layer model stacked afterwards.

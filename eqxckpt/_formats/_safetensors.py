@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from .._arguments import checked_arguments
-from .._chunks import Region
 from .._dtypes import little_endian
 from .._errors import (
     CheckpointError,
@@ -36,16 +35,15 @@ from .._errors import (
     PathError,
     UnsupportedLeafError,
 )
-from .._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, check_bool_bytes, parse_shape
+from .._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
 from .._manifest import MAX_PARSE_FACTOR, parse_json_object
 from .._paths import check_one_tree, encode_segment, key_entry_record
 from .._progress import Progress, advance, reporting
 from .._read._lazy import LazyArray
-from .._read._select import Selection
-from .._read._source import Source
-from .._storage import file_exists_error, read_capped, reading, write_file
+from .._read._source import Boxes, Source, read_by_rows
+from .._storage import file_exists_error, read_capped, write_file
 from .._tree import flatten, is_prng_key_dtype
-from .._window import Task, check_allocation, read_window, run_windowed
+from .._window import Task, read_window, run_windowed
 from ._convert import aligned_empty
 
 if TYPE_CHECKING:  # JAX is imported where a tree is saved, not to read a file
@@ -152,37 +150,19 @@ class SafetensorsCheckpoint(Source):
             tasks.append((buffer.nbytes, read, lambda _, i=i, buffer=buffer: done(i, buffer)))
         run_windowed(tasks, read_window(sum(leaf.nbytes for leaf in leaves)))
 
-    def rows_per_read(self, leaf: StoredLeaf) -> int:
-        """One row: a selection is read from its first row to its last."""
-        return 1
+    def chunk_shapes(self, leaves: Sequence[StoredLeaf]) -> list[tuple[int, ...] | None]:
+        """A row: a tensor is stored in C order, its rows read by one ranged read each run."""
+        return [(1, *leaf.shape[1:]) if leaf.shape else None for leaf in leaves]
 
-    def _read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
-        """Whole rows: one ranged read straight into ``out``."""
-        whole_rows = all((s.start, s.stop) == (0, n) for s, n in zip(region[1:], leaf.shape[1:]))
-        if not region or not whole_rows or not out.size:
-            return super()._read_into(leaf, region, out)
+    def _read_boxes(self, leaf: StoredLeaf, boxes: Boxes, window: int) -> None:
+        """Runs of whole rows, each with one ranged read (`read_by_rows`)."""
         fd, offset = self._where[leaf.path]
-        with reading(leaf):
-            read_range(fd, offset + region[0].start * (leaf.nbytes // leaf.shape[0]), out, leaf.path)
-        check_bool_bytes(out, leaf.path)
+        row_bytes = leaf.nbytes // max(1, leaf.shape[0])
 
-    def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
-        """One ranged read of the rows from the first selected to the last (a tensor is
-        stored in C order), selected from."""
-        box, dtype = selection.box(), np.dtype(leaf.dtype)
-        if not all(box):  # nothing selected: nothing to read
-            return selection.finish(np.empty(tuple(len(r) for r in box), dtype))
-        if not box:  # a 0-d tensor: one element
-            return super().read_selection(leaf, selection)
-        rows = box[0]
-        fd, offset = self._where[leaf.path]
-        row_bytes = leaf.nbytes // leaf.shape[0]
-        buffer = aligned_empty((rows[-1] + 1 - rows[0], *leaf.shape[1:]), dtype)
-        check_allocation(buffer.nbytes, f"Reading leaf {leaf.path!r} of {self.location}")
-        with reading(leaf):
-            read_range(fd, offset + rows[0] * row_bytes, buffer, leaf.path)
-        check_bool_bytes(buffer, leaf.path)
-        return selection.take(buffer, (rows[0],))
+        def read_rows(start: int, stop: int, out: np.ndarray) -> None:
+            read_range(fd, offset + start * row_bytes, out, leaf.path)
+
+        read_by_rows(leaf, boxes, window, read_rows)
 
 
 def read_range(fd: int, offset: int, buffer: np.ndarray, path: str) -> None:

@@ -28,8 +28,9 @@ from .._storage import CheckpointPath
 from .._tree import SCALAR_TYPES, build_plain_tree, describe_like, flatten, is_array_like, is_prng_key_dtype
 from .._window import limited_host_memory
 from ._lazy import LazyArray
-from ._read_once import failing_together, read_once, spans_processes
-from ._restack import Layout, Row, plan_stack, plan_unstack, read_layouts, unrestored_rows
+from ._read_once import failing_together, spans_processes
+from ._restack import Layout, Row, plan_stack, plan_unstack, unrestored_rows
+from ._restore import Item, restore
 from ._source import Source
 from ._transform import Rule, RuleKind, keypath_string, plan_rules, readable_path
 
@@ -158,12 +159,13 @@ class Plan:
         """Read what the plan needs (value_fn inputs in the same batch) and build the result;
         ``together``: every process of the job restores with this plan (`read_once`)."""
         inputs = [c.leaf for c in self.computed if isinstance(c.leaf, StoredLeaf)]
-        wanted = [(leaf, target) for _, leaf, target in self.reads] + [(x, None) for x in inputs]
-        values = read_once(self.source, wanted, together)  # replicated across processes: read once in all
+        wanted: list[Item] = [(leaf, target) for _, leaf, target in self.reads]
+        wanted += [(leaf, None) for leaf in inputs]
+        wanted += [(layout, target) for _, layout, target in self.layouts]
+        values = restore(self.source, wanted, together)
         for (slot, _, _), value in zip(self.reads, values):
             self.values[slot] = value
-        layouts = read_layouts(self.source, [(layout, target) for _, layout, target in self.layouts])
-        for (slot, _, _), value in zip(self.layouts, layouts):
+        for (slot, _, _), value in zip(self.layouts, values[len(wanted) - len(self.layouts) :]):
             self.values[slot] = value
         read = dict(zip((leaf.path for leaf in inputs), values[len(self.reads) :]))
         lazy_original = None

@@ -11,7 +11,7 @@ import hashlib
 import itertools
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -172,13 +172,15 @@ def failing_together(together: bool) -> Iterator[None]:
         raise
 
 
-def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]], together: bool = False) -> list[Any]:
-    """``source.read(wanted)``, reading each byte of data replicated across processes once
-    in all: such a leaf is read into its `spread` sharding, each process its own blocks,
+def read_once(
+    source: "Source", wanted: Sequence[tuple[Any, Any]], together: bool, read_here: Callable[[Sequence[Any]], list[Any]]
+) -> list[Any]:
+    """``read_here(wanted)``, reading each byte of data replicated across processes once in all:
+    such a stored leaf is read into its `spread` sharding, each process its own blocks,
     then moved onto its target with the other leaves of its batch by one jitted identity
     (batches of at most the smallest host memory budget of any process, counting the
     blocks of the process holding the most). Every process must call it with the same
-    leaves, as `load` is called.
+    items, as `load` is called.
 
     The processes agree at each step (`Phases`) before any data moves: that they opened
     the same checkpoint (`Source.identity`), which leaves they read apart, the budget;
@@ -189,34 +191,38 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]], togeth
     **Arguments:**
 
     - `source`: what is read (`Source.reads_apart` says which leaves it reads apart).
-    - `wanted`: as for `Source.read`.
+    - `wanted`: the restore's items, ``(what, target)``: a `StoredLeaf` (which may be
+      read apart) or a layout (its ``leaf``, the new leaf; read as it is).
     - `together`: every process restores this (`spans_processes` of `load`'s ``like``):
       they agree on the checkpoint even where no target here spans processes.
+    - `read_here`: what reads items in this process (the restore engine's).
 
     **Returns:** the values, in the order of ``wanted``.
     """
     import jax
 
     if jax.process_count() == 1 or source.per_process:  # each process reads its own checkpoint
-        return source.read(wanted)
+        return read_here(wanted)
     # From `like` alone: the same in every process, so every process takes the same phases.
     # Targets spanning processes make one global array of every process's reads: those
     # processes must agree on the checkpoint and the targets, spread or not.
     shared = [i for i, (_, target) in enumerate(wanted) if len(held_by(target)) > 1]
     if not shared and not together:
-        return source.read(wanted)
+        return read_here(wanted)
+    leaves = [what if isinstance(what, StoredLeaf) else what.leaf for what, _ in wanted]
     candidates: dict[int, Any] = {}
     for i in shared:
-        if (middle := spread(wanted[i][1].sharding, wanted[i][0].shape)) is not None:
+        stored = isinstance(wanted[i][0], StoredLeaf)
+        if stored and (middle := spread(wanted[i][1].sharding, leaves[i].shape)) is not None:
             candidates[i] = middle
     from .._distributed import Phases
 
     phases = Phases("restore")
 
     def plan() -> str:
-        source.prepare_reads([wanted[i][0] for i in candidates])  # `reads_apart` asks for their layouts
-        apart = [i for i, middle in candidates.items() if source.reads_apart(wanted[i][0], middle)]
-        targets = [[wanted[i][0].path, describe_target(wanted[i][1])] for i in shared]
+        source.chunk_shapes([leaves[i] for i in candidates])  # what `reads_apart` asks: all at once
+        apart = [i for i, middle in candidates.items() if source.reads_apart(leaves[i], middle)]
+        targets = [[leaves[i].path, describe_target(wanted[i][1])] for i in shared]
         plan = {"source": source.identity(), "apart": apart, "budget": host_memory_budget(), "targets": targets}
         return json.dumps({**plan, "location": str(source.location)})
 
@@ -237,7 +243,7 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]], togeth
     rest = [i for i in range(len(wanted)) if i not in spreads]
 
     def read_rest() -> None:
-        for i, value in zip(rest, source.read([wanted[i] for i in rest])):
+        for i, value in zip(rest, read_here([wanted[i] for i in rest])):
             values[i] = value
 
     phases.run("read", read_rest)  # a failure here is raised everywhere: no process goes on alone
@@ -246,7 +252,7 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]], togeth
     batches: list[list[int]] = [[]]
     held = 0
     for i, middle in spreads.items():
-        leaf = wanted[i][0]
+        leaf = leaves[i]
         cost = _held(middle, leaf.shape, leaf.nbytes)
         if batches[-1] and held + cost > budget:
             batches.append([])
@@ -257,8 +263,7 @@ def read_once(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]], togeth
         staged: list[Any] = []
 
         def read(batch: list[int] = batch, staged: list[Any] = staged) -> None:
-            reads = [(wanted[i][0], _retarget(wanted[i][1], spreads[i])) for i in batch]
-            staged.extend(source.read(reads))
+            staged.extend(read_here([(wanted[i][0], _retarget(wanted[i][1], spreads[i])) for i in batch]))
             # What every process read is the checkpoint they all opened, before any of it moves.
             source.check_unchanged()
 

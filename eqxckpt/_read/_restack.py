@@ -2,36 +2,24 @@
 leaf, for a scanned model) and `Unstack` (rows of a stacked leaf into per-layer leaves).
 
 Both are planned on paths, shapes and dtypes alone (`plan_stack`, `plan_unstack`), so
-`load` reports every misfit in its one error before anything is read; then
-`read_layouts` reads exactly the bytes the result needs: each layer, or each row of
+`load` reports every misfit in its one error before anything is read; then the restore
+engine (`_restore`) reads exactly the bytes the result needs: each layer, or each row of
 a stacked leaf, once in all, and of a sharded target only this process's slices,
 within the host memory budget.
 """
 
 import dataclasses
-import itertools
-import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from .._chunks import Region
 from .._errors import TransformError
-from .._formats._convert import aligned_empty, checked_astype
 from .._leaf import ArrayLeaf, Leaf
-from .._progress import advance, unreported
-from .._storage import reading
 from .._tree import describe_like, is_array_like
-from .._window import Task, check_allocation, host_memory_budget, read_window, run_windowed
-from ._place import global_array, slice_key
-from ._source import Source
 
 LAYER = "{i}"  # where a `Stack` template puts the layer index
-# What one task of an `Unstack` window reads at most (more where a read costs more): a
-# window's pieces are read in parallel.
-PIECE_BYTES = 4 << 20
 MAX_NAMED = 8  # layers an error lists by name
 
 
@@ -150,7 +138,7 @@ class Row:
 Layout = Stacked | Row
 
 
-def _originals(layout: Layout) -> tuple[ArrayLeaf, ...]:
+def originals(layout: Layout) -> tuple[ArrayLeaf, ...]:
     """The stored leaves a layout is read from."""
     return layout.layers if isinstance(layout, Stacked) else (layout.stacked,)
 
@@ -271,253 +259,3 @@ def _named(keys: Sequence[str]) -> str:
 
 def _listed(indices: Sequence[int]) -> str:
     return ", ".join(map(str, indices[:MAX_NAMED])) + (" ..." if len(indices) > MAX_NAMED else "")
-
-
-# -- reading --------------------------------------------------------------------------
-
-Key = tuple[tuple[int, int], ...]  # a block: (start, stop) per dimension
-
-
-def _blocks(target: Any, shape: tuple[int, ...]) -> dict[Key, list[Any]] | None:
-    """This process's distinct blocks of ``target`` and the devices holding each; None
-    when the whole array goes to one device (or to numpy)."""
-    sharding = getattr(target, "sharding", None)
-    if sharding is None or (len(sharding.device_set) == 1 and sharding.is_fully_addressable):
-        return None
-    blocks: dict[Key, list[Any]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        key = slice_key(index, shape)
-        blocks.setdefault(key, []).append(device)
-    return blocks
-
-
-def _bounds(keys: Sequence[Key]) -> Key:
-    """The smallest block holding every one of ``keys``."""
-    return tuple((min(k[d][0] for k in keys), max(k[d][1] for k in keys)) for d in range(len(keys[0])))
-
-
-def _region(key: Key, within: Key | None = None) -> tuple[slice, ...]:
-    """``key`` as slices, relative to the start of ``within``."""
-    starts = [0] * len(key) if within is None else [a for a, _ in within]
-    return tuple(slice(a - s, b - s) for (a, b), s in zip(key, starts))
-
-
-def _placed(blocks: dict[Key, list[Any]], data: dict[Key, np.ndarray]) -> dict[Any, Any]:
-    """Each of ``data``'s blocks put on the devices that hold it, and let go of on the host."""
-    import jax
-
-    arrays = {}
-    for key in list(data):
-        for device in blocks[key]:
-            arrays[device] = jax.device_put(data[key], device)
-            arrays[device].block_until_ready()  # transferred: the host's block can go
-        del data[key]
-    return arrays
-
-
-def _assembled(shape: tuple[int, ...], target: Any, arrays: dict[Any, Any]) -> Any:
-    """The global array of ``target``'s sharding from this process's devices' arrays."""
-
-    devices = target.sharding.addressable_devices_indices_map(shape)
-    return global_array(shape, target.sharding, [arrays[d] for d in devices], target.dtype)
-
-
-def _staged(blocks: dict[Key, list[Any]], itemsize: int) -> list[list[Key]]:
-    """``blocks`` in groups whose host buffers fit the host memory budget together (one
-    block at least). A block for CPU devices costs nothing: it becomes the result."""
-    groups: list[list[Key]] = [[]]
-    staged, budget = 0, host_memory_budget()
-    for key, devices in blocks.items():
-        cost = 0 if all(d.platform == "cpu" for d in devices) else math.prod(b - a for a, b in key) * itemsize
-        if groups[-1] and staged + cost > budget:
-            groups.append([])
-            staged = 0
-        groups[-1].append(key)
-        staged += cost
-    return groups
-
-
-class _Reader:
-    """Reads boxes of the original leaves: small ones (packed into shared chunks in an
-    eqxckpt checkpoint) read beforehand in one batch, so each shared chunk is read once;
-    the others straight into their buffers (`Source.read_into`)."""
-
-    def __init__(self, source: Source, layouts: Sequence[Layout]):
-        self.source = source
-        originals = {leaf.path: leaf for layout in layouts for leaf in _originals(layout)}
-        small = [leaf for leaf in originals.values() if leaf.offset is not None]
-        wanted = [(leaf, leaf.host_target()) for leaf in small]  # as stored, in host memory
-        with unreported():  # counted as the results they fill
-            self._read = {leaf.path: value for leaf, value in zip(small, source.read(wanted))} if wanted else {}
-        source.prepare_reads([leaf for leaf in originals.values() if leaf.offset is None])
-
-    def into(self, leaf: ArrayLeaf, region: Region, out: np.ndarray) -> None:
-        if leaf.path in self._read:
-            out[...] = self._read[leaf.path][region]
-        else:
-            self.source.read_into(leaf, region, out)
-
-
-def read_layouts(source: Source, wanted: Sequence[tuple[Layout, Any]]) -> list[Any]:
-    """Read each planned layout into its target (an array or `jax.ShapeDtypeStruct` of
-    `like`, whose sharding is honoured), each original byte once: the rows of one
-    stacked leaf are read together, a window of rows at a time. Layers and windows of
-    every leaf are read in one stream of I/O tasks, many in flight.
-
-    **Returns:** the values, in the order of ``wanted``.
-    """
-    whole = [
-        (i, layout, target) for i, (layout, target) in enumerate(wanted) if _blocks(target, layout.leaf.shape) is None
-    ]
-    nbytes = sum(layout.leaf.nbytes for _, layout, _ in whole)
-    check_allocation(nbytes, f"Restoring {len(wanted)} stacked or unstacked leaves from {source.location}")
-    reader = _Reader(source, [layout for layout, _ in wanted])
-    values: list[Any] = [None] * len(wanted)
-    rows: dict[str, list[tuple[int, Row, Any]]] = {}
-    streams: list[Iterator[Task]] = []
-    for i, layout, target in whole:
-        if isinstance(layout, Stacked):
-            streams.append(_stacked_tasks(reader, layout, target, lambda value, i=i: values.__setitem__(i, value)))
-    for i, (layout, target) in enumerate(wanted):
-        if isinstance(layout, Row):
-            rows.setdefault(layout.stacked.path, []).append((i, layout, target))
-    for of_one_leaf in rows.values():
-        streams.append(_row_tasks(reader, of_one_leaf, values))
-    run_windowed(itertools.chain.from_iterable(streams), read_window(nbytes))
-    for i, (layout, target) in enumerate(wanted):  # sharded: a leaf at a time, blocks staged within the budget
-        if isinstance(layout, Stacked) and values[i] is None:
-            values[i] = _read_sharded_stack(reader, layout, target)
-            advance(layout.leaf.nbytes)
-    return values
-
-
-def _stacked_tasks(reader: _Reader, stacked: Stacked, target: Any, done: Callable[[Any], None]) -> Iterator[Task]:
-    """The tasks that read a `Stack`'s layers straight into its result (made when the
-    stream reaches them); the last one finishes it into ``target`` and hands it to ``done``."""
-    leaf = stacked.leaf
-    out = aligned_empty(leaf.shape, np.dtype(leaf.dtype))  # aligned: the jax array adopts it
-    tasks = list(_layer_tasks(reader, stacked, {tuple((0, n) for n in leaf.shape): out}))
-
-    def finished(_: Any) -> None:
-        with reading(leaf):
-            done(leaf.finish(out, target))
-        advance(leaf.nbytes)
-
-    *first, (nbytes, work, _) = tasks
-    yield from first
-    yield nbytes, work, finished
-
-
-def _read_sharded_stack(reader: _Reader, stacked: Stacked, target: Any) -> Any:
-    """A `Stack` into a sharded target: each layer read once (only this process's slices of
-    it) into its blocks, which are put on their devices a group at a time."""
-    leaf = stacked.leaf
-    blocks = _blocks(target, leaf.shape)
-    assert blocks is not None
-    dtype = np.dtype(target.dtype)
-    arrays = {}
-    for group in _staged(blocks, dtype.itemsize):  # blocks staged for other devices: within the budget
-        shapes = {key: tuple(b - a for a, b in key) for key in group}
-        check_allocation(
-            sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize, f"Restoring {leaf.path!r}"
-        )
-        data = {key: aligned_empty(shape, dtype) for key, shape in shapes.items()}
-        run_windowed(_layer_tasks(reader, stacked, data), read_window(leaf.nbytes))
-        arrays.update(_placed(blocks, data))
-    return _assembled(leaf.shape, target, arrays)
-
-
-def _layer_tasks(reader: _Reader, stacked: Stacked, data: dict[Key, np.ndarray]) -> Iterator[Task]:
-    """Tasks that read, of each layer, the part that the blocks ``data`` (of the stacked
-    shape) hold, once, into each of them (cast to their dtype): straight into a block that
-    is the only one holding it, in the layer's stored dtype."""
-    for i, layer in enumerate(stacked.layers):
-        holding = [key for key in data if key[0][0] <= i < key[0][1]]
-        if not holding:
-            continue
-        bounds = _bounds([key[1:] for key in holding])
-        stored_dtype = np.dtype(layer.dtype)
-        nbytes = math.prod(b - a for a, b in bounds) * stored_dtype.itemsize
-
-        def work(i: int = i, layer: ArrayLeaf = layer, holding: list[Key] = holding, bounds: Key = bounds) -> None:
-            region = _region(bounds)
-            only, stored_dtype = data[holding[0]], np.dtype(layer.dtype)
-            if len(holding) == 1 and only.dtype == stored_dtype and holding[0][1:] == bounds:
-                # Its slab of the block: C-contiguous (a view, even 0-d).
-                reader.into(layer, region, only[i - holding[0][0][0], ...])
-                return
-            part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
-            reader.into(layer, region, part)
-            for key in holding:
-                block = data[key]
-                block[i - key[0][0]] = checked_astype(part[_region(key[1:], bounds)], block.dtype, stacked.leaf.path)
-
-        yield nbytes, work, None
-
-
-def _row_tasks(reader: _Reader, wanted: list[tuple[int, Row, Any]], values: list[Any]) -> Iterator[Task]:
-    """The tasks that read `Unstack`'s results from one stacked leaf: its rows a window at a
-    time (of each row only the part this process's blocks need), every row once, each window
-    in pieces read in parallel. Where a window's rows are each restored whole once, they
-    keep its buffer (no copy); otherwise each is copied out, so no result shares memory
-    with another or holds rows it lacks."""
-    stacked = wanted[0][1].stacked
-    row_shape = stacked.shape[1:]
-    dtype = np.dtype(stacked.dtype)
-    row_bytes = math.prod(row_shape) * dtype.itemsize
-    plans = []
-    for i, row, target in sorted(wanted, key=lambda item: item[1].index):
-        blocks = _blocks(target, row_shape)
-        bounds = _bounds(list(blocks)) if blocks else tuple((0, n) for n in row_shape)
-        plans.append((i, row, target, blocks, bounds))
-    step = reader.source.rows_per_read(stacked)
-    window_rows = max(step, host_memory_budget() // max(1, row_bytes) // step * step)
-    piece_rows = max(step, -(-PIECE_BYTES // max(1, row_bytes)) // step * step)
-    start = 0
-    while start < len(plans):
-        # Rows that share their part of a row, within one window of rows aligned to what a read costs.
-        first = plans[start][1].index
-        end = start + 1
-        while (
-            end < len(plans)
-            and plans[end][4] == plans[start][4]
-            and plans[end][1].index < first - first % step + window_rows
-            and plans[end][1].index // step <= plans[end - 1][1].index // step + 1  # no unread gap
-        ):
-            end += 1
-        group, start = plans[start:end], end
-        bounds = group[0][4]
-        low, high = group[0][1].index, group[-1][1].index + 1
-        window = aligned_empty((high - low, *(b - a for a, b in bounds)), dtype)
-        cuts = [low, *range(low - low % piece_rows + piece_rows, high, piece_rows), high]
-        for a, b in zip(cuts, cuts[1:]):
-
-            def work(a: int = a, b: int = b, window: np.ndarray = window, bounds: Key = bounds, low: int = low) -> None:
-                reader.into(stacked, (slice(a, b), *_region(bounds)), window[a - low : b - low])
-
-            then = (lambda _, group=group, window=window: _settle(group, window, values)) if b == high else None
-            yield (b - a) * row_bytes, work, then
-
-
-def _settle(group: list, window: np.ndarray, values: list[Any]) -> None:
-    """Each row of ``group`` from the ``window`` read for it, into its target."""
-    low = group[0][1].index
-    kept = [row.index for _, row, *_ in group] == list(range(low, low + len(window)))
-    for i, row, target, blocks, bounds in group:
-        part = window[row.index - low, ...]  # a view, even of a 0-d row
-        if blocks is None:
-            if not kept:
-                part = _copied(part)
-            with reading(row.leaf):
-                values[i] = row.leaf.finish(part, target)
-        else:
-            data = {key: checked_astype(part[_region(key, bounds)], target.dtype, row.leaf.path) for key in blocks}
-            values[i] = _assembled(row.leaf.shape, target, _placed(blocks, data))
-        advance(row.leaf.nbytes)
-
-
-def _copied(data: np.ndarray) -> np.ndarray:
-    """A copy of ``data`` in a buffer of its own (aligned: a jax array adopts it)."""
-    out = aligned_empty(data.shape, data.dtype)
-    out[...] = data
-    return out

@@ -1,19 +1,21 @@
 """`Source`, the read-only interface every readable checkpoint implements (`LazyArray`,
-one stored array of any source, is in `_lazy`).
+one stored array of any source, is in `_lazy`; the restore engine that reads a source's
+leaves into their targets, in `_restore`).
 
 A source is a set of named leaves (`Leaf`: path, key records, shape and dtype
-for arrays) with metadata, and a way to read the stored ones. eqxckpt
-checkpoints (`Checkpoint`), TensorFlow checkpoints (`eqxckpt.t5`) and
-translated views of either (`CheckpointTranslator.apply`) are sources, so
+for arrays) with metadata, and a small I/O core that reads the stored ones: a
+format implements `_fetch` (leaves whole) and, to read less than a whole leaf,
+`chunk_shapes` and `_read_boxes`. Everything else (restores, lazy selections,
+regions, parts for a save, reads across processes) is built on those, once.
+eqxckpt checkpoints (`Checkpoint`), safetensors, Orbax and TensorFlow checkpoints
+and translated views of any of them (`CheckpointTranslator.apply`) are sources, so
 `load`, `Transform` and `CheckpointTranslator` work on all of them alike.
 """
 
 import abc
 import contextlib
-import functools
 import math
 import operator
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -21,15 +23,19 @@ import numpy as np
 
 from .._chunks import Region
 from .._errors import ArgumentError
-from .._formats._convert import Adoption, Adoptions
+from .._formats._convert import aligned_empty
 from .._leaf import Leaf, StoredLeaf, check_bool_bytes, refuse_narrowing
 from .._paths import depth, did_you_mean, normalize_at, relative_to
-from .._progress import advance
 from .._storage import UNPINNED, Pin, reading
 from .._tree import build_plain_tree
-from .._window import check_allocation, host_memory_budget, read_window, start_jax
-from ._place import PlacedDigest, Placement, Reader, on_host
+from .._window import check_allocation, read_window
+from ._place import inside
 from ._select import Selection
+
+# Boxes of one leaf to fill: each a range of indices per dimension (ascending, step 1 in
+# a restore's and a region's, any positive step in a lazy selection's) and a C-contiguous
+# buffer shaped like it, in the leaf's stored dtype.
+Boxes = Sequence[tuple[Sequence[range], np.ndarray]]
 
 
 class Source(abc.ABC):
@@ -44,14 +50,50 @@ class Source(abc.ABC):
     **Attributes:** `location`, where it was opened (the path or URL, as a user writes
     it: ``gs://bucket/run/step_100/``); `metadata`, its metadata.
 
-    A format is a subclass that lists its leaves and reads their stored arrays: it
-    implements `read` (or the ``_fetch`` that `read` calls), and may override
-    `read_selection` and `part_reader` to read less than a whole leaf.
-
     ```python
     source = eqxckpt.open("model.safetensors")
     assert isinstance(source, eqxckpt.Source)
     print(source.paths[:3], source.metadata)
+    ```
+
+    **A new format** is one subclass, and this is its whole contract:
+
+    - ``__init__`` sets `location`, `metadata` and ``_leaves`` (``{path: Leaf}``, an
+      `ArrayLeaf` per stored array, in the order to list them);
+    - ``_fetch(leaves, done, reserve)`` reads leaves whole (required);
+    - to read less than a whole leaf (lazy slices, sharded restores, `Stack` and
+      `Unstack` windows): `chunk_shapes`, the smallest box each leaf is read in, and
+      ``_read_boxes(leaf, boxes, window)``, which fills buffers with boxes of a leaf;
+    - optionally: `identity` (what tells this checkpoint from any other: restores
+      across processes then read shared data once in all), `origin` (a leaf's name in
+      the format), ``arrays_only`` and, to guard against a checkpoint replaced while it
+      is read, ``_pin``.
+
+    Restores, casts, checks, digests, placement onto devices, progress, memory limits,
+    lazy selections, regions and parts for a save are the engine's, the same for every
+    format. A toy format that holds numpy arrays in memory and reads them by rows:
+
+    ```python
+    class Rows(eqxckpt.Source):
+        def __init__(self, arrays):
+            self.location, self.metadata, self.arrays = "memory", {}, arrays
+            self._leaves = {p: eqxckpt.ArrayLeaf(p, (("dict", p),), a.shape, a.dtype.name) for p, a in arrays.items()}
+
+        def _fetch(self, leaves, done, reserve):
+            reserve(sum(leaf.nbytes for leaf in leaves))
+            for i, leaf in enumerate(leaves):
+                done(i, self.arrays[leaf.path].copy())
+
+        def chunk_shapes(self, leaves):
+            return [(1, *leaf.shape[1:]) if leaf.shape else None for leaf in leaves]
+
+        def _read_boxes(self, leaf, boxes, window):
+            for box, out in boxes:
+                out[...] = self.arrays[leaf.path][tuple(slice(r.start, r.stop, r.step) for r in box)]
+
+    rows = Rows({"w": np.arange(6, dtype=np.float32).reshape(3, 2)})
+    rows["w"][1:, 0].get()  # np.array([2.0, 4.0])
+    eqxckpt.load(rows, {"w": jnp.zeros((3, 2))})["w"].sum()  # 15.0
     ```
     """
 
@@ -67,14 +109,69 @@ class Source(abc.ABC):
 
     _pin: Pin = UNPINNED  # what proves the source read is the one opened
 
+    # -- what a format implements ---------------------------------------------------
+
+    def _fetch(
+        self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
+    ) -> None:
+        """Read each of ``leaves`` whole, as stored (its dtype, its ``data_shape``), and call
+        ``done(i, data)`` for each, in any order; call ``reserve(nbytes)`` with the bytes it
+        will hold before it allocates them (once the files were checked to hold them).
+        Failures may be raised as they are: the engine names the leaf."""
+        raise NotImplementedError(f"{type(self).__name__} reads no stored arrays.")
+
+    def chunk_shapes(self, leaves: Sequence[StoredLeaf]) -> list[tuple[int, ...] | None]:
+        """The smallest box a read of each leaf takes, however little of it is wanted: a
+        chunk's shape (eqxckpt's arrays), a row's (safetensors); None where the format
+        reads a leaf only whole (`_fetch`). What the engine plans reads of parts with:
+        windows of rows, bands of a sharded restore, which process reads what.
+
+        This format reads every leaf whole.
+
+        **Arguments:**
+
+        - `leaves`: `StoredLeaf`s of this source.
+
+        **Returns:** one shape (as many dimensions as the leaf's stored ones) or None per leaf.
+
+        ```python
+        ckpt.chunk_shapes([ckpt.leaf("model/w")])  # [(4, 3)]: its one chunk
+        ```
+        """
+        return [None for _ in leaves]
+
+    def _read_boxes(self, leaf: StoredLeaf, boxes: Boxes, window: int) -> None:
+        """Fill each buffer of ``boxes`` with its box of ``leaf``'s stored values (checked as
+        a whole read checks them), within ``window`` bytes of reads in flight, from any
+        thread. Called only for leaves with a `chunk_shapes` entry, and for `read_into`;
+        this reads the leaf whole (`_fetch`) and copies each box out."""
+        data = self._whole(leaf)
+        for box, out in boxes:
+            out[...] = data[tuple(slice(r.start, r.stop, r.step) for r in box)]
+
+    def identity(self) -> str | None:
+        """What tells this very checkpoint from any other, even one written later at the
+        same place: several processes restoring together check that they opened the same
+        one before any of them moves data to another. None where the format records none
+        (a safetensors file, say: such sources never read apart, see `reads_apart`).
+
+        **Returns:** a string, or None.
+
+        ```python
+        len(ckpt.identity())  # 32: an eqxckpt checkpoint's save, a hex UUID
+        ```
+        """
+        return None
+
+    # -- reads, the same for every format -------------------------------------------
+
     def read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
         """Read stored leaves whole, each into what its target asks for (None: as saved).
 
         The one read contract of a restore: this checks the memory it needs before it is
         allocated, names the leaf in any failure, finishes each array into its target
-        (checked casts included) and reports progress. A format's source only fetches
-        stored arrays (``_fetch``), or overrides ``_read`` to make some values otherwise;
-        the checks below hold for every source.
+        (checked casts included) and reports progress (the engine, `_restore`, over the
+        format's `_fetch` and `_read_boxes`).
 
         **Arguments:**
 
@@ -92,201 +189,21 @@ class Source(abc.ABC):
             w, b = ckpt.read([(ckpt.leaf("model/w"), None), (ckpt.leaf("model/b"), jnp.zeros(3))])
         ```
         """
+        from ._restore import read_stored
+
         if unstored := [leaf.path for leaf, _ in wanted if not isinstance(leaf, StoredLeaf)]:
             raise ArgumentError(
                 f"Source.read reads stored arrays; {unstored[:5]} of {self.location} hold none (scalars, None, "
                 "code): take their values from `load` or from `leaf(path).value()`."
             )
         refuse_narrowing(wanted, f"Cannot read from {self.location} without changing values")
-        return self._read(wanted)
-
-    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        """`read` of checked pairs: this reads every format's stored arrays (through
-        `_fetch`); a source whose leaves are made otherwise (`TranslatedSource`) overrides it."""
-        start_jax()
-        values: list[Any] = [None] * len(wanted)
-        placements = {i: self._placement(leaf, target) for i, (leaf, target) in enumerate(wanted)}
-        whole = [i for i, placement in placements.items() if placement is None]
-
-        adoptions = Adoptions()  # jax arrays of leaves read whole, made together at the end
-
-        # A leaf wanted twice may be fetched once: each value but the first gets a copy, as
-        # a jax array adopts its buffer and a numpy value of the same buffer could change it.
-        handed: set[tuple[int, int]] = set()
-        lock = threading.Lock()
-
-        def done(j: int, data: np.ndarray) -> None:
-            leaf, target = wanted[whole[j]]
-            with lock:
-                again = (data.ctypes.data, data.nbytes) in handed
-                handed.add((data.ctypes.data, data.nbytes))
-            if again and data.nbytes:
-                data = data.copy()
-            with reading(leaf):
-                if (digesting := leaf.digesting()) is not None:
-                    leaf.check_known()  # what it is (a PRNG implementation) before what it holds
-                    digesting.update(data)
-                    leaf.check_digest(digesting.value)
-                values[whole[j]] = leaf.finish(data, target, adoptions)
-            advance(leaf.nbytes)
-
-        def reserve(nbytes: int) -> None:
-            check_allocation(nbytes, f"Restoring {len(wanted)} leaves from {self.location}")
-
-        if whole or not wanted:
-            self._fetch([wanted[i][0] for i in whole], done, reserve)
-            adoptions.place()
-            for i in whole:
-                if isinstance(values[i], Adoption):
-                    values[i] = values[i].value
-        # Then the leaves placed a band at a time, each on its devices before the next is read.
-        window = read_window(sum(leaf.nbytes for leaf, _ in wanted))
-        for i, placement in placements.items():
-            if placement is None:
-                continue
-            leaf, target = wanted[i]
-            with reading(leaf):
-                read, rows = self._box_reader(leaf)
-                digest = PlacedDigest.of(leaf, placement)
-                run = functools.partial(placement.run, read=read, window=window, rows=rows, seen=digest)
-                values[i] = leaf.assemble(target, run)
-                if digest is not None:
-                    digest.check()
-            advance(leaf.nbytes)
-        return values
-
-    def identity(self) -> str | None:
-        """What tells this very checkpoint from any other, even one written later at the
-        same place: several processes restoring together check that they opened the same
-        one before any of them moves data to another. None where the format records none
-        (a safetensors file, say: such sources never read apart, see `reads_apart`).
-
-        **Returns:** a string, or None.
-
-        ```python
-        len(ckpt.identity())  # 32: an eqxckpt checkpoint's save, a hex UUID
-        ```
-        """
-        return None
-
-    def reads_apart(self, leaf: StoredLeaf, sharding: Any) -> bool:
-        """Whether `read` of ``leaf`` into a target laid out by ``sharding`` reads, in each
-        process, only what that process's devices hold, and no stored piece (chunk) in two
-        processes that hold different parts. Where it does, a restore across several
-        processes reads a target replicated over processes once in all (see the scale
-        guide). This format reads every leaf whole in every process.
-
-        **Arguments:**
-
-        - `leaf`: a `StoredLeaf` of this source.
-        - `sharding`: a `jax.sharding.Sharding` over several devices.
-
-        **Returns:** a bool.
-
-        ```python
-        mesh = jax.sharding.Mesh(jax.devices(), ("x",))
-        ckpt.reads_apart(ckpt.leaf("model/w"), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        ```
-        """
-        return False
-
-    def _placement(self, leaf: StoredLeaf, target: Any) -> Placement | None:
-        """How ``leaf`` goes onto ``target``'s devices a band at a time, or None where it is read
-        whole: a target sharded over several devices, or on one device a leaf larger than the
-        host memory budget that would otherwise be held whole on the host (a device other than
-        a CPU, or a cast). Planned before anything is read: a sharding that does not fit the
-        shape is the caller's mistake (JAX's own error), not a damaged checkpoint."""
-        placed = leaf.placement(target)
-        if placed is None or not self._reads_boxes(leaf):
-            return None
-        sharding, dtype = placed
-        budget = host_memory_budget()
-        if len(sharding.device_set) == 1 and sharding.is_fully_addressable:
-            if leaf.nbytes <= budget or (on_host(sharding.device_set) and dtype == np.dtype(leaf.dtype)):
-                return None
-        elif not leaf.can_shard(sharding):
-            return None
-        return Placement(leaf.data_shape, sharding, np.dtype(leaf.dtype), dtype, budget)
-
-    def _reads_boxes(self, leaf: StoredLeaf) -> bool:
-        """Whether this format reads a box of ``leaf`` without reading all of it (`_box_reader`)."""
-        return leaf.sliceable and bool(leaf.shape) and self.rows_per_read(leaf) < leaf.shape[0]
-
-    def _box_reader(self, leaf: StoredLeaf) -> tuple[Reader, int]:
-        """What fills host buffers with boxes of ``leaf`` (`Reader`), and the rows a band of
-        it should be a multiple of. This reads runs of whole rows with `_read_into`: straight
-        into buffers of whole rows, else a window of rows at a time, copied out."""
-        shape, dtype = leaf.data_shape, np.dtype(leaf.dtype)
-        rest = tuple(slice(0, n) for n in shape[1:])
-        row_bytes = math.prod(shape[1:]) * dtype.itemsize
-
-        def read(pairs: Sequence[tuple[tuple[range, ...], np.ndarray]], window: int) -> None:
-            pairs = [(box, out) for box, out in pairs if out.size]
-            if all(all(len(r) == n for r, n in zip(box[1:], shape[1:])) for box, _ in pairs):
-                for box, out in pairs:
-                    self._read_into(leaf, (slice(box[0].start, box[0].stop), *rest), out)
-                return
-            start, stop = min(box[0].start for box, _ in pairs), max(box[0].stop for box, _ in pairs)
-            step = max(1, window // max(1, row_bytes))
-            for a in range(start, stop, step):
-                b = min(stop, a + step)
-                rows = np.empty((b - a, *shape[1:]), dtype)
-                self._read_into(leaf, (slice(a, b), *rest), rows)
-                for box, out in pairs:
-                    lo, hi = max(a, box[0].start), min(b, box[0].stop)
-                    if lo < hi:
-                        take = (slice(lo - a, hi - a), *(slice(r.start, r.stop) for r in box[1:]))
-                        out[lo - box[0].start : hi - box[0].start] = rows[take]
-
-        return read, 1
-
-    def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
-        """The stored values that ``selection`` takes of one leaf, as stored (its dtype; for
-        PRNG keys, key data), checked as a restore checks them. What `LazyArray.get` reads.
-
-        This reads the leaf whole and selects from it; a format that can read less
-        (eqxckpt's chunks, safetensors' byte ranges) overrides it.
-
-        **Arguments:**
-
-        - `leaf`: a `StoredLeaf` of this source.
-        - `selection`: a basic index of its stored shape, normalised (what indexing a
-          `LazyArray` makes).
-
-        **Returns:** a numpy array of the selection's shape.
-
-        ```python
-        ckpt["model/w"][1:3, 0].get()  # np.array([3.0, 6.0])
-        ```
-        """
-        found: list[np.ndarray] = []
-        reserve = lambda nbytes: check_allocation(nbytes, f"Reading leaf {leaf.path!r} of {self.location}")  # noqa: E731
-        with reading(leaf):
-            self._fetch([leaf], lambda _, data: found.append(data), reserve)
-        check_bool_bytes(found[0], leaf.path)
-        return selection.take(found[0])
-
-    def prepare_reads(self, leaves: Sequence[StoredLeaf]) -> None:  # noqa: B027 - most formats need nothing
-        """Get ready to read parts of ``leaves`` (`read_into`, `read_selection`) many times, as
-        a `Stack` or `Unstack` restore does: an eqxckpt checkpoint reads and checks their chunk
-        layouts at once, concurrently; other formats need nothing.
-
-        **Arguments:**
-
-        - `leaves`: `StoredLeaf`s of this source.
-
-        **Returns:** nothing.
-
-        ```python
-        ckpt.prepare_reads([ckpt.leaf("model/w"), ckpt.leaf("model/b")])
-        ```
-        """
+        return read_stored(self, wanted)
 
     def read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
         """Fill ``out`` with the stored values of a box of one leaf, checked as a restore
         checks them: what a `Stack` or `Unstack` restore reads each layer, or window of
-        rows, with. A format that can, reads straight into ``out`` (eqxckpt's chunks,
-        safetensors' rows); this reads the selection (`read_selection`) and copies it.
+        rows, with. A format that reads parts (`chunk_shapes`) reads only what the box
+        needs, straight into ``out``.
 
         **Arguments:**
 
@@ -303,19 +220,50 @@ class Source(abc.ABC):
         out[:, 0]  # np.array([3.0, 6.0])
         ```
         """
-        self._read_into(leaf, checked_region(leaf, region, out), out)
+        box = tuple(range(s.start, s.stop) for s in checked_region(leaf, region, out))
+        refuse_unheld(leaf, box)
+        if out.size:
+            with reading(leaf):
+                self._read_boxes(leaf, [(box, out)], read_window(out.nbytes))
+            check_bool_bytes(out, leaf.path)
 
-    def _read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
-        """`read_into` of a region checked to lie within the leaf (slices of ints, step 1) and an
-        ``out`` checked to fit it. A format that can read straight into ``out`` overrides this."""
-        out[...] = self.read_selection(leaf, Selection.of(region, leaf.data_shape))
+    def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
+        """The stored values that ``selection`` takes of one leaf, as stored (its dtype; for
+        PRNG keys, key data), checked as a restore checks them. What `LazyArray.get` reads:
+        only the chunks (or rows) holding the selection, where the format reads parts.
+
+        **Arguments:**
+
+        - `leaf`: a `StoredLeaf` of this source.
+        - `selection`: a basic index of its stored shape, normalised (what indexing a
+          `LazyArray` makes).
+
+        **Returns:** a numpy array of the selection's shape.
+
+        ```python
+        ckpt["model/w"][1:3, 0].get()  # np.array([3.0, 6.0])
+        ```
+        """
+        box = selection.box()
+        refuse_unheld(leaf, box)
+        if self.chunk_shapes([leaf])[0] is None or selection.covers(leaf.data_shape):
+            data = self._whole(leaf)
+            check_bool_bytes(data, leaf.path)  # all of it: a selection could skip a damaged byte
+            return selection.take(data)
+        shape, dtype = tuple(len(r) for r in box), np.dtype(leaf.dtype)
+        check_allocation(math.prod(shape) * dtype.itemsize, f"Reading leaf {leaf.path!r} of {self.location}")
+        out = aligned_empty(shape, dtype)
+        if out.size:
+            with reading(leaf):
+                self._read_boxes(leaf, [(box, out)], read_window(out.nbytes))
+            check_bool_bytes(out, leaf.path)
+        return selection.finish(out)
 
     def part_reader(self, leaf: StoredLeaf, selection: Selection) -> Callable[[Region], np.ndarray]:
         """What a save copies a selection of one leaf from, a part at a time: a function of
-        a part of the selection (a tuple of slices from 0) giving its stored values.
-
-        This reads the selection once (`read_selection`) and hands out parts of it; an
-        eqxckpt checkpoint reads only the chunks each part needs.
+        a part of the selection (a tuple of slices from 0) giving its stored values. Where
+        the format reads parts, each part reads only what it needs; else the selection is
+        read once and handed out in parts.
 
         **Arguments:**
 
@@ -327,20 +275,21 @@ class Source(abc.ABC):
         ckpt["model/w"].part_reader()((slice(0, 1), slice(0, 3)))  # np.array([[0.0, 1.0, 2.0]])
         ```
         """
-        data = self.read_selection(leaf, selection)
-        return lambda part: data[part]
+        if self.chunk_shapes([leaf])[0] is None:
+            data = self.read_selection(leaf, selection)
+            return lambda part: data[part]
+        refuse_unheld(leaf, selection.box())
+        return lambda part: self.read_selection(leaf, selection.sub(part))
 
     def rows_per_read(self, leaf: StoredLeaf) -> int:
-        """How many leading rows of ``leaf`` a `read_selection` reads at the least, however
-        few it selects (a selection starting at a multiple of it). An `Unstack` restore
-        reads a stacked leaf's rows in windows of multiples of it, so each row is read once.
-
-        This format reads a leaf whole whatever is selected: all its rows. eqxckpt
-        checkpoints read a chunk's rows, safetensors files one row.
+        """How many leading rows of ``leaf`` a read takes at the least, however few are
+        wanted (its `chunk_shapes` entry's first dimension; all its rows where it is read
+        only whole). An `Unstack` restore reads a stacked leaf's rows in windows of
+        multiples of it, so each row is read once.
 
         **Arguments:**
 
-        - `leaf`: a `StoredLeaf` of this source with at least one dimension.
+        - `leaf`: a `StoredLeaf` of this source.
 
         **Returns:** a positive int.
 
@@ -348,16 +297,46 @@ class Source(abc.ABC):
         ckpt.rows_per_read(ckpt.leaf("model/w"))  # 4: its chunk holds every row
         ```
         """
-        return max(1, leaf.shape[0]) if leaf.shape else 1
+        unit = self.chunk_shapes([leaf])[0]
+        if unit is None:
+            return max(1, leaf.data_shape[0]) if leaf.data_shape else 1
+        return max(1, unit[0]) if unit else 1
 
-    def _fetch(
-        self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
-    ) -> None:
-        """Read each of ``leaves`` whole, as stored (its dtype, its ``data_shape``), and call
-        ``done(i, data)`` for each, in any order; call ``reserve(nbytes)`` with the bytes it
-        will hold before it allocates them (once the files were checked to hold them).
-        Failures may be raised as they are: `read` names the leaf."""
-        raise NotImplementedError(f"{type(self).__name__} reads through another source.")
+    def reads_apart(self, leaf: StoredLeaf, sharding: Any) -> bool:
+        """Whether a restore of ``leaf`` into a target laid out by ``sharding`` reads, in
+        each process, only what that process's devices hold, and no stored piece (chunk)
+        in two processes that hold different parts: where it does, a restore across several
+        processes reads a target replicated over processes once in all (see the scale
+        guide). Only a format with an `identity` does (the processes must agree on what
+        they read), for a leaf it reads in parts.
+
+        **Arguments:**
+
+        - `leaf`: a `StoredLeaf` of this source.
+        - `sharding`: a `jax.sharding.Sharding` over several devices.
+
+        **Returns:** a bool.
+
+        ```python
+        mesh = jax.sharding.Mesh(jax.devices(), ("x",))
+        ckpt.reads_apart(ckpt.leaf("model/w"), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        ```
+        """
+        from ._read_once import readers_apart
+
+        if self.identity() is None or len(sharding.device_set) == 1 or not leaf.can_shard(sharding):
+            return False
+        with reading(leaf):
+            unit = self.chunk_shapes([leaf])[0]
+        return unit is not None and readers_apart(unit, sharding, leaf.data_shape)
+
+    def _whole(self, leaf: StoredLeaf) -> np.ndarray:
+        """One leaf's stored array, read whole (`_fetch`)."""
+        found: list[np.ndarray] = []
+        reserve = lambda nbytes: check_allocation(nbytes, f"Reading leaf {leaf.path!r} of {self.location}")  # noqa: E731
+        with reading(leaf):
+            self._fetch([leaf], lambda _, data: found.append(data), reserve)
+        return found[0]
 
     def consistent(self) -> contextlib.AbstractContextManager[None]:
         """Reads inside come from this checkpoint alone, or raise `CheckpointChangedError`.
@@ -546,6 +525,42 @@ class Source(abc.ABC):
         from ._lazy import LazyArray  # which reads through this interface
 
         return LazyArray(self, leaf) if isinstance(leaf, StoredLeaf) else leaf.value()
+
+
+def refuse_unheld(leaf: StoredLeaf, box: Sequence[range]) -> None:
+    """Raise `ArgumentError` if ``box`` of a part's leaf is not within one block the part
+    holds (where the part has no chunks: never read as zeros or as a crafted file's)."""
+    if leaf.blocks is not None:
+        extent = tuple((r.start, r.stop) if len(r) else (0, 0) for r in box)
+        if not any(inside(extent, block) for block in leaf.blocks):
+            raise ArgumentError(f"Leaf {leaf.path!r}: {leaf.unheld(None)}; select within one of those blocks.")
+
+
+def read_by_rows(
+    leaf: StoredLeaf, boxes: Boxes, window: int, read_rows: Callable[[int, int, np.ndarray], None]
+) -> None:
+    """`Source._read_boxes` for a format that reads runs of whole rows (``read_rows(start,
+    stop, out)``): a box of whole rows straight into its buffer; the others a window of
+    rows at a time, copied out, so each row is read once."""
+    shape, dtype = leaf.data_shape, np.dtype(leaf.dtype)
+    boxes = [(box, out) for box, out in boxes if out.size]
+    whole = lambda box: box[0].step == 1 and all(r == range(n) for r, n in zip(box[1:], shape[1:]))  # noqa: E731
+    if all(whole(box) for box, _ in boxes):
+        for box, out in boxes:
+            read_rows(box[0].start, box[0].stop, out)
+        return
+    start, stop = min(box[0][0] for box, _ in boxes), max(box[0][-1] + 1 for box, _ in boxes)
+    step = max(1, window // max(1, math.prod(shape[1:]) * dtype.itemsize))
+    for a in range(start, stop, step):
+        b = min(stop, a + step)
+        rows = aligned_empty((b - a, *shape[1:]), dtype)
+        read_rows(a, b, rows)
+        for box, out in boxes:
+            wanted = np.asarray(box[0])
+            here = (wanted >= a) & (wanted < b)
+            if here.any():
+                rest = tuple(slice(r.start, r.stop, r.step) for r in box[1:])
+                out[here] = rows[(wanted[here] - a, *rest)]
 
 
 def checked_region(leaf: StoredLeaf, region: Any, out: Any) -> Region:

@@ -7,14 +7,12 @@ from typing import Any, overload
 
 import numpy as np
 
-from .._chunks import Region
 from .._classify import leaf_of
 from .._errors import TransformError
 from .._leaf import ArrayLeaf, StoredLeaf
 from .._paths import check_one_tree
 from ._lazy import LazyArray
-from ._select import Selection
-from ._source import Source
+from ._source import Boxes, Source
 
 RuleFn = Callable[..., tuple[str | None, Any]]
 
@@ -176,49 +174,33 @@ class TranslatedSource(Source):
     def consistent(self) -> Any:
         return self.original.consistent()
 
-    def _read(self, wanted: Sequence[tuple[StoredLeaf, Any]]) -> list[Any]:
-        values: list[Any] = [None] * len(wanted)
-        passed = [
-            (i, self._origin[leaf.path], target) for i, (leaf, target) in enumerate(wanted) if leaf.path in self._origin
-        ]
-        # A transposed leaf is read as stored (into numpy: never narrowed by JAX on the way),
-        # then turned and finished into its target here.
-        turned = {i for i, _, _ in passed if wanted[i][0].path in self._transposed}
-        stored = [(origin, origin.host_target() if i in turned else target) for i, origin, target in passed]
-        for (i, _, target), value in zip(passed, self.original.read(stored)):
-            if i in turned:
-                value = wanted[i][0].finish(np.ascontiguousarray(np.asarray(value).T), target)
-            values[i] = value
-        for i, (leaf, target) in enumerate(wanted):
+    def _fetch(
+        self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
+    ) -> None:
+        """A leaf passed on as its original source fetches it (as stored, then turned where
+        a rule transposed it); one a rule computed, from memory."""
+        passed = [(i, self._origin[leaf.path]) for i, leaf in enumerate(leaves) if leaf.path in self._origin]
+
+        def fetched(j: int, data: np.ndarray) -> None:
+            i = passed[j][0]
+            done(i, np.ascontiguousarray(data.T) if leaves[i].path in self._transposed else data)
+
+        if passed:
+            self.original._fetch([origin for _, origin in passed], fetched, reserve)
+        for i, leaf in enumerate(leaves):
             if leaf.path not in self._origin:
-                values[i] = leaf.finish(np.array(self._computed[leaf.path]), target)
-        return values
+                done(i, np.array(self._computed[leaf.path]))
 
-    def prepare_reads(self, leaves: Sequence[StoredLeaf]) -> None:
-        """As the original source prepares the leaves they were passed on from."""
-        self.original.prepare_reads([self._origin[leaf.path] for leaf in leaves if leaf.path in self._origin])
-
-    def rows_per_read(self, leaf: StoredLeaf) -> int:
+    def chunk_shapes(self, leaves: Sequence[StoredLeaf]) -> list[tuple[int, ...] | None]:
         """As the original reads a leaf passed on unchanged; a transposed or computed one is read whole."""
-        origin = self._origin.get(leaf.path)
-        if origin is not None and leaf.path not in self._transposed:
-            return self.original.rows_per_read(origin)
-        return super().rows_per_read(leaf)
+        unchanged = [leaf for leaf in leaves if leaf.path in self._origin and leaf.path not in self._transposed]
+        found = self.original.chunk_shapes([self._origin[leaf.path] for leaf in unchanged]) if unchanged else []
+        units = dict(zip((leaf.path for leaf in unchanged), found))
+        return [units.get(leaf.path) for leaf in leaves]
 
-    def _read_into(self, leaf: StoredLeaf, region: Region, out: np.ndarray) -> None:
-        """A leaf passed on unchanged, as its original source reads it into ``out``."""
+    def _read_boxes(self, leaf: StoredLeaf, boxes: Boxes, window: int) -> None:
+        """A leaf passed on unchanged, as its original source reads it."""
         origin = self._origin.get(leaf.path)
         if origin is not None and leaf.path not in self._transposed:
-            return self.original.read_into(origin, region, out)
-        super()._read_into(leaf, region, out)
-
-    def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
-        """A leaf passed on unchanged, as its original source reads it (only what the
-        selection needs, where the format allows); a transposed or computed one whole."""
-        origin = self._origin.get(leaf.path)
-        if origin is not None and leaf.path not in self._transposed:
-            return self.original.read_selection(origin, selection)
-        if origin is not None:
-            whole = self.original.read_selection(origin, Selection.of((), origin.data_shape))
-            return selection.take(np.ascontiguousarray(whole.T))
-        return selection.take(np.asarray(self._computed[leaf.path]))
+            return self.original._read_boxes(origin, boxes, window)
+        super()._read_boxes(leaf, boxes, window)
