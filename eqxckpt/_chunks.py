@@ -241,6 +241,23 @@ class ChunkLayout:
             return [tuple(slice(0, n) for n in self.shape)]
         return [tuple(slice(a, b) for a, b in block) for block in self.held]
 
+    def slabs(self) -> list[tuple[int, Region]]:
+        """The array's rows of chunks, in order, each with its block (0 but in a part, whose
+        held blocks come one after another): each holds a run of its block's C-order bytes.
+
+        ```python
+        ChunkLayout((4, 3), (2, 3), np.dtype("float32")).slabs()[1]  # (0, (slice(2, 4), slice(0, 3)))
+        ```
+        """
+        if not self.shape or 0 in self.shape:
+            return [(0, tuple(slice(0, n) for n in self.shape))]
+        rows = self.chunk[0]
+        return [
+            (block, (slice(start, min(start + rows, first.stop)), *rest))
+            for block, (first, *rest) in enumerate(self.held_regions())
+            for start in range(first.start, first.stop, rows)
+        ]
+
     def refusal(self) -> str | None:
         """Why a reader refuses this layout (what a ``zarr.json`` declaring it "has" or
         "does"), or None: the one check a load applies and a save applies before it

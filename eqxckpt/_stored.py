@@ -13,7 +13,7 @@ import json
 import math
 import os
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,8 +36,12 @@ from ._storage import (
     reading,
     resolve,
 )
-from ._window import Task, read_window, run_windowed
+from ._window import SLAB_BYTES, Task, completed, host_memory_budget, read_window, run_windowed
 from ._write._pack import PackedArray
+
+# What `StoredArrays.scan` hands each slab of an array to: ``settle(record, block, start,
+# bytes, failure, last)``.
+Settle = Callable[[StoredLeaf, int, int, np.ndarray, CheckpointError | None, bool], None]
 
 
 class StoredArrays:
@@ -227,7 +231,8 @@ class StoredArrays:
         prepared = self._prepared.get((leaf.path, leaf.arrays))
         if prepared is not None:
             return prepared
-        return ChunkLayout.stored(leaf, self.checked_metadata(leaf, self.open_metadata(leaf)))
+        metadata = self.checked_metadata(leaf, self.open_metadata(leaf))
+        return ChunkLayout.stored(leaf, metadata)
 
     def prepare_layouts(self, leaves: Sequence[StoredLeaf]) -> None:
         """Read and check the chunk layouts of ``leaves`` (those with their own array) at once,
@@ -272,6 +277,66 @@ class StoredArrays:
             task = (math.prod(s.stop - s.start for s in part) * layout.dtype.itemsize, work, None)
         last: Task = (0, lambda: None, None) if task is None else task
         yield (last[0], last[1], lambda _: done())  # the last one settles after all the others
+
+    def scan(self, records: Sequence[StoredLeaf], settle: Settle) -> None:
+        """Read the arrays of ``records`` (leaves with their own array, or the packed array's
+        record) a slab of rows of chunks at a time, in order, every chunk's checksum checked,
+        a window of reads in flight: what `verify` checks a checkpoint with.
+
+        ``settle(record, block, start, bytes, failure, last)`` gets each slab's block (0 but
+        in a part), its first byte in the array (for an array stored whole), its bytes (a
+        buffer reused once settled), or why its read failed (or its zarr.json's check):
+        a failure is never raised, so every other slab is still read; ``last`` marks an
+        array's last slab.
+
+        **Arguments:**
+
+        - `records`: the arrays to read, each by its layout, checked as the window reaches it.
+        - `settle`: what takes each slab.
+
+        **Returns:** nothing.
+
+        ```python
+        stored.scan([stored.records["model/w"]], lambda record, *slab: print(record.path, slab[1], slab[3]))
+        ```
+        """
+        # Reads in flight: an eighth of what is scanned, at least `SLAB_BYTES` and at most the
+        # host memory budget: a large checkpoint's 64 MiB chunks are checked two or more at a
+        # time, and a scan holds a small part of it.
+        window = max(SLAB_BYTES, min(host_memory_budget(), sum(record.nbytes for record in records) // 8))
+        buffers = _Buffers(window)
+        empty = np.empty(0, np.uint8)
+
+        def tasks() -> Iterator[Task]:
+            for record in records:
+                try:
+                    # Read by the layout of its zarr.json once that was checked to be what eqxckpt
+                    # writes (raw bytes plus a crc32c checksum): every chunk's checksum is checked.
+                    layout = self.layout(record)
+                except CheckpointError as e:
+                    settle(record, 0, 0, empty, e, True)
+                    continue
+                slabs = layout.slabs()
+                row = math.prod(layout.shape[1:]) * layout.dtype.itemsize
+                for n, (block, slab) in enumerate(slabs):
+                    buffer = buffers.take(tuple(s.stop - s.start for s in slab), layout.dtype)
+                    failed: list[CheckpointError] = []
+
+                    def done(
+                        record: StoredLeaf = record,
+                        buffer: np.ndarray = buffer,
+                        failed: list = failed,
+                        block: int = block,
+                        start: int = slab[0].start * row if slab else 0,
+                        last: bool = n == len(slabs) - 1,
+                    ) -> None:
+                        bytes_ = buffer.reshape(-1).view(np.uint8)
+                        settle(record, block, start, bytes_, failed[0] if failed else None, last)
+                        buffers.give(buffer)
+
+                    yield from _tolerant(self.chunk_reads(record, layout, slab, buffer, done), failed)
+
+        run_windowed(tasks(), window)
 
     def fetch(
         self, leaves: Sequence[StoredLeaf], done: Callable[[int, np.ndarray], None], reserve: Callable[[int], None]
@@ -346,6 +411,58 @@ class StoredArrays:
             for c, (part, into) in order
         )
         run_windowed(tasks, window)
+
+
+def _tolerant(tasks: Iterable[Task], failed: list[CheckpointError]) -> Iterator[Task]:
+    """``tasks`` (one slab's chunk reads), failing into ``failed`` instead of raising: a
+    damaged array is reported, and every other one still read. Their last settlement
+    still runs (it settles the slab)."""
+
+    def guarded(work: Callable[[], Any]) -> Callable[[], Coroutine[Any, Any, CheckpointError | None]]:
+        async def run() -> CheckpointError | None:
+            try:
+                await completed(work())
+            except CheckpointError as e:
+                return e
+            return None
+
+        return run
+
+    def settled(then: Callable[[Any], None] | None) -> Callable[[Any], None]:
+        def settle(failure: CheckpointError | None) -> None:
+            if failure is not None:
+                failed.append(failure)
+            if then is not None:
+                then(None)
+
+        return settle
+
+    return ((nbytes, guarded(work), settled(then)) for nbytes, work, then in tasks)
+
+
+class _Buffers:
+    """Buffers handed back once their bytes were checked, for the next reads: a fresh buffer
+    costs a page fault per page (on a VM, often a fault in the host too), more than reading
+    into it. Holds at most ``limit`` bytes of free buffers."""
+
+    def __init__(self, limit: int):
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._held, self._limit = 0, limit
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = math.prod(shape) * dtype.itemsize
+        free = self._free.get(nbytes)
+        if free:
+            raw = free.pop()
+            self._held -= nbytes
+        else:
+            raw = np.empty(nbytes, np.uint8)
+        return raw.view(dtype).reshape(shape)
+
+    def give(self, buffer: np.ndarray) -> None:
+        if buffer.nbytes and self._held + buffer.nbytes <= self._limit:
+            self._free.setdefault(buffer.nbytes, []).append(buffer.reshape(-1).view(np.uint8))
+            self._held += buffer.nbytes
 
 
 _ZARR_KEYS = {

@@ -509,3 +509,26 @@ def test_save_safetensors_makes_its_parents_as_save_does(tmp_path):
     with pytest.raises(eqxckpt.CheckpointWriteError, match=r"a-file.*Nothing was written"):
         eqxckpt.save_safetensors(tmp_path / "a-file" / "model.safetensors", tree)
     assert (tmp_path / "a-file").read_text() == "x"
+
+
+def test_a_0d_tensor_reads_into_a_buffer(tmp_path):
+    stn.save_file({"z": np.asarray(np.float32(5))}, str(tmp_path / "m.safetensors"))
+    source = eqxckpt.open(tmp_path / "m.safetensors")
+    out = np.empty((), np.float32)
+    source.read_into(source.leaf("z"), (), out)
+    assert float(out) == 5.0
+
+
+@pytest.mark.parametrize(
+    "index", [np.s_[::3, 1], np.s_[5:9000:7], np.s_[:, 0], np.s_[9999:0:-13, ::2], np.s_[4000:4001], np.s_[::2]]
+)
+def test_parts_of_rows_read_a_window_of_rows_at_a_time_match_numpy(tmp_path, index):
+    # Columns and strided rows are read a window of whole rows at a time, each row once:
+    # a budget of a few rows makes hundreds of windows.
+    from eqxckpt._window import limited_host_memory
+
+    x = np.random.default_rng(0).standard_normal((10_000, 4)).astype(np.float32)
+    stn.save_file({"x": x}, str(tmp_path / "m.safetensors"))
+    source = eqxckpt.open(tmp_path / "m.safetensors")
+    with limited_host_memory(4096):
+        np.testing.assert_array_equal(source["x"][index].get(), x[index])

@@ -323,3 +323,59 @@ def test_a_computed_leaf_read_into_jax_is_refused_not_narrowed(tmp_path):
     sharded = jax.ShapeDtypeStruct((3,), np.int64, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     with pytest.raises(eqxckpt.CastError, match=r"big: int64 would become int32"):
         view.read([(view.leaf("big"), sharded)])
+
+
+def test_a_transposed_leaf_is_checked_against_the_original_digest(tmp_path, monkeypatch):
+    # Chunks swapped between two leaves pass their checksums; only the digest sees them. A
+    # transposed view read them unchecked (its own leaf records no digest: its bytes are
+    # the original's, turned).
+    import eqxckpt._chunks as chunks
+    from eqxckpt._read._translate import Transposed
+
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 4096)
+    a = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    eqxckpt.save(tmp_path / "c", {"a": a, "b": -a})
+    one, other = tmp_path / "c" / "a" / "c" / "1" / "0", tmp_path / "c" / "b" / "c" / "1" / "0"
+    swapped = one.read_bytes()
+    one.write_bytes(other.read_bytes())
+    other.write_bytes(swapped)
+    translator = eqxckpt.CheckpointTranslator()
+    translator.add("a")(lambda opts, key, value: ("t", Transposed(value)))
+    translator.add("b")(lambda opts, key, value: (None, value))
+    view = translator.apply(eqxckpt.open(tmp_path / "c"))
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="digest") as caught:
+        eqxckpt.load(view, {"t": np.zeros((64, 64), np.float32)})
+    assert caught.value.leaf_path == "a"
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="digest"):
+        view["t"][3].get()
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="digest"):
+        view.read_into(view.leaf("t"), (slice(0, 1), slice(0, 64)), np.empty((1, 64), np.float32))
+
+
+def test_transposing_a_leaf_of_a_part_is_refused_when_the_view_is_made(tmp_path, monkeypatch):
+    # A part holds some blocks of a leaf; its transpose's blocks were not turned, so a lazy
+    # read of the view took rows of the original the part does not hold.
+    import json
+
+    from _trees import crafted_manifest
+
+    import eqxckpt._chunks as chunks
+    from eqxckpt._read._translate import Transposed
+
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 48)  # chunks of 2 rows: they tile the part's block
+    eqxckpt.save(tmp_path / "c", {"w": np.arange(36, dtype=np.float32).reshape(6, 6)})
+    doc = json.loads((tmp_path / "c" / "eqxckpt.json").read_bytes())
+    (leaf,) = [leaf for leaf in doc["leaves"] if leaf["path"] == "w"]
+    leaf["blocks"] = [[[2, 4], [0, 6]]]
+    del leaf["digest"]
+    (tmp_path / "c" / "eqxckpt.json").write_bytes(crafted_manifest(doc))
+    translator = eqxckpt.CheckpointTranslator()
+    translator.add("w")(lambda opts, key, value: ("t", Transposed(value)))
+    with pytest.raises(eqxckpt.TransformError, match="holds only some blocks"):
+        translator.apply(eqxckpt.open(tmp_path / "c"))
+    renamed = eqxckpt.CheckpointTranslator()
+    renamed.add("w")(lambda opts, key, value: ("t", value))
+    view = renamed.apply(eqxckpt.open(tmp_path / "c"))
+    np.testing.assert_array_equal(view["t"][2:4].get(), np.arange(12, 24, dtype=np.float32).reshape(2, 6))
+    with pytest.raises(eqxckpt.ArgumentError, match="holds only"):
+        view["t"][1:3].get()

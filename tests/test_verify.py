@@ -117,11 +117,11 @@ def test_verify_healthy_and_extra_files(ckpt, capsys):
 
 
 def test_verify_reads_large_leaves_in_slabs(tmp_path, monkeypatch):
-    import eqxckpt._check._verify as verify_module
     import eqxckpt._chunks as chunks_module
+    import eqxckpt._stored as stored_module
 
     monkeypatch.setattr(chunks_module, "CHUNK_BYTES", 1024)
-    monkeypatch.setattr(verify_module, "SLAB_BYTES", 4096)
+    monkeypatch.setattr(stored_module, "SLAB_BYTES", 4096)
     x = np.arange(100 * 64, dtype=np.float32).reshape(100, 64)
     eqxckpt.save(tmp_path / "c", {"x": x})
     assert eqxckpt.verify(tmp_path / "c").ok
@@ -170,7 +170,7 @@ def test_chunks_that_pass_their_checksums_but_are_not_the_leafs_are_caught_by_it
     q.write_bytes(p_bytes)
     shutil.copy(tmp_path / "older/%packed/c/0", tmp_path / "c/%packed/c/0")
     for slab in (64 << 20, 100_000, 980):  # whole; in slabs of rows; packed leaves across slabs too
-        monkeypatch.setattr("eqxckpt._check._verify.SLAB_BYTES", slab)
+        monkeypatch.setattr("eqxckpt._stored.SLAB_BYTES", slab)
         report = eqxckpt.verify(tmp_path / "c")
         assert sorted(path for path, _ in report.problems) == ["p", "q", "s3"], report
         assert all("pass their chunks' checksums but are not the bytes saved" in why for _, why in report.problems)

@@ -1,14 +1,12 @@
 """`verify`: read every byte of a checkpoint and check it against its manifest."""
 
 import dataclasses
-import math
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
 from .._arguments import checked_arguments
-from .._chunks import PACK_CHUNK_BYTES, ChunkFileError, ChunkLayout, Region
+from .._chunks import PACK_CHUNK_BYTES, ChunkFileError
 from .._digest import LeafDigest, digest
 from .._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
 from .._leaf import StoredLeaf, check_bool_bytes
@@ -16,39 +14,6 @@ from .._paths import MANIFEST_NAME, PACKED_LOCATION
 from .._progress import Progress, advance, reporting
 from .._storage import CheckpointPath, Storage, resolve
 from .._stored import StoredArrays
-from .._window import SLAB_BYTES, Task, completed, read_window, run_windowed
-
-
-# Reads in flight: an eighth of what is verified, at least `SLAB_BYTES` and at most the host
-# memory budget (`read_window`): a large checkpoint's 64 MiB chunks are checked two or
-# more at a time, and verifying holds a small part of it.
-def _window(nbytes: int) -> int:
-    return max(SLAB_BYTES, min(read_window(nbytes), nbytes // 8))
-
-
-class _Buffers:
-    """Buffers handed back once their bytes were checked, for the next reads: a fresh buffer
-    costs a page fault per page (on a VM, often a fault in the host too), more than reading
-    into it. Holds at most ``limit`` bytes of free buffers."""
-
-    def __init__(self, limit: int):
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._held, self._limit = 0, limit
-
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        nbytes = math.prod(shape) * dtype.itemsize
-        free = self._free.get(nbytes)
-        if free:
-            raw = free.pop()
-            self._held -= nbytes
-        else:
-            raw = np.empty(nbytes, np.uint8)
-        return raw.view(dtype).reshape(shape)
-
-    def give(self, buffer: np.ndarray) -> None:
-        if buffer.nbytes and self._held + buffer.nbytes <= self._limit:
-            self._free.setdefault(buffer.nbytes, []).append(buffer.reshape(-1).view(np.uint8))
-            self._held += buffer.nbytes
 
 
 @dataclasses.dataclass
@@ -202,7 +167,8 @@ def verify_location(location: Storage, progress: Progress = False) -> VerifyRepo
             stored.consistent(),
             reporting(f"verifying {location}", sum(leaf.nbytes for leaf in leaves), len(leaves), progress),
         ):
-            report = _assembled(report.location, stored, _StoredCheck(stored, leaves))
+            check = _StoredCheck(stored, leaves)
+            report = _assembled(report.location, stored, check)
     except CheckpointChangedError as e:
         # What was checked may belong to another checkpoint: say so, and nothing else.
         report.problems[:] = [(MANIFEST_NAME, str(e))]
@@ -269,11 +235,9 @@ class _StoredCheck:
         self.stored = stored
         self.verdicts: list[tuple[StoredLeaf, CheckpointError | None]] = []
         self.damaged_chunks: list[tuple[str, str]] = []
-        self._digests: dict[str, LeafDigest] = {}
-        own = [leaf for leaf in leaves if leaf.offset is None]
-        window = _window(sum(leaf.nbytes for leaf in own))
-        buffers = _Buffers(window)
-        run_windowed((task for leaf in own for task in self._own_reads(leaf, buffers)), window)
+        self._digests: dict[str, LeafDigest | None] = {}  # of leaves being read: each one's, as its bytes arrive
+        self._failures: dict[str, CheckpointError] = {}  # of leaves being read: the first
+        stored.scan([leaf for leaf in leaves if leaf.offset is None], self._settle)
         if packed := [leaf for leaf in leaves if leaf.offset is not None]:
             self._check_packed(packed)
 
@@ -292,33 +256,20 @@ class _StoredCheck:
         self.verdicts.append((leaf, problem))
         advance(leaf.nbytes)
 
-    def _digest(self, leaf: StoredLeaf) -> None:
-        """Start the digest of ``leaf``'s bytes, in order; none if the manifest records none."""
-        if (digesting := leaf.digesting()) is not None:
-            self._digests[leaf.path] = digesting
-
-    def _own_reads(self, leaf: StoredLeaf, buffers: "_Buffers") -> Iterator[Task]:
-        """The reads of a leaf with an array of its own: the leaf's problem is its first failure."""
-        try:
-            leaf.check_known()
-            # Read by the layout of its zarr.json once that was checked to be what eqxckpt
-            # writes (raw bytes plus a crc32c checksum): every chunk's checksum is checked.
-            layout = self.stored.layout(leaf)
-        except CheckpointError as e:
-            self._verdict(leaf, e)
-            return
-        self._digest(leaf)
-        failures: list[CheckpointError] = []
-
-        def settle(block: int, _: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
-            if failure is not None and not failures:
-                failures.append(failure)
-            elif not failures and leaf.path in self._digests:
-                self._digests[leaf.path].update(data, block)
-            if last:
-                self._verdict(leaf, failures[0] if failures else None)
-
-        yield from self._slab_reads(leaf, layout, buffers, settle)
+    def _settle(
+        self, leaf: StoredLeaf, block: int, _: int, data: np.ndarray, failure: CheckpointError | None, last: bool
+    ) -> None:
+        """A slab of a leaf with an array of its own (`StoredArrays.scan`): its bytes go to its
+        digest (none if the manifest records none); its problem is its first failure."""
+        if leaf.path not in self._digests:
+            self._digests[leaf.path] = leaf.digesting()
+        digesting = self._digests[leaf.path]
+        if failure is not None:
+            self._failures.setdefault(leaf.path, failure)
+        elif leaf.path not in self._failures and digesting is not None:
+            digesting.update(data, block)
+        if last:
+            self._verdict(leaf, self._failures.pop(leaf.path, None))
 
     def _check_packed(self, leaves: list[StoredLeaf]) -> None:
         """Read the packed array chunk by chunk (a slab of its rows of chunks is one chunk):
@@ -333,7 +284,9 @@ class _StoredCheck:
         values: dict[str, str] = {}  # each asked leaf's digest, once all its bytes were read
         streaming: dict[str, LeafDigest] = {}
 
-        def settle(_: int, start: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
+        def settle(
+            _: StoredLeaf, __: int, start: int, data: np.ndarray, failure: CheckpointError | None, ___: bool
+        ) -> None:
             if failure is not None:  # its leaves are damaged, their digests unchecked
                 failures.append((start, start + data.size, _chunk_reason(failure)))
                 return
@@ -358,10 +311,8 @@ class _StoredCheck:
 
         chunk = PACK_CHUNK_BYTES  # what names a damaged chunk, once the layout is known
         try:
-            layout = self.stored.packed_layout
-            chunk = layout.chunk[0]
-            window = _window(packing.length)
-            run_windowed(self._slab_reads(packing.record, layout, _Buffers(window), settle), window)
+            chunk = self.stored.packed_layout.chunk[0]
+            self.stored.scan([packing.record], settle)
         except CheckpointError as e:
             failures.append((0, packing.length, str(e)))
         damaged: dict[str, CheckpointError] = {}
@@ -385,76 +336,6 @@ class _StoredCheck:
                 value = streaming.pop(leaf.path, None) or LeafDigest(leaf.digest_fields())
                 value = value.value
             self._verdict(leaf, damaged.get(leaf.path, bad_bools.get(leaf.path)), value)
-
-    def _slab_reads(
-        self,
-        array: StoredLeaf,
-        layout: ChunkLayout,
-        buffers: "_Buffers",
-        settle: Callable[[int, int, np.ndarray, CheckpointError | None, bool], None],
-    ) -> Iterator[Task]:
-        """Tasks that read ``array`` a slab of rows of chunks at a time, in order, each into a
-        buffer (made as the window takes it, let go once settled): ``settle(block, start,
-        bytes, failure, last)`` gets each slab's block (0 but in a part), its first byte in
-        the array (for an array stored whole) and its bytes, or why its read failed (never raised: every other slab is
-        still read)."""
-        slabs = _slabs(layout)
-        row = math.prod(layout.shape[1:]) * layout.dtype.itemsize
-        for n, (block, slab) in enumerate(slabs):
-            buffer = buffers.take(tuple(s.stop - s.start for s in slab), layout.dtype)
-            failed: list[CheckpointError] = []
-
-            def done(
-                buffer: np.ndarray = buffer,
-                failed: list = failed,
-                block: int = block,
-                start: int = slab[0].start * row if slab else 0,
-                last: bool = n == len(slabs) - 1,
-            ) -> None:
-                settle(block, start, buffer.reshape(-1).view(np.uint8), failed[0] if failed else None, last)
-                buffers.give(buffer)
-
-            yield from _tolerant(self.stored.chunk_reads(array, layout, slab, buffer, done), failed)
-
-
-def _slabs(layout: ChunkLayout) -> list[tuple[int, Region]]:
-    """An array's rows of chunks, in order, each with its block (0 but in a part): each
-    holds a run of its block's C-order bytes."""
-    if not layout.shape or 0 in layout.shape:
-        return [(0, tuple(slice(0, n) for n in layout.shape))]
-    rows = layout.chunk[0]
-    return [
-        (block, (slice(start, min(start + rows, first.stop)), *rest))
-        for block, (first, *rest) in enumerate(layout.held_regions())  # a part's blocks, one after another
-        for start in range(first.start, first.stop, rows)
-    ]
-
-
-def _tolerant(tasks: Iterable[Task], failed: list[CheckpointError]) -> Iterator[Task]:
-    """``tasks`` (one slab's chunk reads), failing into ``failed`` instead of raising: a
-    damaged leaf is reported, and every other leaf still checked. Their last settlement
-    still runs (it settles the slab)."""
-
-    def guarded(work: Callable[[], Any]) -> Callable[[], Coroutine[Any, Any, CheckpointError | None]]:
-        async def run() -> CheckpointError | None:
-            try:
-                await completed(work())
-            except CheckpointError as e:
-                return e
-            return None
-
-        return run
-
-    def settled(then: Callable[[Any], None] | None) -> Callable[[Any], None]:
-        def settle(failure: CheckpointError | None) -> None:
-            if failure is not None:
-                failed.append(failure)
-            if then is not None:
-                then(None)
-
-        return settle
-
-    return ((nbytes, guarded(work), settled(then)) for nbytes, work, then in tasks)
 
 
 def _chunk_reason(error: CheckpointError) -> str:

@@ -141,10 +141,10 @@ class Source(abc.ABC):
         return [None for _ in leaves]
 
     def _read_boxes(self, leaf: StoredLeaf, boxes: Boxes, window: int) -> None:
-        """Fill each buffer of ``boxes`` with its box of ``leaf``'s stored values (checked as
-        a whole read checks them), within ``window`` bytes of reads in flight, from any
-        thread. Called only for leaves with a `chunk_shapes` entry, and for `read_into`;
-        this reads the leaf whole (`_fetch`) and copies each box out."""
+        """Fill each buffer of ``boxes`` (none empty) with its box of ``leaf``'s stored
+        values (checked as a whole read checks them), within ``window`` bytes of reads in
+        flight, from any thread. Called only for leaves with a `chunk_shapes` entry; this
+        reads the leaf whole (`_fetch`) and copies each box out."""
         data = self._whole(leaf)
         for box, out in boxes:
             out[...] = data[tuple(slice(r.start, r.stop, r.step) for r in box)]
@@ -222,10 +222,14 @@ class Source(abc.ABC):
         """
         box = tuple(range(s.start, s.stop) for s in checked_region(leaf, region, out))
         refuse_unheld(leaf, box)
-        if out.size:
+        if not out.size:
+            return
+        if self.chunk_shapes([leaf])[0] is None:  # read only whole
+            out[...] = self._whole(leaf)[tuple(slice(r.start, r.stop) for r in box)]
+        else:
             with reading(leaf):
                 self._read_boxes(leaf, [(box, out)], read_window(out.nbytes))
-            check_bool_bytes(out, leaf.path)
+        check_bool_bytes(out, leaf.path)
 
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
         """The stored values that ``selection`` takes of one leaf, as stored (its dtype; for
@@ -541,7 +545,8 @@ def read_by_rows(
 ) -> None:
     """`Source._read_boxes` for a format that reads runs of whole rows (``read_rows(start,
     stop, out)``): a box of whole rows straight into its buffer; the others a window of
-    rows at a time, copied out, so each row is read once."""
+    rows at a time (at least one row, its memory checked), copied out, so each row is read
+    once."""
     shape, dtype = leaf.data_shape, np.dtype(leaf.dtype)
     boxes = [(box, out) for box, out in boxes if out.size]
     whole = lambda box: box[0].step == 1 and all(r == range(n) for r, n in zip(box[1:], shape[1:]))  # noqa: E731
@@ -549,18 +554,22 @@ def read_by_rows(
         for box, out in boxes:
             read_rows(box[0].start, box[0].stop, out)
         return
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
     start, stop = min(box[0][0] for box, _ in boxes), max(box[0][-1] + 1 for box, _ in boxes)
-    step = max(1, window // max(1, math.prod(shape[1:]) * dtype.itemsize))
+    step = max(1, window // max(1, row_bytes))
     for a in range(start, stop, step):
         b = min(stop, a + step)
+        check_allocation((b - a) * row_bytes, f"Reading leaf {leaf.path!r}")
         rows = aligned_empty((b - a, *shape[1:]), dtype)
         read_rows(a, b, rows)
         for box, out in boxes:
-            wanted = np.asarray(box[0])
-            here = (wanted >= a) & (wanted < b)
-            if here.any():
+            wanted = box[0]  # the box's rows within [a, b): a run of its own indices
+            first = max(0, -(-(a - wanted.start) // wanted.step))
+            last = min(len(wanted), max(0, -(-(b - wanted.start) // wanted.step)))
+            if first < last:
+                taken = wanted[first:last]
                 rest = tuple(slice(r.start, r.stop, r.step) for r in box[1:])
-                out[here] = rows[(wanted[here] - a, *rest)]
+                out[first:last] = rows[(slice(taken.start - a, taken.stop - a, taken.step), *rest)]
 
 
 def checked_region(leaf: StoredLeaf, region: Any, out: Any) -> Region:

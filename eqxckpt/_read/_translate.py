@@ -11,6 +11,7 @@ from .._classify import leaf_of
 from .._errors import TransformError
 from .._leaf import ArrayLeaf, StoredLeaf
 from .._paths import check_one_tree
+from .._storage import reading
 from ._lazy import LazyArray
 from ._source import Boxes, Source
 
@@ -152,6 +153,11 @@ class TranslatedSource(Source):
             origin = by_value.get(id(value.entry if transposed else value))
             if transposed and not isinstance(origin, ArrayLeaf):
                 raise TransformError(f"The rule for {path!r} transposes something that is not an array of the source.")
+            if transposed and origin is not None and origin.blocks is not None:
+                raise TransformError(
+                    f"The rule for {path!r} transposes {origin.path!r}, of which this checkpoint holds only some "
+                    "blocks (one process's part): restore the whole leaf first, then transpose it."
+                )
             if origin is not None:
                 shape, digest = (origin.shape[::-1], None) if transposed else (origin.shape, origin.digest)
                 self._leaves[path] = dataclasses.replace(origin, path=path, keys=keys, shape=shape, digest=digest)
@@ -182,8 +188,15 @@ class TranslatedSource(Source):
         passed = [(i, self._origin[leaf.path]) for i, leaf in enumerate(leaves) if leaf.path in self._origin]
 
         def fetched(j: int, data: np.ndarray) -> None:
-            i = passed[j][0]
-            done(i, np.ascontiguousarray(data.T) if leaves[i].path in self._transposed else data)
+            i, origin = passed[j]
+            if leaves[i].path in self._transposed:
+                # Its bytes as stored are the original's: checked against the original's digest.
+                with reading(origin):
+                    if (digesting := origin.digesting()) is not None:
+                        digesting.update(data)
+                        origin.check_digest(digesting.value)
+                data = np.ascontiguousarray(data.T)
+            done(i, data)
 
         if passed:
             self.original._fetch([origin for _, origin in passed], fetched, reserve)
