@@ -60,10 +60,14 @@ class LeafDigest:
         self._hash = _started(fields)
         self._blocks = None if blocks is None else [xxhash.xxh3_128() for _ in range(blocks)]
 
-    def update(self, data: np.ndarray, block: int = 0) -> None:
+    def update(self, data: "np.ndarray | Tiled", block: int = 0) -> None:
         """Add ``data``'s bytes as they are stored (`little_endian`), in C order (of block
-        ``block``, for a part's leaf)."""
-        (self._hash if self._blocks is None else self._blocks[block]).update(_stored_bytes(data))
+        ``block``, for a part's leaf): an array's, or the rows that blocks tile (`Tiled`)."""
+        hashing = self._hash if self._blocks is None else self._blocks[block]
+        if isinstance(data, Tiled):
+            data.update(hashing)
+        else:
+            hashing.update(_stored_bytes(data))
 
     @property
     def value(self) -> str:

@@ -164,3 +164,21 @@ def test_a_parts_lazy_reads_outside_its_blocks_are_refused_even_with_files_there
 
     assert main(["inspect", str(tmp_path / "c")]) == 0
     assert "w  float32[8,1024]  8.0 KiB  holds [2:4, 0:1024]" in capsys.readouterr().out
+
+
+def test_a_lazy_read_of_a_whole_leaf_checks_its_digest(tmp_path):
+    """Chunks swapped between two leaves pass their checksums: a lazy read of all of a leaf
+    (`get`, a region holding all of it) checks the leaf's digest, as a load does."""
+    eqxckpt.save(tmp_path / "c", {"p": np.zeros((300, 300), np.float32), "q": np.ones((300, 300), np.float32)})
+    p, q = tmp_path / "c/p/c/0/0", tmp_path / "c/q/c/0/0"
+    p_bytes, q_bytes = p.read_bytes(), q.read_bytes()
+    p.write_bytes(q_bytes)
+    q.write_bytes(p_bytes)
+    ckpt = eqxckpt.open(tmp_path / "c")
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="'p'.*not the bytes saved"):
+        ckpt["p"].get()
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="'q'.*not the bytes saved"):
+        ckpt["q"][:, :].get()
+    p.write_bytes(p_bytes)
+    q.write_bytes(q_bytes)
+    np.testing.assert_array_equal(eqxckpt.open(tmp_path / "c")["q"].get(), np.ones((300, 300), np.float32))

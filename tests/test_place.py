@@ -125,6 +125,23 @@ for spec in [P("a"), P(None, "b"), P(), P("a", "b"), P("b", "a"), P(("a", "b"))]
             want = w.astype(dtype)[shard.index]
             assert np.array_equal(np.asarray(shard.data).view(np.uint8), want.view(np.uint8)), (spec, dtype)
         assert np.array_equal(jax.random.key_data(out["keys"]), jax.random.key_data(keys)), spec
+# Chunks swapped between two leaves pass their checksums: every split, columns too, checks
+# the digest as its blocks are placed (blocks split by columns were placed unchecked).
+import pathlib
+swapped = sys.argv[1] + "/swapped" + sys.argv[2]
+eqxckpt.save(swapped, {"p": np.zeros((64, 48), np.float32), "q": np.ones((64, 48), np.float32)})
+p, q = pathlib.Path(swapped, "p/c/0/0"), pathlib.Path(swapped, "q/c/0/0")
+p_bytes, q_bytes = p.read_bytes(), q.read_bytes()
+p.write_bytes(q_bytes)
+q.write_bytes(p_bytes)
+for spec in [P("a"), P(None, "b"), P(), P("a", "b"), P("b", "a"), P(("a", "b"))]:
+    like = {k: jax.ShapeDtypeStruct((64, 48), jnp.float32, sharding=NamedSharding(mesh, spec)) for k in "pq"}
+    try:
+        eqxckpt.load(swapped, like, host_memory_budget=2048)
+    except eqxckpt.CorruptCheckpointError as e:
+        assert "not the bytes saved" in str(e), e
+    else:
+        raise SystemExit(f"chunks swapped between leaves were loaded into {spec}")
 print("ok")
 """
 
@@ -133,7 +150,8 @@ print("ok")
 @pytest.mark.parametrize("staged_flag", ["0", "1"], ids=["host", "staged"])
 def test_sharded_blocks_larger_than_the_budget_are_bit_exact(tmp_path, staged_flag):
     """4 CPU devices on a 2x2 mesh, by rows, columns, both, replicated; a 2 KiB budget,
-    so every block is placed in several bands; as stored and cast; PRNG keys."""
+    so every block is placed in several bands; as stored and cast; PRNG keys; chunks
+    swapped between leaves caught by their digests on every split."""
     from conftest import on_devices
 
     assert on_devices(4, ["-c", SHARDED, str(tmp_path), staged_flag]).strip().endswith("ok")

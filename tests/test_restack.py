@@ -553,3 +553,34 @@ def test_every_restore_path_lands_in_pinned_host_memory(tmp_path):
 
     out = on_devices(2, ["-c", PINNED, str(tmp_path)])
     assert out.split() == ["plain", "pinned", "stack", "pinned", "unstack", "pinned"], out
+
+
+def test_layout_restores_check_the_digest_of_each_leaf_they_read_whole(tmp_path):
+    """Chunks swapped between two leaves pass their checksums; a `Stack` that reads each
+    layer whole, and an `Unstack` that reads every row of a stacked leaf, check the
+    digests as a plain load does (they returned the layers in the wrong order)."""
+    zeros, ones = np.zeros((300, 300), np.float32), np.ones((300, 300), np.float32)
+    eqxckpt.save(
+        tmp_path / "c",
+        {"layers": [{"w": zeros}, {"w": ones}], "stacked": np.stack([zeros, ones]), "o": np.stack([ones, zeros])},
+    )
+    stack_like = {"w": jax.ShapeDtypeStruct((2, 300, 300), jnp.float32)}
+    stack = {"w": eqxckpt.Stack("layers/{i}/w")}
+    unstack_like = {"rows": [zeros, zeros]}
+    unstack = {r"rows/(\d+)": eqxckpt.Unstack("stacked", index=r"\1")}
+    for one, other, like, transforms in [
+        ("layers/0/w/c/0/0", "layers/1/w/c/0/0", stack_like, stack),
+        ("stacked/c/0/0/0", "o/c/0/0/0", unstack_like, unstack),
+    ]:
+        a, b = tmp_path / "c" / one, tmp_path / "c" / other
+        a_bytes, b_bytes = a.read_bytes(), b.read_bytes()
+        a.write_bytes(b_bytes)
+        b.write_bytes(a_bytes)
+        with pytest.raises(eqxckpt.CorruptCheckpointError, match="not the bytes saved"):
+            eqxckpt.load(tmp_path / "c", like, transforms=transforms, strict=False)
+        a.write_bytes(a_bytes)
+        b.write_bytes(b_bytes)
+    out = eqxckpt.load(tmp_path / "c", stack_like, transforms=stack, strict=False)
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.stack([zeros, ones]))
+    out = eqxckpt.load(tmp_path / "c", unstack_like, transforms=unstack, strict=False)
+    np.testing.assert_array_equal(out["rows"][1], ones)

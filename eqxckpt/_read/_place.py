@@ -298,7 +298,8 @@ def held_by(leaf: Any) -> frozenset[int]:
 class PlacedDigest:
     """A leaf's digest fed by its `Placement` as it reads the leaf's blocks (`seen`), where
     they hold its stored bytes in an order the digest covers: a part's held blocks, each
-    its own; or blocks of whole rows that tile the leaf (one, when it is replicated).
+    its own; or blocks that tile the leaf (one, when it is replicated), each band of rows
+    hashed once its blocks side by side hold whole rows (blocks split by columns too).
 
     ```python
     digest = PlacedDigest.of(leaf, placement)
@@ -308,11 +309,15 @@ class PlacedDigest:
 
     def __init__(self, leaf: "StoredLeaf", digesting: LeafDigest, blocks: dict[Block, int] | None):
         self.leaf, self.digesting, self.blocks = leaf, digesting, blocks
+        shape = leaf.data_shape
+        self._row = math.prod(shape[1:]) if shape else 1  # elements of a whole row
+        self._pending: list[tuple[Block, np.ndarray]] = []  # one band's pieces of the same rows, in order
 
     @classmethod
     def of(cls, leaf: "StoredLeaf", placement: Placement) -> "PlacedDigest | None":
         """The digest ``placement`` can feed for ``leaf``, or None where it reads other
-        blocks (a part into a finer sharding; columns of a whole leaf) or none is recorded."""
+        blocks (a part into a finer sharding; some blocks of a leaf held whole, the others
+        on other processes) or none is recorded."""
         digesting = leaf.digesting()
         keys = sorted(placement.devices)
         if digesting is None:
@@ -326,12 +331,30 @@ class PlacedDigest:
         shape = leaf.data_shape
         if not shape or 0 in shape:  # no bytes, or one: no order to keep
             return cls(leaf, digesting, None)
-        # Bands of whole rows, one after another: their bytes arrive in the leaf's C order.
-        whole_rows = all(key[1:] == tuple((0, n) for n in shape[1:]) for key in keys)
-        return cls(leaf, digesting, None) if whole_rows and Tiled.tiles(shape, keys) else None
+        # Bands of rows, one after another, each once its blocks side by side hold whole
+        # rows: their bytes arrive in the leaf's C order.
+        return cls(leaf, digesting, None) if Tiled.tiles(shape, keys) else None
 
     def __call__(self, block: Block, data: np.ndarray) -> None:
-        self.digesting.update(data, 0 if self.blocks is None else self.blocks[block])
+        if self.blocks is not None:
+            self.digesting.update(data, self.blocks[block])
+            return
+        if not block or block[0][1] - block[0][0] == 0:
+            if not block:
+                self.digesting.update(data)
+            return
+        # `Placement.run` gives a band's pieces sorted by block: those of the same rows come
+        # one after another, left to right; once they hold whole rows, those rows are hashed.
+        self._pending.append((block, data))
+        if sum(math.prod(b - a for a, b in piece[1:]) for piece, _ in self._pending) < self._row:
+            return
+        pending, self._pending = self._pending, []
+        if len(pending) == 1:  # whole rows already: no copy
+            self.digesting.update(data)
+            return
+        rows = len(data)
+        pieces = [(((0, rows), *piece[1:]), part) for piece, part in pending]
+        self.digesting.update(Tiled((rows, *self.leaf.data_shape[1:]), pieces))
 
     def check(self) -> None:
         """Raise `CorruptCheckpointError` unless the bytes placed are the ones saved."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._digest import digest
 from .._formats._convert import Adoption, Adoptions, aligned_empty, checked_astype
 from .._leaf import ArrayLeaf, StoredLeaf
 from .._progress import advance, unreported
@@ -174,6 +175,10 @@ class _Originals:
         with unreported():  # counted as the results they fill
             self._read = {leaf.path: value for leaf, value in zip(whole, source.read(wanted))} if wanted else {}
 
+    def checked(self, leaf: ArrayLeaf) -> bool:
+        """Whether ``leaf`` was read whole beforehand, its digest checked then."""
+        return leaf.path in self._read
+
     def into(self, leaf: ArrayLeaf, region: tuple[slice, ...], out: np.ndarray) -> None:
         if leaf.path in self._read:
             out[...] = self._read[leaf.path][region]
@@ -259,15 +264,30 @@ def _layer_tasks(reader: _Originals, stacked: Stacked, blocks: Sequence[tuple[Bl
         def work(i: int = i, layer: ArrayLeaf = layer, holding: list = holding, bounds: Block = bounds) -> None:
             region = _region(bounds)
             (block, only), stored_dtype = holding[0], np.dtype(layer.dtype)
+            # The layer's every byte: its digest is checked (unless it was, read whole beforehand).
+            whole = bounds == tuple((0, n) for n in layer.shape) and not reader.checked(layer)
             if len(holding) == 1 and only.dtype == stored_dtype and block[1:] == bounds:
-                reader.into(layer, region, only[i - block[0][0], ...])  # its slab: C-contiguous (a view, even 0-d)
+                slab = only[i - block[0][0], ...]  # its slab: C-contiguous (a view, even 0-d)
+                reader.into(layer, region, slab)
+                if whole:
+                    _check_digest(layer, slab)
                 return
             part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
             reader.into(layer, region, part)
+            if whole:
+                _check_digest(layer, part)
             for block, out in holding:
                 out[i - block[0][0]] = checked_astype(part[_region(block[1:], bounds)], out.dtype, stacked.leaf.path)
 
         yield nbytes, work, None
+
+
+def _check_digest(leaf: ArrayLeaf, data: np.ndarray) -> None:
+    """Raise `CorruptCheckpointError` unless ``data``, all of ``leaf`` as stored, is what
+    was saved (where the manifest records its digest)."""
+    if leaf.digest is not None:
+        with reading(leaf):
+            leaf.check_digest(digest(leaf.digest_fields(), data))
 
 
 def _row_tasks(
@@ -286,6 +306,11 @@ def _row_tasks(
     for i, row, target, placed in sorted(wanted, key=lambda item: item[1].index):
         bounds = _bounds(list(placed.devices)) if placed is not None else tuple((0, n) for n in row_shape)
         plans.append((i, row, target, placed, bounds))
+    # Every row once, whole: the windows, settled in order, are the stacked leaf's bytes in
+    # C order, so its digest is checked as they arrive.
+    every_row = [row.index for _, row, *_ in plans] == list(range(stacked.shape[0]))
+    whole = all(bounds == tuple((0, n) for n in row_shape) for *_, bounds in plans)
+    digesting = stacked.digesting() if every_row and whole and not reader.checked(stacked) else None
     step = reader.source.rows_per_read(stacked)
     window_rows = max(step, host_memory_budget() // max(1, row_bytes) // step * step)
     piece_rows = max(step, -(-PIECE_BYTES // max(1, row_bytes)) // step * step)
@@ -313,8 +338,17 @@ def _row_tasks(
             ) -> None:
                 reader.into(stacked, (slice(a, b), *_region(bounds)), window[a - low : b - low])
 
-            then = (lambda _, group=group, window=window: _settle(group, window, values)) if b == high else None
-            yield (b - a) * row_bytes, work, then
+            last = start == len(plans)
+
+            def then(_: Any, group: list = group, window: np.ndarray = window, last: bool = last) -> None:
+                if digesting is not None:
+                    digesting.update(window)
+                    if last:
+                        with reading(stacked):
+                            stacked.check_digest(digesting.value)
+                _settle(group, window, values)
+
+            yield (b - a) * row_bytes, work, then if b == high else None
 
 
 def _settle(group: list, window: np.ndarray, values: list[Any]) -> None:

@@ -335,11 +335,16 @@ class Source(abc.ABC):
         return unit is not None and readers_apart(unit, sharding, leaf.data_shape)
 
     def _whole(self, leaf: StoredLeaf) -> np.ndarray:
-        """One leaf's stored array, read whole (`_fetch`)."""
+        """One leaf's stored array, read whole (`_fetch`), checked against its digest as a
+        restore checks it (a part's leaf, holding some blocks, by its blocks' reads)."""
         found: list[np.ndarray] = []
         reserve = lambda nbytes: check_allocation(nbytes, f"Reading leaf {leaf.path!r} of {self.location}")  # noqa: E731
         with reading(leaf):
             self._fetch([leaf], lambda _, data: found.append(data), reserve)
+            if leaf.blocks is None and (digesting := leaf.digesting()) is not None:
+                leaf.check_known()
+                digesting.update(found[0])
+                leaf.check_digest(digesting.value)
         return found[0]
 
     def consistent(self) -> contextlib.AbstractContextManager[None]:

@@ -9,6 +9,7 @@ ATTACK_DEVICES: CPU devices per process (default 1). Each scenario prints lines
 
 import json
 import os
+import pathlib
 import sys
 import time
 import zlib
@@ -537,6 +538,14 @@ def signalled(directory: str) -> None:
         outcome = {"raised": type(e).__name__, "message": str(e)[:400]}
     result(process=me, after=round(time.monotonic() - start, 1), **outcome)
     sys.stdout.flush()
+    pathlib.Path(directory, f"reported-{me}").touch()
+    if me == 0:
+        # The coordination service lives in process 0: ending it ends every process still
+        # waiting in a barrier (a loaded machine's slower one) before it reports.
+        others = [pathlib.Path(directory, f"reported-{p}") for p in range(jax.process_count()) if p not in (0, victim)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(path.exists() for path in others):
+            time.sleep(0.05)
     os._exit(0)
 
 
