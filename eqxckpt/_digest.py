@@ -69,6 +69,11 @@ class LeafDigest:
         else:
             hashing.update(_stored_bytes(data))
 
+    def update_raw(self, raw: np.ndarray, block: int = 0) -> None:
+        """Add bytes exactly as a chunk file holds them (``raw``: a C-contiguous ``uint8``
+        array, as `verify` reads them): no dtype, so nothing to convert."""
+        (self._hash if self._blocks is None else self._blocks[block]).update(raw.data)
+
     @property
     def value(self) -> str:
         """The digest as the manifest records it: ``xxh3-128:`` and 32 hex digits."""

@@ -39,9 +39,9 @@ from ._storage import (
 from ._window import SLAB_BYTES, Task, completed, host_memory_budget, read_window, run_windowed
 from ._write._pack import PackedArray
 
-# What `StoredArrays.scan` hands each slab of an array to: ``settle(record, block, start,
-# bytes, failure, last)``.
-Settle = Callable[[StoredLeaf, int, int, np.ndarray, CheckpointError | None, bool], None]
+# What `StoredArrays.scan` hands each slab of an array to: ``settle(block, start, bytes,
+# failure, last)``.
+Settle = Callable[[int, int, np.ndarray, CheckpointError | None, bool], None]
 
 
 class StoredArrays:
@@ -278,44 +278,37 @@ class StoredArrays:
         last: Task = (0, lambda: None, None) if task is None else task
         yield (last[0], last[1], lambda _: done())  # the last one settles after all the others
 
-    def scan(self, records: Sequence[StoredLeaf], settle: Settle) -> None:
-        """Read the arrays of ``records`` (leaves with their own array, or the packed array's
-        record) a slab of rows of chunks at a time, in order, every chunk's checksum checked,
+    def scan(self, arrays: Iterable[tuple[StoredLeaf, ChunkLayout, "Settle"]], nbytes: int) -> None:
+        """Read each array of ``arrays`` (a record, its checked layout, and what takes its
+        bytes) a slab of rows of chunks at a time, in order, every chunk's checksum checked,
         a window of reads in flight: what `verify` checks a checkpoint with.
 
-        ``settle(record, block, start, bytes, failure, last)`` gets each slab's block (0 but
-        in a part), its first byte in the array (for an array stored whole), its bytes (a
-        buffer reused once settled), or why its read failed (or its zarr.json's check):
-        a failure is never raised, so every other slab is still read; ``last`` marks an
-        array's last slab.
+        ``settle(block, start, bytes, failure, last)`` gets each slab's block (0 but in a
+        part), its first byte in the array (for an array stored whole), its bytes (a
+        buffer reused once settled), or why its read failed: a failure is never raised, so
+        every other slab is still read; ``last`` marks an array's last slab.
 
         **Arguments:**
 
-        - `records`: the arrays to read, each by its layout, checked as the window reaches it.
-        - `settle`: what takes each slab.
+        - `arrays`: what to read, made as the window reaches each (a layout that fails its
+          check is then its maker's to report, and the next array still read).
+        - `nbytes`: about how many bytes they hold (what sizes the window).
 
         **Returns:** nothing.
 
         ```python
-        stored.scan([stored.records["model/w"]], lambda record, *slab: print(record.path, slab[1], slab[3]))
+        record = stored.records["model/w"]
+        stored.scan([(record, stored.layout(record), lambda *slab: print(slab[1], slab[3]))], record.nbytes)
         ```
         """
         # Reads in flight: an eighth of what is scanned, at least `SLAB_BYTES` and at most the
         # host memory budget: a large checkpoint's 64 MiB chunks are checked two or more at a
         # time, and a scan holds a small part of it.
-        window = max(SLAB_BYTES, min(host_memory_budget(), sum(record.nbytes for record in records) // 8))
+        window = max(SLAB_BYTES, min(host_memory_budget(), nbytes // 8))
         buffers = _Buffers(window)
-        empty = np.empty(0, np.uint8)
 
         def tasks() -> Iterator[Task]:
-            for record in records:
-                try:
-                    # Read by the layout of its zarr.json once that was checked to be what eqxckpt
-                    # writes (raw bytes plus a crc32c checksum): every chunk's checksum is checked.
-                    layout = self.layout(record)
-                except CheckpointError as e:
-                    settle(record, 0, 0, empty, e, True)
-                    continue
+            for array, layout, settle in arrays:
                 slabs = layout.slabs()
                 row = math.prod(layout.shape[1:]) * layout.dtype.itemsize
                 for n, (block, slab) in enumerate(slabs):
@@ -323,18 +316,17 @@ class StoredArrays:
                     failed: list[CheckpointError] = []
 
                     def done(
-                        record: StoredLeaf = record,
                         buffer: np.ndarray = buffer,
                         failed: list = failed,
                         block: int = block,
                         start: int = slab[0].start * row if slab else 0,
                         last: bool = n == len(slabs) - 1,
+                        settle: Settle = settle,
                     ) -> None:
-                        bytes_ = buffer.reshape(-1).view(np.uint8)
-                        settle(record, block, start, bytes_, failed[0] if failed else None, last)
+                        settle(block, start, buffer.reshape(-1).view(np.uint8), failed[0] if failed else None, last)
                         buffers.give(buffer)
 
-                    yield from _tolerant(self.chunk_reads(record, layout, slab, buffer, done), failed)
+                    yield from _tolerant(self.chunk_reads(array, layout, slab, buffer, done), failed)
 
         run_windowed(tasks(), window)
 

@@ -1,19 +1,19 @@
 """`verify`: read every byte of a checkpoint and check it against its manifest."""
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from .._arguments import checked_arguments
-from .._chunks import PACK_CHUNK_BYTES, ChunkFileError
-from .._digest import LeafDigest, digest
+from .._chunks import PACK_CHUNK_BYTES, ChunkFileError, ChunkLayout
+from .._digest import LeafDigest
 from .._errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, plural
 from .._leaf import StoredLeaf, check_bool_bytes
 from .._paths import MANIFEST_NAME, PACKED_LOCATION
 from .._progress import Progress, advance, reporting
 from .._storage import CheckpointPath, Storage, resolve
-from .._stored import StoredArrays
+from .._stored import Settle, StoredArrays
 
 
 @dataclasses.dataclass
@@ -137,16 +137,19 @@ def verify(path: CheckpointPath, *, progress: Progress = False, repair: bool = F
     report = eqxckpt.verify("run/300", repair=True)  # report.mended: [('model/w', 'run/200')]
     ```
     """
-    location = resolve(path)
-    report = verify_location(location, progress)
-    if not repair or report.ok:
-        return report
-    from ._repair import repair as mend
+    from ._repair import Repair, repair as mend
 
-    done = mend(location, [leaf for leaf, _ in report.problems])
-    if done.mended:
+    location = resolve(path)
+    done: Repair | None = None  # what repair did, once it has tried
+    while True:  # verify; to repair, mend what it found and, if anything was, verify again
         report = verify_location(location, progress)
-    report.mended, report.unmended = done.mended, done.unmended
+        if done is not None or not repair or report.ok:
+            break
+        done = mend(location, [leaf for leaf, _ in report.problems])
+        if not done.mended:
+            break
+    if done is not None:
+        report.mended, report.unmended = done.mended, done.unmended
     return report
 
 
@@ -235,9 +238,9 @@ class _StoredCheck:
         self.stored = stored
         self.verdicts: list[tuple[StoredLeaf, CheckpointError | None]] = []
         self.damaged_chunks: list[tuple[str, str]] = []
-        self._digests: dict[str, LeafDigest | None] = {}  # of leaves being read: each one's, as its bytes arrive
-        self._failures: dict[str, CheckpointError] = {}  # of leaves being read: the first
-        stored.scan([leaf for leaf in leaves if leaf.offset is None], self._settle)
+        self._digests: dict[str, LeafDigest] = {}
+        own = [leaf for leaf in leaves if leaf.offset is None]
+        stored.scan((read for leaf in own for read in self._own_reads(leaf)), sum(leaf.nbytes for leaf in own))
         if packed := [leaf for leaf in leaves if leaf.offset is not None]:
             self._check_packed(packed)
 
@@ -256,20 +259,33 @@ class _StoredCheck:
         self.verdicts.append((leaf, problem))
         advance(leaf.nbytes)
 
-    def _settle(
-        self, leaf: StoredLeaf, block: int, _: int, data: np.ndarray, failure: CheckpointError | None, last: bool
-    ) -> None:
-        """A slab of a leaf with an array of its own (`StoredArrays.scan`): its bytes go to its
-        digest (none if the manifest records none); its problem is its first failure."""
-        if leaf.path not in self._digests:
-            self._digests[leaf.path] = leaf.digesting()
-        digesting = self._digests[leaf.path]
-        if failure is not None:
-            self._failures.setdefault(leaf.path, failure)
-        elif leaf.path not in self._failures and digesting is not None:
-            digesting.update(data, block)
-        if last:
-            self._verdict(leaf, self._failures.pop(leaf.path, None))
+    def _digest(self, leaf: StoredLeaf) -> None:
+        """Start the digest of ``leaf``'s bytes, in order; none if the manifest records none."""
+        if (digesting := leaf.digesting()) is not None:
+            self._digests[leaf.path] = digesting
+
+    def _own_reads(self, leaf: StoredLeaf) -> Iterator[tuple[StoredLeaf, ChunkLayout, Settle]]:
+        """The scan of a leaf with an array of its own: the leaf's problem is its first failure."""
+        try:
+            leaf.check_known()
+            # Read by the layout of its zarr.json once that was checked to be what eqxckpt
+            # writes (raw bytes plus a crc32c checksum): every chunk's checksum is checked.
+            layout = self.stored.layout(leaf)
+        except CheckpointError as e:
+            self._verdict(leaf, e)
+            return
+        self._digest(leaf)
+        failures: list[CheckpointError] = []
+
+        def settle(block: int, _: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
+            if failure is not None and not failures:
+                failures.append(failure)
+            elif not failures and leaf.path in self._digests:
+                self._digests[leaf.path].update_raw(data, block)
+            if last:
+                self._verdict(leaf, failures[0] if failures else None)
+
+        yield leaf, layout, settle
 
     def _check_packed(self, leaves: list[StoredLeaf]) -> None:
         """Read the packed array chunk by chunk (a slab of its rows of chunks is one chunk):
@@ -284,9 +300,7 @@ class _StoredCheck:
         values: dict[str, str] = {}  # each asked leaf's digest, once all its bytes were read
         streaming: dict[str, LeafDigest] = {}
 
-        def settle(
-            _: StoredLeaf, __: int, start: int, data: np.ndarray, failure: CheckpointError | None, ___: bool
-        ) -> None:
+        def settle(_: int, start: int, data: np.ndarray, failure: CheckpointError | None, last: bool) -> None:
             if failure is not None:  # its leaves are damaged, their digests unchecked
                 failures.append((start, start + data.size, _chunk_reason(failure)))
                 return
@@ -299,20 +313,21 @@ class _StoredCheck:
                         bad_bools.setdefault(member.path, e)
                 if member.path not in asked:
                     continue
-                if own.start == 0 and own.stop == member.nbytes:
-                    values[member.path] = digest(member.digest_fields(), piece)
-                    continue
-                hashing = streaming.get(member.path)
+                whole = own.start == 0 and own.stop == member.nbytes
+                hashing = LeafDigest(member.digest_fields()) if whole else streaming.get(member.path)
                 if hashing is None:
                     hashing = streaming[member.path] = LeafDigest(member.digest_fields())
-                hashing.update(piece)
-                if own.stop == member.nbytes:
+                hashing.update_raw(piece)
+                if whole:
+                    values[member.path] = hashing.value
+                elif own.stop == member.nbytes:
                     values[member.path] = streaming.pop(member.path).value
 
         chunk = PACK_CHUNK_BYTES  # what names a damaged chunk, once the layout is known
         try:
-            chunk = self.stored.packed_layout.chunk[0]
-            self.stored.scan([packing.record], settle)
+            layout = self.stored.packed_layout
+            chunk = layout.chunk[0]
+            self.stored.scan([(packing.record, layout, settle)], packing.length)
         except CheckpointError as e:
             failures.append((0, packing.length, str(e)))
         damaged: dict[str, CheckpointError] = {}
