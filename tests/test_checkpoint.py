@@ -182,3 +182,23 @@ def test_a_lazy_read_of_a_whole_leaf_checks_its_digest(tmp_path):
     p.write_bytes(p_bytes)
     q.write_bytes(q_bytes)
     np.testing.assert_array_equal(eqxckpt.open(tmp_path / "c")["q"].get(), np.ones((300, 300), np.float32))
+
+
+def test_every_read_of_all_of_a_leaf_checks_its_digest(tmp_path):
+    """Reversed, or into a caller's buffer: a read of every element of a leaf is checked
+    against its digest, as `get` is (both returned the swapped leaf's bytes)."""
+    a = np.arange(90000, dtype=np.float32).reshape(300, 300)
+    eqxckpt.save(tmp_path / "c", {"a": a, "b": -a})
+    p, q = tmp_path / "c/a/c/0/0", tmp_path / "c/b/c/0/0"
+    p_bytes, q_bytes = p.read_bytes(), q.read_bytes()
+    p.write_bytes(q_bytes)
+    q.write_bytes(p_bytes)
+    ckpt = eqxckpt.open(tmp_path / "c")
+    for read in (lambda: ckpt["a"][::-1].get(), lambda: ckpt["a"][::-1, ::-1].get()):
+        with pytest.raises(eqxckpt.CorruptCheckpointError, match="'a'.*not the bytes saved"):
+            read()
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="'a'.*not the bytes saved"):
+        ckpt.read_into(ckpt.leaf("a"), (slice(0, 300), slice(0, 300)), np.empty((300, 300), np.float32))
+    p.write_bytes(p_bytes)
+    q.write_bytes(q_bytes)
+    np.testing.assert_array_equal(eqxckpt.open(tmp_path / "c")["a"][::-1].get(), a[::-1])

@@ -40,10 +40,10 @@ from .._manifest import MAX_PARSE_FACTOR, parse_json_object
 from .._paths import check_one_tree, encode_segment, key_entry_record
 from .._progress import Progress, advance, reporting
 from .._read._lazy import LazyArray
-from .._read._source import Boxes, Source, read_by_rows
+from .._read._source import Boxes, Source
 from .._storage import file_exists_error, read_capped, write_file
 from .._tree import flatten, is_prng_key_dtype
-from .._window import Task, read_window, run_windowed
+from .._window import Task, check_allocation, read_window, run_windowed
 from ._convert import aligned_empty
 
 if TYPE_CHECKING:  # JAX is imported where a tree is saved, not to read a file
@@ -163,6 +163,37 @@ class SafetensorsCheckpoint(Source):
             read_range(fd, offset + start * row_bytes, out, leaf.path)
 
         read_by_rows(leaf, boxes, window, read_rows)
+
+
+def read_by_rows(
+    leaf: StoredLeaf, boxes: Boxes, window: int, read_rows: Callable[[int, int, np.ndarray], None]
+) -> None:
+    """`Source._read_boxes` of a tensor read as runs of whole rows (``read_rows(start, stop,
+    out)``): a box of whole rows straight into its buffer; the others a window of rows at a
+    time (at least one row, its memory checked), copied out, so each row is read once."""
+    shape, dtype = leaf.data_shape, np.dtype(leaf.dtype)
+    boxes = [(box, out) for box, out in boxes if out.size]
+    whole = lambda box: box[0].step == 1 and all(r == range(n) for r, n in zip(box[1:], shape[1:]))  # noqa: E731
+    if all(whole(box) for box, _ in boxes):
+        for box, out in boxes:
+            read_rows(box[0].start, box[0].stop, out)
+        return
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    start, stop = min(box[0][0] for box, _ in boxes), max(box[0][-1] + 1 for box, _ in boxes)
+    step = max(1, window // max(1, row_bytes))
+    for a in range(start, stop, step):
+        b = min(stop, a + step)
+        check_allocation((b - a) * row_bytes, f"Reading leaf {leaf.path!r}")
+        rows = aligned_empty((b - a, *shape[1:]), dtype)
+        read_rows(a, b, rows)
+        for box, out in boxes:
+            wanted = box[0]  # the box's rows within [a, b): a run of its own indices
+            first = max(0, -(-(a - wanted.start) // wanted.step))
+            last = min(len(wanted), max(0, -(-(b - wanted.start) // wanted.step)))
+            if first < last:
+                taken = wanted[first:last]
+                rest = tuple(slice(r.start, r.stop, r.step) for r in box[1:])
+                out[first:last] = rows[(slice(taken.start - a, taken.stop - a, taken.step), *rest)]
 
 
 def read_range(fd: int, offset: int, buffer: np.ndarray, path: str) -> None:

@@ -229,6 +229,8 @@ class Source(abc.ABC):
         else:
             with reading(leaf):
                 self._read_boxes(leaf, [(box, out)], read_window(out.nbytes))
+                if out.shape == leaf.data_shape:  # all of it: checked as a whole read is
+                    self._check_digest(leaf, out)
         check_bool_bytes(out, leaf.path)
 
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
@@ -250,7 +252,9 @@ class Source(abc.ABC):
         """
         box = selection.box()
         refuse_unheld(leaf, box)
-        if self.chunk_shapes([leaf])[0] is None or selection.covers(leaf.data_shape):
+        # Every element (in any order): read whole, so its digest is checked.
+        every = len(box) == len(leaf.data_shape) and all(len(r) == n for r, n in zip(box, leaf.data_shape))
+        if every or self.chunk_shapes([leaf])[0] is None:
             data = self._whole(leaf)
             check_bool_bytes(data, leaf.path)  # all of it: a selection could skip a damaged byte
             return selection.take(data)
@@ -341,11 +345,16 @@ class Source(abc.ABC):
         reserve = lambda nbytes: check_allocation(nbytes, f"Reading leaf {leaf.path!r} of {self.location}")  # noqa: E731
         with reading(leaf):
             self._fetch([leaf], lambda _, data: found.append(data), reserve)
-            if leaf.blocks is None and (digesting := leaf.digesting()) is not None:
-                leaf.check_known()
-                digesting.update(found[0])
-                leaf.check_digest(digesting.value)
+            self._check_digest(leaf, found[0])
         return found[0]
+
+    def _check_digest(self, leaf: StoredLeaf, data: np.ndarray) -> None:
+        """Raise `CorruptCheckpointError` unless ``data``, all of ``leaf`` as stored, is what
+        was saved (where the manifest records a digest; a part's leaf is checked by blocks)."""
+        if leaf.blocks is None and (digesting := leaf.digesting()) is not None:
+            leaf.check_known()
+            digesting.update(data)
+            leaf.check_digest(digesting.value)
 
     def consistent(self) -> contextlib.AbstractContextManager[None]:
         """Reads inside come from this checkpoint alone, or raise `CheckpointChangedError`.
@@ -543,38 +552,6 @@ def refuse_unheld(leaf: StoredLeaf, box: Sequence[range]) -> None:
         extent = tuple((r.start, r.stop) if len(r) else (0, 0) for r in box)
         if not any(inside(extent, block) for block in leaf.blocks):
             raise ArgumentError(f"Leaf {leaf.path!r}: {leaf.unheld(None)}; select within one of those blocks.")
-
-
-def read_by_rows(
-    leaf: StoredLeaf, boxes: Boxes, window: int, read_rows: Callable[[int, int, np.ndarray], None]
-) -> None:
-    """`Source._read_boxes` for a format that reads runs of whole rows (``read_rows(start,
-    stop, out)``): a box of whole rows straight into its buffer; the others a window of
-    rows at a time (at least one row, its memory checked), copied out, so each row is read
-    once."""
-    shape, dtype = leaf.data_shape, np.dtype(leaf.dtype)
-    boxes = [(box, out) for box, out in boxes if out.size]
-    whole = lambda box: box[0].step == 1 and all(r == range(n) for r, n in zip(box[1:], shape[1:]))  # noqa: E731
-    if all(whole(box) for box, _ in boxes):
-        for box, out in boxes:
-            read_rows(box[0].start, box[0].stop, out)
-        return
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    start, stop = min(box[0][0] for box, _ in boxes), max(box[0][-1] + 1 for box, _ in boxes)
-    step = max(1, window // max(1, row_bytes))
-    for a in range(start, stop, step):
-        b = min(stop, a + step)
-        check_allocation((b - a) * row_bytes, f"Reading leaf {leaf.path!r}")
-        rows = aligned_empty((b - a, *shape[1:]), dtype)
-        read_rows(a, b, rows)
-        for box, out in boxes:
-            wanted = box[0]  # the box's rows within [a, b): a run of its own indices
-            first = max(0, -(-(a - wanted.start) // wanted.step))
-            last = min(len(wanted), max(0, -(-(b - wanted.start) // wanted.step)))
-            if first < last:
-                taken = wanted[first:last]
-                rest = tuple(slice(r.start, r.stop, r.step) for r in box[1:])
-                out[first:last] = rows[(slice(taken.start - a, taken.stop - a, taken.step), *rest)]
 
 
 def checked_region(leaf: StoredLeaf, region: Any, out: Any) -> Region:
