@@ -1174,7 +1174,10 @@ def test_fault_model_across_processes(tmp_path, request):
         summary = f"job {job}: {processes} processes, victim {victim} after {delay:.2f} s; saved {sorted(saved)}, listed {listed}"
         print(summary)
         assert set(listed) <= attempted, summary
-        assert len(listed) <= 3 and (not listed or set(listed) >= {s for s in saved if s > max(listed) - 3}), summary
+        # A job killed after a step committed and before retention deleted the oldest keeps one
+        # step more (never one fewer); the next job's first save deletes it.
+        kept = 3 if victim is None else 4
+        assert len(listed) <= kept and (not listed or set(listed) >= {s for s in saved if s > max(listed) - 3}), summary
         for step in listed:
             got = eqxckpt.load(run / str(step))
             for name in SPECS:

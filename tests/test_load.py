@@ -302,16 +302,6 @@ def test_the_rules_are_transforms_everywhere():
         eqxckpt.apply_transformations(original, transformations=rules, new_tree=new)  # type: ignore[call-arg]
 
 
-@pytest.mark.multiprocess
-def test_sharded_restores_hold_the_saved_values_for_every_split(tmp_path):
-    """Onto 8 CPU devices (a worker process): by rows, columns, 2-D meshes, replicated,
-    PRNG keys, a 0-d leaf; chunks of 256 bytes that straddle blocks, partial edge chunks. Every
-    device's block is the saved values (each chunk read once, copied into each block)."""
-    from conftest import WORKERS, on_devices
-
-    assert on_devices(8, [str(WORKERS / "shard_probe.py"), str(tmp_path)]).strip().splitlines()[-1] == "15"
-
-
 def test_non_strict_says_why_it_could_not_help(tmp_path):
     eqxckpt.save(tmp_path / "c", {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)})
     like = {"a": np.ones(3, np.float32), "b": np.ones(5, np.float32), "c": jax.ShapeDtypeStruct((4,), jnp.float32)}

@@ -313,16 +313,6 @@ def test_unstacking_a_safetensors_file_reads_each_byte_once(tmp_path, monkeypatc
     assert read_bytes == {"blocks/w": 8 * 32 * 16 * 4, "blocks/b": 8 * 8}
 
 
-@pytest.mark.multiprocess
-def test_sharded_skeletons_along_every_axis_from_three_formats(tmp_path):
-    """Onto 4 CPU devices (a worker process): stacked along the layer axis and the others,
-    a 2-D mesh and replicated; rows by rows, columns, 2-D. Every device's block is the
-    stored values; eqxckpt's chunks (256 bytes, straddling blocks) are each read once."""
-    from conftest import WORKERS, on_devices
-
-    assert on_devices(4, [str(WORKERS / "layout_probe.py"), str(tmp_path)]).strip().splitlines()[-1] == "30"
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     layers=st.integers(1, 6),
@@ -505,54 +495,6 @@ def test_a_stacked_leaf_restored_whole_and_a_row_of_it_is_strict(tmp_path):
     out = eqxckpt.load(tmp_path / "s", like, transforms={"first": eqxckpt.Unstack("blocks/w", 0)})
     np.testing.assert_array_equal(out["first"], stacked_w[0])
     np.testing.assert_array_equal(out["blocks"]["w"], stacked_w)
-
-
-PINNED = """
-import sys
-import jax, numpy as np, eqxckpt
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-where = sys.argv[1]
-mesh = Mesh(np.array(jax.devices()), ("x",))
-pinned = lambda spec: NamedSharding(mesh, spec, memory_kind="pinned_host")
-x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
-eqxckpt.save(f"{where}/layers", {"blocks": [x, x + 1]})
-eqxckpt.save(f"{where}/stacked", {"blocks": np.stack([x, x + 1])})
-layer = [jax.ShapeDtypeStruct((8, 4), np.float32, sharding=pinned(P("x")))] * 2
-got = {  # (restored, expected)
-    "plain": (eqxckpt.load(f"{where}/layers", {"blocks": layer})["blocks"][1], x + 1),
-    "stack": (
-        eqxckpt.load(
-            f"{where}/layers",
-            {"blocks": jax.ShapeDtypeStruct((2, 8, 4), np.float32, sharding=pinned(P(None, "x")))},
-            transforms={"blocks": eqxckpt.Stack("blocks/{i}")},
-        )["blocks"],
-        np.stack([x, x + 1]),
-    ),
-    "unstack": (
-        eqxckpt.load(
-            f"{where}/stacked", {"blocks": layer}, transforms={r"blocks/(\\d+)": eqxckpt.Unstack("blocks", index=r"\\1")}
-        )["blocks"][1],
-        x + 1,
-    ),
-}
-for name, (value, want) in got.items():
-    kinds = {s.data.sharding.memory_kind for s in value.addressable_shards}
-    assert value.sharding.memory_kind == "pinned_host" and kinds == {"pinned_host"}, (name, kinds)
-    # Host memory is read shard by shard (indexing it would compute there).
-    assert all(np.asarray(s.data).tobytes() == want[s.index].tobytes() for s in value.addressable_shards), name
-    print(name, "pinned")
-"""
-
-
-def test_every_restore_path_lands_in_pinned_host_memory(tmp_path):
-    """#52: a plain restore, a `Stack` and an `Unstack` onto ``memory_kind="pinned_host"``
-    shardings over 2 CPU devices (optimizer state offloaded to host memory) each land there,
-    bit-exact; the layout restores raised a bare ``ValueError`` (a memory kind mismatch)."""
-    from conftest import on_devices
-
-    out = on_devices(2, ["-c", PINNED, str(tmp_path)])
-    assert out.split() == ["plain", "pinned", "stack", "pinned", "unstack", "pinned"], out
 
 
 def test_layout_restores_check_the_digest_of_each_leaf_they_read_whole(tmp_path):
