@@ -161,7 +161,9 @@ def run_cli(*args: str, terminal: bool = False) -> tuple[int, str, str]:
 def on_devices(devices: int, args: list[str], timeout: float = 300) -> str:
     """Run ``python *args`` in a fresh process whose JAX has ``devices`` CPU devices (a
     worker script under `WORKERS`, or ``-c`` and code); its stdout, once it succeeded."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    # The suite's XLA flags kept (its compiler at level 0: these check values, not speed).
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
