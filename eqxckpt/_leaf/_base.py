@@ -265,6 +265,19 @@ class StoredLeaf(Leaf):
                 leaf_path=self.path,
             )
 
+    def check_whole(self, data: Any) -> None:
+        """Raise unless ``data``, all of this leaf's stored values in C order (as read whole,
+        any dtype's bytes as stored), is what was saved: a kind this JAX knows, then the
+        manifest's digest. The one check of a leaf read whole (a restore, a lazy read, a
+        layer of a `Stack`, a transposed view's original); a part's leaf is checked block by
+        block as it is placed (`PlacedDigest`), a leaf read in pieces by `verify`."""
+        if self.digest is None or self.blocks is not None:
+            return
+        self.check_known()  # what it is (a PRNG implementation) before what it holds
+        digesting = LeafDigest(self.digest_fields())
+        digesting.update(data)
+        self.check_digest(digesting.value)
+
     def _fields(self) -> dict[str, Any]:
         fields = {"shape": list(self.shape), "dtype": self.dtype, "location": self.location}
         if self.offset is not None:

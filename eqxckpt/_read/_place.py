@@ -66,6 +66,27 @@ def held_blocks(
     return list(dict.fromkeys(slice_key(index, stored) for index in indices))
 
 
+def block_of(box: Sequence[range]) -> Block:
+    """The block a box of ranges (step 1) selects."""
+    return tuple((r.start, r.stop) for r in box)
+
+
+def bounding_block(blocks: Sequence[Block]) -> Block:
+    """The smallest block holding every one of ``blocks``.
+
+    ```python
+    bounding_block([((0, 2), (0, 3)), ((2, 4), (1, 3))])  # ((0, 4), (0, 3))
+    ```
+    """
+    return tuple((min(b[d][0] for b in blocks), max(b[d][1] for b in blocks)) for d in range(len(blocks[0])))
+
+
+def region_of(block: Block, within: Block | None = None) -> tuple[slice, ...]:
+    """``block`` as slices, relative to the start of ``within`` (a block holding it)."""
+    starts = [0] * len(block) if within is None else [a for a, _ in within]
+    return tuple(slice(a - s, b - s) for (a, b), s in zip(block, starts))
+
+
 def inside(inner: Block, outer: Block) -> bool:
     """Whether block ``inner`` lies within block ``outer``."""
     return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer))

@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._digest import digest
 from .._formats._convert import Adoption, Adoptions, aligned_empty, checked_astype
 from .._leaf import ArrayLeaf, StoredLeaf
 from .._progress import advance, unreported
 from .._storage import reading
 from .._window import Task, check_allocation, host_memory_budget, read_window, run_windowed, start_jax
-from ._place import Block, PlacedDigest, Placement, Reader, on_host
+from ._place import Block, PlacedDigest, Placement, Reader, block_of, bounding_block, on_host, region_of
 from ._read_once import read_once
 from ._restack import Layout, Row, Stacked, originals
 
@@ -129,10 +128,7 @@ def read_stored(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> l
         if again and data.nbytes:
             data = data.copy()
         with reading(leaf):
-            if (digesting := leaf.digesting()) is not None:
-                leaf.check_known()  # what it is (a PRNG implementation) before what it holds
-                digesting.update(data)
-                leaf.check_digest(digesting.value)
+            leaf.check_whole(data)
             values[whole[j]] = leaf.finish(data, target, adoptions)
         advance(leaf.nbytes)
 
@@ -211,25 +207,10 @@ def _read_layouts(source: "Source", layouts: Sequence[tuple[Layout, Any]]) -> li
         if isinstance(layout, Stacked) and placed is not None:  # a leaf at a time, its bands within the budget
 
             def read(boxes: "Boxes", window: int, layout: Stacked = layout) -> None:
-                run_windowed(_layer_tasks(reader, layout, [(_block(box), out) for box, out in boxes]), window)
+                run_windowed(_layer_tasks(reader, layout, [(block_of(box), out) for box, out in boxes]), window)
 
             values[i] = _placed(layout.leaf, target, placed, read, read_window(layout.leaf.nbytes))
     return values
-
-
-def _block(box: Sequence[range]) -> Block:
-    return tuple((r.start, r.stop) for r in box)
-
-
-def _bounds(blocks: Sequence[Block]) -> Block:
-    """The smallest block holding every one of ``blocks``."""
-    return tuple((min(k[d][0] for k in blocks), max(k[d][1] for k in blocks)) for d in range(len(blocks[0])))
-
-
-def _region(block: Block, within: Block | None = None) -> tuple[slice, ...]:
-    """``block`` as slices, relative to the start of ``within``."""
-    starts = [0] * len(block) if within is None else [a for a, _ in within]
-    return tuple(slice(a - s, b - s) for (a, b), s in zip(block, starts))
 
 
 def _stacked_tasks(reader: _Originals, stacked: Stacked, target: Any, done: Callable[[Any], None]) -> Iterator[Task]:
@@ -257,12 +238,12 @@ def _layer_tasks(reader: _Originals, stacked: Stacked, blocks: Sequence[tuple[Bl
         holding = [(block, out) for block, out in blocks if block[0][0] <= i < block[0][1]]
         if not holding:
             continue
-        bounds = _bounds([block[1:] for block, _ in holding])
+        bounds = bounding_block([block[1:] for block, _ in holding])
         stored_dtype = np.dtype(layer.dtype)
         nbytes = math.prod(b - a for a, b in bounds) * stored_dtype.itemsize
 
         def work(i: int = i, layer: ArrayLeaf = layer, holding: list = holding, bounds: Block = bounds) -> None:
-            region = _region(bounds)
+            region = region_of(bounds)
             (block, only), stored_dtype = holding[0], np.dtype(layer.dtype)
             # The layer's every byte: its digest is checked (unless it was, read whole beforehand).
             whole = bounds == tuple((0, n) for n in layer.shape) and not reader.checked(layer)
@@ -270,24 +251,18 @@ def _layer_tasks(reader: _Originals, stacked: Stacked, blocks: Sequence[tuple[Bl
                 slab = only[i - block[0][0], ...]  # its slab: C-contiguous (a view, even 0-d)
                 reader.into(layer, region, slab)
                 if whole:
-                    _check_digest(layer, slab)
+                    with reading(layer):
+                        layer.check_whole(slab)
                 return
             part = aligned_empty(tuple(b - a for a, b in bounds), stored_dtype)
             reader.into(layer, region, part)
             if whole:
-                _check_digest(layer, part)
+                with reading(layer):
+                    layer.check_whole(part)
             for block, out in holding:
-                out[i - block[0][0]] = checked_astype(part[_region(block[1:], bounds)], out.dtype, stacked.leaf.path)
+                out[i - block[0][0]] = checked_astype(part[region_of(block[1:], bounds)], out.dtype, stacked.leaf.path)
 
         yield nbytes, work, None
-
-
-def _check_digest(leaf: ArrayLeaf, data: np.ndarray) -> None:
-    """Raise `CorruptCheckpointError` unless ``data``, all of ``leaf`` as stored, is what
-    was saved (where the manifest records its digest)."""
-    if leaf.digest is not None:
-        with reading(leaf):
-            leaf.check_digest(digest(leaf.digest_fields(), data))
 
 
 def _row_tasks(
@@ -304,7 +279,7 @@ def _row_tasks(
     row_bytes = math.prod(row_shape) * dtype.itemsize
     plans = []
     for i, row, target, placed in sorted(wanted, key=lambda item: item[1].index):
-        bounds = _bounds(list(placed.devices)) if placed is not None else tuple((0, n) for n in row_shape)
+        bounds = bounding_block(list(placed.devices)) if placed is not None else tuple((0, n) for n in row_shape)
         plans.append((i, row, target, placed, bounds))
     # Every row once, whole: the windows, settled in order, are the stacked leaf's bytes in
     # C order, so its digest is checked as they arrive.
@@ -336,7 +311,7 @@ def _row_tasks(
             def work(
                 a: int = a, b: int = b, window: np.ndarray = window, bounds: Block = bounds, low: int = low
             ) -> None:
-                reader.into(stacked, (slice(a, b), *_region(bounds)), window[a - low : b - low])
+                reader.into(stacked, (slice(a, b), *region_of(bounds)), window[a - low : b - low])
 
             last = start == len(plans)
 
@@ -368,7 +343,7 @@ def _settle(group: list, window: np.ndarray, values: list[Any]) -> None:
 
         def read(boxes: "Boxes", window: int, part: np.ndarray = part, bounds: Block = bounds) -> None:
             for box, out in boxes:
-                out[...] = part[_region(_block(box), bounds)]
+                out[...] = part[region_of(block_of(box), bounds)]
 
         values[i] = _placed(row.leaf, target, placed, read, 0)
 

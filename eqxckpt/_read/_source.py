@@ -230,7 +230,7 @@ class Source(abc.ABC):
             with reading(leaf):
                 self._read_boxes(leaf, [(box, out)], read_window(out.nbytes))
                 if out.shape == leaf.data_shape:  # all of it: checked as a whole read is
-                    self._check_digest(leaf, out)
+                    leaf.check_whole(out)
         check_bool_bytes(out, leaf.path)
 
     def read_selection(self, leaf: StoredLeaf, selection: Selection) -> np.ndarray:
@@ -345,16 +345,8 @@ class Source(abc.ABC):
         reserve = lambda nbytes: check_allocation(nbytes, f"Reading leaf {leaf.path!r} of {self.location}")  # noqa: E731
         with reading(leaf):
             self._fetch([leaf], lambda _, data: found.append(data), reserve)
-            self._check_digest(leaf, found[0])
+            leaf.check_whole(found[0])
         return found[0]
-
-    def _check_digest(self, leaf: StoredLeaf, data: np.ndarray) -> None:
-        """Raise `CorruptCheckpointError` unless ``data``, all of ``leaf`` as stored, is what
-        was saved (where the manifest records a digest; a part's leaf is checked by blocks)."""
-        if leaf.blocks is None and (digesting := leaf.digesting()) is not None:
-            leaf.check_known()
-            digesting.update(data)
-            leaf.check_digest(digesting.value)
 
     def consistent(self) -> contextlib.AbstractContextManager[None]:
         """Reads inside come from this checkpoint alone, or raise `CheckpointChangedError`.

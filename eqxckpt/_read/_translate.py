@@ -192,9 +192,7 @@ class TranslatedSource(Source):
             if leaves[i].path in self._transposed:
                 # Its bytes as stored are the original's: checked against the original's digest.
                 with reading(origin):
-                    if (digesting := origin.digesting()) is not None:
-                        digesting.update(data)
-                        origin.check_digest(digesting.value)
+                    origin.check_whole(data)
                 data = np.ascontiguousarray(data.T)
             done(i, data)
 
