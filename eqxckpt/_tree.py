@@ -243,7 +243,17 @@ def build_plain_tree(pairs: list[tuple[tuple[tuple[Any, ...], ...], Any]], depth
         keys = keys[depth:]
         for i, (kind, key, *_) in enumerate(keys):
             node.kind = "list" if kind in ("seq", "index") else "dict"
-            if i == len(keys) - 1:
+            last = i == len(keys) - 1
+            held = node.get(key)
+            # A name that is both a leaf and a subtree (or two leaves) has no one tree: refused,
+            # whichever came first, never one of them dropped.
+            if key in node and (last or not isinstance(held, _Node)):
+                where = "/".join(str(k[1]) for k in keys[: i + 1])
+                raise ManifestError(
+                    f"{where!r} is both a leaf and a subtree, or two leaves: the checkpoint's names make no one "
+                    "tree. It is damaged or crafted, or its format's listing is wrong; read its leaves by path."
+                )
+            if last:
                 node[key] = value
             else:
                 node = node.setdefault(key, _Node())

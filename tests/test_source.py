@@ -203,3 +203,31 @@ def test_a_new_format_is_a_fetch_and_a_box_reader(tmp_path, monkeypatch):
     translator.add(r"w")(lambda opts, key, value: ("kernel", value))
     view = translator.apply(rows)
     np.testing.assert_array_equal(view["kernel"][3].get(), arrays["w"][3])
+
+
+def test_a_format_listing_a_leaf_and_a_subtree_of_one_name_is_refused():
+    """A format's listing is its author's: one that names ``a`` both a leaf and a subtree
+    has no one tree. The tree builder refuses it, naming it (it raised a bare TypeError
+    or AttributeError, after reading)."""
+    rows = Rows({"a": np.ones(2, np.float32), "a/b": np.zeros(2, np.float32)})
+    for build in (lambda: eqxckpt.load(rows), rows.tree):
+        with pytest.raises(eqxckpt.ManifestError, match="'a' is both a leaf and a subtree"):
+            build()
+    np.testing.assert_array_equal(rows["a/b"].get(), np.zeros(2, np.float32))  # each leaf still reads by path
+
+
+def test_a_formats_own_failure_in_a_restore_names_the_leaves_it_was_reading():
+    """A format may raise its own errors from `_fetch`; a lazy read named the leaf, but a
+    restore let the bare OSError out (the third outside attack of #52)."""
+    import jax.numpy as jnp
+
+    class Failing(Rows):
+        def _fetch(self, leaves, done, reserve):
+            raise OSError("disk on fire")
+
+    failing = Failing({"w": np.ones((3, 2), np.float32)})
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match=r"\['w'\].*OSError: disk on fire") as caught:
+        eqxckpt.load(failing, {"w": jnp.zeros((3, 2))})
+    assert caught.value.leaf_path == "w"
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match="'w'"):
+        failing["w"].get()

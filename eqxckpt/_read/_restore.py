@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._errors import CheckpointError, CorruptCheckpointError
 from .._formats._convert import Adoption, Adoptions, aligned_empty, checked_astype
 from .._leaf import ArrayLeaf, StoredLeaf
 from .._progress import advance, unreported
@@ -136,7 +137,17 @@ def read_stored(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> l
         check_allocation(nbytes, f"Restoring {len(wanted)} leaves from {source.location}")
 
     if whole or not wanted:
-        source._fetch([wanted[i][0] for i in whole], done, reserve)
+        try:
+            source._fetch([wanted[i][0] for i in whole], done, reserve)
+        except CheckpointError:
+            raise
+        except Exception as e:  # a format's own failure, raised as it is: named here
+            pending = [wanted[i][0].path for i in whole if values[i] is None]
+            raise CorruptCheckpointError(
+                f"Reading leaves {pending[:5]}{' ...' if len(pending) > 5 else ''} of {source.location} failed: "
+                f"{type(e).__name__}: {e}. Its files are damaged or unreadable.",
+                leaf_path=pending[0] if pending else None,
+            ) from e
         adoptions.place()
         for i in whole:
             if isinstance(values[i], Adoption):
