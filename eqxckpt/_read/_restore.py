@@ -120,6 +120,7 @@ def read_stored(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> l
     # a jax array adopts its buffer and a numpy value of the same buffer could change it.
     handed: set[tuple[int, int]] = set()
     lock = threading.Lock()
+    ours: list[BaseException] = []  # raised by the caller's own code, never the format's
 
     def done(j: int, data: np.ndarray) -> None:
         leaf, target = wanted[whole[j]]
@@ -131,7 +132,11 @@ def read_stored(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> l
         with reading(leaf):
             leaf.check_whole(data)
             values[whole[j]] = leaf.finish(data, target, adoptions)
-        advance(leaf.nbytes)
+        try:
+            advance(leaf.nbytes)
+        except BaseException as e:  # the caller's progress callback: comes through as itself
+            ours.append(e)
+            raise
 
     def reserve(nbytes: int) -> None:
         check_allocation(nbytes, f"Restoring {len(wanted)} leaves from {source.location}")
@@ -142,6 +147,8 @@ def read_stored(source: "Source", wanted: Sequence[tuple[StoredLeaf, Any]]) -> l
         except CheckpointError:
             raise
         except Exception as e:  # a format's own failure, raised as it is: named here
+            if any(e is mine for mine in ours):
+                raise
             pending = [wanted[i][0].path for i in whole if values[i] is None]
             raise CorruptCheckpointError(
                 f"Reading leaves {pending[:5]}{' ...' if len(pending) > 5 else ''} of {source.location} failed: "
