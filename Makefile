@@ -3,8 +3,8 @@
 # clone, packages from a local mirror (/usr/bin/time, du -sh .venv): make demo's install
 # took 26-37 s (two runs) for 713 MB, then its run 40 s; make test took 28 min 51 s in
 # all, 24 min 51 s of it the suite of 1021 tests in one process (idle), in a 2.8 GB venv;
-# with two workers (pytest-xdist, below) the suite of 1049 tests took 10 min 15 s
-# (.ci/run from a fresh clone, about 14 min in all).
+# in three workers (pytest-xdist, below) the suite of 1296 tests took 10 min 07 s
+# (.ci/run from a fresh clone, idle, 2026-12-07: 10 min 37 s in all).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -48,8 +48,7 @@ demo: $(VENV)/.demo-installed
 # with a file at a time (loadfile). Many tests wait on worker processes, servers and
 # barriers, so a third worker helps on 2 cores: from a fresh clone (.ci/run) the suite
 # of 1116 tests took 15 min 04 s with three, 16 min 32 s with two, on the same machine
-# the same evening (it took 11 min 48 s with two on an idle day). Each worker peaks at
-# about 4.4 GB.
+# the same evening. Each worker peaks at about 4.4 GB.
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
