@@ -26,6 +26,7 @@ from ._errors import CheckpointError
 from ._leaf import StoredLeaf
 from ._paths import PACKED_LOCATION
 from ._read._place import Block
+from ._window import host_memory_budget
 
 CRC_BYTES = 4
 # Chunks are bounded so a partial or resharded read touches little more than
@@ -163,14 +164,16 @@ class ChunkFiles(abc.ABC):
         """Write the file ``key`` holding ``pieces`` (bytes), one after another."""
 
     @abc.abstractmethod
-    def read(self, key: str, into: Sequence[np.ndarray]) -> None:
-        """Fill ``into`` (writable byte buffers) with the file ``key``, which must hold
-        exactly their total size; a `ChunkFileError` says why not."""
+    def read(self, key: str, into: Sequence[np.ndarray], at: int = 0, size: int | None = None) -> None:
+        """Fill ``into`` (writable byte buffers) with the bytes of the file ``key`` from
+        offset ``at`` on (a range of it: a slab of a large chunk). The file must hold
+        exactly ``size`` bytes (by default, ``at`` plus the buffers' total); a
+        `ChunkFileError` says why not."""
 
-    async def reading(self, key: str, into: Sequence[np.ndarray]) -> None:
+    async def reading(self, key: str, into: Sequence[np.ndarray], at: int = 0, size: int | None = None) -> None:
         """`read`, awaiting its requests (`_window.done`) where they go over a network; a
         local disk's read runs at once: it is fast, and blocks in the kernel, not on a future."""
-        self.read(key, into)
+        self.read(key, into, at, size)
 
     async def writing(self, key: str, pieces: Sequence[np.ndarray]) -> None:
         """`write`, as `reading` is `read`. ``pieces`` stay unchanged until it returns."""
@@ -402,34 +405,30 @@ def encode(layout: ChunkLayout, part: Region, data: np.ndarray | list[np.ndarray
 async def read_chunk(files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, out: np.ndarray) -> None:
     """Read the chunk file ``key``, check its checksum, and put its values for ``part``
     into ``out`` (shaped like ``part``): straight into ``out`` when those are the file's
-    first bytes and ``out`` is contiguous, else through a buffer of the whole chunk."""
+    first bytes and ``out`` is contiguous, else a slab at a time (`read_slabs`)."""
     extent = tuple(s.stop - s.start for s in part)
+    if not (_leads(extent, layout.chunk) and out.flags.c_contiguous):
+        await read_slabs(files, key, layout, [(tuple(slice(0, n) for n in extent), out)])
+        return
     stored = np.empty(CRC_BYTES, np.uint8)
-    if _leads(extent, layout.chunk) and out.flags.c_contiguous:
-        body = _bytes_of(out)
-        pieces = [body, np.empty(layout.chunk_nbytes - body.size, np.uint8)]
-        pieces = [piece for piece in pieces if piece.size]
-        await files.reading(key, [*pieces, stored])
-    else:
-        whole = np.empty(layout.chunk, layout.dtype)
-        pieces = [_bytes_of(whole)]
-        await files.reading(key, [*pieces, stored])
-        out[...] = whole[tuple(slice(0, n) for n in extent)]
-    _check(key, pieces, stored)
+    body = _bytes_of(out)
+    pieces = [body, np.empty(layout.chunk_nbytes - body.size, np.uint8)]
+    pieces = [piece for piece in pieces if piece.size]
+    await files.reading(key, [*pieces, stored])
+    _check(key, _crc(pieces), stored)
 
 
 async def read_into(
     files: ChunkFiles, key: str, layout: ChunkLayout, part: Region, take: Region, into: np.ndarray
 ) -> None:
     """Read the chunk file ``key`` holding ``part`` (see `ChunkLayout.parts`), check it, and
-    put its elements ``take`` into ``into``: straight in when that is the whole part."""
+    put its elements ``take`` into ``into``: straight in when that is the whole part, else
+    a slab at a time (`read_slabs`)."""
     extent = tuple(s.stop - s.start for s in part)
     if all(t.start == 0 and t.stop == n and t.step in (None, 1) for t, n in zip(take, extent)):
         await read_chunk(files, key, layout, part, into)
         return
-    whole = np.empty(layout.chunk, layout.dtype)  # the file's bytes, padding and all: read straight in
-    await read_chunk(files, key, layout, tuple(slice(s.start, s.start + c) for s, c in zip(part, layout.chunk)), whole)
-    into[...] = whole[take]
+    await read_slabs(files, key, layout, [(take, into)])
 
 
 async def read_scattered(
@@ -441,17 +440,69 @@ async def read_scattered(
     Where the targets split the chunk along one dimension and take whole what follows it
     (rows of a leaf split by rows or by columns between devices), the file is read straight
     into their buffers, a run each, with no buffer of the whole chunk: a sharded restore
-    then holds no more than its window. Otherwise through a buffer of the chunk."""
+    then holds no more than its window. Otherwise a slab at a time (`read_slabs`)."""
     pieces = _scatter(layout, part, targets)
     if pieces is None:
-        whole = np.empty(tuple(s.stop - s.start for s in part), layout.dtype)
-        await read_into(files, key, layout, part, tuple(slice(0, n) for n in whole.shape), whole)
-        for take, into in targets:
-            into[...] = whole[take]
+        await read_slabs(files, key, layout, targets)
         return
     stored = np.empty(CRC_BYTES, np.uint8)
     await files.reading(key, [*pieces, stored])
-    _check(key, pieces, stored)
+    _check(key, _crc(pieces), stored)
+
+
+# Most bytes of a chunk file read at a time where its values cannot go straight into their
+# buffers (and at most the host memory budget): what such a read holds beyond its result,
+# however large the chunk.
+SLAB_BYTES = 4 << 20
+
+
+async def read_slabs(
+    files: ChunkFiles, key: str, layout: ChunkLayout, targets: Sequence[tuple[Region, np.ndarray]]
+) -> None:
+    """Read the chunk file ``key`` a slab at a time (consecutive indices of its first
+    dimension longer than one, ranged reads of at most `SLAB_BYTES` and the host memory
+    budget, one index at least), carrying its checksum from slab to slab and checking it at the end, and put each
+    ``(take, into)`` of ``targets`` (selections relative to the chunk's origin, steps
+    allowed) into ``into`` as its slabs pass. Values reach ``into`` before the checksum
+    is checked: a caller whose read raises discards them."""
+    chunk, itemsize = layout.chunk, layout.dtype.itemsize
+    split = next((d for d, n in enumerate(chunk) if n > 1), 0)
+    rows = chunk[split] if chunk else 1
+    row_bytes = math.prod(chunk[split + 1 :]) * itemsize
+    per_slab = max(1, min(rows, min(SLAB_BYTES, host_memory_budget()) // max(row_bytes, 1)))
+    slab = np.empty((per_slab, *chunk[split + 1 :]), layout.dtype)
+    stored = np.empty(CRC_BYTES, np.uint8)
+    size, value = layout.chunk_nbytes + CRC_BYTES, 0
+    for first in range(0, rows, per_slab):
+        count = min(per_slab, rows - first)
+        body = _bytes_of(slab[:count])
+        last = first + count == rows
+        await files.reading(key, [body, stored] if last else [body], first * row_bytes, size)
+        value = crc32c(body.data, value)
+        for take, into in targets:
+            _put_rows(slab[:count], first, split, take, into)
+    _check(key, value, stored)
+
+
+def _put_rows(slab: np.ndarray, first: int, split: int, take: Region, into: np.ndarray) -> None:
+    """Put what ``take`` selects of the chunk's indices ``first`` on along dimension
+    ``split`` (``slab``, the dimensions after it whole; those before it of length one)
+    into ``into``, which holds all that ``take`` selects."""
+    if not take:  # a scalar's chunk
+        into[...] = slab.reshape(())
+        return
+    selected = take[split]
+    start, step = selected.start or 0, selected.step or 1
+    low = max(start, first)
+    low += -(low - start) % step  # the first index ``take`` selects in this slab
+    high = min(selected.stop, first + len(slab))
+    if low >= high or not into.size:
+        return
+    at = (low - start) // step
+    count = len(range(low, high, step))
+    into[(*(slice(None),) * split, slice(at, at + count))] = slab[
+        (slice(low - first, high - first, step), *take[split + 1 :])
+    ]
 
 
 def _scatter(layout: ChunkLayout, part: Region, targets: list[tuple[Region, np.ndarray]]) -> list[np.ndarray] | None:
@@ -517,9 +568,8 @@ def chunk_file_sound(raw: bytes) -> bool:
     return len(raw) >= 4 and crc32c(raw[:-4]) == int.from_bytes(raw[-4:], "little")
 
 
-def _check(key: str, pieces: Sequence[np.ndarray], stored: np.ndarray) -> None:
-    """Raise unless ``stored`` is the CRC-32C of ``pieces``."""
-    computed = _crc(pieces)
+def _check(key: str, computed: int, stored: np.ndarray) -> None:
+    """Raise unless ``stored`` is ``computed``, the CRC-32C of the file's bytes."""
     if computed != int.from_bytes(stored.tobytes(), "little"):
         raise ChunkFileError(
             f"chunk {key} fails its CRC-32C checksum (stored {int.from_bytes(stored.tobytes(), 'little'):08x}, "

@@ -12,6 +12,7 @@ import xxhash
 
 from ._dtypes import little_endian
 from ._errors import ManifestError
+from ._window import host_memory_budget
 
 ALGORITHM = "xxh3-128"
 _FORMAT = re.compile(rf"{ALGORITHM}:[0-9a-f]{{32}}")
@@ -126,8 +127,8 @@ class Tiled:
 
     def update(self, hashing: Any) -> None:
         """Feed ``hashing`` the leaf's bytes as stored, in C order: a band of rows (of the
-        blocks starting at the same row) at a time, assembled in a buffer of at most
-        `TILED_BAND_BYTES` rows."""
+        blocks starting at the same row) at a time, assembled in one buffer of at most
+        `TILED_BAND_BYTES` and the host memory budget (one row at least)."""
         if not self.shape:
             hashing.update(_stored_bytes(self.blocks[0][1]))
             return
@@ -136,11 +137,13 @@ class Tiled:
         bands: dict[tuple[int, int], list[tuple[tuple[tuple[int, int], ...], np.ndarray]]] = {}
         for block, data in self.blocks:
             bands.setdefault(block[0], []).append((block, data))
+        # One buffer for every band, so that no two are held at once.
+        step = max(1, min(TILED_BAND_BYTES, host_memory_budget()) // row)
+        whole = np.empty((min(step, self.shape[0]), *self.shape[1:]), dtype)
         for (start, stop), members in sorted(bands.items()):
-            step = max(1, TILED_BAND_BYTES // row)
             for first in range(start, stop, step):
                 last = min(stop, first + step)
-                buffer = np.empty((last - first, *self.shape[1:]), dtype)
+                buffer = whole[: last - first]
                 for block, data in members:
                     buffer[(slice(None), *(slice(a, b) for a, b in block[1:]))] = data[first - start : last - start]
                 hashing.update(_stored_bytes(buffer))

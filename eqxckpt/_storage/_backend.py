@@ -370,16 +370,17 @@ class KvChunkFiles(ChunkFiles):
     def write(self, key: str, pieces: Sequence[np.ndarray]) -> None:
         blocking(self.writing(key, pieces))
 
-    def read(self, key: str, into: Sequence[np.ndarray]) -> None:
-        blocking(self.reading(key, into))
+    def read(self, key: str, into: Sequence[np.ndarray], at: int = 0, size: int | None = None) -> None:
+        blocking(self.reading(key, into, at, size))
 
     async def writing(self, key: str, pieces: Sequence[np.ndarray]) -> None:
         written = self._store.write(key, b"".join(piece.data for piece in pieces))
         await done([written])
         written.result()
 
-    async def reading(self, key: str, into: Sequence[np.ndarray]) -> None:
-        wanted = sum(buffer.nbytes for buffer in into)
+    async def reading(self, key: str, into: Sequence[np.ndarray], at: int = 0, size: int | None = None) -> None:
+        end = at + sum(buffer.nbytes for buffer in into)
+        wanted = end if size is None else size
         # Ranged parts in flight hold their bytes until they are copied into place: at
         # most the host memory budget of them at once (a large chunk, a small budget).
         budget = host_memory_budget()
@@ -387,10 +388,10 @@ class KvChunkFiles(ChunkFiles):
         group = max(part, budget // part * part)
         targets = _Targets(into)
         generations = set()
-        for start in range(0, wanted, group) if wanted else range(1):
+        for start in range(at, end, group) if end > at else range(at, at + 1):
             # Never more than the chunk's size is downloaded: a larger object is refused unread
             # (the byte past its end is asked for too), a smaller one when a range passes its end.
-            parts = read_parts(self._store, key, wanted, part, start, min(start + group, wanted))
+            parts = read_parts(self._store, key, wanted, part, start, min(start + group, end))
             await done([parts])
             try:
                 results = parts.result()
@@ -407,7 +408,7 @@ class KvChunkFiles(ChunkFiles):
             if len(generations) > 1:
                 raise ChunkFileError(f"chunk file {key} was replaced while it was read")
             values = [result.value for result in results]
-            if sum(len(value) for value in values) != min(group, wanted - start):  # each range was checked whole
+            if sum(len(value) for value in values) != min(group, end - start):  # each range was checked whole
                 raise ChunkFileError(f"chunk file {key} was cut short while it was read")
             for value in values:
                 targets.put(value)

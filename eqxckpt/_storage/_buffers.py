@@ -140,15 +140,15 @@ class _BufferChunkFiles(ChunkFiles):
     def write(self, key: str, pieces: Sequence[np.ndarray]) -> None:
         raise ChunkFileError(f"chunk file {key} cannot be written: the checkpoint is a read-only copy in memory")
 
-    def read(self, key: str, into: Sequence[np.ndarray]) -> None:
+    def read(self, key: str, into: Sequence[np.ndarray], at: int = 0, size: int | None = None) -> None:
         data = self._files.files.get(f"{self._prefix}{key}")
         if data is None:
             raise ChunkFileError(f"chunk file {key} is missing")
-        wanted = sum(buffer.nbytes for buffer in into)
-        if data.nbytes != wanted:
-            raise ChunkFileError(f"chunk file {key} holds {data.nbytes} bytes, not {wanted}")
+        size = at + sum(buffer.nbytes for buffer in into) if size is None else size
+        if data.nbytes != size:
+            raise ChunkFileError(f"chunk file {key} holds {data.nbytes} bytes, not {size}")
         source = data.data.cast("B")
-        offset = 0
+        offset = at
         for buffer in into:
             target = buffer.data.cast("B")
             target[:] = source[offset : offset + target.nbytes]

@@ -31,7 +31,7 @@ class LocalChunkFiles(ChunkFiles):
         finally:
             os.close(fd)
 
-    def read(self, key: str, into: Sequence[np.ndarray]) -> None:
+    def read(self, key: str, into: Sequence[np.ndarray], at: int = 0, size: int | None = None) -> None:
         try:
             # Never through a symlink: it could lead out of the checkpoint.
             fd = os.open(f"{self._root}/{key}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -40,11 +40,12 @@ class LocalChunkFiles(ChunkFiles):
         except OSError as e:
             raise ChunkFileError(f"chunk file {key} cannot be read ({e.strerror})") from None
         try:
-            size, wanted = os.fstat(fd).st_size, sum(buffer.nbytes for buffer in into)
-            if size != wanted:
-                raise ChunkFileError(f"chunk file {key} holds {size} bytes, not {wanted}")
+            held, wanted = os.fstat(fd).st_size, sum(buffer.nbytes for buffer in into)
+            size = at + wanted if size is None else size
+            if held != size:
+                raise ChunkFileError(f"chunk file {key} holds {held} bytes, not {size}")
             buffers = [buffer.data.cast("B") for buffer in into]
-            offset = 0
+            offset = at
             while buffers:
                 got = os.preadv(fd, buffers[:_IOV_MAX], offset)
                 if got == 0:

@@ -98,8 +98,8 @@ class Counters:
                     super().write(key, pieces)
                     counts["written"] += sum(p.nbytes for p in pieces)
 
-                def read(self, key, into):
-                    super().read(key, into)
+                def read(self, key, into, at=0, size=None):
+                    super().read(key, into, at, size)
                     counts["read"] += sum(b.nbytes for b in into)
 
             local.LocalChunkFiles = Counted  # type: ignore[misc]
