@@ -228,6 +228,45 @@ def _import_t5(args: argparse.Namespace) -> int:
 
 
 WRITTEN_FORMATS = ("eqxckpt", "safetensors")  # what `convert --to` writes
+# Extensions of files in formats eqxckpt does not write: a DST ending in one is refused
+# rather than written as an eqxckpt directory of that name.
+OTHER_EXTENSIONS = (
+    ".bin",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".npy",
+    ".npz",
+    ".pkl",
+    ".pickle",
+    ".pt",
+    ".pth",
+    ".gguf",
+    ".onnx",
+)
+
+
+def written_format(dst: str, to: str | None) -> str:
+    """The format `convert` writes to ``dst``: ``to`` where given, else what ``dst``'s
+    extension names (``.safetensors``: safetensors; none: an eqxckpt directory). An
+    extension of another format is refused: what to write there is a guess.
+
+    ```python
+    written_format("model.safetensors", None)  # 'safetensors'
+    ```
+    """
+    if to is not None:
+        return to
+    name = dst.rstrip("/").rsplit("/", 1)[-1].lower()
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    other = next((ext for ext in OTHER_EXTENSIONS if name.endswith(ext)), None)
+    if other is not None:
+        raise CheckpointError(
+            f"Cannot tell what to write at {dst}: {other} files are not a format eqxckpt writes. Pass "
+            f"--to eqxckpt (a checkpoint directory) or --to safetensors, or name it otherwise. Nothing was written."
+        )
+    return "eqxckpt"
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -242,22 +281,22 @@ def _convert(args: argparse.Namespace) -> int:
     from ._storage import resolve
     from ._write._save import save
 
+    to = written_format(str(args.dst), args.to)
     _check_not_nested(resolve(checkpoint_path(args.src)), resolve(checkpoint_path(args.dst)))
     source = open_source(checkpoint_path(args.src), format=args.format)
     started = time.perf_counter()
     written = len(source)
-    if args.to == "safetensors":
+    if to == "safetensors":
+        # A safetensors file holds arrays only: the rest (an Equinox model's activation
+        # functions, a step number) is named in one line, not a reason to refuse.
         left_out = [
-            (path, leaf.describe()) for path, leaf in source.records().items() if not leaf.stored and not leaf.is_none
+            f"{path} ({leaf.describe()})"
+            for path, leaf in source.records().items()
+            if not leaf.stored and not leaf.is_none
         ]
-        if left_out and not args.arrays_only:
-            listed = "\n  ".join(f"{path}: {what}" for path, what in left_out[:50])
-            raise CheckpointError(
-                f"{args.src} holds {len(left_out)} leaves that are not arrays, which a safetensors file cannot "
-                f"hold:\n  {listed}\nNothing was written. Pass --arrays-only to write the arrays without them."
-            )
-        for path, what in left_out:
-            print(f"left out {path} ({what}): not an array", file=sys.stderr)
+        if left_out:
+            shown = ", ".join(left_out[:20]) + (f" and {len(left_out) - 20} more" if len(left_out) > 20 else "")
+            print(f"left out {len(left_out)} leaves that are not arrays: {shown}", file=sys.stderr)
         arrays = jax.tree_util.tree_map(lambda x: x if isinstance(x, LazyArray) else None, source.tree())
         metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in source.metadata.items()}
         written = len(jax.tree_util.tree_leaves(arrays))
@@ -268,7 +307,7 @@ def _convert(args: argparse.Namespace) -> int:
             checkpoint_path(args.dst), source.tree(), metadata=source.metadata, overwrite=args.overwrite, progress=True
         )
     print(
-        f"wrote {args.dst} ({args.to}): {written} leaves, {human_bytes(source.nbytes)} in "
+        f"wrote {args.dst} ({to}): {written} leaves, {human_bytes(source.nbytes)} in "
         f"{time.perf_counter() - started:.1f} s"
     )
     return 0
@@ -332,15 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("src", help="checkpoint to read: eqxckpt, a .safetensors file or a HuggingFace directory")
     convert.add_argument("dst", help="where to write")
     convert.add_argument(
-        "--to", default="eqxckpt", choices=WRITTEN_FORMATS, help="the format to write (default: eqxckpt)"
+        "--to",
+        default=None,
+        choices=WRITTEN_FORMATS,
+        help="the format to write (default: safetensors for a DST ending in .safetensors, else eqxckpt)",
     )
     convert.add_argument("--format", default=None, choices=FORMATS, help="the format of SRC (default: detected)")
     convert.add_argument("--overwrite", action="store_true", help="replace what is at DST")
-    convert.add_argument(
-        "--arrays-only",
-        action="store_true",
-        help="with --to safetensors: leave out scalars and other non-array leaves (listed on stderr)",
-    )
     convert.set_defaults(run=_convert)
     t5 = sub.add_parser(
         "import-t5", help="convert a Mesh TensorFlow or HuggingFace T5 checkpoint to an eqxckpt checkpoint"

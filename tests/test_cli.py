@@ -147,20 +147,46 @@ def test_convert_writes_only_the_formats_it_offers(tmp_path, capsys):
         assert not (tmp_path / unwritable).exists()
 
 
-def test_convert_to_safetensors_refuses_to_drop_scalars_silently(tmp_path, capsys):
+def test_convert_to_safetensors_writes_the_arrays_and_names_what_it_leaves_out_in_one_line(tmp_path, capsys):
+    """A safetensors file can only hold arrays: an Equinox model's other leaves (a step, a
+    name, an activation) are left out and named in one line (it refused before, asking
+    for --arrays-only, which every Equinox model needed)."""
+    import equinox as eqx
+    import jax
     import safetensors.numpy as stn
 
-    eqxckpt.save(tmp_path / "src", {"w": np.ones(3, np.float32), "step": 5, "name": "run", "lr": 0.1, "none": None})
+    model = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
+    eqxckpt.save(tmp_path / "src", {"model": model, "step": 5, "name": "run", "none": None})
     dst = tmp_path / "out.safetensors"
-    assert main(["convert", str(tmp_path / "src"), str(dst), "--to", "safetensors"]) == 1
-    err = capsys.readouterr().err
-    assert "3 leaves that are not arrays" in err and "step: int = 5" in err and "name: str = 'run'" in err
-    assert "lr: float = 0.1" in err and "--arrays-only" in err and "Nothing was written" in err
-    assert not dst.exists()
-    assert main(["convert", str(tmp_path / "src"), str(dst), "--to", "safetensors", "--arrays-only"]) == 0
+    assert main(["convert", str(tmp_path / "src"), str(dst)]) == 0  # the format from DST's extension
     out, err = capsys.readouterr()
-    assert "1 leaves" in out and err.count("left out") == 3 and "left out step (int = 5)" in err
-    assert list(stn.load_file(str(dst))) == ["w"]
+    [line] = [line for line in err.splitlines() if line.startswith("left out")]
+    assert line.startswith("left out 4 leaves that are not arrays: ") and "step (int = 5)" in line, line
+    assert "name (str = 'run')" in line and "model/activation (<function" in line and "model/final_activation" in line, line
+    assert "(safetensors): 4 leaves" in out
+    assert sorted(stn.load_file(str(dst))) == [
+        "model.layers.0.bias", "model.layers.0.weight", "model.layers.1.bias", "model.layers.1.weight"
+    ]  # fmt: skip
+    assert np.array_equal(stn.load_file(str(dst))["model.layers.1.weight"], np.asarray(model.layers[1].weight))
+
+
+def test_convert_takes_the_format_from_the_destination_and_refuses_a_guess(tmp_path, capsys):
+    eqxckpt.save(tmp_path / "src", {"w": np.arange(3, dtype=np.float32)})
+    # No extension: an eqxckpt directory. An explicit --to wins over the name.
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "copy")]) == 0
+    assert eqxckpt.load(tmp_path / "copy")["w"].tolist() == [0.0, 1.0, 2.0]
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "as-dir.safetensors"), "--to", "eqxckpt"]) == 0
+    assert (tmp_path / "as-dir.safetensors" / "eqxckpt.json").is_file()
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "UPPER.SafeTensors")]) == 0
+    assert (tmp_path / "UPPER.SafeTensors").is_file()
+    capsys.readouterr()
+    # The extension of a format eqxckpt does not write: refused, nothing written.
+    for name in ("model.pt", "weights.npz", "flax.msgpack", "m.bin"):
+        assert main(["convert", str(tmp_path / "src"), str(tmp_path / name)]) == 1
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"Cannot tell what to write at {tmp_path / name}" in err and "--to safetensors" in err, err
+        assert not (tmp_path / name).exists()
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "model.pt"), "--to", "safetensors"]) == 0
 
 
 def test_convert_refuses_a_destination_inside_the_source_or_around_it(tmp_path, capsys):
