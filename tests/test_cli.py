@@ -162,7 +162,9 @@ def test_convert_to_safetensors_writes_the_arrays_and_names_what_it_leaves_out_i
     out, err = capsys.readouterr()
     [line] = [line for line in err.splitlines() if line.startswith("left out")]
     assert line.startswith("left out 4 leaves that are not arrays: ") and "step (int = 5)" in line, line
-    assert "name (str = 'run')" in line and "model/activation (<function" in line and "model/final_activation" in line, line
+    assert (
+        "name (str = 'run')" in line and "model/activation (<function" in line and "model/final_activation" in line
+    ), line
     assert "(safetensors): 4 leaves" in out
     assert sorted(stn.load_file(str(dst))) == [
         "model.layers.0.bias", "model.layers.0.weight", "model.layers.1.bias", "model.layers.1.weight"
