@@ -179,6 +179,14 @@ class ChunkFiles(abc.ABC):
         """`write`, as `reading` is `read`. ``pieces`` stay unchanged until it returns."""
         self.write(key, pieces)
 
+    async def reading_ranges(self, key: str, ranges: Iterator[tuple[int, Sequence[np.ndarray]]], size: int) -> None:
+        """Fill each ``(at, into)`` of ``ranges`` in turn with the bytes of the file ``key``
+        (which must hold ``size`` bytes) from ``at`` on (`reading`), asking for the next
+        range only once the one before is read: ``ranges`` may reuse its buffers. A file
+        on a disk is opened once for all of them, so every range is of the same file."""
+        for at, into in ranges:
+            await self.reading(key, into, at, size)
+
 
 class ChunkFileError(Exception):
     """A chunk file that is missing, of the wrong size, or fails its checksum; the caller
@@ -451,58 +459,77 @@ async def read_scattered(
 
 
 # Most bytes of a chunk file read at a time where its values cannot go straight into their
-# buffers (and at most the host memory budget): what such a read holds beyond its result,
-# however large the chunk.
+# buffers (and at most the host memory budget, but never less than `MIN_SLAB_BYTES`: a
+# tiny budget would otherwise read a chunk a byte at a time): what such a read holds
+# beyond its result, however large the chunk.
 SLAB_BYTES = 4 << 20
+MIN_SLAB_BYTES = 1 << 20
 
 
 async def read_slabs(
     files: ChunkFiles, key: str, layout: ChunkLayout, targets: Sequence[tuple[Region, np.ndarray]]
 ) -> None:
-    """Read the chunk file ``key`` a slab at a time (consecutive indices of its first
-    dimension longer than one, ranged reads of at most `SLAB_BYTES` and the host memory
-    budget, one index at least), carrying its checksum from slab to slab and checking it at the end, and put each
-    ``(take, into)`` of ``targets`` (selections relative to the chunk's origin, steps
-    allowed) into ``into`` as its slabs pass. Values reach ``into`` before the checksum
-    is checked: a caller whose read raises discards them."""
+    """Read the chunk file ``key`` a slab at a time and put each ``(take, into)`` of
+    ``targets`` (selections relative to the chunk's origin, steps allowed) into ``into``
+    as its slabs pass, carrying the file's checksum from slab to slab and checking it at
+    the end. A slab is consecutive indices of one dimension, all that follows it whole
+    and one index of each dimension before it (the first dimension whose one index fits
+    the slab's bytes): contiguous bytes of the file, one ranged read each, through one
+    open file where the files are on a disk (`ChunkFiles.reading_ranges`). Values reach
+    ``into`` before the checksum is checked: a caller whose read raises discards them."""
     chunk, itemsize = layout.chunk, layout.dtype.itemsize
-    split = next((d for d, n in enumerate(chunk) if n > 1), 0)
+    cap = max(MIN_SLAB_BYTES, min(SLAB_BYTES, host_memory_budget()))
+    split = next((d for d in range(len(chunk)) if math.prod(chunk[d + 1 :]) * itemsize <= cap), 0)
     rows = chunk[split] if chunk else 1
     row_bytes = math.prod(chunk[split + 1 :]) * itemsize
-    per_slab = max(1, min(rows, min(SLAB_BYTES, host_memory_budget()) // max(row_bytes, 1)))
+    per_slab = max(1, min(rows, cap // row_bytes))
     slab = np.empty((per_slab, *chunk[split + 1 :]), layout.dtype)
     stored = np.empty(CRC_BYTES, np.uint8)
-    size, value = layout.chunk_nbytes + CRC_BYTES, 0
-    for first in range(0, rows, per_slab):
-        count = min(per_slab, rows - first)
-        body = _bytes_of(slab[:count])
-        last = first + count == rows
-        await files.reading(key, [body, stored] if last else [body], first * row_bytes, size)
-        value = crc32c(body.data, value)
-        for take, into in targets:
-            _put_rows(slab[:count], first, split, take, into)
-    _check(key, value, stored)
+    prefixes = list(itertools.product(*(range(n) for n in chunk[:split])))
+    crc = [0]
+
+    def ranges() -> Iterator[tuple[int, list[np.ndarray]]]:
+        # Each slab is put in place and added to the checksum once the reader asks for the
+        # next one: after it was read.
+        for n, prefix in enumerate(prefixes):
+            for first in range(0, rows, per_slab):
+                count = min(per_slab, rows - first)
+                body = _bytes_of(slab[:count])
+                last = n == len(prefixes) - 1 and first + count == rows
+                yield (n * rows + first) * row_bytes, [body, stored] if last else [body]
+                crc[0] = crc32c(body.data, crc[0])
+                for take, into in targets:
+                    _put_rows(slab[:count], prefix, first, take, into)
+
+    await files.reading_ranges(key, ranges(), layout.chunk_nbytes + CRC_BYTES)
+    _check(key, crc[0], stored)
 
 
-def _put_rows(slab: np.ndarray, first: int, split: int, take: Region, into: np.ndarray) -> None:
-    """Put what ``take`` selects of the chunk's indices ``first`` on along dimension
-    ``split`` (``slab``, the dimensions after it whole; those before it of length one)
-    into ``into``, which holds all that ``take`` selects."""
+def _put_rows(slab: np.ndarray, prefix: tuple[int, ...], first: int, take: Region, into: np.ndarray) -> None:
+    """Put what ``take`` selects of a slab into ``into`` (which holds all that ``take``
+    selects): ``slab`` holds the chunk's indices ``first`` on along dimension
+    ``len(prefix)``, everything after it, and index ``prefix`` of the dimensions before it."""
     if not take:  # a scalar's chunk
         into[...] = slab.reshape(())
         return
+    if not into.size:
+        return
+    at: list[Any] = []
+    for index, selected in zip(prefix, take):  # this slab's index of each dimension before
+        start, step = selected.start or 0, selected.step or 1
+        if not (start <= index < selected.stop and (index - start) % step == 0):
+            return
+        at.append((index - start) // step)
+    split = len(prefix)
     selected = take[split]
     start, step = selected.start or 0, selected.step or 1
     low = max(start, first)
     low += -(low - start) % step  # the first index ``take`` selects in this slab
     high = min(selected.stop, first + len(slab))
-    if low >= high or not into.size:
+    if low >= high:
         return
-    at = (low - start) // step
-    count = len(range(low, high, step))
-    into[(*(slice(None),) * split, slice(at, at + count))] = slab[
-        (slice(low - first, high - first, step), *take[split + 1 :])
-    ]
+    begin, count = (low - start) // step, len(range(low, high, step))
+    into[(*at, slice(begin, begin + count))] = slab[(slice(low - first, high - first, step), *take[split + 1 :])]
 
 
 def _scatter(layout: ChunkLayout, part: Region, targets: list[tuple[Region, np.ndarray]]) -> list[np.ndarray] | None:

@@ -128,7 +128,7 @@ class Tiled:
     def update(self, hashing: Any) -> None:
         """Feed ``hashing`` the leaf's bytes as stored, in C order: a band of rows (of the
         blocks starting at the same row) at a time, assembled in one buffer of at most
-        `TILED_BAND_BYTES` and the host memory budget (one row at least)."""
+        `TILED_BAND_BYTES` and the host memory budget; a row over that, a part of it at a time."""
         if not self.shape:
             hashing.update(_stored_bytes(self.blocks[0][1]))
             return
@@ -137,8 +137,16 @@ class Tiled:
         bands: dict[tuple[int, int], list[tuple[tuple[tuple[int, int], ...], np.ndarray]]] = {}
         for block, data in self.blocks:
             bands.setdefault(block[0], []).append((block, data))
+        limit = max(1, min(TILED_BAND_BYTES, host_memory_budget()))
+        if row > limit and self.shape[1:]:
+            # One row alone is over the budget: its blocks' rows tile the rest of the leaf,
+            # hashed the same way, a part of the row at a time.
+            for (start, stop), members in sorted(bands.items()):
+                for index in range(start, stop):
+                    Tiled(self.shape[1:], [(block[1:], data[index - start]) for block, data in members]).update(hashing)
+            return
         # One buffer for every band, so that no two are held at once.
-        step = max(1, min(TILED_BAND_BYTES, host_memory_budget()) // row)
+        step = max(1, limit // row)
         whole = np.empty((min(step, self.shape[0]), *self.shape[1:]), dtype)
         for (start, stop), members in sorted(bands.items()):
             for first in range(start, stop, step):

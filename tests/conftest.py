@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
-import numpy as np
 import pytest
 
 if TYPE_CHECKING:
@@ -116,7 +115,6 @@ def counting_storage(path: pathlib.Path) -> "tuple[LocalStorage, collections.Cou
     """A checkpoint's local storage whose chunk files count their reads, by key: the
     backend's own seam (`Storage.chunk_files`), the real files read underneath."""
     import collections
-    from collections.abc import Sequence
 
     from eqxckpt._storage._disk import LocalStorage
     from eqxckpt._storage._disk_chunks import LocalChunkFiles
@@ -124,9 +122,9 @@ def counting_storage(path: pathlib.Path) -> "tuple[LocalStorage, collections.Cou
     reads: collections.Counter = collections.Counter()
 
     class CountingFiles(LocalChunkFiles):
-        def read(self, key: str, into: Sequence[np.ndarray], at: int = 0, size: int | None = None) -> None:
-            reads[key] += at == 0  # a file read a slab at a time is read once
-            super().read(key, into, at, size)
+        def _read_ranges(self, key: str, ranges, size: int) -> None:
+            reads[key] += 1  # every read of a local chunk file, in one range or a slab at a time
+            super()._read_ranges(key, ranges, size)
 
     class CountingStorage(LocalStorage):
         def chunk_files(self) -> LocalChunkFiles:

@@ -216,6 +216,7 @@ def test_property_a_chunk_read_a_slab_at_a_time_gives_any_selection_and_catches_
     take = _selection(data.draw, extent)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(chunks_module, "SLAB_BYTES", slab_bytes)
+        patch.setattr(chunks_module, "MIN_SLAB_BYTES", 1)  # slabs of one index, or part of one
         into = np.empty(values[part][take].shape, dtype)
         blocking(read_into(files, f"x/{key}", layout, part, take, into))
         assert into.tobytes() == values[part][take].tobytes()
@@ -230,6 +231,72 @@ def test_property_a_chunk_read_a_slab_at_a_time_gives_any_selection_and_catches_
         files.write(f"x/{key}", [np.frombuffer(bytes(raw), np.uint8)])
         with pytest.raises(ChunkFileError, match="fails its CRC-32C checksum"):
             blocking(read_into(files, f"x/{key}", layout, part, take, np.empty_like(into)))
+
+
+def test_a_chunk_read_in_slabs_opens_its_file_once_and_never_blocks_on_a_fifo(tmp_path):
+    """The outside attack on the slab reader: each slab opened the file again, so a file
+    renamed over it between slabs was read as a mix (caught only by the checksum), and a
+    FIFO put in its place blocked the open forever. One open file now serves every slab,
+    and anything but a regular file is refused at once. A budget of one byte still reads
+    slabs of `MIN_SLAB_BYTES` (one byte at a time took seconds per MiB)."""
+    from conftest import release_fifo, returns_within
+
+    from eqxckpt._window import limited_host_memory
+
+    layout = ChunkLayout((64, 64), np.dtype(np.float32), (64, 64))
+    whole = (slice(0, 64), slice(0, 64))
+    values = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    files = LocalChunkFiles(str(tmp_path))
+    files.write("w/c/0/0", encode(layout, whole, values))
+    files.write("other", encode(layout, whole, values + 1))
+    opened: list[int] = []
+
+    class Counted(LocalChunkFiles):
+        def _read_ranges(self, key, ranges, size):
+            def counting():
+                for at, into in ranges:
+                    opened.append(at)
+                    yield at, into
+
+            super()._read_ranges(key, counting(), size)
+
+    swapped = {"done": False}
+    original = LocalChunkFiles._read_ranges
+
+    def swapping(self, key, ranges, size):
+        def after_first():
+            for n, item in enumerate(ranges):
+                yield item
+                if n == 0 and not swapped["done"]:
+                    os.replace(tmp_path / "other", tmp_path / "w" / "c" / "0" / "0")
+                    swapped["done"] = True
+
+        original(self, key, after_first(), size)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chunks_module, "SLAB_BYTES", 1024)
+        patch.setattr(chunks_module, "MIN_SLAB_BYTES", 1024)
+        patch.setattr(LocalChunkFiles, "_read_ranges", swapping)
+        out = np.empty((32, 22), np.float32)
+        blocking(read_into(files, "w/c/0/0", layout, whole, (slice(0, 64, 2), slice(0, 64, 3)), out))
+        assert swapped["done"] and out.tobytes() == values[::2, ::3].tobytes()  # the file first opened, whole
+        patch.setattr(LocalChunkFiles, "_read_ranges", original)
+        os.remove(tmp_path / "w" / "c" / "0" / "0")
+        os.mkfifo(tmp_path / "w" / "c" / "0" / "0")
+        fifo = tmp_path / "w" / "c" / "0" / "0"
+        with pytest.raises(ChunkFileError, match="is not a regular file"):
+            returns_within(
+                lambda: blocking(read_into(files, "w/c/0/0", layout, whole, (slice(0, 64, 2), slice(0, 64)), out)),
+                release=lambda: release_fifo(fifo),
+            )
+    os.remove(fifo)
+    big = ChunkLayout((1 << 20,), np.dtype(np.int8), (1 << 20,))
+    counted = Counted(str(tmp_path))
+    counted.write("b/c/0", encode(big, (slice(0, 1 << 20),), np.zeros(1 << 20, np.int8)))
+    with limited_host_memory(1):
+        half = np.empty(1 << 19, np.int8)
+        blocking(read_into(counted, "b/c/0", big, (slice(0, 1 << 20),), (slice(0, 1 << 20, 2),), half))
+    assert opened == [0], opened  # one slab of 1 MiB, not a million of one byte
 
 
 @pytest.mark.parametrize(

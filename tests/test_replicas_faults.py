@@ -211,6 +211,18 @@ def test_a_restore_split_by_columns_holds_about_its_budget(tmp_path):
     assert found["beyond_result_mib"] <= BUDGET / 2**20 + SLACK_MIB, found
 
 
+@pytest.mark.parametrize("mib", [64, 128])
+def test_a_restore_of_wide_rows_split_on_a_grid_holds_about_its_budget(tmp_path, mib):
+    """Two rows of 32 (64) MiB each split both ways over a 2x2 mesh, host_memory_budget=4
+    MiB (the outside attack on the slab reader): a 64 MiB leaf is one chunk of both rows,
+    read a part of a row at a time (a slab was a whole row: 38 MiB beyond the result); a
+    128 MiB leaf's chunks go straight in, and its digest hashes a part of a row at a time
+    (its band buffer held a whole row: 70 MiB)."""
+    found = probe(str(tmp_path / "ckpt"), mib, BUDGET, "grid4")
+    assert found["exact"], found
+    assert found["beyond_result_mib"] <= BUDGET / 2**20 + SLACK_MIB, found
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_leaf_whose_replicas_differ_is_not_saved_as_a_mix(tmp_path, where, s3):
     """Two processes save a leaf sharded P() whose replicas differ (process k's holds the

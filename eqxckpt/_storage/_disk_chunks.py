@@ -3,7 +3,8 @@
 following a symlink."""
 
 import os
-from collections.abc import Sequence
+import stat
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -32,26 +33,37 @@ class LocalChunkFiles(ChunkFiles):
             os.close(fd)
 
     def read(self, key: str, into: Sequence[np.ndarray], at: int = 0, size: int | None = None) -> None:
+        wanted = sum(buffer.nbytes for buffer in into)
+        self._read_ranges(key, iter([(at, into)]), at + wanted if size is None else size)
+
+    async def reading_ranges(self, key: str, ranges: Iterator[tuple[int, Sequence[np.ndarray]]], size: int) -> None:
+        self._read_ranges(key, ranges, size)
+
+    def _read_ranges(self, key: str, ranges: Iterator[tuple[int, Sequence[np.ndarray]]], size: int) -> None:
+        """Each range of one open file: another file renamed over it meanwhile is never read."""
         try:
-            # Never through a symlink: it could lead out of the checkpoint.
-            fd = os.open(f"{self._root}/{key}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # Never through a symlink (it could lead out of the checkpoint), and never blocked
+            # opening a FIFO put in a chunk's place: only a regular file is read.
+            fd = os.open(f"{self._root}/{key}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             raise ChunkFileError(f"chunk file {key} is missing") from None
         except OSError as e:
             raise ChunkFileError(f"chunk file {key} cannot be read ({e.strerror})") from None
         try:
-            held, wanted = os.fstat(fd).st_size, sum(buffer.nbytes for buffer in into)
-            size = at + wanted if size is None else size
-            if held != size:
-                raise ChunkFileError(f"chunk file {key} holds {held} bytes, not {size}")
-            buffers = [buffer.data.cast("B") for buffer in into]
-            offset = at
-            while buffers:
-                got = os.preadv(fd, buffers[:_IOV_MAX], offset)
-                if got == 0:
-                    raise ChunkFileError(f"chunk file {key} was cut short while it was read")
-                offset += got
-                buffers = _past(buffers, got)
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
+                raise ChunkFileError(f"chunk file {key} is not a regular file")
+            if found.st_size != size:
+                raise ChunkFileError(f"chunk file {key} holds {found.st_size} bytes, not {size}")
+            for at, into in ranges:
+                buffers = [buffer.data.cast("B") for buffer in into]
+                offset = at
+                while buffers:
+                    got = os.preadv(fd, buffers[:_IOV_MAX], offset)
+                    if got == 0:
+                        raise ChunkFileError(f"chunk file {key} was cut short while it was read")
+                    offset += got
+                    buffers = _past(buffers, got)
         finally:
             os.close(fd)
 

@@ -3,8 +3,9 @@ object store with a small host_memory_budget.
 
     python budget_probe.py STORE_SPEC_JSON MIB BUDGET TARGET
 
-TARGET: ``device`` (a jax array on one device), ``numpy`` (like=None) or ``rows2`` /
-``cols2`` (two CPU devices, rows or columns). Prints one line ``PROBE <json>``.
+TARGET: ``device`` (a jax array on one device), ``numpy`` (like=None), ``rows2`` /
+``cols2`` (two CPU devices, rows or columns) or ``grid4`` (two rows of MIB / 2 MiB each,
+split both ways over a 2x2 mesh of four CPU devices). Prints one line ``PROBE <json>``.
 """
 
 import gc
@@ -14,8 +15,8 @@ import sys
 import zlib
 
 TARGET = sys.argv[4]
-if TARGET in ("rows2", "cols2"):
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+if TARGET in ("rows2", "cols2", "grid4"):
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if TARGET == 'grid4' else 2}"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -40,7 +41,7 @@ def downloaded() -> int:
 
 def main() -> None:
     spec, mib, budget = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    shape = (mib * 1024, 256)
+    shape = (2, mib * 1024 * 128) if TARGET == "grid4" else (mib * 1024, 256)
     value = np.random.default_rng(zlib.crc32(b"probe")).standard_normal(shape).astype(np.float32)
     eqxckpt.save(spec, {"w": value})
     del value
@@ -53,6 +54,10 @@ def main() -> None:
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
         spec_ = jax.sharding.PartitionSpec("x") if TARGET == "rows2" else jax.sharding.PartitionSpec(None, "x")
         like = {"w": jax.ShapeDtypeStruct(shape, np.float32, sharding=jax.sharding.NamedSharding(mesh, spec_))}
+    elif TARGET == "grid4":
+        mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
+        grid = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
+        like = {"w": jax.ShapeDtypeStruct(shape, np.float32, sharding=grid)}
     else:
         like = None
     # Warm up JAX on a tiny array so compile/runtime allocations are not counted.

@@ -168,10 +168,9 @@ def layout_scenario(process_id: int, num_processes: int, devices: np.ndarray, di
     read: list[str] = []
 
     class Counted(local.LocalChunkFiles):
-        def read(self, key, into, at=0, size=None):
-            if at == 0:  # a file read a slab at a time is read once
-                read.append(key)
-            super().read(key, into, at, size)
+        def _read_ranges(self, key, ranges, size):
+            read.append(key)  # every read of a local chunk file, in one range or a slab at a time
+            super()._read_ranges(key, ranges, size)
 
     local.LocalChunkFiles = Counted  # type: ignore[misc]
     line = Mesh(devices, ("x",))

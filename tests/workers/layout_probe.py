@@ -27,9 +27,9 @@ READS: collections.Counter = collections.Counter()
 
 
 class CountedFiles(LocalChunkFiles):
-    def read(self, key, into, at=0, size=None):
-        READS[key] += at == 0  # a file read a slab at a time is read once
-        super().read(key, into, at, size)
+    def _read_ranges(self, key, ranges, size):
+        READS[key] += 1  # every read of a local chunk file, in one range or a slab at a time
+        super()._read_ranges(key, ranges, size)
 
 
 def write(kind: str, directory: str, flat: dict[str, np.ndarray]) -> str:

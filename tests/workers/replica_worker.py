@@ -98,9 +98,13 @@ class Counters:
                     super().write(key, pieces)
                     counts["written"] += sum(p.nbytes for p in pieces)
 
-                def read(self, key, into, at=0, size=None):
-                    super().read(key, into, at, size)
-                    counts["read"] += sum(b.nbytes for b in into)
+                def _read_ranges(self, key, ranges, size):
+                    def counted():
+                        for at, into in ranges:
+                            yield at, into
+                            counts["read"] += sum(b.nbytes for b in into)
+
+                    super()._read_ranges(key, counted(), size)
 
             local.LocalChunkFiles = Counted  # type: ignore[misc]
         self.last = self.now()
