@@ -1,8 +1,10 @@
 """Incremental checkpoints on an object store: a frozen base + a 16 MiB adapter with its
 adam state, saved by `CheckpointManager` every step to S3 (moto's server, in a process
 of its own on 127.0.0.1), against saving the adapter and its optimizer state alone
-there. Bytes written per step are the sizes of the objects under the step's own prefix.
-Medians over the steps after the first.
+there. Bytes written per step are the sizes of the objects under the step's own prefix;
+bytes downloaded per step are what TensorStore counted reading (its kvstore metrics:
+the base's bytes, when a step checks them whole before sharing them). Medians over the
+steps after the first.
 
     .venv/bin/python benchmarks/incremental_objects.py [BASE_MIB]
 """
@@ -68,17 +70,24 @@ def main() -> None:
                 if not token:
                     return total
 
+        import tensorstore as ts
+
+        def downloaded() -> int:
+            metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
+            return sum(v.get("value", 0) for m in metrics if m["name"].endswith("/bytes_read") for v in m["values"])
+
         base = frozen_base(base_mib)
 
         steps = 6
         rows = []
         with eqxckpt.CheckpointManager(f"s3://{BUCKET}/run", max_to_keep=3, blocking=True) as manager:
             for step in range(steps):
-                start = time.perf_counter()
+                start, read = time.perf_counter(), downloaded()
                 manager.save(step, {"base": base, **adapter_state(step)}, force=True)
-                seconds = time.perf_counter() - start
+                seconds, read = time.perf_counter() - start, downloaded() - read
                 own = [k for k in client.list_objects_v2(Bucket=BUCKET, Prefix=f"run/{step}/").get("Contents", [])]
-                rows.append((seconds, stored(f"run/{step}/") - sum(o["Size"] for o in own if "%holds" in o["Key"])))
+                written = stored(f"run/{step}/") - sum(o["Size"] for o in own if "%holds" in o["Key"])
+                rows.append((seconds, written, read))
         alone = []
         for step in range(steps):
             start = time.perf_counter()
@@ -91,6 +100,7 @@ def main() -> None:
         print(f"later steps: {later_s:.3f} s, {later_b / 2**20:.1f} MiB written per step (median)")
         print(f"adapter + optimizer alone: {alone_s:.3f} s, {alone_b / 2**20:.1f} MiB")
         print(f"ratio: time {later_s / alone_s:.2f}x, bytes {later_b / alone_b:.2f}x")
+        print("downloaded per step (MiB): " + ", ".join(f"{r[2] / 2**20:.2f}" for r in rows))
         print(f"stored for {len(manager.all_steps())} kept steps: {stored('run/') / 2**20:.0f} MiB")
         eqxckpt.save(f"s3://{BUCKET}/whole", {"base": base, **adapter_state(steps - 1)})  # no base: all its own
         places = [f"s3://{BUCKET}/whole", manager.path(steps - 1)]

@@ -91,6 +91,60 @@ def test_a_leaf_in_a_sibling_checkpoint_comes_with_version_4():
         parse_manifest(Manifest(tuple(packed), {}, arrays=own).to_bytes())
 
 
+@given(
+    unix=st.floats(0, 1e10, allow_nan=False),
+    shares=st.integers(0, 2**31 - 1),
+    generations=st.lists(st.binary(min_size=1, max_size=40).map(bytes.hex), min_size=1, max_size=20),
+)
+def test_what_a_save_saw_of_a_shared_leaf_round_trips(unix, shares, generations):
+    """A referring leaf's `seen` (when its objects were checked whole and their generations
+    then) round-trips exactly; it is no part of the leaf's digest."""
+    from eqxckpt._leaf import Seen
+
+    seen = Seen(unix, shares, tuple(generations))
+    leaf = ArrayLeaf("w", (("dict", "w"),), (2, 3), "float32", "numpy", arrays="../7/%arrays." + "2" * 32, seen=seen)
+    parsed = parse_manifest(Manifest((leaf,), {}, arrays="%arrays." + "1" * 32).to_bytes())
+    assert parsed.leaves == (leaf,) and parsed.leaves[0].seen == seen
+    assert leaf.digest_fields() == ArrayLeaf("w", (("dict", "w"),), (2, 3), "float32", "numpy").digest_fields()
+
+
+SEEN = {"unix": 1.7e9, "shares": 2, "generations": ["00ab", "0cd0"]}
+
+
+@pytest.mark.parametrize(
+    "seen,extra,match",
+    [
+        (SEEN, {"arrays": None}, "only an array of its own in a sibling"),
+        ({**SEEN, "extra": 1}, {}, "exactly 'unix', 'shares' and 'generations'"),
+        ([1, 2], {}, "exactly 'unix'"),
+        ({**SEEN, "unix": "yesterday"}, {}, "is not a time"),
+        ({**SEEN, "unix": float("inf")}, {}, "is not a time"),
+        ({**SEEN, "unix": True}, {}, "is not a time"),
+        ({**SEEN, "shares": -1}, {}, "non-negative integer"),
+        ({**SEEN, "shares": 1.5}, {}, "non-negative integer"),
+        ({**SEEN, "generations": []}, {}, "a list of 1 to"),
+        ({**SEEN, "generations": "00ab"}, {}, "a list of 1 to"),
+        ({**SEEN, "generations": ["0g"]}, {}, "is not hex bytes"),
+        ({**SEEN, "generations": ["abc"]}, {}, "is not hex bytes"),
+        ({**SEEN, "generations": ["AB"]}, {}, "is not hex bytes"),
+        ({**SEEN, "generations": [""]}, {}, "is not hex bytes"),
+        ({**SEEN, "generations": ["ab" * 129]}, {}, "is not hex bytes"),
+        ({**SEEN, "generations": [7]}, {}, "is not hex bytes"),
+        ({**SEEN, "generations": ["00"] * ((1 << 17) + 1)}, {}, "a list of 1 to"),
+    ],
+)
+def test_a_malformed_seen_is_refused_naming_the_leaf(seen, extra, match):
+    import json
+
+    leaf = ArrayLeaf("w", (("dict", "w"),), (2,), "float32", "numpy", arrays="../7/%arrays." + "2" * 32)
+    document = json.loads(Manifest((leaf,), {}, arrays="%arrays." + "1" * 32).to_bytes())
+    document.pop("crc32c")
+    document["leaves"][0].update({"seen": seen, **extra})
+    document["leaves"][0] = {k: v for k, v in document["leaves"][0].items() if v is not None}
+    with pytest.raises(ManifestError, match=f"Leaf 'w'.*{match}"):
+        parse_manifest(json.dumps(document).encode())
+
+
 @pytest.mark.parametrize(
     "change,match",
     [

@@ -117,16 +117,28 @@ def test_on_an_object_store_unchanged_leaves_refer_to_the_sibling_prefix():
     arrays = eqxckpt.open(run + "1").stored.manifest.arrays
     manifest, jobs = planned(run + "scratch/new", {**TREE, "b": np.zeros(70_000, np.float32)})
     with plan_reuse(run + "1", manifest, jobs, resolve(run + "2")) as reuse:
-        assert {job.record.path: ref for job, ref in reuse.referred} == {
+        assert {job.record.path: ref for job, ref, _ in reuse.referred} == {
             "a": f"../1/{arrays}",
             PACKED_LOCATION: f"../1/{arrays}",
         }
         assert paths(reuse.written) == ["b"] and reuse.linked == []
+        # Checked whole now: the generations of a's objects (its zarr.json and one chunk).
+        seen = {job.record.path: seen for job, _, seen in reuse.referred}
+        assert seen["a"] is not None and seen["a"].shares == 0 and len(seen["a"].generations) == 2
+        assert seen[PACKED_LOCATION] is None  # the packed array is checked whole every time
     # A checkpoint that refers to 1 is a base whose leaves are in 1's prefix: not chained.
     eqxckpt.save(run + "2", {**TREE, "b": np.zeros(70_000, np.float32)}, base=run + "1")
+    recorded = eqxckpt.open(run + "2").leaf("a")
+    assert isinstance(recorded, StoredLeaf) and recorded.seen is not None and recorded.seen.shares == 0
     with plan_reuse(run + "2", manifest, jobs, resolve(run + "3")) as reuse:
-        assert {job.record.path: ref for job, ref in reuse.referred}["a"] == f"../1/{arrays}"
-        assert {job.record.path for job, _ in reuse.referred} == {"a", "b", PACKED_LOCATION}
+        assert {job.record.path: ref for job, ref, _ in reuse.referred}["a"] == f"../1/{arrays}"
+        assert {job.record.path for job, _, _ in reuse.referred} == {"a", "b", PACKED_LOCATION}
+        # Shared on the generations 2 recorded, unread: one more share, the same check time.
+        seen = {job.record.path: seen for job, _, seen in reuse.referred}
+        assert seen["a"] == dataclasses.replace(recorded.seen, shares=1)
+    with plan_reuse(run + "2", manifest, jobs, resolve(run + "3"), full_check_interval_s=0) as reuse:
+        seen = {job.record.path: seen for job, _, seen in reuse.referred}
+        assert seen["a"] is not None and seen["a"].shares == 0 and seen["a"].unix > recorded.seen.unix
 
 
 @pytest.mark.parametrize("where", ["memory", "other directory", "missing", "none"])

@@ -19,6 +19,7 @@ from ._base import (
     UNKNOWN as UNKNOWN,
     KeyRecord as KeyRecord,
     Leaf as Leaf,
+    Seen as Seen,
     StoredLeaf as StoredLeaf,
     check_blocks as check_blocks,
     listed_blocks as listed_blocks,

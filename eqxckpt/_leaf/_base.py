@@ -34,6 +34,60 @@ MAX_ELEMENTS = 1 << 53
 MAX_BLOCKS = 4096
 
 
+# Longest generation an object store reports for one object, hex-encoded (GCS: a number
+# and a flag; S3: a quoted ETag); more objects than chunks a leaf may have are refused.
+MAX_GENERATION_CHARS = 256
+MAX_SEEN_OBJECTS = 1 << 17
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """When the objects of a leaf's array that a save shares from an earlier checkpoint on an
+    object store were last read and checked whole (every check `verify` makes), and the
+    generation the store gave each of them then (hex, in the order of their sorted keys).
+
+    A later save shares the array without downloading it while the store reports those
+    same generations (one metadata request per object), for at most `FULL_CHECK_SHARES`
+    saves and ``full_check_interval_s`` after the check; then it checks them whole again.
+
+    **Attributes:** `unix`, when they were checked; `shares`, the saves that shared them
+    since without reading them; `generations`.
+
+    ```python
+    Seen(1.7e9, 0, ("00226162...",))
+    ```
+    """
+
+    unix: float
+    shares: int
+    generations: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"unix": self.unix, "shares": self.shares, "generations": list(self.generations)}
+
+    @staticmethod
+    def from_json(doc: Any, path: str) -> "Seen":
+        """``doc`` checked to be a `Seen`'s JSON; a `ManifestError` naming ``path`` if not."""
+        if not isinstance(doc, dict) or set(doc) != {"unix", "shares", "generations"}:
+            raise ManifestError(f"Leaf {path!r}: 'seen' must hold exactly 'unix', 'shares' and 'generations'.")
+        unix, shares, generations = doc["unix"], doc["shares"], doc["generations"]
+        if isinstance(unix, bool) or not isinstance(unix, int | float) or not 0 <= unix < 1e11:
+            raise ManifestError(f"Leaf {path!r}: 'seen' time {unix!r} is not a time.")
+        if isinstance(shares, bool) or not isinstance(shares, int) or not 0 <= shares < 1 << 31:
+            raise ManifestError(f"Leaf {path!r}: 'seen' shares {shares!r} must be a non-negative integer.")
+        if not isinstance(generations, list) or not 0 < len(generations) <= MAX_SEEN_OBJECTS:
+            raise ManifestError(f"Leaf {path!r}: 'seen' generations must be a list of 1 to {MAX_SEEN_OBJECTS}.")
+        for generation in generations:
+            if (
+                not isinstance(generation, str)
+                or not 0 < len(generation) <= MAX_GENERATION_CHARS
+                or len(generation) % 2
+                or generation.strip("0123456789abcdef")
+            ):
+                raise ManifestError(f"Leaf {path!r}: 'seen' generation {str(generation)[:80]!r} is not hex bytes.")
+        return Seen(float(unix), shares, tuple(generations))
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """One leaf of a checkpoint, as its manifest describes it: what `Source.leaf` and
@@ -137,6 +191,9 @@ class StoredLeaf(Leaf):
     # In a process's part of a checkpoint (a local tier's): the blocks of the stored array
     # (over `data_shape`) it holds, each one or more whole chunks; None: all of it.
     blocks: tuple[Block, ...] | None = dataclasses.field(default=None, kw_only=True)
+    # For an array in a sibling's prefix (``arrays``): when it was last checked whole, and
+    # the objects' generations then (`Seen`); None: a save that shares it checks it first.
+    seen: Seen | None = dataclasses.field(default=None, kw_only=True)
     stored: ClassVar[bool] = True
     sliceable: ClassVar[bool] = True  # whether a lazy read may select part of it
 
@@ -286,6 +343,8 @@ class StoredLeaf(Leaf):
             fields["arrays"] = self.arrays
         if self.blocks is not None:
             fields["blocks"] = [[list(dim) for dim in block] for block in self.blocks]
+        if self.seen is not None:
+            fields["seen"] = self.seen.to_json()
         return fields if self.digest is None else {**fields, "digest": self.digest}
 
     @staticmethod
@@ -311,6 +370,12 @@ class StoredLeaf(Leaf):
         if arrays is not None:
             parse_reference(arrays, path)
         fields = {"offset": offset, "digest": parse_digest(doc.get("digest"), path), "arrays": arrays}
+        if "seen" in doc:
+            if arrays is None or offset is not None:
+                raise ManifestError(
+                    f"Leaf {path!r}: only an array of its own in a sibling's prefix records when it was 'seen'."
+                )
+            fields["seen"] = Seen.from_json(doc["seen"], path)
         if "blocks" in doc:
             if offset is not None:
                 raise ManifestError(f"Leaf {path!r}: a packed leaf cannot hold blocks of itself.")
@@ -337,10 +402,10 @@ _Stored = TypeVar("_Stored", bound=StoredLeaf)
 
 
 def with_storage(leaf: _Stored, **changes: Any) -> _Stored:
-    """``leaf`` with another ``offset``, ``digest`` or ``arrays``: what `dataclasses.replace`
+    """``leaf`` with another ``offset``, ``digest``, ``arrays`` or ``seen``: what `dataclasses.replace`
     gives, without its per-call introspection (a save places and digests every leaf of
     its tree). Nothing derived from the other fields changes."""
-    assert changes.keys() <= {"offset", "digest", "arrays", "blocks"}
+    assert changes.keys() <= {"offset", "digest", "arrays", "blocks", "seen"}
     changed = object.__new__(type(leaf))
     changed.__dict__.update(leaf.__dict__, **changes)
     changed.__dict__.pop("_line", None)  # its manifest line (`_manifest`) changes with them

@@ -12,6 +12,7 @@ from .._arguments import checked_arguments
 from .._errors import ArgumentError, CheckpointError
 from .._progress import Progress
 from .._storage import CheckpointPath, resolve
+from .._write._reuse import FULL_CHECK_INTERVAL_S
 from ._preemption import Notices
 from ._retention import Retention
 from ._tiers import Details, LocalSettings, PersistentTier, Resume, Tiers
@@ -43,6 +44,9 @@ class CheckpointManager:
       step writes a leaf afresh rather than share it where sharing would leave one copy
       behind every kept step, so a flipped bit in one is mended from another
       (``eqxckpt verify --repair``). 1 shares every unchanged leaf with the latest step.
+    - `full_check_interval_s`: on S3 and Cloud Storage, how long a leaf shared unchanged
+      is shared without downloading it, once checked whole (`eqxckpt.save`'s; one hour by
+      default, 0: every step downloads and checks every leaf it shares).
     - `local_path`: a directory on this host (a tmpfs, a local SSD) for a local tier:
       each process saves its part there and peers keep copies; `latest_step` and
       `load` resume from it first, every process together (see the scale guide).
@@ -90,6 +94,7 @@ class CheckpointManager:
         preemption_grace_s: float = 30.0,
         incremental: bool = True,
         kept_copies: int = 2,
+        full_check_interval_s: float = FULL_CHECK_INTERVAL_S,
         local_path: str | os.PathLike | None = None,
         local_interval_steps: int | None = None,
         local_replicas: int = 1,
@@ -101,7 +106,7 @@ class CheckpointManager:
         self.blocking = blocking
         self.exit_on_preemption = exit_on_preemption
         self._persistent = PersistentTier.opened(
-            self.location, self.retention, save_interval_steps, incremental, kept_copies
+            self.location, self.retention, save_interval_steps, incremental, kept_copies, full_check_interval_s
         )
         interval = save_interval_steps if local_interval_steps is None else local_interval_steps
         local = None if local_path is None else LocalSettings(local_path, interval, local_replicas, local_max_to_keep)

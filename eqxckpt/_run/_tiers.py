@@ -21,6 +21,7 @@ from .._read._load import READ_ATTEMPTS, load
 from .._read._read_once import failing_together, spans_processes
 from .._storage import Storage
 from .._write._background import SAVES, SaveHandle
+from .._write._reuse import FULL_CHECK_INTERVAL_S, check_full_check_interval
 from .._write._save import save
 from ._retention import Retention
 from ._steps import GONE, MANAGER_KEY, RunSteps, StepScan, clean_leftovers, manager_record, scan_steps
@@ -124,17 +125,31 @@ class PersistentTier(Tier):
     """
 
     def __init__(
-        self, location: Storage, retention: Retention, scan: StepScan, interval: int, incremental: bool, copies: int = 2
+        self,
+        location: Storage,
+        retention: Retention,
+        scan: StepScan,
+        interval: int,
+        incremental: bool,
+        copies: int = 2,
+        full_check_interval_s: float = FULL_CHECK_INTERVAL_S,
     ):
         self.steps = RunSteps(location, retention, scan)
         self.interval = interval
         self.incremental = incremental
         self.copies = copies
+        self.full_check_interval_s = full_check_interval_s
         self._pending: SaveHandle | None = None
 
     @classmethod
     def opened(
-        cls, location: Storage, retention: Retention, interval: int, incremental: bool, copies: int = 2
+        cls,
+        location: Storage,
+        retention: Retention,
+        interval: int,
+        incremental: bool,
+        copies: int = 2,
+        full_check_interval_s: float = FULL_CHECK_INTERVAL_S,
     ) -> "PersistentTier":
         """The run at ``location``, as a manager opens it: what interrupted saves left removed
         (process 0; only what is provably abandoned and eqxckpt's), its steps listed, and a
@@ -143,12 +158,13 @@ class PersistentTier(Tier):
             raise ArgumentError(f"save_interval_steps must be a positive int, got {interval!r}.")
         if not isinstance(copies, int) or isinstance(copies, bool) or copies < 1:
             raise ArgumentError(f"kept_copies must be a positive int, got {copies!r}.")
+        check_full_check_interval(full_check_interval_s)
         if jax.process_index() == 0 and (left_alone := clean_leftovers(location)):
             warnings.warn(left_alone, stacklevel=3)
         scan = scan_steps(location)
         if skipped := scan.warning(location):
             warnings.warn(skipped, stacklevel=3)
-        return cls(location, retention, scan, interval, incremental, copies)
+        return cls(location, retention, scan, interval, incremental, copies, full_check_interval_s)
 
     def should_save(self, step: int) -> bool:
         return step % self.interval == 0
@@ -170,7 +186,15 @@ class PersistentTier(Tier):
         metadata[MANAGER_KEY] = manager_record(step, metrics, copy)
         base = self.steps.step_path(shared) if shared is not None and self.incremental else None
         path = self.steps.step_path(step)
-        handle = save(path, tree, metadata=metadata, blocking=blocking, progress=details.progress, base=base)
+        handle = save(
+            path,
+            tree,
+            metadata=metadata,
+            blocking=blocking,
+            progress=details.progress,
+            base=base,
+            full_check_interval_s=self.full_check_interval_s,
+        )
         if blocking:
             self.steps.add(step, metrics, copy)
             return

@@ -111,6 +111,29 @@ class Storage(abc.ABC):
         """The directory, for local storage; None for object stores."""
         return None
 
+    def generations(self, keys: Sequence[str]) -> list[str | None]:
+        """The generation the store reports for each of ``keys`` now (hex), without
+        downloading any: one metadata request each (a HEAD on S3), all in flight at once.
+        None for a key that is missing or could not be asked about: a caller then trusts
+        nothing it recorded of that object.
+
+        ```python
+        storage.generations(["w/zarr.json", "w/c/0"])  # ['0022...', '0022...']
+        ```
+        """
+        store = self.open_kvstore()
+        asked = [store.read(key, byte_range=slice(0, 0)) for key in keys]
+        found: list[str | None] = []
+        for read in asked:
+            try:
+                result = read.result()
+            except Exception:  # noqa: BLE001 - unknown: checked whole instead
+                found.append(None)
+                continue
+            generation = result.stamp.generation
+            found.append(generation.hex() if result.state == "value" and generation else None)
+        return found
+
     def chunk_files(self) -> ChunkFiles:
         """The chunk files of the arrays here, read and written as bytes (see `_chunks`)."""
         return KvChunkFiles(self.open_kvstore())

@@ -9,6 +9,7 @@ refers to ``base``'s prefix. Everything else is written afresh.
 
 import contextlib
 import dataclasses
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from types import TracebackType
@@ -16,13 +17,25 @@ from typing import Generic, Protocol, TypeVar
 
 from .._check._verify import damaged_leaves
 from .._chunks import ChunkLayout
-from .._errors import CheckpointChangedError, CheckpointError, plural
-from .._leaf import StoredLeaf
+from .._errors import ArgumentError, CheckpointChangedError, CheckpointError, plural
+from .._leaf import Seen, StoredLeaf
 from .._manifest import Manifest
 from .._paths import PACKED_LOCATION, reference
 from .._storage import CheckpointPath, Staging, Storage, expected_files
 from .._stored import StoredArrays
 from ._pack import PackedArray
+
+# A leaf shared from a sibling on an object store without reading it (its objects' generations
+# unchanged since they were checked whole) is checked whole again after this many such
+# saves, or `FULL_CHECK_INTERVAL_S` after the check (a save's ``full_check_interval_s``).
+FULL_CHECK_SHARES = 100
+FULL_CHECK_INTERVAL_S = 3600.0
+
+
+def check_full_check_interval(seconds: object) -> None:
+    """Refuse (`ArgumentError`) a ``full_check_interval_s`` that is not a number of seconds >= 0."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < float("inf"):
+        raise ArgumentError(f"full_check_interval_s must be a number of seconds >= 0, got {seconds!r}.")
 
 
 class Job(Protocol):
@@ -53,7 +66,8 @@ class Reuse(Generic[J]):
     - `linked`: jobs whose files are hard-linked from ``base`` (local disks), each with
       those files' keys.
     - `referred`: jobs whose array stays in a sibling's prefix (object stores), each
-      with that prefix as the manifest names it.
+      with that prefix as the manifest names it, and what is known of its objects
+      (`Seen`; None where their generations could not be told).
     - `written`: jobs written afresh (changed, not in ``base``, or damaged there).
 
     ```python
@@ -64,7 +78,7 @@ class Reuse(Generic[J]):
 
     base: StoredArrays | None
     linked: list[tuple[J, list[str]]]
-    referred: list[tuple[J, str]]
+    referred: list[tuple[J, str, Seen | None]]
     written: list[J]
     hold: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
 
@@ -123,12 +137,18 @@ class Reuse(Generic[J]):
         """
         if not self.referred:
             return manifest, []
-        held = staging.refer(sorted({ref for _, ref in self.referred}))
-        manifest = _referring(manifest, {job.record.path: ref for job, ref in self.referred if ref in held})
-        return manifest, [job for job, ref in self.referred if ref not in held]
+        held = staging.refer(sorted({ref for _, ref, _ in self.referred}))
+        refs = {job.record.path: (ref, seen) for job, ref, seen in self.referred if ref in held}
+        return _referring(manifest, refs), [job for job, ref, _ in self.referred if ref not in held]
 
 
-def plan_reuse(base: CheckpointPath | None, manifest: Manifest, jobs: Sequence[J], location: Storage) -> Reuse[J]:
+def plan_reuse(
+    base: CheckpointPath | None,
+    manifest: Manifest,
+    jobs: Sequence[J],
+    location: Storage,
+    full_check_interval_s: float = FULL_CHECK_INTERVAL_S,
+) -> Reuse[J]:
     """Which of ``jobs`` a save to ``location`` takes unchanged from ``base``, and how.
 
     A leaf is taken when ``base`` holds it as this save writes it (same path and digest,
@@ -145,6 +165,10 @@ def plan_reuse(base: CheckpointPath | None, manifest: Manifest, jobs: Sequence[J
     - `manifest`: the save's manifest, with the digests of the leaves it holds whole.
     - `jobs`: the arrays the save would write.
     - `location`: where the save goes.
+    - `full_check_interval_s`: on an object store, a leaf checked whole within this many
+      seconds (and fewer than `FULL_CHECK_SHARES` saves ago) whose objects' generations
+      are still those recorded then is shared without downloading it; 0: every leaf
+      shared is checked whole.
 
     **Returns:** a `Reuse`; enter it (or ``close()`` it) to release its hold on ``base``.
     A ``base`` replaced or deleted meanwhile gives nothing taken.
@@ -159,10 +183,10 @@ def plan_reuse(base: CheckpointPath | None, manifest: Manifest, jobs: Sequence[J
         return Reuse(None, [], [], list(jobs))
     with contextlib.ExitStack() as hold:
         reusable: dict[int, list[str]] = {}
-        referable: dict[int, str] = {}
+        referable: dict[int, tuple[str, Seen | None]] = {}
         if stored.arrays.local is None:
             try:
-                referable = _referable(stored, manifest, jobs, location)
+                referable = _referable(stored, manifest, jobs, location, full_check_interval_s)
             except CheckpointChangedError:
                 pass  # replaced or deleted meanwhile: everything is written
         else:
@@ -176,7 +200,7 @@ def plan_reuse(base: CheckpointPath | None, manifest: Manifest, jobs: Sequence[J
         return Reuse(
             stored,
             [(job, reusable[id(job)]) for job in jobs if id(job) in reusable],
-            [(job, referable[id(job)]) for job in jobs if id(job) in referable],
+            [(job, *referable[id(job)]) for job in jobs if id(job) in referable],
             [job for job in jobs if id(job) not in reusable and id(job) not in referable],
             hold.pop_all(),
         )
@@ -239,14 +263,93 @@ def _reusable(base: StoredArrays, manifest: Manifest, jobs: Sequence[J]) -> dict
     return {id(job): files[id(job)] for job, _ in _intact(base, laid_out)}
 
 
-def _referable(base: StoredArrays, manifest: Manifest, jobs: Sequence[J], location: Storage) -> dict[int, str]:
-    """The unchanged and intact (`_intact`) leaves of ``base`` (a committed checkpoint beside
-    this one on an object store), by ``id`` of their job, with the prefix their array is in
-    (base's own, or the one base refers to: references are never chained)."""
+def _referable(
+    base: StoredArrays, manifest: Manifest, jobs: Sequence[J], location: Storage, full_check_interval_s: float
+) -> dict[int, tuple[str, Seen | None]]:
+    """The unchanged and intact leaves of ``base`` (a committed checkpoint beside this one
+    on an object store), by ``id`` of their job, with the prefix their array is in (base's
+    own, or the one base refers to: references are never chained) and what is known of its
+    objects then (`Seen`).
+
+    Intact: its objects' generations are what ``base`` recorded when they were last
+    checked whole, recently enough (`_vouched`: not one byte downloaded), or they pass
+    every check `verify` makes now (`_intact`), their generations the same before and
+    after the check (else nothing is recorded, and the next save checks them again)."""
     entry = location.sibling_name(base.storage)
     assert entry is not None
     own = reference(entry, base.manifest.arrays)
-    return {id(job): old.arrays or own for job, old in _intact(base, list(_unchanged(base, manifest, jobs)))}
+    unchanged = list(_unchanged(base, manifest, jobs))
+    vouched = _vouched(base, unchanged, full_check_interval_s)
+    unsure = [(job, old) for job, old in unchanged if id(job) not in vouched]
+    # The packed array (small leaves, all together) is checked whole every time: no record holds its objects'.
+    objects = {id(job): _objects(old) for job, old in unsure if old.path != PACKED_LOCATION}
+    checked = time.time()
+    before = _generations(base, unsure, objects)
+    intact = _intact(base, unsure)
+    after = _generations(base, unsure, objects)
+    found: dict[int, tuple[str, Seen | None]] = {}
+    for job, old in intact:
+        generations = before.get(id(job))
+        known = generations is not None and generations == after.get(id(job))
+        found[id(job)] = (old.arrays or own, Seen(checked, 0, generations) if known and generations else None)
+    for job, old in unchanged:
+        if id(job) in vouched:
+            found[id(job)] = (old.arrays or own, vouched[id(job)])
+    return found
+
+
+def _objects(old: StoredLeaf) -> list[str]:
+    """The keys of the objects of ``old``'s array (its metadata and chunks), sorted."""
+    return sorted(key for key in expected_files([(old, ChunkLayout.planned(old))]) if key.startswith(f"{old.path}/"))
+
+
+def _generations(
+    base: StoredArrays, taken: list[tuple[J, StoredLeaf]], objects: dict[int, list[str]]
+) -> dict[int, tuple[str, ...] | None]:
+    """For each of ``taken`` with ``objects``, the generations its objects have now (None
+    where any could not be told), asked of the store all at once."""
+    asked = [(job, old) for job, old in taken if id(job) in objects]
+    flat = [(id(job), base.files_of(old), key) for job, old in asked for key in objects[id(job)]]
+    by_storage: dict[int, list[int]] = {}
+    for at, (_, storage, _) in enumerate(flat):
+        by_storage.setdefault(id(storage), []).append(at)
+    told: list[str | None] = [None] * len(flat)
+    for ats in by_storage.values():
+        storage = flat[ats[0]][1]
+        for at, generation in zip(ats, storage.generations([flat[at][2] for at in ats])):
+            told[at] = generation
+    found: dict[int, list[str | None]] = {}
+    for (job_id, _, _), generation in zip(flat, told):
+        found.setdefault(job_id, []).append(generation)
+    return {
+        job_id: None if any(g is None for g in generations) else tuple(g for g in generations if g is not None)
+        for job_id, generations in found.items()
+    }
+
+
+def _vouched(
+    base: StoredArrays, unchanged: list[tuple[J, StoredLeaf]], full_check_interval_s: float
+) -> dict[int, Seen]:
+    """Of ``unchanged``, the leaves ``base`` refers to whose objects were checked whole
+    within ``full_check_interval_s`` and fewer than `FULL_CHECK_SHARES` saves ago and have
+    the generations recorded then now: by ``id`` of their job, with what the new
+    checkpoint records of them (one more save shared them unread)."""
+    now = time.time()
+    recent = [
+        (job, old)
+        for job, old in unchanged
+        if old.seen is not None
+        and old.offset is None
+        and old.seen.shares + 1 < FULL_CHECK_SHARES
+        and 0 <= now - old.seen.unix < full_check_interval_s
+    ]
+    objects = {id(job): _objects(old) for job, old in recent}
+    current = _generations(base, recent, objects)
+    return {
+        id(job): dataclasses.replace(old.seen, shares=old.seen.shares + 1)
+        for job, old in recent
+        if old.seen is not None and current.get(id(job)) == old.seen.generations
+    }
 
 
 def _intact(base: StoredArrays, taken: list[tuple[J, StoredLeaf]]) -> list[tuple[J, StoredLeaf]]:
@@ -275,12 +378,15 @@ def _intact(base: StoredArrays, taken: list[tuple[J, StoredLeaf]]) -> list[tuple
     return intact
 
 
-def _referring(manifest: Manifest, refs: dict[str, str]) -> Manifest:
+def _referring(manifest: Manifest, refs: dict[str, tuple[str, Seen | None]]) -> Manifest:
     """The manifest with each leaf at a path in ``refs`` naming the prefix its array is in
-    (every packed leaf, if the packed array is in ``refs``)."""
+    (every packed leaf, if the packed array is in ``refs``), and what is known of its
+    objects (a leaf's own array only)."""
     where = lambda r: refs.get(PACKED_LOCATION if r.offset is not None else r.path)  # noqa: E731
     records = [
-        dataclasses.replace(r, arrays=where(r)) if isinstance(r, StoredLeaf) and where(r) else r
+        dataclasses.replace(r, arrays=found[0], seen=found[1] if r.offset is None else None)
+        if isinstance(r, StoredLeaf) and (found := where(r))
+        else r
         for r in manifest.leaves
     ]
     return dataclasses.replace(manifest, leaves=tuple(records))

@@ -37,7 +37,7 @@ from ._background import SAVES, SaveHandle
 from ._jobs import Hashing, WriteJob, digested
 from ._pack import PACK_MIN_LEAVES, PackedArray, assign_offsets, packable
 from ._pieces import PackedWrite, Piece, record_of, snapshot
-from ._reuse import Reuse, plan_reuse
+from ._reuse import FULL_CHECK_INTERVAL_S, Reuse, check_full_check_interval, plan_reuse
 from ._shares import check_copies_agree, copy_digests, global_leaves
 
 
@@ -201,7 +201,7 @@ class SaveInProgress:
         if not self.leader:
             return None
         linked = [job for job, _ in self.reuse.linked]
-        everything = [*self.writing, *linked, *(job for job, _ in self.reuse.referred)]
+        everything = [*self.writing, *linked, *(job for job, _, _ in self.reuse.referred)]
         self.staging = staging = self.location.begin_save([job.record.path for job in everything], self.overwrite)
         if self.overwrite:  # what another tool put in the checkpoint replaced stays (`Storage.delete`)
             staging.unwritten = unwritten_at
@@ -338,6 +338,7 @@ def save(
     blocking: bool = True,
     progress: Progress = False,
     base: CheckpointPath | None = None,
+    full_check_interval_s: float = FULL_CHECK_INTERVAL_S,
 ) -> SaveHandle:
     """Save a pytree as a checkpoint directory: one zarr3 array per array leaf.
 
@@ -376,6 +377,13 @@ def save(
       specification). Ignored otherwise. Leaves whose shards several
       processes write are written in full, and packed small leaves are
       taken only all together, when none of them changed.
+    - `full_check_interval_s`: on an object store, a leaf ``base`` shares
+      that was downloaded and checked whole less than this many seconds ago
+      (and fewer than 100 saves ago) is shared without downloading it again
+      while the store reports each of its objects unchanged since then (their
+      generations: one metadata request per object; the threat model says
+      what this trusts). 0: every leaf shared is downloaded and checked.
+      Local disks check every leaf they share, every save.
 
     With several JAX processes (``jax.process_count() > 1``) every process
     calls `save` with the same tree of global arrays; each writes only shards
@@ -392,6 +400,7 @@ def save(
     handle.wait()
     ```
     """
+    check_full_check_interval(full_check_interval_s)
     location = resolve(path)
     metadata = {} if metadata is None else metadata
     size = metadata_bytes(metadata)
@@ -428,7 +437,7 @@ def save(
         try:
             # The base is opened here, off the caller's thread for a background save, and only
             # by the process that holds whole leaves (and their digests): process 0.
-            with plan_reuse(base if leader else None, with_digests, jobs, location) as reuse:
+            with plan_reuse(base if leader else None, with_digests, jobs, location, full_check_interval_s) as reuse:
                 pieces = [piece for job in reuse.written for piece in job.pieces]
                 with reporting(f"saving {key}", sum(p.nbytes for p in pieces), sum(p.leaves for p in pieces), progress):
                     SaveInProgress(location, with_digests, reuse, overwrite, phases, hashing).run()
