@@ -4,6 +4,10 @@ All of them live here, and their structured fields are plain attributes, so an
 error pickles with them (it can cross from a worker process to its parent).
 """
 
+import os
+import sys
+import warnings
+
 
 class CheckpointError(Exception):
     """Base class of every error eqxckpt raises on purpose.
@@ -234,3 +238,25 @@ MAX_LISTED = 50  # paths one error or warning names at most
 def plural(n: int, one: str, many: str | None = None) -> str:
     """``1 leaf``, ``2 leaves``: a count in a message."""
     return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Frames of a thread eqxckpt started (a background save): no caller's line is on its stack.
+_THREAD_FILES = (f"{os.sep}threading.py", f"{os.sep}concurrent{os.sep}futures{os.sep}")
+
+
+def warn_at_caller(message: str) -> None:
+    """Warn (`UserWarning`) pointing at the line of the user's code that called eqxckpt
+    (the first frame outside the package), however deep in eqxckpt the warning is made;
+    in a thread eqxckpt runs (a background save), at eqxckpt's own line.
+
+    ```python
+    warn_at_caller("Leaf 'w' of run/3, which this save would share unchanged, is damaged there ...")
+    ```
+    """
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    if frame is None or any(part in frame.f_code.co_filename for part in _THREAD_FILES):
+        level = 2
+    warnings.warn(message, UserWarning, stacklevel=level)

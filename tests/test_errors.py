@@ -117,3 +117,42 @@ def test_an_at_that_is_not_a_string_is_an_argument_error(tmp_path):
     eqxckpt.save(tmp_path / "c", {"n": 1})
     with pytest.raises(eqxckpt.ArgumentError, match="at must be a str or None, got int 5"):
         eqxckpt.load(tmp_path / "c", at=5)  # type: ignore[arg-type]
+
+
+def test_every_warning_points_at_the_callers_line(tmp_path):
+    """A warning names the line of the user's code that called eqxckpt, however deep in
+    eqxckpt it is made (#55: a warning about a damaged file pointed inside the library):
+    load(strict=False), load's cast, a save that finds its base damaged, a manager that
+    skips entries that are not steps."""
+    import warnings
+
+    def warned(call) -> list[warnings.WarningMessage]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        assert caught, "no warning"
+        return caught
+
+    eqxckpt.save(tmp_path / "c", {"w": np.arange(4.0, dtype=np.float32), "tiny": np.float64([1e-310, 1.0])})
+    for caught in (
+        warned(lambda: eqxckpt.load(tmp_path / "c", {"w": np.zeros(4, np.float32), "v": 1.0}, strict=False)),
+        warned(
+            lambda: eqxckpt.load(
+                tmp_path / "c", {"w": np.zeros(4, np.float32), "tiny": np.zeros(2, np.float32)}, cast=True
+            )
+        ),
+    ):
+        assert [w.filename for w in caught] == [__file__] * len(caught), [(w.filename, w.lineno) for w in caught]
+    # A base whose leaf is damaged: the save writes it again, and says so at the save's line.
+    big = np.arange(1 << 16, dtype=np.float32)
+    eqxckpt.save(tmp_path / "base", {"big": big})
+    [chunk] = (tmp_path / "base" / "big" / "c").iterdir()
+    raw = bytearray(chunk.read_bytes())
+    raw[0] ^= 1
+    chunk.write_bytes(bytes(raw))
+    caught = warned(lambda: eqxckpt.save(tmp_path / "next", {"big": big}, base=tmp_path / "base"))
+    assert [w.filename for w in caught] == [__file__] and "damaged there" in str(caught[0].message)
+    # A manager that finds something other than steps in its run.
+    (tmp_path / "run" / "notes").mkdir(parents=True)
+    caught = warned(lambda: eqxckpt.CheckpointManager(tmp_path / "run").close())
+    assert [w.filename for w in caught] == [__file__] and "not a step number" in str(caught[0].message)

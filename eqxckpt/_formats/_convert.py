@@ -1,12 +1,11 @@
 """Host arrays into the values a restore asks for: checked casts, and jax arrays without copies."""
 
 import math
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import CastError
+from .._errors import CastError, warn_at_caller
 
 if TYPE_CHECKING:  # JAX is imported where a restore needs it, not to read a checkpoint
     import jax
@@ -47,9 +46,7 @@ def checked_astype(data: np.ndarray, dtype: "DTypeLike", path: str) -> np.ndarra
                     "infinities (they are beyond its range). Restore into a wider `like`."
                 )
             if ((before != 0) & (after == 0)).any():
-                warnings.warn(
-                    f"Leaf {path!r}: cast=True to {dtype.name} flushed tiny nonzero values to zero.", stacklevel=6
-                )
+                warn_at_caller(f"Leaf {path!r}: cast=True to {dtype.name} flushed tiny nonzero values to zero.")
     return out
 
 

@@ -25,7 +25,6 @@ import dataclasses
 import json
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +40,7 @@ from .._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ManifestError,
+    warn_at_caller,
 )
 from .._read._load import load
 from .._run._steps import RunSteps
@@ -114,10 +114,9 @@ class LocalCheckpoints:
         self.max_to_keep = _positive("local_max_to_keep", max_to_keep)
         self.me, self.processes = jax.process_index(), jax.process_count()
         if self.replicas > self.processes - 1 and (self.replicas != 1 or self.processes > 1):
-            warnings.warn(
+            warn_at_caller(
                 f"local_replicas={self.replicas} asks for more copies than the {self.processes - 1} other processes "
                 f"of this job can hold: each part is kept by {self.processes - 1} peers.",
-                stacklevel=3,
             )
         self.steps = steps
         self.tier = LocalTier(local_path, steps.location, self.me)
@@ -292,13 +291,11 @@ class LocalCheckpoints:
         def keep() -> None:
             try:
                 if why := self.tier.unsound(info, files):
-                    warnings.warn(
-                        f"Local tier: the copy of step {info.step} sent here was not kept: {why}", stacklevel=2
-                    )
+                    warn_at_caller(f"Local tier: the copy of step {info.step} sent here was not kept: {why}")
                     return
                 self.tier.receive(info.owner, info.step, files)
             except (CheckpointError, OSError) as e:
-                warnings.warn(f"Local tier: the restored copy of step {info.step} was not kept here: {e}", stacklevel=2)
+                warn_at_caller(f"Local tier: the restored copy of step {info.step} was not kept here: {e}")
 
         self._keeping = self._executor.submit(keep)
 
@@ -318,10 +315,9 @@ class LocalCheckpoints:
         parts = self.tier.parts()
         stale = [info for info in parts if info.run != self._run]
         if stale:
-            warnings.warn(
+            warn_at_caller(
                 f"Local tier: deleted {len(stale)} parts of a run no longer at {self.steps.location} (steps "
                 f"{sorted({info.step for info in stale})}) from {self.tier.root}.",
-                stacklevel=2,
             )
         self.tier.delete([info for info in parts if info in stale or (info.step, info.token) not in kept])
 
@@ -356,10 +352,9 @@ class LocalCheckpoints:
         parts = [PartInfo.from_json(p) for each in found for p in each["parts"]]
         others = [p for p in parts if p.run != run]
         if others and self.me == 0:
-            warnings.warn(
+            warn_at_caller(
                 f"Local tier: {len(others)} parts (steps {sorted({p.step for p in others})}) belong to another or "
                 f"a deleted run, not to the run now at {self.steps.location}: they are never restored.",
-                stacklevel=3,
             )
         parts = [
             p

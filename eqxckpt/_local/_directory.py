@@ -26,14 +26,13 @@ import pathlib
 import re
 import stat
 import uuid
-import warnings
 import weakref
 from typing import Any
 
 import numpy as np
 
 from .._check._verify import verify_location
-from .._errors import ArgumentError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import ArgumentError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, warn_at_caller
 from .._manifest import parse_manifest
 from .._paths import LOCAL_TIER_NAME, MANIFEST_NAME
 from .._read._checkpoint import Checkpoint, open_checkpoint
@@ -170,7 +169,7 @@ class LocalTier:
             raise _directory_error(local_path, "is not writable")
         for _, directory in self._directories():
             if left_alone := clean_leftovers(directory):
-                warnings.warn(left_alone, stacklevel=3)
+                warn_at_caller(left_alone)
 
     def close(self) -> None:
         """Let another manager hold this directory."""
@@ -205,9 +204,7 @@ class LocalTier:
             else:
                 continue
             if not stat.S_ISDIR(os.lstat(entry).st_mode):
-                warnings.warn(
-                    f"Local tier: skipped {entry}, which is not a directory of its own (a symlink?).", stacklevel=3
-                )
+                warn_at_caller(f"Local tier: skipped {entry}, which is not a directory of its own (a symlink?).")
                 continue
             found.append((owner, resolve(entry)))
         return found
@@ -227,7 +224,7 @@ class LocalTier:
                 try:
                     info = PartInfo.of(open_checkpoint(where).metadata.get(PART_KEY), self.process, str(where))
                 except CheckpointError as e:
-                    warnings.warn(f"Local tier: skipped {where}: {e}", stacklevel=2)
+                    warn_at_caller(f"Local tier: skipped {where}: {e}")
                     continue
                 if info.step == int(name) and info.owner == owner:
                     found.append(info)
@@ -340,7 +337,7 @@ class LocalTier:
         what is in it (or it is damaged), so it deletes none of it."""
         aside = path.with_name(f".{path.name}.set-aside-{uuid.uuid4().hex[:8]}")
         os.rename(path, aside)
-        warnings.warn(f"Local tier: {path} {what}; it was moved to {aside} and {then}.", stacklevel=4)
+        warn_at_caller(f"Local tier: {path} {what}; it was moved to {aside} and {then}.")
 
     def open(self, info: PartInfo) -> Checkpoint:
         """The part ``info`` names, opened for a restore of this process (`Source.per_process`).
@@ -372,10 +369,9 @@ class LocalTier:
             assert info.holder == self.process
             where = self._directory(info.owner).sub(str(info.step))
             if (keep := unwritten_at(where)) and where.delete(keep):
-                warnings.warn(
+                warn_at_caller(
                     f"Local tier: deleted the part at {where} but kept {len(keep)} files eqxckpt did not write in it, "
                     f"in {where}.kept-<hex> beside it: {', '.join(keep[:10])}.",
-                    stacklevel=3,
                 )
             elif not keep:
                 where.delete()

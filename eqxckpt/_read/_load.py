@@ -7,7 +7,6 @@ exactly the stored leaves it needs, in one concurrent batch.
 """
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any, TypedDict, TypeVar, Unpack, overload
 
@@ -17,7 +16,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._arguments import checked_arguments
-from .._errors import MAX_LISTED, CastError, CheckpointChangedError, StructureMismatchError, plural
+from .._errors import MAX_LISTED, CastError, CheckpointChangedError, StructureMismatchError, plural, warn_at_caller
 from .._formats._convert import checked_astype, narrowed
 from .._formats._open import open as open_source
 from .._gc import collector_paused
@@ -120,20 +119,18 @@ class Plan:
         if self.flags:
             # Stored values win, as in eqx.tree_deserialise_leaves; a flag such as Dropout's
             # `inference` is the one users expect `like` to decide, so say it did not.
-            warnings.warn(
+            warn_at_caller(
                 f"eqxckpt.load from {self.source.location}: the checkpoint's values replace `like`'s where they "
                 f"differ ({plural(len(self.flags), 'flag')}: {self.flags[:MAX_LISTED]}). Stored values always win; to choose a "
                 "mode, apply it to the result (e.g. eqx.nn.inference_mode(loaded)).",
-                stacklevel=5,
             )
         if self.kept or self.unexpected:
             hint = self.fitting_prefix([(path, "") for path in self.kept])
-            warnings.warn(
+            warn_at_caller(
                 f"eqxckpt.load(strict=False) from {self.source.location}: kept `like`'s values for "
                 f"{len(self.kept)} leaves missing from the checkpoint {self.kept[:MAX_LISTED]}; ignored "
                 f"{len(self.unexpected)} checkpoint leaves {[p for p, _ in self.unexpected[:MAX_LISTED]]}."
                 + (f" Every kept leaf is in the checkpoint under {hint!r}: pass at={hint!r}." if hint else ""),
-                stacklevel=5,
             )
 
     def fitting_prefix(self, missing: Rows | None = None) -> str | None:

@@ -9,7 +9,6 @@ import json
 import re
 import threading
 import uuid
-import warnings
 from collections.abc import Iterable, Iterator
 
 import jax
@@ -22,6 +21,7 @@ from .._errors import (
     CheckpointWriteError,
     IncompleteCheckpointError,
     ManifestError,
+    warn_at_caller,
 )
 from .._manifest import parse_json_object
 from .._paths import RUN_NAME
@@ -561,12 +561,11 @@ class RunSteps:
                     "lists the step and tries again after its next save. Fix the cause (permissions, the store)."
                 ) from e
             if deleted and keep:
-                warnings.warn(
+                warn_at_caller(
                     f"Retention deleted step {old} of {self.location} but kept {len(keep)} files eqxckpt cannot show "
                     f"it wrote in it, as they were, in {where}.kept-<hex> beside it: {', '.join(keep[:10])}"
                     + (" ..." if len(keep) > 10 else "")
                     + ". Move them, and remove that directory.",
-                    stacklevel=4,
                 )
             if deleted:
                 with self._lock:

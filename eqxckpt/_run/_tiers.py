@@ -7,13 +7,12 @@ import abc
 import contextlib
 import dataclasses
 import os
-import warnings
 from typing import Any
 
 import jax
 from jaxtyping import PyTree
 
-from .._errors import ArgumentError, CheckpointChangedError, CheckpointError, CorruptCheckpointError
+from .._errors import ArgumentError, CheckpointChangedError, CheckpointError, CorruptCheckpointError, warn_at_caller
 from .._formats._open import open as open_source
 from .._local import LocalCheckpoints
 from .._progress import Progress
@@ -160,10 +159,10 @@ class PersistentTier(Tier):
             raise ArgumentError(f"kept_copies must be a positive int, got {copies!r}.")
         check_full_check_interval(full_check_interval_s)
         if jax.process_index() == 0 and (left_alone := clean_leftovers(location)):
-            warnings.warn(left_alone, stacklevel=3)
+            warn_at_caller(left_alone)
         scan = scan_steps(location)
         if skipped := scan.warning(location):
-            warnings.warn(skipped, stacklevel=3)
+            warn_at_caller(skipped)
         return cls(location, retention, scan, interval, incremental, copies, full_check_interval_s)
 
     def should_save(self, step: int) -> bool:
@@ -369,7 +368,7 @@ class Tiers:
             try:
                 fast.save(step, tree, blocking=True)
             except CheckpointError as e:
-                warnings.warn(f"Preemption notice: the local tier's save of step {step} failed: {e}", stacklevel=4)
+                warn_at_caller(f"Preemption notice: the local tier's save of step {step} failed: {e}")
         self.persistent.wait()
         if step not in self.persistent.steps.committed():
             self.persistent.save(step, tree, blocking=True, details=details)

@@ -10,8 +10,9 @@ import re
 import shutil
 import stat
 import uuid
-import warnings
 from collections.abc import Callable
+
+from .._errors import warn_at_caller
 
 # --- local filesystem commit ---------------------------------------------------------
 
@@ -214,9 +215,8 @@ def link_or_copy(source: pathlib.Path, target: pathlib.Path) -> None:
             raise
         if not _COPY_WARNED:
             _COPY_WARNED = True
-            warnings.warn(
+            warn_at_caller(
                 f"Cannot hard-link {source} into the new checkpoint ({os.strerror(e.errno)}): unchanged leaves "
                 "are copied instead of linked, which costs their bytes again.",
-                stacklevel=2,
             )
     shutil.copyfile(source, target, follow_symlinks=False)

@@ -12,13 +12,12 @@ import socket
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import tensorstore as ts
 
-from .._errors import CheckpointBusyError, ManifestError
+from .._errors import CheckpointBusyError, ManifestError, warn_at_caller
 from .._manifest import MAX_MANIFEST_BYTES
 from .._paths import LEASE_NAME, is_arrays_name, validate_path
 from ._kvstore import read_bounded
@@ -183,11 +182,10 @@ def warn_if_not_atomic(kvstore: dict) -> None:
     )
     if not atomic and endpoint not in _warned_endpoints:
         _warned_endpoints.add(endpoint)
-        warnings.warn(
+        warn_at_caller(
             f"Saving to the S3-compatible endpoint {endpoint} without atomic conditional writes: two processes "
             "saving to one place at the same moment could both proceed. If the server supports If-Match and "
             "If-None-Match (MinIO, Ceph, moto do), set TENSORSTORE_S3_USE_CONDITIONAL_WRITE=1.",
-            stacklevel=4,
         )
 
 

@@ -10,14 +10,13 @@ refers to ``base``'s prefix. Everything else is written afresh.
 import contextlib
 import dataclasses
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Generic, Protocol, TypeVar
 
 from .._check._verify import damaged_leaves
 from .._chunks import ChunkLayout
-from .._errors import ArgumentError, CheckpointChangedError, CheckpointError, plural
+from .._errors import ArgumentError, CheckpointChangedError, CheckpointError, plural, warn_at_caller
 from .._leaf import Seen, StoredLeaf
 from .._manifest import Manifest
 from .._paths import PACKED_LOCATION, reference
@@ -369,11 +368,10 @@ def _intact(base: StoredArrays, taken: list[tuple[J, StoredLeaf]]) -> list[tuple
             continue
         what = f"Leaf {bad[0]!r}" if old.path != PACKED_LOCATION else f"Packed leaf {bad[0]!r}"
         others = f" (and {plural(len(bad) - 1, 'other packed leaf', 'other packed leaves')})" if len(bad) > 1 else ""
-        warnings.warn(
+        warn_at_caller(
             f"{what}{others} of {base.location}, which this save would share unchanged, is damaged there "
             f"({damaged[bad[0]].rstrip('.')}). This save writes it again from the values being saved; "
             f"{base.location} itself stays damaged (eqxckpt verify names every checkpoint sharing it).",
-            stacklevel=2,
         )
     return intact
 

@@ -3,7 +3,6 @@
 import concurrent.futures
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -13,7 +12,7 @@ from jaxtyping import PyTree
 from .._arguments import checked_arguments
 from .._chunks import encode
 from .._distributed import Phases, is_multiprocess
-from .._errors import ArgumentError, CheckpointError, CheckpointWriteError, UnsupportedLeafError
+from .._errors import ArgumentError, CheckpointError, CheckpointWriteError, UnsupportedLeafError, warn_at_caller
 from .._gc import collector_paused
 from .._interrupts import interrupts_deferred
 from .._leaf import Leaf, StoredLeaf
@@ -272,11 +271,10 @@ class SaveInProgress:
             self.staging.commit(self.manifest, expected_files([(job.record, job.layout) for job in jobs]))
             self.committed = True
             if (kept := self.staging.kept_at) is not None:
-                warnings.warn(
+                warn_at_caller(
                     f"Saving over {self.location} left {len(self.staging.keep_replaced)} files eqxckpt cannot show it wrote "
                     f"in the checkpoint it replaced where they were, now in {kept}: "
                     f"{', '.join(self.staging.keep_replaced[:10])}. Move them, and remove that directory.",
-                    stacklevel=2,
                 )
 
     def _after_commit(self) -> str:
