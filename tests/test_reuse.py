@@ -167,3 +167,37 @@ def test_a_save_links_exactly_what_plan_reuse_linked(tmp_path):
     shared = lambda key: os.stat(tmp_path / "next" / key).st_ino == os.stat(tmp_path / "base" / key).st_ino  # noqa: E731
     assert shared("a/c/0") and shared(f"{PACKED_LOCATION}/c/0") and not shared("b/c/0")
     np.testing.assert_array_equal(eqxckpt.load(tmp_path / "next")["b"], np.zeros(70_000, np.float32))
+
+
+def test_a_lazy_key_array_saved_elsewhere_is_its_own_array_there(tmp_path):
+    """The outside attack: a lazy PRNG key array from a step that refers to a sibling's
+    prefix, saved into another checkpoint, kept the sibling's reference (and what was seen
+    there): a checkpoint naming a prefix it never checked nor held, unreadable on a disk."""
+    import jax
+
+    run = f"memory://reuse-key-{uuid.uuid4().hex}/"
+    keys = jax.random.split(jax.random.key(7), 4096)
+    eqxckpt.save(run + "1", {"k": keys, "h": np.zeros(3, np.float32)})
+    eqxckpt.save(run + "2", {"k": keys, "h": np.ones(3, np.float32)}, base=run + "1")
+    assert eqxckpt.open(run + "2").leaf("k").arrays is not None
+    for where in (run + "3", str(tmp_path / "c")):
+        eqxckpt.save(where, {"k": eqxckpt.open(run + "2")["k"]})
+        leaf = eqxckpt.open(where).leaf("k")
+        assert isinstance(leaf, StoredLeaf) and leaf.arrays is None and leaf.seen is None
+        assert np.array_equal(jax.random.key_data(eqxckpt.load(where)["k"]), jax.random.key_data(keys))
+
+
+def test_generations_a_manifest_cannot_hold_are_not_recorded(monkeypatch):
+    """The outside attack: a store whose generations are longer than a manifest accepts
+    (over 128 bytes) made a save commit a manifest every load refused. Such a leaf is
+    recorded as unseen, and checked whole each time."""
+    from eqxckpt._storage import Storage
+
+    run = f"memory://reuse-long-{uuid.uuid4().hex}/"
+    eqxckpt.save(run + "1", {"w": np.arange(40_000, dtype=np.float32)})
+    asked = Storage.generations
+    monkeypatch.setattr(Storage, "generations", lambda self, keys: [g and g + "ab" * 150 for g in asked(self, keys)])
+    eqxckpt.save(run + "2", {"w": np.arange(40_000, dtype=np.float32)}, base=run + "1")
+    leaf = eqxckpt.open(run + "2").leaf("w")
+    assert isinstance(leaf, StoredLeaf) and leaf.arrays is not None and leaf.seen is None
+    assert eqxckpt.load(run + "2")["w"].tolist() == list(range(40_000))

@@ -127,3 +127,64 @@ def test_a_full_check_interval_that_is_not_seconds_is_refused(tmp_path, bad):
     with pytest.raises(eqxckpt.CheckpointError, match="full_check_interval_s must be a number"):
         eqxckpt.save(tmp_path / "c", {"w": np.zeros(3)}, full_check_interval_s=bad)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_leaf_stored_in_other_chunks_than_planned_is_never_shared_unread(store, monkeypatch):
+    """The outside attack on this rule: a base saved with smaller chunks than a save plans
+    (sharded, or another chunk size) recorded the generations of the planned chunks only,
+    and a chunk it did not watch was replaced unseen. Now nothing is recorded unless the
+    chunks the check read are the planned ones: every step checks such a leaf whole."""
+    import eqxckpt._chunks as chunks_module
+
+    prefix = f"reuse-layout-{uuid.uuid4().hex[:8]}/"
+    at = lambda entry: store.spec(f"{prefix}{entry}")  # noqa: E731
+    with monkeypatch.context() as small:
+        small.setattr(chunks_module, "CHUNK_BYTES", 1 << 20)  # 2 chunks of FROZEN, not 1
+        eqxckpt.save(at("1"), {"frozen": FROZEN, "h": np.zeros(3, np.float32)})
+        eqxckpt.save(at("other"), {"frozen": -FROZEN, "h": np.zeros(3, np.float32)})
+    eqxckpt.save(at("2"), {"frozen": FROZEN, "h": np.ones(3, np.float32)}, base=at("1"))
+    leaf = eqxckpt.open(at("2")).leaf("frozen")
+    assert isinstance(leaf, StoredLeaf) and leaf.arrays is not None and leaf.seen is None
+    [chunk] = [key for key in store.keys(prefix + "1/") if key.endswith("/frozen/c/1/0")]
+    [other] = [key for key in store.keys(prefix + "other/") if key.endswith("/frozen/c/1/0")]
+    store.put(chunk, store.get(other))  # a sound CRC-32C, other values
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eqxckpt.save(at("3"), {"frozen": FROZEN, "h": np.full(3, 2, np.float32)}, base=at("2"))
+    assert any("'frozen'" in str(w.message) and "damaged" in str(w.message) for w in caught), caught
+    assert np.asarray(eqxckpt.load(at("3"))["frozen"]).tobytes() == FROZEN.tobytes()
+
+
+def test_bytes_put_back_around_a_check_are_never_recorded_as_checked(store, monkeypatch):
+    """The outside attack on this rule: on S3 an object's ETag is its bytes' MD5, so a
+    damaged chunk replaced by sound bytes while a save checked it, then damaged again, had
+    the same ETag before and after the check, and the damaged bytes were recorded as
+    checked and shared unread. What is recorded is the generation the check's own reads
+    returned: the sound bytes', which the damaged ones do not have."""
+    prefix = f"reuse-aba-{uuid.uuid4().hex[:8]}/"
+    at = lambda entry: store.spec(f"{prefix}{entry}")  # noqa: E731
+    eqxckpt.save(at("1"), {"frozen": FROZEN, "h": np.zeros(3, np.float32)})
+    eqxckpt.save(at("other"), {"frozen": -FROZEN, "h": np.zeros(3, np.float32)})
+    [chunk] = [key for key in store.keys(prefix + "1/") if "/frozen/c/" in key]
+    [other] = [key for key in store.keys(prefix + "other/") if "/frozen/c/" in key]
+    sound, damaged = store.get(chunk), store.get(other)
+    store.put(chunk, damaged)
+    checking = reuse_module.damaged_leaves
+
+    def sound_while_checked(stored, records):  # another writer, around the check's reads
+        store.put(chunk, sound)
+        try:
+            return checking(stored, records)
+        finally:
+            store.put(chunk, damaged)
+
+    monkeypatch.setattr(reuse_module, "damaged_leaves", sound_while_checked)
+    eqxckpt.save(at("2"), {"frozen": FROZEN, "h": np.ones(3, np.float32)}, base=at("1"))
+    monkeypatch.setattr(reuse_module, "damaged_leaves", checking)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eqxckpt.save(at("3"), {"frozen": FROZEN, "h": np.full(3, 2, np.float32)}, base=at("2"))
+    assert any("'frozen'" in str(w.message) and "damaged" in str(w.message) for w in caught), caught
+    written = eqxckpt.open(at("3")).leaf("frozen")
+    assert isinstance(written, StoredLeaf) and written.arrays is None
+    assert np.asarray(eqxckpt.load(at("3"))["frozen"]).tobytes() == FROZEN.tobytes()

@@ -66,6 +66,12 @@ class Seen:
         return {"unix": self.unix, "shares": self.shares, "generations": list(self.generations)}
 
     @staticmethod
+    def recordable(generations: Sequence[str]) -> bool:
+        """Whether a manifest can hold these generations (what `from_json` accepts): a
+        store's longer ones are not recorded, and the leaf is checked whole each time."""
+        return 0 < len(generations) <= MAX_SEEN_OBJECTS and all(_generation_ok(g) for g in generations)
+
+    @staticmethod
     def from_json(doc: Any, path: str) -> "Seen":
         """``doc`` checked to be a `Seen`'s JSON; a `ManifestError` naming ``path`` if not."""
         if not isinstance(doc, dict) or set(doc) != {"unix", "shares", "generations"}:
@@ -78,14 +84,21 @@ class Seen:
         if not isinstance(generations, list) or not 0 < len(generations) <= MAX_SEEN_OBJECTS:
             raise ManifestError(f"Leaf {path!r}: 'seen' generations must be a list of 1 to {MAX_SEEN_OBJECTS}.")
         for generation in generations:
-            if (
-                not isinstance(generation, str)
-                or not 0 < len(generation) <= MAX_GENERATION_CHARS
-                or len(generation) % 2
-                or generation.strip("0123456789abcdef")
-            ):
-                raise ManifestError(f"Leaf {path!r}: 'seen' generation {str(generation)[:80]!r} is not hex bytes.")
+            if not _generation_ok(generation):
+                raise ManifestError(
+                    f"Leaf {path!r}: 'seen' generation {str(generation)[:80]!r} is not lowercase hex of 1 to "
+                    f"{MAX_GENERATION_CHARS // 2} bytes."
+                )
         return Seen(float(unix), shares, tuple(generations))
+
+
+def _generation_ok(generation: Any) -> bool:
+    return (
+        isinstance(generation, str)
+        and 0 < len(generation) <= MAX_GENERATION_CHARS
+        and not len(generation) % 2
+        and not generation.strip("0123456789abcdef")
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,7 +105,9 @@ class KeyLeaf(StoredLeaf):
             raise UnsupportedLeafError(
                 f"Leaf {path!r}: a sliced or cast lazy PRNG key array cannot be saved; get() it."
             )
-        return dataclasses.replace(self, path=path, keys=keys, offset=None)  # written as its own array
+        # Written as its own array in the new checkpoint's own prefix: nothing of where the
+        # source held it (a sibling's prefix, what was seen there, a part's blocks) carries over.
+        return dataclasses.replace(self, path=path, keys=keys, offset=None, arrays=None, seen=None, blocks=None)
 
     def wrap(self, data: Any) -> "jax.Array":
         """Typed PRNG keys are stored as key data; turn them back into keys."""

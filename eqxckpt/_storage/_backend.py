@@ -12,7 +12,7 @@ import functools
 import os
 import pathlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import tensorstore as ts
@@ -136,7 +136,30 @@ class Storage(abc.ABC):
 
     def chunk_files(self) -> ChunkFiles:
         """The chunk files of the arrays here, read and written as bytes (see `_chunks`)."""
-        return KvChunkFiles(self.open_kvstore())
+        return KvChunkFiles(self.open_kvstore(), self._generations_read)
+
+    # While `recording_generations` is active: {key: the generations its reads returned}
+    # (set on the instance, whose fields are frozen: it is no part of what the storage is).
+    _generations_read: ClassVar["dict[str, set[str]] | None"] = None
+
+    @contextlib.contextmanager
+    def recording_generations(self) -> Iterator[dict[str, set[str]]]:
+        """Record, while active, the generation of each chunk file every read through
+        `chunk_files` returned (hex; on object stores): what a check read is what it can
+        vouch for (a HEAD before and after could see the same ETag around other bytes).
+
+        ```python
+        with storage.recording_generations() as read:
+            check(storage)
+        read["w/c/0"]  # {'0022...'}: one generation, the bytes checked
+        ```
+        """
+        previous, recorded = self._generations_read, {}
+        object.__setattr__(self, "_generations_read", recorded)
+        try:
+            yield recorded
+        finally:
+            object.__setattr__(self, "_generations_read", previous)
 
     @abc.abstractmethod
     def sub(self, name: str) -> "Storage":
@@ -387,8 +410,9 @@ class KvChunkFiles(ChunkFiles):
     bounds how many are in flight. A large chunk is read as ranges of `PART_BYTES`, at most
     the host memory budget of them at once."""
 
-    def __init__(self, store: ts.KvStore):
+    def __init__(self, store: ts.KvStore, generations_read: "dict[str, set[str]] | None" = None):
         self._store = store
+        self._generations_read = generations_read  # see `Storage.recording_generations`
 
     def write(self, key: str, pieces: Sequence[np.ndarray]) -> None:
         blocking(self.writing(key, pieces))
@@ -437,6 +461,8 @@ class KvChunkFiles(ChunkFiles):
                 targets.put(value)
             del values, results
         targets.finish()
+        if self._generations_read is not None:
+            self._generations_read.setdefault(key, set()).update(g.hex() for g in generations)
 
 
 class _Targets:

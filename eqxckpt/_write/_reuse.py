@@ -272,29 +272,54 @@ def _referable(
 
     Intact: its objects' generations are what ``base`` recorded when they were last
     checked whole, recently enough (`_vouched`: not one byte downloaded), or they pass
-    every check `verify` makes now (`_intact`), their generations the same before and
-    after the check (else nothing is recorded, and the next save checks them again)."""
+    every check `verify` makes now (`_intact`). What such a check records is the
+    generation each chunk's reads returned (the bytes checked, not a HEAD around them:
+    S3's ETag is the same for the same bytes, so damaged, sound, damaged again would
+    look unchanged), only where the leaf is stored in the chunks a save plans for it."""
     entry = location.sibling_name(base.storage)
     assert entry is not None
     own = reference(entry, base.manifest.arrays)
     unchanged = list(_unchanged(base, manifest, jobs))
     vouched = _vouched(base, unchanged, full_check_interval_s)
     unsure = [(job, old) for job, old in unchanged if id(job) not in vouched]
-    # The packed array (small leaves, all together) is checked whole every time: no record holds its objects'.
-    objects = {id(job): _objects(old) for job, old in unsure if old.path != PACKED_LOCATION}
+    # The packed array (small leaves, all together) is checked whole every time: no record
+    # holds its objects' generations.
+    watched = [(job, old) for job, old in unsure if old.path != PACKED_LOCATION]
+    metadata = {id(job): [f"{old.path}/zarr.json"] for job, old in watched}
+    storages = {id(base.files_of(old)): base.files_of(old) for _, old in watched}
     checked = time.time()
-    before = _generations(base, unsure, objects)
-    intact = _intact(base, unsure)
-    after = _generations(base, unsure, objects)
+    before = _generations(base, watched, metadata)
+    with contextlib.ExitStack() as recording:
+        read = {key: recording.enter_context(storage.recording_generations()) for key, storage in storages.items()}
+        intact = _intact(base, unsure)
+    after = _generations(base, watched, metadata)
     found: dict[int, tuple[str, Seen | None]] = {}
     for job, old in intact:
-        generations = before.get(id(job))
-        known = generations is not None and generations == after.get(id(job))
-        found[id(job)] = (old.arrays or own, Seen(checked, 0, generations) if known and generations else None)
+        seen = None
+        if id(job) in metadata and before[id(job)] is not None and before[id(job)] == after[id(job)]:
+            seen = _seen_by_check(old, read[id(base.files_of(old))], before[id(job)], checked)
+        found[id(job)] = (old.arrays or own, seen)
     for job, old in unchanged:
         if id(job) in vouched:
             found[id(job)] = (old.arrays or own, vouched[id(job)])
     return found
+
+
+def _seen_by_check(
+    old: StoredLeaf, read: dict[str, set[str]], metadata: tuple[str, ...] | None, checked: float
+) -> Seen | None:
+    """What a check of ``old``'s array records: the one generation each of its planned
+    chunks was read at (``read``) and its metadata's (``metadata``, unchanged across the
+    check: a load checks it against the manifest every time), in the order of `_objects`;
+    None where the stored chunks are not the planned ones or a chunk changed while read."""
+    objects = _objects(old)
+    chunks = {key: found for key, found in read.items() if key.startswith(f"{old.path}/")}
+    if metadata is None or set(chunks) != {key for key in objects if not key.endswith("/zarr.json")}:
+        return None
+    if any(len(found) != 1 for found in chunks.values()):
+        return None
+    generations = tuple(metadata[0] if key.endswith("/zarr.json") else next(iter(chunks[key])) for key in objects)
+    return Seen(checked, 0, generations) if Seen.recordable(generations) else None
 
 
 def _objects(old: StoredLeaf) -> list[str]:
