@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._chunks import ChunkLayout, Region, read_into, read_scattered
+from ._chunk_reads import read_into, read_scattered
+from ._chunks import ChunkLayout, Region
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._formats._convert import aligned_empty
 from ._leaf import Leaf, StoredLeaf

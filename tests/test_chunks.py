@@ -17,8 +17,10 @@ from conftest import assert_trees_equal
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
+import eqxckpt._chunk_reads as chunk_reads
 import eqxckpt._chunks as chunks_module
 import eqxckpt._write._pack as pack_module
+from eqxckpt._chunk_reads import read_chunk, read_into, read_scattered
 from eqxckpt._chunks import (
     MAX_CHUNK_FACTOR,
     ChunkFileError,
@@ -26,9 +28,6 @@ from eqxckpt._chunks import (
     chunk_regions,
     chunk_shape,
     encode,
-    read_chunk,
-    read_into,
-    read_scattered,
 )
 from eqxckpt._storage._backend import KvChunkFiles
 from eqxckpt._storage._disk_chunks import LocalChunkFiles
@@ -215,8 +214,8 @@ def test_property_a_chunk_read_a_slab_at_a_time_gives_any_selection_and_catches_
     extent = tuple(s.stop - s.start for s in part)
     take = _selection(data.draw, extent)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(chunks_module, "SLAB_BYTES", slab_bytes)
-        patch.setattr(chunks_module, "MIN_SLAB_BYTES", 1)  # slabs of one index, or part of one
+        patch.setattr(chunk_reads, "SLAB_BYTES", slab_bytes)
+        patch.setattr(chunk_reads, "MIN_SLAB_BYTES", 1)  # slabs of one index, or part of one
         into = np.empty(values[part][take].shape, dtype)
         blocking(read_into(files, f"x/{key}", layout, part, take, into))
         assert into.tobytes() == values[part][take].tobytes()
@@ -274,8 +273,8 @@ def test_a_chunk_read_in_slabs_opens_its_file_once_and_never_blocks_on_a_fifo(tm
         original(self, key, after_first(), size)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(chunks_module, "SLAB_BYTES", 1024)
-        patch.setattr(chunks_module, "MIN_SLAB_BYTES", 1024)
+        patch.setattr(chunk_reads, "SLAB_BYTES", 1024)
+        patch.setattr(chunk_reads, "MIN_SLAB_BYTES", 1024)
         patch.setattr(LocalChunkFiles, "_read_ranges", swapping)
         out = np.empty((32, 22), np.float32)
         blocking(read_into(files, "w/c/0/0", layout, whole, (slice(0, 64, 2), slice(0, 64, 3)), out))

@@ -204,7 +204,7 @@ def test_a_restore_split_by_columns_holds_about_its_budget(tmp_path):
     """A 64 MiB leaf of 1 KiB rows split by columns over two devices, from a local disk,
     host_memory_budget=4 MiB: its one chunk is 65536 rows x 2 blocks, too many runs to
     read straight into the devices' buffers, so it is read a slab of rows at a time
-    (`_chunks.read_slabs`), not through a buffer of the whole chunk (~70 MiB beyond the
+    (`_chunk_reads.read_slabs`), not through a buffer of the whole chunk (~70 MiB beyond the
     result before)."""
     found = probe(str(tmp_path / "ckpt"), 64, BUDGET, "cols2")
     assert found["exact"], found
