@@ -26,6 +26,18 @@ def test_make_demo_says_what_it_installs():
 
 
 @pytest.mark.multiprocess
+def test_make_docs_installs_only_what_the_site_needs():
+    """#55: make docs installed the whole 2.8 GB test environment (TensorFlow, the test
+    servers) to build a site that needs mkdocs."""
+    plan = subprocess.run(
+        ["make", "-n", "-B", "docs"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    installs = [line for line in plan.splitlines() if "pip install" in line]
+    assert len(installs) == 1 and installs[0].endswith('-e ".[docs]"'), installs
+    assert "mkdocs build --strict" in plan and "what the docs site needs" in plan
+
+
+@pytest.mark.multiprocess
 def test_the_repository_tracks_no_stray_output():
     """Nothing a run writes is committed: a benchmark's Orbax probe once left a directory named 's3:'."""
     listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=60)
