@@ -2,6 +2,7 @@
 through a counting proxy on 127.0.0.1): a leaf checked whole once is shared by later
 steps without downloading a byte of it while the store reports its objects unchanged."""
 
+import itertools
 import uuid
 import warnings
 
@@ -20,8 +21,14 @@ def _spec(store, proxy, prefix, monkeypatch):
     if store.name == "s3":
         return lambda entry: {**store.spec(f"{prefix}{entry}"), "endpoint": proxy.endpoint}
     monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", proxy.endpoint)
-    # A context of its own: TensorStore keeps an open driver per context, with its endpoint.
-    return lambda entry: {**store.spec(f"{prefix}{entry}"), "context": {"gcs_request_retries": {"max_retries": 5}}}
+    # A context of its own for each proxy: TensorStore keeps an open driver per context, with
+    # the endpoint it opened with (one shared by two tests sent the second's requests past
+    # its proxy, uncounted).
+    context = {"gcs_request_retries": {"max_retries": next(_CONTEXTS)}}
+    return lambda entry: {**store.spec(f"{prefix}{entry}"), "context": context}
+
+
+_CONTEXTS = itertools.count(100)
 
 
 def _downloads(proxy, name: str) -> list[tuple[str, str, str | None]]:
