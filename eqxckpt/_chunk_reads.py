@@ -6,7 +6,6 @@ CRC-32C checked. The files' layout and bytes are `_chunks`'s."""
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import numpy as np
 from crc32c import crc32c
@@ -91,6 +90,14 @@ async def read_slabs(
     slab = np.empty((per_slab, *chunk[split + 1 :]), layout.dtype)
     stored = np.empty(CRC_BYTES, np.uint8)
     prefixes = list(itertools.product(*(range(n) for n in chunk[:split])))
+    # The slabs tile the chunk as chunks tile an array: which elements each target takes
+    # of each slab, and where they go, is `ChunkLayout.parts` of the slabs' grid.
+    grid = ChunkLayout(chunk, layout.dtype, (*(1,) * split, per_slab, *chunk[split + 1 :]) if chunk else ())
+    wanted = [
+        (into, {slab_key: (take, put) for slab_key, _, take, put in grid.parts(_ranges(selection))})
+        for selection, into in targets
+    ]
+    tail = [slice(0, n) for n in chunk[split + 1 :]]
     crc = [0]
 
     def ranges() -> Iterator[tuple[int, list[np.ndarray]]]:
@@ -103,38 +110,19 @@ async def read_slabs(
                 last = n == len(prefixes) - 1 and first + count == rows
                 yield (n * rows + first) * row_bytes, [body, stored] if last else [body]
                 crc[0] = crc32c(body.data, crc[0])
-                for take, into in targets:
-                    _put_rows(slab[:count], prefix, first, take, into)
+                slab_key = grid.key((*(slice(i, i + 1) for i in prefix), slice(first, first + count), *tail))
+                for into, parts in wanted:
+                    if slab_key in parts:
+                        take, put = parts[slab_key]
+                        into[put] = slab[:count][take[split:]] if chunk else slab[0]
 
     await files.reading_ranges(key, ranges(), layout.chunk_nbytes + CRC_BYTES)
     _check(key, crc[0], stored)
 
 
-def _put_rows(slab: np.ndarray, prefix: tuple[int, ...], first: int, take: Region, into: np.ndarray) -> None:
-    """Put what ``take`` selects of a slab into ``into`` (which holds all that ``take``
-    selects): ``slab`` holds the chunk's indices ``first`` on along dimension
-    ``len(prefix)``, everything after it, and index ``prefix`` of the dimensions before it."""
-    if not take:  # a scalar's chunk
-        into[...] = slab.reshape(())
-        return
-    if not into.size:
-        return
-    at: list[Any] = []
-    for index, selected in zip(prefix, take):  # this slab's index of each dimension before
-        start, step = selected.start or 0, selected.step or 1
-        if not (start <= index < selected.stop and (index - start) % step == 0):
-            return
-        at.append((index - start) // step)
-    split = len(prefix)
-    selected = take[split]
-    start, step = selected.start or 0, selected.step or 1
-    low = max(start, first)
-    low += -(low - start) % step  # the first index ``take`` selects in this slab
-    high = min(selected.stop, first + len(slab))
-    if low >= high:
-        return
-    begin, count = (low - start) // step, len(range(low, high, step))
-    into[(*at, slice(begin, begin + count))] = slab[(slice(low - first, high - first, step), *take[split + 1 :])]
+def _ranges(selection: Region) -> list[range]:
+    """A selection (slices with a stop, as targets give them) as `ChunkLayout.parts` takes it."""
+    return [range(s.start or 0, s.stop, s.step or 1) for s in selection]
 
 
 def _scatter(layout: ChunkLayout, part: Region, targets: list[tuple[Region, np.ndarray]]) -> list[np.ndarray] | None:

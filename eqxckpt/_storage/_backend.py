@@ -29,7 +29,7 @@ from .._manifest import Manifest
 from .._paths import GROUP_METADATA, LOCAL_TIER_NAME, RUN_NAME, group_file, group_locations, validate_path
 from .._tensorstore import reason, shared_context
 from .._window import blocking, done, host_memory_budget
-from ._kvstore import MIN_PART_BYTES, PART_BYTES, PartError, SizeError, read_parts
+from ._kvstore import MIN_PART_BYTES, PART_BYTES, PartError, SizeError, read_parts, stat_future
 from ._pins import Pin
 
 # Where a checkpoint is: a local path, a URL (file://, memory://, s3://, gs://), or a TensorStore kvstore spec.
@@ -122,7 +122,7 @@ class Storage(abc.ABC):
         ```
         """
         store = self.open_kvstore()
-        asked = [store.read(key, byte_range=slice(0, 0)) for key in keys]
+        asked = [stat_future(store, key) for key in keys]
         found: list[str | None] = []
         for read in asked:
             try:

@@ -196,7 +196,12 @@ def read_bounded(store: ts.KvStore, key: str, cap: int) -> Any:
 
 def stat(store: ts.KvStore, key: str) -> Any:
     """Whether ``key`` exists, and its generation, without downloading it."""
-    return store.read(key, byte_range=slice(0, 0)).result()
+    return stat_future(store, key).result()
+
+
+def stat_future(store: ts.KvStore, key: str) -> ts.Future:
+    """`stat` started: many of them run together (one metadata request each, a HEAD on S3)."""
+    return store.read(key, byte_range=slice(0, 0))
 
 
 def exists(store: ts.KvStore, key: str) -> bool:
