@@ -10,6 +10,24 @@ from conftest import pyright_path
 ROOT = pathlib.Path(__file__).parent.parent
 
 
+def built_wheel(tmp_path: pathlib.Path, hook: str) -> tuple[pathlib.Path, pathlib.Path]:
+    """setuptools' build ``hook`` (``build_wheel(%r)``, with the output directory) run on a
+    copy of the project in ``tmp_path``, so that nothing is written into the checkout:
+    the copy and the wheel built from it."""
+    import shutil
+    import sys
+
+    project = tmp_path / "clone"
+    project.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", project)
+    shutil.copy(ROOT / "README.md", project)
+    shutil.copytree(ROOT / "eqxckpt", project / "eqxckpt", ignore=shutil.ignore_patterns("__pycache__"))
+    build = f"from setuptools import build_meta as b; print(b.{hook % str(tmp_path)})"
+    subprocess.run([sys.executable, "-c", build], cwd=project, capture_output=True, check=True, timeout=120)
+    [wheel] = tmp_path.glob("*.whl")
+    return project, wheel
+
+
 @pytest.mark.multiprocess
 def test_make_demo_says_what_it_installs():
     plan = subprocess.run(
@@ -54,23 +72,12 @@ def test_type_checkers_see_the_editable_install_from_outside_the_clone(tmp_path)
     which pyright follows: from a directory outside the clone it resolves eqxckpt and its
     signatures (setuptools' default, an import hook, leaves every type Unknown)."""
     import re
-    import shutil
     import sys
     import zipfile
 
     pyright = pyright_path()
     assert "--config-settings editable_mode=compat -e" in (ROOT / "Makefile").read_text()
-    # Built from a copy, so that nothing is written into the checkout.
-    project = tmp_path / "clone"
-    project.mkdir()
-    shutil.copy(ROOT / "pyproject.toml", project)
-    shutil.copy(ROOT / "README.md", project)
-    shutil.copytree(ROOT / "eqxckpt", project / "eqxckpt", ignore=shutil.ignore_patterns("__pycache__"))
-    build = "from setuptools import build_meta as b; print(b.build_editable(%r, {'editable_mode': 'compat'}))"
-    subprocess.run(
-        [sys.executable, "-c", build % str(tmp_path)], cwd=project, capture_output=True, check=True, timeout=120
-    )
-    [wheel] = tmp_path.glob("*.whl")
+    project, wheel = built_wheel(tmp_path, "build_editable(%r, {'editable_mode': 'compat'})")
     with zipfile.ZipFile(wheel) as archive:
         [pth] = [name for name in archive.namelist() if name.endswith(".pth")]
         assert archive.read(pth).decode().strip() == str(project)  # a path, not an import hook
@@ -104,20 +111,10 @@ def test_a_built_wheel_holds_every_module_and_imports_outside_the_clone(tmp_path
     """A wheel (what `pip install eqxckpt` gets, not the editable install the suite runs
     against) holds every module of the source tree: pyproject.toml once listed three
     packages by hand and left the wings (_read, _write, _run, ...) out of it."""
-    import shutil
     import sys
     import zipfile
 
-    project = tmp_path / "clone"
-    project.mkdir()
-    shutil.copy(ROOT / "pyproject.toml", project)
-    shutil.copy(ROOT / "README.md", project)
-    shutil.copytree(ROOT / "eqxckpt", project / "eqxckpt", ignore=shutil.ignore_patterns("__pycache__"))
-    build = "from setuptools import build_meta as b; print(b.build_wheel(%r))"
-    subprocess.run(
-        [sys.executable, "-c", build % str(tmp_path)], cwd=project, capture_output=True, check=True, timeout=120
-    )
-    [wheel] = tmp_path.glob("*.whl")
+    _, wheel = built_wheel(tmp_path, "build_wheel(%r)")
     with zipfile.ZipFile(wheel) as archive:
         shipped = set(archive.namelist())
         archive.extractall(tmp_path / "site")
