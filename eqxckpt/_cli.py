@@ -282,7 +282,15 @@ def _convert(args: argparse.Namespace) -> int:
     from ._write._save import save
 
     to = written_format(str(args.dst), args.to)
-    _check_not_nested(resolve(checkpoint_path(args.src)), resolve(checkpoint_path(args.dst)))
+    destination = resolve(checkpoint_path(args.dst))
+    if to == "safetensors" and destination.local is None:
+        # save_safetensors writes one local file: a URL would become local directories named after it.
+        raise CheckpointError(
+            f"Cannot write a safetensors file at {args.dst}: eqxckpt writes safetensors files to a local path "
+            "only. Write it locally and copy it to the bucket, or convert to an eqxckpt checkpoint there "
+            "(--to eqxckpt). Nothing was written."
+        )
+    _check_not_nested(resolve(checkpoint_path(args.src)), destination)
     source = open_source(checkpoint_path(args.src), format=args.format)
     started = time.perf_counter()
     written = len(source)
@@ -378,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     convert.add_argument("--format", default=None, choices=FORMATS, help="the format of SRC (default: detected)")
     convert.add_argument("--overwrite", action="store_true", help="replace what is at DST")
+    # What every conversion to safetensors now does (the arrays, the rest named): kept so that
+    # scripts written for the flag still run.
+    convert.add_argument("--arrays-only", action="store_true", help=argparse.SUPPRESS)
     convert.set_defaults(run=_convert)
     t5 = sub.add_parser(
         "import-t5", help="convert a Mesh TensorFlow or HuggingFace T5 checkpoint to an eqxckpt checkpoint"

@@ -189,6 +189,16 @@ def test_convert_takes_the_format_from_the_destination_and_refuses_a_guess(tmp_p
         assert f"Cannot tell what to write at {tmp_path / name}" in err and "--to safetensors" in err, err
         assert not (tmp_path / name).exists()
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "model.pt"), "--to", "safetensors"]) == 0
+    # The outside attack: a bucket URL ending in .safetensors became local directories named
+    # after it ("s3:/bucket/..."), reported as written to the bucket. Refused, nothing written.
+    capsys.readouterr()
+    for url in ("s3://bucket/model.safetensors", "gs://bucket/m.safetensors", "memory://m.safetensors"):
+        for extra in ([], ["--to", "safetensors"]):
+            assert main(["convert", str(tmp_path / "src"), url, *extra]) == 1
+            assert "to a local path only" in " ".join(capsys.readouterr().err.split())
+    assert not any(p.name.endswith(":") for p in tmp_path.iterdir()) and not pathlib.Path("s3:").exists()
+    # --arrays-only, what every conversion to safetensors now does, is still accepted.
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "b.safetensors"), "--arrays-only"]) == 0
 
 
 def test_convert_refuses_a_destination_inside_the_source_or_around_it(tmp_path, capsys):
