@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from crc32c import crc32c
 
+from ._dtypes import zarr_data_type
 from ._errors import CheckpointError
 from ._leaf import StoredLeaf
 from ._paths import PACKED_LOCATION
@@ -290,7 +291,7 @@ class ChunkLayout:
 
     def metadata(self) -> dict[str, Any]:
         """The array's ``zarr.json``, as TensorStore's zarr3 driver writes it."""
-        name = self.dtype.name
+        name = zarr_data_type(self.dtype.name)
         endian = {} if self.dtype.itemsize == 1 else {"configuration": {"endian": "little"}}
         return {
             "chunk_grid": {"configuration": {"chunk_shape": list(self.chunk)}, "name": "regular"},

@@ -8,12 +8,28 @@ import numpy as np
 
 from ._errors import CheckpointError
 
-# dtypes that zarr3 in TensorStore stores natively (uint4 is not among them).
-STORED_DTYPES = frozenset(
-    "bool int2 int4 int8 int16 int32 int64 uint8 uint16 uint32 uint64 "
-    "float16 bfloat16 float32 float64 complex64 complex128 float8_e4m3fn "
-    "float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 float8_e5m2fnuz".split()
-)
+# Every dtype JAX has, by the zarr v3 ``data_type`` its arrays are stored under: its own
+# name where zarr v3 (as TensorStore reads it) has one; else ``uint8``, one byte per
+# element exactly as JAX and ml_dtypes hold them, the manifest recording the logical dtype.
+ZARR_DATA_TYPES: dict[str, str] = {
+    **{
+        name: name
+        for name in (
+            "bool int2 int4 int8 int16 int32 int64 uint8 uint16 uint32 uint64 "
+            "float16 bfloat16 float32 float64 complex64 complex128 float8_e3m4 float8_e4m3fn "
+            "float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn"
+        ).split()
+    },
+    "uint2": "uint8",
+    "uint4": "uint8",
+    "float8_e4m3": "uint8",
+}
+STORED_DTYPES = frozenset(ZARR_DATA_TYPES)
+
+
+def zarr_data_type(name: str) -> str:
+    """The zarr v3 ``data_type`` an array of the stored dtype ``name`` is written under."""
+    return ZARR_DATA_TYPES[name]
 
 
 _NAMES: dict[Any, str] = {}
@@ -33,9 +49,9 @@ def dtype_name(dtype: Any) -> str:
 def check_dtype(dtype: np.dtype, where: str) -> None:
     """Refuse a leaf at ``where`` whose ``dtype`` is not one of `STORED_DTYPES`."""
     if dtype.name not in STORED_DTYPES:
-        hint = " Cast it to uint8 first." if dtype.name == "uint4" else ""
         raise CheckpointError(
-            f"Leaf {where!r} has dtype {dtype.name}, which TensorStore's zarr3 cannot store natively.{hint}"
+            f"Leaf {where!r} has dtype {dtype.name}, which is not a JAX array dtype eqxckpt stores (one of "
+            f"{', '.join(sorted(STORED_DTYPES))}). Cast it to one of those first."
         )
 
 

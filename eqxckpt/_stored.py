@@ -21,6 +21,7 @@ import tensorstore as ts
 
 from ._chunk_reads import read_into, read_scattered
 from ._chunks import ChunkLayout, Region
+from ._dtypes import zarr_data_type
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._formats._convert import aligned_empty
 from ._leaf import Leaf, StoredLeaf
@@ -525,9 +526,10 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
         raise bad("does not describe a zarr v3 array")
     shape = record.data_shape
-    if doc.get("shape") != list(shape) or doc.get("data_type") != record.dtype:
+    data_type = zarr_data_type(record.dtype)
+    if doc.get("shape") != list(shape) or doc.get("data_type") != data_type:
         raise CorruptCheckpointError(
-            f"Leaf {record.path!r} is corrupt: the manifest says {record.dtype}{list(shape)} but its zarr.json says "
+            f"Leaf {record.path!r} is corrupt: the manifest says {data_type}{list(shape)} but its zarr.json says "
             f"{doc.get('data_type')}{doc.get('shape')}. Restore the checkpoint from a copy or load an earlier one.",
             leaf_path=record.path,
         )
@@ -543,7 +545,7 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
         raise bad(f"has a chunk grid {grid!r} that does not fit the shape {list(shape)}")
     if why := ChunkLayout.stored(record, {"chunk_grid": grid}).refusal():
         raise bad(why)
-    if not _is_zero(doc.get("fill_value", None), record.dtype):
+    if not _is_zero(doc.get("fill_value", None), data_type):
         raise bad(f"has a fill_value of {doc.get('fill_value', '(none)')!r}, not the zero eqxckpt writes")
     encoding = doc.get("chunk_key_encoding")
     if encoding not in ({"name": "default"}, {"name": "default", "configuration": {"separator": "/"}}):

@@ -132,11 +132,16 @@ def test_format_spec_names_every_field_eqxckpt_writes(tmp_path):
 
 
 def test_format_spec_lists_exactly_the_stored_dtypes():
-    from eqxckpt._dtypes import STORED_DTYPES
+    from eqxckpt._dtypes import STORED_DTYPES, ZARR_DATA_TYPES
 
     text = (DOCS / "format.md").read_text().split("## Dtypes\n", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"`([a-z0-9_]+)`", text.split("the zarr v3", 1)[0]))
+    listed = set(re.findall(r"`([a-z0-9_]+)`", text.split("(the manifest's", 1)[0]))
     assert listed == set(STORED_DTYPES)
+    table = {}
+    for row in re.findall(r"^\| (`.*) \| `([a-z0-9]+)` \|", text, re.M):
+        for name in re.findall(r"`([a-z0-9_]+)`", row[0]):
+            table[name] = row[1]
+    assert table == {name: stored for name, stored in ZARR_DATA_TYPES.items() if name != stored}
 
 
 def test_every_code_block_is_a_runnable_python_example_valid_json_or_a_listing():

@@ -217,7 +217,8 @@ def crafted(tmp_path, header, data=b"", length=None):
         ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, None, "outside the 8 bytes"),
         ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None, "spans 8 bytes"),
         ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, 1 << 40, "header claims"),
-        ({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8, None, "unknown dtype"),
+        ({"a": {"dtype": "Q3", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8, None, "unknown dtype"),
+        ({"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"\0", None, "packed several to a byte"),
         ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4, None, "negative"),
         ({"__metadata__": {"a": 1}}, b"", None, "strings to strings"),
     ],
@@ -532,3 +533,31 @@ def test_parts_of_rows_read_a_window_of_rows_at_a_time_match_numpy(tmp_path, ind
     source = eqxckpt.open(tmp_path / "m.safetensors")
     with limited_host_memory(4096):
         np.testing.assert_array_equal(source["x"][index].get(), x[index])
+
+
+def test_every_dtype_safetensors_holds_one_a_byte_or_more_round_trips(tmp_path):
+    """complex64 and float8_e8m0fnu (MX scales) out and back bit for bit; the library
+    itself reads the complex64 file and accepts the F8_E8M0 header."""
+    from safetensors import safe_open
+
+    tensors = {
+        "c": np.array([1 + 2j, -0.5j], np.complex64),
+        "scale": np.array([2.0**-10, 1.0, 2.0**7, np.nan], ml_dtypes.float8_e8m0fnu),
+    }
+    eqxckpt.save_safetensors(tmp_path / "m.safetensors", tensors)
+    back = eqxckpt.load(tmp_path / "m.safetensors")
+    for name, value in tensors.items():
+        assert back[name].dtype == value.dtype and back[name].tobytes() == value.tobytes()
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+    assert header["scale"]["dtype"] == "F8_E8M0" and header["c"]["dtype"] == "C64"
+    with safe_open(str(tmp_path / "m.safetensors"), "numpy") as f:
+        assert set(f.keys()) == {"c", "scale"}
+        np.testing.assert_array_equal(f.get_tensor("c"), tensors["c"])
+
+
+@pytest.mark.parametrize("name", ["float4_e2m1fn", "uint4", "int2"])
+def test_a_dtype_safetensors_cannot_hold_one_a_byte_is_refused_naming_it(tmp_path, name):
+    with pytest.raises(eqxckpt.CheckpointError, match=f"'w' has dtype {name}.*eqxckpt.save"):
+        eqxckpt.save_safetensors(tmp_path / "m.safetensors", {"w": np.zeros(4, np.dtype(name))})
+    assert not (tmp_path / "m.safetensors").exists()

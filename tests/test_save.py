@@ -192,8 +192,8 @@ def test_failed_save_leaves_previous_intact(tmp_path):
 
     bad = {"a": np.zeros(3), "b": jnp.ones(2)}
     # a leaf that fails while being written: an unsupported dtype is refused up front...
-    with pytest.raises(CheckpointError, match="uint4"):
-        eqxckpt.save(tmp_path / "c", {"a": np.zeros(3, ml_dtypes.uint4)}, overwrite=True)
+    with pytest.raises(CheckpointError, match="float6_e2m3fn"):
+        eqxckpt.save(tmp_path / "c", {"a": np.zeros(3, ml_dtypes.float6_e2m3fn)}, overwrite=True)
     # ...and a failure in the middle of writing removes the temporary directory
     import eqxckpt._write._save as save_module
 

@@ -72,9 +72,14 @@ DTYPES = {
     "BF16": "bfloat16",
     "F32": "float32",
     "F64": "float64",
+    "C64": "complex64",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
 }
+# Types safetensors packs several to a byte; eqxckpt holds one element a byte and reads
+# none of them (MXFP4 checkpoints ship their blocks as U8, which it reads).
+SUB_BYTE = {"F4": "float4_e2m1fn", "F6_E2M3": "float6_e2m3fn", "F6_E3M2": "float6_e3m2fn"}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -261,6 +266,11 @@ def read_header(fd: int, file: pathlib.Path) -> tuple[dict[str, tuple[str, tuple
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise ManifestError(f"{file}: tensor {name!r} is not {{dtype, shape, data_offsets}}.")
         dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None and entry["dtype"] in SUB_BYTE:
+            raise ManifestError(
+                f"{file}: tensor {name!r} is {entry['dtype']}, {SUB_BYTE[entry['dtype']]} packed several to a byte, "
+                "which eqxckpt does not read. Unpack it to one element a byte (or U8) with the tool that wrote it."
+            )
         if dtype is None:
             raise ManifestError(f"{file}: tensor {name!r} has an unknown dtype {entry['dtype']!r}.")
         shape = parse_shape(entry["shape"], name)
@@ -396,7 +406,16 @@ def save_safetensors(
         array = leaf if isinstance(leaf, LazyArray) else _stored(leaf)
         dtype = NAMES.get(np.dtype(array.dtype).name)
         if dtype is None:
-            raise CheckpointError(f"Leaf {leaf_path!r} has dtype {array.dtype}, which safetensors cannot hold.")
+            packed = {v: k for k, v in SUB_BYTE.items()}.get(np.dtype(array.dtype).name)
+            why = (
+                f"which safetensors holds only packed several to a byte ({packed}), and eqxckpt does not write that"
+                if packed
+                else "which safetensors cannot hold"
+            )
+            raise CheckpointError(
+                f"Leaf {leaf_path!r} has dtype {array.dtype}, {why}. Save it with eqxckpt.save, or store its bytes "
+                "as uint8 (x.view(jnp.uint8)) and its dtype in the metadata."
+            )
         if name in header:
             raise PathError(f"Two leaves are both named {name!r} in safetensors.")
         header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
