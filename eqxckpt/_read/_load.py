@@ -7,6 +7,7 @@ exactly the stored leaves it needs, in one concurrent batch.
 """
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any, TypedDict, TypeVar, Unpack, overload
 
@@ -21,6 +22,7 @@ from .._formats._convert import checked_astype, narrowed
 from .._formats._open import open as open_source
 from .._gc import collector_paused
 from .._leaf import ArrayLeaf, Leaf, StoredLeaf, refuse_narrowing
+from .._monitoring import LOAD_BYTES, LOAD_DURATION, record_bytes, record_duration
 from .._paths import depth, normalize_at, nothing_under
 from .._progress import Progress, reporting
 from .._storage import CheckpointPath
@@ -535,21 +537,29 @@ def load(
                         default_to_original=default_to_original,
                     )
                 stored = planned.stored()
+                nbytes = sum(leaf.nbytes for leaf in stored)
                 with (
-                    reporting(f"loading {source.location}", sum(leaf.nbytes for leaf in stored), len(stored), progress),
+                    reporting(f"loading {source.location}", nbytes, len(stored), progress),
                     limited_host_memory(host_memory_budget),
                 ):
-                    return planned.run(together)
+                    result = planned.run(together)
+                record_bytes(LOAD_BYTES, nbytes)
+                return result
 
     # A checkpoint replaced while it is read is read again (a few times); in a
     # multi-process load the processes would have to agree on a retry, so there
     # the change is raised instead. An opened source is read once.
     # (Asked only after a change: a first restore's reads then overlap JAX's start-up.)
+    called = time.perf_counter()
     if isinstance(path, Source):
-        return attempt()
+        result = attempt()
+        record_duration(LOAD_DURATION, called)
+        return result
     for tries in range(1, READ_ATTEMPTS + 1):
         try:
-            return attempt()
+            result = attempt()
+            record_duration(LOAD_DURATION, called)
+            return result
         except CheckpointChangedError:
             if tries == READ_ATTEMPTS or jax.process_count() > 1:
                 raise

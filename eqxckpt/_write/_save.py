@@ -3,6 +3,7 @@
 import concurrent.futures
 import contextlib
 import math
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -17,6 +18,7 @@ from .._gc import collector_paused
 from .._interrupts import interrupts_deferred
 from .._leaf import Leaf, StoredLeaf
 from .._manifest import Manifest, metadata_bytes
+from .._monitoring import SAVE_BLOCKED, SAVE_BYTES, SAVE_COMMITTED, record_bytes, record_duration
 from .._paths import GROUP_METADATA, group_file, group_locations, key_entry
 from .._progress import Progress, advance, reporting
 from .._storage import (
@@ -398,6 +400,7 @@ def save(
     handle.wait()
     ```
     """
+    called = time.perf_counter()
     check_full_check_interval(full_check_interval_s)
     location = resolve(path)
     metadata = {} if metadata is None else metadata
@@ -437,8 +440,11 @@ def save(
             # by the process that holds whole leaves (and their digests): process 0.
             with plan_reuse(base if leader else None, with_digests, jobs, location, full_check_interval_s) as reuse:
                 pieces = [piece for job in reuse.written for piece in job.pieces]
-                with reporting(f"saving {key}", sum(p.nbytes for p in pieces), sum(p.leaves for p in pieces), progress):
+                written = sum(p.nbytes for p in pieces)
+                with reporting(f"saving {key}", written, sum(p.leaves for p in pieces), progress):
                     SaveInProgress(location, with_digests, reuse, overwrite, phases, hashing).run()
+            record_duration(SAVE_COMMITTED, called)
+            record_bytes(SAVE_BYTES, written)
         finally:
             if hashing is not None:  # done after a commit; stopped after a failure
                 hashing.stop()
@@ -447,8 +453,11 @@ def save(
         future: concurrent.futures.Future = concurrent.futures.Future()
         run()
         future.set_result(None)
-        return SaveHandle(key, future)
-    return SAVES.submit(key, run)
+        handle = SaveHandle(key, future)
+    else:
+        handle = SAVES.submit(key, run)
+    record_duration(SAVE_BLOCKED, called)
+    return handle
 
 
 class Part:
