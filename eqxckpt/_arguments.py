@@ -116,6 +116,8 @@ def _describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(dict.fromkeys(_describe(arm) for arm in typing.get_args(hint)))
+    if origin is typing.Literal:
+        return " or ".join(repr(choice) for choice in typing.get_args(hint))
     target = origin if origin is not None else hint
     if target in _NAMES:
         return _NAMES[target]

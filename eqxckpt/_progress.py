@@ -1,19 +1,27 @@
 """Progress on long work: bytes and leaves done, rate, time left.
 
-Opt-in (``progress=True`` on `save`, `load`, `verify`), and shown only on a
-terminal: a rich bar on stderr, never in logs or pipes. A callable instead of
-True receives ``(done_bytes, total_bytes, done_leaves, total_leaves)`` after
-each leaf, wherever the output goes. The work reports through `advance`,
-which does nothing unless a report is active in this thread.
+Shown only on a terminal: a rich bar on stderr, never in logs or pipes. ``"auto"``
+(the default of `save`, `load`, `verify` and the conversions) shows it for work the
+caller waits on that is large (`AUTO_MIN_BYTES`) or slow (still running after
+`AUTO_AFTER_S`), on process 0 only; True for any size; False never. A callable instead
+receives ``(done_bytes, total_bytes, done_leaves, total_leaves)`` after each leaf,
+wherever the output goes. The work reports through `advance`, which does nothing unless
+a report is active in this thread.
 """
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 ProgressCallback = Callable[[int, int, int, int], None]
-Progress = bool | ProgressCallback
+Progress = bool | Literal["auto"] | ProgressCallback
+
+# ``"auto"``: a bar from the start for work of at least this many bytes...
+AUTO_MIN_BYTES = 1 << 30
+# ...and for smaller work once it has run this long (quick work prints nothing).
+AUTO_AFTER_S = 2.0
 
 _ACTIVE: contextvars.ContextVar["Report | None"] = contextvars.ContextVar("eqxckpt_progress", default=None)
 
@@ -32,9 +40,16 @@ class Report:
         self._show(self)
 
 
+def unless_background(progress: Progress, waited_on: bool) -> Progress:
+    """``progress`` for work the caller waits on or not: ``"auto"`` shows nothing for a
+    background save, whose bar would run over the training loop's own output."""
+    return progress if waited_on or progress != "auto" else False
+
+
 @contextlib.contextmanager
 def reporting(description: str, total_bytes: int, total_leaves: int, progress: Progress | None) -> Iterator[None]:
-    """Make `advance` report to ``progress`` (True: a bar on a terminal) while the block runs."""
+    """Make `advance` report to ``progress`` (True or ``"auto"``: a bar on a terminal) while
+    the block runs."""
     if not progress:
         yield
         return
@@ -46,19 +61,39 @@ def reporting(description: str, total_bytes: int, total_leaves: int, progress: P
     from rich.console import Console
 
     console = Console(stderr=True)
-    if not console.is_terminal:  # pipes, files, CI logs: silent
+    if not console.is_terminal or (progress == "auto" and not _first_process()):  # pipes, files, CI logs: silent
         yield
         return
     bar = _rich_bar(console)
-    task = bar.add_task(description, total=max(total_bytes, 1), leaves=0, total_leaves=total_leaves)
-    with (
-        bar,
-        _active(
-            Report(total_bytes, total_leaves, lambda r: bar.update(task, completed=r.done_bytes, leaves=r.done_leaves))
-        ),
-    ):
-        yield
-        bar.update(task, completed=max(total_bytes, 1))
+    task = None
+    started = time.monotonic()
+
+    def show(report: Report) -> None:
+        nonlocal task
+        if task is None:
+            if progress == "auto" and total_bytes < AUTO_MIN_BYTES and time.monotonic() - started < AUTO_AFTER_S:
+                return
+            bar.start()
+            task = bar.add_task(description, total=max(total_bytes, 1), leaves=0, total_leaves=total_leaves)
+        bar.update(task, completed=report.done_bytes, leaves=report.done_leaves)
+
+    report = Report(total_bytes, total_leaves, show)
+    try:
+        with _active(report):
+            if progress is True or total_bytes >= AUTO_MIN_BYTES:
+                show(report)
+            yield
+        if task is not None:
+            bar.update(task, completed=max(total_bytes, 1))
+    finally:
+        if task is not None:
+            bar.stop()
+
+
+def _first_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def advance(nbytes: int, leaves: int = 1) -> None:

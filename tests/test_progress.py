@@ -1,10 +1,15 @@
-"""Progress on long work: opt-in, silent by default and when not on a terminal."""
+"""Progress on long work: on a terminal, for large or slow work by default; silent
+elsewhere."""
+
+import io
+import sys
 
 import numpy as np
 import pytest
 from conftest import run_cli
 
 import eqxckpt
+import eqxckpt._progress as progress_module
 
 
 def state():
@@ -103,3 +108,48 @@ def test_safetensors_writes_and_manager_saves_report_progress(tmp_path):
         calls.clear()
         manager.load(tree, progress=lambda *c: calls.append(c))
     assert calls and calls[-1][0] == calls[-1][1]
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal, keeping what is written to it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def on_terminal(monkeypatch) -> _Terminal:
+    """stderr replaced by a terminal (in the test's body: pytest sets its own capture after
+    fixtures run)."""
+    fake = _Terminal()
+    monkeypatch.setattr(sys, "stderr", fake)
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setenv("COLUMNS", "200")
+    return fake
+
+
+def test_auto_is_silent_for_quick_small_work_on_a_terminal(tmp_path, monkeypatch):
+    terminal = on_terminal(monkeypatch)
+    eqxckpt.save(tmp_path / "c", state())
+    eqxckpt.load(tmp_path / "c")
+    eqxckpt.verify(tmp_path / "c")
+    assert terminal.getvalue() == ""
+    eqxckpt.save(tmp_path / "d", state(), progress=True)  # asked for: shown whatever the size
+    assert "3/3 leaves" in terminal.getvalue()
+
+
+@pytest.mark.parametrize("rule", ["large", "slow"])
+def test_auto_shows_a_bar_for_large_or_slow_work_the_caller_waits_on(tmp_path, monkeypatch, rule):
+    terminal = on_terminal(monkeypatch)
+    monkeypatch.setattr(progress_module, "AUTO_MIN_BYTES" if rule == "large" else "AUTO_AFTER_S", 0)
+    for work in (
+        lambda: eqxckpt.save(tmp_path / "c", state(), overwrite=True),
+        lambda: eqxckpt.load(tmp_path / "c"),
+        lambda: eqxckpt.verify(tmp_path / "c"),
+        lambda: eqxckpt.save_safetensors(tmp_path / "m.safetensors", state()["model"], overwrite=True),
+    ):
+        terminal.seek(0), terminal.truncate()
+        work()
+        assert "leaves" in terminal.getvalue(), terminal.getvalue()
+    terminal.seek(0), terminal.truncate()
+    eqxckpt.save(tmp_path / "b", state(), blocking=False).wait()  # in the background: never
+    assert terminal.getvalue() == ""

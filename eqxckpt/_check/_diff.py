@@ -89,7 +89,7 @@ def diff(
     b: CheckpointPath | Source,
     *,
     at: str | None = None,
-    progress: Progress = False,
+    progress: Progress = "auto",
 ) -> Diff:
     """Compare two checkpoints leaf by leaf: added, removed, retyped, changed and unchanged.
 
@@ -107,7 +107,7 @@ def diff(
     - `a`, `b`: the checkpoints, as for `eqxckpt.open` (any format, mixed), or
       sources already opened.
     - `at`: compare only the subtree under this path prefix (in both).
-    - `progress`: as for `eqxckpt.save` (a bar of the bytes read). Off by default.
+    - `progress`: as for `eqxckpt.save` (a bar of the bytes read).
 
     **Returns:** a `Diff`.
 

@@ -104,7 +104,7 @@ class VerifyReport:
 
 
 @checked_arguments
-def verify(path: CheckpointPath, *, progress: Progress = False, repair: bool = False) -> VerifyReport:
+def verify(path: CheckpointPath, *, progress: Progress = "auto", repair: bool = False) -> VerifyReport:
     """Read every chunk of every leaf, checking checksums, shapes and dtypes
     against the manifest, and each leaf's bytes against the digest the manifest
     records for it (which catches chunks swapped between leaves or put back
@@ -119,7 +119,8 @@ def verify(path: CheckpointPath, *, progress: Progress = False, repair: bool = F
     **Arguments:**
 
     - `path`: where the checkpoint is (as for `eqxckpt.open`).
-    - `progress`: as for `eqxckpt.save` (True: a bar on a terminal). Off by default.
+    - `progress`: as for `eqxckpt.save` (``"auto"``: a bar on a terminal for a
+      large or slow check; True: always on a terminal).
     - `repair`: mend each damaged leaf from a twin beside it: the same leaf (same digest
       and chunk layout) in another checkpoint of the same directory, stored in other
       files, that verifies whole (a `CheckpointManager` keeps two such copies). Its

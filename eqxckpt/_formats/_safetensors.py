@@ -337,7 +337,7 @@ def save_safetensors(
     *,
     metadata: dict[str, str] | None = None,
     overwrite: bool = False,
-    progress: Progress = False,
+    progress: Progress = "auto",
 ) -> None:
     """Write a pytree's arrays as one safetensors file, atomically.
 
@@ -356,8 +356,9 @@ def save_safetensors(
     - `metadata`: string-to-string metadata, stored as ``__metadata__``.
     - `overwrite`: replace a file already at ``path`` (atomically). Without it,
       an existing file is never touched: `CheckpointExistsError`.
-    - `progress`: True for a progress bar on a terminal, or a callable called
-      with ``(bytes_done, bytes_total, leaves_done, leaves_total)``.
+    - `progress`: as for `eqxckpt.save` (``"auto"``: a bar on a terminal for a
+      large or slow write; True: always on a terminal; a callable is called with
+      ``(bytes_done, bytes_total, leaves_done, leaves_total)``).
 
     **Returns:** nothing; the file is complete and durable on return.
 

@@ -466,7 +466,7 @@ def load(
     transforms: dict[str, Any] | None = None,
     default_to_original: bool = True,
     format: str | None = None,
-    progress: Progress = False,
+    progress: Progress = "auto",
     host_memory_budget: int | None = None,
 ) -> PyTree:
     """Restore a checkpoint (or the subtree ``at``) into the structure of ``like``.
@@ -495,8 +495,9 @@ def load(
     - `default_to_original`: as in `apply_transformations`.
     - `format`: as for `eqxckpt.open` (None: detected); `"safetensors"` reads a
       HuggingFace file or directory, tensor ``a.b.c`` at path ``a/b/c``.
-    - `progress`: as for `eqxckpt.save` (True: a bar on a terminal; a callable
-      receives the counts after each leaf). Off by default.
+    - `progress`: as for `eqxckpt.save` (``"auto"``: a bar on a terminal for a
+      large or slow restore; True: always on a terminal; a callable receives
+      the counts after each leaf).
     - `host_memory_budget`: bytes of host memory the restore may hold beyond
       the result's own (reads in flight, slices on their way to devices);
       None is 256 MiB. A leaf put on devices (sharded, or on one device and

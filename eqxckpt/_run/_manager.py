@@ -137,7 +137,7 @@ class CheckpointManager:
         metadata: dict[str, Any] | None = None,
         metrics: dict[str, float] | None = None,
         force: bool = False,
-        progress: Progress = False,
+        progress: Progress = "auto",
     ) -> bool:
         """Save ``tree`` as step ``step`` (in the background unless ``blocking``).
 

@@ -69,7 +69,7 @@ class Details:
 
     metadata: dict[str, Any] | None = None
     metrics: dict[str, float] | None = None
-    progress: Progress = False
+    progress: Progress = "auto"
 
 
 class Tier(abc.ABC):

@@ -20,7 +20,7 @@ from .._leaf import Leaf, StoredLeaf
 from .._manifest import Manifest, metadata_bytes
 from .._monitoring import SAVE_BLOCKED, SAVE_BYTES, SAVE_COMMITTED, record_bytes, record_duration
 from .._paths import GROUP_METADATA, group_file, group_locations, key_entry
-from .._progress import Progress, advance, reporting
+from .._progress import Progress, advance, reporting, unless_background
 from .._storage import (
     NOTHING_COMMITTED,
     CheckpointPath,
@@ -336,7 +336,7 @@ def save(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     blocking: bool = True,
-    progress: Progress = False,
+    progress: Progress = "auto",
     base: CheckpointPath | None = None,
     full_check_interval_s: float = FULL_CHECK_INTERVAL_S,
 ) -> SaveHandle:
@@ -359,10 +359,12 @@ def save(
       what the caller does next (donating, deleting or mutating the arrays
       included). Errors surface on ``handle.wait()``, on the next `save`, or
       at interpreter exit.
-    - `progress`: True shows a progress bar (bytes and leaves, rate, time
-      left) on stderr when it is a terminal; a callable receives
-      ``(done_bytes, total_bytes, done_leaves, total_leaves)`` after each leaf.
-      Off by default.
+    - `progress`: ``"auto"`` (the default) shows a progress bar (bytes and
+      leaves, rate, time left) on stderr when it is a terminal, for a save the
+      caller waits on of at least 1 GiB or still running after 2 s, on process
+      0 only (never for a background save); True shows it for any save on a
+      terminal; False never. A callable receives ``(done_bytes, total_bytes,
+      done_leaves, total_leaves)`` after each leaf, wherever output goes.
     - `base`: an earlier checkpoint (`CheckpointManager` passes its latest
       step). A leaf whose digest, dtype and shape equal ``base``'s leaf at the
       same path is not written again, once its bytes in ``base`` pass every
@@ -401,6 +403,7 @@ def save(
     ```
     """
     called = time.perf_counter()
+    progress = unless_background(progress, blocking)
     check_full_check_interval(full_check_interval_s)
     location = resolve(path)
     metadata = {} if metadata is None else metadata

@@ -125,7 +125,7 @@ def _(opts, key, value, name):
 
 
 def load_hf(
-    path: str | os.PathLike[str], *, dtype: Any = None, scan_layers: bool = False, progress: Progress = False
+    path: str | os.PathLike[str], *, dtype: Any = None, scan_layers: bool = False, progress: Progress = "auto"
 ) -> T5:
     """A `T5` from a HuggingFace T5 directory (``config.json`` + safetensors).
 
@@ -145,7 +145,7 @@ def load_hf(
       stacked into one block with a leading layer axis, run with `jax.lax.scan`,
       so it compiles in nearly the same time at any depth. The files' per-block
       tensors are read straight into the stacked arrays.
-    - `progress`: as for `eqxckpt.load`. Off by default.
+    - `progress`: as for `eqxckpt.load`.
 
     **Returns:** the `T5` module.
 
@@ -239,7 +239,7 @@ def convert_hf(
     dtype: Any = None,
     scan_layers: bool = False,
     overwrite: bool = False,
-    progress: Progress = False,
+    progress: Progress = "auto",
 ) -> T5Config:
     """Write a HuggingFace T5 directory as an eqxckpt checkpoint: ``params`` (the `T5`
     module), with the config and the layout (``scan_layers``) in the metadata.
@@ -298,7 +298,7 @@ def hf_config(config: T5Config, dtype: Any) -> dict[str, Any]:
     }
 
 
-def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False, progress: Progress = False) -> None:
+def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False, progress: Progress = "auto") -> None:
     """Write a `T5` as a HuggingFace T5 directory, so a model trained in Equinox can be published.
 
     Writes ``model.safetensors`` (HuggingFace's tensor names and ``[out, in]``

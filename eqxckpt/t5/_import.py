@@ -29,7 +29,7 @@ def read_t5(
     dtype: Any,
     *,
     at: str | None = None,
-    progress: Progress = False,
+    progress: Progress = "auto",
     expected_name: Callable[[str], str] | None = None,
     remedy: str,
     scan_layers: bool = False,

@@ -177,7 +177,7 @@ def _from_shapes(shapes: dict[str, tuple]) -> dict[str, Any]:
 
 
 def _read_model(
-    translated: TranslatedSource, config: T5Config, dtype: Any, scan_layers: bool, progress: Progress = False
+    translated: TranslatedSource, config: T5Config, dtype: Any, scan_layers: bool, progress: Progress = "auto"
 ) -> T5:
     """The model under ``params``; one error names every misfit by its TensorFlow name."""
     remedy = "Pass config= (a T5Config, config.json or .gin) that describes this checkpoint."
@@ -197,7 +197,7 @@ def load_tf(
     *,
     dtype: Any = None,
     scan_layers: bool = False,
-    progress: Progress = False,
+    progress: Progress = "auto",
 ) -> T5:
     """A `T5` from a Mesh TensorFlow checkpoint (directory or prefix).
 
@@ -220,7 +220,7 @@ def load_tf(
       so it compiles in nearly the same time at any depth. The per-block
       variables are read straight into the stacked arrays.
     - `progress`: as for `eqxckpt.load` (True: a bar on a terminal; a callable
-      receives the counts after each variable). Off by default.
+      receives the counts after each variable).
 
     **Returns:** the `T5` module.
 
@@ -243,7 +243,7 @@ def convert_tf(
     dtype: Any = None,
     scan_layers: bool = False,
     overwrite: bool = False,
-    progress: Progress = False,
+    progress: Progress = "auto",
 ) -> T5Config:
     """Write a Mesh TensorFlow T5 checkpoint as an eqxckpt checkpoint.
 
