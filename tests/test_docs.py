@@ -206,3 +206,35 @@ def test_every_performance_figure_quoted_comes_from_the_benchmarks():
     # The unit follows as written there too: `13.8 ms` (the space optional, as in `1.20x`).
     stale = [q for q in quoted if not re.search(rf"(?<![\w.]){re.escape(q[1])} ?{re.escape(q[2].strip())}\b", measured)]
     assert not stale, f"figures not in benchmarks/README.md: {stale}"
+
+
+# A sentence giving the retries of an object store that does not answer: the setting it
+# names, the count ("6 by default" or "(6)") and the time they take ("about 20 s").
+RETRIES = re.compile(
+    r"`(EQXCKPT_(?:S3|GCS)_RETRIES)`[^.;]*?(?:\((\d+)\)|(\d+) by default)[^.;]*?about (\d+) s", flags=re.S
+)
+
+
+def test_every_statement_of_the_retries_is_the_code_s():
+    """Where a page says how long an object store that does not answer is retried, the count
+    is the setting's default and the time is what TensorStore's back-off over that many
+    retries takes: each retry waits twice the one before, from the initial delay up to the
+    maximum, plus up to a second of jitter each."""
+    import os
+
+    from eqxckpt import _tensorstore
+
+    if any(os.environ.get(name) for name in ("EQXCKPT_S3_RETRIES", "EQXCKPT_GCS_RETRIES")):
+        pytest.skip("the retries are set in this environment, not the defaults")
+    found = []
+    for page in [ROOT / "README.md", *PAGES]:
+        text = " ".join(page.read_text().split())
+        for match in RETRIES.finditer(text):
+            setting, count, time = match[1], int(match[2] or match[3]), int(match[4])
+            found.append(page.name)
+            resource = _tensorstore.shared_context()[f"{setting.split('_')[1].lower()}_request_retries"].to_json()
+            assert count == resource["max_retries"] == getattr(_tensorstore, setting.removeprefix("EQXCKPT_")), page
+            delays = [min(0.5 * 2**i, 4.0) for i in range(count)]
+            assert (resource["initial_delay"], resource["max_delay"]) == ("500ms", "4s")  # as `delays` assumes
+            assert sum(delays) <= time <= sum(delays) + count, (page, match[0])
+    assert {"README.md", "scale.md", "safety.md"} <= set(found), found
