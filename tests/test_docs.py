@@ -238,3 +238,18 @@ def test_every_statement_of_the_retries_is_the_code_s():
             assert (resource["initial_delay"], resource["max_delay"]) == ("500ms", "4s")  # as `delays` assumes
             assert sum(delays) <= time <= sum(delays) + count, (page, match[0])
     assert {"README.md", "scale.md", "safety.md"} <= set(found), found
+
+
+# Characters of code a page shows without scrolling: at every desktop width (the theme's
+# layout is fixed from 1220 px on, in rem), a code block's text is 621 px wide beside both
+# sidebars, less the copy button's strip (docs/css/extra.css), in 13.6 px monospace whose
+# characters are 0.6 em (8.16 px) wide: 76 characters. One fewer, as a margin.
+CODE_WIDTH = 75
+USER_PAGES = [ROOT / "README.md", *PAGES, ROOT / "benchmarks" / "README.md"]
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_line_fits_the_page(page):
+    long = [line for block in python_blocks(page) for line in block.splitlines() if len(line) > CODE_WIDTH]
+    assert not long, f"{len(long)} lines of {page.name}'s code scroll: {long[:3]}"
+
