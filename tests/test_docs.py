@@ -253,3 +253,14 @@ def test_every_python_line_fits_the_page(page):
     long = [line for block in python_blocks(page) for line in block.splitlines() if len(line) > CODE_WIDTH]
     assert not long, f"{len(long)} lines of {page.name}'s code scroll: {long[:3]}"
 
+
+# How the project's own tracker is cited: an issue number ("#38") or "the issue('s)".
+TRACKER = re.compile(r"(?<![\w&/])#\d+\b|\b(?:the|this|that|an?)\s+issue\b|\bissue\s+#", flags=re.I)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_cites_the_project_s_issues(page):
+    """A reader has no access to the issues, so a page says what was measured and why
+    in its own words."""
+    cited = [m[0] for m in TRACKER.finditer(" ".join(page.read_text().split()))]
+    assert not cited, f"{page.name} cites the issues: {cited[:5]}"
