@@ -58,6 +58,28 @@ def test_site_builds_strictly_with_every_public_name(tmp_path):
     for plot in ("save", "restore", "params", "leaves", "decoding"):
         assert f'src="../img/{plot}.png"' in benchmarks and (DOCS / "img" / f"{plot}.png").is_file()
     assert "After the review" not in benchmarks and "this round" not in benchmarks
+    # The API page is the user's; what a format's author implements or the engine reads
+    # with is on a page of its own.
+    sources = (tmp_path / "site" / "sources" / "index.html").read_text()
+    for member in FORMAT_MEMBERS:
+        assert f'id="eqxckpt.Source.{member}"' in sources and f'id="eqxckpt.Source.{member}"' not in html, member
+    assert 'id="eqxckpt.Source.paths"' in html
+    for member in ("Checkpoint.chunk_shapes", "Checkpoint.identity", "LazyArray.part_reader"):
+        assert f'id="eqxckpt.{member}"' not in html, member  # the formats' own, the same contract
+
+
+# Source's members for a format's author, not for its user.
+FORMAT_MEMBERS = [
+    "chunk_shapes",
+    "identity",
+    "read_into",
+    "read_selection",
+    "part_reader",
+    "rows_per_read",
+    "reads_apart",
+    "held",
+    "check_unchanged",
+]
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(DOCS)))
