@@ -58,6 +58,28 @@ def test_site_builds_strictly_with_every_public_name(tmp_path):
     for plot in ("save", "restore", "params", "leaves", "decoding"):
         assert f'src="../img/{plot}.png"' in benchmarks and (DOCS / "img" / f"{plot}.png").is_file()
     assert "After the review" not in benchmarks and "this round" not in benchmarks
+    # The API page is the user's; what a format's author implements or the engine reads
+    # with is on a page of its own.
+    sources = (tmp_path / "site" / "sources" / "index.html").read_text()
+    for member in FORMAT_MEMBERS:
+        assert f'id="eqxckpt.Source.{member}"' in sources and f'id="eqxckpt.Source.{member}"' not in html, member
+    assert 'id="eqxckpt.Source.paths"' in html
+    for member in ("Checkpoint.chunk_shapes", "Checkpoint.identity", "LazyArray.part_reader"):
+        assert f'id="eqxckpt.{member}"' not in html, member  # the formats' own, the same contract
+
+
+# Source's members for a format's author, not for its user.
+FORMAT_MEMBERS = [
+    "chunk_shapes",
+    "identity",
+    "read_into",
+    "read_selection",
+    "part_reader",
+    "rows_per_read",
+    "reads_apart",
+    "held",
+    "check_unchanged",
+]
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(DOCS)))
@@ -211,3 +233,61 @@ def test_every_performance_figure_quoted_comes_from_the_benchmarks():
     # The unit follows as written there too: `13.8 ms` (the space optional, as in `1.20x`).
     stale = [q for q in quoted if not re.search(rf"(?<![\w.]){re.escape(q[1])} ?{re.escape(q[2].strip())}\b", measured)]
     assert not stale, f"figures not in benchmarks/README.md: {stale}"
+
+
+# A sentence giving the retries of an object store that does not answer: the setting it
+# names, the count ("6 by default" or "(6)") and the time they take ("about 20 s").
+RETRIES = re.compile(
+    r"`(EQXCKPT_(?:S3|GCS)_RETRIES)`[^.;]*?(?:\((\d+)\)|(\d+) by default)[^.;]*?about (\d+) s", flags=re.S
+)
+
+
+def test_every_statement_of_the_retries_is_the_code_s():
+    """Where a page says how long an object store that does not answer is retried, the count
+    is the setting's default and the time is what TensorStore's back-off over that many
+    retries takes: each retry waits twice the one before, from the initial delay up to the
+    maximum, plus up to a second of jitter each."""
+    import os
+
+    from eqxckpt import _tensorstore
+
+    if any(os.environ.get(name) for name in ("EQXCKPT_S3_RETRIES", "EQXCKPT_GCS_RETRIES")):
+        pytest.skip("the retries are set in this environment, not the defaults")
+    found = []
+    for page in [ROOT / "README.md", *PAGES]:
+        text = " ".join(page.read_text().split())
+        for match in RETRIES.finditer(text):
+            setting, count, time = match[1], int(match[2] or match[3]), int(match[4])
+            found.append(page.name)
+            resource = _tensorstore.shared_context()[f"{setting.split('_')[1].lower()}_request_retries"].to_json()
+            assert count == resource["max_retries"] == getattr(_tensorstore, setting.removeprefix("EQXCKPT_")), page
+            delays = [min(0.5 * 2**i, 4.0) for i in range(count)]
+            assert (resource["initial_delay"], resource["max_delay"]) == ("500ms", "4s")  # as `delays` assumes
+            assert sum(delays) <= time <= sum(delays) + count, (page, match[0])
+    assert {"README.md", "scale.md", "safety.md"} <= set(found), found
+
+
+# Characters of code a page shows without scrolling: at every desktop width (the theme's
+# layout is fixed from 1220 px on, in rem), a code block's text is 621 px wide beside both
+# sidebars, less the copy button's strip (docs/css/extra.css), in 13.6 px monospace whose
+# characters are 0.6 em (8.16 px) wide: 76 characters. One fewer, as a margin.
+CODE_WIDTH = 75
+USER_PAGES = [ROOT / "README.md", *PAGES, ROOT / "benchmarks" / "README.md"]
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_line_fits_the_page(page):
+    long = [line for block in python_blocks(page) for line in block.splitlines() if len(line) > CODE_WIDTH]
+    assert not long, f"{len(long)} lines of {page.name}'s code scroll: {long[:3]}"
+
+
+# How the project's own tracker is cited: an issue number ("#38") or "the issue('s)".
+TRACKER = re.compile(r"(?<![\w&/])#\d+\b|\b(?:the|this|that|an?)\s+issue\b|\bissue\s+#", flags=re.I)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_cites_the_project_s_issues(page):
+    """A reader has no access to the issues, so a page says what was measured and why
+    in its own words."""
+    cited = [m[0] for m in TRACKER.finditer(" ".join(page.read_text().split()))]
+    assert not cited, f"{page.name} cites the issues: {cited[:5]}"

@@ -56,45 +56,8 @@ class Source(abc.ABC):
     print(source.paths[:3], source.metadata)
     ```
 
-    **A new format** is one subclass, and this is its whole contract:
-
-    - ``__init__`` sets `location`, `metadata` and ``_leaves`` (``{path: Leaf}``, an
-      `ArrayLeaf` per stored array, in the order to list them);
-    - ``_fetch(leaves, done, reserve)`` reads leaves whole (required);
-    - to read less than a whole leaf (lazy slices, sharded restores, `Stack` and
-      `Unstack` windows): `chunk_shapes`, the smallest box each leaf is read in, and
-      ``_read_boxes(leaf, boxes, window)``, which fills buffers with boxes of a leaf;
-    - optionally: `identity` (what tells this checkpoint from any other: restores
-      across processes then read shared data once in all), `origin` (a leaf's name in
-      the format), ``arrays_only`` and, to guard against a checkpoint replaced while it
-      is read, ``_pin``.
-
-    Restores, casts, checks, digests, placement onto devices, progress, memory limits,
-    lazy selections, regions and parts for a save are the engine's, the same for every
-    format. A toy format that holds numpy arrays in memory and reads them by rows:
-
-    ```python
-    class Rows(eqxckpt.Source):
-        def __init__(self, arrays):
-            self.location, self.metadata, self.arrays = "memory", {}, arrays
-            self._leaves = {p: eqxckpt.ArrayLeaf(p, (("dict", p),), a.shape, a.dtype.name) for p, a in arrays.items()}
-
-        def _fetch(self, leaves, done, reserve):
-            reserve(sum(leaf.nbytes for leaf in leaves))
-            for i, leaf in enumerate(leaves):
-                done(i, self.arrays[leaf.path].copy())
-
-        def chunk_shapes(self, leaves):
-            return [(1, *leaf.shape[1:]) if leaf.shape else None for leaf in leaves]
-
-        def _read_boxes(self, leaf, boxes, window):
-            for box, out in boxes:
-                out[...] = self.arrays[leaf.path][tuple(slice(r.start, r.stop, r.step) for r in box)]
-
-    rows = Rows({"w": np.arange(6, dtype=np.float32).reshape(3, 2)})
-    rows["w"][1:, 0].get()  # np.array([2.0, 4.0])
-    eqxckpt.load(rows, {"w": jnp.zeros((3, 2))})["w"].sum()  # 15.0
-    ```
+    **A new format** is one subclass: the docs' "Writing a source format" page has its
+    contract, with a toy format, and the methods the engine reads with.
     """
 
     location: str  # the path or URL it was opened at, as a user writes it
