@@ -14,7 +14,7 @@ PIP := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar o
 # the package from any directory (an import hook is invisible to static tools).
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: demo test quick docs plots bench release-check clean
+.PHONY: demo test quick dev docs plots bench release-check clean
 
 $(BIN)/python:
 	@echo "Creating the virtual environment $(VENV) with $(PYTHON)."
@@ -67,6 +67,11 @@ test: $(VENV)/.test-installed
 # in two workers.
 quick: $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist worksteal
+
+# The test environment alone, for running the suite in parts: .venv/bin/python -m pytest -m s3, ...
+# (make demo's .venv has no pytest).
+dev: $(VENV)/.test-installed
+	@echo "The test environment is in $(VENV): run $(BIN)/python -m pytest, e.g. with -m \"not slow\" or a test file."
 
 docs: $(VENV)/.docs-installed
 	$(BIN)/mkdocs build --strict

@@ -218,3 +218,43 @@ def test_the_sdist_holds_what_a_build_needs_and_both_pass_twine_check(tmp_path):
     for step in ("-m build --outdir", "twine check --strict", "-m venv", "dist/*.whl)[examples]", "examples/readme.py"):
         assert step in plan, step
     assert re.search(r'cd "\$tmp/run" && "\$tmp/venv/bin/python"', plan), plan
+
+
+@pytest.mark.multiprocess
+def test_the_readme_names_the_command_that_gives_the_venv_pytest():
+    """The README said to run the suite in parts with .venv/bin/python -m pytest, but the
+    .venv that make demo makes has no pytest: the sentence names the make target that
+    installs it, and says which does not, and the Makefile and pyproject.toml agree."""
+    import re
+    import tomllib
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    [sentence] = re.findall(r"In parts, with `\.venv/bin/python -m pytest`[^:]*:", readme)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def requirements(extra: str) -> set[str]:
+        names = set()
+        for requirement in extras[extra]:
+            name = re.split(r"[\[<>=!~;\s]", requirement)[0].lower()
+            if name == "eqxckpt":  # another extra of ours, e.g. demo = ["eqxckpt[examples]"]
+                for inner in re.findall(r"\[(.*)\]", requirement)[0].split(","):
+                    names |= requirements(inner.strip())
+            else:
+                names.add(name)
+        return names
+
+    def installs_pytest(target: str) -> bool:
+        plan = subprocess.run(
+            ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+        installs = [line for line in plan.splitlines() if "pip install" in line]
+        assert installs, (target, plan)
+        groups = [group for line in installs for group in re.findall(r"\.\[([\w,-]+)\]", line)]  # ".[test,tf,docs]"
+        return any("pytest" in requirements(extra) for group in groups for extra in group.split(","))
+
+    [after] = re.findall(r"after `make ([\w-]+)` has installed", sentence)
+    assert installs_pytest(after), sentence
+    lacking = re.findall(r"`make ([\w-]+)`'s \.venv has no pytest", sentence)
+    assert lacking and not any(installs_pytest(target) for target in lacking), sentence
+    others = set(re.findall(r"`make ([\w-]+)`", sentence)) - {after, *lacking}  # "install the same"
+    assert all(installs_pytest(target) for target in others), sentence
