@@ -10,20 +10,38 @@ from conftest import pyright_path
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-def built_wheel(tmp_path: pathlib.Path, hook: str) -> tuple[pathlib.Path, pathlib.Path]:
+def built_wheel(tmp_path: pathlib.Path, hook: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
     """setuptools' build ``hook`` (``build_wheel(%r)``, with the output directory) run on a
     copy of the project in ``tmp_path``, so that nothing is written into the checkout:
-    the copy and the wheel built from it."""
+    the copy and the wheel built from it. Without a hook, ``python -m build`` as a release
+    is made: the sdist, then the wheel built from the sdist, both in ``tmp_path``, with this
+    environment's setuptools, offline (the test extra asks for the build-system's bound, not
+    checked here; ``make release-check`` builds in an isolated environment, from PyPI).
+
+    The copy is the clone as a release sees it: every file but .git and build outputs, and
+    a stand-in .venv, so that what the sdist leaves out is there to be left out."""
     import shutil
     import sys
 
     project = tmp_path / "clone"
     project.mkdir()
-    shutil.copy(ROOT / "pyproject.toml", project)
-    shutil.copy(ROOT / "README.md", project)
-    shutil.copytree(ROOT / "eqxckpt", project / "eqxckpt", ignore=shutil.ignore_patterns("__pycache__"))
-    build = f"from setuptools import build_meta as b; print(b.{hook % str(tmp_path)})"
-    subprocess.run([sys.executable, "-c", build], cwd=project, capture_output=True, check=True, timeout=120)
+    outputs = {".git", ".venv", "build", "site", "bench-results", ".pytest_cache", ".hypothesis"}
+    for entry in ROOT.iterdir():
+        if entry.name in outputs or entry.name.endswith(".egg-info"):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, project / entry.name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(entry, project)
+    (project / ".venv" / "bin").mkdir(parents=True)
+    (project / ".venv" / "bin" / "python").write_text("")
+    if hook is None:
+        build = [sys.executable, "-m", "build", "--no-isolation", "--skip-dependency-check", "--outdir", tmp_path]
+        done = subprocess.run([*build, project], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    else:
+        build = f"from setuptools import build_meta as b; print(b.{hook % str(tmp_path)})"
+        subprocess.run([sys.executable, "-c", build], cwd=project, capture_output=True, check=True, timeout=120)
     [wheel] = tmp_path.glob("*.whl")
     return project, wheel
 
@@ -62,8 +80,9 @@ def test_the_repository_tracks_no_stray_output():
     if listed.returncode != 0:  # not a git checkout (an unpacked archive): nothing to check
         return
     top = {path.split("/")[0] for path in listed.stdout.splitlines()}
-    expected = {".ci", ".gitignore", "Makefile", "README.md", "benchmarks", "docs", "eqxckpt", "examples"}
-    assert top <= expected | {"mkdocs.yml", "pyproject.toml", "tests"}, sorted(top - expected)
+    expected = {".ci", ".gitignore", "CHANGELOG.md", "MANIFEST.in", "Makefile", "README.md", "benchmarks", "docs"}
+    expected |= {"eqxckpt", "examples", "mkdocs.yml", "pyproject.toml", "tests"}
+    assert top <= expected, sorted(top - expected)
 
 
 @pytest.mark.multiprocess
@@ -154,3 +173,88 @@ def test_the_readme_and_the_makefile_state_the_same_measured_times_and_sizes():
         assert figure in readme and figure in makefile, figure
     assert "26 to 37 s" in readme and "26-37 s" in makefile
     assert not re.search(r"about (4|13) minutes|2\.7 GB|45 s", readme + makefile)  # the figures before measuring
+
+
+@pytest.mark.slow
+def test_the_sdist_holds_what_a_build_needs_and_both_pass_twine_check(tmp_path):
+    """What make release-check does first, built as python -m build builds a release: the
+    sdist holds the package, py.typed, the README (the long description), the changelog
+    and the license if there is one, and none of the tests (4.7 MB of fixtures), the venv,
+    the docs or the benchmarks; the wheel built from it holds every module; twine check
+    passes on both. Installing the wheel into a fresh venv with its dependencies (jax,
+    tensorstore, ...) and running the README there is left to make release-check."""
+    import re
+    import sys
+    import tarfile
+    import zipfile
+
+    _, wheel = built_wheel(tmp_path)
+    [sdist] = tmp_path.glob("*.tar.gz")
+    checked = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", sdist, wheel], capture_output=True, text=True, timeout=120
+    )
+    assert checked.returncode == 0 and checked.stdout.count("PASSED") == 2, checked.stdout + checked.stderr
+    with tarfile.open(sdist) as archive:
+        listed = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    sources = {str(p.relative_to(ROOT)) for p in (ROOT / "eqxckpt").rglob("*.py")} | {"eqxckpt/py.typed"}
+    licenses = {p.name for p in ROOT.glob("LICEN[CS]E*")}
+    needed = sources | licenses | {"PKG-INFO", "pyproject.toml", "README.md", "CHANGELOG.md"}
+    assert needed <= listed, sorted(needed - listed)
+    top = {name.split("/")[0] for name in listed}
+    built = {"PKG-INFO", "setup.cfg", "eqxckpt.egg-info"}  # what setuptools writes into every sdist
+    assert top <= built | licenses | {"pyproject.toml", "README.md", "CHANGELOG.md", "MANIFEST.in", "eqxckpt"}, top
+    assert sdist.stat().st_size < 1_000_000, sdist.stat().st_size
+    with zipfile.ZipFile(wheel) as archive:  # built from the sdist: nothing the build needs was left out of it
+        assert sources <= set(archive.namelist()), sorted(sources - set(archive.namelist()))
+    # The target that installs the wheel away from the clone, as described above.
+    plan = subprocess.run(
+        ["make", "-n", "-o", ".venv/.test-installed", "release-check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    for step in ("-m build --outdir", "twine check --strict", "-m venv", "dist/*.whl)[examples]", "examples/readme.py"):
+        assert step in plan, step
+    assert re.search(r'cd "\$tmp/run" && "\$tmp/venv/bin/python"', plan), plan
+
+
+@pytest.mark.multiprocess
+def test_the_readme_names_the_command_that_gives_the_venv_pytest():
+    """The README said to run the suite in parts with .venv/bin/python -m pytest, but the
+    .venv that make demo makes has no pytest: the sentence names the make target that
+    installs it, and says which does not, and the Makefile and pyproject.toml agree."""
+    import re
+    import tomllib
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    [sentence] = re.findall(r"In parts, with `\.venv/bin/python -m pytest`[^:]*:", readme)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def requirements(extra: str) -> set[str]:
+        names = set()
+        for requirement in extras[extra]:
+            name = re.split(r"[\[<>=!~;\s]", requirement)[0].lower()
+            if name == "eqxckpt":  # another extra of ours, e.g. demo = ["eqxckpt[examples]"]
+                for inner in re.findall(r"\[(.*)\]", requirement)[0].split(","):
+                    names |= requirements(inner.strip())
+            else:
+                names.add(name)
+        return names
+
+    def installs_pytest(target: str) -> bool:
+        plan = subprocess.run(
+            ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+        installs = [line for line in plan.splitlines() if "pip install" in line]
+        assert installs, (target, plan)
+        groups = [group for line in installs for group in re.findall(r"\.\[([\w,-]+)\]", line)]  # ".[test,tf,docs]"
+        return any("pytest" in requirements(extra) for group in groups for extra in group.split(","))
+
+    [after] = re.findall(r"after `make ([\w-]+)` has installed", sentence)
+    assert installs_pytest(after), sentence
+    lacking = re.findall(r"`make ([\w-]+)`'s \.venv has no pytest", sentence)
+    assert lacking and not any(installs_pytest(target) for target in lacking), sentence
+    others = set(re.findall(r"`make ([\w-]+)`", sentence)) - {after, *lacking}  # "install the same"
+    assert all(installs_pytest(target) for target in others), sentence
