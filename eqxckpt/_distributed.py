@@ -28,6 +28,12 @@ def process_index() -> int:
     return jax.process_index()
 
 
+def process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
 def is_multiprocess() -> bool:
     import jax
 

@@ -18,6 +18,7 @@ from ._errors import ArgumentError, ManifestError
 from ._gc import collector_paused
 from ._leaf import KeyRecord, Leaf, StoredLeaf, parse_leaf
 from ._paths import ARRAYS_PREFIX, PACKED_LOCATION, is_arrays_name, record_segment
+from ._process_state import ProcessStates
 from ._version import __version__
 from ._write._pack import PackedArray
 
@@ -59,6 +60,8 @@ class Manifest:
     # Where the arrays are, relative to the manifest: "" (beside it), or on object
     # stores the save's own prefix ``%arrays.<hex>`` (see `_objects`).
     arrays: str = ""
+    # Each process's own small state (`_process_state`), where the save was given them.
+    process_states: ProcessStates | None = None
 
     def stored_paths(self) -> list[str]:
         """The paths of the checkpoint's arrays: each unpacked leaf's, and the packed array's."""
@@ -124,6 +127,7 @@ class Manifest:
             "sequences_complete": self.sequences_complete,
             **({"arrays": self.arrays} if self.arrays else {}),
             "metadata": self.metadata,
+            **({"process_states": self.process_states.to_json()} if self.process_states is not None else {}),
         }
         # One leaf per line: easy to read, grep and diff.
         lines = self.leaf_lines()
@@ -461,6 +465,8 @@ def _parse_manifest(raw: bytes, where: str) -> Manifest:
         )
     created = doc.get("created_unix", 0.0)
     save_id = doc.get("save_id", "")
+    states = doc.get("process_states")
+    process_states = None if states is None else ProcessStates.from_json(states, where)
     return Manifest(
         records,
         metadata,
@@ -468,4 +474,5 @@ def _parse_manifest(raw: bytes, where: str) -> Manifest:
         save_id if isinstance(save_id, str) else "",
         complete,
         arrays,
+        process_states,
     )

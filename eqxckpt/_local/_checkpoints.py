@@ -42,7 +42,9 @@ from .._errors import (
     ManifestError,
     warn_at_caller,
 )
+from .._process_state import OwnState, SavedState
 from .._read._load import load
+from .._read._source import Source
 from .._run._steps import RunSteps
 from .._window import host_memory_budget
 from .._write._save import Part
@@ -144,18 +146,20 @@ class LocalCheckpoints:
     def should_save(self, step: int) -> bool:
         return step % self.interval == 0
 
-    def save(self, step: int, tree: PyTree, blocking: bool = False) -> None:
+    def save(self, step: int, tree: PyTree, blocking: bool = False, process_state: Any = None) -> None:
         """Save ``tree`` as ``step`` in the local tier (every process, as for `eqxckpt.save`):
         its part is taken now (what `eqxckpt.save` refuses is refused here, with the same
         error), the rest happens in the background unless ``blocking``. Waits for the
-        previous local save first and raises its error."""
+        previous local save first and raises its error. ``process_state``: this process's
+        own state (`eqxckpt.save`'s), committed with its part."""
         self._saved()  # a restored copy still being kept is written first, in the background
         if self._complete and step <= self._complete[-1][0]:
             raise CheckpointExistsError(
                 f"Step {step} is not newer than the local tier's newest step, {self._complete[-1][0]}: each step "
                 "is saved once, in order. Resume from latest_step() + 1."
             )
-        part = Part(tree)
+        own = None if process_state is None else OwnState(self.me, self.processes, SavedState.of(process_state))
+        part = Part(tree, own_state=own)
         # On the caller's thread (once): processes given different settings all refuse here,
         # at the same save, rather than one waiting at a later phase for a save never made.
         self._join()
@@ -384,7 +388,9 @@ class LocalCheckpoints:
         """``work()`` of every process (a phase of a resume), or this one's alone."""
         return Phases("resume").run(phase, work) if self.processes > 1 else [work()]
 
-    def restore(self, choice: LocalChoice, like: PyTree, **load_kwargs: Any) -> PyTree:
+    def restore(
+        self, choice: LocalChoice, like: PyTree, give: Callable[[Source], None] | None = None, **load_kwargs: Any
+    ) -> PyTree:
         """Restore ``choice``'s step into ``like`` (every process), with `eqxckpt.load`'s
         options (``at=``...): each process from its own part, else from the copy a peer
         keeps of it (sent now, restored from as it arrived, then kept here in the
@@ -401,12 +407,14 @@ class LocalCheckpoints:
         - `choice`: what `choose` agreed on.
         - `like`, `load_kwargs`: as for `eqxckpt.load`; ``like``'s shardings must be those
           the step was saved with (each process holds only its own blocks).
+        - `give`: called with the part this process restored from (its own state in it),
+          before the others are told it succeeded: a failure there is every process's.
 
         **Returns:** the restored pytree.
         """
         damaged: frozenset[PartInfo] = frozenset()
         while True:
-            restored, found = self._restore(choice, like, load_kwargs)
+            restored, found = self._restore(choice, like, load_kwargs, give)
             if not found:
                 self._complete = list(choice.complete)
                 return restored
@@ -423,7 +431,13 @@ class LocalCheckpoints:
                 )
             choice = again
 
-    def _restore(self, choice: LocalChoice, like: PyTree, load_kwargs: dict[str, Any]) -> tuple[Any, set[PartInfo]]:
+    def _restore(
+        self,
+        choice: LocalChoice,
+        like: PyTree,
+        load_kwargs: dict[str, Any],
+        give: Callable[[Source], None] | None = None,
+    ) -> tuple[Any, set[PartInfo]]:
         """One try of `restore`: the restored pytree, or the parts (of every process) found
         damaged as they were sent or read, each set aside by the process keeping it."""
         kept = choice.parts[self.me]
@@ -435,11 +449,13 @@ class LocalCheckpoints:
 
         def restore() -> str:
             try:
-                if not received:
-                    restored.append(load(self.tier.open(own), like, **load_kwargs))
-                    return "[]"
                 # Restored from the copy as it arrived, and kept here after (not first, on the way).
-                restored.append(load(self.tier.received(own, received[0]), like, **load_kwargs))
+                source = self.tier.received(own, received[0]) if received else self.tier.open(own)
+                restored.append(load(source, like, **load_kwargs))
+                if give is not None:
+                    give(source)
+                if not received:
+                    return "[]"
             except (CorruptCheckpointError, ManifestError) as e:
                 if not received:
                     self.tier.set_aside(own, str(e))

@@ -2,9 +2,12 @@
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from .._distributed import process_count, process_index
+from .._errors import CheckpointError
 from .._leaf import StoredLeaf
 from .._storage import CheckpointPath, Storage
 from .._stored import StoredArrays
@@ -70,6 +73,28 @@ class Checkpoint(Source):
     def identity(self) -> str | None:
         """The save that wrote this checkpoint (its manifest's ``save_id``)."""
         return self.stored.manifest.save_id
+
+    def process_state(self, process: int | None = None) -> Any:
+        """The state a process saved with this checkpoint (`eqxckpt.save`'s
+        ``process_state``), as it was given: bytes, or the JSON value (a Grain
+        iterator's ``get_state()``).
+
+        **Arguments:**
+
+        - `process`: whose state: a process index of the job that saved it. None (the
+          default): this process's own, in a job of as many processes as saved it (else
+          an error says to choose).
+
+        **Returns:** the state; `CheckpointError` if that process saved none.
+
+        ```python
+        iterator.set_state(eqxckpt.open("checkpoints/step_100").process_state())
+        ```
+        """
+        states = self.stored.manifest.process_states
+        if states is None:
+            raise CheckpointError(f"{self.location} was saved without a process_state.")
+        return states.value(process, process_index(), process_count(), str(self.location))
 
 
 def open_checkpoint(path: CheckpointPath | Storage, per_process: bool = False) -> Checkpoint:

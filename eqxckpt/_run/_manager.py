@@ -10,12 +10,13 @@ from jaxtyping import PyTree
 
 from .._arguments import checked_arguments
 from .._errors import ArgumentError, CheckpointError
+from .._process_state import SavedState
 from .._progress import Progress
 from .._storage import CheckpointPath, resolve
 from .._write._reuse import FULL_CHECK_INTERVAL_S
 from ._preemption import Notices
 from ._retention import Retention
-from ._tiers import Details, LocalSettings, PersistentTier, Resume, Tiers
+from ._tiers import Details, LocalSettings, PersistentTier, Resume, StateRequest, Tiers
 
 
 class CheckpointManager:
@@ -138,6 +139,7 @@ class CheckpointManager:
         metrics: dict[str, float] | None = None,
         force: bool = False,
         progress: Progress = "auto",
+        process_state: Any = None,
     ) -> bool:
         """Save ``tree`` as step ``step`` (in the background unless ``blocking``).
 
@@ -149,6 +151,10 @@ class CheckpointManager:
         - `metrics`: ``{name: float}``, used by ``best_metric`` retention and `best_step`.
         - `force`: save even if the interval excludes ``step``.
         - `progress`: as for `eqxckpt.save` (a bar on a terminal, or a callable).
+        - `process_state`: this process's own small state, saved with the step in every
+          tier and atomically with it: a Grain iterator (or anything with
+          ``get_state()``; its state is taken now), bytes or a JSON value. Each process
+          passes its own; `load` gives each its own back.
 
         **Returns:** True if the step is being saved, False if the interval skipped it.
         Waits for the previous save first and raises its error, if any. Retention runs
@@ -166,7 +172,8 @@ class CheckpointManager:
         if not (preempted or tiers):
             return False
         self._resume = None  # what latest_step chose is no longer the newest
-        details = Details(metadata, metrics, progress)
+        state = None if process_state is None else SavedState.of(process_state)  # taken now
+        details = Details(metadata, metrics, progress, state)
         if preempted:
             return self._save_for_preemption(step, tree, details)
         with self._notices.saving(for_notice=False):
@@ -263,7 +270,14 @@ class CheckpointManager:
         return self._persistent.steps.metadata(step)
 
     def load(
-        self, like: PyTree | None = None, *, step: int | None = None, at: str | None = None, **load_kwargs: Any
+        self,
+        like: PyTree | None = None,
+        *,
+        step: int | None = None,
+        at: str | None = None,
+        process_state: Any = None,
+        from_process: int | None = None,
+        **load_kwargs: Any,
     ) -> PyTree:
         """`eqxckpt.load` of ``step`` (default: the latest committed one).
 
@@ -272,17 +286,26 @@ class CheckpointManager:
         - `like`, `at`, `load_kwargs` (``strict``, ``cast``...): as for `eqxckpt.load`.
         - `step`: a committed step, or None for the latest (the one `latest_step`
           just named; looked up again if another process's retention deletes it meanwhile).
+        - `process_state`: an object with ``set_state()`` (the Grain iterator passed to
+          `save`, made afresh): given this process's state saved with the step, from
+          the same checkpoint the tree comes from.
+        - `from_process`: whose state ``process_state`` takes: None (this process's,
+          in a job of as many processes as saved the step; else an error), or a process
+          index of the job that saved it (e.g. ``jax.process_index() % saved``).
 
         **Returns:** the restored pytree.
 
         ```python
-        state = manager.load(eqx.filter_eval_shape(make_state))
+        state = manager.load(eqx.filter_eval_shape(make_state), process_state=iterator)
         ```
         """
         resume, self._resume = self._resume, None
         if step is not None or resume is None:
             resume = self._tiers.resumable(step)
-        return resume.restore(like, at, load_kwargs)
+        if process_state is None and from_process is not None:
+            raise ArgumentError("from_process says whose process_state to restore: pass process_state too.")
+        states = None if process_state is None else StateRequest(process_state, from_process)
+        return resume.restore(like, at, load_kwargs, states)
 
     def path(self, step: int) -> Any:
         """Where ``step`` is stored: what `eqxckpt.open`, `load` and `save` accept (a path,

@@ -15,9 +15,12 @@ from jaxtyping import PyTree
 from .._errors import ArgumentError, CheckpointChangedError, CheckpointError, CorruptCheckpointError, warn_at_caller
 from .._formats._open import open as open_source
 from .._local import LocalCheckpoints
+from .._process_state import SavedState, give_back
 from .._progress import Progress
+from .._read._checkpoint import Checkpoint
 from .._read._load import READ_ATTEMPTS, load
 from .._read._read_once import failing_together, spans_processes
+from .._read._source import Source
 from .._storage import Storage
 from .._write._background import SAVES, SaveHandle
 from .._write._reuse import FULL_CHECK_INTERVAL_S, check_full_check_interval
@@ -47,12 +50,15 @@ class Resume:
         step or raises, never another."""
         return dataclasses.replace(self, named=True)
 
-    def restore(self, like: PyTree, at: str | None, load_kwargs: dict[str, Any]) -> PyTree:
+    def restore(
+        self, like: PyTree, at: str | None, load_kwargs: dict[str, Any], states: "StateRequest | None" = None
+    ) -> PyTree:
         """Restore this step into ``like`` from its tier (every process, where the tier needs them).
 
         **Arguments:**
 
         - `like`, `at`, `load_kwargs`: as for `eqxckpt.load`.
+        - `states`: where this process's saved state goes, read from the same checkpoint.
 
         **Returns:** the restored pytree.
 
@@ -60,7 +66,23 @@ class Resume:
         state = tier.resumable().restore(like, None, {})
         ```
         """
-        return self.tier.restore(self, like, at=at, **load_kwargs)
+        return self.tier.restore(self, like, at=at, states=states, **load_kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRequest:
+    """A manager's load asking for this process's saved state (`_process_state`): given to
+    ``target`` (``set_state``), read from the checkpoint the tree was restored from, as
+    process ``from_process`` saved it (None: this process, in a job of as many)."""
+
+    target: Any
+    from_process: int | None = None
+
+    def give(self, source: Source) -> None:
+        """Give ``target`` the state from ``source`` (a checkpoint just restored from)."""
+        if not isinstance(source, Checkpoint):
+            raise CheckpointError(f"{source.location} is not an eqxckpt checkpoint: it holds no process_state.")
+        give_back(self.target, source.process_state(self.from_process))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +92,7 @@ class Details:
     metadata: dict[str, Any] | None = None
     metrics: dict[str, float] | None = None
     progress: Progress = "auto"
+    process_state: SavedState | None = None
 
 
 class Tier(abc.ABC):
@@ -95,8 +118,17 @@ class Tier(abc.ABC):
         agrees where this tier needs them all (then every process calls this)."""
 
     @abc.abstractmethod
-    def restore(self, resume: Resume, like: PyTree, *, at: str | None = None, **load_kwargs: Any) -> PyTree:
-        """Restore ``resume`` (one of this tier's) into ``like``, as `eqxckpt.load` does."""
+    def restore(
+        self,
+        resume: Resume,
+        like: PyTree,
+        *,
+        at: str | None = None,
+        states: StateRequest | None = None,
+        **load_kwargs: Any,
+    ) -> PyTree:
+        """Restore ``resume`` (one of this tier's) into ``like``, as `eqxckpt.load` does, and
+        give ``states`` this process's state from the same checkpoint."""
 
     def close(self) -> None:
         """Wait for the saves in flight (raising their error) and let go of what it holds."""
@@ -193,6 +225,7 @@ class PersistentTier(Tier):
             progress=details.progress,
             base=base,
             full_check_interval_s=self.full_check_interval_s,
+            process_state=details.process_state,
         )
         if blocking:
             self.steps.add(step, metrics, copy)
@@ -223,7 +256,15 @@ class PersistentTier(Tier):
         that step (None: the latest), not looked up again. ``asked``: as for `Resume`."""
         return Resume(self, step, step, asked)
 
-    def restore(self, resume: Resume, like: PyTree, *, at: str | None = None, **load_kwargs: Any) -> PyTree:
+    def restore(
+        self,
+        resume: Resume,
+        like: PyTree,
+        *,
+        at: str | None = None,
+        states: StateRequest | None = None,
+        **load_kwargs: Any,
+    ) -> PyTree:
         # The one place a manager's load retries: it hands `load` an opened checkpoint, which
         # `load` reads once. A step replaced while read is read again; for the latest step,
         # one deleted by another process's retention is never picked again, and the steps
@@ -245,7 +286,11 @@ class PersistentTier(Tier):
                     try:
                         with failing_together(together):
                             source = open_source(self.steps.step_path(chosen), format=source_format)
-                        return load(source, like, at=at, **load_kwargs)
+                        restored = load(source, like, at=at, **load_kwargs)
+                        if states is not None:
+                            with failing_together(together):
+                                states.give(source)
+                        return restored
                     except GONE:
                         gone.add(chosen)
                         raise
@@ -296,8 +341,9 @@ class LocalFirstTier(Tier):
         return self.local.should_save(step)
 
     def save(self, step: int, tree: PyTree, *, blocking: bool, details: Details | None = None) -> None:
-        # Details are the persistent tier's: a local step is resumed from, never listed.
-        self.local.save(step, tree, blocking=blocking)
+        # Details are the persistent tier's (a local step is resumed from, never listed),
+        # but for each process's own state.
+        self.local.save(step, tree, blocking=blocking, process_state=details.process_state if details else None)
 
     def wait(self) -> None:
         self.local.wait()
@@ -315,10 +361,18 @@ class LocalFirstTier(Tier):
             return self.fallback.pinned(persistent if step is None else step, step)
         return Resume(self, choice.step, choice, step)
 
-    def restore(self, resume: Resume, like: PyTree, *, at: str | None = None, **load_kwargs: Any) -> PyTree:
+    def restore(
+        self,
+        resume: Resume,
+        like: PyTree,
+        *,
+        at: str | None = None,
+        states: StateRequest | None = None,
+        **load_kwargs: Any,
+    ) -> PyTree:
         options = load_kwargs if at is None else {"at": at, **load_kwargs}
         try:
-            return self.local.restore(resume.choice, like, **options)
+            return self.local.restore(resume.choice, like, give=None if states is None else states.give, **options)
         except (CorruptCheckpointError, *GONE) as e:
             # The chosen parts were damaged in every copy, or deleted meanwhile (by hand): a
             # step `latest_step` named is never swapped for another; otherwise every process
@@ -331,7 +385,7 @@ class LocalFirstTier(Tier):
                     f"(its parts: {e}). Call latest_step() again and resume from the step it names."
                 ) from e
             again = self.resumable(resume.asked)
-        return again.restore(like, at, load_kwargs)
+        return again.restore(like, at, load_kwargs, states)
 
 
 def _metric(name: Any, value: Any) -> float:
@@ -366,7 +420,7 @@ class Tiers:
         warned about), then durably in the persistent tier, unless it holds the step."""
         for fast in self.all[1:]:
             try:
-                fast.save(step, tree, blocking=True)
+                fast.save(step, tree, blocking=True, details=details)
             except CheckpointError as e:
                 warn_at_caller(f"Preemption notice: the local tier's save of step {step} failed: {e}")
         self.persistent.wait()

@@ -2,6 +2,8 @@
 
 import concurrent.futures
 import contextlib
+import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable, Coroutine
@@ -12,7 +14,7 @@ from jaxtyping import PyTree
 
 from .._arguments import checked_arguments
 from .._chunks import encode
-from .._distributed import Phases, is_multiprocess
+from .._distributed import Phases, is_multiprocess, process_count, process_index
 from .._errors import ArgumentError, CheckpointError, CheckpointWriteError, UnsupportedLeafError, warn_at_caller
 from .._gc import collector_paused
 from .._interrupts import interrupts_deferred
@@ -20,6 +22,7 @@ from .._leaf import Leaf, StoredLeaf
 from .._manifest import Manifest, metadata_bytes
 from .._monitoring import SAVE_BLOCKED, SAVE_BYTES, SAVE_COMMITTED, record_bytes, record_duration
 from .._paths import GROUP_METADATA, group_file, group_locations, key_entry
+from .._process_state import OwnState, ProcessStates, SavedState
 from .._progress import Progress, advance, reporting, unless_background
 from .._storage import (
     NOTHING_COMMITTED,
@@ -175,8 +178,11 @@ class SaveInProgress:
         phases: Phases | None,
         hashing: Hashing | None = None,
         durable: bool = True,
+        own_state: OwnState | None = None,
     ):
         self.location = location
+        self.own_state = own_state
+        self.process_states: ProcessStates | None = None
         self.durable = durable
         self.manifest = manifest
         self.hashing = hashing
@@ -269,6 +275,8 @@ class SaveInProgress:
             check_copies_agree(self.copies)
             if self.hashing is not None:
                 self.manifest = self.hashing.result()
+            if self.process_states is not None:
+                self.manifest = dataclasses.replace(self.manifest, process_states=self.process_states)
             jobs = [*self.writing, *(job for job, _ in self.reuse.linked)]
             self.staging.commit(self.manifest, expected_files([(job.record, job.layout) for job in jobs]))
             self.committed = True
@@ -305,7 +313,11 @@ class SaveInProgress:
             # interrupted there, one would be left behind half made. Writes stay interruptible.
             with interrupts_deferred():
                 [where, *_] = phase("prepare", self.prepare)
-            self.copies = phase("write", lambda: self.write(where or ""))
+            # Each process's own state comes to process 0 with what it wrote, for the commit.
+            own = None if self.own_state is None else self.own_state.to_json()
+            written = [json.loads(r) for r in phase("write", lambda: json.dumps([self.write(where or ""), own]))]
+            self.copies = [copies for copies, _ in written]
+            self.process_states = OwnState.gathered([state for _, state in written])
             with interrupts_deferred():
                 if self.phases is None:
                     self.commit()
@@ -339,6 +351,7 @@ def save(
     progress: Progress = "auto",
     base: CheckpointPath | None = None,
     full_check_interval_s: float = FULL_CHECK_INTERVAL_S,
+    process_state: Any = None,
 ) -> SaveHandle:
     """Save a pytree as a checkpoint directory: one zarr3 array per array leaf.
 
@@ -386,6 +399,12 @@ def save(
       generations: one metadata request per object; the threat model says
       what this trusts). 0: every leaf shared is downloaded and checked.
       Local disks check every leaf they share, every save.
+    - `process_state`: this process's own small state, saved with the
+      checkpoint and committed with it: bytes, a JSON value, or an object
+      with ``get_state()`` (a Grain iterator), whose state is taken now, on
+      the caller's thread. With several processes each passes its own; each
+      reads its own back with `Checkpoint.process_state` (the manager's
+      `load` gives it back). At most 64 KiB of JSON a process.
 
     With several JAX processes (``jax.process_count() > 1``) every process
     calls `save` with the same tree of global arrays; each writes only shards
@@ -405,6 +424,9 @@ def save(
     called = time.perf_counter()
     progress = unless_background(progress, blocking)
     check_full_check_interval(full_check_interval_s)
+    own_state = None
+    if process_state is not None:  # taken now: the caller's iterator moves on
+        own_state = OwnState(process_index(), process_count(), SavedState.of(process_state))
     location = resolve(path)
     metadata = {} if metadata is None else metadata
     size = metadata_bytes(metadata)
@@ -445,7 +467,7 @@ def save(
                 pieces = [piece for job in reuse.written for piece in job.pieces]
                 written = sum(p.nbytes for p in pieces)
                 with reporting(f"saving {key}", written, sum(p.leaves for p in pieces), progress):
-                    SaveInProgress(location, with_digests, reuse, overwrite, phases, hashing).run()
+                    SaveInProgress(location, with_digests, reuse, overwrite, phases, hashing, own_state=own_state).run()
             record_duration(SAVE_COMMITTED, called)
             record_bytes(SAVE_BYTES, written)
         finally:
@@ -478,6 +500,7 @@ class Part:
     - `tree`: any pytree `save` takes.
     - `copy`: take a private copy of numpy leaves (False: the caller leaves them alone
       until `write` returns).
+    - `own_state`: this process's own state (`save`'s ``process_state``), committed with it.
 
     ```python
     part = Part(state)                                   # on the caller's thread
@@ -485,7 +508,8 @@ class Part:
     ```
     """
 
-    def __init__(self, tree: PyTree, copy: bool = True):
+    def __init__(self, tree: PyTree, copy: bool = True, own_state: OwnState | None = None):
+        self.own_state = own_state
         with collector_paused():
             records, arrays = _plan(tree)
             jobs = _jobs(snapshot(arrays, copy=copy, leader=True, multiprocess=False, own_blocks=True))
@@ -499,7 +523,12 @@ class Part:
         return sum(piece.nbytes for job in self.jobs for piece in job.pieces)
 
     def write(
-        self, path: CheckpointPath, *, metadata: dict[str, Any], overwrite: bool = False, durable: bool = True
+        self,
+        path: CheckpointPath,
+        *,
+        metadata: dict[str, Any],
+        overwrite: bool = False,
+        durable: bool = True,
     ) -> None:
         """Save it as a checkpoint at ``path``, now, on the caller's thread; background saves
         in flight are not waited for.
@@ -521,6 +550,6 @@ class Part:
         hashing = Hashing(manifest, self.jobs)
         try:
             with plan_reuse(None, manifest, self.jobs, location) as reuse:
-                SaveInProgress(location, manifest, reuse, overwrite, None, hashing, durable).run()
+                SaveInProgress(location, manifest, reuse, overwrite, None, hashing, durable, self.own_state).run()
         finally:
             hashing.stop()
