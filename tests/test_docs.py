@@ -122,7 +122,7 @@ def test_format_spec_names_every_field_eqxckpt_writes(tmp_path):
         # Enough small leaves to be packed: every array and key above is, so `offset` is written.
         "many": [np.arange(i + 1, dtype=np.float32) for i in range(PACK_MIN_LEAVES)],
     }
-    eqxckpt.save(tmp_path / "c", tree, metadata={"step": 1})
+    eqxckpt.save(tmp_path / "c", tree, metadata={"step": 1}, process_state={"position": 3})
     manifest = json.loads((tmp_path / "c" / "eqxckpt.json").read_text())
     # Object stores add where the save's own prefix is.
     eqxckpt.save("memory://spec/c", {"w": np.ones(2)})
