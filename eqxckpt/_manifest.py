@@ -127,11 +127,12 @@ class Manifest:
             "sequences_complete": self.sequences_complete,
             **({"arrays": self.arrays} if self.arrays else {}),
             "metadata": self.metadata,
-            **({"process_states": self.process_states.to_json()} if self.process_states is not None else {}),
         }
         # One leaf per line: easy to read, grep and diff.
         lines = self.leaf_lines()
         body = json.dumps(head, indent=1, allow_nan=False)[:-2]
+        if self.process_states is not None:  # compact: indenting a nested state would multiply its size
+            body += ',\n "process_states": ' + json.dumps(self.process_states.to_json(), separators=(",", ":"))
         raw = with_checksum((body + ',\n "leaves": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n").encode())
         self.refuse_bytes(len(raw), parse_cost(raw))  # what a load would refuse is never committed
         return raw

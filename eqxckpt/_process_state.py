@@ -13,9 +13,22 @@ from typing import Any
 from ._errors import ArgumentError, CheckpointError, ManifestError
 
 # A process's state as its JSON takes in the manifest: a position, a seed, a generator's
-# state (MT19937's is about 7 KiB), not data. 1,024 processes at the limit stay within
-# the manifest's own.
+# state (MT19937's is about 7 KiB), not data...
 MAX_STATE_BYTES = 64 * 1024
+# ...and all processes' together at most this (so each of 1,024 gets 16 KiB): every
+# process knows its share before anything is written, and the manifest stays loadable.
+MAX_STATES_BYTES = 16 * 1024 * 1024
+# The parse cost a state may take beyond `MAX_PARSE_FACTOR` times its size.
+STATE_PARSE_ROOM = 4096
+# How deep a state may nest (as metadata: far beyond any real use, far within JSON's stack).
+MAX_STATE_DEPTH = 100
+# The only types JSON gives back as they were (an IntEnum would come back an int).
+_JSON_TYPES = (dict, list, str, int, float, bool, type(None))
+
+
+def state_limit(processes: int) -> int:
+    """The most bytes of JSON a process's state may take in a job of ``processes``."""
+    return min(MAX_STATE_BYTES, MAX_STATES_BYTES // max(1, processes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,10 +38,12 @@ class SavedState:
     entry: dict[str, Any]
 
     @classmethod
-    def of(cls, value: Any) -> "SavedState":
-        """``value`` taken now: bytes, a JSON value, or an object with ``get_state()`` (a
-        Grain iterator: its state is taken here, on the caller's thread); `ArgumentError`
-        for anything JSON cannot give back as it was, or over `MAX_STATE_BYTES`.
+    def of(cls, value: Any, processes: int = 1) -> "SavedState":
+        """``value`` taken now, as a copy: bytes, a JSON value, or an object with
+        ``get_state()`` (a Grain iterator: its state is taken here, on the caller's
+        thread; a background save then commits it, whatever the caller changes after);
+        `ArgumentError` for anything JSON cannot give back as it was, or over
+        `state_limit` in a job of ``processes``.
 
         ```python
         SavedState.of(iterator)   # iterator.get_state(), now
@@ -41,24 +56,27 @@ class SavedState:
         if isinstance(value, (bytes, bytearray, memoryview)):
             entry: dict[str, Any] = {"bytes": base64.b64encode(bytes(value)).decode()}
         else:
+            _check_json(value)
             try:
                 text = json.dumps(value, allow_nan=False)
-            except (TypeError, ValueError, RecursionError) as e:
-                raise ArgumentError(
-                    f"process_state must be bytes, a JSON value or an object with get_state(); got "
-                    f"{type(value).__name__}: {e}."
-                ) from None
-            if json.loads(text) != value or _has_tuple(value):
-                raise ArgumentError(
-                    f"process_state {value!r:.100} would not come back from JSON as it is (tuples become lists, "
-                    "keys strings). Pass lists and string keys, or bytes."
-                )
-            entry = {"json": value}
-        size = len(json.dumps(entry))
-        if size > MAX_STATE_BYTES:
+            except ValueError as e:
+                raise ArgumentError(f"process_state must be JSON, but {e}; pass finite numbers, or bytes.") from None
+            entry = {"json": json.loads(text)}  # a copy: what the caller changes next is not saved
+        from ._manifest import MAX_PARSE_FACTOR, parse_cost  # (which reads these states)
+
+        raw = json.dumps(entry, separators=(",", ":")).encode()
+        limit = state_limit(processes)
+        if len(raw) > limit:
             raise ArgumentError(
-                f"process_state takes {size} bytes in the manifest, over the {MAX_STATE_BYTES} a process may keep "
-                "there: keep a position or a seed, and save data as arrays of the tree."
+                f"process_state takes {len(raw)} bytes in the manifest, over the {limit} a process of a job of "
+                f"{processes} may keep there: keep a position or a seed, and save data as arrays of the tree."
+            )
+        # No denser than a load parses a manifest (with a little room, within the manifest's
+        # own for 1,024 processes: a small state is dense by nature).
+        if parse_cost(raw) > MAX_PARSE_FACTOR * len(raw) + STATE_PARSE_ROOM:
+            raise ArgumentError(
+                f"process_state is {len(raw)} bytes of very many tiny JSON values (a load parsing them would take "
+                f"over {MAX_PARSE_FACTOR} times their size): pass it as bytes, or as fewer, larger values."
             )
         return cls(entry)
 
@@ -69,17 +87,30 @@ class SavedState:
         return self.entry["json"]
 
 
-def _has_tuple(value: Any) -> bool:
-    pending = [value]
+def _check_json(value: Any) -> None:
+    """Refuse (`ArgumentError`) a state JSON would not give back as it is: other types
+    than JSON's own (tuples become lists, an IntEnum an int, numpy scalars fail), keys
+    that are not strings, nesting deeper than `MAX_STATE_DEPTH`. Iterative: a deep
+    nest is refused here, not by a RecursionError in a later phase of the save."""
+    pending: list[tuple[Any, int]] = [(value, 0)]
     while pending:
-        item = pending.pop()
-        if isinstance(item, tuple):
-            return True
-        if isinstance(item, dict):
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
-    return False
+        item, depth = pending.pop()
+        if depth > MAX_STATE_DEPTH:
+            raise ArgumentError(f"process_state is nested more than {MAX_STATE_DEPTH} levels deep; flatten it.")
+        if type(item) not in _JSON_TYPES:
+            raise ArgumentError(
+                f"process_state holds {item!r:.100} ({type(item).__name__}), which JSON would not give back as it "
+                "is (tuples become lists, enums ints). Pass dicts, lists, str, int, float, bool and None, or bytes."
+            )
+        if type(item) is dict:
+            if bad := [key for key in item if type(key) is not str]:
+                raise ArgumentError(
+                    f"process_state has a key {bad[0]!r:.100}: JSON keeps only string keys, so it would come back "
+                    "as a string. Use string keys."
+                )
+            pending.extend((v, depth + 1) for v in item.values())
+        elif type(item) is list:
+            pending.extend((v, depth + 1) for v in item)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -529,7 +529,9 @@ def validate_array_metadata(raw: bytes, record: StoredLeaf) -> dict[str, Any]:
     data_type = zarr_data_type(record.dtype)
     if doc.get("shape") != list(shape) or doc.get("data_type") != data_type:
         raise CorruptCheckpointError(
-            f"Leaf {record.path!r} is corrupt: the manifest says {data_type}{list(shape)} but its zarr.json says "
+            f"Leaf {record.path!r} is corrupt: the manifest says {record.dtype}{list(shape)}"
+            + (f" (stored as {data_type})" if data_type != record.dtype else "")
+            + f" but its zarr.json says "
             f"{doc.get('data_type')}{doc.get('shape')}. Restore the checkpoint from a copy or load an earlier one.",
             leaf_path=record.path,
         )

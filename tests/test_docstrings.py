@@ -75,6 +75,9 @@ skeleton = {"layers": [{"weight": jax.ShapeDtypeStruct((2, 8), jnp.float32)}]}
         "shutil.rmtree('ckpt')  # the example writes it",
     ),
     "eqxckpt.save_safetensors": "os.remove('model.safetensors')  # the example writes it",
+    "eqxckpt.Checkpoint.process_state": "import grain\n"
+    "iterator = iter(grain.MapDataset.range(10).to_iter_dataset())\n"
+    "eqxckpt.save('checkpoints/step_100', make_state(), process_state=iterator, overwrite=True)",
     "eqxckpt.CheckpointManager.best_step": "skeleton = eqx.filter_eval_shape(make_model, jax.random.key(0))",
     "eqxckpt.PathError": "tree = {'W': np.ones(2), 'w': np.zeros(2)}  # the same name on a case-insensitive disk",
     "eqxckpt.StructureMismatchError": "like = {**like, 'model': {**like['model'], 'c': np.zeros(2)}}",

@@ -109,3 +109,11 @@ def test_a_zarr_json_whose_data_type_is_the_logical_one_is_refused(tmp_path):
     meta.write_text(json.dumps({**doc, "data_type": "int8"}))
     with pytest.raises(eqxckpt.CorruptCheckpointError, match="zarr.json says int8"):
         eqxckpt.load(tmp_path / "c")
+
+
+def test_a_dtype_stored_under_another_data_type_is_named_as_the_manifest_says_it(tmp_path):
+    eqxckpt.save(tmp_path / "c", {"w": np.arange(70_000, dtype=np.uint8).astype(ml_dtypes.uint4)})
+    meta = tmp_path / "c" / "w" / "zarr.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "data_type": "int4"}))
+    with pytest.raises(eqxckpt.CorruptCheckpointError, match=r"manifest says uint4\[70000\] \(stored as uint8\)"):
+        eqxckpt.load(tmp_path / "c")

@@ -2,6 +2,7 @@
 manifest field's validation, the manager's tiers, and a real multi-process Grain job
 killed and resumed."""
 
+import dataclasses
 import json
 import random
 import re
@@ -44,9 +45,9 @@ def test_every_json_value_and_bytes_come_back_as_given(tmp_path_factory, value):
 def test_what_json_would_change_or_cannot_hold_is_refused_at_save(tmp_path):
     for value, match in [
         ((1, 2), "tuples become lists"),
-        ({1: "a"}, "keys strings"),
-        ({"x": float("nan")}, "JSON value"),
-        (object(), "JSON value"),
+        ({1: "a"}, "only string keys"),
+        ({"x": float("nan")}, "must be JSON"),
+        (object(), r"\(object\), which JSON would not give back"),
         ("x" * MAX_STATE_BYTES, "over the"),
     ]:
         with pytest.raises(ArgumentError, match=match):
@@ -188,3 +189,84 @@ def test_a_killed_grain_job_resumes_with_exactly_the_batches_it_would_have_seen(
     iterator = iter(_pipeline()(1, 2))  # process 1's state, asked for by its index
     iterator.set_state(saved.process_state(1))
     assert next(iterator).tolist() == expected[1][persistent_step + 1]
+
+
+class _LiveIterator:
+    """An iterator whose get_state() returns its live dict, as many do."""
+
+    def __init__(self):
+        self.state = {"position": 0}
+
+    def get_state(self):
+        return self.state
+
+    def set_state(self, state):
+        self.state = state
+
+    def __next__(self):
+        self.state["position"] += 1
+
+
+def test_a_background_save_commits_the_state_as_it_was_when_save_was_called(tmp_path):
+    state = {"position": 0, "seen": [1]}
+    handle = eqxckpt.save(tmp_path / "c", {"w": np.ones(1 << 20)}, blocking=False, process_state=state)
+    state["position"], _ = 999, state["seen"].append(2)
+    handle.wait()
+    assert eqxckpt.open(tmp_path / "c").process_state() == {"position": 0, "seen": [1]}
+    live = _LiveIterator()
+    with eqxckpt.CheckpointManager(tmp_path / "run") as manager:  # in the background
+        manager.save(1, {"w": np.ones(1 << 20)}, process_state=live)
+        for _ in range(7):
+            next(live)
+        manager.wait()
+        restored = _LiveIterator()
+        manager.load({"w": np.zeros(1 << 20)}, process_state=restored)
+    assert restored.state == {"position": 0}
+
+
+def _nested(depth, inner=0):
+    for _ in range(depth):
+        inner = [inner]
+    return inner
+
+
+def test_deep_enum_and_oversized_states_are_refused_before_anything_is_written(tmp_path):
+    import enum
+
+    class Kind(enum.IntEnum):
+        A = 1
+
+    for value, match in [
+        (_nested(950), "nested more than 100"),
+        ({"k": Kind.A}, r"\(Kind\), which JSON would not give back"),
+        ([0] * 2000, "very many tiny JSON values"),
+        (np.int64(3), "int64"),
+        ([[0] * 10_000] * 8, "over the 65536"),
+    ]:
+        with pytest.raises(ArgumentError, match=match):
+            eqxckpt.save(tmp_path / "c", {"w": np.ones(2)}, process_state=value)
+        assert not (tmp_path / "c").exists()
+    assert SavedState.of(_nested(30)).value() == _nested(30)
+
+
+def test_the_states_of_every_process_within_their_share_keep_the_manifest_loadable(tmp_path):
+    """Each process's share shrinks with the job's size, and states are written compactly:
+    the most every process may save is a manifest a load reads."""
+    from eqxckpt._manifest import MAX_MANIFEST_BYTES
+    from eqxckpt._process_state import MAX_STATES_BYTES, state_limit
+
+    eqxckpt.save(tmp_path / "c", {"w": np.ones(2)})
+    manifest = eqxckpt.open(tmp_path / "c").stored.manifest
+    for processes in (4, 1024):
+        limit = state_limit(processes)
+        assert limit * processes <= MAX_STATES_BYTES < MAX_MANIFEST_BYTES // 2
+        inner = [123456789] * ((limit - 2 * 95 - 20) // 10)  # deep and wide, just within the share
+        state = SavedState.of(_nested(95, inner), processes)
+        with pytest.raises(ArgumentError, match=f"of a job of {processes}"):
+            SavedState.of(_nested(95, inner + [123456789] * 5), processes)
+        full = dataclasses.replace(
+            manifest, process_states=ProcessStates(processes, dict.fromkeys(range(processes), state))
+        )
+        raw = full.to_bytes()
+        assert len(raw) < MAX_STATES_BYTES + 4096
+        assert parse_manifest(raw, "c").process_states == full.process_states

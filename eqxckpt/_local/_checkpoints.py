@@ -158,7 +158,11 @@ class LocalCheckpoints:
                 f"Step {step} is not newer than the local tier's newest step, {self._complete[-1][0]}: each step "
                 "is saved once, in order. Resume from latest_step() + 1."
             )
-        own = None if process_state is None else OwnState(self.me, self.processes, SavedState.of(process_state))
+        own = (
+            None
+            if process_state is None
+            else OwnState(self.me, self.processes, SavedState.of(process_state, self.processes))
+        )
         part = Part(tree, own_state=own)
         # On the caller's thread (once): processes given different settings all refuse here,
         # at the same save, rather than one waiting at a later phase for a save never made.

@@ -9,6 +9,7 @@ from typing import Any
 from jaxtyping import PyTree
 
 from .._arguments import checked_arguments
+from .._distributed import process_count
 from .._errors import ArgumentError, CheckpointError
 from .._process_state import SavedState
 from .._progress import Progress
@@ -172,7 +173,7 @@ class CheckpointManager:
         if not (preempted or tiers):
             return False
         self._resume = None  # what latest_step chose is no longer the newest
-        state = None if process_state is None else SavedState.of(process_state)  # taken now
+        state = None if process_state is None else SavedState.of(process_state, process_count())  # now
         details = Details(metadata, metrics, progress, state)
         if preempted:
             return self._save_for_preemption(step, tree, details)
@@ -296,7 +297,7 @@ class CheckpointManager:
         **Returns:** the restored pytree.
 
         ```python
-        state = manager.load(eqx.filter_eval_shape(make_state), process_state=iterator)
+        state = manager.load(eqx.filter_eval_shape(make_state))
         ```
         """
         resume, self._resume = self._resume, None

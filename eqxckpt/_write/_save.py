@@ -22,7 +22,7 @@ from .._leaf import Leaf, StoredLeaf
 from .._manifest import Manifest, metadata_bytes
 from .._monitoring import SAVE_BLOCKED, SAVE_BYTES, SAVE_COMMITTED, record_bytes, record_duration
 from .._paths import GROUP_METADATA, group_file, group_locations, key_entry
-from .._process_state import OwnState, ProcessStates, SavedState
+from .._process_state import OwnState, ProcessStates, SavedState, state_limit
 from .._progress import Progress, advance, reporting, unless_background
 from .._storage import (
     NOTHING_COMMITTED,
@@ -426,7 +426,7 @@ def save(
     check_full_check_interval(full_check_interval_s)
     own_state = None
     if process_state is not None:  # taken now: the caller's iterator moves on
-        own_state = OwnState(process_index(), process_count(), SavedState.of(process_state))
+        own_state = OwnState(process_index(), process_count(), SavedState.of(process_state, process_count()))
     location = resolve(path)
     metadata = {} if metadata is None else metadata
     size = metadata_bytes(metadata)
@@ -449,7 +449,8 @@ def save(
         if phases is None:  # with several processes every leaf keeps its own array
             records, jobs = _pack(records, jobs)
     manifest = Manifest(tuple(records), metadata)
-    manifest.refuse_oversized(size)  # before anything is written
+    # Before anything is written; with room for every process's state, each within its share.
+    manifest.refuse_oversized(size + (0 if own_state is None else state_limit(process_count()) * process_count()))
 
     def run() -> None:
         # Only process 0's manifest is committed: the others hash nothing. Which leaves a
@@ -546,7 +547,8 @@ class Part:
         location = resolve(path)
         location.check_target(overwrite)
         manifest = Manifest(tuple(self.records), metadata)
-        manifest.refuse_oversized(metadata_bytes(metadata))
+        own = 0 if self.own_state is None else len(json.dumps(self.own_state.to_json()))
+        manifest.refuse_oversized(metadata_bytes(metadata) + own)
         hashing = Hashing(manifest, self.jobs)
         try:
             with plan_reuse(None, manifest, self.jobs, location) as reuse:
