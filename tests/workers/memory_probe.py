@@ -18,7 +18,7 @@ replicated (``P()``), within BUDGET_MIB.
 skeleton with `Stack`; ``save_stacked`` saves them stacked, and ``load_unstacked``
 restores those into the per-layer skeleton with `Unstack`.
 
-``load_big`` restores the one 2 GiB float32 leaf of ``save_big`` onto the first
+``load_big`` restores the one 1 GiB float32 leaf of ``save_big`` onto the first
 device (one) or every local device split by rows, as DTYPE (float32, or a cast),
 within BUDGET_MIB; STAGED=1 builds the result on the devices band by band as on a
 GPU (`_place.STAGE_CPU`).
@@ -117,7 +117,7 @@ def one_leaf(path, op, budget_mib="16", spec="rows"):
     print(json.dumps({"peak": peak, "bytes": nbytes, "devices": len(devices)}))
 
 
-BIG = (131072, 4096)  # float32: 2 GiB
+BIG = (65536, 4096)  # float32: 1 GiB
 
 
 def big_rows(start, stop):
