@@ -13,6 +13,7 @@ from conftest import BUCKET, WORKERS, WorkerFailed, assert_trees_equal, launch, 
 from distributed_worker import global_state
 
 import eqxckpt
+from eqxckpt._storage._stamps import BOOK_NAME
 
 pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
 
@@ -81,7 +82,7 @@ def test_a_single_process_checkpoint_restores_across_four_processes(tmp_path, s3
 def test_checkpoint_manager_in_two_processes(tmp_path):
     logs = launch("manager", 2, tmp_path)
     assert all("manager steps [0, 3, 5, 6]" in log for log in logs)
-    assert sorted(os.listdir(tmp_path / "run")) == ["0", "3", "5", "6"]
+    assert sorted(os.listdir(tmp_path / "run")) == [BOOK_NAME, "0", "3", "5", "6"]  # and its stamp book
     assert eqxckpt.CheckpointManager(tmp_path / "run").all_steps() == [0, 3, 5, 6]
 
 

@@ -124,13 +124,17 @@ class LocalRun:
         except FileNotFoundError:
             return None
 
-    def write(self, key: str, body: bytes) -> None:
-        """In place: every hard link to the file sees the change, as bit rot would."""
+    def write(self, key: str, body: bytes, keep_mtime: bool = False) -> None:
+        """In place: every hard link to the file sees the change, as bit rot would.
+        ``keep_mtime``: then set its modification time back (its change time still moves)."""
         path = self.run / key
         path.parent.mkdir(parents=True, exist_ok=True)
+        before = os.stat(path) if path.exists() else None
         with open(path, "r+b" if path.exists() else "wb") as f:
             f.write(body)
             f.truncate()
+        if keep_mtime and before is not None:
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
     def identity(self, key: str):
         st_ = os.stat(self.run / key)
@@ -181,8 +185,8 @@ class StoreRun:
         except Exception:  # noqa: BLE001 - boto's NoSuchKey or urllib's 404: the object is gone
             return None
 
-    def write(self, key: str, body: bytes) -> None:
-        self.store.put(self.top + key, body)
+    def write(self, key: str, body: bytes, keep_mtime: bool = False) -> None:
+        self.store.put(self.top + key, body)  # (an object has no time to set back)
 
     def identity(self, key: str):
         return key
@@ -465,9 +469,11 @@ class FaultModel(RuleBasedStateMachine):
 
     # -- faults -------------------------------------------------------------------------------
 
-    @rule(pick=INDEX, at=st.integers(0, 2**20), bit=st.integers(0, 7), truncate=st.booleans())
-    def rot(self, pick, at, bit, truncate):
-        """Flip one bit of, or truncate, a file or object eqxckpt wrote."""
+    @rule(pick=INDEX, at=st.integers(0, 2**20), bit=st.integers(0, 7), truncate=st.booleans(), keep_mtime=st.booleans())
+    def rot(self, pick, at, bit, truncate, keep_mtime):
+        """Flip one bit of, or truncate, a file or object eqxckpt wrote; on a local disk,
+        perhaps setting its modification time back after (an incremental save that shares
+        it unread by its stamp must still see the change time move)."""
         keys = self.where.keys()
         kinds = {key: classify(key, self.where.read) for key in keys if key not in self.model.foreign}
         candidates = sorted(key for key, kind in kinds.items() if kind is not None)
@@ -484,10 +490,12 @@ class FaultModel(RuleBasedStateMachine):
         holders = [n for n in self.model.versions if identity in self.where.held(n, keys)]
         at %= len(body)
         after = body[:at] if truncate else body[:at] + bytes([body[at] ^ (1 << bit)]) + body[at + 1 :]
-        self.where.write(key, after)
+        self.where.write(key, after, keep_mtime)
         self.rotted[identity] = after
         outcome = effect(kind, body, after)
-        how = f"truncated to {at} bytes" if truncate else f"bit {bit} of byte {at} flipped"
+        how = (f"truncated to {at} bytes" if truncate else f"bit {bit} of byte {at} flipped") + (
+            ", mtime set back" if keep_mtime else ""
+        )
         note(f"{key} ({kind}, held by steps {sorted(holders)}): {how}: {outcome}")
         for number in holders:
             if outcome == "damaged":

@@ -13,6 +13,7 @@ from eqxckpt._digest import ALGORITHM
 from eqxckpt._errors import ManifestError
 from eqxckpt._leaf import ArrayLeaf, ScalarLeaf
 from eqxckpt._manifest import Manifest, parse_manifest
+from eqxckpt._paths import PACKED_LOCATION
 from eqxckpt._scalars import scalar_from_json, scalar_to_json
 
 BEFORE = pathlib.Path(__file__).parent / "fixtures" / "written_before_25"
@@ -114,7 +115,7 @@ SEEN = {"unix": 1.7e9, "shares": 2, "generations": ["00ab", "0cd0"]}
 @pytest.mark.parametrize(
     "seen,extra,match",
     [
-        (SEEN, {"arrays": None}, "only an array of its own in a sibling"),
+        (SEEN, {"offset": 0, "location": PACKED_LOCATION}, "only an array of its own records"),
         ({**SEEN, "extra": 1}, {}, "exactly 'unix', 'shares' and 'generations'"),
         ([1, 2], {}, "exactly 'unix'"),
         ({**SEEN, "unix": "yesterday"}, {}, "is not a time"),

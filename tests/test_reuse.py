@@ -39,7 +39,7 @@ def paths(jobs: list[Job]) -> list[str]:
 
 
 def linked(reuse: Reuse[Job]) -> dict[str, list[str]]:
-    return {job.record.path: files for job, files in reuse.linked}
+    return {job.record.path: files for job, files, _ in reuse.linked}
 
 
 TREE = {
@@ -201,3 +201,156 @@ def test_generations_a_manifest_cannot_hold_are_not_recorded(monkeypatch):
     leaf = eqxckpt.open(run + "2").leaf("w")
     assert isinstance(leaf, StoredLeaf) and leaf.arrays is not None and leaf.seen is None
     assert eqxckpt.load(run + "2")["w"].tolist() == list(range(40_000))
+
+
+# --- the stamp rule: a local leaf checked whole is shared unread while no write touched it ---
+
+FROZEN = {"frozen": np.arange(200_000, dtype=np.float32), "head": np.zeros(8, np.float32)}
+
+
+@pytest.fixture
+def chunk_reads(monkeypatch) -> list[str]:
+    """The key of every chunk file read through a local disk's chunk files."""
+    from eqxckpt._storage._disk_chunks import LocalChunkFiles
+
+    keys: list[str] = []
+    read = LocalChunkFiles._read_ranges
+
+    def counted(self, key, ranges, size):
+        keys.append(key)
+        return read(self, key, ranges, size)
+
+    monkeypatch.setattr(LocalChunkFiles, "_read_ranges", counted)
+    return keys
+
+
+def seen_of(path, leaf: str = "frozen"):
+    record = eqxckpt.open(path).stored.stored_leaf(leaf)
+    assert record is not None
+    return record.seen
+
+
+def step(tmp_path, number: int, head: float = 0.0, **kwargs) -> None:
+    """Save step ``number`` of a run whose frozen leaf never changes, on the step before."""
+    base = tmp_path / "run" / str(number - 1) if number else None
+    eqxckpt.save(tmp_path / "run" / str(number), {**FROZEN, "head": FROZEN["head"] + head}, base=base, **kwargs)
+
+
+def frozen_reads(keys: list[str]) -> list[str]:
+    return [key for key in keys if key.startswith("frozen/")]
+
+
+def test_a_frozen_leaf_is_read_once_then_shared_unread_across_deletions(tmp_path, chunk_reads):
+    step(tmp_path, 0)
+    step(tmp_path, 1)  # checks the leaf it shares: reads it, records its files' stamps
+    assert frozen_reads(chunk_reads) == ["frozen/c/0"]
+    first = seen_of(tmp_path / "run" / "1")
+    assert first is not None and first.shares == 0 and len(first.generations) == 2
+    chunk_reads.clear()
+    for number in range(2, 6):
+        step(tmp_path, number, head=number)
+        # Retention's deletion unlinks a name of the shared file: its stamp changes, its bytes not.
+        eqxckpt.open(tmp_path / "run" / str(number - 2)).stored.storage.delete()
+        assert seen_of(tmp_path / "run" / str(number)) == dataclasses.replace(first, shares=number - 1)
+    assert frozen_reads(chunk_reads) == []  # not read, not downloaded: counted
+    loaded = eqxckpt.load(tmp_path / "run" / "5")
+    np.testing.assert_array_equal(loaded["frozen"], FROZEN["frozen"])
+
+
+def _flip(path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 4]))
+
+
+def _flip_keeping_mtime(path) -> None:
+    before = os.stat(path)
+    _flip(path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # the change time still moves
+
+
+def _truncate(path) -> None:
+    os.truncate(path, os.path.getsize(path) - 4)
+
+
+def _replace_with_same_bytes(path) -> None:
+    before = os.stat(path)
+    other = path.with_name("copy")
+    other.write_bytes(path.read_bytes())
+    os.utime(other, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.rename(other, path)  # another file, renamed over it: another inode
+
+
+def _rename_over_with_other_bytes(path) -> None:
+    body = bytearray(path.read_bytes())
+    body[1000] ^= 4
+    other = path.with_name("copy")
+    other.write_bytes(bytes(body))
+    os.rename(other, path)
+
+
+@pytest.mark.parametrize(
+    "fault,damaged,read",
+    [
+        (_flip, True, True),
+        (_flip_keeping_mtime, True, True),
+        (_truncate, True, False),  # not the size its layout gives: written afresh unread
+        (_rename_over_with_other_bytes, True, True),
+        (_replace_with_same_bytes, False, True),
+    ],
+)
+def test_any_write_since_the_check_makes_the_next_save_read_and_check(tmp_path, chunk_reads, fault, damaged, read):
+    for number in range(3):
+        step(tmp_path, number)
+    assert seen_of(tmp_path / "run" / "2").shares == 1
+    chunk_reads.clear()
+    fault(tmp_path / "run" / "2" / "frozen" / "c" / "0")
+    if damaged and read:
+        with pytest.warns(UserWarning, match="Leaf 'frozen' of .* is damaged there"):
+            step(tmp_path, 3)
+    else:
+        step(tmp_path, 3)
+    assert frozen_reads(chunk_reads) == ["frozen/c/0"] * read
+    # Written afresh from the values (damaged) or checked and shared (sound): exact either way,
+    # and checked afresh, so its count starts again.
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "run" / "3")["frozen"], FROZEN["frozen"])
+    assert (seen_of(tmp_path / "run" / "3") is None) == damaged
+    if not damaged:
+        assert seen_of(tmp_path / "run" / "3").shares == 0
+
+
+def test_the_full_check_bounds_hold_on_a_local_disk(tmp_path, chunk_reads, monkeypatch):
+    from eqxckpt._write import _reuse
+
+    step(tmp_path, 0)
+    step(tmp_path, 1)
+    step(tmp_path, 2, full_check_interval_s=0)  # every step checks whole
+    assert frozen_reads(chunk_reads) == ["frozen/c/0"] * 2
+    monkeypatch.setattr(_reuse, "FULL_CHECK_SHARES", 2)
+    chunk_reads.clear()
+    step(tmp_path, 3)  # shared unread once since the check at step 2
+    step(tmp_path, 4)  # the second: checked whole again
+    assert frozen_reads(chunk_reads) == ["frozen/c/0"]
+    assert seen_of(tmp_path / "run" / "4").shares == 0
+
+
+def test_a_damaged_or_missing_stamp_book_means_reading_again(tmp_path, chunk_reads):
+    from eqxckpt._storage._stamps import BOOK_NAME
+
+    for number in range(3):
+        step(tmp_path, number)
+    book = tmp_path / "run" / BOOK_NAME
+    raw = bytearray(book.read_bytes())
+    raw[-3] ^= 1
+    book.write_bytes(bytes(raw))
+    chunk_reads.clear()
+    step(tmp_path, 3)  # the link at step 2 changed the change time: only the book vouched for it
+    assert frozen_reads(chunk_reads) == ["frozen/c/0"]
+    book.unlink()
+    chunk_reads.clear()
+    step(tmp_path, 4)
+    assert frozen_reads(chunk_reads) == ["frozen/c/0"]
+    step(tmp_path, 5)
+    assert frozen_reads(chunk_reads) == ["frozen/c/0"]  # and from then on unread again

@@ -42,13 +42,15 @@ MAX_SEEN_OBJECTS = 1 << 17
 
 @dataclasses.dataclass(frozen=True)
 class Seen:
-    """When the objects of a leaf's array that a save shares from an earlier checkpoint on an
-    object store were last read and checked whole (every check `verify` makes), and the
-    generation the store gave each of them then (hex, in the order of their sorted keys).
+    """When the files or objects of a leaf's array that a save shares from an earlier
+    checkpoint were last read and checked whole (every check `verify` makes), and the
+    generation each of them had then (hex, in the order of their sorted keys): on an object
+    store the one the store gave it, on a local disk its stamp (`_storage._stamps`).
 
-    A later save shares the array without downloading it while the store reports those
-    same generations (one metadata request per object), for at most `FULL_CHECK_SHARES`
-    saves and ``full_check_interval_s`` after the check; then it checks them whole again.
+    A later save shares the array without reading it while each file or object has that
+    same generation (one metadata request per object, one ``lstat`` per file), for at
+    most `FULL_CHECK_SHARES` saves and ``full_check_interval_s`` after the check; then it
+    checks them whole again.
 
     **Attributes:** `unix`, when they were checked; `shares`, the saves that shared them
     since without reading them; `generations`.
@@ -384,10 +386,8 @@ class StoredLeaf(Leaf):
             parse_reference(arrays, path)
         fields = {"offset": offset, "digest": parse_digest(doc.get("digest"), path), "arrays": arrays}
         if "seen" in doc:
-            if arrays is None or offset is not None:
-                raise ManifestError(
-                    f"Leaf {path!r}: only an array of its own in a sibling's prefix records when it was 'seen'."
-                )
+            if offset is not None:
+                raise ManifestError(f"Leaf {path!r}: only an array of its own records when it was 'seen'.")
             fields["seen"] = Seen.from_json(doc["seen"], path)
         if "blocks" in doc:
             if offset is not None:

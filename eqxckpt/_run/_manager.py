@@ -46,9 +46,11 @@ class CheckpointManager:
       step writes a leaf afresh rather than share it where sharing would leave one copy
       behind every kept step, so a flipped bit in one is mended from another
       (``eqxckpt verify --repair``). 1 shares every unchanged leaf with the latest step.
-    - `full_check_interval_s`: on S3 and Cloud Storage, how long a leaf shared unchanged
-      is shared without downloading it, once checked whole (`eqxckpt.save`'s; one hour by
-      default, 0: every step downloads and checks every leaf it shares).
+    - `full_check_interval_s`: how long a leaf shared unchanged is shared without
+      reading it, once checked whole, while its files' stamps (local disks) or objects'
+      generations (S3, Cloud Storage) stay those it was checked at (`eqxckpt.save`'s; one
+      hour by default, at most 100 steps; 0: every step reads and checks every leaf it
+      shares).
     - `local_path`: a directory on this host (a tmpfs, a local SSD) for a local tier:
       each process saves its part there and peers keep copies; `latest_step` and
       `load` resume from it first, every process together (see the scale guide).

@@ -29,7 +29,7 @@ from .._errors import (
 )
 from .._leaf import StoredLeaf
 from .._manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from .._paths import COMMIT_NAME, GROUP_METADATA, MANIFEST_NAME, group_file, group_locations
+from .._paths import COMMIT_NAME, GROUP_METADATA, MANIFEST_NAME, group_file, group_locations, is_arrays_name
 from ._backend import (
     MAX_ZARR_JSON_BYTES,
     TRUST_SPARSE,
@@ -63,6 +63,7 @@ from ._locks import (
     write_file,
 )
 from ._pins import LocalPin
+from ._stamps import StampBook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,26 @@ class LocalStorage(Storage):
         return self.path
 
     def chunk_files(self) -> "LocalChunkFiles":
-        return LocalChunkFiles(str(self.path))
+        book = StampBook(self.run_directory())
+        return LocalChunkFiles(str(self.path), self._generations_read, lambda info: book.generations([info])[0])
+
+    def run_directory(self) -> pathlib.Path:
+        """The directory whose stamp book (`_stamps`) records this checkpoint's files: its
+        parent (for the arrays of a copied object-store checkpoint, the checkpoint's)."""
+        return self.path.parent.parent if is_arrays_name(self.path.name) else self.path.parent
+
+    def generations(self, keys: Sequence[str]) -> list[str | None]:
+        """Each file's stamp (`_stamps`: device, inode, size, modification and change
+        times), or what the run's stamp book says a stamp eqxckpt's own links made stands
+        for; None for a file that is missing or not a regular file."""
+        infos: list[os.stat_result | None] = []
+        for key in keys:
+            try:
+                info = os.lstat(self.path / key)
+            except OSError:
+                info = None
+            infos.append(info if info is not None and stat.S_ISREG(info.st_mode) else None)
+        return StampBook(self.run_directory()).generations(infos)
 
     def __str__(self) -> str:
         return str(self.path)
@@ -417,9 +437,15 @@ class LocalStaging(Staging):
 
     def link_files(self, base: Storage, keys: list[str]) -> None:
         assert isinstance(base, LocalStorage)
+        changes = []
         for key in keys:
             (self.tmp / key).parent.mkdir(parents=True, exist_ok=True)
+            before = os.lstat(base.path / key)
             link_or_copy(base.path / key, self.tmp / key)
+            changes.append((before, os.lstat(base.path / key)))
+        # A link changes the file's change time, not its bytes: the books of both runs say so.
+        for run in {base.run_directory(), self.final.run_directory()}:
+            StampBook(run).record(changes)
 
     def commit(self, manifest: Manifest, expected: dict[str, int]) -> None:
         check_complete(_local_files(self.tmp) or {}, expected)

@@ -4,7 +4,7 @@ following a symlink."""
 
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -17,8 +17,17 @@ class LocalChunkFiles(ChunkFiles):
     straight from and into the arrays' buffers: no copy in between, where TensorStore's
     file kvstore hands back a copy of every file."""
 
-    def __init__(self, root: str):
+    def __init__(
+        self,
+        root: str,
+        generations_read: "dict[str, set[str]] | None" = None,
+        generation: Callable[[os.stat_result], str | None] | None = None,
+    ):
         self._root = root
+        # See `Storage.recording_generations`: here the stamp (`_stamps`) of each file read,
+        # taken before and after its reads (a file written meanwhile records two).
+        self._generations_read = generations_read
+        self._generation = generation
 
     def write(self, key: str, pieces: Sequence[np.ndarray]) -> None:
         path = f"{self._root}/{key}"
@@ -64,6 +73,9 @@ class LocalChunkFiles(ChunkFiles):
                         raise ChunkFileError(f"chunk file {key} was cut short while it was read")
                     offset += got
                     buffers = _past(buffers, got)
+            if self._generations_read is not None and self._generation is not None:
+                read = self._generations_read.setdefault(key, set())
+                read.update(str(self._generation(info)) for info in (found, os.fstat(fd)))
         finally:
             os.close(fd)
 

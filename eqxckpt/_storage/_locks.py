@@ -16,6 +16,7 @@ from typing import Any, BinaryIO
 from .._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from .._paths import MANIFEST_NAME
 from ._fs import fsync_path, hidden_owner, hidden_sibling
+from ._stamps import unlink_shared
 
 
 class DirLock:
@@ -107,6 +108,7 @@ def join_staging(tmp: pathlib.Path) -> DirLock:
 def remove_tree(path: pathlib.Path) -> bool:
     """Remove a directory tree we own; True if it is gone (errors are not fatal:
     what remains is unlocked and a later cleanup removes it)."""
+    unlink_shared(path)
     shutil.rmtree(path, ignore_errors=True)
     return not os.path.lexists(path)
 
@@ -115,6 +117,7 @@ def remove_except(root: pathlib.Path, keep: Sequence[str]) -> None:
     """Remove everything in the directory ``root`` but the paths ``keep`` names (relative:
     files, or directories kept whole) and the directories leading to them. A symlink is
     removed, never followed."""
+    unlink_shared(root, keep)
     kept = {pathlib.PurePosixPath(k) for k in keep}
     leading = {parent for k in kept for parent in k.parents}
     for dirpath, dirnames, filenames in os.walk(root, topdown=True):

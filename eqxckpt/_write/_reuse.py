@@ -2,15 +2,17 @@
 
 A save with a ``base`` takes a leaf from it when ``base`` holds it as this save would
 write it (same path, digest, dtype and shape, in an array of its own, or all the packed
-leaves together) and its bytes there pass every check `verify` makes. On a local disk
-its files are hard-linked into the new checkpoint; on an object store the new manifest
-refers to ``base``'s prefix. Everything else is written afresh.
+leaves together) and its bytes there pass every check `verify` makes, or passed it
+recently and nothing was written to them since (`Seen`: files' stamps on a local disk,
+objects' generations on an object store). On a local disk its files are hard-linked into
+the new checkpoint; on an object store the new manifest refers to ``base``'s prefix.
+Everything else is written afresh.
 """
 
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Generic, Protocol, TypeVar
 
@@ -24,9 +26,10 @@ from .._storage import CheckpointPath, Staging, Storage, expected_files
 from .._stored import StoredArrays
 from ._pack import PackedArray
 
-# A leaf shared from a sibling on an object store without reading it (its objects' generations
-# unchanged since they were checked whole) is checked whole again after this many such
-# saves, or `FULL_CHECK_INTERVAL_S` after the check (a save's ``full_check_interval_s``).
+# A leaf shared without reading it (its files' stamps on a local disk, its objects'
+# generations on an object store, unchanged since they were checked whole) is checked whole
+# again after this many such saves, or `FULL_CHECK_INTERVAL_S` after the check (a save's
+# ``full_check_interval_s``).
 FULL_CHECK_SHARES = 100
 FULL_CHECK_INTERVAL_S = 3600.0
 
@@ -63,7 +66,8 @@ class Reuse(Generic[J]):
 
     - `base`: the stored arrays of the checkpoint taken from; None where nothing is.
     - `linked`: jobs whose files are hard-linked from ``base`` (local disks), each with
-      those files' keys.
+      those files' keys and what is known of them (`Seen`; None where their stamps could
+      not be told).
     - `referred`: jobs whose array stays in a sibling's prefix (object stores), each
       with that prefix as the manifest names it, and what is known of its objects
       (`Seen`; None where their generations could not be told).
@@ -76,7 +80,7 @@ class Reuse(Generic[J]):
     """
 
     base: StoredArrays | None
-    linked: list[tuple[J, list[str]]]
+    linked: list[tuple[J, list[str], Seen | None]]
     referred: list[tuple[J, str, Seen | None]]
     written: list[J]
     hold: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
@@ -98,26 +102,29 @@ class Reuse(Generic[J]):
         """
         self.hold.close()
 
-    def link_into(self, staging: Staging) -> None:
+    def link_into(self, staging: Staging, manifest: Manifest) -> Manifest:
         """Hard-link (or copy where links are refused) the ``linked`` files of ``base`` into
         ``staging``, then check ``base`` is still the checkpoint that was checked.
 
         **Arguments:**
 
         - `staging`: the save's staging place, on the same disk as ``base``.
+        - `manifest`: the manifest the save commits.
 
-        **Returns:** nothing; raises `CheckpointChangedError` if ``base`` was replaced or
-        deleted meanwhile (what was linked may not be what its manifest describes).
+        **Returns:** ``manifest`` with what is known of each linked leaf's files (`Seen`);
+        raises `CheckpointChangedError` if ``base`` was replaced or deleted meanwhile (what
+        was linked may not be what its manifest describes).
 
         ```python
-        reuse.link_into(staging)
+        manifest = reuse.link_into(staging, manifest)
         ```
         """
         if not self.linked:
-            return
+            return manifest
         assert self.base is not None
-        staging.link_files(self.base.arrays, [key for _, keys in self.linked for key in keys])
+        staging.link_files(self.base.arrays, [key for _, keys, _ in self.linked for key in keys])
         self.base.check_unchanged()
+        return _recording(manifest, {job.record.path: (None, seen) for job, _, seen in self.linked})
 
     def refer_from(self, staging: Staging, manifest: Manifest) -> tuple[Manifest, list[J]]:
         """Hold the ``referred`` prefixes for ``staging``'s save, as many as can be held.
@@ -138,7 +145,7 @@ class Reuse(Generic[J]):
             return manifest, []
         held = staging.refer(sorted({ref for _, ref, _ in self.referred}))
         refs = {job.record.path: (ref, seen) for job, ref, seen in self.referred if ref in held}
-        return _referring(manifest, refs), [job for job, ref, _ in self.referred if ref not in held]
+        return _recording(manifest, refs), [job for job, ref, _ in self.referred if ref not in held]
 
 
 def plan_reuse(
@@ -164,10 +171,10 @@ def plan_reuse(
     - `manifest`: the save's manifest, with the digests of the leaves it holds whole.
     - `jobs`: the arrays the save would write.
     - `location`: where the save goes.
-    - `full_check_interval_s`: on an object store, a leaf checked whole within this many
-      seconds (and fewer than `FULL_CHECK_SHARES` saves ago) whose objects' generations
-      are still those recorded then is shared without downloading it; 0: every leaf
-      shared is checked whole.
+    - `full_check_interval_s`: a leaf checked whole within this many seconds (and fewer
+      than `FULL_CHECK_SHARES` saves ago) whose files' stamps (local disks) or objects'
+      generations (object stores) are still those recorded then is shared without reading
+      it; 0: every leaf shared is checked whole.
 
     **Returns:** a `Reuse`; enter it (or ``close()`` it) to release its hold on ``base``.
     A ``base`` replaced or deleted meanwhile gives nothing taken.
@@ -181,7 +188,7 @@ def plan_reuse(
     if stored is None:
         return Reuse(None, [], [], list(jobs))
     with contextlib.ExitStack() as hold:
-        reusable: dict[int, list[str]] = {}
+        reusable: dict[int, tuple[list[str], Seen | None]] = {}
         referable: dict[int, tuple[str, Seen | None]] = {}
         if stored.arrays.local is None:
             try:
@@ -191,14 +198,14 @@ def plan_reuse(
         else:
             try:  # held, not deleted by retention, while its files are checked and linked
                 hold.enter_context(stored.held())
-                reusable = _reusable(stored, manifest, jobs)
+                reusable = _reusable(stored, manifest, jobs, full_check_interval_s)
             except CheckpointChangedError:
                 pass  # deleted meanwhile: everything is written
         if not reusable:
             hold.close()
         return Reuse(
             stored,
-            [(job, reusable[id(job)]) for job in jobs if id(job) in reusable],
+            [(job, *reusable[id(job)]) for job in jobs if id(job) in reusable],
             [(job, *referable[id(job)]) for job in jobs if id(job) in referable],
             [job for job in jobs if id(job) not in reusable and id(job) not in referable],
             hold.pop_all(),
@@ -244,10 +251,12 @@ def _unchanged(base: StoredArrays, manifest: Manifest, jobs: Sequence[J]) -> Ite
             yield job, old
 
 
-def _reusable(base: StoredArrays, manifest: Manifest, jobs: Sequence[J]) -> dict[int, list[str]]:
+def _reusable(
+    base: StoredArrays, manifest: Manifest, jobs: Sequence[J], full_check_interval_s: float
+) -> dict[int, tuple[list[str], Seen | None]]:
     """The unchanged leaves of ``base`` (a committed checkpoint on a local disk) whose files
-    are plain files exactly as `expected_files` lays the leaf out, and intact (`_intact`),
-    by ``id`` of their job, with the files to take."""
+    are plain files exactly as `expected_files` lays the leaf out, and intact (`_checked`),
+    by ``id`` of their job, with the files to take and what is known of them (`Seen`)."""
     laid_out: list[tuple[J, StoredLeaf]] = []
     files: dict[int, list[str]] = {}
     for job, old in _unchanged(base, manifest, jobs):
@@ -259,31 +268,42 @@ def _reusable(base: StoredArrays, manifest: Manifest, jobs: Sequence[J]) -> dict
             if all(size < 0 or found[key] == size for key, size in expected.items()):
                 laid_out.append((job, old))
                 files[id(job)] = sorted(found)
-    return {id(job): files[id(job)] for job, _ in _intact(base, laid_out)}
+    return {key: (files[key], seen) for key, (_, seen) in _checked(base, laid_out, full_check_interval_s).items()}
 
 
 def _referable(
     base: StoredArrays, manifest: Manifest, jobs: Sequence[J], location: Storage, full_check_interval_s: float
 ) -> dict[int, tuple[str, Seen | None]]:
-    """The unchanged and intact leaves of ``base`` (a committed checkpoint beside this one
-    on an object store), by ``id`` of their job, with the prefix their array is in (base's
-    own, or the one base refers to: references are never chained) and what is known of its
-    objects then (`Seen`).
-
-    Intact: its objects' generations are what ``base`` recorded when they were last
-    checked whole, recently enough (`_vouched`: not one byte downloaded), or they pass
-    every check `verify` makes now (`_intact`). What such a check records is the
-    generation each chunk's reads returned (the bytes checked, not a HEAD around them:
-    S3's ETag is the same for the same bytes, so damaged, sound, damaged again would
-    look unchanged), only where the leaf is stored in the chunks a save plans for it."""
+    """The unchanged and intact (`_checked`) leaves of ``base`` (a committed checkpoint
+    beside this one on an object store), by ``id`` of their job, with the prefix their
+    array is in (base's own, or the one base refers to: references are never chained) and
+    what is known of its objects (`Seen`)."""
     entry = location.sibling_name(base.storage)
     assert entry is not None
     own = reference(entry, base.manifest.arrays)
     unchanged = list(_unchanged(base, manifest, jobs))
+    checked = _checked(base, unchanged, full_check_interval_s)
+    return {key: (old.arrays or own, seen) for key, (old, seen) in checked.items()}
+
+
+def _checked(
+    base: StoredArrays, unchanged: list[tuple[J, StoredLeaf]], full_check_interval_s: float
+) -> dict[int, tuple[StoredLeaf, Seen | None]]:
+    """Of ``unchanged`` (each job with base's record of its leaf), the intact ones, by ``id``
+    of their job, with base's record and what the new checkpoint records of their files
+    or objects (`Seen`).
+
+    Intact: their files' stamps (local disks) or objects' generations (object stores) are
+    what ``base`` recorded when they were last checked whole, recently enough (`_vouched`:
+    not one byte read), or they pass every check `verify` makes now (`_intact`). What such
+    a check records is the generation each chunk's reads found (the bytes checked, not a
+    HEAD around them: S3's ETag is the same for the same bytes, so damaged, sound, damaged
+    again would look unchanged), only where the leaf is stored in the chunks a save plans
+    for it."""
     vouched = _vouched(base, unchanged, full_check_interval_s)
     unsure = [(job, old) for job, old in unchanged if id(job) not in vouched]
     # The packed array (small leaves, all together) is checked whole every time: no record
-    # holds its objects' generations.
+    # holds its files' generations.
     watched = [(job, old) for job, old in unsure if old.path != PACKED_LOCATION]
     metadata = {id(job): [f"{old.path}/zarr.json"] for job, old in watched}
     storages = {id(base.files_of(old)): base.files_of(old) for _, old in watched}
@@ -293,15 +313,15 @@ def _referable(
         read = {key: recording.enter_context(storage.recording_generations()) for key, storage in storages.items()}
         intact = _intact(base, unsure)
     after = _generations(base, watched, metadata)
-    found: dict[int, tuple[str, Seen | None]] = {}
+    found: dict[int, tuple[StoredLeaf, Seen | None]] = {}
     for job, old in intact:
         seen = None
         if id(job) in metadata and before[id(job)] is not None and before[id(job)] == after[id(job)]:
             seen = _seen_by_check(old, read[id(base.files_of(old))], before[id(job)], checked)
-        found[id(job)] = (old.arrays or own, seen)
+        found[id(job)] = (old, seen)
     for job, old in unchanged:
         if id(job) in vouched:
-            found[id(job)] = (old.arrays or own, vouched[id(job)])
+            found[id(job)] = (old, vouched[id(job)])
     return found
 
 
@@ -354,10 +374,11 @@ def _generations(
 def _vouched(
     base: StoredArrays, unchanged: list[tuple[J, StoredLeaf]], full_check_interval_s: float
 ) -> dict[int, Seen]:
-    """Of ``unchanged``, the leaves ``base`` refers to whose objects were checked whole
-    within ``full_check_interval_s`` and fewer than `FULL_CHECK_SHARES` saves ago and have
-    the generations recorded then now: by ``id`` of their job, with what the new
-    checkpoint records of them (one more save shared them unread)."""
+    """Of ``unchanged``, the leaves whose files or objects were checked whole within
+    ``full_check_interval_s`` and fewer than `FULL_CHECK_SHARES` saves ago and have the
+    generations recorded then now (stamps on a local disk: `_storage._stamps`): by ``id``
+    of their job, with what the new checkpoint records of them (one more save shared them
+    unread)."""
     now = time.time()
     recent = [
         (job, old)
@@ -401,14 +422,15 @@ def _intact(base: StoredArrays, taken: list[tuple[J, StoredLeaf]]) -> list[tuple
     return intact
 
 
-def _referring(manifest: Manifest, refs: dict[str, tuple[str, Seen | None]]) -> Manifest:
-    """The manifest with each leaf at a path in ``refs`` naming the prefix its array is in
-    (every packed leaf, if the packed array is in ``refs``), and what is known of its
-    objects (a leaf's own array only)."""
-    where = lambda r: refs.get(PACKED_LOCATION if r.offset is not None else r.path)  # noqa: E731
+def _recording(manifest: Manifest, found: Mapping[str, tuple[str | None, Seen | None]]) -> Manifest:
+    """The manifest with each leaf at a path in ``found`` recording what is known of its
+    array's files or objects (its own array only: not the packed array's members) and,
+    where given, naming the sibling's prefix its array is in (every packed leaf, if the
+    packed array is in ``found``)."""
+    where = lambda r: found.get(PACKED_LOCATION if r.offset is not None else r.path)  # noqa: E731
     records = [
-        dataclasses.replace(r, arrays=found[0], seen=found[1] if r.offset is None else None)
-        if isinstance(r, StoredLeaf) and (found := where(r))
+        dataclasses.replace(r, arrays=got[0] or r.arrays, seen=got[1] if r.offset is None else None)
+        if isinstance(r, StoredLeaf) and (got := where(r))
         else r
         for r in manifest.leaves
     ]

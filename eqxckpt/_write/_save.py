@@ -207,7 +207,7 @@ class SaveInProgress:
         """
         if not self.leader:
             return None
-        linked = [job for job, _ in self.reuse.linked]
+        linked = [job for job, _, _ in self.reuse.linked]
         everything = [*self.writing, *linked, *(job for job, _, _ in self.reuse.referred)]
         self.staging = staging = self.location.begin_save([job.record.path for job in everything], self.overwrite)
         if self.overwrite:  # what another tool put in the checkpoint replaced stays (`Storage.delete`)
@@ -218,7 +218,7 @@ class SaveInProgress:
         store = staging.storage.open_kvstore()
         own = [job.record.path for job in [*self.writing, *linked]]
         groups = [store.write(group_file(g), GROUP_METADATA) for g in group_locations(own)]
-        self.reuse.link_into(staging)
+        self.manifest = self.reuse.link_into(staging, self.manifest)
         try:  # every process then writes its chunks into these arrays
             _write(staging.storage, self.writing, metadata=True, chunks=False)
         finally:  # nothing may still be writing when a failed save removes its files
@@ -277,7 +277,7 @@ class SaveInProgress:
                 self.manifest = self.hashing.result()
             if self.process_states is not None:
                 self.manifest = dataclasses.replace(self.manifest, process_states=self.process_states)
-            jobs = [*self.writing, *(job for job, _ in self.reuse.linked)]
+            jobs = [*self.writing, *(job for job, _, _ in self.reuse.linked)]
             self.staging.commit(self.manifest, expected_files([(job.record, job.layout) for job in jobs]))
             self.committed = True
             if (kept := self.staging.kept_at) is not None:
@@ -392,12 +392,13 @@ def save(
       specification). Ignored otherwise. Leaves whose shards several
       processes write are written in full, and packed small leaves are
       taken only all together, when none of them changed.
-    - `full_check_interval_s`: on an object store, a leaf ``base`` shares
-      that was downloaded and checked whole less than this many seconds ago
-      (and fewer than 100 saves ago) is shared without downloading it again
-      while the store reports each of its objects unchanged since then (their
-      generations: one metadata request per object; the threat model says
-      what this trusts). 0: every leaf shared is downloaded and checked.
+    - `full_check_interval_s`: a leaf ``base`` shares that was read and
+      checked whole less than this many seconds ago (and fewer than 100
+      saves ago) is shared without reading it again while each of its files
+      or objects is unchanged since then (on a local disk their stamps, one
+      ``lstat`` each; on an object store their generations, one metadata
+      request each; the threat model says what this trusts). 0: every leaf
+      shared is read and checked.
       Local disks check every leaf they share, every save.
     - `process_state`: this process's own small state, saved with the
       checkpoint and committed with it: bytes, a JSON value, or an object

@@ -1,0 +1,199 @@
+"""Stamps of local files, and a run directory's book of those eqxckpt's own links gave.
+
+A file's stamp is its device, inode, size, and modification and change times in
+nanoseconds: a write, a truncation, a file renamed over it or put in its place changes
+one of them, and so does setting the modification time back (it sets the change time).
+A local leaf checked whole records its files' stamps (`Seen`), and a later incremental
+save shares it without reading it while the stamps are those (`_write/_reuse`).
+
+eqxckpt's own hard links and unlinks change a shared file's change time but not its
+bytes: a save links the files it shares, and deleting a step unlinks them, every step.
+The run directory's stamp book (`BOOK_NAME`) records, for each file whose names eqxckpt
+linked or unlinked, the stamp that followed and what the file's stamp stood for before
+(its generation): a file only linked since it was checked still reports the generation it
+was checked at, one written since reports its own new stamp.
+
+The book is a cache: a book that is missing, damaged or over its size is read as empty,
+and everything is then read and checked again. docs/threat-model.md says what this trusts.
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import stat
+import struct
+import time
+from collections.abc import Iterator, Sequence
+
+from crc32c import crc32c
+
+BOOK_NAME = ".eqxckpt-stamps"
+# Entries not renewed for this long serve no save (their `Seen` is older than any full
+# check interval a run keeps), nor past this many: the oldest go first.
+BOOK_ENTRY_DAYS = 7.0
+MAX_BOOK_ENTRIES = 1 << 18
+MAX_BOOK_BYTES = 64 << 20
+
+
+def stamp_of(info: os.stat_result) -> str:
+    """A file's stamp (device, inode, size, modification and change times in ns), as hex.
+
+    ```python
+    stamp_of(os.lstat(path))  # '0000000000000803000000000012d3e1...'
+    ```
+    """
+    return struct.pack(">QQQqq", info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns).hex()
+
+
+def _inode(stamp: str) -> str:
+    return stamp[:32]  # its device and inode: the file, whatever its bytes
+
+
+class StampBook:
+    """The stamp book of a run directory: ``{inode: (stamp, generation, unix)}``, what
+    eqxckpt's own links and unlinks made a file's stamp, and the generation it stood for.
+
+    **Arguments:**
+
+    - `directory`: the run directory (the parent of its checkpoints).
+
+    ```python
+    book = StampBook(pathlib.Path("run"))
+    book.generations([os.lstat("run/3/w/c/0")])  # the stamp it was checked at
+    ```
+    """
+
+    def __init__(self, directory: pathlib.Path):
+        self.path = directory / BOOK_NAME
+        self._entries: dict[str, tuple[str, str, float]] | None = None
+
+    def exists(self) -> bool:
+        return os.path.lexists(self.path)
+
+    def generations(self, infos: Sequence[os.stat_result | None]) -> list[str | None]:
+        """The generation of each file as ``os.lstat`` found it (None: none to tell): its
+        stamp, or what the book says a stamp eqxckpt's links made stands for."""
+        if self._entries is None:
+            with self._opened(fcntl.LOCK_SH, create=False) as fd:
+                self._entries = {} if fd is None else _read(fd)
+        return [None if info is None else _resolve(self._entries, stamp_of(info)) for info in infos]
+
+    def record(self, changes: Sequence[tuple[os.stat_result, os.stat_result]]) -> None:
+        """Record that eqxckpt changed each file's stamp from the first to the second of a
+        pair by linking or unlinking a name of it, nothing else: the second stands for
+        what the first did. Taken under the book's lock; a book that cannot be written
+        is left as it is (its files are then read and checked again)."""
+        stamps = [(stamp_of(a), stamp_of(b)) for a, b in changes]
+        stamps = [(a, b) for a, b in stamps if _inode(a) == _inode(b) and a != b]
+        if not stamps:
+            return
+        try:
+            with self._opened(fcntl.LOCK_EX, create=True) as fd:
+                assert fd is not None
+                entries = _read(fd)
+                now = time.time()
+                for before, after in stamps:
+                    entries[_inode(after)] = (after, _resolve(entries, before), now)
+                _write(fd, _pruned(entries, now))
+                self._entries = None
+        except OSError:
+            pass
+
+    @contextlib.contextmanager
+    def _opened(self, lock: int, create: bool) -> Iterator[int | None]:
+        """The book open and locked; None (reading) where there is no book to read: missing,
+        a symlink, or not a regular file. Writing, those raise `OSError`."""
+        flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError:
+            if create:
+                raise
+            yield None
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                if create:
+                    raise OSError(f"{self.path} is not a regular file")
+                yield None
+                return
+            fcntl.flock(fd, lock)
+            yield fd
+        finally:
+            os.close(fd)
+
+
+def _resolve(entries: dict[str, tuple[str, str, float]], stamp: str) -> str:
+    entry = entries.get(_inode(stamp))
+    return entry[1] if entry is not None and entry[0] == stamp else stamp
+
+
+def _read(fd: int) -> dict[str, tuple[str, str, float]]:
+    """The book's entries; none where it is empty, damaged or not one (it is a cache)."""
+    size = os.fstat(fd).st_size
+    if not 0 < size <= MAX_BOOK_BYTES:
+        return {}
+    raw = os.pread(fd, size, 0)
+    head, _, body = raw.partition(b"\n")
+    try:
+        if len(raw) != size or head != b"%08x" % crc32c(body):
+            return {}
+        doc = json.loads(body)
+        entries = {}
+        for stamp, generation, unix in doc["stamps"][:MAX_BOOK_ENTRIES]:
+            if _is_stamp(stamp) and _is_stamp(generation) and type(unix) is float:
+                entries[_inode(stamp)] = (stamp, generation, unix)
+        return entries
+    except (ValueError, TypeError, KeyError):
+        return {}
+
+
+def _is_stamp(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 80 and not value.strip("0123456789abcdef")
+
+
+def _pruned(entries: dict[str, tuple[str, str, float]], now: float) -> list[tuple[str, str, float]]:
+    fresh = [entry for entry in entries.values() if now - entry[2] < BOOK_ENTRY_DAYS * 86400]
+    return sorted(fresh, key=lambda entry: entry[2])[-MAX_BOOK_ENTRIES:]
+
+
+def _write(fd: int, entries: list[tuple[str, str, float]]) -> None:
+    body = json.dumps({"stamps": entries}, separators=(",", ":")).encode()
+    raw = b"%08x\n" % crc32c(body) + body
+    os.pwrite(fd, raw, 0)
+    os.ftruncate(fd, len(raw))
+
+
+def unlink_shared(root: pathlib.Path, keep: Sequence[str] = ()) -> None:
+    """Unlink every regular file under ``root`` (a checkpoint being removed, in its run
+    directory) that has names elsewhere, recording the stamps they leave in the run's
+    book (`unlink_restamping`); where the run has no book, nothing is done. ``keep``:
+    paths relative to ``root`` left in place."""
+    book = StampBook(root.parent)
+    if not book.exists():
+        return
+    changes = []
+    kept = {pathlib.PurePosixPath(k) for k in keep}
+    for directory, _, files in os.walk(root):
+        for name in files:
+            path = pathlib.Path(directory, name)
+            relative = pathlib.PurePosixPath(path.relative_to(root).as_posix())
+            if relative in kept or not kept.isdisjoint(relative.parents):
+                continue
+            try:
+                fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                before = os.fstat(fd)
+                if not stat.S_ISREG(before.st_mode) or before.st_nlink < 2:
+                    continue
+                os.unlink(path)
+                changes.append((before, os.fstat(fd)))
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+    book.record(changes)

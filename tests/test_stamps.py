@@ -1,0 +1,73 @@
+"""`_storage._stamps`: a file's stamp, and a run's book of the stamps eqxckpt's own links and
+unlinks gave its shared files."""
+
+import os
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from eqxckpt._storage._stamps import BOOK_NAME, StampBook, stamp_of, unlink_shared
+
+
+def test_a_link_and_an_unlink_keep_the_generation_a_write_does_not(tmp_path):
+    file = tmp_path / "run" / "1" / "w"
+    file.parent.mkdir(parents=True)
+    file.write_bytes(b"x" * 100)
+    checked = StampBook(tmp_path / "run").generations([os.lstat(file)])[0]
+    assert checked == stamp_of(os.lstat(file))
+    before = os.lstat(file)
+    os.link(file, tmp_path / "run" / "w2")
+    StampBook(tmp_path / "run").record([(before, os.lstat(file))])
+    assert stamp_of(os.lstat(file)) != checked  # the link moved the change time
+    assert StampBook(tmp_path / "run").generations([os.lstat(file)]) == [checked]
+    unlink_shared(tmp_path / "run" / "1")  # a step deleted: its name of the file goes
+    assert not file.exists()
+    assert StampBook(tmp_path / "run").generations([os.lstat(tmp_path / "run" / "w2")]) == [checked]
+    with open(tmp_path / "run" / "w2", "r+b") as f:
+        f.write(b"y")
+    assert StampBook(tmp_path / "run").generations([os.lstat(tmp_path / "run" / "w2")]) != [checked]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo", "garbage", "huge"])
+def test_a_book_that_is_not_one_is_read_as_empty_and_never_blocks(tmp_path, kind):
+    file = tmp_path / "w"
+    file.write_bytes(b"x")
+    book = tmp_path / BOOK_NAME
+    if kind == "symlink":
+        (tmp_path / "elsewhere").write_bytes(b"{}")
+        book.symlink_to(tmp_path / "elsewhere")
+    elif kind == "directory":
+        book.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(book)
+    elif kind == "garbage":
+        book.write_bytes(b"00000000\n{not json")
+    else:
+        with open(book, "wb") as f:
+            f.truncate((64 << 20) + 1)
+    before = os.lstat(file)
+    os.link(file, tmp_path / "w2")
+    after = os.lstat(file)
+    StampBook(tmp_path).record([(before, after)])  # cannot be written (or rewritten whole): no error
+    got = StampBook(tmp_path).generations([after])
+    assert got == [stamp_of(after)] or (kind in ("garbage", "huge") and got == [stamp_of(before)])
+    if kind == "symlink":
+        assert (tmp_path / "elsewhere").read_bytes() == b"{}"  # never written through
+
+
+@settings(max_examples=50, deadline=None)
+@given(flips=st.lists(st.integers(0, 10_000), min_size=1, max_size=3))
+def test_a_book_with_any_byte_changed_vouches_for_nothing_new(tmp_path_factory, flips):
+    root = tmp_path_factory.mktemp("book")
+    file = root / "w"
+    file.write_bytes(b"x")
+    before = os.lstat(file)
+    os.link(file, root / "w2")
+    after = os.lstat(file)
+    StampBook(root).record([(before, after)])
+    raw = bytearray((root / BOOK_NAME).read_bytes())
+    for at in flips:
+        raw[at % len(raw)] ^= 1 << (at % 7)
+    (root / BOOK_NAME).write_bytes(bytes(raw))
+    # Vouches for the checked stamp as recorded, or (damaged) for nothing but the file's own.
+    assert StampBook(root).generations([after])[0] in (stamp_of(before), stamp_of(after))
