@@ -295,17 +295,26 @@ PROBE = str(WORKERS / "bomb_probe.py")
 
 def probe(op, path):
     """Run one reader in a fresh process: (error class name, message, peak MiB)."""
+    [result] = probes([op], path)
+    return result
+
+
+def probes(ops, path):
+    """Run the readers ``ops`` one after another in one fresh process: for each, (op, error
+    class name, message, peak MiB), its peak counted from its own start."""
     out = subprocess.run(
-        [sys.executable, PROBE, op, str(path)],
+        [sys.executable, PROBE, ",".join(ops), str(path)],
         capture_output=True,
         text=True,
         timeout=300,
         env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert out.returncode == 0, out.stderr[-3000:]  # never a crash (SIGABRT, OOM kill)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"{op} {path}: {result['error']}, peak {result['peak_mib']:.1f} MiB")  # the figures, for the record (-s)
-    return result["error"], result["message"], result["peak_mib"]
+    results = [json.loads(line) for line in out.stdout.strip().splitlines()[-len(ops) :]]
+    assert [r["op"] for r in results] == list(ops), out.stdout[-3000:]
+    for r in results:  # the figures, for the record (-s)
+        print(f"{r['op']} {path}: {r['error']}, peak {r['peak_mib']:.1f} MiB")
+    return [(r["error"], r["message"], r["peak_mib"]) for r in results]
 
 
 def replace_leaf_array(ckpt, leaf, metadata, data):
@@ -358,8 +367,7 @@ def test_zarr_json_is_validated_before_any_array_is_opened(tmp_path, case):
     metadata = {"shape": [4096], "data_type": "float32", **extra}
     noise = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint32).view(np.float32)  # incompressible
     replace_leaf_array(ckpt, "w", metadata, noise)
-    for op in ("load", "get", "verify"):
-        error, message, peak = probe(op, ckpt)
+    for op, (error, message, peak) in zip(ops := ("load", "get", "verify"), probes(ops, ckpt)):
         assert error in ("CorruptCheckpointError", "VerifyReport") and "zarr.json" in message and expected in message, (
             op,
             message,
@@ -422,8 +430,7 @@ def test_sparse_chunk_files_do_not_count_as_data(tmp_path):
     for i in range(32):  # every chunk file present with the right size, but sparse
         with open(ckpt / f"w/c/{i}", "wb") as f:
             f.truncate(chunk * 4 + 4)
-    for op in ("load", "get", "verify"):
-        error, message, peak = probe(op, ckpt)
+    for op, (error, message, peak) in zip(ops := ("load", "get", "verify"), probes(ops, ckpt)):
         assert error in ("CorruptCheckpointError", "VerifyReport") and "on disk" in message, (op, message)
         assert peak < 64, (op, peak)
 
@@ -603,8 +610,7 @@ def test_one_element_chunks_are_refused_before_any_read(tmp_path):
     meta = json.loads((ckpt / "w/zarr.json").read_text())
     meta["chunk_grid"]["configuration"]["chunk_shape"] = [1]
     (ckpt / "w/zarr.json").write_text(json.dumps(meta))
-    for op in ("load", "get", "slice", "verify"):
-        error, message, peak = probe(op, ckpt)
+    for op, (error, message, peak) in zip(ops := ("load", "get", "slice", "verify"), probes(ops, ckpt)):
         assert error in ("CorruptCheckpointError", "VerifyReport"), (op, error, message)
         assert "'w'" in message and "1048576 chunks" in message, (op, message)
         assert peak < 32, (op, peak)  # MiB
@@ -623,8 +629,7 @@ def test_an_empty_leaf_lists_no_chunks_along_its_other_dimensions(tmp_path):
     meta["chunk_grid"]["configuration"]["chunk_shape"] = [1, 1]
     (edited / "x/zarr.json").write_text(json.dumps(meta))
     for ckpt in (saved, edited):
-        for op in ("load", "get", "verify"):
-            error, message, peak = probe(op, ckpt)
+        for op, (error, message, peak) in zip(ops := ("load", "get", "verify"), probes(ops, ckpt)):
             assert error is None, (ckpt.name, op, message)
             assert peak < 32, (ckpt.name, op, peak)  # MiB
         assert eqxckpt.load(ckpt)["x"].shape == (0, 1 << 46)
