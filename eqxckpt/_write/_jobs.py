@@ -6,9 +6,6 @@ import dataclasses
 import functools
 import os
 import threading
-import weakref
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
@@ -46,60 +43,11 @@ class WriteJob:
 DIGEST_BATCH_BYTES = 16 * 1024 * 1024
 
 
-class JaxDigests:
-    """The digests of `jax.Array` leaves that earlier saves of this process hashed.
-
-    A `jax.Array`'s values never change (one donated or deleted cannot be saved), so the
-    digest of one array object, with the same digest fields (kind, stored dtype, shape),
-    holds while that object lives: a frozen model's arrays, saved with every incremental
-    step, are hashed once. Numpy arrays change in place: they are hashed every save.
-
-    ```python
-    JAX_DIGESTS.known(array, record.digest_fields())  # None: not hashed yet
-    ```
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()  # (a weak reference's callback may run inside it)
-        self._known: dict[int, tuple[weakref.ref, list[Any], str]] = {}
-
-    def known(self, value: Any, fields: list[Any]) -> str | None:
-        """The digest of ``value`` (this very object) with ``fields``, if one was hashed."""
-        with self._lock:
-            entry = self._known.get(id(value))
-        return entry[2] if entry is not None and entry[0]() is value and entry[1] == fields else None
-
-    def remember(self, value: Any, fields: list[Any], found: str) -> None:
-        """Keep ``found``, the digest of ``value`` with ``fields``, while ``value`` lives."""
-        key = id(value)
-
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            with self._lock:
-                if (entry := self._known.get(key)) is not None and entry[0] is ref:
-                    del self._known[key]
-
-        with self._lock:
-            self._known[key] = (weakref.ref(value, forget), fields, found)
-
-
-JAX_DIGESTS = JaxDigests()
-
-
-def digested(
-    manifest: Manifest,
-    leaves: list[WriteJob],
-    stop: threading.Event | None = None,
-    values: Mapping[str, Any] | None = None,
-) -> Manifest:
+def digested(manifest: Manifest, leaves: list[WriteJob], stop: threading.Event | None = None) -> Manifest:
     """The manifest with the digest of each leaf this process holds whole in host memory
     (a leaf whose shards several processes write gets none; a copied leaf keeps its
     source's). Run where the writes run: off the caller's thread for a background save;
-    batches of leaves are hashed on every core (the hash releases the GIL). ``values``:
-    the value saved at each leaf's path; a `jax.Array` among them hashed before
-    (`JAX_DIGESTS`) is not hashed again."""
-    import jax
-
-    arrays = {path: v for path, v in (values or {}).items() if isinstance(v, jax.Array)}
+    batches of leaves are hashed on every core (the hash releases the GIL)."""
     by_offset = {r.offset: r for r in manifest.leaves if isinstance(r, StoredLeaf) and r.offset is not None}
     whole: list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]] = []
     for leaf in leaves:
@@ -115,21 +63,15 @@ def digested(
                 whole.append((by_offset[offset], data))
             elif data.shape == leaf.record.data_shape:
                 whole.append((leaf.record, data))
-    digests: dict[str, str] = {}
-    for record, _ in whole:
-        if (value := arrays.get(record.path)) is not None:
-            if (found := JAX_DIGESTS.known(value, record.digest_fields())) is not None:
-                digests[record.path] = found
     batches: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]]] = [[]]
     size = 0
     for record, data in whole:
-        if record.path in digests:
-            continue
         if size >= DIGEST_BATCH_BYTES:
             batches.append([])
             size = 0
         batches[-1].append((record, data))
         size += record.nbytes
+    digests: dict[str, str] = {}
     failures: list[tuple[str, Exception]] = []
 
     def hash_batches(share: list[list[tuple[StoredLeaf, np.ndarray | list[np.ndarray] | Tiled]]]) -> None:
@@ -157,9 +99,6 @@ def digested(
         raise CheckpointWriteError(f"Hashing leaf {path!r} failed: {e!r}. {NOTHING_COMMITTED}") from e
     if len(digests) != len(whole):
         raise CheckpointWriteError(f"Hashing the leaves failed (see above). {NOTHING_COMMITTED}")
-    for record, _ in whole:
-        if (value := arrays.get(record.path)) is not None:
-            JAX_DIGESTS.remember(value, record.digest_fields(), digests[record.path])
     records = [
         with_storage(r, digest=digests[r.path]) if isinstance(r, StoredLeaf) and r.path in digests else r
         for r in manifest.leaves

@@ -459,7 +459,7 @@ def save(
         hashing = None
         if leader and base is not None:
             with collector_paused():
-                with_digests = digested(manifest, jobs, values={r.path: value for r, value in arrays})
+                with_digests = digested(manifest, jobs)
         else:
             with_digests, hashing = manifest, Hashing(manifest, jobs) if leader else None
         try:
