@@ -354,3 +354,25 @@ def test_a_damaged_or_missing_stamp_book_means_reading_again(tmp_path, chunk_rea
     assert frozen_reads(chunk_reads) == ["frozen/c/0"]
     step(tmp_path, 5)
     assert frozen_reads(chunk_reads) == ["frozen/c/0"]  # and from then on unread again
+
+
+def test_a_write_racing_the_link_of_a_shared_file_is_read_at_the_next_step(tmp_path, chunk_reads, monkeypatch):
+    from eqxckpt._storage import _disk
+
+    for number in range(2):
+        step(tmp_path, number)
+    link = _disk.link_or_copy
+
+    def racing(source, target):
+        if str(source).endswith("frozen/c/0"):  # another process writes between the stamp and the link
+            _flip(source)
+        return link(source, target)
+
+    monkeypatch.setattr(_disk, "link_or_copy", racing)
+    step(tmp_path, 2)  # shares it unread (checked at step 1), linking as the write lands
+    monkeypatch.setattr(_disk, "link_or_copy", link)
+    chunk_reads.clear()
+    with pytest.warns(UserWarning, match="Leaf 'frozen' of .* is damaged there"):
+        step(tmp_path, 3)
+    assert frozen_reads(chunk_reads) == ["frozen/c/0"]
+    np.testing.assert_array_equal(eqxckpt.load(tmp_path / "run" / "3")["frozen"], FROZEN["frozen"])

@@ -71,3 +71,69 @@ def test_a_book_with_any_byte_changed_vouches_for_nothing_new(tmp_path_factory, 
     (root / BOOK_NAME).write_bytes(bytes(raw))
     # Vouches for the checked stamp as recorded, or (damaged) for nothing but the file's own.
     assert StampBook(root).generations([after])[0] in (stamp_of(before), stamp_of(after))
+
+
+def _linked(tmp_path):
+    file = tmp_path / "w"
+    file.write_bytes(b"x" * 100)
+    before = os.lstat(file)
+    os.link(file, tmp_path / "w2")
+    return file, before
+
+
+def test_a_write_between_the_two_stamps_of_a_link_is_never_recorded_as_the_link(tmp_path):
+    file, before = _linked(tmp_path)
+    with open(file, "r+b") as f:  # another process's write, landing in the link's window
+        f.write(b"y")
+    StampBook(tmp_path).record([(before, os.lstat(file))])
+    assert StampBook(tmp_path).generations([os.lstat(file)]) == [stamp_of(os.lstat(file))]
+
+
+def test_a_book_another_process_holds_is_waited_for_a_second_then_left(tmp_path):
+    import fcntl
+    import time
+
+    file, before = _linked(tmp_path)
+    StampBook(tmp_path).record([(before, os.lstat(file))])
+    held = os.open(tmp_path / BOOK_NAME, os.O_RDONLY)  # read access is enough to lock it
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        start = time.monotonic()
+        assert StampBook(tmp_path).generations([os.lstat(file)]) == [stamp_of(os.lstat(file))]
+        again = os.lstat(file)
+        os.link(file, tmp_path / "w3")
+        StampBook(tmp_path).record([(again, os.lstat(file))])  # not recorded, no error
+        assert time.monotonic() - start < 10
+    finally:
+        os.close(held)
+    assert StampBook(tmp_path).generations([os.lstat(file)]) == [stamp_of(os.lstat(file))]
+
+
+def test_a_filesystem_without_locks_uses_the_book_unlocked(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from eqxckpt._storage import _stamps
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(_stamps.fcntl, "flock", no_locks)
+    file, before = _linked(tmp_path)
+    StampBook(tmp_path).record([(before, os.lstat(file))])
+    assert StampBook(tmp_path).generations([os.lstat(file)]) == [stamp_of(before)]
+    assert fcntl.LOCK_EX  # (the real module is untouched outside _stamps)
+
+
+def test_a_book_hard_linked_from_outside_the_run_is_never_rewritten_there(tmp_path):
+    file, before = _linked(tmp_path)
+    StampBook(tmp_path).record([(before, os.lstat(file))])
+    snapshot = tmp_path.parent / f"{tmp_path.name}-snapshot-book"
+    os.link(tmp_path / BOOK_NAME, snapshot)  # cp -al of the run
+    kept = snapshot.read_bytes()
+    again = os.lstat(file)
+    os.link(file, tmp_path / "w3")
+    StampBook(tmp_path).record([(again, os.lstat(file))])
+    assert snapshot.read_bytes() == kept and os.lstat(tmp_path / BOOK_NAME).st_nlink == 1
+    assert StampBook(tmp_path).generations([os.lstat(file)]) == [stamp_of(before)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(BOOK_NAME + ".")]  # no temporary left

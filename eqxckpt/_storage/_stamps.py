@@ -18,6 +18,7 @@ and everything is then read and checked again. docs/threat-model.md says what th
 """
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -25,6 +26,7 @@ import pathlib
 import stat
 import struct
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 
 from crc32c import crc32c
@@ -33,8 +35,11 @@ BOOK_NAME = ".eqxckpt-stamps"
 # Entries not renewed for this long serve no save (their `Seen` is older than any full
 # check interval a run keeps), nor past this many: the oldest go first.
 BOOK_ENTRY_DAYS = 7.0
-MAX_BOOK_ENTRIES = 1 << 18
-MAX_BOOK_BYTES = 64 << 20
+MAX_BOOK_ENTRIES = 1 << 16
+MAX_BOOK_BYTES = 16 << 20
+# How long a save waits for another's hold on the book before it reads its files instead:
+# the book is a cache, and whoever can open it (read access is enough) can hold its lock.
+BOOK_LOCK_WAIT_S = 1.0
 
 
 def stamp_of(info: os.stat_result) -> str:
@@ -82,29 +87,59 @@ class StampBook:
 
     def record(self, changes: Sequence[tuple[os.stat_result, os.stat_result]]) -> None:
         """Record that eqxckpt changed each file's stamp from the first to the second of a
-        pair by linking or unlinking a name of it, nothing else: the second stands for
-        what the first did. Taken under the book's lock; a book that cannot be written
-        is left as it is (its files are then read and checked again)."""
-        stamps = [(stamp_of(a), stamp_of(b)) for a, b in changes]
-        stamps = [(a, b) for a, b in stamps if _inode(a) == _inode(b) and a != b]
-        if not stamps:
+        pair by linking (one more name) or unlinking (one fewer) a name of it, nothing
+        else: the second stands for what the first did. A pair whose size or modification
+        time differ, or whose count of names moved otherwise, is not recorded: a write
+        landed between the two (the file is then read and checked again). Taken under the
+        book's lock; a book that cannot be written is left as it is."""
+        kept = [
+            (stamp_of(a), stamp_of(b))
+            for a, b in changes
+            if (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns) == (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns)
+            and abs(b.st_nlink - a.st_nlink) == 1
+        ]
+        if not kept:
             return
         try:
             with self._opened(fcntl.LOCK_EX, create=True) as fd:
-                assert fd is not None
+                if fd is None:
+                    return  # held by another past the wait: its files are read again
                 entries = _read(fd)
                 now = time.time()
-                for before, after in stamps:
+                for before, after in kept:
                     entries[_inode(after)] = (after, _resolve(entries, before), now)
-                _write(fd, _pruned(entries, now))
+                self._write(fd, _pruned(entries, now))
                 self._entries = None
         except OSError:
             pass
 
+    def _write(self, fd: int, entries: list[tuple[str, str, float]]) -> None:
+        body = json.dumps({"stamps": entries}, separators=(",", ":")).encode()
+        raw = b"%08x\n" % crc32c(body) + body
+        if os.fstat(fd).st_nlink == 1:
+            os.pwrite(fd, raw, 0)
+            os.ftruncate(fd, len(raw))
+            return
+        # Its other names are outside this run (a snapshot made with hard links): never
+        # rewritten in place, the run gets a book of its own.
+        fresh = self.path.with_name(f"{BOOK_NAME}.{uuid.uuid4().hex[:12]}")
+        try:
+            out = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(out, raw)
+            finally:
+                os.close(out)
+            os.rename(fresh, self.path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(fresh)
+
     @contextlib.contextmanager
     def _opened(self, lock: int, create: bool) -> Iterator[int | None]:
-        """The book open and locked; None (reading) where there is no book to read: missing,
-        a symlink, or not a regular file. Writing, those raise `OSError`."""
+        """The book open and locked; None where there is none to use: missing, a symlink,
+        not a regular file (reading), or held by another for `BOOK_LOCK_WAIT_S`. Where the
+        filesystem has no locks, it is used unlocked (its checksum tells a torn read).
+        Writing, a book that is not a regular file, or cannot be made, raises `OSError`."""
         flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
         try:
             fd = os.open(self.path, flags, 0o644)
@@ -119,10 +154,25 @@ class StampBook:
                     raise OSError(f"{self.path} is not a regular file")
                 yield None
                 return
-            fcntl.flock(fd, lock)
-            yield fd
+            yield fd if _locked(fd, lock) else None
         finally:
             os.close(fd)
+
+
+def _locked(fd: int, lock: int) -> bool:
+    """Take ``lock`` on ``fd`` within `BOOK_LOCK_WAIT_S`: True once held, or where the
+    filesystem has no locks; False if another holds it all that time."""
+    deadline = time.monotonic() + BOOK_LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, lock | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True  # no locks here (ENOLCK, EOPNOTSUPP): used unlocked
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
 
 
 def _resolve(entries: dict[str, tuple[str, str, float]], stamp: str) -> str:
@@ -157,13 +207,6 @@ def _is_stamp(value: object) -> bool:
 def _pruned(entries: dict[str, tuple[str, str, float]], now: float) -> list[tuple[str, str, float]]:
     fresh = [entry for entry in entries.values() if now - entry[2] < BOOK_ENTRY_DAYS * 86400]
     return sorted(fresh, key=lambda entry: entry[2])[-MAX_BOOK_ENTRIES:]
-
-
-def _write(fd: int, entries: list[tuple[str, str, float]]) -> None:
-    body = json.dumps({"stamps": entries}, separators=(",", ":")).encode()
-    raw = b"%08x\n" % crc32c(body) + body
-    os.pwrite(fd, raw, 0)
-    os.ftruncate(fd, len(raw))
 
 
 def unlink_shared(root: pathlib.Path, keep: Sequence[str] = ()) -> None:
