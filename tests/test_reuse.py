@@ -3,6 +3,7 @@ a local disk, referred prefixes on an object store), and which it writes afresh.
 
 import dataclasses
 import os
+import time
 import uuid
 
 import numpy as np
@@ -231,9 +232,15 @@ def seen_of(path, leaf: str = "frozen"):
 
 
 def step(tmp_path, number: int, head: float = 0.0, **kwargs) -> None:
-    """Save step ``number`` of a run whose frozen leaf never changes, on the step before."""
+    """Save step ``number`` of a run whose frozen leaf never changes, on the step before.
+    Step 0's files are made an hour old: a check vouches only for files modified at least
+    `SETTLE_S` before it read them (a write may still be landing)."""
     base = tmp_path / "run" / str(number - 1) if number else None
     eqxckpt.save(tmp_path / "run" / str(number), {**FROZEN, "head": FROZEN["head"] + head}, base=base, **kwargs)
+    if not number:
+        for file in (tmp_path / "run" / "0" / "frozen").rglob("*"):
+            if file.is_file():
+                os.utime(file, (time.time() - 3600, time.time() - 3600))
 
 
 def frozen_reads(keys: list[str]) -> list[str]:
@@ -376,3 +383,20 @@ def test_a_write_racing_the_link_of_a_shared_file_is_read_at_the_next_step(tmp_p
         step(tmp_path, 3)
     assert frozen_reads(chunk_reads) == ["frozen/c/0"]
     np.testing.assert_array_equal(eqxckpt.load(tmp_path / "run" / "3")["frozen"], FROZEN["frozen"])
+
+
+def test_a_file_modified_just_before_its_check_is_checked_again_at_the_next_step(tmp_path, chunk_reads):
+    """A write sets the times when it begins: a check reading a file modified less than
+    SETTLE_S before may have read bytes that write had not yet replaced, so it records no
+    stamp, and the next step reads the file again (then, once settled, vouches for it)."""
+    eqxckpt.save(tmp_path / "run" / "0", FROZEN)  # written just now, as a write in flight would be
+    for number in (1, 2):
+        step(tmp_path, number)
+        assert seen_of(tmp_path / "run" / str(number)) is None
+    assert frozen_reads(chunk_reads) == ["frozen/c/0"] * 2
+    for file in (tmp_path / "run" / "2" / "frozen").rglob("*"):
+        if file.is_file():
+            os.utime(file, (time.time() - 3600, time.time() - 3600))
+    step(tmp_path, 3)
+    step(tmp_path, 4)
+    assert frozen_reads(chunk_reads) == ["frozen/c/0"] * 3 and seen_of(tmp_path / "run" / "4").shares == 1

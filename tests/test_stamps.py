@@ -137,3 +137,73 @@ def test_a_book_hard_linked_from_outside_the_run_is_never_rewritten_there(tmp_pa
     assert snapshot.read_bytes() == kept and os.lstat(tmp_path / BOOK_NAME).st_nlink == 1
     assert StampBook(tmp_path).generations([os.lstat(file)]) == [stamp_of(before)]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(BOOK_NAME + ".")]  # no temporary left
+
+
+def test_a_book_replaced_while_its_lock_was_waited_for_is_not_written(tmp_path):
+    import fcntl
+    import threading
+
+    file, before = _linked(tmp_path)
+    StampBook(tmp_path).record([(before, os.lstat(file))])
+    snapshot = tmp_path.parent / f"{tmp_path.name}-snapshot-book2"
+    os.link(tmp_path / BOOK_NAME, snapshot)
+    kept = snapshot.read_bytes()
+    reader = os.open(tmp_path / BOOK_NAME, os.O_RDONLY)
+    fcntl.flock(reader, fcntl.LOCK_SH)  # another reader holds it
+    again = os.lstat(file)
+    os.link(file, tmp_path / "w3")
+    after = os.lstat(file)
+    waiting = threading.Thread(target=lambda: StampBook(tmp_path).record([(again, after)]))
+    waiting.start()
+    # Meanwhile another save puts a new book in its place (as one does for a linked book).
+    fresh = tmp_path / "fresh"
+    fresh.write_bytes(b"")
+    os.rename(fresh, tmp_path / BOOK_NAME)
+    os.close(reader)
+    waiting.join()
+    assert snapshot.read_bytes() == kept  # the old book, now only the snapshot's, untouched
+
+
+def test_a_leftover_new_book_is_removed_once_old(tmp_path):
+    import time
+
+    leftover = tmp_path / f"{BOOK_NAME}.0123456789ab"
+    leftover.write_bytes(b"half a book")
+    young = tmp_path / f"{BOOK_NAME}.ba9876543210"
+    young.write_bytes(b"being named")
+    os.utime(leftover, (time.time() - 3600, time.time() - 3600))
+    mine = tmp_path / "notes.eqxckpt-stamps.0123456789ab"
+    mine.write_bytes(b"a user's")
+    file, before = _linked(tmp_path)
+    StampBook(tmp_path).record([(before, os.lstat(file))])
+    assert not leftover.exists() and young.exists() and mine.exists()
+
+
+def test_a_held_book_is_waited_for_once_not_once_per_file(tmp_path):
+    import fcntl
+    import time
+
+    from eqxckpt._storage import _stamps
+
+    file, before = _linked(tmp_path)
+    StampBook(tmp_path).record([(before, os.lstat(file))])
+    held = os.open(tmp_path / BOOK_NAME, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        StampBook(tmp_path).generations([os.lstat(file)])  # waits once
+        start = time.monotonic()
+        for _ in range(20):  # a save asks once per leaf it checks
+            StampBook(tmp_path).generations([os.lstat(file)])
+        assert time.monotonic() - start < _stamps.BOOK_LOCK_WAIT_S
+    finally:
+        os.close(held)
+        _stamps._BUSY.clear()
+
+
+def test_a_deeply_nested_book_reads_as_empty(tmp_path):
+    from crc32c import crc32c
+
+    file, before = _linked(tmp_path)
+    body = b"[" * 200_000 + b"]" * 200_000
+    (tmp_path / BOOK_NAME).write_bytes(b"%08x\n" % crc32c(body) + body)
+    assert StampBook(tmp_path).generations([os.lstat(file)]) == [stamp_of(os.lstat(file))]

@@ -10,6 +10,7 @@ import numpy as np
 
 from .._chunks import ChunkFileError, ChunkFiles
 from ._fs import start_writeback
+from ._stamps import settled
 
 
 class LocalChunkFiles(ChunkFiles):
@@ -25,7 +26,8 @@ class LocalChunkFiles(ChunkFiles):
     ):
         self._root = root
         # See `Storage.recording_generations`: here the stamp (`_stamps`) of each file read,
-        # taken before and after its reads (a file written meanwhile records two).
+        # taken before and after its reads (a file written meanwhile records two, one
+        # modified just before it was read one more: nothing is vouched for by either).
         self._generations_read = generations_read
         self._generation = generation
 
@@ -76,6 +78,8 @@ class LocalChunkFiles(ChunkFiles):
             if self._generations_read is not None and self._generation is not None:
                 read = self._generations_read.setdefault(key, set())
                 read.update(str(self._generation(info)) for info in (found, os.fstat(fd)))
+                if not settled(found):  # a write begun just before may still be landing
+                    read.add("unsettled")
         finally:
             os.close(fd)
 

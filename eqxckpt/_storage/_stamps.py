@@ -40,6 +40,15 @@ MAX_BOOK_BYTES = 16 << 20
 # How long a save waits for another's hold on the book before it reads its files instead:
 # the book is a cache, and whoever can open it (read access is enough) can hold its lock.
 BOOK_LOCK_WAIT_S = 1.0
+# A write sets a file's times when it begins, not when its bytes land: a check that reads a
+# file modified less than this long before records no stamp to vouch by (a write may still
+# be copying bytes it did not see), and the next save checks it again.
+SETTLE_S = 5.0
+
+
+def settled(info: os.stat_result) -> bool:
+    """Whether the file ``info`` describes was last modified at least `SETTLE_S` ago."""
+    return time.time_ns() - info.st_mtime_ns >= SETTLE_S * 1e9
 
 
 def stamp_of(info: os.stat_result) -> str:
@@ -110,6 +119,7 @@ class StampBook:
                     entries[_inode(after)] = (after, _resolve(entries, before), now)
                 self._write(fd, _pruned(entries, now))
                 self._entries = None
+            _remove_leftovers(self.path)
         except OSError:
             pass
 
@@ -154,25 +164,64 @@ class StampBook:
                     raise OSError(f"{self.path} is not a regular file")
                 yield None
                 return
-            yield fd if _locked(fd, lock) else None
+            if not _locked(fd, lock, self.path):
+                yield None
+                return
+            if create and not _names(fd, self.path):
+                raise OSError(f"{self.path} was replaced while its lock was waited for")
+            yield fd
         finally:
             os.close(fd)
 
 
-def _locked(fd: int, lock: int) -> bool:
-    """Take ``lock`` on ``fd`` within `BOOK_LOCK_WAIT_S`: True once held, or where the
-    filesystem has no locks; False if another holds it all that time."""
-    deadline = time.monotonic() + BOOK_LOCK_WAIT_S
+def _names(fd: int, path: pathlib.Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (another save may have put a
+    new book in its place meanwhile: the old one is not the run's any more)."""
+    try:
+        found, held = os.lstat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
+
+
+# Books another process held past the wait, and until when this process does not wait
+# for them again: a save asks its run's book once per leaf it checks.
+_BUSY: dict[pathlib.Path, float] = {}
+BOOK_BUSY_S = 60.0
+
+
+def _locked(fd: int, lock: int, path: pathlib.Path) -> bool:
+    """Take ``lock`` on ``fd`` (the book at ``path``) within `BOOK_LOCK_WAIT_S`: True once
+    held, or where the filesystem has no locks; False if another holds it all that time
+    (then, for `BOOK_BUSY_S`, without waiting)."""
+    deadline = time.monotonic() + (0.0 if _BUSY.get(path, 0.0) > time.monotonic() else BOOK_LOCK_WAIT_S)
     while True:
         try:
             fcntl.flock(fd, lock | fcntl.LOCK_NB)
+            _BUSY.pop(path, None)
             return True
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 return True  # no locks here (ENOLCK, EOPNOTSUPP): used unlocked
-        if time.monotonic() > deadline:
+        if time.monotonic() >= deadline:
+            _BUSY[path] = time.monotonic() + BOOK_BUSY_S
             return False
         time.sleep(0.01)
+
+
+def _remove_leftovers(book: pathlib.Path) -> None:
+    """Remove new books that a killed save left unnamed beside ``book`` (`BOOK_NAME` and 12
+    hex digits), once a minute old: a live save names its new book in milliseconds."""
+    try:
+        names = os.listdir(book.parent)
+    except OSError:
+        return
+    for name in names:
+        head, _, tail = name.rpartition(".")
+        if head == BOOK_NAME and len(tail) == 12 and not tail.strip("0123456789abcdef"):
+            with contextlib.suppress(OSError):
+                if time.time() - os.lstat(book.parent / name).st_mtime > 60:
+                    os.unlink(book.parent / name)
 
 
 def _resolve(entries: dict[str, tuple[str, str, float]], stamp: str) -> str:
@@ -196,7 +245,7 @@ def _read(fd: int) -> dict[str, tuple[str, str, float]]:
             if _is_stamp(stamp) and _is_stamp(generation) and type(unix) is float:
                 entries[_inode(stamp)] = (stamp, generation, unix)
         return entries
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return {}
 
 
