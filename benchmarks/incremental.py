@@ -6,8 +6,15 @@ where every leaf changed, with and without a base to compare against. Medians ov
 steps after the first.
 
     .venv/bin/python benchmarks/incremental.py
+    .venv/bin/python benchmarks/incremental.py --gap 6
+
+``--gap S``: S seconds between steps, outside the timed region (the training between
+checkpoints). A step shares a checked leaf unread only once its files were written at
+least 5 s before the check (`_storage._stamps.SETTLE_S`): without a gap, every step of
+this short run checks the base.
 """
 
+import argparse
 import os
 import shutil
 import statistics
@@ -33,6 +40,10 @@ def disk_bytes(root: str, seen: set[int]) -> int:
 def main() -> None:
     import jax
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gap", type=float, default=0.0, help="seconds between steps, untimed")
+    gap = parser.parse_args().gap
+
     import eqxckpt
 
     # The frozen base as the jax.Arrays training holds (16 x 64 MiB); "numpy base" below
@@ -47,6 +58,7 @@ def main() -> None:
         alone = []
         with eqxckpt.CheckpointManager(f"{root}/run", max_to_keep=steps, blocking=True) as manager:
             for step in range(steps):
+                time.sleep(gap if step else 0.0)
                 # Each step's state is built before the clock starts, and the adapter alone is
                 # saved beside it, in turn first and second, so both see the same disk.
                 state = adapter_state(step)
