@@ -207,3 +207,21 @@ def test_a_deeply_nested_book_reads_as_empty(tmp_path):
     body = b"[" * 200_000 + b"]" * 200_000
     (tmp_path / BOOK_NAME).write_bytes(b"%08x\n" % crc32c(body) + body)
     assert StampBook(tmp_path).generations([os.lstat(file)]) == [stamp_of(os.lstat(file))]
+
+
+def test_unlinking_a_steps_shared_files_never_leaves_it_nor_touches_kept_files(tmp_path):
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    (run / "1" / "w").mkdir(parents=True)
+    outside.mkdir()
+    for directory, other in ((run / "1" / "w", run / "2-f"), (outside, tmp_path / "outside-f")):
+        (directory / "f").write_bytes(b"x")
+        os.link(directory / "f", other)  # its name in another step, or elsewhere
+    (run / "1" / "notes").write_bytes(b"mine")
+    os.link(run / "1" / "notes", tmp_path / "notes-elsewhere")
+    (run / "1" / "link").symlink_to(outside)  # a directory swapped for a symlink
+    (run / BOOK_NAME).write_bytes(b"")  # the run has a book
+    unlink_shared(run / "1", keep=["notes"])
+    assert not (run / "1" / "w" / "f").exists()  # shared: unlinked, its stamp recorded
+    assert (outside / "f").exists() and (run / "1" / "notes").exists()
+    before = os.lstat(run / "2-f")
+    assert StampBook(run).generations([before])[0] != stamp_of(before)  # the unlink's stamp is known

@@ -261,28 +261,28 @@ def _pruned(entries: dict[str, tuple[str, str, float]], now: float) -> list[tupl
 def unlink_shared(root: pathlib.Path, keep: Sequence[str] = ()) -> None:
     """Unlink every regular file under ``root`` (a checkpoint being removed, in its run
     directory) that has names elsewhere, recording the stamps they leave in the run's
-    book (`unlink_restamping`); where the run has no book, nothing is done. ``keep``:
-    paths relative to ``root`` left in place."""
+    book; where the run has no book, nothing is done. ``keep``: paths relative to
+    ``root`` left in place. The walk holds each directory open and follows no symlink:
+    a directory swapped for one meanwhile never leads it outside ``root``."""
     book = StampBook(root.parent)
     if not book.exists():
         return
     changes = []
     kept = {pathlib.PurePosixPath(k) for k in keep}
-    for directory, _, files in os.walk(root):
+    for directory, _, files, directory_fd in os.fwalk(root, follow_symlinks=False):
         for name in files:
-            path = pathlib.Path(directory, name)
-            relative = pathlib.PurePosixPath(path.relative_to(root).as_posix())
+            relative = pathlib.PurePosixPath(pathlib.Path(directory, name).relative_to(root).as_posix())
             if relative in kept or not kept.isdisjoint(relative.parents):
                 continue
             try:
-                fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory_fd)
             except OSError:
                 continue
             try:
                 before = os.fstat(fd)
                 if not stat.S_ISREG(before.st_mode) or before.st_nlink < 2:
                     continue
-                os.unlink(path)
+                os.unlink(name, dir_fd=directory_fd)
                 changes.append((before, os.fstat(fd)))
             except OSError:
                 continue
