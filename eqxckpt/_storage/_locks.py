@@ -9,6 +9,7 @@ import fcntl
 import os
 import pathlib
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
@@ -16,7 +17,6 @@ from typing import Any, BinaryIO
 from .._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from .._paths import MANIFEST_NAME
 from ._fs import fsync_path, hidden_owner, hidden_sibling
-from ._stamps import unlink_shared
 
 
 class DirLock:
@@ -77,6 +77,27 @@ class DirLock:
         self.release()
 
 
+def flock_within(fd: int, lock: int, wait_s: float) -> bool:
+    """Take the ``flock`` ``lock`` on ``fd``, waiting at most ``wait_s``: True once held, or
+    where the filesystem has no locks; False if another holder kept it all that time.
+
+    ```python
+    flock_within(fd, fcntl.LOCK_EX, 1.0)
+    ```
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, lock | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True  # no locks here (ENOLCK, EOPNOTSUPP): the caller goes on unlocked
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
 def create_staging(final: pathlib.Path) -> tuple[pathlib.Path, DirLock]:
     """A new hidden directory beside ``final`` for a save, locked by this process."""
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +129,8 @@ def join_staging(tmp: pathlib.Path) -> DirLock:
 def remove_tree(path: pathlib.Path) -> bool:
     """Remove a directory tree we own; True if it is gone (errors are not fatal:
     what remains is unlocked and a later cleanup removes it)."""
+    from ._stamps import unlink_shared  # (the stamp book is built on this module's primitives)
+
     unlink_shared(path)
     shutil.rmtree(path, ignore_errors=True)
     return not os.path.lexists(path)
@@ -117,6 +140,8 @@ def remove_except(root: pathlib.Path, keep: Sequence[str]) -> None:
     """Remove everything in the directory ``root`` but the paths ``keep`` names (relative:
     files, or directories kept whole) and the directories leading to them. A symlink is
     removed, never followed."""
+    from ._stamps import unlink_shared
+
     unlink_shared(root, keep)
     kept = {pathlib.PurePosixPath(k) for k in keep}
     leading = {parent for k in kept for parent in k.parents}

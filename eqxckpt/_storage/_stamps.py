@@ -18,7 +18,6 @@ and everything is then read and checked again. docs/threat-model.md says what th
 """
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
@@ -26,10 +25,11 @@ import pathlib
 import stat
 import struct
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 
 from crc32c import crc32c
+
+from ._locks import flock_within, remove_abandoned_files, write_file
 
 BOOK_NAME = ".eqxckpt-stamps"
 # Entries not renewed for this long serve no save (their `Seen` is older than any full
@@ -119,7 +119,7 @@ class StampBook:
                     entries[_inode(after)] = (after, _resolve(entries, before), now)
                 self._write(fd, _pruned(entries, now))
                 self._entries = None
-            _remove_leftovers(self.path)
+            remove_abandoned_files(self.path)  # what a save killed replacing it left
         except OSError:
             pass
 
@@ -129,20 +129,10 @@ class StampBook:
         if os.fstat(fd).st_nlink == 1:
             os.pwrite(fd, raw, 0)
             os.ftruncate(fd, len(raw))
-            return
-        # Its other names are outside this run (a snapshot made with hard links): never
-        # rewritten in place, the run gets a book of its own.
-        fresh = self.path.with_name(f"{BOOK_NAME}.{uuid.uuid4().hex[:12]}")
-        try:
-            out = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            try:
-                os.write(out, raw)
-            finally:
-                os.close(out)
-            os.rename(fresh, self.path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(fresh)
+        else:
+            # Its other names are outside this run (a snapshot made with hard links): never
+            # rewritten in place, the run gets a book of its own.
+            write_file(self.path, lambda f: f.write(raw), overwrite=True)
 
     @contextlib.contextmanager
     def _opened(self, lock: int, create: bool) -> Iterator[int | None]:
@@ -194,34 +184,12 @@ def _locked(fd: int, lock: int, path: pathlib.Path) -> bool:
     """Take ``lock`` on ``fd`` (the book at ``path``) within `BOOK_LOCK_WAIT_S`: True once
     held, or where the filesystem has no locks; False if another holds it all that time
     (then, for `BOOK_BUSY_S`, without waiting)."""
-    deadline = time.monotonic() + (0.0 if _BUSY.get(path, 0.0) > time.monotonic() else BOOK_LOCK_WAIT_S)
-    while True:
-        try:
-            fcntl.flock(fd, lock | fcntl.LOCK_NB)
-            _BUSY.pop(path, None)
-            return True
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return True  # no locks here (ENOLCK, EOPNOTSUPP): used unlocked
-        if time.monotonic() >= deadline:
-            _BUSY[path] = time.monotonic() + BOOK_BUSY_S
-            return False
-        time.sleep(0.01)
-
-
-def _remove_leftovers(book: pathlib.Path) -> None:
-    """Remove new books that a killed save left unnamed beside ``book`` (`BOOK_NAME` and 12
-    hex digits), once a minute old: a live save names its new book in milliseconds."""
-    try:
-        names = os.listdir(book.parent)
-    except OSError:
-        return
-    for name in names:
-        head, _, tail = name.rpartition(".")
-        if head == BOOK_NAME and len(tail) == 12 and not tail.strip("0123456789abcdef"):
-            with contextlib.suppress(OSError):
-                if time.time() - os.lstat(book.parent / name).st_mtime > 60:
-                    os.unlink(book.parent / name)
+    wait = 0.0 if _BUSY.get(path, 0.0) > time.monotonic() else BOOK_LOCK_WAIT_S
+    if flock_within(fd, lock, wait):
+        _BUSY.pop(path, None)
+        return True
+    _BUSY[path] = time.monotonic() + BOOK_BUSY_S
+    return False
 
 
 def _resolve(entries: dict[str, tuple[str, str, float]], stamp: str) -> str:

@@ -399,7 +399,6 @@ def save(
       ``lstat`` each; on an object store their generations, one metadata
       request each; the threat model says what this trusts). 0: every leaf
       shared is read and checked.
-      Local disks check every leaf they share, every save.
     - `process_state`: this process's own small state, saved with the
       checkpoint and committed with it: bytes, a JSON value, or an object
       with ``get_state()`` (a Grain iterator), whose state is taken now, on
