@@ -21,9 +21,7 @@ WORKER = WORKERS / "distributed_worker.py"
 
 
 @pytest.mark.parametrize("processes", [2, 4])
-def test_many_processes_save_and_restore_onto_another_mesh(tmp_path, processes, s3, gcs, request):
-    if processes == 2 and not request.config.getoption("--slow"):
-        pytest.skip("two processes run with --slow; four cover them (each its own part) in the suite's time")
+def test_many_processes_save_and_restore_onto_another_mesh(tmp_path, processes, s3, gcs):
     # Workers save (blocking and async, to disk, to S3 and to GCS), restore onto a
     # different mesh and check every slice they hold...
     endpoint, _ = s3

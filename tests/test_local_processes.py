@@ -118,11 +118,6 @@ def test_four_processes_killed_in_local_saves_wiped_and_resumed_lose_no_complete
 def test_four_processes_resume_from_peers_then_from_an_object_store(tmp_path, store, request):
     from conftest import ObjectStore
 
-    if store == "gcs" and not request.config.getoption("--slow"):
-        # The same job on the other store (the tier's fallback is the persistent tier's
-        # storage, tested on both elsewhere): with --slow, to keep the suite's time.
-        pytest.skip("the Cloud Storage variant runs with --slow")
-
     server = ObjectStore("s3", *request.getfixturevalue("s3")) if store == "s3" else request.getfixturevalue("gcs")
     spec = json.dumps(server.spec(f"local-{os.getpid()}-{time.monotonic_ns()}/"))
     # Persistent step 0 on the object store; local steps 0..3.
