@@ -400,3 +400,39 @@ def test_a_file_modified_just_before_its_check_is_checked_again_at_the_next_step
     step(tmp_path, 3)
     step(tmp_path, 4)
     assert frozen_reads(chunk_reads) == ["frozen/c/0"] * 3 and seen_of(tmp_path / "run" / "4").shares == 1
+
+
+def test_a_leafs_metadata_modified_just_before_its_check_is_not_vouched_for(tmp_path):
+    """The settle rule covers every file of the leaf: its zarr.json too, not only chunks."""
+    step(tmp_path, 0)  # its files an hour old
+    metadata = tmp_path / "run" / "0" / "frozen" / "zarr.json"
+    metadata.write_bytes(metadata.read_bytes())  # written just now, same bytes
+    step(tmp_path, 1)
+    assert seen_of(tmp_path / "run" / "1") is None
+
+
+def test_the_stamp_book_is_parsed_once_per_save_not_once_per_leaf(tmp_path, monkeypatch):
+    from eqxckpt._storage import _stamps
+
+    frozen = {f"w{i}": np.full(70_000, i, np.float32) for i in range(12)}
+    eqxckpt.save(tmp_path / "run" / "0", frozen)
+    for file in (tmp_path / "run" / "0").rglob("*"):
+        os.utime(file, (time.time() - 3600, time.time() - 3600))
+    eqxckpt.save(tmp_path / "run" / "1", frozen, base=tmp_path / "run" / "0")  # the book is made
+    parsed: list[int] = []
+    read = _stamps._read
+    monkeypatch.setattr(_stamps, "_read", lambda fd: parsed.append(fd) or read(fd))
+    _stamps._PARSED.clear()
+    eqxckpt.save(tmp_path / "run" / "2", frozen, base=tmp_path / "run" / "1", full_check_interval_s=0)
+    assert 1 <= len(parsed) <= 3  # the check's reads, the stamps asked, the record's own read
+
+
+def test_a_base_in_another_directory_gets_no_stamp_book(tmp_path):
+    from eqxckpt._storage._stamps import BOOK_NAME
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "README").write_text("the team's models")
+    eqxckpt.save(tmp_path / "models" / "pretrained", FROZEN)
+    eqxckpt.save(tmp_path / "run" / "0", FROZEN, base=tmp_path / "models" / "pretrained")
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["README", "pretrained"]
+    assert (tmp_path / "run" / BOOK_NAME).exists()

@@ -63,7 +63,7 @@ from ._locks import (
     write_file,
 )
 from ._pins import LocalPin
-from ._stamps import StampBook
+from ._stamps import StampBook, settled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +118,15 @@ class LocalStorage(Storage):
     def generations(self, keys: Sequence[str]) -> list[str | None]:
         """Each file's stamp (`_stamps`: device, inode, size, modification and change
         times), or what the run's stamp book says a stamp eqxckpt's own links made stands
-        for; None for a file that is missing or not a regular file."""
+        for; None for a file that is missing, not a regular file, or modified less than
+        `SETTLE_S` ago (a write may still be landing: nothing is vouched for by it)."""
         infos: list[os.stat_result | None] = []
         for key in keys:
             try:
                 info = os.lstat(self.path / key)
             except OSError:
                 info = None
-            infos.append(info if info is not None and stat.S_ISREG(info.st_mode) else None)
+            infos.append(info if info is not None and stat.S_ISREG(info.st_mode) and settled(info) else None)
         return StampBook(self.run_directory()).generations(infos)
 
     def __str__(self) -> str:
@@ -443,9 +444,9 @@ class LocalStaging(Staging):
             before = os.lstat(base.path / key)
             link_or_copy(base.path / key, self.tmp / key)
             changes.append((before, os.lstat(base.path / key)))
-        # A link changes the file's change time, not its bytes: the books of both runs say so.
-        for run in {base.run_directory(), self.final.run_directory()}:
-            StampBook(run).record(changes)
+        # A link changes the file's change time, not its bytes: the new checkpoint's run's
+        # book says so (the base's directory, perhaps another, is only read from).
+        StampBook(self.final.run_directory()).record(changes)
 
     def commit(self, manifest: Manifest, expected: dict[str, int]) -> None:
         check_complete(_local_files(self.tmp) or {}, expected)

@@ -91,7 +91,7 @@ class StampBook:
         stamp, or what the book says a stamp eqxckpt's links made stands for."""
         if self._entries is None:
             with self._opened(fcntl.LOCK_SH, create=False) as fd:
-                self._entries = {} if fd is None else _read(fd)
+                self._entries = {} if fd is None else _read_once(fd, self.path)
         return [None if info is None else _resolve(self._entries, stamp_of(info)) for info in infos]
 
     def record(self, changes: Sequence[tuple[os.stat_result, os.stat_result]]) -> None:
@@ -195,6 +195,26 @@ def _locked(fd: int, lock: int, path: pathlib.Path) -> bool:
 def _resolve(entries: dict[str, tuple[str, str, float]], stamp: str) -> str:
     entry = entries.get(_inode(stamp))
     return entry[1] if entry is not None and entry[0] == stamp else stamp
+
+
+# The books this process parsed last, by path, with the book's own stamp then: a save asks
+# its run's book once per leaf it checks, and parses it once. A book written since has
+# another stamp; one kept stale (a rewrite within a clock tick) only maps stamps that did
+# stand for those generations, so it can miss a mapping, never make a wrong one.
+_PARSED: dict[pathlib.Path, tuple[str, dict[str, tuple[str, str, float]]]] = {}
+
+
+def _read_once(fd: int, path: pathlib.Path) -> dict[str, tuple[str, str, float]]:
+    """`_read`, remembered while the book's stamp stays the same."""
+    stamp = stamp_of(os.fstat(fd))
+    cached = _PARSED.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    entries = _read(fd)
+    if len(_PARSED) >= 8:
+        _PARSED.pop(next(iter(_PARSED)))
+    _PARSED[path] = (stamp, entries)
+    return entries
 
 
 def _read(fd: int) -> dict[str, tuple[str, str, float]]:
