@@ -3,8 +3,8 @@
 # clone, packages from a local mirror (/usr/bin/time, du -sh .venv): make demo's install
 # took 26-37 s (two runs) for 713 MB, then its run 40 s; make test took 28 min 51 s in
 # all, 24 min 51 s of it the suite of 1021 tests in one process (idle), in a 2.8 GB venv;
-# in three workers (pytest-xdist, below) the suite of 1437 tests took 9 min 33 s
-# (.ci/run from a fresh clone, idle, 2026-12-07: 10 min 0 s in all).
+# in three workers (pytest-xdist, below) the suite of 1443 tests took 9 min 41 s
+# (.ci/run from a fresh clone, idle, 2026-12-07: 10 min 7 s in all).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
