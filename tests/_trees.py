@@ -11,10 +11,28 @@ from eqxckpt._tree import is_prng_key_dtype
 
 def crafted_manifest(doc: dict) -> bytes:
     """The manifest ``doc`` (changed by a test), with a checksum that matches: as someone
-    crafting it would write it, so that a reader's checks after the checksum are tested."""
+    crafting it would write it, so that a reader's checks after the checksum are tested.
+    A version-5 manifest whose ``leaves`` a test lists as records (`manifest_doc`) gets
+    them back as the leaf table the writer would make of them."""
     from eqxckpt._manifest import with_checksum  # here: the new tests also run on code from before it
 
-    return with_checksum(json.dumps({k: v for k, v in doc.items() if k != "crc32c"}).encode())
+    doc = {k: v for k, v in doc.items() if k != "crc32c"}
+    if doc.get("version") == 5 and isinstance(doc.get("leaves"), list):
+        from eqxckpt._manifest import leaf_cell, table_of
+
+        doc["leaves"] = table_of(map(leaf_cell, doc["leaves"]))
+    return with_checksum(json.dumps(doc).encode())
+
+
+def manifest_doc(raw) -> dict:
+    """A manifest (its bytes or text) as a dict whose ``leaves`` are records, one per leaf,
+    whatever the version: what tests read and change (`crafted_manifest` writes it back)."""
+    doc = json.loads(raw)
+    if isinstance(doc.get("leaves"), dict):
+        from eqxckpt._manifest import table_rows
+
+        doc["leaves"] = table_rows(doc["leaves"])
+    return doc
 
 
 def _bits(x):

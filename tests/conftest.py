@@ -33,7 +33,11 @@ from _servers import (  # noqa: E402
     s3_spec as s3_spec,
     store as store,
 )
-from _trees import assert_trees_equal as assert_trees_equal, crafted_manifest as crafted_manifest  # noqa: E402
+from _trees import (  # noqa: E402
+    assert_trees_equal as assert_trees_equal,
+    crafted_manifest as crafted_manifest,
+    manifest_doc as manifest_doc,
+)
 from _workers import (  # noqa: E402
     WORKERS as WORKERS,
     WorkerFailed as WorkerFailed,

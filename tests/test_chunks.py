@@ -2,7 +2,6 @@
 ``crc32c`` byte for byte: the same files TensorStore's codec wrote before, which
 zarr-python and TensorStore still open and verify."""
 
-import json
 import math
 import os
 import pathlib
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import zarr
-from conftest import assert_trees_equal
+from conftest import assert_trees_equal, manifest_doc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqxckpt
@@ -72,16 +71,18 @@ def files_of(root: pathlib.Path) -> dict[str, bytes]:
 def test_checkpoints_are_the_same_bytes_as_before(tmp_path, small_chunks):
     """`tests/fixtures/written_before_25` was saved by 368ac9b, whose chunks went through
     TensorStore's crc32c codec. The same tree saved today is the same files, byte for byte
-    (the manifest differs only in its time and save id, and in the checksum it begins with
-    now, which the old one lacks: an old manifest still loads), and the old checkpoint loads."""
+    (the manifest differs only in its time and save id, in the checksum it begins with now,
+    which the old one lacks, and in holding the same records as a table: an old manifest
+    still loads), and the old checkpoint loads."""
     eqxckpt.save(tmp_path / "now", fixture_tree())
     before, now = files_of(BEFORE), files_of(tmp_path / "now")
     assert sorted(before) == sorted(now) and len(now) == 36
     for name in before:
         if name == "eqxckpt.json":
-            old, new = json.loads(before[name]), json.loads(now[name])
+            old, new = manifest_doc(before[name]), manifest_doc(now[name])  # their leaves as records
             for varying in ("created_unix", "save_id"):
                 assert old.pop(varying) != new.pop(varying)
+            assert (old.pop("version"), new.pop("version")) == (2, 5)  # a record per leaf then, a table now
             assert "crc32c" not in old and len(new.pop("crc32c")) == 8
             assert old == new
         else:
@@ -139,7 +140,7 @@ def test_zarr_python_and_tensorstore_read_every_array_and_catch_a_flipped_byte(t
         store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c" / name)}}).result()
         np.testing.assert_array_equal(store.read().result(), expected)
     packed = zarr.open_array(str(tmp_path / "c" / "%packed"), mode="r")[...]
-    manifest = json.loads((tmp_path / "c" / "eqxckpt.json").read_text())
+    manifest = manifest_doc((tmp_path / "c" / "eqxckpt.json").read_text())
     first = next(leaf for leaf in manifest["leaves"] if leaf["path"] == "nested/small/3")
     got = packed[first["offset"] : first["offset"] + 16].view(np.float32)
     np.testing.assert_array_equal(got, tree["nested"]["small"][3])

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 from concurrency_worker import one_save, state
-from conftest import WORKERS, s3_spec
+from conftest import WORKERS, manifest_doc, s3_spec
 
 import eqxckpt
 
@@ -183,7 +183,7 @@ def assert_only_live_prefixes(client, run: str) -> None:
     manifests = [obj["Key"] for obj in listing if obj["Key"].endswith("/eqxckpt.json") and "%" not in obj["Key"]]
     live: set[str] = set()
     for key in manifests:
-        manifest = json.loads(client.get_object(Bucket="eqxckpt-test", Key=key)["Body"].read())
+        manifest = manifest_doc(client.get_object(Bucket="eqxckpt-test", Key=key)["Body"].read())
         entry = key[len(run) :].split("/")[0]
         live.add(f"{entry}/{manifest['arrays']}")
         live |= {leaf["arrays"][3:] for leaf in manifest["leaves"] if "arrays" in leaf}

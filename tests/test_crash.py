@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import WORKERS, assert_trees_equal
+from conftest import WORKERS, assert_trees_equal, manifest_doc
 from crash_writer import state
 
 import eqxckpt
@@ -154,7 +154,7 @@ def test_kill_an_incremental_manager_on_s3_at_random_moments(s3, request, monkey
         listing = [o["Key"][len(top) :] for o in client.list_objects_v2(Bucket="eqxckpt-test", Prefix=top)["Contents"]]
         live = set()
         for step in manager.all_steps():
-            manifest = json.loads(
+            manifest = manifest_doc(
                 client.get_object(Bucket="eqxckpt-test", Key=f"{top}{step}/eqxckpt.json")["Body"].read()
             )
             live |= {f"{step}/{manifest['arrays']}"} | {

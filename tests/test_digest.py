@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import xxhash
-from conftest import crafted_manifest
+from conftest import crafted_manifest, manifest_doc
 from hypothesis import given, settings, strategies as st
 
 import eqxckpt
@@ -91,7 +91,7 @@ def test_every_stored_leaf_of_a_save_has_the_specs_digest(tmp_path):
         "step": 7,
     }
     eqxckpt.save(tmp_path / "c", tree)
-    manifest = json.loads((tmp_path / "c/eqxckpt.json").read_text())
+    manifest = manifest_doc((tmp_path / "c/eqxckpt.json").read_text())
     leaves = {leaf["path"]: leaf for leaf in manifest["leaves"]}
     assert "offset" in leaves["many/0"] and "offset" not in leaves["big"]  # both packed and own arrays
     values = {
@@ -111,11 +111,11 @@ def test_every_stored_leaf_of_a_save_has_the_specs_digest(tmp_path):
     assert "digest" not in leaves["step"]
     # The same tree saved again: the same digests; a copied leaf keeps its source's, a sliced one has none.
     eqxckpt.save(tmp_path / "again", tree)
-    again = {leaf["path"]: leaf for leaf in json.loads((tmp_path / "again/eqxckpt.json").read_text())["leaves"]}
+    again = {leaf["path"]: leaf for leaf in manifest_doc((tmp_path / "again/eqxckpt.json").read_text())["leaves"]}
     assert all(again[path]["digest"] == leaves[path]["digest"] for path in values)
     source = eqxckpt.open(tmp_path / "c")
     eqxckpt.save(tmp_path / "copy", {"same": source["big"], "part": source["big"][:10]})
-    copied = {leaf["path"]: leaf for leaf in json.loads((tmp_path / "copy/eqxckpt.json").read_text())["leaves"]}
+    copied = {leaf["path"]: leaf for leaf in manifest_doc((tmp_path / "copy/eqxckpt.json").read_text())["leaves"]}
     assert copied["same"]["digest"] == leaves["big"]["digest"] and "digest" not in copied["part"]
     assert eqxckpt.verify(tmp_path / "copy").ok
 
@@ -123,7 +123,7 @@ def test_every_stored_leaf_of_a_save_has_the_specs_digest(tmp_path):
 def test_digests_are_parsed_strictly_and_unknown_algorithms_ignored(tmp_path):
     eqxckpt.save(tmp_path / "c", {"w": np.ones(3, np.float32)})
     path = tmp_path / "c/eqxckpt.json"
-    manifest = json.loads(path.read_text())
+    manifest = manifest_doc(path.read_text())
     for value, outcome in (
         ("sha256:" + "0" * 64, None),  # another algorithm: cannot be checked, not an error
         ("xxh3-128:" + "A" * 32, "not xxh3-128: and 32 lowercase hex digits"),
@@ -159,7 +159,7 @@ def test_a_large_tree_is_hashed_in_batches_on_threads_each_save(tmp_path, monkey
     for step in range(2):
         eqxckpt.save(tmp_path / str(step), tree)
     assert len(hashed) == 2 * (6 + PACK_MIN_LEAVES)
-    leaves = {leaf["path"]: leaf for leaf in json.loads((tmp_path / "1/eqxckpt.json").read_text())["leaves"]}
+    leaves = {leaf["path"]: leaf for leaf in manifest_doc((tmp_path / "1/eqxckpt.json").read_text())["leaves"]}
     for i in range(6):
         assert leaves[f"w{i}"]["digest"] == by_the_spec(["array", "float32", [300_000]], np.asarray(tree[f"w{i}"]))
     assert leaves["small/3"]["digest"] == by_the_spec(["array", "int8", [3]], np.full(3, 3, np.int8))
@@ -237,7 +237,7 @@ specs = {"rows": P(("a", "b")), "cols": P(None, ("a", "b")), "grid": P("a", "b")
 values = {k: np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + 10_000 * i for i, k in enumerate(specs)}
 tree = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in values.items()}
 eqxckpt.save(root / "c", tree)
-leaves = {l["path"]: l for l in json.loads((root / "c/eqxckpt.json").read_text())["leaves"]}
+leaves = {l.path: l.to_json() for l in eqxckpt.open(root / "c").stored.manifest.leaves}
 from eqxckpt._digest import digest
 for k, v in values.items():  # every leaf one process holds whole has the whole leaf's digest
     assert leaves[k]["digest"] == digest(["array", "float32", [64, 32]], v), k

@@ -45,12 +45,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import WORKERS, PausableProxy, s3_spec
+from conftest import WORKERS, PausableProxy, manifest_doc, s3_spec
 from fault_model_worker import train_version, tree  # pyright: ignore[reportMissingImports]
 from hypothesis import HealthCheck, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 import eqxckpt
+from eqxckpt import ManifestError
 from eqxckpt._storage import resolve
 from eqxckpt._stored import unwritten_at
 
@@ -194,10 +195,10 @@ class StoreRun:
     def held(self, number: int, keys: list[str]) -> set:
         own = {k for k in keys if k.startswith(f"{number}/")}
         try:
-            manifest = json.loads(self.read(f"{number}/eqxckpt.json") or b"")
+            manifest = manifest_doc(self.read(f"{number}/eqxckpt.json") or b"")
             leaves = [leaf for leaf in manifest["leaves"] if isinstance(leaf, dict) and "arrays" in leaf]
             prefixes = [posixpath.normpath(f"{number}/{leaf['arrays']}/{leaf['location']}") + "/" for leaf in leaves]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, ManifestError):
             prefixes = []  # a damaged manifest refers to nothing
         return own | {k for k in keys for p in prefixes if k.startswith(p)}
 

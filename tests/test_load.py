@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_equal, crafted_manifest, pyright_path
+from conftest import assert_trees_equal, crafted_manifest, manifest_doc, pyright_path
 
 import eqxckpt
 
@@ -159,10 +159,10 @@ def test_missing_path(tmp_path):
 
 def test_unknown_version_is_refused(state_ckpt):
     path, _ = state_ckpt
-    doc = json.loads((path / "eqxckpt.json").read_text())
-    doc["version"] = 5
+    doc = manifest_doc((path / "eqxckpt.json").read_text())
+    doc["version"] = 6
     (path / "eqxckpt.json").write_bytes(crafted_manifest(doc))
-    with pytest.raises(eqxckpt.ManifestError, match="version 5.*Upgrade eqxckpt"):
+    with pytest.raises(eqxckpt.ManifestError, match="version 6.*Upgrade eqxckpt"):
         eqxckpt.load(path)
 
 
@@ -260,7 +260,7 @@ def test_a_missing_at_is_suggested_when_a_prefix_fits(tmp_path):
 
 def test_a_sequence_with_holes_is_a_damaged_manifest_not_nones(tmp_path):
     eqxckpt.save(tmp_path / "c", {"seq": [np.array(1), np.array(2)]})
-    doc = json.loads((tmp_path / "c" / "eqxckpt.json").read_text())
+    doc = manifest_doc((tmp_path / "c" / "eqxckpt.json").read_text())
     doc.pop("sequences_complete")  # as manifests written before it was recorded, which may have gaps
     second = doc["leaves"][1]
     second["path"] = second["location"] = "seq/5"

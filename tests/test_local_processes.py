@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import WORKERS, launch, start_workers
+from conftest import WORKERS, launch, manifest_doc, start_workers
 from test_local import _own_steps
 
 import eqxckpt
@@ -188,7 +188,7 @@ def test_a_job_never_resumes_a_deleted_or_replaced_run_nor_onto_another_mesh(tmp
     # Each part is an ordinary checkpoint of the tree's own leaves: a sharded leaf records the
     # one block of it that process 1 holds (4 of 8 rows), a replicated one is whole.
     [manifest] = (tmp_path / "host1").glob("eqxckpt-local/*/process-1/own/6/eqxckpt.json")
-    leaves = {leaf["path"]: leaf for leaf in json.loads(manifest.read_text())["leaves"]}
+    leaves = {leaf["path"]: leaf for leaf in manifest_doc(manifest.read_text())["leaves"]}
     assert leaves["params/w"]["blocks"] == [[[4, 8], [0, 1024]]] and leaves["keys"]["blocks"] == [[[1, 2], [0, 2]]]
     assert "blocks" not in leaves["replicated"] and leaves["step"]["value"] == 6
     assert eqxckpt.verify(manifest.parent).ok

@@ -1,14 +1,13 @@
 """`CheckpointManager` on object stores (moto's S3 and fake-gcs-server's Cloud Storage,
 on 127.0.0.1): retention, incremental steps and their checks where a step is a prefix."""
 
-import json
 import re
 import time
 import warnings
 
 import numpy as np
 import pytest
-from conftest import assert_trees_equal
+from conftest import assert_trees_equal, manifest_doc
 from test_manager import _flip_bit, _rotting_state, tree
 
 import eqxckpt
@@ -82,7 +81,7 @@ def test_incremental_saves_on_object_stores_refer_to_unchanged_leaves(store):
         return sorted(k[len(top) :].split("/")[0] for k in store.keys(top) if k.endswith(f"/{leaf}/zarr.json"))
 
     def arrays(step: int) -> dict:
-        manifest = json.loads(store.get(f"{top}{step}/eqxckpt.json"))
+        manifest = manifest_doc(store.get(f"{top}{step}/eqxckpt.json"))
         return {leaf["path"]: leaf.get("arrays") for leaf in manifest["leaves"] if "location" in leaf}
 
     with eqxckpt.CheckpointManager(run, max_to_keep=3, blocking=False, kept_copies=1) as manager:
@@ -130,7 +129,7 @@ def test_bit_rot_in_a_base_step_on_an_object_store_is_not_referred_to(store, dam
         manager.save(3, _rotting_state(3))
     assert manager.all_steps() == [2, 3]
     for step in (2, 3):
-        manifest = json.loads(store.get(f"{top}{step}/eqxckpt.json"))
+        manifest = manifest_doc(store.get(f"{top}{step}/eqxckpt.json"))
         arrays = {r["path"]: r.get("arrays") for r in manifest["leaves"] if "location" in r}
         assert (arrays["frozen" if leaf == "frozen" else "small/0"] or "").startswith(
             "../1/"
@@ -145,7 +144,7 @@ def test_a_manager_that_is_not_incremental_refers_to_nothing_on_an_object_store(
         for step in range(2):
             manager.save(step, _rotting_state(step))
     for step in range(2):
-        manifest = json.loads(store.get(f"{top}{step}/eqxckpt.json"))
+        manifest = manifest_doc(store.get(f"{top}{step}/eqxckpt.json"))
         assert not [r for r in manifest["leaves"] if r.get("arrays")]  # each leaf in the step's own prefix
         assert_trees_equal(eqxckpt.load(manager.path(step), _rotting_state(step)), _rotting_state(step))
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from conftest import manifest_doc
 
 import eqxckpt
 from eqxckpt._stored import StoredArrays
@@ -355,7 +356,6 @@ def test_a_transposed_leaf_is_checked_against_the_original_digest(tmp_path, monk
 def test_transposing_a_leaf_of_a_part_is_refused_when_the_view_is_made(tmp_path, monkeypatch):
     # A part holds some blocks of a leaf; its transpose's blocks were not turned, so a lazy
     # read of the view took rows of the original the part does not hold.
-    import json
 
     from _trees import crafted_manifest
 
@@ -364,7 +364,7 @@ def test_transposing_a_leaf_of_a_part_is_refused_when_the_view_is_made(tmp_path,
 
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 48)  # chunks of 2 rows: they tile the part's block
     eqxckpt.save(tmp_path / "c", {"w": np.arange(36, dtype=np.float32).reshape(6, 6)})
-    doc = json.loads((tmp_path / "c" / "eqxckpt.json").read_bytes())
+    doc = manifest_doc((tmp_path / "c" / "eqxckpt.json").read_bytes())
     (leaf,) = [leaf for leaf in doc["leaves"] if leaf["path"] == "w"]
     leaf["blocks"] = [[[2, 4], [0, 6]]]
     del leaf["digest"]

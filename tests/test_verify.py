@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import assert_trees_equal
+from conftest import assert_trees_equal, manifest_doc
 
 import eqxckpt
 from eqxckpt._cli import main as cli
@@ -281,7 +281,7 @@ def test_swapped_packed_chunks_damage_exactly_the_leaves_in_them(tmp_path):
     os.rename(b, a)
     os.rename(tmp_path / "t", b)
     chunk = a.stat().st_size - 4
-    leaves = json.loads((where / "eqxckpt.json").read_text())["leaves"]
+    leaves = manifest_doc((where / "eqxckpt.json").read_text())["leaves"]
     expected = {
         leaf["path"]
         for leaf in leaves

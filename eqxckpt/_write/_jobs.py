@@ -132,7 +132,7 @@ class Hashing:
             try:
                 with collector_paused():
                     self._result = digested(manifest, leaves, self.stopping)
-                    self._result.leaf_lines()  # encoded now, for the commit
+                    self._result.leaf_cells()  # encoded now, for the commit
             except BaseException as e:  # raised where the save waits for it
                 self._error = e
 

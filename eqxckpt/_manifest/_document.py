@@ -5,42 +5,41 @@ use: types, paths (never outside the checkpoint), dtypes, shapes and sizes.
 """
 
 import dataclasses
-import functools
 import json
 import re
 import time
 import uuid
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 from crc32c import crc32c
 
-from ._errors import ArgumentError, ManifestError
-from ._gc import collector_paused
-from ._leaf import KeyRecord, Leaf, StoredLeaf, parse_leaf
-from ._paths import ARRAYS_PREFIX, PACKED_LOCATION, is_arrays_name, record_segment
-from ._process_state import ProcessStates
-from ._version import __version__
-from ._write._pack import PackedArray
+from .._digest import ALGORITHM
+from .._errors import ArgumentError, ManifestError
+from .._gc import collector_paused
+from .._leaf import Leaf, StoredLeaf, parse_leaf, with_storage
+from .._paths import ARRAYS_PREFIX, PACKED_LOCATION, is_arrays_name
+from .._process_state import ProcessStates
+from .._version import __version__
+from .._write._pack import PackedArray
+from ._keys import check_containers, parse_keys
+from ._table import encode_table, leaf_cell, parse_table
 
 FORMAT = "eqxckpt"
 # Version 2 adds packed leaves; version 3 the "arrays" prefix (object stores); version 4
 # leaves whose arrays are in a sibling checkpoint's prefix (incremental saves on object
-# stores). Each manifest is written with the lowest version that holds it, so that older
-# eqxckpt reads what it can, and refuses what it would read from the wrong place.
-VERSION = 4
-VERSIONS = (1, 2, 3, 4)
-KEY_KINDS = ("attr", "dict", "seq", "index")
+# stores); version 5 the leaves as a table of columns (`_table`), which every manifest
+# is written with: no older eqxckpt reads it.
+VERSION = 5
+VERSIONS = (1, 2, 3, 4, 5)
 # A manifest begins with the CRC-32C of its bytes (these 8 hex digits read as "00000000"),
 # so that no flipped bit in a value goes unnoticed. Manifests written before begin with
 # "format" and have none: still read (and older readers ignore the field).
 CHECKSUM_HEAD = b'{"crc32c": "'
 CHECKSUM_DIGITS = slice(len(CHECKSUM_HEAD), len(CHECKSUM_HEAD) + 8)
-# 64 MiB hold the manifest of about 250,000 leaves (about 250 bytes each).
+# 64 MiB hold the manifest of about a million small leaves (about 60 bytes each).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_PARSE_FACTOR = 16
-# A sequence's largest index may exceed its number of leaves (empty subtrees
-# leave gaps), by at most this much.
-MAX_GAP_FACTOR, MAX_GAP = 2, 64
 # json.dumps(..., allow_nan=False) builds an encoder per call; one serves every leaf.
 _STRICT = json.JSONEncoder(allow_nan=False)
 
@@ -49,7 +48,8 @@ _STRICT = json.JSONEncoder(allow_nan=False)
 class Manifest:
     """What a checkpoint holds: its leaves in saved order, and the user's metadata."""
 
-    leaves: tuple[Leaf, ...]
+    # A tuple, or as read from a version-5 manifest a `LeafTable` (records made when asked for).
+    leaves: Sequence[Leaf]
     metadata: dict[str, Any]
     created: float = dataclasses.field(default_factory=time.time)
     # Unique per save: two checkpoints written at one place never share a manifest's bytes.
@@ -74,18 +74,12 @@ class Manifest:
         found = (leaf.arrays for leaf in self.leaves if isinstance(leaf, StoredLeaf) and leaf.arrays is not None)
         return list(dict.fromkeys(found))
 
-    @property
-    def version(self) -> int:
-        if self.arrays:
-            return 4 if self.references() else 3
-        packed = any(isinstance(leaf, StoredLeaf) and leaf.offset is not None for leaf in self.leaves)
-        return 2 if packed else 1
-
-    def leaf_lines(self) -> list[str]:
-        """Each leaf's line of the manifest, encoded once per leaf: a save encodes them on its
-        hashing thread while the chunks are written, and its commit only joins them."""
+    def leaf_cells(self) -> list[Any]:
+        """Each leaf's entries of the leaf table (`_table.leaf_cell`), made once per leaf: a
+        save makes them on its hashing thread while the chunks are written, and its commit
+        only joins them."""
         with collector_paused():
-            return [_line(leaf) for leaf in self.leaves]
+            return [_cell(leaf) for leaf in self.leaves]
 
     def refuse_oversized(self, metadata_bytes: int) -> None:
         """Refuse (`ArgumentError`) to save what a load would refuse as too large: a manifest
@@ -98,8 +92,11 @@ class Manifest:
         )
         if bound <= MAX_MANIFEST_BYTES:
             return
-        undigested = sum(1 for leaf in self.leaves if isinstance(leaf, StoredLeaf) and leaf.digest is None)
-        self.refuse_bytes(len(self.to_bytes()) + _DIGEST_FIELD_BYTES * undigested)
+        digested = tuple(
+            with_storage(leaf, digest=_SOME_DIGEST) if isinstance(leaf, StoredLeaf) and leaf.digest is None else leaf
+            for leaf in self.leaves
+        )
+        dataclasses.replace(self, leaves=digested).to_bytes()  # refuses what is too large
 
     @staticmethod
     def refuse_bytes(size: int, parse_cost: int = 0) -> None:
@@ -120,7 +117,7 @@ class Manifest:
     def to_bytes(self) -> bytes:
         head = {
             "format": FORMAT,
-            "version": self.version,
+            "version": VERSION,
             "eqxckpt_version": __version__,
             "created_unix": self.created,
             "save_id": self.save_id,
@@ -128,12 +125,12 @@ class Manifest:
             **({"arrays": self.arrays} if self.arrays else {}),
             "metadata": self.metadata,
         }
-        # One leaf per line: easy to read, grep and diff.
-        lines = self.leaf_lines()
+        # One column per line: readable, with jq too.
+        table = encode_table(self.leaf_cells())
         body = json.dumps(head, indent=1, allow_nan=False)[:-2]
         if self.process_states is not None:  # compact: indenting a nested state would multiply its size
             body += ',\n "process_states": ' + json.dumps(self.process_states.to_json(), separators=(",", ":"))
-        raw = with_checksum((body + ',\n "leaves": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n").encode())
+        raw = with_checksum((body + ',\n "leaves": ' + table + "\n}\n").encode())
         self.refuse_bytes(len(raw), parse_cost(raw))  # what a load would refuse is never committed
         return raw
 
@@ -141,7 +138,7 @@ class Manifest:
 # At most this many bytes of a leaf's line besides its path (as escaped, at most 36 bytes a
 # character: it appears in the path, the keys and the location) and its value (`_json_bound`).
 _LINE_BOUND = 400
-_DIGEST_FIELD_BYTES = len(', "digest": "xxh3-128:' + "0" * 32 + '"')
+_SOME_DIGEST = f"{ALGORITHM}:" + "0" * 32  # as many bytes as the one a leaf will have
 
 
 def _json_bound(leaf: Leaf) -> int:
@@ -197,12 +194,12 @@ def metadata_bytes(metadata: Any) -> int:
         raise ArgumentError(f"metadata must be a JSON-serialisable dict: {type(e).__name__}: {e}") from None
 
 
-def _line(leaf: Leaf) -> str:
+def _cell(leaf: Leaf) -> Any:
     # Leaves are immutable, and `with_storage` (which makes a changed copy) drops it.
-    line = leaf.__dict__.get("_line")
-    if line is None:
-        line = leaf.__dict__["_line"] = _STRICT.encode(leaf.to_json())
-    return line
+    cell = leaf.__dict__.get("_line")
+    if cell is None:
+        cell = leaf.__dict__["_line"] = leaf_cell(leaf.to_json())
+    return cell
 
 
 def with_checksum(raw: bytes) -> bytes:
@@ -236,103 +233,6 @@ def check_checksum(raw: bytes, doc: dict[str, Any], where: str) -> None:
 
 
 # --- parsing --------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _plain_segment(kind: str, key: str | int) -> str | None:
-    """The path segment of the key entry ``[kind, key]`` (``key`` exactly a str or an int),
-    or None if it is not a valid entry: the entries of a manifest repeat (every leaf of a
-    layer names the layer), so each is checked once."""
-    if kind in ("seq", "index"):
-        ok = type(key) is int and key >= 0
-    else:
-        ok = kind in KEY_KINDS and (type(key) is str or kind == "dict")
-    return record_segment((kind, key)) if ok else None
-
-
-def _keys(value: Any, path: str) -> tuple[KeyRecord, ...]:
-    if type(value) is list and value:
-        # The usual entries, [kind, a str or an int] each, one cache lookup each.
-        keys = []
-        segments = []
-        for entry in value:
-            if type(entry) is not list or len(entry) != 2:
-                break
-            kind, key = entry
-            # Exact types only: a cache lookup would take True for 1 and 1.0 for 1.
-            if type(kind) is not str or (type(key) is not str and type(key) is not int):
-                break
-            segment = _plain_segment(kind, key)
-            if segment is None:
-                break
-            keys.append((kind, key))
-            segments.append(segment)
-        else:
-            if "/".join(segments) == path:
-                return tuple(keys)
-    return _unusual_keys(value, path)  # and what is wrong with them, if anything
-
-
-def _unusual_keys(value: Any, path: str) -> tuple[KeyRecord, ...]:
-    if not isinstance(value, list) or len(value) != len(path.split("/")) or not value:
-        raise ManifestError(f"Leaf {path!r}: 'keys' must list one [kind, key] per path segment.")
-    keys = []
-    segments = []
-    for entry in value:
-        ok = isinstance(entry, list) and len(entry) in (2, 3) and entry[0] in KEY_KINDS
-        if ok and entry[0] in ("seq", "index"):
-            ok = isinstance(entry[1], int) and not isinstance(entry[1], bool) and entry[1] >= 0
-        elif ok:
-            ok = isinstance(entry[1], str) or (
-                entry[0] == "dict" and isinstance(entry[1], int) and not isinstance(entry[1], bool)
-            )
-        if not ok or (len(entry) == 3 and entry[2] != "repr"):
-            raise ManifestError(f"Leaf {path!r}: key entry {entry!r} is not [kind, key] with kind in {KEY_KINDS}.")
-        keys.append(tuple(entry))
-        segments.append(record_segment(entry))
-    if "/".join(segments) != path:
-        raise ManifestError(f"Leaf {path!r}: its keys {value!r} do not spell its path.")
-    return tuple(keys)
-
-
-def _check_containers(records: tuple[Leaf, ...], where: str, sequences_complete: bool) -> None:
-    """Leaves must describe one tree: each container is of one kind, and no leaf is
-    also a container of others."""
-    kinds: dict[str, str] = {}
-    indices: dict[str, set[int]] = {}
-    leaves = {r.path for r in records}
-    for record in records:
-        # Each key's segment is the path's (`_keys` checked that they spell it), so the
-        # containers are the path's prefixes.
-        segments = record.path.split("/")
-        parent = ""
-        for (kind, key, *_), segment in zip(record.keys, segments):
-            family = "list" if kind in ("seq", "index") else "mapping"
-            if kinds.setdefault(parent, family) != family or parent in leaves:
-                raise ManifestError(
-                    f"The manifest of {where} is inconsistent at {parent or '<root>'!r}: leaf {record.path!r} "
-                    "disagrees with another leaf about what kind of container it is in."
-                )
-            if family == "list":
-                indices.setdefault(parent, set()).add(key)
-            parent = f"{parent}/{segment}" if parent else segment
-    for parent, found in indices.items():
-        # A sequence is rebuilt (like=None) with one slot per index, so its
-        # indices must be exactly 0..n-1: no crafted index allocates a huge
-        # list, and no lost leaf becomes a silent None. Manifests written before
-        # empty subtrees were recorded have gaps there (None, (), optax's
-        # EmptyState()), but only a few per leaf.
-        if sequences_complete and max(found) != len(found) - 1:
-            raise ManifestError(
-                f"The manifest of {where} is inconsistent at {parent or '<root>'!r}: the sequence holds indices "
-                f"{sorted(found)[:5]}{' ...' if len(found) > 5 else ''} (largest {max(found)}), not exactly "
-                f"0..{len(found) - 1}: a leaf is missing from the manifest. The checkpoint is damaged or crafted."
-            )
-        if max(found) >= MAX_GAP_FACTOR * len(found) + MAX_GAP:
-            raise ManifestError(
-                f"The manifest of {where} is inconsistent at {parent or '<root>'!r}: a sequence with "
-                f"{len(found)} leaves claims index {max(found)}. The manifest is corrupt or crafted."
-            )
 
 
 def parse_cost(raw: bytes) -> int:
@@ -430,39 +330,44 @@ def _parse_manifest(raw: bytes, where: str) -> Manifest:
         )
     metadata = doc.get("metadata", {})
     leaves = doc.get("leaves")
-    if not isinstance(metadata, dict) or not isinstance(leaves, list):
-        raise ManifestError(f"The manifest of {where} must have an object 'metadata' and a list 'leaves'.")
-    records = tuple(parse_leaf(leaf, _keys) for leaf in leaves)
-    paths = [r.path for r in records]
-    if len(set(paths)) != len(paths):
-        raise ManifestError(f"The manifest of {where} lists a leaf path twice.")
-    if any(path.split("/")[0] == PACKED_LOCATION for path in paths):
-        raise ManifestError(f"The manifest of {where} names a leaf {PACKED_LOCATION!r}, which no key can be.")
-    if version == 1 and any(isinstance(r, StoredLeaf) and r.offset is not None for r in records):
-        raise ManifestError(f"The manifest of {where} is version 1 but has packed leaves; it is corrupt or crafted.")
-    if (packing := PackedArray.of(records)) is not None:
-        packing.check_ranges(where)
+    if not isinstance(metadata, dict) or not isinstance(leaves, dict if version == 5 else list):
+        raise ManifestError(
+            f"The manifest of {where} must have an object 'metadata' and its 'leaves' as "
+            + ("a table (an object of columns)." if version == 5 else "a list.")
+        )
     complete = doc.get("sequences_complete", False)
     if not isinstance(complete, bool):
         raise ManifestError(f"The manifest of {where} has a non-boolean 'sequences_complete'.")
-    _check_containers(records, where, complete)
+    records: Sequence[Leaf]
+    if version == 5:  # every column and the tree they make checked
+        records = table = parse_table(leaves, where, complete)
+        # Only records parsed whole (with fields of their own) name a sibling's arrays.
+        unusual = table.whole
+        packed_arrays: set[str | None] = {None} if table.plain_packed else set()
+    else:
+        records = unusual = _parse_rows(cast(list[Any], leaves), where, complete)
+        packed_arrays = set()
+    if version == 1 and any(isinstance(r, StoredLeaf) and r.offset is not None for r in records):
+        raise ManifestError(f"The manifest of {where} is version 1 but has packed leaves; it is corrupt or crafted.")
     arrays = doc.get("arrays", "")
-    if (version >= 3) != (arrays != "") or (arrays and not is_arrays_name(arrays)):
+    if (version in (3, 4) and not arrays) or (version < 3 and arrays) or (arrays and not is_arrays_name(arrays)):
         raise ManifestError(
             f"The manifest of {where} has version {version} and arrays {arrays!r}: versions 3 and 4 name where "
             f"its arrays are ({ARRAYS_PREFIX}<32 hex digits>), earlier versions do not. It is corrupt or crafted."
         )
-    if len({r.arrays for r in records if isinstance(r, StoredLeaf) and r.offset is not None}) > 1:
+    packed_arrays.update(r.arrays for r in unusual if isinstance(r, StoredLeaf) and r.offset is not None)
+    if len(packed_arrays) > 1:
         raise ManifestError(
             f"The manifest of {where} has packed leaves in different arrays: they share one packed array, "
             "so all name the same prefix or none does. It is corrupt or crafted."
         )
-    referring = any(isinstance(r, StoredLeaf) and r.arrays is not None for r in records)
-    if referring != (version == 4):
+    referring = any(isinstance(r, StoredLeaf) and r.arrays is not None for r in unusual)
+    if (referring and not arrays) if version == 5 else referring != (version == 4):
         raise ManifestError(
             f"The manifest of {where} has version {version}"
             + (" and leaves in another checkpoint's arrays" if referring else " but no leaf in another checkpoint")
-            + ": only version 4 has such leaves, and each version-4 manifest has one. It is corrupt or crafted."
+            + ": only version 4 has such leaves, and each version-4 manifest has one; in version 5 only a "
+            "manifest with 'arrays' has them. It is corrupt or crafted."
         )
     created = doc.get("created_unix", 0.0)
     save_id = doc.get("save_id", "")
@@ -477,3 +382,17 @@ def _parse_manifest(raw: bytes, where: str) -> Manifest:
         arrays,
         process_states,
     )
+
+
+def _parse_rows(leaves: list[Any], where: str, complete: bool) -> tuple[Leaf, ...]:
+    """The leaves of a manifest written before version 5: a record per leaf."""
+    records = tuple(parse_leaf(leaf, parse_keys) for leaf in leaves)
+    paths = [r.path for r in records]
+    if len(set(paths)) != len(paths):
+        raise ManifestError(f"The manifest of {where} lists a leaf path twice.")
+    if any(path.split("/")[0] == PACKED_LOCATION for path in paths):
+        raise ManifestError(f"The manifest of {where} names a leaf {PACKED_LOCATION!r}, which no key can be.")
+    if (packing := PackedArray.of(records)) is not None:
+        packing.check_ranges(where)
+    check_containers(records, where, complete)
+    return records

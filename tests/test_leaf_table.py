@@ -1,0 +1,292 @@
+"""The leaf table (`_manifest/_table.py`): a manifest's leaves as columns. Every leaf kind
+round-trips, each record is what its kind's parser makes of the same record, and every
+malformed column is refused naming the leaf or the column."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import crafted_manifest, manifest_doc
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import eqxckpt
+from eqxckpt._errors import ManifestError
+from eqxckpt._leaf import ArrayLeaf, KeyLeaf, OpaqueLeaf, ScalarLeaf, Seen, parse_leaf
+from eqxckpt._manifest import LeafTable, Manifest, leaf_cell, parse_keys, parse_manifest, table_of, table_rows
+from eqxckpt._paths import PACK_ALIGNMENT, PACKED_LOCATION, record_segment
+from eqxckpt._scalars import nan_bits, scalar_to_json
+
+# --- every leaf kind round-trips --------------------------------------------------------
+
+KEY_ENTRIES = st.one_of(
+    st.tuples(st.just("attr"), st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)),
+    st.tuples(st.just("dict"), st.text(max_size=12)),  # escapes, "", ".", "%", reserved names
+    st.tuples(st.just("dict"), st.text(min_size=130, max_size=140)),  # shortened with a hash: keys listed
+    st.tuples(st.just("dict"), st.integers(-5, 10**6)),
+    st.tuples(st.just("seq"), st.integers(0, 40)),
+    st.tuples(st.just("index"), st.integers(0, 40)),
+    st.tuples(st.just("dict"), st.text(max_size=8), st.just("repr")),
+)
+DTYPES = ["float32", "bfloat16", "int8", "uint4", "bool", "complex64", "float8_e4m3fn"]
+DIGESTS = st.one_of(st.none(), st.binary(min_size=16, max_size=16).map(lambda b: "xxh3-128:" + b.hex()))
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.complex_numbers(allow_nan=True),
+    st.text(max_size=10),
+)
+
+
+@st.composite
+def records(draw):
+    """Leaves of every kind, each in a subtree of its own (so that any keys make one tree),
+    packed ones at aligned offsets that do not overlap, some with fields of their own."""
+    count = draw(st.integers(0, 30))
+    leaves, end = [], 0
+    for i in range(count):
+        keys = (("dict", f"l{i}"), *draw(st.lists(KEY_ENTRIES, max_size=3)))
+        path = "/".join(record_segment(key) for key in keys)
+        kind = draw(st.sampled_from(["array", "packed", "prng_key", "scalar", "opaque", "shared", "part"]))
+        shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+        digest = draw(DIGESTS)
+        if kind in ("array", "packed", "shared"):
+            dtype, array_type = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(["jax", "numpy", "numpy_scalar"]))
+            leaf = ArrayLeaf(path, keys, shape, dtype, array_type, digest=digest)
+            if kind == "packed":
+                leaf = ArrayLeaf(path, keys, shape, dtype, array_type, digest=digest, offset=end)
+                end += -(-leaf.nbytes // PACK_ALIGNMENT) * PACK_ALIGNMENT + PACK_ALIGNMENT * draw(st.integers(0, 2))
+            elif kind == "shared":  # an array another checkpoint holds, checked when
+                leaf = ArrayLeaf(
+                    path,
+                    keys,
+                    shape,
+                    dtype,
+                    array_type,
+                    digest=digest,
+                    arrays=f"../{draw(st.integers(0, 9))}/%arrays." + "3" * 32,
+                    seen=Seen(draw(st.floats(0, 1e10)), draw(st.integers(0, 99)), ("00ab", "ff")),
+                )
+        elif kind == "part":
+            leaf = ArrayLeaf(path, keys, (4, 3), "float32", "jax", digest=digest, blocks=(((2, 4), (0, 3)),))
+        elif kind == "prng_key":
+            impl, key_shape = draw(st.sampled_from([("threefry2x32", (2,)), ("rbg", (4,))]))
+            offset = None
+            if draw(st.booleans()):
+                offset, end = end, end + PACK_ALIGNMENT * (1 + math.prod(shape) * math.prod(key_shape) * 4 // 64)
+            leaf = KeyLeaf(path, keys, shape, "uint32", impl, key_shape, digest=digest, offset=offset)
+        elif kind == "scalar":
+            value = draw(SCALARS)
+            leaf = ScalarLeaf(path, keys, *scalar_to_json(value), nan_bits(value))
+        else:
+            leaf = OpaqueLeaf(path, keys, draw(st.sampled_from(["builtins.function", "object"])), draw(st.text()))
+        leaves.append(leaf)
+    return tuple(leaves)
+
+
+@settings(max_examples=300, deadline=None)
+@given(records(), st.booleans())
+def test_every_leaf_kind_round_trips(leaves, own_arrays):
+    """What a manifest writes comes back equal, record for record, whatever order its
+    records are made in, and each is what its kind's parser makes of its record."""
+    shared = any(leaf.__dict__.get("arrays") for leaf in leaves)
+    arrays = "%arrays." + "1" * 32 if own_arrays or shared else ""
+    raw = Manifest(leaves, {"n": 1}, arrays=arrays, sequences_complete=False).to_bytes()  # (one index each)
+    parsed = parse_manifest(raw)
+    assert isinstance(parsed.leaves, LeafTable) and len(parsed.leaves) == len(leaves)
+    assert [parsed.leaves[i] for i in reversed(range(len(leaves)))] == list(reversed(leaves))  # made one by one
+    assert tuple(parsed.leaves) == leaves and parsed.leaves == leaves
+    for leaf in parsed.leaves:  # as the kind's own parser reads the record
+        assert leaf == parse_leaf(leaf.to_json(), parse_keys)
+        assert type(leaf) is type(parse_leaf(leaf.to_json(), parse_keys))
+    rows = table_rows(json.loads(raw)["leaves"])
+    assert [parse_leaf(row, parse_keys) for row in rows] == list(leaves)
+
+
+def test_a_tree_saved_and_loaded_keeps_every_kind_and_its_manifest_is_small(tmp_path):
+    """A save's manifest is a table: the leaves of a layer share their type, their keys
+    are compact where the path spells them, and a small leaf costs about 60 bytes."""
+    import jax
+
+    tree = {
+        "model": {"layers": [{"w": np.full((4, 3), i, np.float32), "b": np.zeros(3, np.float32)} for i in range(50)]},
+        "key": jax.random.key(1),
+        "step": 7,
+        "lr": float("nan"),
+        "act": jax.nn.relu,
+        "odd": [{"a/b": np.ones(2, np.int8)}, {3: np.ones(2, np.int8)}],
+    }
+    eqxckpt.save(tmp_path / "c", tree)
+    raw = (tmp_path / "c" / "eqxckpt.json").read_bytes()
+    table = json.loads(raw)["leaves"]
+    assert table["count"] == 106 and len(table["types"]) == 6
+    assert table["keys"].count("ddsd") == 100 and table["keys"].count("d") == 4
+    assert set(table["fields"]) == {str(i) for i, p in enumerate(table["paths"]) if p in ("step", "lr")}
+    assert len(raw) / 106 < 90
+    loaded = eqxckpt.load(tmp_path / "c", tree)
+    assert np.array_equal(loaded["model"]["layers"][49]["w"], tree["model"]["layers"][49]["w"])
+    assert loaded["step"] == 7 and math.isnan(loaded["lr"]) and loaded["odd"][1][3].dtype == np.int8
+    assert eqxckpt.verify(tmp_path / "c").ok
+
+
+# --- malformed columns are refused -----------------------------------------------------
+
+
+def saved(tmp_path):
+    """A checkpoint with packed leaves, a big one, a key, a scalar and a function."""
+    import jax
+
+    tree = {"small": [np.full(3, i, np.float32) for i in range(40)], "big": np.ones((300, 300), np.float32)}
+    tree.update(key=jax.random.key(0), step=3, f=print)
+    eqxckpt.save(tmp_path / "c", tree)
+    return tmp_path / "c", json.loads((tmp_path / "c" / "eqxckpt.json").read_bytes())
+
+
+def refused(path, doc, match):
+    (path / "eqxckpt.json").write_bytes(crafted_manifest(doc))
+    with pytest.raises(ManifestError, match=match):
+        eqxckpt.open(path)
+    assert not eqxckpt.verify(path).ok
+
+
+def index(doc, path):
+    return doc["leaves"]["paths"].index(path)
+
+
+def packed_index(doc, nth):
+    return [i for i, offset in enumerate(doc["leaves"]["offsets"]) if offset is not None][nth]
+
+
+COLUMN_EDITS = {
+    "a column shorter": (lambda t: t["paths"].pop(), "'paths' column must list one entry for each of its"),
+    "a column longer": (lambda t: t["shapes"].append([1]), "'shapes' column must list one entry"),
+    "a column missing": (lambda t: t.pop("offsets"), "'offsets' column must list"),
+    "a count that lies": (lambda t: t.update(count=t["count"] + 1), "column must list one entry for each"),
+    "the table a list": (None, "as a table"),
+    "a path twice": (lambda t: t["paths"].__setitem__(1, t["paths"][0]), "twice"),
+    "a path outside": (lambda t: t["paths"].__setitem__(0, "../x"), "unsafe segment"),
+    "a path with a newline": (lambda t: t["paths"].__setitem__(0, "small\n0"), "unsafe segment"),
+    "a path of the packed array": (lambda t: t["paths"].__setitem__(0, "%packed"), "which no key's path"),
+    "a type index outside": (lambda t: t["type"].__setitem__(0, len(t["types"])), "indices into its 'types'"),
+    "a type index not an int": (lambda t: t["type"].__setitem__(0, 0.0), "indices into its 'types'"),
+    "a type with another field": (lambda t: t["types"][0].update(value=3), "has fields other than"),
+    "a type of an unknown kind": (lambda t: t["types"][0].update(kind="pickle"), "unknown kind"),
+    "keys that do not spell the path": (lambda t: t["keys"].__setitem__(0, "dd"), "do not spell its path"),
+    "an int key that is not decimal": (lambda t: t["keys"].__setitem__(0, "dn"), "do not spell its path"),
+    "keys of another kind": (lambda t: t["keys"].__setitem__(0, "dx"), "do not spell its path"),
+    "a negative dimension": (lambda t: t["shapes"].__setitem__(0, [-3]), "negative"),
+    "a shape of no list": (lambda t: t["shapes"].__setitem__(0, 3), "shape must be a list"),
+    "a bool dimension": (lambda t: t["shapes"].__setitem__(0, [True]), "non-integer"),
+    "an absurd shape": (lambda t: t["shapes"].__setitem__(0, [2**30, 2**30]), "absurd"),
+    "a scalar with a shape": (None, "no stored array"),
+    "an offset unaligned": (None, "multiple of 64"),
+    "an offset negative": (None, "multiple of 64"),
+    "an offset past any array": (None, "ending within"),
+    "offsets that overlap": (None, "overlapping bytes"),
+    "digests too few": (lambda t: t.update({"xxh3-128": t["xxh3-128"][:-24]}), "base64 of 16 bytes"),
+    "digests not base64": (lambda t: t.update({"xxh3-128": "!" + t["xxh3-128"][1:]}), "base64 of 16 bytes"),
+    "fields of no leaf": (lambda t: t["fields"].update({str(t["count"]): {"value": 1}}), "which it does not have"),
+    "fields naming a path": (lambda t: t["fields"].update({"0": {"path": "x"}}), "fields its columns and type"),
+    "fields with a padded index": (lambda t: t["fields"].update({"01": {"value": 1}}), "which it does not have"),
+    "a scalar without its value": (None, "value"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COLUMN_EDITS))
+def test_every_malformed_column_is_refused(tmp_path, case):
+    path, doc = saved(tmp_path)
+    table = doc["leaves"]
+    edit, match = COLUMN_EDITS[case]
+    step = index(doc, "step")
+    if case == "the table a list":
+        doc["leaves"] = "columns"
+    elif case == "a scalar with a shape":
+        table["shapes"][step] = [1]
+    elif case == "a scalar without its value":
+        del table["fields"][str(step)]
+    elif case.startswith("an offset") or case == "offsets that overlap":
+        first, second = packed_index(doc, 0), packed_index(doc, 1)
+        table["offsets"][second] = {
+            "an offset unaligned": 65,
+            "an offset negative": -64,
+            "an offset past any array": 2**53,
+            "offsets that overlap": table["offsets"][first],
+        }[case]
+    else:
+        edit(table)
+    refused(path, doc, match)
+
+
+def test_a_leaf_table_edited_as_records_is_refused_as_records_are(tmp_path):
+    """What tests edit (records, via `manifest_doc`) is written back as the writer would
+    (`crafted_manifest`): the record's own checks still refuse it, naming the leaf."""
+    path, _ = saved(tmp_path)
+    doc = manifest_doc((path / "eqxckpt.json").read_bytes())
+    next(row for row in doc["leaves"] if row["path"] == "small/0")["location"] = "elsewhere"
+    refused(path, doc, "Leaf 'small/0': its location 'elsewhere' must equal its path")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_single_entry_changed_parses_or_is_refused(tmp_path_factory, data):
+    """Any entry of any column replaced by any JSON value: a `ManifestError` or records
+    that are what each one's parser makes of its record (never anything else)."""
+    path, doc = saved(tmp_path_factory.mktemp("t"))
+    table = doc["leaves"]
+    column = data.draw(st.sampled_from(["paths", "keys", "type", "shapes", "offsets"]))
+    i = data.draw(st.integers(0, table["count"] - 1))
+    value = data.draw(
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(-(2**65), 2**65),
+            st.text(max_size=6),
+            st.lists(st.integers(), max_size=3),
+        )
+    )
+    table[column][i] = value
+    try:
+        parsed = parse_manifest(crafted_manifest(doc))
+    except ManifestError:
+        return
+    for leaf in parsed.leaves:
+        assert leaf == parse_leaf(leaf.to_json(), parse_keys)
+
+
+def test_a_manifest_of_a_million_small_leaves_fits_and_loads():
+    """About 60 bytes a small leaf: a million of them stay under the 64 MiB a load reads,
+    where a record per leaf (about 260 bytes) could not hold 300,000."""
+    from eqxckpt._manifest import MAX_MANIFEST_BYTES
+
+    count = 1_000_000
+    digest = "xxh3-128:" + "5a" * 16
+    leaves = tuple(
+        ArrayLeaf(f"b{i // 1000}/p{i % 1000}", (("dict", f"b{i // 1000}"), ("dict", f"p{i % 1000}")), (16,),
+                  "float32", "jax", offset=64 * i, digest=digest)
+        for i in range(count)
+    )  # fmt: skip
+    raw = Manifest(leaves, {}).to_bytes()
+    assert len(raw) <= MAX_MANIFEST_BYTES and len(raw) / count < 64
+    parsed = parse_manifest(raw)
+    assert len(parsed.leaves) == count and parsed.leaves[count - 1] == leaves[-1]
+    assert parsed.leaves[123_456].path == "b123/p456" and parsed.leaves[123_456].offset == 64 * 123_456
+
+
+def test_cells_split_any_record_and_table_rows_put_it_back():
+    """Any record (what `manifest_doc` gives tests to edit) survives the split into columns."""
+    rows = [
+        {"path": "a", "keys": [["dict", "a"]], "kind": "scalar", "type": "int", "value": 3},
+        {"path": "b", "keys": [["attr", "b"]], "kind": "array", "shape": [2], "dtype": "int8", "location": "b",
+         "array_type": "numpy"},
+        {"path": "c", "keys": [["dict", "c", "repr"]], "kind": "opaque", "type": "object"},
+        {"path": "d", "keys": 5, "kind": "array", "location": "%packed", "offset": 3, "extra": [1]},
+        {"path": None, "kind": float("inf")},
+    ]  # fmt: skip
+    back = table_rows(table_of(map(leaf_cell, rows)))
+    assert back[0] == rows[0] and back[2] == rows[2] and back[3] == rows[3]
+    assert back[1] == rows[1]  # (no digest: none in its record)
+    assert back[4]["path"] is None and back[4]["kind"] == float("inf")
+    assert table_of(map(leaf_cell, rows))["keys"][:3] == ["d", "a", [["dict", "c", "repr"]]]
+    assert PACKED_LOCATION == "%packed"
