@@ -13,7 +13,7 @@ import json
 import math
 import os
 import weakref
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from ._chunks import ChunkLayout, Region
 from ._dtypes import zarr_data_type
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._formats._convert import aligned_empty
-from ._leaf import Leaf, StoredLeaf
+from ._leaf import ArrayLeaf, Leaf, StoredLeaf
 from ._manifest import Manifest
 from ._paths import MANIFEST_NAME
 from ._storage import (
@@ -73,11 +73,19 @@ class StoredArrays:
         self.arrays = storage.arrays(manifest)
         # Leaves an incremental save took unchanged from earlier checkpoints are in theirs.
         self.referenced = {ref: storage.referenced(ref) for ref in manifest.references()}
-        self.records: dict[str, Leaf] = {leaf.path: leaf for leaf in manifest.leaves}
-        # The array small leaves are packed in, if any: its members and their offsets, and its record.
-        self.packing = PackedArray.of(manifest.leaves)
-        self.packed = None if self.packing is None else self.packing.record
+        # Each record made when first looked up (a load of part of it makes only those).
+        self.records: Mapping[str, Leaf] = manifest.by_path()
         self._prepared: dict[tuple[str, str | None], ChunkLayout] = {}  # `prepare_layouts`'
+
+    @functools.cached_property
+    def packing(self) -> PackedArray | None:
+        """The array small leaves are packed in, if any: its members and their offsets."""
+        return PackedArray.of(self.manifest.leaves)
+
+    @property
+    def packed(self) -> ArrayLeaf | None:
+        """The packed array's record, if any."""
+        return None if self.packing is None else self.packing.record
 
     @classmethod
     def open(cls, path: CheckpointPath | Storage) -> "StoredArrays":

@@ -146,6 +146,13 @@ def test_format_spec_names_every_field_eqxckpt_writes(tmp_path):
     assert scalar_types == {"int", "float", "bool", "complex", "str", "none"}
     array_types = {leaf.get("array_type") for leaf in manifest["leaves"] if leaf["kind"] == "array"}
     assert array_types == {"jax", "numpy", "numpy_scalar"}
+    # A leaf table's columns: each named in its section, as are the compact key characters.
+    table_section = (DOCS / "format.md").read_text().split("## The leaf table\n", 1)[1].split("\n## ", 1)[0]
+    written_table = json.loads((tmp_path / "c" / "eqxckpt.json").read_bytes())["leaves"]
+    assert all(f"| `{name}` |" in table_section for name in written_table), set(written_table)
+    assert set("".join(k for k in written_table["keys"] if isinstance(k, str))) <= {
+        char for char in "adnsi" if f"| `{char}` |" in table_section
+    }
     zarr_fields = {name for (name,) in spec_fields("Arrays")}
     written = json.loads((tmp_path / "c" / PACKED_LOCATION / "zarr.json").read_text())
     assert zarr_fields == set(written)

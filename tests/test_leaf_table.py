@@ -255,6 +255,7 @@ def test_any_single_entry_changed_parses_or_is_refused(tmp_path_factory, data):
         assert leaf == parse_leaf(leaf.to_json(), parse_keys)
 
 
+@pytest.mark.slow  # about 20 s: a million records made, written and read
 def test_a_manifest_of_a_million_small_leaves_fits_and_loads():
     """About 60 bytes a small leaf: a million of them stay under the 64 MiB a load reads,
     where a record per leaf (about 260 bytes) could not hold 300,000."""

@@ -48,7 +48,7 @@ class OrbaxCheckpoint(Source):
     def __init__(self, root: pathlib.Path):
         self.location = str(root)
         self.metadata: dict[str, Any] = {}
-        self._leaves: dict[str, Leaf] = {}
+        self._leaves = {}
         # Held open: a load checks afterwards that the path still names this directory
         # and its _METADATA, so a checkpoint deleted or rewritten meanwhile is never mixed in.
         try:

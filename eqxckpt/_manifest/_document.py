@@ -9,7 +9,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from crc32c import crc32c
@@ -23,7 +23,7 @@ from .._process_state import ProcessStates
 from .._version import __version__
 from .._write._pack import PackedArray
 from ._keys import check_containers, parse_keys
-from ._table import encode_table, leaf_cell, parse_table
+from ._table import LeafTable, encode_table, leaf_cell, parse_table
 
 FORMAT = "eqxckpt"
 # Version 2 adds packed leaves; version 3 the "arrays" prefix (object stores); version 4
@@ -71,8 +71,20 @@ class Manifest:
 
     def references(self) -> list[str]:
         """The sibling checkpoints' prefixes that some leaves' arrays are in, in order."""
-        found = (leaf.arrays for leaf in self.leaves if isinstance(leaf, StoredLeaf) and leaf.arrays is not None)
+        found = (leaf.arrays for leaf in self._unusual() if isinstance(leaf, StoredLeaf) and leaf.arrays is not None)
         return list(dict.fromkeys(found))
+
+    def by_path(self) -> Mapping[str, Leaf]:
+        """The leaves by path (as read from a version-5 manifest: each record made when
+        first looked up)."""
+        if isinstance(self.leaves, LeafTable):
+            return self.leaves.by_path()
+        return {leaf.path: leaf for leaf in self.leaves}
+
+    def _unusual(self) -> Sequence[Leaf]:
+        """The leaves that may have fields of their own (a sibling's ``arrays``): a leaf
+        table's records parsed whole, or all of them."""
+        return self.leaves.whole if isinstance(self.leaves, LeafTable) else self.leaves
 
     def leaf_cells(self) -> list[Any]:
         """Each leaf's entries of the leaf table (`_table.leaf_cell`), made once per leaf: a

@@ -19,7 +19,7 @@ import json
 import math
 import operator
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -324,6 +324,10 @@ class LeafTable(Sequence[Leaf]):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and tuple(self) == tuple(other)
 
+    def by_path(self) -> "LeafIndex":
+        """The leaves by path, each record made when first asked for."""
+        return LeafIndex(self, dict(zip(self._columns[0], range(len(self)))))
+
     def __repr__(self) -> str:
         return f"LeafTable({len(self)} leaves)"
 
@@ -348,6 +352,37 @@ class LeafTable(Sequence[Leaf]):
             else:
                 out.append(maker.make(path, leaf_keys, None, None, None))
         return out
+
+
+class LeafIndex(Mapping[str, Leaf]):
+    """A `LeafTable`'s leaves by path: looking one up makes only its record.
+
+    ```python
+    eqxckpt.open("ckpt").stored.records["model/w"]
+    ```
+    """
+
+    def __init__(self, table: LeafTable, index: dict[str, int]):
+        self._table = table
+        self._index = index
+
+    def __getitem__(self, path: str) -> Leaf:
+        return self._table[self._index[path]]
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def values(self) -> Any:
+        return list(self._table)  # every record, made in one pass
+
+    def items(self) -> Any:
+        return list(zip(self._index, self._table))
 
 
 class _Type:

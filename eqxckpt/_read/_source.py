@@ -16,7 +16,7 @@ import abc
 import contextlib
 import math
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,7 +62,7 @@ class Source(abc.ABC):
 
     location: str  # the path or URL it was opened at, as a user writes it
     metadata: dict[str, Any]
-    _leaves: dict[str, Leaf]
+    _leaves: Mapping[str, Leaf]
     # Whether the format holds arrays only (safetensors, TensorFlow): then `load` takes a
     # `like`'s other leaves (Dropout's `p` and `inference`) from `like`, as `transforms=` does.
     arrays_only: bool = False
@@ -436,11 +436,13 @@ class Source(abc.ABC):
         ```
         """
         prefix = normalize_at(at)
+        if not prefix:
+            return dict(self._leaves.items())
         out = {}
-        for path, leaf in self._leaves.items():
+        for path in self._leaves:  # (only the leaves under at are looked up: made, where that is lazy)
             rel = relative_to(path, prefix)
             if rel is not None:
-                out[rel] = leaf
+                out[rel] = self._leaves[path]
         return out
 
     def __contains__(self, path: object) -> bool:
