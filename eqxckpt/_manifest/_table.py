@@ -348,7 +348,9 @@ class LeafTable(Sequence[Leaf]):
             assert leaf_keys is not None  # checked with the table
             if maker.stored:  # a stored leaf without fields has its digest in the column
                 at = 32 * digest_at[i]
-                out.append(maker.make(path, leaf_keys, tuple(shapes[i]), offsets[i], prefix + hexes[at : at + 32]))
+                leaf = maker.make(path, leaf_keys, tuple(shapes[i]), offsets[i], prefix + hexes[at : at + 32])
+                leaf.__dict__["_nbytes"] = math.prod(shapes[i]) * maker.unit_bytes  # (what `nbytes` keeps)
+                out.append(leaf)
             else:
                 out.append(maker.make(path, leaf_keys, None, None, None))
         return out
