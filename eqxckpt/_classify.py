@@ -54,7 +54,7 @@ def leaf_of(path: str, keys: tuple[KeyRecord, ...], value: Any) -> tuple[Leaf, A
         scalar = None if is_empty_subtree(value) else str(value) if isinstance(value, np.str_) else value
         return ScalarLeaf.of(path, keys, scalar), None
     if is_code(value) or holds_no_data(value):
-        return OpaqueLeaf(path, keys, type_name(value), code_name(value)), None
+        return OpaqueLeaf.of(path, keys, type_name(value), code_name(value)), None
     raise UnsupportedLeafError(_refusal(path, value))
 
 

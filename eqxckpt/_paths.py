@@ -306,8 +306,8 @@ def validate_path(path: Any, *, what: str = "path") -> str:
                 f"Manifest {what} {path!r} has an unsafe segment {segment!r}: a checkpoint "
                 "may only name locations inside itself. The manifest is corrupt or crafted."
             )
-        if segment in (MANIFEST_NAME, LEASE_NAME):
-            raise ManifestError(f"Manifest {what} {path!r} names eqxckpt's own file {segment!r}.")
+        if segment.casefold() in _OWN_FILES:  # up to case: case-insensitive filesystems and stores
+            raise ManifestError(f"Manifest {what} {path!r} names eqxckpt's or zarr's own file {segment!r}.")
         if len(_SAFE_SEGMENTS_SEEN) >= 1 << 16:
             _SAFE_SEGMENTS_SEEN.clear()
         _SAFE_SEGMENTS_SEEN.add(segment)
@@ -317,6 +317,8 @@ def validate_path(path: Any, *, what: str = "path") -> str:
 # Segments that passed `validate_path`: the leaves of a manifest share most of theirs
 # (every leaf of a layer names the layer), so each is checked once. Bounded.
 _SAFE_SEGMENTS_SEEN: set[str] = set()
+# No segment a key escapes to (`encode_segment`) is one of these, up to case.
+_OWN_FILES = frozenset(name.casefold() for name in (MANIFEST_NAME, LEASE_NAME, ZARR_NAME))
 
 
 def normalize_at(at: str | None) -> str:

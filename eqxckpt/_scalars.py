@@ -84,8 +84,11 @@ def float_from_json(x: Any) -> float:
     if isinstance(x, str) and x in ("nan", "inf", "-inf"):
         return float(x)
     if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return float(x)
-    raise ManifestError(f"Expected a float in the manifest, found {x!r}.")
+        try:
+            return float(x)
+        except OverflowError:  # an int no float holds: never written
+            pass
+    raise ManifestError(f"Expected a float in the manifest, found {str(x)[:80]!r}.")
 
 
 def scalar_from_json(type_name: str, value: Any) -> Any:

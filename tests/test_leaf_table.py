@@ -188,7 +188,12 @@ COLUMN_EDITS = {
     "digests too few": (lambda t: t.update({"xxh3-128": t["xxh3-128"][:-24]}), "base64 of 16 bytes"),
     "digests not base64": (lambda t: t.update({"xxh3-128": "!" + t["xxh3-128"][1:]}), "base64 of 16 bytes"),
     "fields of no leaf": (lambda t: t["fields"].update({str(t["count"]): {"value": 1}}), "which it does not have"),
-    "fields naming a path": (lambda t: t["fields"].update({"0": {"path": "x"}}), "fields its columns and type"),
+    "fields naming a path": (lambda t: t["fields"].update({"0": {"path": "x"}}), "which its columns or its type hold"),
+    "fields naming an offset": (lambda t: t["fields"].update({"0": {"offset": 64}}), r"its fields hold \['offset'\]"),
+    "a fields key of many digits": (lambda t: t["fields"].update({"1" * 5000: {}}), "which it does not have"),
+    "more types than leaves": (lambda t: t["types"].extend([t["types"][0]] * t["count"]), "leaf types for"),
+    "a path named as a file of ours": (lambda t: t["paths"].__setitem__(0, "ZARR.JSON"), "own file"),
+    "a long last segment spelled compactly": (lambda t: t["paths"].__setitem__(0, "b" * 121), "do not spell"),
     "fields with a padded index": (lambda t: t["fields"].update({"01": {"value": 1}}), "which it does not have"),
     "a scalar without its value": (None, "value"),
 }
@@ -219,13 +224,20 @@ def test_every_malformed_column_is_refused(tmp_path, case):
     refused(path, doc, match)
 
 
-def test_a_leaf_table_edited_as_records_is_refused_as_records_are(tmp_path):
+def test_a_record_no_column_can_hold_is_refused_naming_the_leaf(tmp_path):
     """What tests edit (records, via `manifest_doc`) is written back as the writer would
-    (`crafted_manifest`): the record's own checks still refuse it, naming the leaf."""
+    (`crafted_manifest`); a location the offsets column cannot say is kept in the leaf's
+    fields, which the reader refuses: a packed leaf's place is the column's alone (an
+    attack moved one onto another's bytes through its fields)."""
     path, _ = saved(tmp_path)
     doc = manifest_doc((path / "eqxckpt.json").read_bytes())
     next(row for row in doc["leaves"] if row["path"] == "small/0")["location"] = "elsewhere"
-    refused(path, doc, "Leaf 'small/0': its location 'elsewhere' must equal its path")
+    refused(path, doc, r"Leaf 'small/0': its fields hold \['location', 'offset'\]")
+    path, _ = saved(tmp_path / "again")
+    doc = manifest_doc((path / "eqxckpt.json").read_bytes())
+    first, second = (row for row in doc["leaves"] if row["path"] in ("small/0", "small/1"))
+    second.update(location="%packed", offset=first["offset"])  # onto small/0's bytes
+    refused(path, doc, "overlapping bytes")
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -291,3 +303,108 @@ def test_cells_split_any_record_and_table_rows_put_it_back():
     assert back[4]["path"] is None and back[4]["kind"] == float("inf")
     assert table_of(map(leaf_cell, rows))["keys"][:3] == ["d", "a", [["dict", "c", "repr"]]]
     assert PACKED_LOCATION == "%packed"
+
+
+# --- what an outside attack found ------------------------------------------------------
+
+
+def raw_table(table, **head):
+    from eqxckpt._manifest import with_checksum
+
+    doc = {"format": "eqxckpt", "version": 5, "metadata": {}, "sequences_complete": True, **head, "leaves": table}
+    return with_checksum(json.dumps(doc).encode())
+
+
+def test_deep_paths_parse_in_memory_of_the_manifests_size():
+    """Containers are walked in path order, holding only those above the one at hand: a
+    path of 2,000 segments once cost the square of its length (3.3 GiB for 4.7 MiB)."""
+    import tracemalloc
+
+    paths = [f"q{k}" + "/a" * 2000 for k in range(100)]
+    table = {
+        "count": 100,
+        "types": [{"kind": "scalar", "type": "none"}],
+        "paths": paths,
+        "keys": ["d" * 2001] * 100,
+        "type": [0] * 100,
+        "shapes": [None] * 100,
+        "offsets": [None] * 100,
+        "xxh3-128": "",
+        "fields": {},
+    }
+    raw = raw_table(table)
+    tracemalloc.start()
+    try:
+        assert len(parse_manifest(raw).leaves) == 100
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * len(raw) + (16 << 20), peak
+    deep = "r" + "/0" * 1000
+    table.update(count=2, paths=[f"{deep}/0", f"{deep}/x"], keys=["d" + "s" * 1001, "d" + "s" * 1000 + "d"])
+    table.update(type=[0, 0], shapes=[None] * 2, offsets=[None] * 2)  # a list to one leaf, a mapping to the other
+    with pytest.raises(ManifestError, match=f"inconsistent at '{deep}'"):
+        parse_manifest(raw_table(table))
+
+
+def test_a_packed_key_whose_bytes_no_int64_holds_is_refused():
+    """A PRNG key's bytes are its elements times its key data's: 2**31 keys of 2**31 words
+    is 2**64 bytes, which wrapped to 0 in int64 and let it share another leaf's bytes."""
+    table = {
+        "count": 2,
+        "types": [
+            {"kind": "prng_key", "dtype": "uint32", "impl": "threefry2x32", "key_shape": [2**31]},
+            {"kind": "array", "dtype": "float32", "array_type": "numpy"},
+        ],
+        "paths": ["a", "b"],
+        "keys": ["d", "d"],
+        "type": [0, 1],
+        "shapes": [[2**31], [4]],
+        "offsets": [0, 64],
+        "xxh3-128": "",
+        "fields": {"0": {"digest": None}, "1": {"digest": None}},
+    }
+    with pytest.raises(ManifestError, match="Leaf 'a': its offset 0 .* its bytes ending within"):
+        parse_manifest(raw_table(table))
+
+
+def test_names_of_code_longer_than_a_manifest_keeps_are_cut_at_save(tmp_path):
+    """A function's or a class's name is only shown: one over 1000 characters is cut, so
+    that the checkpoint loads (it was written, then refused by every load)."""
+    namespace: dict = {}
+    exec(f"def {'f' * 1500}(x): return x", namespace)  # noqa: S102 - a test's own function
+    function = namespace["f" * 1500]
+    eqxckpt.save(tmp_path / "c", {"act": function, "w": np.ones(2)})
+    leaf = eqxckpt.open(tmp_path / "c").leaf("act")
+    assert len(leaf.name) == 1000 and leaf.name.endswith("\u2026") and leaf.name.startswith("__main__.fff") is False
+    assert eqxckpt.load(tmp_path / "c", {"act": function, "w": np.zeros(2)})["act"] is function
+
+
+def test_many_distinct_types_save_and_load(tmp_path):
+    """A type per leaf (every function of its own name) is what a table may hold: as many
+    types as leaves (there was a cap of 65,536 that saves did not know)."""
+    functions = {}
+    for i in range(300):
+        namespace: dict = {}
+        exec(f"def g{i}(x): return x", namespace)  # noqa: S102
+        functions[f"g{i}"] = namespace[f"g{i}"]
+    eqxckpt.save(tmp_path / "c", functions)
+    table = json.loads((tmp_path / "c" / "eqxckpt.json").read_bytes())["leaves"]
+    assert len(table["types"]) == 300
+    assert eqxckpt.load(tmp_path / "c", functions) == functions
+
+
+def test_a_float_scalar_no_float_holds_is_a_manifest_error():
+    table = {
+        "count": 1,
+        "types": [{"kind": "scalar", "type": "float"}],
+        "paths": ["lr"],
+        "keys": ["d"],
+        "type": [0],
+        "shapes": [None],
+        "offsets": [None],
+        "xxh3-128": "",
+        "fields": {"0": {"value": 10**400}},
+    }
+    with pytest.raises(ManifestError, match="Expected a float"):
+        parse_manifest(raw_table(table))

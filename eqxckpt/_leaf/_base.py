@@ -32,6 +32,8 @@ MAX_RANK = 64
 MAX_ELEMENTS = 1 << 53
 # Most blocks a part's leaf may hold: one per device of the process that saved it.
 MAX_BLOCKS = 4096
+# Longest type or function name an opaque leaf's record keeps (`OpaqueLeaf.of` cuts longer ones).
+MAX_NAME_CHARS = 1000
 
 
 # Longest generation an object store reports for one object, hex-encoded (GCS: a number
@@ -430,8 +432,8 @@ def with_storage(leaf: _Stored, **changes: Any) -> _Stored:
 
 def leaf_type_name(doc: dict[str, Any], path: str) -> str:
     found = doc.get("type")
-    if not isinstance(found, str) or len(found) > 1000:
-        raise ManifestError(f"Leaf {path!r}: 'type' must be a string.")
+    if not isinstance(found, str) or len(found) > MAX_NAME_CHARS:
+        raise ManifestError(f"Leaf {path!r}: 'type' must be a string of at most {MAX_NAME_CHARS} characters.")
     return found
 
 

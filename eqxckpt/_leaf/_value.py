@@ -14,7 +14,7 @@ from .._tree import (
     SCALAR_TYPES,
     is_array_like,
 )
-from ._base import SCALAR_NAMES, KeyRecord, Leaf, leaf_type_name
+from ._base import MAX_NAME_CHARS, SCALAR_NAMES, KeyRecord, Leaf, leaf_type_name
 
 if TYPE_CHECKING:  # JAX is imported where a leaf is restored or saved, not to read a manifest
     pass
@@ -140,6 +140,13 @@ class OpaqueLeaf(Leaf):
     name: str = ""  # what the function or class is called (``jax._src.nn.functions.relu``); "" if unknown
     kind: ClassVar[str] = "opaque"
 
+    @classmethod
+    def of(cls, path: str, keys: tuple[KeyRecord, ...], type_name: str, name: str) -> "OpaqueLeaf":
+        """The leaf of a function, class or data-less object of ``type_name`` called
+        ``name``: both only shown, so each is cut to what a manifest keeps
+        (`MAX_NAME_CHARS`, the last character an ellipsis), never refused."""
+        return cls(path, keys, _shown(type_name), _shown(name))
+
     def describe(self) -> str:
         if not self.name:
             return f"<{self.type_name}>"
@@ -151,8 +158,8 @@ class OpaqueLeaf(Leaf):
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: str, keys: tuple[KeyRecord, ...]) -> "OpaqueLeaf":
         name = doc.get("name", "")
-        if not isinstance(name, str) or len(name) > 1000:
-            raise ManifestError(f"Leaf {path!r}: 'name' must be a string of at most 1000 characters.")
+        if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+            raise ManifestError(f"Leaf {path!r}: 'name' must be a string of at most {MAX_NAME_CHARS} characters.")
         return cls(path, keys, leaf_type_name(doc, path), name)
 
     def mismatch(self, target: Any, cast: bool) -> str | None:
@@ -160,3 +167,7 @@ class OpaqueLeaf(Leaf):
 
     def value(self, target: Any = None) -> Any:
         return target
+
+
+def _shown(name: str) -> str:
+    return name if len(name) <= MAX_NAME_CHARS else name[: MAX_NAME_CHARS - 1] + "\u2026"

@@ -199,47 +199,90 @@ def check_tree(
     - `where`: the checkpoint, as errors name it.
     - `sequences_complete`: the manifest's.
     """
-    families: dict[str, str] = {}
-    indices: dict[str, set[int]] = {}
-    lists = set()
-    for chars, parent in branches:
-        container = ""
-        for depth, segment in enumerate(parent.split("/") if parent else ()):
-            family = "l" if chars[depth] in "si" else "m"
-            if families.setdefault(container, family) != family:
-                _inconsistent(where, container, _under(paths, parents, parent))
-            if family == "l":
-                indices.setdefault(container, set()).add(int(segment))
-            container = f"{container}/{segment}" if container else segment
-        family = "l" if chars[-1] in "si" else "m"
-        if families.setdefault(parent, family) != family:
-            _inconsistent(where, parent, _under(paths, parents, parent))
-        if family == "l":
-            lists.add(parent)
-    if lists:  # each leaf of a sequence is one of its indices
+    # Each leaf of a sequence is one of its indices.
+    lists = {parent for chars, parent in branches if chars[-1] in "si"}
+    leaf_indices: dict[str, set[int]] = {}
+    if lists:
         for path, parent in zip(paths, parents):
-            if parent in lists:
-                indices.setdefault(parent, set()).add(int(path[len(parent) + 1 :] if parent else path))
-    if clash := unique.intersection(families):
+            last = path[len(parent) + 1 :] if parent else path
+            if parent in lists and last.isdecimal():  # (another key there: a clash the walk below names)
+                leaf_indices.setdefault(parent, set()).add(int(last))
+    if clash := unique.intersection(parent for _, parent in branches):
         name = min(clash)
         _inconsistent(where, name, next(path for path in paths if path.startswith(name + "/")))
-    for parent, found in indices.items():
+    # The containers are walked in the order of their paths (each one's before those below
+    # it, siblings together), holding only those above the one at hand: memory as deep as
+    # the tree, never a container per path prefix (a deep path's would cost its square).
+    stack: list[_Container] = []
+    previous: list[str] = []
+
+    def finish(container: _Container, segments: list[str], depth: int) -> None:
+        found = (
+            container.indices | leaf_indices.get(container.name or "", set())
+            if container.name is not None
+            else container.indices
+        )
+        if container.family != "l" or not found:
+            return
         # A sequence is rebuilt (like=None) with one slot per index, so its
         # indices must be exactly 0..n-1: no crafted index allocates a huge
         # list, and no lost leaf becomes a silent None. Manifests written before
         # empty subtrees were recorded have gaps there (None, (), optax's
         # EmptyState()), but only a few per leaf.
+        name = "/".join(segments[:depth])  # (only when refused: a join per container would cost the square)
         if sequences_complete and max(found) != len(found) - 1:
             raise ManifestError(
-                f"The manifest of {where} is inconsistent at {parent or '<root>'!r}: the sequence holds indices "
-                f"{sorted(found)[:5]}{' ...' if len(found) > 5 else ''} (largest {max(found)}), not exactly "
+                f"The manifest of {where} is inconsistent at {name or '<root>'!r}: the sequence holds "
+                f"indices {sorted(found)[:5]}{' ...' if len(found) > 5 else ''} (largest {max(found)}), not exactly "
                 f"0..{len(found) - 1}: a leaf is missing from the manifest. The checkpoint is damaged or crafted."
             )
         if max(found) >= MAX_GAP_FACTOR * len(found) + MAX_GAP:
             raise ManifestError(
-                f"The manifest of {where} is inconsistent at {parent or '<root>'!r}: a sequence with "
+                f"The manifest of {where} is inconsistent at {name or '<root>'!r}: a sequence with "
                 f"{len(found)} leaves claims index {max(found)}. The manifest is corrupt or crafted."
             )
+
+    for chars, parent in sorted(branches, key=_tree_order):
+        segments = parent.split("/") if parent else []
+        common = 0
+        while common < min(len(segments), len(previous)) and segments[common] == previous[common]:
+            common += 1
+        while len(stack) > common + 1:  # containers of the previous path below the shared ones
+            finish(stack.pop(), previous, len(stack))
+        for depth in range(len(segments) + 1):
+            family = "l" if chars[depth] in "si" else "m"
+            if depth == len(stack):
+                stack.append(_Container(family))
+            elif stack[depth].family != family:
+                _inconsistent(where, "/".join(segments[:depth]), _under(paths, parents, parent))
+            if depth < len(segments) and depth >= common:  # a child of this container not met before
+                container = stack[depth]
+                if family == "l":
+                    container.indices.add(int(segments[depth]))
+                if container.name is not None:  # a parent of leaves: is one of them named as this child?
+                    child = f"{container.name}/{segments[depth]}" if container.name else segments[depth]
+                    if child in unique:
+                        _inconsistent(where, child, _under(paths, parents, parent))
+        stack[len(segments)].name = parent
+        previous = segments
+    while stack:
+        finish(stack.pop(), previous, len(stack))
+
+
+class _Container:
+    """A container `check_tree` is within: its family, its children's indices (a list's),
+    and its path where it is the parent of leaves."""
+
+    __slots__ = ("family", "indices", "name")
+
+    def __init__(self, family: str):
+        self.family = family
+        self.indices: set[int] = set()
+        self.name: str | None = None
+
+
+def _tree_order(branch: tuple[str, str]) -> str:
+    return branch[1].replace("/", "\x00")  # a container before what is below it, siblings together
 
 
 def _under(paths: Sequence[str], parents: Sequence[str], parent: str) -> str:

@@ -28,7 +28,7 @@ from .._digest import ALGORITHM
 from .._errors import ManifestError
 from .._gc import collector_paused
 from .._leaf import KINDS, MAX_ELEMENTS, MAX_RANK, Leaf, parse_leaf, parse_shape, shape_refusal
-from .._paths import LEASE_NAME, MANIFEST_NAME, PACK_ALIGNMENT, PACKED_LOCATION, validate_path
+from .._paths import LEASE_NAME, MANIFEST_NAME, MAX_SEGMENT, PACK_ALIGNMENT, PACKED_LOCATION, ZARR_NAME, validate_path
 from ._keys import _compact_entry, _compact_prefix, check_tree, compact_keys, compact_keys_of, compact_kinds, parse_keys
 
 # Each column holds one entry per leaf, in the tree's flattening order.
@@ -37,14 +37,18 @@ DIGESTS = ALGORITHM  # the column of digests: base64 of 16 bytes per leaf that h
 # The fields of a record that many leaves share: kept once, in "types".
 TYPE_FIELDS = ("kind", "dtype", "array_type", "impl", "key_shape", "type", "name")
 # What a leaf's "fields" may not hold: what a column or its type says.
-_NOT_FIELDS = frozenset(("path", "keys", "shape", *TYPE_FIELDS))
+_NOT_FIELDS = frozenset(("path", "keys", "shape", "location", "offset", *TYPE_FIELDS))
 _DIGEST_HEX = re.compile(rf"{ALGORITHM}:([0-9a-f]{{32}})")
 _DIGEST_BYTES = 16
 _STRICT = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 _TYPE_KEY = json.JSONEncoder(separators=(",", ":"))  # (what a test crafts too)
 # What `validate_path` refuses, in paths joined between newlines (`_check_paths`).
 _SAFE_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-%~/\n"
-_ODD_SEGMENTS = (".", "..", MANIFEST_NAME, LEASE_NAME, PACKED_LOCATION)
+_ODD_SEGMENTS = (".", "..", MANIFEST_NAME, LEASE_NAME, ZARR_NAME, PACKED_LOCATION)  # (all lowercase)
+_ODD_LETTERS = (".", "%")  # each of them holds one
+# A segment no key's escape leaves as it is: longer than that (a hash shortens it), or one that
+# escapes to itself only if a name of ours or zarr's (whose dots are escaped) is not.
+_LONG_SEGMENT = re.compile(rf"[^/\n]{{{MAX_SEGMENT + 1}}}")
 
 
 # --- writing --------------------------------------------------------------------------
@@ -67,12 +71,12 @@ def leaf_cell(row: dict[str, Any]) -> Cell:
     stored = kind is not None and kind.stored
     other = {name: value for name, value in row.items() if name not in _NOT_FIELDS}
     offset = None
-    location = other.get("location")
-    if location == PACKED_LOCATION and type(other.get("offset")) is int:
-        offset = other.pop("offset")
-        del other["location"]
-    elif "location" in other and location == path and "offset" not in other:
-        del other["location"]
+    location = row.get("location")
+    if location == PACKED_LOCATION and type(row.get("offset")) is int:
+        offset = row["offset"]
+    elif not (location == path and "offset" not in row):
+        # No column says that (a test's crafted record): kept for the reader to refuse.
+        other.update({name: row[name] for name in ("location", "offset") if name in row})
     digest = None
     if stored:
         digest_text = other.get("digest")
@@ -225,12 +229,12 @@ def parse_table(table: Any, where: str, sequences_complete: bool) -> "LeafTable"
             )
     paths, keys, type_column, shapes, offsets = columns
     unique, parents = _check_paths(paths, where)
-    makers = _types(table.get("types"), where)
+    makers = _types(table.get("types"), count, where)
     if not set(map(type, type_column)) <= {int} or (
         count and not 0 <= min(type_column) <= max(type_column) < len(makers)
     ):
         raise ManifestError(f"The manifest of {where}: its 'type' column must hold indices into its 'types'.")
-    fields = _fields(table.get("fields"), count, where)
+    fields = _fields(table.get("fields"), paths, where)
     types = np.asarray(type_column, np.intp)
     stored = np.array([maker.stored for maker in makers] + [False], bool)[types]
     plain = np.array([maker.leaf is not None for maker in makers] + [False], bool)[types]
@@ -244,13 +248,12 @@ def parse_table(table: Any, where: str, sequences_complete: bool) -> "LeafTable"
         plain[index] = False
         if "digest" in other:
             digested[index] = False
-        if offsets[index] is not None and ("location" in other or "offset" in other):
-            raise ManifestError(f"Leaf {paths[index]!r}: its 'fields' name a location, and so does its offset.")
     hexes = _digests(table.get(DIGESTS), int(digested.sum()), where)
     digest_at = (np.cumsum(digested) - 1).tolist()
     elements = _check_shapes(paths, shapes, stored, where)
-    units = np.array([maker.unit_bytes for maker in makers] + [0], np.int64)[types]
-    _check_offsets(paths, offsets, packed, elements * units, where)
+    # Bytes per element, capped where no leaf of the type fits a packed array (int64 holds them).
+    units = np.array([min(maker.unit_bytes, MAX_ELEMENTS + 1) for maker in makers] + [0], np.int64)[types]
+    _check_offsets(paths, offsets, packed, elements, units, where)
     branches = _check_compact_keys(paths, keys, parents, plain, where)
     made: list[Leaf | None] = [None] * count
     odd: list[tuple[str, str]] = []
@@ -422,9 +425,11 @@ class _Type:
         return leaf
 
 
-def _types(value: Any, where: str) -> list[_Type]:
-    if not isinstance(value, list) or not all(isinstance(doc, dict) for doc in value) or len(value) > 1 << 16:
+def _types(value: Any, count: int, where: str) -> list[_Type]:
+    if not isinstance(value, list) or not all(isinstance(doc, dict) for doc in value):
         raise ManifestError(f"The manifest of {where}: its 'types' must be a list of objects.")
+    if len(value) > max(count, 1):
+        raise ManifestError(f"The manifest of {where} has {len(value)} leaf types for {count} leaves; it is crafted.")
     types = []
     for doc in value:
         if not doc.keys() <= set(TYPE_FIELDS) or "kind" not in doc:
@@ -435,17 +440,20 @@ def _types(value: Any, where: str) -> list[_Type]:
     return types
 
 
-def _fields(value: Any, count: int, where: str) -> dict[int, dict[str, Any]]:
+def _fields(value: Any, paths: list[str], where: str) -> dict[int, dict[str, Any]]:
     if not isinstance(value, dict):
         raise ManifestError(f"The manifest of {where}: its 'fields' must be an object.")
     fields = {}
     for key, other in value.items():
-        if not (key.isascii() and key.isdecimal() and (key == "0" or key[0] != "0") and int(key) < count):
+        digits = len(key) <= 20 and key.isascii() and key.isdecimal() and (key == "0" or key[0] != "0")
+        if not (digits and int(key) < len(paths)):
             raise ManifestError(f"The manifest of {where}: 'fields' names leaf {key[:40]!r}, which it does not have.")
-        if not isinstance(other, dict) or not other.keys().isdisjoint(_NOT_FIELDS):
+        if not isinstance(other, dict):
+            raise ManifestError(f"Leaf {paths[int(key)]!r}: its fields must be an object.")
+        if held := sorted(other.keys() & _NOT_FIELDS):
             raise ManifestError(
-                f"The manifest of {where}: the fields of leaf {key} must be an object of fields its columns and type "
-                f"do not hold (none of {sorted(_NOT_FIELDS)})."
+                f"Leaf {paths[int(key)]!r}: its fields hold {held}, which its columns or its type hold (a location "
+                "and an offset: the 'offsets' column). The manifest is corrupt or crafted."
             )
         fields[int(key)] = other
     return fields
@@ -464,8 +472,9 @@ def _check_paths(paths: list[Any], where: str) -> tuple[set[str], list[str]]:
         ok = joined.count("\n") == len(paths) + 1 and max(map(len, paths), default=0) <= 4096
         ok = ok and joined.isascii() and not joined.encode().translate(None, _SAFE_BYTES)
         ok = ok and "//" not in joined.replace("\n", "/")
+        folded = joined.casefold() if any(map(joined.__contains__, _ODD_LETTERS)) else ""
         ok = ok and not any(
-            name in joined and re.search(rf"[/\n]{re.escape(name)}[/\n]", joined) for name in _ODD_SEGMENTS
+            name in folded and re.search(rf"[/\n]{re.escape(name)}[/\n]", folded) for name in _ODD_SEGMENTS
         )
     if not ok:
         for path in paths:
@@ -502,8 +511,8 @@ def _check_compact_keys(
     # The last segment's key: a str's segment spells it unless escaped; an int's must be decimal.
     if any(chars[-1] not in "ad" for chars, _ in branches):
         _refuse_keys(paths, keys, parents, _odd_last, compact)
-    joined = "".join(paths)  # (one copy, searched twice, at C speed)
-    if "%" in joined or "~" in joined:
+    joined = "\n".join(paths)  # (one copy, searched at C speed)
+    if "%" in joined or "~" in joined or _LONG_SEGMENT.search(joined):
         _refuse_keys(paths, keys, parents, _odd_last, compact)
     return branches
 
@@ -595,16 +604,21 @@ def _good_shape(shape: tuple[int, ...]) -> bool:
     return len(shape) <= MAX_RANK and shape_refusal(shape) is None
 
 
-def _check_offsets(paths: list[str], offsets: list[Any], packed: np.ndarray, nbytes: np.ndarray, where: str) -> None:
+def _check_offsets(
+    paths: list[str], offsets: list[Any], packed: np.ndarray, elements: np.ndarray, units: np.ndarray, where: str
+) -> None:
     """Packed offsets are non-negative multiples of `PACK_ALIGNMENT`, and no two packed
     leaves share bytes (`PackedArray.check_ranges`, in one sort); none ends past
-    `MAX_ELEMENTS` (no packed array is longer). ``nbytes``: each leaf's."""
+    `MAX_ELEMENTS` (no packed array is longer). ``elements``, ``units``: each leaf's
+    number of elements (below `MAX_ELEMENTS`) and bytes per element (at most one more)."""
     at = np.flatnonzero(packed)
     if not at.size:
         return
     listed = offsets if at.size == len(offsets) else [offsets[i] for i in at.tolist()]
-    sizes = nbytes[at]
-    ok = set(map(type, listed)) <= {int} and sizes.max() <= MAX_ELEMENTS
+    # Bounded in floats first: their product in int64 could wrap.
+    ok = bool((elements[at].astype(np.float64) * units[at] <= MAX_ELEMENTS).all())
+    sizes = elements[at] * units[at] if ok else np.zeros(at.size, np.int64)
+    ok = ok and set(map(type, listed)) <= {int} and sizes.max() <= MAX_ELEMENTS
     starts = ends = np.zeros(0, np.int64)
     if ok:
         try:
@@ -615,8 +629,8 @@ def _check_offsets(paths: list[str], offsets: list[Any], packed: np.ndarray, nby
             ends = starts + sizes
             ok = starts.min() >= 0 and not (starts % PACK_ALIGNMENT).any() and starts.max() <= MAX_ELEMENTS
             ok = ok and ends.max() <= MAX_ELEMENTS
-    if not ok:
-        nbytes = sizes.tolist()
+    if not ok:  # exactly, in Python's ints
+        nbytes = [int(e) * int(u) for e, u in zip(elements[at].tolist(), units[at].tolist())]
         bad = next(
             j
             for j, offset in enumerate(listed)
