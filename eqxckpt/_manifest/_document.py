@@ -96,12 +96,10 @@ class Manifest:
     def refuse_oversized(self, metadata_bytes: int) -> None:
         """Refuse (`ArgumentError`) to save what a load would refuse as too large: a manifest
         over `MAX_MANIFEST_BYTES`, with the digests its arrays will have. Bounded from above
-        cheaply first (each leaf as if every character of its path and value were escaped);
-        only a tree near the limit is encoded to tell. ``metadata_bytes``: the metadata's
-        JSON size."""
-        bound = (
-            metadata_bytes + 4096 + sum(_LINE_BOUND + 36 * len(leaf.path) + _json_bound(leaf) for leaf in self.leaves)
-        )
+        cheaply first (`_cell_bound`); only a tree near the limit is encoded to tell (and the
+        commit's encoding is checked exactly, whatever this said). ``metadata_bytes``: the
+        metadata's JSON size."""
+        bound = metadata_bytes + 4096 + sum(map(_cell_bound, self.leaves))
         if bound <= MAX_MANIFEST_BYTES:
             return
         digested = tuple(
@@ -147,9 +145,29 @@ class Manifest:
         return raw
 
 
-# At most this many bytes of a leaf's line besides its path (as escaped, at most 36 bytes a
-# character: it appears in the path, the keys and the location) and its value (`_json_bound`).
-_LINE_BOUND = 400
+# At most this many bytes of a leaf's entries in the leaf table besides its path, keys, shape
+# and fields (its type's index, offset, digest, separators, a digest missing from its fields).
+_CELL_BOUND = 100
+
+
+def _cell_bound(leaf: Leaf) -> int:
+    """At most the bytes a leaf takes in the leaf table: its path (safe characters only),
+    its keys (compact, or as a list whose strings, escaped, take at most what their
+    escaped path segments do, but for keys a hash shortened), its shape, its fields."""
+    bound = _CELL_BOUND + 3 * len(leaf.path) + 12 * len(leaf.keys) + _json_bound(leaf)
+    if "~" in leaf.path:  # a key longer than its segment
+        bound += sum(12 * len(str(entry[1])) for entry in leaf.keys)
+    if isinstance(leaf, StoredLeaf):
+        bound += 24 * len(leaf.shape)
+        if leaf.blocks is not None:
+            bound += 48 * len(leaf.blocks) * len(leaf.data_shape)
+        if leaf.seen is not None:
+            bound += 100 + sum(len(generation) + 3 for generation in leaf.seen.generations)
+        if leaf.arrays is not None:
+            bound += 20 + len(leaf.arrays)
+    return bound
+
+
 _SOME_DIGEST = f"{ALGORITHM}:" + "0" * 32  # as many bytes as the one a leaf will have
 
 
