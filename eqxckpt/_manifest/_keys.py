@@ -92,26 +92,30 @@ def _unusual_keys(value: Any, path: str) -> tuple[KeyRecord, ...]:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _compact_char(kind: str, key: Any) -> str | None:
-    """The compact character of the key record ``(kind, key)``, or None where its path
-    segment does not spell it back exactly (a key shortened with a hash, a repr key)."""
+def _compact_char(kind: str, key: Any) -> tuple[str, str] | None:
+    """The compact character of the key record ``(kind, key)`` and its path segment, or
+    None where the segment does not spell it back exactly (a key shortened with a hash)."""
     char = _COMPACT_CHAR.get((kind, type(key)))
     if char is None or (type(key) is int and key < 0):
         return None
-    return char if _compact_entry(char, record_segment((kind, key))) == (kind, key) else None
+    segment = record_segment((kind, key))
+    return (char, segment) if _compact_entry(char, segment) == (kind, key) else None
 
 
-def compact_keys_of(keys: Sequence[KeyRecord]) -> str | None:
-    """``keys`` (a leaf's, each ``(kind, key)``) as one compact character per segment, or
-    None where some key is not spelled back exactly by its segment."""
+def compact_keys_of(keys: Sequence[Any], path: str) -> str | None:
+    """``keys`` (a leaf's records, each ``[kind, key]``) as one compact character per
+    segment, or None where some key is not spelled back exactly by its segment, or they do
+    not spell ``path``."""
     chars = []
+    segments = []
     for entry in keys:
         ok = len(entry) == 2 and type(entry[0]) is str and type(entry[1]) in (str, int)  # (hashable, exactly)
-        char = _compact_char(*entry) if ok else None
-        if char is None:
+        spelled = _compact_char(entry[0], entry[1]) if ok else None
+        if spelled is None:
             return None
-        chars.append(char)
-    return "".join(chars)
+        chars.append(spelled[0])
+        segments.append(spelled[1])
+    return "".join(chars) if "/".join(segments) == path else None
 
 
 @functools.lru_cache(maxsize=1 << 16)

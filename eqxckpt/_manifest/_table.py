@@ -38,10 +38,10 @@ DIGESTS = ALGORITHM  # the column of digests: base64 of 16 bytes per leaf that h
 TYPE_FIELDS = ("kind", "dtype", "array_type", "impl", "key_shape", "type", "name")
 # What a leaf's "fields" may not hold: what a column or its type says.
 _NOT_FIELDS = frozenset(("path", "keys", "shape", "location", "offset", *TYPE_FIELDS))
+_TYPE_NAMES = frozenset(TYPE_FIELDS)
 _DIGEST_HEX = re.compile(rf"{ALGORITHM}:([0-9a-f]{{32}})")
 _DIGEST_BYTES = 16
 _STRICT = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
-_TYPE_KEY = json.JSONEncoder(separators=(",", ":"))  # (what a test crafts too)
 # What `validate_path` refuses, in paths joined between newlines (`_check_paths`).
 _SAFE_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-%~/\n"
 _ODD_SEGMENTS = (".", "..", MANIFEST_NAME, LEASE_NAME, ZARR_NAME, PACKED_LOCATION)  # (all lowercase)
@@ -62,14 +62,16 @@ def leaf_cell(row: dict[str, Any]) -> Cell:
     fields, shape, packed offset, digest bytes, and its other fields (None: none)."""
     path, keys = row.get("path"), row.get("keys")
     if type(keys) is list and type(path) is str and all(type(entry) is list for entry in keys):
-        compact = compact_keys_of(keys)
-        if compact is not None and compact_keys(compact, path) == tuple(map(tuple, keys)):  # they spell the path
-            keys = compact
-    type_fields = {name: row[name] for name in TYPE_FIELDS if name in row}
+        keys = compact_keys_of(keys, path) or keys
+    type_fields, other = {}, {}
+    for name, value in row.items():  # (one pass: a save makes a cell of every leaf)
+        if name in _TYPE_NAMES:
+            type_fields[name] = value
+        elif name not in _NOT_FIELDS:
+            other[name] = value
     kind_name = row.get("kind")
     kind = KINDS.get(kind_name) if isinstance(kind_name, str) else None
     stored = kind is not None and kind.stored
-    other = {name: value for name, value in row.items() if name not in _NOT_FIELDS}
     offset = None
     location = row.get("location")
     if location == PACKED_LOCATION and type(row.get("offset")) is int:
@@ -86,7 +88,8 @@ def leaf_cell(row: dict[str, Any]) -> Cell:
             del other["digest"]
         elif "digest" not in other:
             other["digest"] = None  # a stored leaf without one says so: its digest is not in the column
-    return path, keys, _TYPE_KEY.encode(type_fields), type_fields, row.get("shape"), offset, digest, other or None
+    # (str: Python's own text of the fields, which tells types apart; made in C, unlike JSON's)
+    return path, keys, str(type_fields), type_fields, row.get("shape"), offset, digest, other or None
 
 
 def encode_table(cells: Iterable[Cell]) -> str:
