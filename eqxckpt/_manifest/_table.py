@@ -515,7 +515,8 @@ def _check_compact_keys(
     if any(chars[-1] not in "ad" for chars, _ in branches):
         _refuse_keys(paths, keys, parents, _odd_last, compact)
     joined = "\n".join(paths)  # (one copy, searched at C speed)
-    if "%" in joined or "~" in joined or _LONG_SEGMENT.search(joined):
+    long = max(map(len, paths), default=0) > MAX_SEGMENT and _LONG_SEGMENT.search(joined)
+    if "%" in joined or "~" in joined or long:
         _refuse_keys(paths, keys, parents, _odd_last, compact)
     return branches
 
