@@ -34,8 +34,10 @@ def test_the_tables_read_whole_with_their_commits_and_dates():
             assert set(sizes.ratios(row, "after")) == set(sizes.sizes), row
     assert sizes.ratios("durable save", "after")["3.4 GiB"] == (1.05, 0.27)  # a cell read as the page shows it
     leaves, commits = plot.leaves_table(text)
-    assert {kind for _, kind in leaves} == {"save", "restore"} and set(commits) == {"before", "after"}
-    assert leaves[(100_000, "save")]["before"] == (3.96, "1fdb509")  # the cell names its own commit
+    assert {kind for _, kind in leaves} == {"save", "restore"}
+    assert set(commits) == {"before", "after", "date", "machine"} and commits["before"] == "ad4baf3"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", commits["date"]) and "cores" in commits["machine"]
+    assert leaves[(100_000, "save")]["before"] == (2.78, "ad4baf3")  # a cell read as the page shows it
     decoding, label = plot.decoding_table(text)
     assert re.search(r"at [0-9a-f]{7}; \d{4}-\d\d-\d\d", label)
     # The page's T5 block is the run in results-decode.json.
