@@ -19,7 +19,8 @@ def flatten(tree: Any, empty_in_sequences: bool = False) -> tuple[list[tuple[str
     """``([(path, keypath, leaf), ...], treedef)``; paths checked for collisions.
 
     ``empty_in_sequences``: an empty subtree (None, ``()``, optax's
-    ``EmptyState()``) that is an element of a list or tuple becomes a leaf too,
+    ``EmptyState()``) that is an element of a list or tuple (or of a pytree
+    registered without keys, whose children are numbered) becomes a leaf too,
     so that every sequence has a leaf at each index (for saving).
 
     ```python
@@ -34,7 +35,8 @@ def flatten(tree: Any, empty_in_sequences: bool = False) -> tuple[list[tuple[str
             with_path = [
                 (kp, leaf)
                 for kp, leaf in with_path
-                if not is_empty_subtree(leaf) or isinstance(kp[-1], jtu.SequenceKey)
+                # (a pytree registered without keys flattens to indices, read back as a sequence)
+                if not is_empty_subtree(leaf) or isinstance(kp[-1], (jtu.SequenceKey, jtu.FlattenedIndexKey))
             ]
             treedef = jtu.tree_structure(tree)
         else:

@@ -374,6 +374,10 @@ def test_a_packed_key_whose_bytes_no_int64_holds_is_refused():
         "xxh3-128": "",
         "fields": {"0": {"digest": None}, "1": {"digest": None}},
     }
+    with pytest.raises(ManifestError, match="Leaf 'a': its key data's shape declares an absurd number"):
+        parse_manifest(raw_table(table))  # (its data, 2**62 words, is refused as a shape now)
+    table["shapes"][0] = [2**31]
+    table["types"][0]["key_shape"] = [2**21]  # 2**52 words: a shape, but 2**54 bytes, past any packed array
     with pytest.raises(ManifestError, match="Leaf 'a': its offset 0 .* its bytes ending within"):
         parse_manifest(raw_table(table))
 
@@ -418,3 +422,53 @@ def test_a_float_scalar_no_float_holds_is_a_manifest_error():
     }
     with pytest.raises(ManifestError, match="Expected a float"):
         parse_manifest(raw_table(table))
+
+
+def test_a_pytree_without_keys_keeps_its_empty_children(tmp_path):
+    """A pytree registered without keys numbers its children (``FlattenedIndexKey``), which
+    a load rebuilds as a sequence: an empty child is recorded as None there too, as in a
+    list (it was left out, and the manifest written then refused by every load)."""
+    import jax
+
+    class NoKeys:
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+
+    jax.tree_util.register_pytree_node(NoKeys, lambda n: ((n.a, n.b), None), lambda _, c: NoKeys(*c))
+    tree = {"n": NoKeys(None, np.ones(2, np.float32))}
+    eqxckpt.save(tmp_path / "c", tree)
+    plain = eqxckpt.load(tmp_path / "c")
+    assert plain["n"][0] is None and np.array_equal(plain["n"][1], np.ones(2, np.float32))
+    loaded = eqxckpt.load(tmp_path / "c", tree)
+    assert loaded["n"].a is None and np.array_equal(loaded["n"].b, np.ones(2, np.float32))
+    assert eqxckpt.verify(tmp_path / "c").ok
+
+
+@pytest.mark.parametrize("path", ["%PACKED", "a/%Packed", "x/" + "b" * 121 + "/c"])
+def test_paths_a_key_cannot_spell_are_refused_as_manifest_errors(path):
+    """Caught by a second attack: the bulk path check and the one it falls back on agree
+    (no AssertionError); a long segment anywhere is found in linear time."""
+    table = {
+        "count": 1,
+        "types": [{"kind": "scalar", "type": "none"}],
+        "paths": [path],
+        "keys": ["d" * (path.count("/") + 1)],
+        "type": [0],
+        "shapes": [None],
+        "offsets": [None],
+        "xxh3-128": "",
+        "fields": {},
+    }
+    with pytest.raises(ManifestError):
+        parse_manifest(raw_table(table))
+
+
+def test_a_key_array_whose_data_has_more_than_64_dimensions_is_refused():
+    """A key array's data is its keys' dimensions then each key's: 64 keys' dimensions and
+    rbg's one was accepted, then refused by every read (and passed `verify`)."""
+    row = {"path": "k", "keys": [["dict", "k"]], "kind": "prng_key", "shape": [1] * 64, "dtype": "uint32"}
+    row.update(location="k", impl="rbg", key_shape=[4])
+    with pytest.raises(ManifestError, match="more than 64 dimensions"):
+        parse_leaf(row, parse_keys)
+    with pytest.raises(ManifestError, match="more than 64 dimensions"):
+        parse_manifest(raw_table(table_of([leaf_cell(row)])))

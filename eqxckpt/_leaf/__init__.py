@@ -28,7 +28,7 @@ from ._base import (
     shape_refusal as shape_refusal,
     with_storage as with_storage,
 )
-from ._key import KeyLeaf as KeyLeaf, key_dtype as key_dtype
+from ._key import KeyLeaf as KeyLeaf, data_shape_refusal as data_shape_refusal, key_dtype as key_dtype
 from ._value import OpaqueLeaf as OpaqueLeaf, ScalarLeaf as ScalarLeaf
 
 KINDS: dict[str, type[Leaf]] = {cls.kind: cls for cls in (ArrayLeaf, KeyLeaf, ScalarLeaf, OpaqueLeaf)}

@@ -12,7 +12,7 @@ from .._tree import (
     is_array_like,
     is_prng_key_dtype,
 )
-from ._base import KeyRecord, StoredLeaf, parse_shape
+from ._base import MAX_RANK, KeyRecord, StoredLeaf, parse_shape, shape_refusal
 
 if TYPE_CHECKING:  # JAX is imported where a leaf is restored or saved, not to read a manifest
     import jax
@@ -74,7 +74,10 @@ class KeyLeaf(StoredLeaf):
         impl = doc.get("impl")
         if not isinstance(impl, str) or not impl.isidentifier():
             raise ManifestError(f"Leaf {path!r}: PRNG impl {impl!r} is not a name.")
-        return cls(path, keys, shape, dtype, impl, parse_shape(doc.get("key_shape"), path), **fields)
+        key_shape = parse_shape(doc.get("key_shape"), path)
+        if why := data_shape_refusal(shape, key_shape):
+            raise ManifestError(f"Leaf {path!r}: its key data's shape {list(shape + key_shape)} {why}.")
+        return cls(path, keys, shape, dtype, impl, key_shape, **fields)
 
     def mismatch(self, target: Any, cast: bool) -> str | None:
         if not is_array_like(target) or not is_prng_key_dtype(target.dtype) or key_dtype(self.impl) != target.dtype:
@@ -146,3 +149,11 @@ class KeyLeaf(StoredLeaf):
 
         key_dtype(self.impl)  # a clear error for an unknown implementation
         return jax.random.wrap_key_data(place(lambda data: data), impl=self.impl)
+
+
+def data_shape_refusal(shape: tuple[int, ...], key_shape: tuple[int, ...]) -> str | None:
+    """Why a reader refuses a key array of ``shape`` whose keys' data is ``key_shape``
+    each (each checked alone), or None: their data together must be an array too."""
+    if len(shape) + len(key_shape) > MAX_RANK:
+        return f"has more than {MAX_RANK} dimensions"
+    return shape_refusal(shape + key_shape)

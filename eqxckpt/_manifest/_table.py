@@ -27,7 +27,7 @@ import numpy as np
 from .._digest import ALGORITHM
 from .._errors import ManifestError
 from .._gc import collector_paused
-from .._leaf import KINDS, MAX_ELEMENTS, MAX_RANK, Leaf, parse_leaf, parse_shape, shape_refusal
+from .._leaf import KINDS, MAX_ELEMENTS, MAX_RANK, Leaf, data_shape_refusal, parse_leaf, parse_shape, shape_refusal
 from .._paths import LEASE_NAME, MANIFEST_NAME, MAX_SEGMENT, PACK_ALIGNMENT, PACKED_LOCATION, ZARR_NAME, validate_path
 from ._keys import _compact_entry, _compact_prefix, check_tree, compact_keys, compact_keys_of, compact_kinds, parse_keys
 
@@ -44,11 +44,7 @@ _DIGEST_BYTES = 16
 _STRICT = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 # What `validate_path` refuses, in paths joined between newlines (`_check_paths`).
 _SAFE_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-%~/\n"
-_ODD_SEGMENTS = (".", "..", MANIFEST_NAME, LEASE_NAME, ZARR_NAME, PACKED_LOCATION)  # (all lowercase)
-_ODD_LETTERS = (".", "%")  # each of them holds one
-# A segment no key's escape leaves as it is: longer than that (a hash shortens it), or one that
-# escapes to itself only if a name of ours or zarr's (whose dots are escaped) is not.
-_LONG_SEGMENT = re.compile(rf"[^/\n]{{{MAX_SEGMENT + 1}}}")
+_OWN_NAMES = (".", "..", MANIFEST_NAME, LEASE_NAME, ZARR_NAME)  # (each lowercase, with a dot)
 
 
 # --- writing --------------------------------------------------------------------------
@@ -254,6 +250,10 @@ def parse_table(table: Any, where: str, sequences_complete: bool) -> "LeafTable"
     hexes = _digests(table.get(DIGESTS), int(digested.sum()), where)
     digest_at = (np.cumsum(digested) - 1).tolist()
     elements = _check_shapes(paths, shapes, stored, where)
+    for i in np.flatnonzero(np.array([bool(m.key_shape) for m in makers] + [False], bool)[types]).tolist():
+        # A key array's data has the keys' dimensions and each key's: checked together, as its kind does.
+        if why := data_shape_refusal(tuple(shapes[i]), makers[type_column[i]].key_shape):
+            raise ManifestError(f"Leaf {paths[i]!r}: its key data's shape {why}.")
     # Bytes per element, capped where no leaf of the type fits a packed array (int64 holds them).
     units = np.array([min(maker.unit_bytes, MAX_ELEMENTS + 1) for maker in makers] + [0], np.int64)[types]
     _check_offsets(paths, offsets, packed, elements, units, where)
@@ -404,6 +404,7 @@ class _Type:
         self.known = isinstance(doc.get("kind"), str) and doc["kind"] in KINDS
         self.leaf: Leaf | None = None
         self.unit_bytes = 0
+        self.key_shape: tuple[int, ...] = ()  # a key array's each key's data
         sample = {**doc, "path": "p", "keys": [["dict", "p"]]}
         if self.stored:
             sample.update(shape=[], location="p")
@@ -415,6 +416,7 @@ class _Type:
             self._fields = {k: v for k, v in self.leaf.__dict__.items() if not k.startswith("_")}
             self._cls = type(self.leaf)
             self.unit_bytes = self.leaf.nbytes if self.stored else 0  # of a shape-() leaf: one element's
+            self.key_shape = getattr(self.leaf, "key_shape", ())
 
     def make(self, path: str, keys: Any, shape: Any, offset: int | None, digest: str | None) -> Leaf:
         """The record of a leaf of this type: what its kind's parser makes of the same
@@ -475,9 +477,11 @@ def _check_paths(paths: list[Any], where: str) -> tuple[set[str], list[str]]:
         ok = joined.count("\n") == len(paths) + 1 and max(map(len, paths), default=0) <= 4096
         ok = ok and joined.isascii() and not joined.encode().translate(None, _SAFE_BYTES)
         ok = ok and "//" not in joined.replace("\n", "/")
-        folded = joined.casefold() if any(map(joined.__contains__, _ODD_LETTERS)) else ""
+        folded = joined.casefold() if "." in joined else ""  # our files' names, up to case
         ok = ok and not any(
-            name in folded and re.search(rf"[/\n]{re.escape(name)}[/\n]", folded) for name in _ODD_SEGMENTS
+            name in text and re.search(rf"[/\n]{re.escape(name)}[/\n]", text)
+            for text, names in ((folded, _OWN_NAMES), (joined, (PACKED_LOCATION,)))
+            for name in names
         )
     if not ok:
         for path in paths:
@@ -515,7 +519,10 @@ def _check_compact_keys(
     if any(chars[-1] not in "ad" for chars, _ in branches):
         _refuse_keys(paths, keys, parents, _odd_last, compact)
     joined = "\n".join(paths)  # (one copy, searched at C speed)
-    long = max(map(len, paths), default=0) > MAX_SEGMENT and _LONG_SEGMENT.search(joined)
+    long = (
+        max(map(len, paths), default=0) > MAX_SEGMENT
+        and max(map(len, joined.replace("\n", "/").split("/"))) > MAX_SEGMENT
+    )
     if "%" in joined or "~" in joined or long:
         _refuse_keys(paths, keys, parents, _odd_last, compact)
     return branches
