@@ -424,7 +424,9 @@ def test_the_stamp_book_is_parsed_once_per_save_not_once_per_leaf(tmp_path, monk
     monkeypatch.setattr(_stamps, "_read", lambda fd: parsed.append(fd) or read(fd))
     _stamps._PARSED.clear()
     eqxckpt.save(tmp_path / "run" / "2", frozen, base=tmp_path / "run" / "1", full_check_interval_s=0)
-    assert 1 <= len(parsed) <= 3  # the check's reads, the stamps asked, the record's own read
+    # Twice for 12 leaves, never per leaf: the stamps the check asks, then the book again once
+    # this save has recorded its own files in it (a changed book is parsed anew).
+    assert len(parsed) == 2
 
 
 def test_a_base_in_another_directory_gets_no_stamp_book(tmp_path):

@@ -28,7 +28,8 @@ from .._digest import ALGORITHM
 from .._errors import ManifestError
 from .._gc import collector_paused
 from .._leaf import KINDS, MAX_ELEMENTS, MAX_RANK, Leaf, data_shape_refusal, parse_leaf, parse_shape, shape_refusal
-from .._paths import LEASE_NAME, MANIFEST_NAME, MAX_SEGMENT, PACK_ALIGNMENT, PACKED_LOCATION, ZARR_NAME, validate_path
+from .._paths import MAX_SEGMENT, PACK_ALIGNMENT, PACKED_LOCATION, validate_paths
+from .._write._pack import PackedArray
 from ._keys import _compact_entry, _compact_prefix, check_tree, compact_keys, compact_keys_of, compact_kinds, parse_keys
 
 # Each column holds one entry per leaf, in the tree's flattening order.
@@ -42,9 +43,6 @@ _TYPE_NAMES = frozenset(TYPE_FIELDS)
 _DIGEST_HEX = re.compile(rf"{ALGORITHM}:([0-9a-f]{{32}})")
 _DIGEST_BYTES = 16
 _STRICT = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
-# What `validate_path` refuses, in paths joined between newlines (`_check_paths`).
-_SAFE_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-%~/\n"
-_OWN_NAMES = (".", "..", MANIFEST_NAME, LEASE_NAME, ZARR_NAME)  # (each lowercase, with a dot)
 
 
 # --- writing --------------------------------------------------------------------------
@@ -465,30 +463,13 @@ def _fields(value: Any, paths: list[str], where: str) -> dict[int, dict[str, Any
 
 
 def _check_paths(paths: list[Any], where: str) -> tuple[set[str], list[str]]:
-    """Every path is what `validate_path` passes, and unique; no segment is the packed
-    array's. Checked once per distinct parent and per distinct last segment (siblings
-    share their parent, and most their names), the first path that fails named by
-    `validate_path` itself. Returns the set of them, and each one's parent."""
-    ok = set(map(type, paths)) <= {str}
-    if ok and paths:
-        # Joined, each path between newlines: no newline of its own, only safe characters,
-        # no empty segment, and none of the names no segment may be.
-        joined = "\n" + "\n".join(paths) + "\n"
-        ok = joined.count("\n") == len(paths) + 1 and max(map(len, paths), default=0) <= 4096
-        ok = ok and joined.isascii() and not joined.encode().translate(None, _SAFE_BYTES)
-        ok = ok and "//" not in joined.replace("\n", "/")
-        folded = joined.casefold() if "." in joined else ""  # our files' names, up to case
-        ok = ok and not any(
-            name in text and re.search(rf"[/\n]{re.escape(name)}[/\n]", text)
-            for text, names in ((folded, _OWN_NAMES), (joined, (PACKED_LOCATION,)))
-            for name in names
-        )
-    if not ok:
-        for path in paths:
-            validate_path(path)
-            if PACKED_LOCATION in path.split("/"):
-                raise ManifestError(f"The manifest of {where} names a leaf {path!r}, which no key's path can be.")
-        raise AssertionError("a path refused in bulk passed alone")  # pragma: no cover
+    """Every path is what `validate_path` passes (`validate_paths`, in bulk), and unique;
+    no segment is the packed array's. Returns the set of them, and each one's parent."""
+    validate_paths(paths)
+    joined = "\n" + "\n".join(paths) + "\n"
+    if PACKED_LOCATION in joined and re.search(rf"[/\n]{re.escape(PACKED_LOCATION)}[/\n]", joined):
+        path = next(path for path in paths if PACKED_LOCATION in path.split("/"))
+        raise ManifestError(f"The manifest of {where} names a leaf {path!r}, which no key's path can be.")
     parents = [path.rpartition("/")[0] for path in paths]
     unique = set(paths)
     if len(unique) != len(paths):
@@ -619,7 +600,7 @@ def _check_offsets(
     paths: list[str], offsets: list[Any], packed: np.ndarray, elements: np.ndarray, units: np.ndarray, where: str
 ) -> None:
     """Packed offsets are non-negative multiples of `PACK_ALIGNMENT`, and no two packed
-    leaves share bytes (`PackedArray.check_ranges`, in one sort); none ends past
+    leaves share bytes (`PackedArray.check_spans`); none ends past
     `MAX_ELEMENTS` (no packed array is longer). ``elements``, ``units``: each leaf's
     number of elements (below `MAX_ELEMENTS`) and bytes per element (at most one more)."""
     at = np.flatnonzero(packed)
@@ -651,13 +632,4 @@ def _check_offsets(
             f"Leaf {paths[at[bad]]!r}: its offset {listed[bad]!r} in the packed array must be a non-negative multiple "
             f"of {PACK_ALIGNMENT}, its bytes ending within {MAX_ELEMENTS}."
         )
-    # As written, in order of offset (one pass); else sorted.
-    order = np.arange(len(at)) if (starts[1:] > starts[:-1]).all() else np.lexsort((ends, starts))
-    overlap = np.flatnonzero(starts[order][1:] < ends[order][:-1])
-    if overlap.size:
-        first, second = order[overlap[0]], order[overlap[0] + 1]
-        raise ManifestError(
-            f"The manifest of {where} places packed leaves {paths[at[first]]!r} and {paths[at[second]]!r} in "
-            f"overlapping bytes of {PACKED_LOCATION!r} (one ends at {int(ends[first])}, the other starts "
-            f"at {listed[second]}). eqxckpt never writes that: the manifest is corrupt or crafted."
-        )
+    PackedArray.check_spans(starts, ends, paths if at.size == len(paths) else [paths[i] for i in at.tolist()], where)

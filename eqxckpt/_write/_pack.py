@@ -102,14 +102,34 @@ class PackedArray:
         PackedArray.of(records).check_ranges("ckpt")
         ```
         """
-        for first, second in zip(self.members, self.members[1:]):
-            end, start = (first.offset or 0) + first.nbytes, second.offset or 0
-            if start < end:
-                raise ManifestError(
-                    f"The manifest of {where} places packed leaves {first.path!r} and {second.path!r} in "
-                    f"overlapping bytes of {PACKED_LOCATION!r} (one ends at {end}, the other starts at {start}). "
-                    "eqxckpt never writes that: the manifest is corrupt or crafted."
-                )
+        starts = np.array(self._starts, np.int64)
+        self.check_spans(starts, np.array(self._ends, np.int64), [m.path for m in self.members], where)
+
+    @staticmethod
+    def check_spans(starts: np.ndarray, ends: np.ndarray, paths: Sequence[str], where: str) -> None:
+        """Raise `ManifestError` if two of the byte ranges ``starts[i]:ends[i]`` (the
+        members named ``paths``, in any order) overlap: one sort, or none where they are
+        in order of offset, as a save writes them. What `check_ranges` and a leaf table's
+        reader ask, before any member's record is made.
+
+        **Arguments:**
+
+        - `starts`, `ends`: int64 arrays, each end at least its start.
+        - `paths`: the members' paths, for the error; `where`: the checkpoint.
+
+        ```python
+        PackedArray.check_spans(np.array([0, 64]), np.array([16, 80]), ["a", "b"], "ckpt")
+        ```
+        """
+        order = np.arange(len(starts)) if (starts[1:] > starts[:-1]).all() else np.lexsort((ends, starts))
+        overlap = np.flatnonzero(starts[order][1:] < ends[order][:-1])
+        if overlap.size:
+            first, second = int(order[overlap[0]]), int(order[overlap[0] + 1])
+            raise ManifestError(
+                f"The manifest of {where} places packed leaves {paths[first]!r} and {paths[second]!r} in "
+                f"overlapping bytes of {PACKED_LOCATION!r} (one ends at {int(ends[first])}, the other starts at "
+                f"{int(starts[second])}). eqxckpt never writes that: the manifest is corrupt or crafted."
+            )
 
     def pieces(self, start: int, end: int) -> Iterator[tuple[StoredLeaf, slice, slice]]:
         """The members with bytes in ``[start, end)`` of the packed array, in offset order,
