@@ -99,7 +99,7 @@ def _compact_char(kind: str, key: Any) -> tuple[str, str] | None:
     if char is None or (type(key) is int and key < 0):
         return None
     segment = record_segment((kind, key))
-    return (char, segment) if _compact_entry(char, segment) == (kind, key) else None
+    return (char, segment) if compact_entry(char, segment) == (kind, key) else None
 
 
 def compact_keys_of(keys: Sequence[Any], path: str) -> str | None:
@@ -119,7 +119,7 @@ def compact_keys_of(keys: Sequence[Any], path: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _compact_entry(char: str, segment: str) -> KeyRecord | None:
+def compact_entry(char: str, segment: str) -> KeyRecord | None:
     """The key record that the compact ``char`` makes of ``segment``; None if the segment
     is not the exact spelling of such a key (so that a path has one set of keys)."""
     kind_type = COMPACT_KINDS.get(char)
@@ -138,10 +138,10 @@ def _compact_entry(char: str, segment: str) -> KeyRecord | None:
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _compact_prefix(chars: str, path: str) -> tuple[KeyRecord, ...] | None:
+def compact_prefix(chars: str, path: str) -> tuple[KeyRecord, ...] | None:
     if chars.count("/") or len(chars) != path.count("/") + 1:
         return None
-    keys = tuple(_compact_entry(c, s) for c, s in zip(chars, path.split("/")))
+    keys = tuple(compact_entry(c, s) for c, s in zip(chars, path.split("/")))
     return None if None in keys else keys  # type: ignore[return-value]
 
 
@@ -152,12 +152,12 @@ def compact_keys(chars: str, path: str) -> tuple[KeyRecord, ...] | None:
     parent, _, last = path.rpartition("/")
     if not chars:
         return None
-    entry = _compact_entry(chars[-1], last)
+    entry = compact_entry(chars[-1], last)
     if entry is None:
         return None
     if not parent:
         return (entry,) if len(chars) == 1 else None
-    head = _compact_prefix(chars[:-1], parent)
+    head = compact_prefix(chars[:-1], parent)
     return None if head is None else (*head, entry)
 
 

@@ -30,7 +30,7 @@ from .._gc import collector_paused
 from .._leaf import KINDS, MAX_ELEMENTS, MAX_RANK, Leaf, data_shape_refusal, parse_leaf, parse_shape, shape_refusal
 from .._paths import MAX_SEGMENT, PACK_ALIGNMENT, PACKED_LOCATION, validate_paths
 from .._write._pack import PackedArray
-from ._keys import _compact_entry, _compact_prefix, check_tree, compact_keys, compact_keys_of, compact_kinds, parse_keys
+from ._keys import check_tree, compact_entry, compact_keys, compact_keys_of, compact_kinds, compact_prefix, parse_keys
 
 # Each column holds one entry per leaf, in the tree's flattening order.
 COLUMNS = ("paths", "keys", "type", "shapes", "offsets")
@@ -187,8 +187,12 @@ def _is_stored(type_doc: dict[str, Any]) -> bool:
 
 def _digest_strings(raw: bytes) -> list[str]:
     hexes = raw.hex()
-    prefix = f"{ALGORITHM}:"
-    return [prefix + hexes[i : i + 32] for i in range(0, len(hexes), 32)]
+    return [_digest(hexes, at) for at in range(len(raw) // _DIGEST_BYTES)]
+
+
+def _digest(hexes: str, at: int) -> str:
+    """The ``at``-th digest of the column (as hex), as a record writes it."""
+    return f"{ALGORITHM}:{hexes[32 * at : 32 * at + 32]}"
 
 
 # --- reading --------------------------------------------------------------------------
@@ -259,8 +263,7 @@ def parse_table(table: Any, where: str, sequences_complete: bool) -> "LeafTable"
     made: list[Leaf | None] = [None] * count
     odd: list[tuple[str, str]] = []
     for i in np.flatnonzero(~plain).tolist():
-        at = digest_at[i]
-        digest = f"{ALGORITHM}:{hexes[32 * at : 32 * at + 32]}" if digested[i] else None
+        digest = _digest(hexes, digest_at[i]) if digested[i] else None
         row = _row(paths[i], keys[i], makers[type_column[i]].doc, shapes[i], offsets[i], digest, fields.get(i, {}))
         made[i] = record = parse_leaf(row, parse_keys)
         odd.append((compact_kinds(record.keys), parents[i]))
@@ -340,7 +343,6 @@ class LeafTable(Sequence[Leaf]):
         `parse_leaf` makes of each one's record (`_Type.make`)."""
         paths, keys, type_column, shapes, offsets, digest_at = self._columns
         makers, hexes, made = self._makers, self._hexes, self._made
-        prefix = f"{ALGORITHM}:"
         out: list[Leaf | None] = []
         for i in range(start, stop):
             if made[i] is not None:
@@ -351,8 +353,7 @@ class LeafTable(Sequence[Leaf]):
             leaf_keys = compact_keys(keys[i], path)
             assert leaf_keys is not None  # checked with the table
             if maker.stored:  # a stored leaf without fields has its digest in the column
-                at = 32 * digest_at[i]
-                leaf = maker.make(path, leaf_keys, tuple(shapes[i]), offsets[i], prefix + hexes[at : at + 32])
+                leaf = maker.make(path, leaf_keys, tuple(shapes[i]), offsets[i], _digest(hexes, digest_at[i]))
                 leaf.__dict__["_nbytes"] = math.prod(shapes[i]) * maker.unit_bytes  # (what `nbytes` keeps)
                 out.append(leaf)
             else:
@@ -494,7 +495,7 @@ def _check_compact_keys(
         at = np.flatnonzero(compact).tolist()
         branches = {(keys[i], parents[i]) for i in at}
     for chars, parent in branches:
-        if not chars or (parent and _compact_prefix(chars[:-1], parent) is None) or (not parent and len(chars) != 1):
+        if not chars or (parent and compact_prefix(chars[:-1], parent) is None) or (not parent and len(chars) != 1):
             _refuse_keys(paths, keys, parents, lambda k, p, chars=chars, parent=parent: k == chars and p == parent)
     # The last segment's key: a str's segment spells it unless escaped; an int's must be decimal.
     if any(chars[-1] not in "ad" for chars, _ in branches):
@@ -510,7 +511,7 @@ def _check_compact_keys(
 
 
 def _odd_last(chars: str, path: str) -> bool:
-    return _compact_entry(chars[-1], path.rpartition("/")[2]) is None
+    return compact_entry(chars[-1], path.rpartition("/")[2]) is None
 
 
 def _refuse_keys(
