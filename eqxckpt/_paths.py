@@ -325,6 +325,8 @@ def validate_paths(paths: list[Any], *, what: str = "path") -> None:
     validate_paths(["model/w", "model/b"])
     ```
     """
+    if not set(map(type, paths)) <= {str} and all(isinstance(path, str) for path in paths):
+        paths = [str(path) for path in paths]  # (a subclass of str: as `validate_path` takes it)
     ok = set(map(type, paths)) <= {str}
     if ok and paths:
         joined = "\n" + "\n".join(paths) + "\n"

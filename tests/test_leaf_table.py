@@ -472,3 +472,27 @@ def test_a_key_array_whose_data_has_more_than_64_dimensions_is_refused():
         parse_leaf(row, parse_keys)
     with pytest.raises(ManifestError, match="more than 64 dimensions"):
         parse_manifest(raw_table(table_of([leaf_cell(row)])))
+
+
+@pytest.mark.parametrize("offset", [2**63, 2**63 - 64, 2**53])
+def test_a_packed_offset_no_packed_array_reaches_is_refused_in_every_version(offset):
+    """A third attack: versions 1-4 bounded an offset only below by 0, and the one overlap
+    check (`PackedArray.check_spans`, in int64) then overflowed; every reader now refuses
+    an offset at or past `MAX_ELEMENTS`, as a leaf table's does."""
+    from eqxckpt._paths import validate_paths
+
+    rows = [
+        {"path": p, "keys": [["dict", p]], "kind": "array", "shape": [16], "dtype": "float32", "array_type": "numpy"}
+        for p in ("a", "b")
+    ]
+    rows[0].update(location="%packed", offset=0)
+    rows[1].update(location="%packed", offset=offset)
+    for version in (2, 5):
+        doc = {"format": "eqxckpt", "version": version, "metadata": {}, "sequences_complete": True, "leaves": rows}
+        with pytest.raises(ManifestError, match="must be a non-negative multiple of 64"):
+            parse_manifest(crafted_manifest(doc))
+
+    class Path(str):
+        pass
+
+    validate_paths([Path("model/w")])  # a str's subclass passes as validate_path takes it

@@ -4,7 +4,7 @@ shapes, blocks, and the checks the manifest's fields get."""
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import numpy as np
 
@@ -370,10 +370,12 @@ class StoredLeaf(Leaf):
         path), digest, and the sibling prefix its array is in (None: this checkpoint's)."""
         location, offset = doc.get("location"), doc.get("offset")
         if location == PACKED_LOCATION:
-            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset % PACK_ALIGNMENT:
+            # Below MAX_ELEMENTS, as no packed array is longer: its members' ends fit an int64 then.
+            bad = not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < MAX_ELEMENTS
+            if bad or cast(int, offset) % PACK_ALIGNMENT:
                 raise ManifestError(
                     f"Leaf {path!r}: its offset {offset!r} in the packed array must be a non-negative "
-                    f"multiple of {PACK_ALIGNMENT}."
+                    f"multiple of {PACK_ALIGNMENT} below {MAX_ELEMENTS}."
                 )
         elif location != path or offset is not None:
             raise ManifestError(
