@@ -19,7 +19,7 @@ BARRIER_TIMEOUT_S = float(os.environ.get("EQXCKPT_BARRIER_TIMEOUT_S", "600"))
 
 # Every process calls save() (and load()) in the same order, so these counts name the
 # same save (restore) on every process without any communication.
-_counters = {what: itertools.count() for what in ("save", "restore", "local", "resume")}
+_counters = {what: itertools.count() for what in ("save", "restore", "local", "resume", "publish")}
 
 
 def process_index() -> int:
@@ -66,6 +66,7 @@ _WHAT = {
     "restore": ("Restoring into", "load"),
     "local": ("Saving the local tier from", "save"),
     "resume": ("Resuming", "latest_step or load"),
+    "publish": ("Writing safetensors from", "save_safetensors"),
 }
 
 
@@ -80,7 +81,8 @@ class Phases:
     """
 
     def __init__(self, what: str = "save") -> None:
-        """``what``: ``"save"``, ``"restore"``, ``"local"`` (a local-tier save) or ``"resume"``."""
+        """``what``: ``"save"``, ``"restore"``, ``"local"`` (a local-tier save), ``"resume"``
+        or ``"publish"`` (`save_safetensors`)."""
         import jax
 
         self._client = coordination_client()

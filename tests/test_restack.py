@@ -289,7 +289,7 @@ def test_unstacking_reads_each_chunk_of_a_stacked_leaf_once(tmp_path, monkeypatc
 def test_unstacking_a_safetensors_file_reads_each_byte_once(tmp_path, monkeypatch):
     from safetensors.numpy import save_file
 
-    import eqxckpt._formats._safetensors as safetensors_module
+    import eqxckpt._formats._safetensors._read as safetensors_module
 
     rng = np.random.default_rng(1)
     tensors = {

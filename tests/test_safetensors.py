@@ -15,7 +15,7 @@ from conftest import assert_trees_equal
 from hypothesis import given, settings, strategies as st
 
 import eqxckpt
-import eqxckpt._formats._safetensors as safetensors_module
+import eqxckpt._formats._safetensors._read as safetensors_module
 
 
 def make_model(key=None):
@@ -188,7 +188,7 @@ def test_save_safetensors_stores_big_endian_arrays_little_endian(tmp_path):
 
 
 def test_save_safetensors_refuses_ambiguous_names_and_non_arrays(tmp_path):
-    with pytest.raises(eqxckpt.PathError, match="ambiguous"):
+    with pytest.raises(eqxckpt.PathError, match=r"'a/b' and 'a\.b' would both be the tensor 'a\.b'"):
         eqxckpt.save_safetensors(tmp_path / "a.safetensors", {"a.b": np.ones(2), "a": {"b": np.zeros(2)}})
     with pytest.raises(eqxckpt.CheckpointError, match="not an array"):
         eqxckpt.save_safetensors(tmp_path / "b.safetensors", {"f": jax.nn.relu})

@@ -55,7 +55,7 @@ def test_load_hf_keeps_the_stored_dtype_when_asked():
 
 
 def test_load_hf_reads_each_tensor_once_and_only_what_the_model_needs(tmp_path, monkeypatch):
-    from eqxckpt._formats import _safetensors
+    from eqxckpt._formats._safetensors import _read as _safetensors
 
     reads = []
     original = _safetensors.read_range

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import os
 import pathlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -361,6 +361,45 @@ class Storage(abc.ABC):
         resolve("run").create_once(RUN_NAME, raw)  # True, then False ever after
         ```
         """
+
+    # -- whole files of a directory another tool reads (a published HuggingFace model) -----
+
+    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> None:
+        """Write the file ``name`` in this directory whole: ``pieces`` (buffers, taken in
+        turn) one after another. Atomic: a reader finds the old file, or none, until the
+        new one is complete (local disks: a durable temporary renamed into place; object
+        stores: one write of the object). Without ``overwrite``, a file there already is
+        never replaced: `CheckpointExistsError`.
+
+        **Arguments:**
+
+        - `name`: the file's name (``model-00001-of-00002.safetensors``).
+        - `pieces`: its bytes, as buffers (a generator may make each as it is asked for).
+        - `overwrite`: whether a file there may be replaced.
+
+        ```python
+        resolve("published").put_file("model.safetensors", [head, data], overwrite=False)
+        ```
+        """
+        raise CheckpointWriteError(f"{self} is read-only here: {name} cannot be written.")
+
+    def remove_file(self, name: str) -> bool:
+        """Remove the file ``name`` of this directory, durably; False if there was none.
+
+        ```python
+        resolve("published").remove_file("model.safetensors.index.json")
+        ```
+        """
+        raise CheckpointWriteError(f"{self} is read-only here: {name} cannot be removed.")
+
+    def file_exists(self, name: str) -> bool:
+        """Whether this directory holds a file (or anything) named ``name``.
+
+        ```python
+        resolve("published").file_exists("model.safetensors.index.json")
+        ```
+        """
+        return False
 
 
 class Staging(abc.ABC):

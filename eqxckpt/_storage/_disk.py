@@ -13,7 +13,8 @@ import os
 import pathlib
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, BinaryIO
 
 import tensorstore as ts
 
@@ -417,6 +418,26 @@ class LocalStorage(Storage):
         except CheckpointExistsError:
             return False
         return True
+
+    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+
+        def body(f: BinaryIO) -> None:
+            for piece in pieces:
+                f.write(piece)
+
+        write_file(self.path / name, body, overwrite)
+
+    def remove_file(self, name: str) -> bool:
+        try:
+            (self.path / name).unlink()
+        except FileNotFoundError:
+            return False
+        fsync_path(self.path)
+        return True
+
+    def file_exists(self, name: str) -> bool:
+        return os.path.lexists(self.path / name)
 
 
 class LocalStaging(Staging):

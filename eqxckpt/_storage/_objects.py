@@ -12,7 +12,7 @@ import os
 import socket
 import urllib.parse
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import tensorstore as ts
@@ -396,6 +396,26 @@ class ObjectStorage(Storage):
     def create_once(self, name: str, raw: bytes) -> bool:
         warn_if_not_atomic(self.kvstore)  # two creators could both write, where the store only emulates the condition
         return create_if_absent(self.open_kvstore(), name, raw)
+
+    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> None:
+        raw = b"".join(pieces)  # one object: written whole, or not at all
+        store = self.open_kvstore()
+        if overwrite:
+            store.write(name, raw).result()
+            return
+        warn_if_not_atomic(self.kvstore)
+        if not create_if_absent(store, name, raw):
+            raise CheckpointExistsError(f"{self}{name} exists; pass overwrite=True to replace it, or write elsewhere.")
+
+    def remove_file(self, name: str) -> bool:
+        store = self.open_kvstore()
+        if not exists(store, name):
+            return False
+        store.write(name, None).result()
+        return True
+
+    def file_exists(self, name: str) -> bool:
+        return exists(self.open_kvstore(), name)
 
     def collect_references(self, refs: list[str]) -> None:
         """Delete the sibling prefixes in ``refs`` (what a deleted or replaced checkpoint here

@@ -7,7 +7,7 @@ of N writes about 1/N of the replicated bytes; which arrays are global is agreed
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -164,16 +164,25 @@ def check_copies_agree(published: Sequence[str]) -> None:
         )
 
 
-def global_leaves(values: Sequence[Any], phases: "Phases") -> frozenset[int]:
+def global_leaves(
+    values: Sequence[Any], phases: "Phases", before: "Callable[[], None] | None" = None
+) -> frozenset[int]:
     """Which of ``values`` (a multi-process save's array leaves, in the same order in every
     process) are global arrays, agreed by every process in one phase: those some process
     does not hold whole. A global array held whole by one process looks host-local there
     (fully addressable); only the others know it is not. The rest are host-local, each
-    process's own copy (process 0's is saved)."""
+    process's own copy (process 0's is saved). ``before``: this process's checks of its
+    tree, run in the phase, so that one process's refusal reaches every process."""
     import jax
 
     partial = [i for i, value in enumerate(values) if isinstance(value, jax.Array) and not value.is_fully_addressable]
-    found = phases.run("placement", lambda: json.dumps(_runs(partial)))
+
+    def work() -> str:
+        if before is not None:
+            before()
+        return json.dumps(_runs(partial))
+
+    found = phases.run("placement", work)
     return frozenset(i for runs in found for start, stop in json.loads(runs) for i in range(start, stop))
 
 

@@ -298,7 +298,14 @@ def hf_config(config: T5Config, dtype: Any) -> dict[str, Any]:
     }
 
 
-def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False, progress: Progress = "auto") -> None:
+def save_hf(
+    path: str | os.PathLike[str],
+    model: T5,
+    *,
+    max_shard_size: int | str | None = None,
+    overwrite: bool = False,
+    progress: Progress = "auto",
+) -> None:
     """Write a `T5` as a HuggingFace T5 directory, so a model trained in Equinox can be published.
 
     Writes ``model.safetensors`` (HuggingFace's tensor names and ``[out, in]``
@@ -315,6 +322,9 @@ def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False,
       as HuggingFace's per-block tensors: the same file as the per-layer T5's).
       Per-block relative attention biases are refused: HuggingFace's T5 has one
       table per stack.
+    - `max_shard_size`: write the tensors as HuggingFace's shards of at most this
+      many bytes (an int, or a string such as ``"5GB"``) and their index
+      (`eqxckpt.save_safetensors`), not one ``model.safetensors``.
     - `overwrite`: replace the files of a model already there. Without it,
       existing files are never touched: `CheckpointExistsError`.
     - `progress`: as for `eqxckpt.save` (a bar on a terminal, or a callable).
@@ -338,14 +348,16 @@ def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False,
             "T5 has one per stack, so it cannot load such a model. Save it with eqxckpt.save instead."
         )
     root = pathlib.Path(path)
-    names = (WEIGHTS_NAME, GENERATION_CONFIG_NAME, CONFIG_NAME)
+    names = (WEIGHTS_NAME, INDEX_NAME, GENERATION_CONFIG_NAME, CONFIG_NAME)
     existing = [name for name in names if (root / name).exists()]
     if existing and not overwrite:
         raise CheckpointExistsError(f"{root} already holds {', '.join(existing)}; pass overwrite=True to replace them.")
-    tensors: dict[str, Any] = {}
+    # The per-layer T5's tree, each leaf as HuggingFace lays it out ([out, in]), named as
+    # HuggingFace names it: save_safetensors writes it.
+    tree: dict[str, Any] = {}
     for leaf_path, value in _per_layer_arrays(model):
-        node = tensors
-        *parents, last = hf_name(leaf_path, config).split(".")
+        node = tree
+        *parents, last = leaf_path.split("/")
         for part in parents:
             node = node.setdefault(part, {})
         node[last] = np.ascontiguousarray(value.T) if TRANSPOSED.fullmatch(leaf_path) else value
@@ -353,7 +365,15 @@ def save_hf(path: str | os.PathLike[str], model: T5, *, overwrite: bool = False,
     if overwrite:  # the old config goes first (durably): until the new one is written, the directory is incomplete
         (root / CONFIG_NAME).unlink(missing_ok=True)
         fsync_path(root)
-    save_safetensors(root / WEIGHTS_NAME, tensors, metadata={"format": "pt"}, overwrite=overwrite, progress=progress)
+    save_safetensors(
+        root if max_shard_size is not None else root / WEIGHTS_NAME,
+        tree,
+        max_shard_size=max_shard_size,
+        names=lambda leaf_path: hf_name(leaf_path, config),
+        metadata={"format": "pt"},
+        overwrite=overwrite,
+        progress=progress,
+    )
     generation = {"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
     _write_json(root / GENERATION_CONFIG_NAME, {**generation, "transformers_version": TRANSFORMERS_VERSION}, overwrite)
     _write_json(root / CONFIG_NAME, hf_config(config, model.shared.dtype), overwrite)  # each file is durable

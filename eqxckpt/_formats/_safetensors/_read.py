@@ -1,4 +1,4 @@
-"""safetensors files as a read-only `Source`, and `save_safetensors`.
+"""safetensors files (one, or a sharded HuggingFace directory) as a read-only `Source`.
 
 A file is an 8-byte little-endian header length, a JSON header naming each
 tensor's dtype, shape and byte range in the data that follows, then the data.
@@ -11,8 +11,6 @@ Tensor names map to paths by splitting at ``.``:
 ``encoder/block/0/layer/0/SelfAttention/q/weight``.
 """
 
-import contextlib
-import json
 import math
 import os
 import pathlib
@@ -20,67 +18,27 @@ import stat
 import struct
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
-from .._arguments import checked_arguments
-from .._dtypes import little_endian
-from .._errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    CorruptCheckpointError,
-    ManifestError,
-    PathError,
-    UnsupportedLeafError,
+from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
+from ..._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
+from ..._manifest import MAX_PARSE_FACTOR, parse_json_object
+from ..._paths import check_one_tree, encode_segment
+from ..._read._source import Boxes, Source
+from ..._storage import read_capped
+from ..._window import Task, check_allocation, read_window, run_windowed
+from .._convert import aligned_empty
+from ._layout import (
+    DTYPES,
+    INDEX_NAME,
+    LOAD_BYTES_PER_TENSOR,
+    MAX_HEADER_BYTES,
+    MAX_INDEX_BYTES,
+    SINGLE_NAME,
+    SUB_BYTE,
 )
-from .._leaf import UNKNOWN, ArrayLeaf, KeyRecord, StoredLeaf, parse_shape
-from .._manifest import MAX_PARSE_FACTOR, parse_json_object
-from .._paths import check_one_tree, encode_segment, key_entry_record
-from .._progress import Progress, advance, reporting
-from .._read._lazy import LazyArray
-from .._read._source import Boxes, Source
-from .._storage import file_exists_error, read_capped, write_file
-from .._tree import flatten, is_prng_key_dtype
-from .._window import Task, check_allocation, read_window, run_windowed
-from ._convert import aligned_empty
-
-if TYPE_CHECKING:  # JAX is imported where a tree is saved, not to read a file
-    from jaxtyping import PyTree
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-# The safetensors library refuses headers over 100 MB; so does this reader.
-MAX_HEADER_BYTES = 100_000_000
-MAX_INDEX_BYTES = 64 * 1024 * 1024
-# What one tensor costs in memory from opening a file to loading it (measured: about
-# 1.5 KiB for a float32[1] tensor), so that a header is refused before it is parsed
-# when reading it would take more than MAX_PARSE_FACTOR times its size.
-LOAD_BYTES_PER_TENSOR = 1600
-DTYPES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "U16": "uint16",
-    "I16": "int16",
-    "U32": "uint32",
-    "I32": "int32",
-    "U64": "uint64",
-    "I64": "int64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-}
-# Types safetensors packs several to a byte; eqxckpt holds one element a byte and reads
-# none of them (MXFP4 checkpoints ship their blocks as U8, which it reads).
-SUB_BYTE = {"F4": "float4_e2m1fn", "F6_E2M3": "float6_e2m3fn", "F6_E3M2": "float6_e3m2fn"}
-NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def name_to_keys(name: str) -> tuple[str, tuple[KeyRecord, ...]]:
@@ -328,126 +286,3 @@ def open_safetensors(path: pathlib.Path) -> SafetensorsCheckpoint:
     if (path / SINGLE_NAME).is_file():
         return SafetensorsCheckpoint(str(path), {SINGLE_NAME: path / SINGLE_NAME})
     raise CheckpointNotFoundError(f"No safetensors file at {path} (no {SINGLE_NAME} or {INDEX_NAME}).")
-
-
-@checked_arguments
-def save_safetensors(
-    path: str | os.PathLike[str],
-    tree: "PyTree",
-    *,
-    metadata: dict[str, str] | None = None,
-    overwrite: bool = False,
-    progress: Progress = "auto",
-) -> None:
-    """Write a pytree's arrays as one safetensors file, atomically.
-
-    Tensor names are the leaves' paths with ``/`` turned into ``.``
-    (``layers/0/weight`` is ``layers.0.weight``), so the file loads in
-    `safetensors` itself and back through `eqxckpt.load`.
-
-    **Arguments:**
-
-    - `path`: the ``.safetensors`` file to write.
-    - `tree`: a pytree whose leaves are arrays (other leaves are refused: a
-      safetensors file holds tensors only; filter them out first with
-      ``eqx.filter(tree, eqx.is_array)``). Lazy arrays of an opened checkpoint
-      (``eqxckpt.open(src).tree()``) are read one at a time while writing. Arrays
-      of any byte order are written little-endian, as safetensors' data are.
-    - `metadata`: string-to-string metadata, stored as ``__metadata__``.
-    - `overwrite`: replace a file already at ``path`` (atomically). Without it,
-      an existing file is never touched: `CheckpointExistsError`.
-    - `progress`: as for `eqxckpt.save` (``"auto"``: a bar on a terminal for a
-      large or slow write; True: always on a terminal; a callable is called with
-      ``(bytes_done, bytes_total, leaves_done, leaves_total)``).
-
-    **Returns:** nothing; the file is complete and durable on return.
-
-    ```python
-    eqxckpt.save_safetensors("model.safetensors", eqx.filter(model, eqx.is_array))
-    params = safetensors.numpy.load_file("model.safetensors")
-    ```
-    """
-    import jax
-
-    metadata = {} if metadata is None else metadata
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise CheckpointError("safetensors metadata must map strings to strings.")
-    final = pathlib.Path(path).absolute()
-    if final.exists() and not overwrite:  # fail fast, before reading anything; checked again at the commit
-        raise file_exists_error(final)
-    flat, _ = flatten(tree)
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    arrays: list[Any] = []  # host arrays, or lazy entries read one at a time while writing
-    offset = 0
-    for leaf_path, keypath, leaf in flat:
-        if leaf is None:
-            continue
-        if not (isinstance(leaf, (jax.Array, np.ndarray, np.generic, LazyArray))):
-            raise CheckpointError(
-                f"Leaf {leaf_path!r} is {type(leaf).__name__}, not an array: a safetensors file holds tensors only. "
-                "Filter the tree first (eqx.filter(tree, eqx.is_array))."
-            )
-        parts = [str(key_entry_record(entry)[1]) for entry in keypath]
-        if any("." in part for part in parts) or not all(parts):
-            raise PathError(
-                f"Leaf {leaf_path!r}: its keys {parts} contain '.' or are empty, so its safetensors name would be "
-                "ambiguous. Rename the key, or use eqxckpt.save."
-            )
-        name = ".".join(parts)
-        if name == "__metadata__":
-            raise PathError(
-                f"Leaf {leaf_path!r} would be the tensor '__metadata__', the name safetensors reserves for the "
-                "file's metadata (no reader could open the file). Rename the key."
-            )
-        if is_prng_key_dtype(leaf.dtype):
-            raise UnsupportedLeafError(
-                f"Leaf {leaf_path!r} is a typed PRNG key array, which safetensors cannot hold. Save its key data "
-                "(jax.random.key_data(x)) instead, or use eqxckpt.save, which stores keys."
-            )
-        array = leaf if isinstance(leaf, LazyArray) else _stored(leaf)
-        dtype = NAMES.get(np.dtype(array.dtype).name)
-        if dtype is None:
-            packed = {v: k for k, v in SUB_BYTE.items()}.get(np.dtype(array.dtype).name)
-            why = (
-                f"which safetensors holds only packed several to a byte ({packed}), and eqxckpt does not write that"
-                if packed
-                else "which safetensors cannot hold"
-            )
-            raise CheckpointError(
-                f"Leaf {leaf_path!r} has dtype {array.dtype}, {why}. Save it with eqxckpt.save, or store its bytes "
-                "as uint8 (x.view(jnp.uint8)) and its dtype in the metadata."
-            )
-        if name in header:
-            raise PathError(f"Two leaves are both named {name!r} in safetensors.")
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
-        arrays.append(array)
-        offset += array.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the safetensors library writes
-
-    def body(f: BinaryIO) -> None:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        with contextlib.ExitStack() as sources:
-            for source in {id(a.source): a.source for a in arrays if isinstance(a, LazyArray)}.values():
-                sources.enter_context(source.consistent())
-            for array in arrays:
-                if isinstance(array, LazyArray):
-                    array = _stored(array.get())
-                f.write(array.reshape(-1).view(np.uint8).data)
-                advance(array.nbytes)
-
-    try:  # as `save` makes a checkpoint's parents
-        final.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointWriteError(
-            f"Cannot make the directory {final.parent} for {final.name}: {e.strerror or e}. Nothing was written."
-        ) from None
-    with reporting(f"writing {final.name}", offset, len(arrays), progress):
-        write_file(final, body, overwrite)
-
-
-def _stored(value: Any) -> np.ndarray:
-    """The array whose bytes a tensor's data are: little-endian (`little_endian`), in C order
-    (np.asarray with order="C", not np.ascontiguousarray: that makes 0-d arrays shape [1])."""
-    return np.asarray(little_endian(value), order="C")

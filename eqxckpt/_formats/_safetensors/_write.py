@@ -1,0 +1,611 @@
+"""`save_safetensors`: a pytree's arrays as one safetensors file, or as HuggingFace's
+sharded layout (shard files, then ``model.safetensors.index.json``, the commit),
+written by one process or by every process of a multi-process job.
+
+With several processes each shard file is written by one process (`assign`), from
+the blocks of its tensors that it holds and those the processes holding them send it
+(`Transfers`, the local tier's point-to-point transport), a round of files at a time:
+no process ever holds more than the file it writes and the blocks it sends that round.
+What the processes agree on (the tree, which arrays are global, the plan) goes through
+`Phases`, as a save's does.
+"""
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..._arguments import checked_arguments
+from ..._distributed import Phases, is_multiprocess
+from ..._dtypes import little_endian
+from ..._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, PathError, UnsupportedLeafError
+from ..._leaf import UNKNOWN, ArrayLeaf
+from ..._paths import check_one_tree, key_entry_record
+from ..._progress import Progress, advance, reporting
+from ..._read._lazy import LazyArray
+from ..._read._place import Block, region_of, slice_key
+from ..._storage import Storage, resolve
+from ..._tree import flatten, is_prng_key_dtype
+from ..._write._shares import global_leaves
+from ._layout import (
+    DTYPES,
+    INDEX_NAME,
+    NAMES,
+    SINGLE_NAME,
+    SUB_BYTE,
+    TensorEntry,
+    file_header,
+    index_document,
+    parse_size,
+    shard_names,
+    split,
+)
+from ._read import name_to_keys
+
+if TYPE_CHECKING:  # JAX is imported where a tree is saved, not to read a file
+    from jaxtyping import PyTree
+
+    from ..._local._peers import Transfers
+
+
+@dataclasses.dataclass
+class _Tensor:
+    """One array leaf as a tensor of the files: its path, its entry in a header, its
+    value, and where its bytes are: for a global array, each distinct block and the
+    processes holding it; None: held whole by each process (process 0's copy is written)."""
+
+    path: str
+    entry: TensorEntry
+    value: Any
+    holders: dict[Block, tuple[int, ...]] | None = None
+
+    def held(self, process: int) -> int:
+        """Bytes of it that ``process`` holds."""
+        if self.holders is None:
+            return self.entry.nbytes if process == 0 else 0
+        itemsize = np.dtype(DTYPES[self.entry.dtype]).itemsize
+        return sum(_block_bytes(b, itemsize) for b, who in self.holders.items() if process in who)
+
+    def needed(self, process: int) -> list[tuple[Block | None, int]]:
+        """What ``process`` must be sent to write it: each block it lacks (None: all of it)
+        with the process that sends it, spread over the holders of each block."""
+        if self.holders is None:
+            return [] if process == 0 else [(None, 0)]
+        return [
+            (block, who[n % len(who)])
+            for n, (block, who) in enumerate(sorted(self.holders.items()))
+            if process not in who
+        ]
+
+
+def _block_bytes(block: Block, itemsize: int) -> int:
+    size = itemsize
+    for start, stop in block:
+        size *= stop - start
+    return size
+
+
+@checked_arguments
+def save_safetensors(
+    path: str | os.PathLike[str] | dict[str, Any],
+    tree: "PyTree",
+    *,
+    max_shard_size: int | str | None = None,
+    names: Callable[[str], str] | Mapping[str, str] | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+    progress: Progress = "auto",
+) -> None:
+    """Write a pytree's arrays as one safetensors file, or as HuggingFace's sharded
+    layout, atomically; from one process, or from every process of a job.
+
+    Tensor names are the leaves' paths with ``/`` turned into ``.``
+    (``layers/0/weight`` is ``layers.0.weight``), or what ``names`` gives, so
+    the files load in `safetensors`, in ``transformers`` and back through
+    `eqxckpt.load`. Each file holds its tensors as ``safetensors.numpy.save_file``
+    lays them out (byte for byte, with one metadata key or none).
+
+    **Arguments:**
+
+    - `path`: without `max_shard_size`, the ``.safetensors`` file to write (a local
+      path). With it, the directory (a local path, or an ``s3://``/``gs://`` URL or
+      kvstore spec, as for `eqxckpt.save`) that gets the shards,
+      ``model-00001-of-0000N.safetensors``..., and last
+      ``model.safetensors.index.json``, the commit: a directory without its index
+      is not a model. (A model that fits one shard is ``model.safetensors`` alone,
+      as HuggingFace writes it.)
+    - `tree`: a pytree whose leaves are arrays (other leaves are refused: a
+      safetensors file holds tensors only; filter them out first with
+      ``eqx.filter(tree, eqx.is_array)``). Lazy arrays of an opened checkpoint
+      (``eqxckpt.open(src).tree()``) are read one at a time while writing. Arrays
+      of any byte order are written little-endian, as safetensors' data are.
+    - `max_shard_size`: the most bytes of tensors in one shard, an int or a string
+      such as ``"5GB"``; tensors are split into shards as ``huggingface_hub``
+      splits a state dict (in the tree's order; a tensor over the limit is a shard
+      on its own).
+    - `names`: each leaf's tensor name, from its path: a function, or a mapping
+      that names every leaf. Two leaves with one name are refused, naming both.
+    - `metadata`: string-to-string metadata: every file's ``__metadata__`` (and the
+      index's ``metadata``, after ``total_size``).
+    - `overwrite`: replace a model already there. It first removes the old index
+      and, for a sharded model, an old ``model.safetensors`` (so no reader takes
+      the old model for the new one meanwhile), then replaces the files the new
+      model writes; an old shard the new model does not write is left, with a
+      warning naming it. Without it, nothing there is touched:
+      `CheckpointExistsError`.
+    - `progress`: as for `eqxckpt.save` (``"auto"``: a bar on a terminal for a
+      large or slow write; True: always on a terminal; a callable is called with
+      ``(bytes_done, bytes_total, leaves_done, leaves_total)``).
+
+    With several JAX processes (``jax.process_count() > 1``), every process calls it
+    with the same tree of global arrays. Each shard file is written by one process,
+    the processes sharing the files evenly and each writing those it holds most of;
+    a process is sent only the blocks of its files' tensors it does not hold, and
+    holds at most its file and the blocks it sends at a time. Process 0 writes the
+    index once every file is complete. Arrays that are not global (numpy arrays)
+    are written from process 0's copy.
+
+    **Returns:** nothing; the file (the directory) is complete and durable on return.
+
+    ```python
+    eqxckpt.save_safetensors("model.safetensors", eqx.filter(model, eqx.is_array))
+    params = safetensors.numpy.load_file("model.safetensors")
+    eqxckpt.save_safetensors("my-model", params, max_shard_size="5GB")
+    ```
+    """
+    metadata = {} if metadata is None else dict(metadata)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError("safetensors metadata must map strings to strings.")
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
+    if limit is not None and "total_size" in metadata:
+        raise CheckpointError(
+            "metadata may not hold 'total_size': the index's metadata holds the model's total size under that name."
+        )
+    if limit is None:
+        if isinstance(path, dict) or "://" in os.fspath(path):
+            raise CheckpointError(
+                f"save_safetensors writes one file to a local path; {path!r:.200} is not one. Pass max_shard_size "
+                "to write a sharded directory to an object store."
+            )
+        final = pathlib.Path(path).absolute()
+        if final.is_dir():
+            raise CheckpointError(f"Cannot write {final}: it is a directory (pass max_shard_size for a sharded one).")
+        storage, single = resolve(final.parent), final.name
+    else:
+        storage, single = resolve(path), None
+    publishing = _Publishing(storage, single, limit, metadata, overwrite)
+    if not is_multiprocess():
+        if not overwrite and publishing.taken():  # fail fast, before reading anything; checked again at the end
+            raise publishing.exists_error()
+        publishing.plan(_tensors(tree, names), 1)
+        with reporting(f"writing {publishing.where}", publishing.total_bytes, publishing.count, progress):
+            publishing.prepare()
+            for shard in range(len(publishing.files)):
+                publishing.write(shard, {})
+            publishing.commit()
+        return
+    _publish_together(publishing, tree, names, progress)
+
+
+class _Publishing:
+    """One model being written: where (`storage`, and the file name without shards),
+    its files and which process writes each (`plan`), and the steps of writing them."""
+
+    def __init__(self, storage: Storage, single: str | None, limit: int | None, metadata: dict, overwrite: bool):
+        self.storage, self.single, self.limit = storage, single, limit
+        self.metadata, self.overwrite = metadata, overwrite
+        self.where = str(storage) if single is None else os.path.join(str(storage), single)
+        self.files: list[tuple[str, list[_Tensor]]] = []
+        self.writers: list[int] = []
+
+    def plan(self, tensors: list[_Tensor], processes: int) -> None:
+        """Split ``tensors`` into files and choose the process writing each."""
+        if self.single is not None:
+            shards = [list(range(len(tensors)))]
+            file_names = [self.single]
+        else:
+            shards = split([t.entry.nbytes for t in tensors], self.limit or 1) or [[]]
+            file_names = shard_names(len(shards))
+        self.files = [(name, [tensors[i] for i in shard]) for name, shard in zip(file_names, shards)]
+        self.writers = assign([[sum(t.held(p) for t in ts) for p in range(processes)] for _, ts in self.files])
+
+    def mine(self, process: int) -> list[int]:
+        return [i for i, writer in enumerate(self.writers) if writer == process]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.entry.nbytes for _, ts in self.files for t in ts)
+
+    @property
+    def count(self) -> int:
+        return sum(len(ts) for _, ts in self.files)
+
+    def fingerprint(self) -> str:
+        """What every process must agree on: the files, their tensors and where each is held."""
+        doc = [
+            [name, writer, [[t.path, t.entry.name, t.entry.dtype, t.entry.shape, _holders_json(t)] for t in ts]]
+            for (name, ts), writer in zip(self.files, self.writers)
+        ]
+        return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
+    def summary(self) -> str:
+        return f"{self.count} tensors of {self.total_bytes} bytes in {len(self.files)} files"
+
+    # -- the steps ---------------------------------------------------------------------
+
+    def _layout_names(self) -> list[str]:
+        """The names a model here is found by: its single file or index, and the new files."""
+        return [*{INDEX_NAME, SINGLE_NAME, *(name for name, _ in self.files)}] if self.single is None else [self.single]
+
+    def taken(self) -> list[str]:
+        return [name for name in sorted(self._layout_names()) if self.storage.file_exists(name)]
+
+    def exists_error(self) -> CheckpointExistsError:
+        return CheckpointExistsError(
+            f"{self.where} already holds {', '.join(self.taken()) or 'a model'}; pass overwrite=True to replace it, "
+            "or write elsewhere."
+        )
+
+    def prepare(self) -> None:
+        """Process 0, before any file is written: refuse a model there (without
+        ``overwrite``), else uncommit it: its index (and, for a sharded model, a
+        single file) goes first, so no reader mixes the old model with the new."""
+        if self.single is not None:
+            if not self.overwrite and self.taken():
+                raise self.exists_error()
+            return
+        if not self.overwrite:
+            if self.taken():
+                raise self.exists_error()
+            return
+        old = self._old_files()
+        self.storage.remove_file(INDEX_NAME)
+        if len(self.files) > 1:
+            self.storage.remove_file(SINGLE_NAME)
+        left = sorted(set(old) - {name for name, _ in self.files} - {SINGLE_NAME})
+        if left:
+            from ..._errors import warn_at_caller
+
+            warn_at_caller(
+                f"{self.where}: the model replaced had files the new one does not write, left where they are "
+                f"(no index names them now): {', '.join(left[:10])}. Remove them before publishing the directory."
+            )
+
+    def _old_files(self) -> list[str]:
+        """The files the index of the model there names (none if it has no readable index)."""
+        try:
+            raw = self.storage.read_small(INDEX_NAME, 64 << 20)
+            weight_map = json.loads(raw or b"{}").get("weight_map", {})
+            return sorted({v for v in weight_map.values() if isinstance(v, str)})
+        except (OSError, ValueError, AttributeError):
+            return []
+
+    def write(self, shard: int, received: dict[tuple[str, Block | None], np.ndarray]) -> None:
+        """Write file ``shard`` whole, from this process's arrays and ``received``
+        (the blocks other processes sent, by tensor path and block)."""
+        name, tensors = self.files[shard]
+        head, ordered = file_header([t.entry for t in tensors], self.metadata)
+        by_name = {t.entry.name: t for t in tensors}
+
+        def pieces() -> Iterator[Any]:
+            yield head
+            with contextlib.ExitStack() as sources:
+                for source in {
+                    id(t.value.source): t.value.source for t in tensors if isinstance(t.value, LazyArray)
+                }.values():
+                    sources.enter_context(source.consistent())
+                for entry in ordered:
+                    data = _tensor_bytes(by_name[entry.name], received)
+                    yield data.reshape(-1).view(np.uint8).data
+                    advance(entry.nbytes)
+
+        try:
+            self.storage.put_file(name, pieces(), self.overwrite)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            after = (
+                "Nothing was written."
+                if self.single is not None or len(self.files) == 1
+                else "No index was written, so the directory holds no model: rerun with overwrite=True."
+            )
+            raise CheckpointWriteError(f"Writing {name} in {self.storage} failed: {e.strerror or e}. {after}") from e
+
+    def commit(self) -> None:
+        """Process 0, once every file is complete: the index, written last (none for a
+        model of one file, which is its own commit)."""
+        if self.single is not None or len(self.files) < 2:
+            return
+        files = {name: [t.entry for t in ts] for name, ts in self.files}
+        self.storage.put_file(INDEX_NAME, [index_document(files, self.metadata)], self.overwrite)
+
+
+def _holders_json(tensor: _Tensor) -> Any:
+    return (
+        None if tensor.holders is None else sorted([list(map(list, b)), list(who)] for b, who in tensor.holders.items())
+    )
+
+
+def assign(held: list[list[int]]) -> list[int]:
+    """The process writing each file, given ``held[f][p]``, the bytes of file ``f`` that
+    process ``p`` holds: the files are shared evenly (each process writes at most
+    ``ceil(files / processes)``), the largest first, each by the process with room that
+    holds most of it (ties: the one writing fewest, then the lowest index).
+
+    ```python
+    assign([[10, 0], [10, 0], [0, 10]])  # [0, 1, 1]: process 0 holds files 0 and 1, but writes one
+    ```
+    """
+    if not held:
+        return []
+    processes = len(held[0])
+    room = -(-len(held) // processes)
+    load = [0] * processes
+    writers = [0] * len(held)
+    for f in sorted(range(len(held)), key=lambda f: (-sum(held[f]), f)):
+        open_ = [p for p in range(processes) if load[p] < room]
+        writer = max(open_, key=lambda p: (held[f][p], -load[p], -p))
+        writers[f] = writer
+        load[writer] += 1
+    return writers
+
+
+def _tensors(tree: "PyTree", names: Callable[[str], str] | Mapping[str, str] | None) -> list[_Tensor]:
+    """Each array leaf of ``tree`` as a tensor, named and checked: what a file cannot hold,
+    or names that collide or would not read back as a tree, are refused here."""
+    import jax
+
+    flat, _ = flatten(tree)
+    tensors: list[_Tensor] = []
+    if isinstance(names, Mapping):
+        unnamed = [p for p, _, leaf in flat if leaf is not None and p not in names]
+        if unnamed:
+            raise PathError(
+                f"names maps leaf paths to tensor names but leaves no name for {len(unnamed)} leaves "
+                f"(e.g. {unnamed[0]!r}). Name every leaf, or pass a function."
+            )
+    taken: dict[str, str] = {}  # tensor name -> leaf path
+    for leaf_path, keypath, leaf in flat:
+        if leaf is None:
+            continue
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, LazyArray)):
+            raise CheckpointError(
+                f"Leaf {leaf_path!r} is {type(leaf).__name__}, not an array: a safetensors file holds tensors only. "
+                "Filter the tree first (eqx.filter(tree, eqx.is_array))."
+            )
+        name = _name(leaf_path, keypath, names)
+        if name in taken:
+            raise PathError(
+                f"Leaves {taken[name]!r} and {leaf_path!r} would both be the tensor {name!r}: a file holds one tensor "
+                "of a name. Give them different names."
+            )
+        taken[name] = leaf_path
+        if is_prng_key_dtype(leaf.dtype):
+            raise UnsupportedLeafError(
+                f"Leaf {leaf_path!r} is a typed PRNG key array, which safetensors cannot hold. Save its key data "
+                "(jax.random.key_data(x)) instead, or use eqxckpt.save, which stores keys."
+            )
+        dtype = NAMES.get(np.dtype(leaf.dtype).name)
+        if dtype is None:
+            packed = {v: k for k, v in SUB_BYTE.items()}.get(np.dtype(leaf.dtype).name)
+            why = (
+                f"which safetensors holds only packed several to a byte ({packed}), and eqxckpt does not write that"
+                if packed
+                else "which safetensors cannot hold"
+            )
+            raise CheckpointError(
+                f"Leaf {leaf_path!r} has dtype {leaf.dtype}, {why}. Save it with eqxckpt.save, or store its bytes "
+                "as uint8 (x.view(jnp.uint8)) and its dtype in the metadata."
+            )
+        tensors.append(_Tensor(leaf_path, TensorEntry(name, dtype, tuple(int(n) for n in leaf.shape)), leaf))
+    _check_reads_back(tensors)
+    return tensors
+
+
+def _name(leaf_path: str, keypath: Any, names: Callable[[str], str] | Mapping[str, str] | None) -> str:
+    """A leaf's tensor name: ``names``' (checked), else its keys joined by ``.``."""
+    if names is None:
+        # Keys that hold dots (a state dict's names) are kept as they are: two leaves
+        # that meet at one name are refused by the caller.
+        name = ".".join(str(key_entry_record(entry)[1]) for entry in keypath)
+    else:
+        name = names[leaf_path] if isinstance(names, Mapping) else names(leaf_path)
+        if not isinstance(name, str) or not name:
+            raise PathError(f"names gives leaf {leaf_path!r} the name {name!r:.100}; a tensor name is a non-empty str.")
+    if name == "__metadata__":
+        raise PathError(
+            f"Leaf {leaf_path!r} would be the tensor '__metadata__', the name safetensors reserves for the "
+            "file's metadata (no reader could open the file). Rename the key."
+        )
+    if "" in name.split("."):
+        raise PathError(
+            f"Leaf {leaf_path!r} would be the tensor {name!r}, with an empty part between dots, which no reader "
+            "maps back onto a tree. Name it without one."
+        )
+    return name
+
+
+def _check_reads_back(tensors: list[_Tensor]) -> None:
+    """Refuse names that `eqxckpt.load` would not read back as one tree (a name that is
+    both a tensor and a prefix of others: ``a`` and ``a.b``)."""
+    leaves = {}
+    for tensor in tensors:
+        path, keys = name_to_keys(tensor.entry.name)
+        leaves[path] = ArrayLeaf(path, keys, tensor.entry.shape, DTYPES[tensor.entry.dtype], UNKNOWN)
+    by_path = {name_to_keys(t.entry.name)[0]: t for t in tensors}
+    try:
+        check_one_tree(leaves, "the files", lambda path: by_path[path].entry.name)
+    except CheckpointError as e:
+        raise PathError(f"The tensor names would not read back as one tree: {e} Rename one of them.") from None
+
+
+def _tensor_bytes(tensor: _Tensor, received: dict[tuple[str, Block | None], np.ndarray]) -> np.ndarray:
+    """A tensor's values, little-endian in C order: this process's own, or put together
+    from the blocks it holds and ``received``."""
+    if (whole := received.get((tensor.path, None))) is not None:
+        return whole
+    value = tensor.value
+    if isinstance(value, LazyArray):
+        return _stored(value.get())
+    if tensor.holders is None or len(tensor.holders) == 1 and next(iter(tensor.holders)) == _whole(tensor):
+        if tensor.holders is None:
+            return _stored(value)
+        return _stored(_local_block(tensor, _whole(tensor)))
+    out = np.empty(tensor.entry.shape, np.dtype(DTYPES[tensor.entry.dtype]))
+    for block in tensor.holders:
+        got = received.get((tensor.path, block))
+        part = _local_block(tensor, block) if got is None else got.view(out.dtype).reshape([b - a for a, b in block])
+        out[region_of(block)] = part
+    return out
+
+
+def _whole(tensor: _Tensor) -> Block:
+    return tuple((0, n) for n in tensor.entry.shape)
+
+
+def _local_block(tensor: _Tensor, block: Block) -> np.ndarray:
+    """The block ``block`` of a global array, from this process's shards."""
+    shape = tensor.entry.shape
+    for shard in tensor.value.addressable_shards:
+        if slice_key(shard.index, shape) == block:
+            return _stored(shard.data)
+    raise CheckpointError(f"Leaf {tensor.path!r}: this process holds no shard {list(block)} (its sharding changed?).")
+
+
+def _stored(value: Any) -> np.ndarray:
+    """The array whose bytes a tensor's data are: little-endian (`little_endian`), in C order
+    (np.asarray with order="C", not np.ascontiguousarray: that makes 0-d arrays shape [1])."""
+    return np.asarray(little_endian(value), order="C")
+
+
+# -- several processes ---------------------------------------------------------------------
+
+
+def _publish_together(
+    publishing: _Publishing, tree: "PyTree", names: Callable[[str], str] | Mapping[str, str] | None, progress: Progress
+) -> None:
+    """`save_safetensors` in every process of a job: agree on the plan, uncommit what is
+    there (process 0), write the files a round at a time, then the index (process 0)."""
+    import jax
+
+    phases = Phases("publish")
+    me, count = phases.rank, phases.size
+    found: list[list[_Tensor]] = []
+
+    def checked() -> None:  # in the first phase: a process's bad tree fails every process
+        found.append(_tensors(tree, names))
+
+    flat = [leaf for _, _, leaf in flatten(tree)[0] if leaf is not None]
+    spanning = global_leaves(flat, phases, before=checked)
+    tensors = found[0]
+    for i in spanning:
+        tensor = tensors[i]
+        if not isinstance(tensor.value, jax.Array):
+            raise CheckpointError(f"Leaf {tensor.path!r} is a global array in another process but not in this one.")
+        holders: dict[Block, set[int]] = {}
+        for device, index in tensor.value.sharding.devices_indices_map(tensor.entry.shape).items():
+            holders.setdefault(slice_key(index, tensor.entry.shape), set()).add(device.process_index)
+        tensor.holders = {block: tuple(sorted(who)) for block, who in holders.items()}
+    publishing.plan(tensors, count)
+    prints = phases.run("agree", lambda: json.dumps([publishing.fingerprint(), publishing.summary()]))
+    differ = [(rank, json.loads(p)[1]) for rank, p in enumerate(prints) if json.loads(p)[0] != json.loads(prints[0])[0]]
+    if differ:
+        rank, summary = differ[0]
+        raise CheckpointError(
+            f"save_safetensors in {count} processes: process {rank} has another tree or another layout of it "
+            f"({summary}) than process 0 ({json.loads(prints[0])[1]}). Every process must pass the same tree of "
+            "global arrays, with the same names. Nothing was written."
+        )
+    phases.run("prepare", lambda: publishing.prepare() if me == 0 else None)
+    rounds = max(len(publishing.mine(p)) for p in range(count))
+    from ..._local._peers import Transfers
+
+    transfers = Transfers()  # its server starts when first offered from or fetched with
+    mine = publishing.mine(me)
+    with reporting(
+        f"writing {publishing.where}",
+        sum(t.entry.nbytes for i in mine for t in publishing.files[i][1]),
+        sum(len(publishing.files[i][1]) for i in mine),
+        progress,
+    ):
+        for r in range(rounds):
+            _round(publishing, phases, transfers, r)
+    phases.run("commit", lambda: publishing.commit() if me == 0 else None)
+
+
+def _round(publishing: _Publishing, phases: Phases, transfers: "Transfers", round_: int) -> None:
+    """Round ``round_``: each process writes its ``round_``-th file (if it has one), sent
+    what it lacks by the processes holding it, which offer those blocks first. Each step
+    is a phase: a process's failure fails every process at once."""
+    me, count = phases.rank, phases.size
+    writers = {p: publishing.mine(p)[round_] for p in range(count) if round_ < len(publishing.mine(p))}
+    sending: dict[int, list[tuple[_Tensor, Block | None]]] = {}
+    for writer, shard in writers.items():
+        for tensor in publishing.files[shard][1]:
+            for block, source in tensor.needed(writer):
+                if source == me:
+                    sending.setdefault(writer, []).append((tensor, block))
+    numbers: list[int] = []
+
+    def offer() -> str:
+        for writer, wanted in sending.items():
+            numbers.append(_transfer_number(phases.name, round_, me, writer))
+            transfers.offer([numbers[-1]], [_sent(t, b) for t, b in wanted])
+        return transfers.address if sending else ""
+
+    def write() -> None:
+        if me in writers:
+            publishing.write(
+                writers[me], _receive(publishing, writers[me], me, round_, addresses, phases.name, transfers)
+            )
+
+    try:
+        addresses = phases.run(f"offered/{round_}", offer)
+        phases.run(f"written/{round_}", write)
+    finally:  # what this process sent is held until every writer has it
+        for number in numbers:
+            transfers.release(number)
+
+
+def _transfer_number(name: str, round_: int, source: int, writer: int) -> int:
+    from ..._local._peers import transfer_id
+
+    return transfer_id(name, "publish", round_, source, writer)
+
+
+def _sent(tensor: _Tensor, block: Block | None) -> np.ndarray:
+    """The bytes of ``block`` of ``tensor`` (None: all of it) this process sends."""
+    data = _stored(tensor.value) if block is None else _local_block(tensor, block)
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
+def _receive(
+    publishing: _Publishing, shard: int, me: int, round_: int, addresses: list[str], name: str, transfers: "Transfers"
+) -> dict[tuple[str, Block | None], np.ndarray]:
+    """The blocks of file ``shard``'s tensors this process lacks, fetched from each
+    process that offered them this round."""
+    wanted: dict[int, list[tuple[_Tensor, Block | None]]] = {}
+    for tensor in publishing.files[shard][1]:
+        for block, source in tensor.needed(me):
+            wanted.setdefault(source, []).append((tensor, block))
+    received: dict[tuple[str, Block | None], np.ndarray] = {}
+    if not wanted:
+        return received
+    for source, blocks in sorted(wanted.items()):
+        itemsizes = [np.dtype(DTYPES[t.entry.dtype]).itemsize for t, _ in blocks]
+        sizes = [t.entry.nbytes if b is None else _block_bytes(b, size) for (t, b), size in zip(blocks, itemsizes)]
+        arrays = transfers.fetch(addresses[source], _transfer_number(name, round_, source, me), sizes)
+        for (tensor, block), data in zip(blocks, arrays):
+            if block is None:
+                received[(tensor.path, None)] = data.view(np.dtype(DTYPES[tensor.entry.dtype])).reshape(
+                    tensor.entry.shape
+                )
+            else:
+                received[(tensor.path, block)] = data
+    return received
