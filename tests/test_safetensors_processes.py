@@ -1,0 +1,109 @@
+"""`save_safetensors` from every process of a 4-process JAX job on 127.0.0.1: a sharded
+HuggingFace directory on a local disk, S3 (moto) and GCS (fake-gcs-server), each file
+byte for byte what `safetensors` writes, the index what `huggingface_hub` splits; each
+process sent only what it lacks; a process killed at a random instant leaves no index."""
+
+import json
+import random
+
+import pytest
+import safetensors.numpy as stn
+from conftest import BUCKET, WORKERS, WorkerFailed, launch, s3_spec
+from huggingface_hub import split_state_dict_into_shards_factory
+
+import eqxckpt
+from eqxckpt._formats._safetensors import INDEX_NAME
+from eqxckpt._storage import resolve
+
+pytestmark = pytest.mark.slow
+PUBLISHER = WORKERS / "publish_worker.py"
+MIB = 2.0
+
+
+def expected_files(tensors: dict, limit: int):
+    plan = split_state_dict_into_shards_factory(
+        tensors, get_storage_size=lambda t: t.nbytes, filename_pattern="model{suffix}.safetensors", max_shard_size=limit
+    )
+    files = {
+        name: stn.save({n: tensors[n] for n in names}, metadata={"format": "pt"})
+        for name, names in plan.filename_to_tensors.items()
+    }
+    index = {"metadata": {**plan.metadata, "format": "pt"}, "weight_map": plan.tensor_to_filename}
+    return files, index
+
+
+def reports(logs):
+    return [json.loads(log.split("REPORT ", 1)[1].splitlines()[0]) for log in logs]
+
+
+@pytest.mark.parametrize("where", ["local", "s3", "gcs"])
+def test_four_processes_write_the_librarys_files_and_the_hubs_index(tmp_path, where, s3, gcs):
+    from publish_worker import expected_tensors, layout, shard_limit
+
+    endpoint, _ = s3
+    prefix = f"published-{tmp_path.name}/"
+    logs = launch(
+        where, 4, tmp_path, worker=PUBLISHER, S3_TEST_ENDPOINT=endpoint, S3_TEST_BUCKET=BUCKET,
+        GCS_TEST_BUCKET=BUCKET, PUBLISH_PREFIX=prefix,
+    )  # fmt: skip
+    tensors = expected_tensors(MIB, 4)
+    files, index = expected_files(tensors, shard_limit(MIB))
+    assert len(files) >= 4  # every process writes one or more
+    storage = resolve(
+        tmp_path / "out" if where == "local" else s3_spec(endpoint, prefix) if where == "s3"
+        else {"driver": "gcs", "bucket": BUCKET, "path": prefix}
+    )  # fmt: skip
+    for name, raw in files.items():
+        assert storage.read_small(name, 1 << 30) == raw, name
+    assert json.loads(storage.read_small(INDEX_NAME, 1 << 20) or b"") == index
+    # Each process was sent at most the bytes of its files it did not hold.
+    found = reports(logs)
+    sharded = sum(
+        tensors[p.replace("/", ".")].nbytes for p, (_, _, kind) in layout(MIB, 4).items() if kind in ("rows", "cols")
+    )
+    assert sum(r["received"] for r in found) <= sharded + tensors["vocab.ids"].nbytes * 4
+    if where == "local":  # read back by the library and by eqxckpt, bit for bit
+        loaded = {}
+        for name in files:
+            loaded.update(stn.load_file(str(tmp_path / "out" / name)))
+        ours = eqxckpt.open(tmp_path / "out")
+        for name, value in tensors.items():
+            for got in (loaded[name], ours[name.replace(".", "/")].get()):
+                assert got.dtype == value.dtype and got.shape == value.shape and got.tobytes() == value.tobytes(), name
+
+
+@pytest.mark.parametrize("moment", ["random", "file"])
+def test_a_process_killed_at_a_random_instant_leaves_no_index_and_a_rerun_completes(tmp_path, moment):
+    """``random``: a random process at a random instant of the write (about 0.1-0.2 s);
+    ``file``: a random process once it has written its first file, the others' files
+    then left without an index."""
+    rng = random.Random()
+    victim = rng.randrange(4)
+    delay = "file" if moment == "file" else f"{rng.uniform(0.0, 0.2):.3f}"
+    out = tmp_path / "out"
+    try:
+        launch(
+            "local", 4, tmp_path, worker=PUBLISHER, dies=victim, timeout=120, EQXCKPT_BARRIER_TIMEOUT_S="15",
+            PUBLISH_MIB="8", PUBLISH_KILL=f"{victim}:{delay}",
+        )  # fmt: skip
+    except WorkerFailed:
+        pass  # the others fail once the victim is gone, as they must
+    from publish_worker import expected_tensors, shard_limit
+
+    files, index = expected_files(expected_tensors(8, 4), shard_limit(8))
+    present = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    if moment == "file":
+        assert INDEX_NAME not in present and len([p for p in present if not p.startswith(".")]) >= 1, present
+    if INDEX_NAME in present:  # it finished before the kill: complete, then
+        assert json.loads((out / INDEX_NAME).read_text()) == index
+    for name in present:
+        if not name.startswith(".") and name != INDEX_NAME:  # nothing under a final name incomplete
+            assert (out / name).read_bytes() == files[name], name
+    (tmp_path / "again").mkdir()
+    launch(
+        "local", 4, tmp_path / "again", worker=PUBLISHER, PUBLISH_MIB="8", PUBLISH_OUT=str(out), PUBLISH_OVERWRITE="1"
+    )
+    for name, raw in files.items():
+        assert (out / name).read_bytes() == raw
+    assert json.loads((out / INDEX_NAME).read_text()) == index
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary left
