@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 import sys
+import typing
 from typing import TYPE_CHECKING
 
 from ._errors import CheckpointError
@@ -14,6 +15,8 @@ from ._formats._open import FORMATS
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rich.console import Console
 
     from ._check._verify import VerifyReport
@@ -281,14 +284,22 @@ def _convert(args: argparse.Namespace) -> int:
     from ._storage import resolve
     from ._write._save import save
 
-    to = written_format(str(args.dst), args.to)
+    sharded = args.max_shard_size is not None
+    if sharded and args.max_shard_size.strip().isdigit():  # a number of bytes
+        args.max_shard_size = int(args.max_shard_size)
+    if sharded and args.to == "eqxckpt":
+        raise CheckpointError("--max-shard-size splits a safetensors model into shards; it goes with --to safetensors.")
+    to = "safetensors" if sharded else written_format(str(args.dst), args.to)
+    names = _names_function(args.names) if args.names is not None else None
+    if names is not None and to != "safetensors":
+        raise CheckpointError("--names names the tensors of a safetensors model; it goes with --to safetensors.")
     destination = resolve(checkpoint_path(args.dst))
-    if to == "safetensors" and destination.local is None:
+    if to == "safetensors" and not sharded and destination.local is None:
         # save_safetensors writes one local file: a URL would become local directories named after it.
         raise CheckpointError(
             f"Cannot write a safetensors file at {args.dst}: eqxckpt writes safetensors files to a local path "
-            "only. Write it locally and copy it to the bucket, or convert to an eqxckpt checkpoint there "
-            "(--to eqxckpt). Nothing was written."
+            "only; a sharded model (--max-shard-size) goes to a bucket too. Write it locally and copy it, or "
+            "convert to an eqxckpt checkpoint there (--to eqxckpt). Nothing was written."
         )
     _check_not_nested(resolve(checkpoint_path(args.src)), destination)
     source = open_source(checkpoint_path(args.src), format=args.format)
@@ -307,9 +318,18 @@ def _convert(args: argparse.Namespace) -> int:
             print(f"left out {len(left_out)} leaves that are not arrays: {shown}", file=sys.stderr)
         arrays = jax.tree_util.tree_map(lambda x: x if isinstance(x, LazyArray) else None, source.tree())
         metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in source.metadata.items()}
+        if sharded:  # a sharded source's index says its size: the new index says its own
+            metadata.pop("total_size", None)
         written = len(jax.tree_util.tree_leaves(arrays))
         with reporting(f"{args.src} -> {args.dst}", source.nbytes, written, progress=True):
-            save_safetensors(args.dst, arrays, metadata=metadata, overwrite=args.overwrite)
+            save_safetensors(
+                checkpoint_path(args.dst) if sharded else args.dst,
+                arrays,
+                max_shard_size=args.max_shard_size,
+                names=names,
+                metadata=metadata,
+                overwrite=args.overwrite,
+            )
     else:
         save(
             checkpoint_path(args.dst), source.tree(), metadata=source.metadata, overwrite=args.overwrite, progress=True
@@ -319,6 +339,22 @@ def _convert(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - started:.1f} s"
     )
     return 0
+
+
+def _names_function(spec: str) -> "Callable[[str], str]":
+    """The function ``MODULE:FUNC`` names (``--names``): the user's own code, imported."""
+    import importlib
+
+    module, _, function = spec.partition(":")
+    if not module or not function:
+        raise CheckpointError(f"--names takes MODULE:FUNC (e.g. mypkg.naming:hf_name), got {spec!r}.")
+    try:
+        found = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as e:
+        raise CheckpointError(f"--names {spec}: cannot import it ({e}).") from None
+    if not callable(found):
+        raise CheckpointError(f"--names {spec}: {function} is not a function.")
+    return typing.cast("Callable[[str], str]", found)  # each name it gives is checked as used
 
 
 def _check_not_nested(src: "Storage", dst: "Storage") -> None:
@@ -386,6 +422,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     convert.add_argument("--format", default=None, choices=FORMATS, help="the format of SRC (default: detected)")
     convert.add_argument("--overwrite", action="store_true", help="replace what is at DST")
+    convert.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="write DST as HuggingFace's sharded safetensors (a directory or URL): shards of at most SIZE "
+        "(bytes, or e.g. 5GB), then model.safetensors.index.json",
+    )
+    convert.add_argument(
+        "--names",
+        default=None,
+        metavar="MODULE:FUNC",
+        help="name each tensor FUNC(leaf_path) (default: the path with / as .)",
+    )
     # What every conversion to safetensors now does (the arrays, the rest named): kept so that
     # scripts written for the flag still run.
     convert.add_argument("--arrays-only", action="store_true", help=argparse.SUPPRESS)

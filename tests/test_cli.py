@@ -387,3 +387,42 @@ def test_the_package_lists_every_public_name_once_and_each_resolves():
     assert set(eqxckpt.__all__) == public | {"__version__"}
     assert len(eqxckpt.__all__) == len(set(eqxckpt.__all__))
     assert all(getattr(eqxckpt, name) is not None for name in eqxckpt.__all__)
+
+
+def naming(path: str) -> str:
+    """A --names function for the test below (imported by the command line as test_cli:naming)."""
+    return "model." + path.replace("/", ".")
+
+
+def test_convert_streams_any_source_into_huggingfaces_shards(tmp_path, capsys, monkeypatch):
+    """``--max-shard-size``: an eqxckpt checkpoint (and a safetensors file) into a sharded
+    directory, each shard what the library writes, the index what the hub splits;
+    ``--names MODULE:FUNC`` names the tensors."""
+    import json
+
+    import safetensors.numpy as stn
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    rng = np.random.default_rng(0)
+    tree = {"blocks": [{"w": rng.standard_normal((64, 32)).astype(np.float32)} for _ in range(4)], "step": 3}
+    eqxckpt.save(tmp_path / "ckpt", tree)
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    out = tmp_path / "hf"
+    args = ["convert", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "20KB", "--names", "test_cli:naming"]
+    assert main(args) == 0
+    tensors = {f"model.blocks.{i}.w": tree["blocks"][i]["w"] for i in range(4)}
+    plan = split_state_dict_into_shards_factory(
+        tensors, get_storage_size=lambda t: t.nbytes, filename_pattern="model{suffix}.safetensors", max_shard_size=20_000
+    )
+    assert sorted(p.name for p in out.iterdir()) == sorted([*plan.filename_to_tensors, "model.safetensors.index.json"])
+    for name, names in plan.filename_to_tensors.items():
+        assert (out / name).read_bytes() == stn.save({n: tensors[n] for n in names})
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == plan.tensor_to_filename
+    assert "left out 1 leaves that are not arrays: step" in capsys.readouterr().err
+    # From those shards, into other shards (a number of bytes), and refusals.
+    assert main(["convert", str(out), str(tmp_path / "again"), "--max-shard-size", "9000"]) == 0
+    assert len(list((tmp_path / "again").iterdir())) == 5  # four shards and the index
+    assert main(["convert", str(out), str(tmp_path / "x"), "--max-shard-size", "1KB", "--to", "eqxckpt"]) == 1
+    assert main(["convert", str(out), str(tmp_path / "y"), "--max-shard-size", "5GiB"]) == 1
+    assert main(["convert", str(out), str(tmp_path / "z"), "--max-shard-size", "1KB", "--names", "nowhere:f"]) == 1
+    assert not any((tmp_path / name).exists() for name in ("x", "y", "z"))
