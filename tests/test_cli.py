@@ -412,7 +412,10 @@ def test_convert_streams_any_source_into_huggingfaces_shards(tmp_path, capsys, m
     assert main(args) == 0
     tensors = {f"model.blocks.{i}.w": tree["blocks"][i]["w"] for i in range(4)}
     plan = split_state_dict_into_shards_factory(
-        tensors, get_storage_size=lambda t: t.nbytes, filename_pattern="model{suffix}.safetensors", max_shard_size=20_000
+        tensors,
+        get_storage_size=lambda t: t.nbytes,
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=20_000,
     )
     assert sorted(p.name for p in out.iterdir()) == sorted([*plan.filename_to_tensors, "model.safetensors.index.json"])
     for name, names in plan.filename_to_tensors.items():

@@ -8,6 +8,7 @@ instead of leaving every process in a collective (`benchmarks/README.md` compare
 """
 
 import hashlib
+import math
 import os
 import socket
 from collections.abc import Sequence
@@ -107,13 +108,14 @@ class Transfers:
         """Where peers reach this process's server."""
         return self._started().address()
 
-    def offer(self, numbers: list[int], data: list[np.ndarray]) -> None:
-        """Make ``data`` (flat uint8 arrays: bytes, which no device narrows) available as each
-        of the transfers ``numbers`` (one per peer: a transfer is pulled once), until
-        `release`. Call before telling the peers. Each array is put on the device as it is,
-        once, whatever the peers: the caller bounds what one offer holds."""
+    def offer(self, numbers: list[int], data: "list[np.ndarray | jax.Array]") -> None:
+        """Make ``data`` available as each of the transfers ``numbers`` (one per peer: a
+        transfer is pulled once), until `release`. Call before telling the peers. Host
+        arrays (flat uint8: bytes, which no device narrows) are put on the device once,
+        whatever the peers; a jax array already on it is offered as it is, without a
+        copy. The caller bounds what one offer holds."""
         device = jax.local_devices()[0]
-        arrays = [jax.device_put(b, device) for b in data if b.nbytes]
+        arrays = [jax.device_put(b, device) for b in data if b.size]
         for number in numbers:
             self._started().await_pull(number, arrays)
             self._offered[number] = arrays
@@ -133,14 +135,30 @@ class Transfers:
 
         **Returns:** the arrays, in host memory. Raises `CheckpointError` if the peer died meanwhile.
         """
+        return self.fetch_arrays(address, number, [((size,), np.dtype(np.uint8)) for size in sizes])
+
+    def fetch_arrays(
+        self, address: str, number: int, specs: list[tuple[tuple[int, ...], np.dtype]]
+    ) -> list[np.ndarray]:
+        """The arrays the process at ``address`` offered as transfer ``number``, each of
+        the shape and dtype ``specs`` gives (as offered: jax arrays of the device's own
+        dtypes, or flat bytes), in host memory (a view of the device's buffer on a CPU).
+        Raises `CheckpointError` if the peer died meanwhile.
+
+        ```python
+        [block] = transfers.fetch_arrays(address, 7, [((256, 64), np.dtype("bfloat16"))])
+        ```
+        """
         device = jax.local_devices()[0]
         single = jax.sharding.SingleDeviceSharding(device)
-        specs = [jax.ShapeDtypeStruct((size,), np.uint8, sharding=single) for size in sizes if size]
+        sized = [jax.ShapeDtypeStruct(shape, dtype, sharding=single) for shape, dtype in specs if math.prod(shape)]
         try:
             connection = self._started().connect(address)  # kept until the pull has landed
-            pulled = iter(connection.pull(number, specs) if specs else [])
-            received = [np.asarray(next(pulled)) if size else np.zeros(0, np.uint8) for size in sizes]
+            pulled = iter(connection.pull(number, sized) if sized else [])
+            received = [
+                np.asarray(next(pulled)) if math.prod(shape) else np.zeros(shape, dtype) for shape, dtype in specs
+            ]
             del connection
         except Exception as e:  # the runtime's error for a connection lost mid-transfer
-            raise CheckpointError(f"Fetching a local-tier part from {address} failed: {e}") from e
+            raise CheckpointError(f"Fetching from the process at {address} failed: {e}") from e
         return received

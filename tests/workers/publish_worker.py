@@ -12,8 +12,8 @@ sizes the state (default 2) and PUBLISH_SHARD its shard limit (`shard_limit`);
 PUBLISH_OUT replaces the local directory, PUBLISH_OVERWRITE=1 passes overwrite=True, and
 PUBLISH_KILL=K:S makes process K SIGKILL itself S seconds into the write (K:file: once
 it has written its first file).
-Prints ``REPORT {process, received, seconds, peak}``: the bytes this process was sent,
-and its peak resident memory.
+Prints ``REPORT {process, received, lacking, seconds, peak}``: the bytes this process was
+sent, those of its files it did not hold, and its peak resident memory.
 """
 
 import json
@@ -113,13 +113,25 @@ def main(where: str, port: int, processes: int, process_id: int, directory: str)
     from eqxckpt._local import _peers
 
     received = [0]
-    fetch = _peers.Transfers.fetch
+    fetch = _peers.Transfers.fetch_arrays
 
-    def counted(self, address, number, sizes):
-        received[0] += sum(sizes)
-        return fetch(self, address, number, sizes)
+    def counted(self, address, number, specs):
+        got = fetch(self, address, number, specs)
+        received[0] += sum(a.nbytes for a in got)
+        return got
 
-    _peers.Transfers.fetch = counted  # type: ignore[method-assign]
+    _peers.Transfers.fetch_arrays = counted  # type: ignore[method-assign]
+    # What this process's files hold that it does not: all it may be sent.
+    from eqxckpt._formats._safetensors import _write
+
+    lacking = [0]
+    write = _write._Publishing.write
+
+    def write_counted(self, shard, received):
+        lacking[0] += sum(t.entry.nbytes - t.held(process_id) for t in self.files[shard][1])
+        return write(self, shard, received)
+
+    _write._Publishing.write = write_counted  # type: ignore[method-assign]
     mib = float(os.environ.get("PUBLISH_MIB", "2"))
     shard = int(os.environ.get("PUBLISH_SHARD", str(shard_limit(mib))))
     mesh = Mesh(np.array(jax.devices()), ("p",))
@@ -145,7 +157,8 @@ def main(where: str, port: int, processes: int, process_id: int, directory: str)
         location(where, directory), tree, max_shard_size=shard, metadata={"format": "pt"}, overwrite=overwrite
     )
     seconds = time.perf_counter() - start
-    report = {"process": process_id, "received": received[0], "seconds": seconds, "peak": peak_kib()}
+    report = {"process": process_id, "received": received[0], "lacking": lacking[0], "seconds": seconds}
+    report["peak"] = peak_kib()
     print("REPORT " + json.dumps(report), flush=True)
     multihost_utils.sync_global_devices("published")
 

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import pathlib
 from collections.abc import Callable, Iterator, Mapping
@@ -301,8 +302,8 @@ class _Publishing:
                 }.values():
                     sources.enter_context(source.consistent())
                 for entry in ordered:
-                    data = _tensor_bytes(by_name[entry.name], received)
-                    yield data.reshape(-1).view(np.uint8).data
+                    for piece in _tensor_pieces(by_name[entry.name], received):
+                        yield np.ascontiguousarray(piece).reshape(-1).view(np.uint8).data
                     advance(entry.nbytes)
 
         try:
@@ -445,24 +446,51 @@ def _check_reads_back(tensors: list[_Tensor]) -> None:
         raise PathError(f"The tensor names would not read back as one tree: {e} Rename one of them.") from None
 
 
-def _tensor_bytes(tensor: _Tensor, received: dict[tuple[str, Block | None], np.ndarray]) -> np.ndarray:
-    """A tensor's values, little-endian in C order: this process's own, or put together
-    from the blocks it holds and ``received``."""
+# A tensor whose blocks split its rows' columns is put together this many bytes of rows
+# at a time, in C order: what a file's writer holds beyond the blocks it was sent.
+BAND_BYTES = 64 << 20
+
+
+def _tensor_pieces(tensor: _Tensor, received: dict[tuple[str, Block | None], np.ndarray]) -> Iterator[np.ndarray]:
+    """A tensor's values as its file holds them (little-endian, C order), in pieces: this
+    process's own array, or its blocks (its own and ``received``) in order where they
+    split its rows only, else bands of rows put together from them."""
     if (whole := received.get((tensor.path, None))) is not None:
-        return whole
+        yield whole
+        return
     value = tensor.value
     if isinstance(value, LazyArray):
-        return _stored(value.get())
-    if tensor.holders is None or len(tensor.holders) == 1 and next(iter(tensor.holders)) == _whole(tensor):
-        if tensor.holders is None:
-            return _stored(value)
-        return _stored(_local_block(tensor, _whole(tensor)))
-    out = np.empty(tensor.entry.shape, np.dtype(DTYPES[tensor.entry.dtype]))
-    for block in tensor.holders:
+        yield _stored(value.get())
+        return
+    if tensor.holders is None:
+        yield _stored(value)
+        return
+    shape, dtype = tensor.entry.shape, np.dtype(DTYPES[tensor.entry.dtype])
+    blocks = sorted(tensor.holders)
+
+    def data(block: Block) -> np.ndarray:
         got = received.get((tensor.path, block))
-        part = _local_block(tensor, block) if got is None else got.view(out.dtype).reshape([b - a for a, b in block])
-        out[region_of(block)] = part
-    return out
+        return _local_block(tensor, block) if got is None else got
+
+    if not shape or all(block[1:] == _whole(tensor)[1:] for block in blocks):  # whole rows: in order
+        for block in blocks:
+            yield data(block)
+        return
+    row = math.prod(shape[1:]) * dtype.itemsize
+    step = max(1, BAND_BYTES // max(1, row))
+    for start in range(0, shape[0], step):
+        stop = min(shape[0], start + step)
+        band = np.empty((stop - start, *shape[1:]), dtype)
+        for block in blocks:
+            (a, b), rest = block[0], block[1:]
+            low, high = max(a, start), min(b, stop)
+            if low < high:
+                band[(slice(low - start, high - start), *region_of(rest))] = data(block)[low - a : high - a]
+        yield band
+
+
+def _dtype(tensor: _Tensor) -> np.dtype:
+    return np.dtype(DTYPES[tensor.entry.dtype])
 
 
 def _whole(tensor: _Tensor) -> Block:
@@ -579,10 +607,16 @@ def _transfer_number(name: str, round_: int, source: int, writer: int) -> int:
     return transfer_id(name, "publish", round_, source, writer)
 
 
-def _sent(tensor: _Tensor, block: Block | None) -> np.ndarray:
-    """The bytes of ``block`` of ``tensor`` (None: all of it) this process sends."""
-    data = _stored(tensor.value) if block is None else _local_block(tensor, block)
-    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+def _sent(tensor: _Tensor, block: Block | None) -> Any:
+    """What this process sends of ``tensor``: all of it (a host value, as bytes: no device
+    narrows them), or its block ``block``, the shard's own device array (no copy)."""
+    if block is None:
+        return np.ascontiguousarray(_stored(tensor.value)).reshape(-1).view(np.uint8)
+    shape = tensor.entry.shape
+    for shard in tensor.value.addressable_shards:
+        if slice_key(shard.index, shape) == block:
+            return shard.data
+    raise CheckpointError(f"Leaf {tensor.path!r}: this process holds no shard {list(block)} (its sharding changed?).")
 
 
 def _receive(
@@ -598,14 +632,13 @@ def _receive(
     if not wanted:
         return received
     for source, blocks in sorted(wanted.items()):
-        itemsizes = [np.dtype(DTYPES[t.entry.dtype]).itemsize for t, _ in blocks]
-        sizes = [t.entry.nbytes if b is None else _block_bytes(b, size) for (t, b), size in zip(blocks, itemsizes)]
-        arrays = transfers.fetch(addresses[source], _transfer_number(name, round_, source, me), sizes)
+        specs = [
+            ((t.entry.nbytes,), np.dtype(np.uint8)) if b is None else (tuple(y - x for x, y in b), _dtype(t))
+            for t, b in blocks
+        ]
+        arrays = transfers.fetch_arrays(addresses[source], _transfer_number(name, round_, source, me), specs)
         for (tensor, block), data in zip(blocks, arrays):
             if block is None:
-                received[(tensor.path, None)] = data.view(np.dtype(DTYPES[tensor.entry.dtype])).reshape(
-                    tensor.entry.shape
-                )
-            else:
-                received[(tensor.path, block)] = data
+                data = data.view(_dtype(tensor)).reshape(tensor.entry.shape)
+            received[(tensor.path, block)] = data
     return received
