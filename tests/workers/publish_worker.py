@@ -127,9 +127,9 @@ def main(where: str, port: int, processes: int, process_id: int, directory: str)
     lacking = [0]
     write = _write._Publishing.write
 
-    def write_counted(self, shard, received):
+    def write_counted(self, shard, fetch=None):
         lacking[0] += sum(t.entry.nbytes - t.held(process_id) for t in self.files[shard][1])
-        return write(self, shard, received)
+        return write(self, shard, fetch)
 
     _write._Publishing.write = write_counted  # type: ignore[method-assign]
     mib = float(os.environ.get("PUBLISH_MIB", "2"))

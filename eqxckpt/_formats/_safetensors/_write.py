@@ -10,6 +10,7 @@ What the processes agree on (the tree, which arrays are global, the plan) goes t
 `Phases`, as a save's does.
 """
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -55,6 +56,11 @@ if TYPE_CHECKING:  # JAX is imported where a tree is saved, not to read a file
     from ..._local._peers import Transfers
 
 
+# What a writer is sent at a time: the blocks of this many bytes of its file's tensors
+# (in the file's order), fetched while the wave before is written.
+WAVE_BYTES = 64 << 20
+
+
 @dataclasses.dataclass
 class _Tensor:
     """One array leaf as a tensor of the files: its path, its entry in a header, its
@@ -83,6 +89,10 @@ class _Tensor:
             for n, (block, who) in enumerate(sorted(self.holders.items()))
             if process not in who
         ]
+
+
+# The blocks a writer was sent, by tensor path and block (None: the whole tensor).
+Received = dict[tuple[str, Block | None], np.ndarray]
 
 
 def _block_bytes(block: Block, itemsize: int) -> int:
@@ -188,7 +198,7 @@ def save_safetensors(
         with reporting(f"writing {publishing.where}", publishing.total_bytes, publishing.count, progress):
             publishing.prepare()
             for shard in range(len(publishing.files)):
-                publishing.write(shard, {})
+                publishing.write(shard)
             publishing.commit()
         return
     _publish_together(publishing, tree, names, progress)
@@ -287,24 +297,46 @@ class _Publishing:
         except (OSError, ValueError, AttributeError):
             return []
 
-    def write(self, shard: int, received: dict[tuple[str, Block | None], np.ndarray]) -> None:
-        """Write file ``shard`` whole, from this process's arrays and ``received``
-        (the blocks other processes sent, by tensor path and block)."""
-        name, tensors = self.files[shard]
-        head, ordered = file_header([t.entry for t in tensors], self.metadata)
+    def waves(self, shard: int) -> list[list[_Tensor]]:
+        """File ``shard``'s tensors in the order its data holds them, in waves of about
+        `WAVE_BYTES`: what its writer is sent at a time."""
+        _, tensors = self.files[shard]
         by_name = {t.entry.name: t for t in tensors}
+        waves: list[list[_Tensor]] = [[]]
+        size = 0
+        for entry in file_header([t.entry for t in tensors], self.metadata)[1]:
+            if waves[-1] and size + entry.nbytes > WAVE_BYTES:
+                waves.append([])
+                size = 0
+            waves[-1].append(by_name[entry.name])
+            size += entry.nbytes
+        return waves
+
+    def write(self, shard: int, fetch: "Callable[[int], Received] | None" = None) -> None:
+        """Write file ``shard`` whole, from this process's arrays and the blocks other
+        processes send it: ``fetch(k)``, those of wave ``k`` (`waves`), fetched while the
+        wave before it is written."""
+        name, tensors = self.files[shard]
+        head, _ = file_header([t.entry for t in tensors], self.metadata)
+        waves = self.waves(shard)
 
         def pieces() -> Iterator[Any]:
             yield head
-            with contextlib.ExitStack() as sources:
+            with contextlib.ExitStack() as held:
                 for source in {
                     id(t.value.source): t.value.source for t in tensors if isinstance(t.value, LazyArray)
                 }.values():
-                    sources.enter_context(source.consistent())
-                for entry in ordered:
-                    for piece in _tensor_pieces(by_name[entry.name], received):
-                        yield np.ascontiguousarray(piece).reshape(-1).view(np.uint8).data
-                    advance(entry.nbytes)
+                    held.enter_context(source.consistent())
+                ahead = held.enter_context(concurrent.futures.ThreadPoolExecutor(1)) if fetch else None
+                coming = ahead.submit(fetch, 0) if ahead and fetch else None
+                for k, wave in enumerate(waves):
+                    received = coming.result() if coming is not None else {}
+                    coming = ahead.submit(fetch, k + 1) if ahead and fetch and k + 1 < len(waves) else None
+                    for tensor in wave:
+                        for piece in _tensor_pieces(tensor, received):
+                            yield np.ascontiguousarray(piece).reshape(-1).view(np.uint8).data
+                        advance(tensor.entry.nbytes)
+                    del received
 
         try:
             self.storage.put_file(name, pieces(), self.overwrite)
@@ -451,7 +483,7 @@ def _check_reads_back(tensors: list[_Tensor]) -> None:
 BAND_BYTES = 64 << 20
 
 
-def _tensor_pieces(tensor: _Tensor, received: dict[tuple[str, Block | None], np.ndarray]) -> Iterator[np.ndarray]:
+def _tensor_pieces(tensor: _Tensor, received: Received) -> Iterator[np.ndarray]:
     """A tensor's values as its file holds them (little-endian, C order), in pieces: this
     process's own array, or its blocks (its own and ``received``) in order where they
     split its rows only, else bands of rows put together from them."""
@@ -569,29 +601,42 @@ def _publish_together(
 
 def _round(publishing: _Publishing, phases: Phases, transfers: "Transfers", round_: int) -> None:
     """Round ``round_``: each process writes its ``round_``-th file (if it has one), sent
-    what it lacks by the processes holding it, which offer those blocks first. Each step
-    is a phase: a process's failure fails every process at once."""
+    what it lacks, a wave at a time, by the processes holding it, which offer those
+    blocks first (their own device arrays: no copies). Each step is a phase: a process's
+    failure fails every process at once."""
     me, count = phases.rank, phases.size
     writers = {p: publishing.mine(p)[round_] for p in range(count) if round_ < len(publishing.mine(p))}
-    sending: dict[int, list[tuple[_Tensor, Block | None]]] = {}
-    for writer, shard in writers.items():
-        for tensor in publishing.files[shard][1]:
-            for block, source in tensor.needed(writer):
-                if source == me:
-                    sending.setdefault(writer, []).append((tensor, block))
     numbers: list[int] = []
 
     def offer() -> str:
-        for writer, wanted in sending.items():
-            numbers.append(_transfer_number(phases.name, round_, me, writer))
-            transfers.offer([numbers[-1]], [_sent(t, b) for t, b in wanted])
-        return transfers.address if sending else ""
+        for writer, shard in writers.items():
+            for k, wave in enumerate(publishing.waves(shard)):
+                if sent := _from(wave, writer).get(me):
+                    numbers.append(_transfer_number(phases.name, round_, me, writer, k))
+                    transfers.offer([numbers[-1]], [_sent(t, b) for t, b in sent])
+        return transfers.address if numbers else ""
 
     def write() -> None:
-        if me in writers:
-            publishing.write(
-                writers[me], _receive(publishing, writers[me], me, round_, addresses, phases.name, transfers)
-            )
+        if me not in writers:
+            return
+        shard = writers[me]
+        waves = publishing.waves(shard)
+
+        def fetch(k: int) -> Received:
+            received: Received = {}
+            for source, blocks in sorted(_from(waves[k], me).items()):
+                specs = [
+                    ((t.entry.nbytes,), np.dtype(np.uint8)) if b is None else (tuple(y - x for x, y in b), _dtype(t))
+                    for t, b in blocks
+                ]
+                number = _transfer_number(phases.name, round_, source, me, k)
+                for (tensor, block), data in zip(blocks, transfers.fetch_arrays(addresses[source], number, specs)):
+                    received[(tensor.path, block)] = (
+                        data.view(_dtype(tensor)).reshape(tensor.entry.shape) if block is None else data
+                    )
+            return received
+
+        publishing.write(shard, fetch)
 
     try:
         addresses = phases.run(f"offered/{round_}", offer)
@@ -601,10 +646,19 @@ def _round(publishing: _Publishing, phases: Phases, transfers: "Transfers", roun
             transfers.release(number)
 
 
-def _transfer_number(name: str, round_: int, source: int, writer: int) -> int:
+def _from(wave: list[_Tensor], writer: int) -> dict[int, list[tuple[_Tensor, Block | None]]]:
+    """What ``writer`` lacks of ``wave``'s tensors, by the process that sends it."""
+    out: dict[int, list[tuple[_Tensor, Block | None]]] = {}
+    for tensor in wave:
+        for block, source in tensor.needed(writer):
+            out.setdefault(source, []).append((tensor, block))
+    return out
+
+
+def _transfer_number(name: str, round_: int, source: int, writer: int, wave: int) -> int:
     from ..._local._peers import transfer_id
 
-    return transfer_id(name, "publish", round_, source, writer)
+    return transfer_id(name, "publish", round_, source, writer, wave)
 
 
 def _sent(tensor: _Tensor, block: Block | None) -> Any:
@@ -617,28 +671,3 @@ def _sent(tensor: _Tensor, block: Block | None) -> Any:
         if slice_key(shard.index, shape) == block:
             return shard.data
     raise CheckpointError(f"Leaf {tensor.path!r}: this process holds no shard {list(block)} (its sharding changed?).")
-
-
-def _receive(
-    publishing: _Publishing, shard: int, me: int, round_: int, addresses: list[str], name: str, transfers: "Transfers"
-) -> dict[tuple[str, Block | None], np.ndarray]:
-    """The blocks of file ``shard``'s tensors this process lacks, fetched from each
-    process that offered them this round."""
-    wanted: dict[int, list[tuple[_Tensor, Block | None]]] = {}
-    for tensor in publishing.files[shard][1]:
-        for block, source in tensor.needed(me):
-            wanted.setdefault(source, []).append((tensor, block))
-    received: dict[tuple[str, Block | None], np.ndarray] = {}
-    if not wanted:
-        return received
-    for source, blocks in sorted(wanted.items()):
-        specs = [
-            ((t.entry.nbytes,), np.dtype(np.uint8)) if b is None else (tuple(y - x for x, y in b), _dtype(t))
-            for t, b in blocks
-        ]
-        arrays = transfers.fetch_arrays(addresses[source], _transfer_number(name, round_, source, me), specs)
-        for (tensor, block), data in zip(blocks, arrays):
-            if block is None:
-                data = data.view(_dtype(tensor)).reshape(tensor.entry.shape)
-            received[(tensor.path, block)] = data
-    return received
