@@ -173,7 +173,7 @@ def test_convert_hf_writes_a_scanned_t5_that_loads_into_its_skeleton(tmp_path, s
 
 
 def test_scanned_load_hf_reads_each_tensor_once_straight_into_the_stacked_leaves(monkeypatch):
-    from eqxckpt._formats import _safetensors
+    from eqxckpt._formats._safetensors import _read as _safetensors
     from eqxckpt._read import _restack, _restore
 
     reads, stacked = [], []
