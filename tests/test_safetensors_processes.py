@@ -70,6 +70,18 @@ def test_four_processes_write_the_librarys_files_and_the_hubs_index(tmp_path, wh
                 assert got.dtype == value.dtype and got.shape == value.shape and got.tobytes() == value.tobytes(), name
 
 
+def test_four_processes_write_one_file_from_process_0(tmp_path):
+    """Without max_shard_size: one file, written by process 0, sent what it lacks."""
+    from publish_worker import expected_tensors
+
+    logs = launch("local", 4, tmp_path, worker=PUBLISHER, PUBLISH_SINGLE="1")
+    tensors = expected_tensors(MIB, 4)
+    assert (tmp_path / "out.safetensors").read_bytes() == stn.save(tensors, metadata={"format": "pt"})
+    found = reports(logs)
+    assert found[0]["received"] == found[0]["lacking"] > 0
+    assert all(r["received"] == r["lacking"] == 0 for r in found[1:])
+
+
 @pytest.mark.parametrize("moment", ["random", "file"])
 def test_a_process_killed_at_a_random_instant_leaves_no_index_and_a_rerun_completes(tmp_path, moment):
     """``random``: a random process at a random instant of the write (about 0.1-0.2 s);

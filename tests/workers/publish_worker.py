@@ -10,6 +10,7 @@ WHERE: ``local`` (DIRECTORY/out), or ``s3``/``gcs`` (the servers named by
 S3_TEST_ENDPOINT, S3_TEST_BUCKET, GCS_TEST_BUCKET; prefix PUBLISH_PREFIX). PUBLISH_MIB
 sizes the state (default 2) and PUBLISH_SHARD its shard limit (`shard_limit`);
 PUBLISH_OUT replaces the local directory, PUBLISH_OVERWRITE=1 passes overwrite=True, and
+PUBLISH_SINGLE=1 writes one file, ``out.safetensors``, and
 PUBLISH_KILL=K:S makes process K SIGKILL itself S seconds into the write (K:file: once
 it has written its first file).
 Prints ``REPORT {process, received, lacking, seconds, peak}``: the bytes this process was
@@ -153,9 +154,13 @@ def main(where: str, port: int, processes: int, process_id: int, directory: str)
             threading.Timer(float(delay), lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     start = time.perf_counter()
     overwrite = os.environ.get("PUBLISH_OVERWRITE") == "1"
-    eqxckpt.save_safetensors(
-        location(where, directory), tree, max_shard_size=shard, metadata={"format": "pt"}, overwrite=overwrite
-    )
+    if os.environ.get("PUBLISH_SINGLE") == "1":  # one file: process 0 writes it, sent what it lacks
+        single = f"{location(where, directory)}.safetensors"
+        eqxckpt.save_safetensors(single, tree, metadata={"format": "pt"}, overwrite=overwrite)
+    else:
+        eqxckpt.save_safetensors(
+            location(where, directory), tree, max_shard_size=shard, metadata={"format": "pt"}, overwrite=overwrite
+        )
     seconds = time.perf_counter() - start
     report = {"process": process_id, "received": received[0], "lacking": lacking[0], "seconds": seconds}
     report["peak"] = peak_kib()

@@ -224,6 +224,9 @@ class _Publishing:
             shards = split([t.entry.nbytes for t in tensors], self.limit or 1) or [[]]
             file_names = shard_names(len(shards))
         self.files = [(name, [tensors[i] for i in shard]) for name, shard in zip(file_names, shards)]
+        if self.single is not None:  # one file, where process 0 would find it
+            self.writers = [0]
+            return
         self.writers = assign([[sum(t.held(p) for t in ts) for p in range(processes)] for _, ts in self.files])
 
     def mine(self, process: int) -> list[int]:
@@ -355,6 +358,13 @@ class _Publishing:
         model of one file, which is its own commit)."""
         if self.single is not None or len(self.files) < 2:
             return
+        missing = [name for name, _ in self.files if not self.storage.file_exists(name)]
+        if missing:  # written by other processes somewhere this one does not see
+            raise CheckpointWriteError(
+                f"{self.where}: process 0 does not find {', '.join(missing[:5])}, which other processes wrote there: "
+                "the directory is not one file system shared by every process. Publish to a shared file system or "
+                "an object store (s3://, gs://). No index was written."
+            )
         files = {name: [t.entry for t in ts] for name, ts in self.files}
         self.storage.put_file(INDEX_NAME, [index_document(files, self.metadata)], self.overwrite)
 
@@ -564,16 +574,24 @@ def _publish_together(
     flat = [leaf for _, _, leaf in flatten(tree)[0] if leaf is not None]
     spanning = global_leaves(flat, phases, before=checked)
     tensors = found[0]
-    for i in spanning:
-        tensor = tensors[i]
-        if not isinstance(tensor.value, jax.Array):
-            raise CheckpointError(f"Leaf {tensor.path!r} is a global array in another process but not in this one.")
-        holders: dict[Block, set[int]] = {}
-        for device, index in tensor.value.sharding.devices_indices_map(tensor.entry.shape).items():
-            holders.setdefault(slice_key(index, tensor.entry.shape), set()).add(device.process_index)
-        tensor.holders = {block: tuple(sorted(who)) for block, who in holders.items()}
-    publishing.plan(tensors, count)
-    prints = phases.run("agree", lambda: json.dumps([publishing.fingerprint(), publishing.summary()]))
+
+    def planned() -> str:  # in a phase: a process that cannot plan fails every process
+        for i in sorted(spanning):
+            if i >= len(tensors) or not isinstance(tensors[i].value, jax.Array):
+                where = f"leaf {tensors[i].path!r}" if i < len(tensors) else f"leaf number {i}"
+                raise CheckpointError(
+                    f"save_safetensors in {count} processes: {where} is a global array in another process but not "
+                    "in this one. Every process must pass the same tree of global arrays. Nothing was written."
+                )
+            tensor = tensors[i]
+            holders: dict[Block, set[int]] = {}
+            for device, index in tensor.value.sharding.devices_indices_map(tensor.entry.shape).items():
+                holders.setdefault(slice_key(index, tensor.entry.shape), set()).add(device.process_index)
+            tensor.holders = {block: tuple(sorted(who)) for block, who in holders.items()}
+        publishing.plan(tensors, count)
+        return json.dumps([publishing.fingerprint(), publishing.summary()])
+
+    prints = phases.run("agree", planned)
     differ = [(rank, json.loads(p)[1]) for rank, p in enumerate(prints) if json.loads(p)[0] != json.loads(prints[0])[0]]
     if differ:
         rank, summary = differ[0]
