@@ -139,19 +139,11 @@ def worker(mode: str, port: int, processes: int, index: int, directory: str, lay
 
     join(port, processes, index)
     import numpy as np
+    from publish_worker import count_received
 
     import eqxckpt
-    from eqxckpt._local import _peers
 
-    received = [0]
-    fetch = _peers.Transfers.fetch_arrays
-
-    def counted(self, address, number, specs):
-        got = fetch(self, address, number, specs)
-        received[0] += sum(a.nbytes for a in got)
-        return got
-
-    _peers.Transfers.fetch_arrays = counted  # type: ignore[method-assign]
+    received = count_received()
     mesh = Mesh(np.array(jax.devices()), ("p",))
     specs = {"rows": P("p"), "cols": P(None, "p"), "rep": P()}
     flat = {}
@@ -194,7 +186,16 @@ def run(mode: str, processes: int, layers: int, limit: int) -> list[dict]:
         count = 1 if mode.startswith("one-") else processes
         workers = [
             subprocess.Popen(
-                [sys.executable, os.environ.get("PUBLISH_WRAP", str(HERE)), "--worker", mode, str(port), str(count), str(i), directory]
+                [
+                    sys.executable,
+                    os.environ.get("PUBLISH_WRAP", str(HERE)),
+                    "--worker",
+                    mode,
+                    str(port),
+                    str(count),
+                    str(i),
+                    directory,
+                ]
                 + ["--layers", str(layers), "--shard", str(limit)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -98,6 +98,22 @@ def location(where: str, directory: str):
     return os.environ.get("PUBLISH_OUT", f"{directory}/out")
 
 
+def count_received() -> list[int]:
+    """From now on, ``counter[0]`` is the bytes this process was sent (`Transfers.fetch_arrays`)."""
+    from eqxckpt._local import _peers
+
+    received = [0]
+    fetch = _peers.Transfers.fetch_arrays
+
+    def counted(self, address, number, specs):
+        got = fetch(self, address, number, specs)
+        received[0] += sum(a.nbytes for a in got)
+        return got
+
+    _peers.Transfers.fetch_arrays = counted  # type: ignore[method-assign]
+    return received
+
+
 def peak_kib() -> int:
     with open("/proc/self/status") as f:
         return int(next(line for line in f if line.startswith("VmHWM")).split()[1])
@@ -111,17 +127,8 @@ def main(where: str, port: int, processes: int, process_id: int, directory: str)
     from jax.experimental import multihost_utils
 
     import eqxckpt
-    from eqxckpt._local import _peers
 
-    received = [0]
-    fetch = _peers.Transfers.fetch_arrays
-
-    def counted(self, address, number, specs):
-        got = fetch(self, address, number, specs)
-        received[0] += sum(a.nbytes for a in got)
-        return got
-
-    _peers.Transfers.fetch_arrays = counted  # type: ignore[method-assign]
+    received = count_received()
     # What this process's files hold that it does not: all it may be sent.
     from eqxckpt._formats._safetensors import _write
 

@@ -4,10 +4,11 @@ written by one process or by every process of a multi-process job.
 
 With several processes each shard file is written by one process (`assign`), from
 the blocks of its tensors that it holds and those the processes holding them send it
-(`Transfers`, the local tier's point-to-point transport), a round of files at a time:
-no process ever holds more than the file it writes and the blocks it sends that round.
-What the processes agree on (the tree, which arrays are global, the plan) goes through
-`Phases`, as a save's does.
+(`Transfers`, the local tier's point-to-point transport: their own device arrays, no
+copies), a round of files at a time and a wave of each file's tensors at a time: a
+writer holds two waves of what it was sent and a band of rows beside its own arrays,
+never its whole file. What the processes agree on (the tree, which arrays are global,
+the plan) goes through `Phases`, as a save's does.
 """
 
 import concurrent.futures
@@ -96,10 +97,7 @@ Received = dict[tuple[str, Block | None], np.ndarray]
 
 
 def _block_bytes(block: Block, itemsize: int) -> int:
-    size = itemsize
-    for start, stop in block:
-        size *= stop - start
-    return size
+    return math.prod(stop - start for start, stop in block) * itemsize
 
 
 @checked_arguments
