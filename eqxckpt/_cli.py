@@ -327,7 +327,7 @@ def _convert(args: argparse.Namespace) -> int:
                 arrays,
                 max_shard_size=args.max_shard_size,
                 names=names,
-                metadata=metadata,
+                metadata=metadata or None,  # no empty __metadata__ for a source without any
                 overwrite=args.overwrite,
             )
     else:

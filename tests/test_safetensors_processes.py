@@ -117,3 +117,41 @@ def test_a_process_killed_at_a_random_instant_leaves_no_index_and_a_rerun_comple
         assert (out / name).read_bytes() == raw
     assert json.loads((out / INDEX_NAME).read_text()) == index
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+DISAGREE = WORKERS / "publish_disagree_worker.py"
+# Each scenario: the processes' calls that must raise (by index of call), and what is
+# left in out/ (None: nothing there; "model": the first model, whole and committed).
+DISAGREEMENTS = {
+    "metadata_differs": ([0], None),
+    "path_differs": ([0], None),
+    "overwrite_differs": ([0], "model"),
+    "one_bad_argument_then_agreement": ([0], None),
+    "extra_leaf": ([0], None),
+    "numpy_in_one": ([0], None),
+    "bad_name_after_a_model": ([0], "model"),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(DISAGREEMENTS))
+def test_processes_that_ask_for_different_models_all_raise_and_write_nothing(tmp_path, scenario):
+    """Found by an outside attack: processes that disagree on the path, the metadata,
+    overwrite or the tree (or where one process's argument is refused) all raise at
+    once (within the barrier timeout's first phase, not at its end), nothing is written,
+    and a model already there stays committed; agreeing calls after a refused one pair
+    up and write one model."""
+    logs = launch(scenario, 2, tmp_path, worker=DISAGREE, timeout=60, EQXCKPT_BARRIER_TIMEOUT_S="30")
+    outcomes = [[json.loads(line[8:]) for line in log.splitlines() if line.startswith("OUTCOME ")] for log in logs]
+    raising, left = DISAGREEMENTS[scenario]
+    for calls in outcomes:
+        assert [i for i, call in enumerate(calls) if call["raised"]] == raising, outcomes
+        # Refused by the others' verdict, never by waiting out a barrier.
+        assert not any("not every process reached" in (call["raised"] or "") for call in calls), outcomes
+    for directory in sorted(tmp_path.glob("out*")):
+        files = sorted(p.name for p in directory.iterdir())
+        if directory.name == "out" and left == "model":
+            assert json.loads((directory / INDEX_NAME).read_text())["metadata"]["total_size"] == 4 * 256
+        elif directory.name == "out2":  # the agreeing second calls
+            assert INDEX_NAME in files and len(files) == 5
+        else:
+            assert files == [], (directory, files)

@@ -112,7 +112,7 @@ def test_every_dtype_is_laid_out_as_the_library_lays_it_out():
     entries = [
         TensorEntry(n, eqxckpt._formats._safetensors.NAMES[np.dtype(v.dtype).name], v.shape) for n, v in tensors.items()
     ]
-    head, ordered = file_header(entries, {})
+    head, ordered = file_header(entries, None)
     assert stn.save(tensors).startswith(head)
     assert stn.save(tensors) == head + b"".join(tensors[t.name].tobytes() for t in ordered)
 
@@ -285,3 +285,74 @@ def test_a_writer_killed_at_a_random_instant_leaves_no_index_and_a_rerun_complet
     assert done.stdout.endswith(b"done\n")
     # Complete, and the killed writers' temporaries of the same names removed by the rerun.
     check_directory(out, {f"w{i}": np.full((256, 256), i, np.float32) for i in range(24)}, 300_000)
+
+
+def test_what_an_attack_found_is_refused_before_the_old_model_is_touched(tmp_path):
+    """Names or metadata a header cannot hold (lone surrogates) are refused before an
+    overwrite uncommits the old model; a directory in the index's place, an eqxckpt
+    checkpoint as the target, sizes the hub reads and `metadata={}` as the library
+    writes it."""
+    out = tmp_path / "out"
+    tensors = {"a": np.ones(3, np.float32), "b": np.zeros(5, np.int8)}
+    eqxckpt.save_safetensors(out, tensors, max_shard_size=8)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for names, metadata, match in [
+        (lambda p: p + "\udc80", None, "lone surrogate"),
+        (None, {"k": "\udc80"}, "lone surrogate"),
+    ]:
+        with pytest.raises(eqxckpt.PathError, match=match):
+            eqxckpt.save_safetensors(out, tensors, max_shard_size=8, names=names, metadata=metadata, overwrite=True)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # The library writes an empty __metadata__ when given {}: so does eqxckpt.
+    eqxckpt.save_safetensors(tmp_path / "e.safetensors", tensors, metadata={})
+    assert (tmp_path / "e.safetensors").read_bytes() == stn.save(dict(sorted(tensors.items())), metadata={})
+    # Sizes as the hub reads them; sizes it cannot be are ArgumentErrors, not OverflowErrors.
+    assert parse_size("1e3KB") == 10**6 and parse_size("5.GB") == 5 * 10**9
+    for bad in ("1" * 400 + "TB", "infGB", "nanKB", "0.0001KB"):
+        with pytest.raises(eqxckpt.ArgumentError):
+            parse_size(bad)
+    # A directory where the index goes is never removed.
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / INDEX_NAME).mkdir()
+    with pytest.raises(eqxckpt.CheckpointWriteError, match="is a directory"):
+        eqxckpt.save_safetensors(tmp_path / "d", tensors, max_shard_size=8, overwrite=True)
+    assert (tmp_path / "d" / INDEX_NAME).is_dir()
+    # An eqxckpt checkpoint is not a place for a model's files.
+    eqxckpt.save(tmp_path / "ckpt", {"w": np.ones(2)})
+    listed = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    for target in (tmp_path / "ckpt", tmp_path / "ckpt" / "model.safetensors"):
+        with pytest.raises(eqxckpt.CheckpointError, match="is an eqxckpt checkpoint"):
+            eqxckpt.save_safetensors(target, tensors, max_shard_size=8 if target.name == "ckpt" else None)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == listed
+
+
+def test_two_writers_of_one_directory_never_commit_a_mix(tmp_path, monkeypatch):
+    """Found by an outside attack: two writers with overwrite=True at once committed a
+    model of both. A writer holds the directory (another is refused at once), and an
+    index is written only over files that are still the ones its writer wrote."""
+    from eqxckpt._storage import resolve
+    from eqxckpt._storage._disk import LocalStorage
+
+    out = tmp_path / "out"
+    mine = {k: np.full(64, i, np.float32) for i, k in enumerate("abcd")}
+    theirs = {k: -v for k, v in mine.items()}
+    with resolve(out).publishing():  # another writer at work
+        with pytest.raises(eqxckpt.CheckpointBusyError, match="Another writer"):
+            eqxckpt.save_safetensors(out, mine, max_shard_size=300, overwrite=True)
+    assert not out.exists() or not list(out.iterdir())
+    # A writer that does not take the lock (another tool) replaces a file meanwhile.
+    put = LocalStorage.put_file
+
+    def put_then_replaced(self, name, pieces, overwrite):
+        stamp = put(self, name, pieces, overwrite)
+        if name == "model-00002-of-00004.safetensors":
+            (out / "model-00001-of-00004.safetensors").write_bytes(stn.save({"a": theirs["a"]}))
+        return stamp
+
+    monkeypatch.setattr(LocalStorage, "put_file", put_then_replaced)
+    with pytest.raises(eqxckpt.CheckpointWriteError, match="changed after this job wrote them"):
+        eqxckpt.save_safetensors(out, mine, max_shard_size=300, overwrite=True)
+    assert not (out / INDEX_NAME).exists()
+    monkeypatch.setattr(LocalStorage, "put_file", put)
+    eqxckpt.save_safetensors(out, mine, max_shard_size=300, overwrite=True)
+    check_directory(out, mine, 300)

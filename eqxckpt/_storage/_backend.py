@@ -364,7 +364,7 @@ class Storage(abc.ABC):
 
     # -- whole files of a directory another tool reads (a published HuggingFace model) -----
 
-    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> None:
+    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> str:
         """Write the file ``name`` in this directory whole: ``pieces`` (buffers, taken in
         turn) one after another. Atomic: a reader finds the old file, or none, until the
         new one is complete (local disks: a durable temporary renamed into place; object
@@ -377,14 +377,29 @@ class Storage(abc.ABC):
         - `pieces`: its bytes, as buffers (a generator may make each as it is asked for).
         - `overwrite`: whether a file there may be replaced.
 
+        **Returns:** the stamp of the file written (`file_stamp`'s): while the file is
+        the one written, `file_stamp` gives it back.
+
         ```python
-        resolve("published").put_file("model.safetensors", [head, data], overwrite=False)
+        stamp = resolve("published").put_file("model.safetensors", [head, data], overwrite=False)
         ```
         """
         raise CheckpointWriteError(f"{self} is read-only here: {name} cannot be written.")
 
+    def file_stamp(self, name: str) -> str | None:
+        """What tells the file ``name`` from any other written in its place (local disks:
+        its device, inode, size and modification time; object stores: its generation),
+        or None if there is none.
+
+        ```python
+        assert resolve("published").file_stamp("model.safetensors") == stamp
+        ```
+        """
+        return None
+
     def remove_file(self, name: str) -> bool:
         """Remove the file ``name`` of this directory, durably; False if there was none.
+        A directory in its place is a `CheckpointWriteError` (never removed).
 
         ```python
         resolve("published").remove_file("model.safetensors.index.json")
@@ -400,6 +415,20 @@ class Storage(abc.ABC):
         ```
         """
         return False
+
+    @contextlib.contextmanager
+    def publishing(self) -> Iterator[None]:
+        """Hold this directory against other writers of whole files while the block runs
+        (local disks: an exclusive ``flock`` of the directory itself, so no file is
+        added; another writer holding it is a `CheckpointBusyError` at once). Object
+        stores hold nothing: their writers' files are told apart by `file_stamp`.
+
+        ```python
+        with resolve("published").publishing():
+            ...  # write the files, then the index
+        ```
+        """
+        yield
 
 
 class Staging(abc.ABC):

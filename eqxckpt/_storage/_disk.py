@@ -9,16 +9,18 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import os
 import pathlib
 import stat
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 import tensorstore as ts
 
 from .._errors import (
+    CheckpointBusyError,
     CheckpointChangedError,
     CheckpointError,
     CheckpointExistsError,
@@ -419,18 +421,31 @@ class LocalStorage(Storage):
             return False
         return True
 
-    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> None:
+    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> str:
         self.path.mkdir(parents=True, exist_ok=True)
+        written: list[str] = []
 
         def body(f: BinaryIO) -> None:
             for piece in pieces:
                 f.write(piece)
+            f.flush()
+            written.append(_file_stamp(os.fstat(f.fileno())))  # the inode that is renamed into place
 
         write_file(self.path / name, body, overwrite)
+        return written[0]
+
+    def file_stamp(self, name: str) -> str | None:
+        try:
+            return _file_stamp(os.lstat(self.path / name))
+        except FileNotFoundError:
+            return None
 
     def remove_file(self, name: str) -> bool:
+        target = self.path / name
+        if os.path.isdir(target) and not os.path.islink(target):
+            raise CheckpointWriteError(f"Cannot remove {target}: it is a directory, not a file eqxckpt writes there.")
         try:
-            (self.path / name).unlink()
+            target.unlink()
         except FileNotFoundError:
             return False
         fsync_path(self.path)
@@ -438,6 +453,30 @@ class LocalStorage(Storage):
 
     def file_exists(self, name: str) -> bool:
         return os.path.lexists(self.path / name)
+
+    @contextlib.contextmanager
+    def publishing(self) -> Iterator[None]:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise CheckpointWriteError(
+                f"Cannot make the directory {self.path}: {e.strerror or e}. Nothing was written."
+            ) from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise CheckpointBusyError(
+                    f"Another writer is writing a model into {self.path} now; wait for it, or write elsewhere."
+                ) from None
+            yield
+        finally:
+            os.close(fd)  # and the lock with it
+
+
+def _file_stamp(found: os.stat_result) -> str:
+    return f"{found.st_dev}:{found.st_ino}:{found.st_size}:{found.st_mtime_ns}"
 
 
 class LocalStaging(Staging):

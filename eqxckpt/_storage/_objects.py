@@ -397,15 +397,21 @@ class ObjectStorage(Storage):
         warn_if_not_atomic(self.kvstore)  # two creators could both write, where the store only emulates the condition
         return create_if_absent(self.open_kvstore(), name, raw)
 
-    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> None:
+    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> str:
         raw = b"".join(pieces)  # one object: written whole, or not at all
         store = self.open_kvstore()
         if overwrite:
-            store.write(name, raw).result()
-            return
-        warn_if_not_atomic(self.kvstore)
-        if not create_if_absent(store, name, raw):
+            return store.write(name, raw).result().generation.hex()
+        warn_if_not_atomic(self.kvstore)  # two creators could both write, where the store only emulates the condition
+        found = stat(store, name)
+        written = store.write(name, raw, if_equal=found.stamp.generation).result() if found.state != "value" else None
+        if written is None or not written.generation:
             raise CheckpointExistsError(f"{self}{name} exists; pass overwrite=True to replace it, or write elsewhere.")
+        return written.generation.hex()
+
+    def file_stamp(self, name: str) -> str | None:
+        found = stat(self.open_kvstore(), name)
+        return found.stamp.generation.hex() if found.state == "value" else None
 
     def remove_file(self, name: str) -> bool:
         store = self.open_kvstore()

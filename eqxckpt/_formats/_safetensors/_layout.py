@@ -6,7 +6,6 @@ and how a state dict is split into shards (`split`: `huggingface_hub`'s rule) an
 import dataclasses
 import json
 import math
-import re
 
 import numpy as np
 
@@ -66,7 +65,7 @@ class TensorEntry:
         return math.prod(self.shape) * np.dtype(DTYPES[self.dtype]).itemsize
 
 
-def file_header(tensors: list[TensorEntry], metadata: dict[str, str]) -> tuple[bytes, list[TensorEntry]]:
+def file_header(tensors: list[TensorEntry], metadata: dict[str, str] | None) -> tuple[bytes, list[TensorEntry]]:
     """The bytes before a file's data (the header's length, then its JSON, padded with
     spaces so the data starts 8-byte aligned) and the tensors in the order their data
     follow: what ``safetensors.numpy.save`` writes for the same tensors and metadata
@@ -75,7 +74,8 @@ def file_header(tensors: list[TensorEntry], metadata: dict[str, str]) -> tuple[b
     **Arguments:**
 
     - `tensors`: the file's tensors, in any order.
-    - `metadata`: its ``__metadata__`` (none written if empty).
+    - `metadata`: its ``__metadata__``; None: none (``{}`` is written, as the library
+      writes it).
 
     **Returns:** ``(head, ordered)``; the data is each of ``ordered``'s bytes in turn.
 
@@ -84,7 +84,7 @@ def file_header(tensors: list[TensorEntry], metadata: dict[str, str]) -> tuple[b
     ```
     """
     ordered = sorted(tensors, key=lambda t: (_RANK[t.dtype], t.name))
-    doc: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    doc: dict[str, object] = {} if metadata is None else {"__metadata__": metadata}
     offset = 0
     for tensor in ordered:
         doc[tensor.name] = {
@@ -99,13 +99,12 @@ def file_header(tensors: list[TensorEntry], metadata: dict[str, str]) -> tuple[b
     return len(raw).to_bytes(8, "little") + raw, ordered
 
 
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(TB|GB|MB|KB)\s*", re.IGNORECASE)
 _UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 
 
 def parse_size(size: int | str) -> int:
     """A shard limit in bytes: an int, or a string such as ``"5GB"`` read as
-    `huggingface_hub` reads it (decimal units TB, GB, MB, KB).
+    `huggingface_hub` reads it (a number, then a decimal unit TB, GB, MB or KB).
 
     ```python
     parse_size("5GB")  # 5_000_000_000
@@ -114,10 +113,17 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise ArgumentError(f"max_shard_size must be a number of bytes or a string such as '5GB', got {size!r:.100}.")
     if isinstance(size, str):
-        found = _SIZE.fullmatch(size)
-        if found is None:
-            raise ArgumentError(f"max_shard_size {size!r:.100} is not a size such as '5GB' (units TB, GB, MB, KB).")
-        size = int(float(found[1]) * _UNITS[found[2].upper()])
+        text = size.strip()
+        unit = _UNITS.get(text[-2:].upper())
+        try:
+            value = float(text[:-2].strip()) * unit if unit is not None else math.nan
+            size = int(value) if math.isfinite(value) else -1
+        except ValueError:
+            size = -1
+        if size < 1:
+            raise ArgumentError(
+                f"max_shard_size {text!r:.100} is not a size of 1 byte or more such as '5GB' (units TB, GB, MB, KB)."
+            )
     if size < 1:
         raise ArgumentError(f"max_shard_size must be at least 1 byte, got {size}.")
     return size

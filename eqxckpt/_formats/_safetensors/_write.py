@@ -29,7 +29,7 @@ from ..._distributed import Phases, is_multiprocess
 from ..._dtypes import little_endian
 from ..._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, PathError, UnsupportedLeafError
 from ..._leaf import UNKNOWN, ArrayLeaf
-from ..._paths import check_one_tree, key_entry_record
+from ..._paths import MANIFEST_NAME, check_one_tree, key_entry_record
 from ..._progress import Progress, advance, reporting
 from ..._read._lazy import LazyArray
 from ..._read._place import Block, region_of, slice_key
@@ -168,50 +168,75 @@ def save_safetensors(
     eqxckpt.save_safetensors("my-model", params, max_shard_size="5GB")
     ```
     """
-    metadata = {} if metadata is None else dict(metadata)
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise CheckpointError("safetensors metadata must map strings to strings.")
-    limit = None if max_shard_size is None else parse_size(max_shard_size)
-    if limit is not None and "total_size" in metadata:
-        raise CheckpointError(
-            "metadata may not hold 'total_size': the index's metadata holds the model's total size under that name."
-        )
-    if limit is None:
-        if isinstance(path, dict) or "://" in os.fspath(path):
-            raise CheckpointError(
-                f"save_safetensors writes one file to a local path; {path!r:.200} is not one. Pass max_shard_size "
-                "to write a sharded directory to an object store."
-            )
-        final = pathlib.Path(path).absolute()
-        if final.is_dir():
-            raise CheckpointError(f"Cannot write {final}: it is a directory (pass max_shard_size for a sharded one).")
-        storage, single = resolve(final.parent), final.name
-    else:
-        storage, single = resolve(path), None
-    publishing = _Publishing(storage, single, limit, metadata, overwrite)
-    if not is_multiprocess():
-        if not overwrite and publishing.taken():  # fail fast, before reading anything; checked again at the end
-            raise publishing.exists_error()
-        publishing.plan(_tensors(tree, names), 1)
-        with reporting(f"writing {publishing.where}", publishing.total_bytes, publishing.count, progress):
-            publishing.prepare()
-            for shard in range(len(publishing.files)):
-                publishing.write(shard)
-            publishing.commit()
+    if is_multiprocess():  # every check in a phase: one process's refusal is every process's
+        _publish_together(path, tree, max_shard_size, names, metadata, overwrite, progress)
         return
-    _publish_together(publishing, tree, names, progress)
+    publishing = _Publishing.at(path, max_shard_size, metadata, overwrite)
+    if not overwrite and publishing.taken():  # fail fast, before reading anything; checked again at the end
+        raise publishing.exists_error()
+    publishing.plan(_tensors(tree, names), 1)
+    with (
+        publishing.storage.publishing(),
+        reporting(f"writing {publishing.where}", publishing.total_bytes, publishing.count, progress),
+    ):
+        publishing.prepare()
+        stamps = {}
+        for shard in range(len(publishing.files)):
+            stamps.update(publishing.write(shard))
+        publishing.commit(stamps)
 
 
 class _Publishing:
     """One model being written: where (`storage`, and the file name without shards),
     its files and which process writes each (`plan`), and the steps of writing them."""
 
-    def __init__(self, storage: Storage, single: str | None, limit: int | None, metadata: dict, overwrite: bool):
+    def __init__(self, storage: Storage, single: str | None, limit: int | None, metadata: dict | None, overwrite: bool):
         self.storage, self.single, self.limit = storage, single, limit
         self.metadata, self.overwrite = metadata, overwrite
         self.where = str(storage) if single is None else os.path.join(str(storage), single)
         self.files: list[tuple[str, list[_Tensor]]] = []
         self.writers: list[int] = []
+
+    @classmethod
+    def at(
+        cls, path: Any, max_shard_size: int | str | None, metadata: dict[str, str] | None, overwrite: bool
+    ) -> "_Publishing":
+        """The model `save_safetensors` is asked to write, its arguments checked."""
+        if metadata is not None:
+            metadata = dict(metadata)
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+                raise CheckpointError("safetensors metadata must map strings to strings.")
+            for text in (t for item in metadata.items() for t in item):
+                _utf8(text, f"metadata {text!r:.100}")
+        limit = None if max_shard_size is None else parse_size(max_shard_size)
+        if limit is not None and metadata and "total_size" in metadata:
+            raise CheckpointError(
+                "metadata may not hold 'total_size': the index's metadata holds the model's total size under that name."
+            )
+        if limit is None:
+            if isinstance(path, dict) or "://" in os.fspath(path):
+                raise CheckpointError(
+                    f"save_safetensors writes one file to a local path; {path!r:.200} is not one. Pass max_shard_size "
+                    "to write a sharded directory to an object store."
+                )
+            final = pathlib.Path(path).absolute()
+            if final.is_dir():
+                raise CheckpointError(
+                    f"Cannot write {final}: it is a directory (pass max_shard_size for a sharded one)."
+                )
+            storage, single = resolve(final.parent), final.name
+        else:
+            storage, single = resolve(path), None
+        if storage.file_exists(MANIFEST_NAME):
+            raise CheckpointError(
+                f"{storage} is an eqxckpt checkpoint (it holds {MANIFEST_NAME}): a model written into it would "
+                "be files the checkpoint does not know. Write it elsewhere. Nothing was written."
+            )
+        return cls(storage, single, limit, metadata, overwrite)
+
+    def call(self) -> list[Any]:
+        """What every process must have asked for: where, how split, the metadata, overwrite."""
+        return [self.where, self.single, self.limit, self.metadata, self.overwrite]
 
     def plan(self, tensors: list[_Tensor], processes: int) -> None:
         """Split ``tensors`` into files and choose the process writing each."""
@@ -222,6 +247,8 @@ class _Publishing:
             shards = split([t.entry.nbytes for t in tensors], self.limit or 1) or [[]]
             file_names = shard_names(len(shards))
         self.files = [(name, [tensors[i] for i in shard]) for name, shard in zip(file_names, shards)]
+        for _, ts in self.files:  # every header can be written, before anything is
+            file_header([t.entry for t in ts], self.metadata)
         if self.single is not None:  # one file, where process 0 would find it
             self.writers = [0]
             return
@@ -239,15 +266,20 @@ class _Publishing:
         return sum(len(ts) for _, ts in self.files)
 
     def fingerprint(self) -> str:
-        """What every process must agree on: the files, their tensors and where each is held."""
-        doc = [
+        """What every process must agree on: the call, the files, their tensors and where
+        each is held."""
+        doc = [self.call()] + [
             [name, writer, [[t.path, t.entry.name, t.entry.dtype, t.entry.shape, _holders_json(t)] for t in ts]]
             for (name, ts), writer in zip(self.files, self.writers)
         ]
         return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
     def summary(self) -> str:
-        return f"{self.count} tensors of {self.total_bytes} bytes in {len(self.files)} files"
+        limit = "one file" if self.single is not None else f"shards of at most {self.limit} bytes"
+        return (
+            f"{self.count} tensors of {self.total_bytes} bytes in {len(self.files)} files at {self.where} "
+            f"({limit}, overwrite={self.overwrite}, metadata {self.metadata})"
+        )
 
     # -- the steps ---------------------------------------------------------------------
 
@@ -313,10 +345,12 @@ class _Publishing:
             size += entry.nbytes
         return waves
 
-    def write(self, shard: int, fetch: "Callable[[int], Received] | None" = None) -> None:
+    def write(self, shard: int, fetch: "Callable[[int], Received] | None" = None) -> dict[str, str]:
         """Write file ``shard`` whole, from this process's arrays and the blocks other
         processes send it: ``fetch(k)``, those of wave ``k`` (`waves`), fetched while the
-        wave before it is written."""
+        wave before it is written.
+
+        **Returns:** ``{name: stamp}`` of the file written (`Storage.file_stamp`)."""
         name, tensors = self.files[shard]
         head, _ = file_header([t.entry for t in tensors], self.metadata)
         waves = self.waves(shard)
@@ -340,7 +374,7 @@ class _Publishing:
                     del received
 
         try:
-            self.storage.put_file(name, pieces(), self.overwrite)
+            return {name: self.storage.put_file(name, pieces(), self.overwrite)}
         except CheckpointError:
             raise
         except OSError as e:
@@ -351,9 +385,10 @@ class _Publishing:
             )
             raise CheckpointWriteError(f"Writing {name} in {self.storage} failed: {e.strerror or e}. {after}") from e
 
-    def commit(self) -> None:
+    def commit(self, stamps: dict[str, str]) -> None:
         """Process 0, once every file is complete: the index, written last (none for a
-        model of one file, which is its own commit)."""
+        model of one file, which is its own commit), only if every file is still the one
+        this job wrote (``stamps``: each file's, as its writer wrote it)."""
         if self.single is not None or len(self.files) < 2:
             return
         missing = [name for name, _ in self.files if not self.storage.file_exists(name)]
@@ -363,8 +398,14 @@ class _Publishing:
                 "the directory is not one file system shared by every process. Publish to a shared file system or "
                 "an object store (s3://, gs://). No index was written."
             )
+        replaced = [name for name, _ in self.files if self.storage.file_stamp(name) != stamps.get(name)]
+        if replaced:
+            raise CheckpointWriteError(
+                f"{self.where}: {', '.join(replaced[:5])} changed after this job wrote them: another writer is writing "
+                "there too. No index was written; write the model again when it is done, or elsewhere."
+            )
         files = {name: [t.entry for t in ts] for name, ts in self.files}
-        self.storage.put_file(INDEX_NAME, [index_document(files, self.metadata)], self.overwrite)
+        self.storage.put_file(INDEX_NAME, [index_document(files, self.metadata or {})], self.overwrite)
 
 
 def _holders_json(tensor: _Tensor) -> Any:
@@ -464,12 +505,23 @@ def _name(leaf_path: str, keypath: Any, names: Callable[[str], str] | Mapping[st
             f"Leaf {leaf_path!r} would be the tensor '__metadata__', the name safetensors reserves for the "
             "file's metadata (no reader could open the file). Rename the key."
         )
+    _utf8(name, f"Leaf {leaf_path!r}'s tensor name {name!r:.100}")
     if "" in name.split("."):
         raise PathError(
             f"Leaf {leaf_path!r} would be the tensor {name!r}, with an empty part between dots, which no reader "
             "maps back onto a tree. Name it without one."
         )
     return name
+
+
+def _utf8(text: str, what: str) -> None:
+    """Refuse text a file's header cannot hold: JSON in UTF-8 has no lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PathError(
+            f"{what} is not valid Unicode (a lone surrogate): a safetensors header cannot hold it."
+        ) from None
 
 
 def _check_reads_back(tensors: list[_Tensor]) -> None:
@@ -556,22 +608,30 @@ def _stored(value: Any) -> np.ndarray:
 
 
 def _publish_together(
-    publishing: _Publishing, tree: "PyTree", names: Callable[[str], str] | Mapping[str, str] | None, progress: Progress
+    path: Any,
+    tree: "PyTree",
+    max_shard_size: int | str | None,
+    names: Callable[[str], str] | Mapping[str, str] | None,
+    metadata: dict[str, str] | None,
+    overwrite: bool,
+    progress: Progress,
 ) -> None:
-    """`save_safetensors` in every process of a job: agree on the plan, uncommit what is
-    there (process 0), write the files a round at a time, then the index (process 0)."""
+    """`save_safetensors` in every process of a job: check the arguments and the tree,
+    agree on the plan (the call included: every process must ask for the same model),
+    uncommit what is there (process 0, holding the directory until the end), write the
+    files a round at a time, then the index (process 0)."""
     import jax
 
     phases = Phases("publish")
     me, count = phases.rank, phases.size
-    found: list[list[_Tensor]] = []
+    found: list[tuple[_Publishing, list[_Tensor]]] = []
 
-    def checked() -> None:  # in the first phase: a process's bad tree fails every process
-        found.append(_tensors(tree, names))
+    def checked() -> None:  # in the first phase: a process's refusal fails every process
+        found.append((_Publishing.at(path, max_shard_size, metadata, overwrite), _tensors(tree, names)))
 
     flat = [leaf for _, _, leaf in flatten(tree)[0] if leaf is not None]
     spanning = global_leaves(flat, phases, before=checked)
-    tensors = found[0]
+    publishing, tensors = found[0]
 
     def planned() -> str:  # in a phase: a process that cannot plan fails every process
         for i in sorted(spanning):
@@ -594,32 +654,44 @@ def _publish_together(
     if differ:
         rank, summary = differ[0]
         raise CheckpointError(
-            f"save_safetensors in {count} processes: process {rank} has another tree or another layout of it "
-            f"({summary}) than process 0 ({json.loads(prints[0])[1]}). Every process must pass the same tree of "
-            "global arrays, with the same names. Nothing was written."
+            f"save_safetensors in {count} processes: process {rank} asks for {summary}; process 0 for "
+            f"{json.loads(prints[0])[1]}. Every process must pass the same path, options and tree of global "
+            "arrays, with the same names. Nothing was written."
         )
-    phases.run("prepare", lambda: publishing.prepare() if me == 0 else None)
-    rounds = max(len(publishing.mine(p)) for p in range(count))
-    from ..._local._peers import Transfers
+    with contextlib.ExitStack() as held:
 
-    transfers = Transfers()  # its server starts when first offered from or fetched with
-    mine = publishing.mine(me)
-    with reporting(
-        f"writing {publishing.where}",
-        sum(t.entry.nbytes for i in mine for t in publishing.files[i][1]),
-        sum(len(publishing.files[i][1]) for i in mine),
-        progress,
-    ):
-        for r in range(rounds):
-            _round(publishing, phases, transfers, r)
-    phases.run("commit", lambda: publishing.commit() if me == 0 else None)
+        def prepare() -> None:
+            if me == 0:
+                held.enter_context(publishing.storage.publishing())
+                if not overwrite and publishing.taken():
+                    raise publishing.exists_error()
+                publishing.prepare()
+
+        phases.run("prepare", prepare)
+        rounds = max(len(publishing.mine(p)) for p in range(count))
+        from ..._local._peers import Transfers
+
+        transfers = Transfers()  # its server starts when first offered from or fetched with
+        mine = publishing.mine(me)
+        stamps: dict[str, str] = {}
+        with reporting(
+            f"writing {publishing.where}",
+            sum(t.entry.nbytes for i in mine for t in publishing.files[i][1]),
+            sum(len(publishing.files[i][1]) for i in mine),
+            progress,
+        ):
+            for r in range(rounds):
+                stamps.update(_round(publishing, phases, transfers, r))
+        phases.run("commit", lambda: publishing.commit(stamps) if me == 0 else None)
 
 
-def _round(publishing: _Publishing, phases: Phases, transfers: "Transfers", round_: int) -> None:
+def _round(publishing: _Publishing, phases: Phases, transfers: "Transfers", round_: int) -> dict[str, str]:
     """Round ``round_``: each process writes its ``round_``-th file (if it has one), sent
     what it lacks, a wave at a time, by the processes holding it, which offer those
     blocks first (their own device arrays: no copies). Each step is a phase: a process's
-    failure fails every process at once."""
+    failure fails every process at once.
+
+    **Returns:** the stamps of the files written this round, by every process."""
     me, count = phases.rank, phases.size
     writers = {p: publishing.mine(p)[round_] for p in range(count) if round_ < len(publishing.mine(p))}
     numbers: list[int] = []
@@ -632,9 +704,9 @@ def _round(publishing: _Publishing, phases: Phases, transfers: "Transfers", roun
                     transfers.offer([numbers[-1]], [_sent(t, b) for t, b in sent])
         return transfers.address if numbers else ""
 
-    def write() -> None:
+    def write() -> str:
         if me not in writers:
-            return
+            return "{}"
         shard = writers[me]
         waves = publishing.waves(shard)
 
@@ -652,11 +724,15 @@ def _round(publishing: _Publishing, phases: Phases, transfers: "Transfers", roun
                     )
             return received
 
-        publishing.write(shard, fetch)
+        return json.dumps(publishing.write(shard, fetch))
 
     try:
         addresses = phases.run(f"offered/{round_}", offer)
-        phases.run(f"written/{round_}", write)
+        return {
+            name: stamp
+            for written in phases.run(f"written/{round_}", write)
+            for name, stamp in json.loads(written).items()
+        }
     finally:  # what this process sent is held until every writer has it
         for number in numbers:
             transfers.release(number)
