@@ -141,24 +141,29 @@ def save_safetensors(
     - `names`: each leaf's tensor name, from its path: a function, or a mapping
       that names every leaf. Two leaves with one name are refused, naming both.
     - `metadata`: string-to-string metadata: every file's ``__metadata__`` (and the
-      index's ``metadata``, after ``total_size``).
+      index's ``metadata``, after ``total_size``); None writes none, ``{}`` an empty
+      one, as the `safetensors` library does.
     - `overwrite`: replace a model already there. It first removes the old index
       and, for a sharded model, an old ``model.safetensors`` (so no reader takes
       the old model for the new one meanwhile), then replaces the files the new
       model writes; an old shard the new model does not write is left, with a
       warning naming it. Without it, nothing there is touched:
-      `CheckpointExistsError`.
+      `CheckpointExistsError`. A writer holds a local directory while it writes
+      (another is refused: `CheckpointBusyError`), and the index is written only
+      over files that are still the ones this call wrote.
     - `progress`: as for `eqxckpt.save` (``"auto"``: a bar on a terminal for a
       large or slow write; True: always on a terminal; a callable is called with
       ``(bytes_done, bytes_total, leaves_done, leaves_total)``).
 
     With several JAX processes (``jax.process_count() > 1``), every process calls it
-    with the same tree of global arrays. Each shard file is written by one process,
-    the processes sharing the files evenly and each writing those it holds most of;
-    a process is sent only the blocks of its files' tensors it does not hold, and
-    holds at most its file and the blocks it sends at a time. Process 0 writes the
-    index once every file is complete. Arrays that are not global (numpy arrays)
-    are written from process 0's copy.
+    with the same arguments and the same tree of global arrays (processes that ask
+    for different models all raise before anything is written). Each shard file is
+    written by one process, the processes sharing the files evenly and each writing
+    those it holds most of; a process is sent only the blocks of its files' tensors
+    it does not hold, about 64 MiB at a time, never its whole file. Process 0 writes
+    the index once every file is complete, and only where it sees every file (a
+    directory every process shares, or an object store). Arrays that are not global
+    (numpy arrays) are written from process 0's copy.
 
     **Returns:** nothing; the file (the directory) is complete and durable on return.
 
