@@ -4,7 +4,9 @@ leaving a model already there as it was. Started by tests/test_safetensors_proce
 
     python publish_disagree_worker.py SCENARIO PORT NUM_PROCESSES PROCESS_ID DIRECTORY
 
-Each process prints ``OUTCOME {"process", "raised"}`` per call it makes.
+SCENARIO ``all`` runs every scenario in turn, each in a directory of its name, in one
+job: a refused call leaves the processes in step for the next. Each process prints
+``OUTCOME {"scenario", "process", "raised"}`` per call it makes.
 """
 
 import json
@@ -29,7 +31,11 @@ def outcome(call) -> None:
         raised = None
     except eqxckpt.CheckpointError as e:
         raised = f"{type(e).__name__}: {e}"
-    print("OUTCOME " + json.dumps({"process": jax.process_index(), "raised": raised}), flush=True)
+    line = {"scenario": _running[0], "process": jax.process_index(), "raised": raised}
+    print("OUTCOME " + json.dumps(line), flush=True)
+
+
+_running = [""]
 
 
 def first_model(directory: str) -> None:
@@ -88,12 +94,26 @@ def bad_name_after_a_model(directory: str) -> None:
 
 SCENARIOS = {
     name: function
-    for name, function in globals().items()
+    for name, function in list(globals().items())
     if callable(function)
     and name not in ("tree", "outcome", "first_model")
     and not name[0].isupper()
-    and function.__module__ == __name__
+    and getattr(function, "__module__", None) == __name__
 }
+
+
+def every_scenario(directory: str) -> None:
+    import os
+
+    for name, scenario in sorted(SCENARIOS.items()):
+        if name == "all":
+            continue
+        _running[0] = name
+        os.makedirs(f"{directory}/{name}", exist_ok=True)  # every process makes it
+        scenario(f"{directory}/{name}")
+
+
+SCENARIOS["all"] = every_scenario
 
 
 if __name__ == "__main__":
