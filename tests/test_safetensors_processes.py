@@ -6,6 +6,7 @@ process sent only what it lacks; a process killed at a random instant leaves no 
 import json
 import random
 
+import numpy as np
 import pytest
 import safetensors.numpy as stn
 from conftest import BUCKET, WORKERS, WorkerFailed, launch, s3_spec
@@ -20,15 +21,18 @@ PUBLISHER = WORKERS / "publish_worker.py"
 MIB = 2.0
 
 
-def expected_files(tensors: dict, limit: int):
+PT = {"format": "pt"}  # what the workers pass
+
+
+def expected_files(tensors: dict, limit: int, metadata: dict | None = PT):
     plan = split_state_dict_into_shards_factory(
         tensors, get_storage_size=lambda t: t.nbytes, filename_pattern="model{suffix}.safetensors", max_shard_size=limit
     )
     files = {
-        name: stn.save({n: tensors[n] for n in names}, metadata={"format": "pt"})
+        name: stn.save({n: tensors[n] for n in names}, metadata=metadata)
         for name, names in plan.filename_to_tensors.items()
     }
-    index = {"metadata": {**plan.metadata, "format": "pt"}, "weight_map": plan.tensor_to_filename}
+    index = {"metadata": {**plan.metadata, **(metadata or {})}, "weight_map": plan.tensor_to_filename}
     return files, index
 
 
@@ -154,3 +158,22 @@ def test_processes_that_ask_for_different_models_all_raise_and_write_nothing(tmp
                 assert INDEX_NAME in files and len(files) == 5, (scenario, files)
             else:
                 assert files == [], (scenario, directory, files)
+
+
+def test_an_object_store_directory_is_held_by_one_writer(tmp_path, s3):
+    """Found by an outside attack: on S3 a slow overwrite=True writer replaced a shard of
+    a model another writer had committed meanwhile. A writer now holds the prefix with
+    the lease saves take: another is refused while it writes; none is left after."""
+    from eqxckpt._paths import LEASE_NAME
+
+    endpoint, client = s3
+    spec = s3_spec(endpoint, f"held-{tmp_path.name}/")
+    tensors = {k: np.full(64, i, np.float32) for i, k in enumerate("abcd")}
+    with resolve(spec).publishing():
+        with pytest.raises(eqxckpt.CheckpointBusyError, match="Another writer holds"):
+            eqxckpt.save_safetensors(spec, tensors, max_shard_size=300, overwrite=True)
+    eqxckpt.save_safetensors(spec, tensors, max_shard_size=300)
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=spec["path"])["Contents"]
+    names = sorted(o["Key"][len(spec["path"]) :] for o in listed)
+    assert names == sorted([*expected_files(dict(sorted(tensors.items())), 300, metadata=None)[0], INDEX_NAME])
+    assert LEASE_NAME not in names

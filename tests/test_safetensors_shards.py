@@ -317,13 +317,25 @@ def test_what_an_attack_found_is_refused_before_the_old_model_is_touched(tmp_pat
     with pytest.raises(eqxckpt.CheckpointWriteError, match="is a directory"):
         eqxckpt.save_safetensors(tmp_path / "d", tensors, max_shard_size=8, overwrite=True)
     assert (tmp_path / "d" / INDEX_NAME).is_dir()
-    # An eqxckpt checkpoint is not a place for a model's files.
+    # An eqxckpt checkpoint, and any directory inside one, is not a place for a model's files.
     eqxckpt.save(tmp_path / "ckpt", {"w": np.ones(2)})
-    listed = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    for target in (tmp_path / "ckpt", tmp_path / "ckpt" / "model.safetensors"):
-        with pytest.raises(eqxckpt.CheckpointError, match="is an eqxckpt checkpoint"):
-            eqxckpt.save_safetensors(target, tensors, max_shard_size=8 if target.name == "ckpt" else None)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == listed
+    listed = sorted(str(p) for p in (tmp_path / "ckpt").rglob("*"))
+    for target, limit in [
+        (tmp_path / "ckpt", 8),
+        (tmp_path / "ckpt" / "model.safetensors", None),
+        (tmp_path / "ckpt" / "z", 8),
+        (tmp_path / "ckpt" / "sub" / "deeper", 8),
+        (tmp_path / "ckpt" / "z" / "x.safetensors", None),
+    ]:
+        with pytest.raises(eqxckpt.CheckpointError, match="is in the eqxckpt checkpoint"):
+            eqxckpt.save_safetensors(target, tensors, max_shard_size=limit)
+    assert sorted(str(p) for p in (tmp_path / "ckpt").rglob("*")) == listed
+    assert eqxckpt.verify(tmp_path / "ckpt").ok
+    # A names function that fails is named with its leaf.
+    with pytest.raises(eqxckpt.PathError, match=r"names failed for leaf 'a': RuntimeError: boom"):
+        eqxckpt.save_safetensors(
+            tmp_path / "n", tensors, max_shard_size=8, names=lambda p: exec("raise RuntimeError('boom')")
+        )
 
 
 def test_two_writers_of_one_directory_never_commit_a_mix(tmp_path, monkeypatch):
@@ -339,7 +351,10 @@ def test_two_writers_of_one_directory_never_commit_a_mix(tmp_path, monkeypatch):
     with resolve(out).publishing():  # another writer at work
         with pytest.raises(eqxckpt.CheckpointBusyError, match="Another writer"):
             eqxckpt.save_safetensors(out, mine, max_shard_size=300, overwrite=True)
-    assert not out.exists() or not list(out.iterdir())
+        # One file holds nothing: a neighbour in the same folder is written meanwhile.
+        eqxckpt.save_safetensors(out / "alone.safetensors", mine)
+    assert sorted(p.name for p in out.iterdir()) == ["alone.safetensors"]
+    (out / "alone.safetensors").unlink()
     # A writer that does not take the lock (another tool) replaces a file meanwhile.
     put = LocalStorage.put_file
 

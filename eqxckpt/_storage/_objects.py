@@ -7,12 +7,13 @@ commit, so that a writer paused past its lease cannot commit (`_lease`); the
 protocol: docs/concurrency.md ("Object stores").
 """
 
+import contextlib
 import dataclasses
 import os
 import socket
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import tensorstore as ts
@@ -412,6 +413,30 @@ class ObjectStorage(Storage):
     def file_stamp(self, name: str) -> str | None:
         found = stat(self.open_kvstore(), name)
         return found.stamp.generation.hex() if found.state == "value" else None
+
+    @contextlib.contextmanager
+    def publishing(self) -> Iterator[None]:
+        # The lease a save takes on its place (`Lease`), renewed while the files are
+        # written: another writer of whole files here is refused until it is released.
+        store = self.open_kvstore()
+        warn_if_not_atomic(self.kvstore)
+        current, doc = read_lease(store)
+        if current.state == "value":
+            if doc is None:
+                raise CheckpointExistsError(
+                    f"{self} holds an object named {LEASE_NAME} that eqxckpt did not write; refusing to write there."
+                )
+            if not is_abandoned(doc):
+                raise CheckpointBusyError(
+                    f"Another writer holds {self} ({describe_lease(doc)}); wait for it, or write elsewhere. If that "
+                    "process died, the place frees itself once the lease times out. Nothing was changed."
+                )
+        lease = Lease(store, "publish", current.stamp.generation, action=None)
+        lease.start_heartbeat()
+        try:
+            yield
+        finally:
+            lease.release()
 
     def remove_file(self, name: str) -> bool:
         store = self.open_kvstore()

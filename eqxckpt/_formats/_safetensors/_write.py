@@ -181,7 +181,7 @@ def save_safetensors(
         raise publishing.exists_error()
     publishing.plan(_tensors(tree, names), 1)
     with (
-        publishing.storage.publishing(),
+        publishing.held(),
         reporting(f"writing {publishing.where}", publishing.total_bytes, publishing.count, progress),
     ):
         publishing.prepare()
@@ -232,12 +232,18 @@ class _Publishing:
             storage, single = resolve(final.parent), final.name
         else:
             storage, single = resolve(path), None
-        if storage.file_exists(MANIFEST_NAME):
+        if (checkpoint := _checkpoint_around(storage)) is not None:
             raise CheckpointError(
-                f"{storage} is an eqxckpt checkpoint (it holds {MANIFEST_NAME}): a model written into it would "
-                "be files the checkpoint does not know. Write it elsewhere. Nothing was written."
+                f"{storage} is in the eqxckpt checkpoint {checkpoint} (it holds {MANIFEST_NAME}): a model written "
+                "into it would be files the checkpoint does not know. Write it elsewhere. Nothing was written."
             )
         return cls(storage, single, limit, metadata, overwrite)
+
+    def held(self) -> contextlib.AbstractContextManager[None]:
+        """The directory held against other writers (`Storage.publishing`) while a sharded
+        model is written; one file, atomic on its own, holds nothing (its neighbours are
+        other writers' to write)."""
+        return self.storage.publishing() if self.single is None else contextlib.nullcontext()
 
     def call(self) -> list[Any]:
         """What every process must have asked for: where, how split, the metadata, overwrite."""
@@ -407,10 +413,25 @@ class _Publishing:
         if replaced:
             raise CheckpointWriteError(
                 f"{self.where}: {', '.join(replaced[:5])} changed after this job wrote them: another writer is writing "
-                "there too. No index was written; write the model again when it is done, or elsewhere."
+                "there too, or the directory is not one file system shared by every process. No index was written; "
+                "write the model again when the other writer is done, or elsewhere."
             )
         files = {name: [t.entry for t in ts] for name, ts in self.files}
         self.storage.put_file(INDEX_NAME, [index_document(files, self.metadata or {})], self.overwrite)
+
+
+def _checkpoint_around(storage: Storage) -> str | None:
+    """The eqxckpt checkpoint that ``storage``'s directory is, or is inside (one that
+    holds a manifest), or None."""
+    if (local := storage.local) is not None:
+        return next((str(p) for p in (local, *local.parents) if (p / MANIFEST_NAME).exists()), None)
+    spec = dict(storage.kvstore)
+    parts = [part for part in str(spec.get("path", "")).split("/") if part]
+    for end in range(len(parts), -1, -1):
+        around = resolve({**spec, "path": "/".join(parts[:end])})
+        if around.file_exists(MANIFEST_NAME):
+            return str(around)
+    return None
 
 
 def _holders_json(tensor: _Tensor) -> Any:
@@ -502,7 +523,10 @@ def _name(leaf_path: str, keypath: Any, names: Callable[[str], str] | Mapping[st
         # that meet at one name are refused by the caller.
         name = ".".join(str(key_entry_record(entry)[1]) for entry in keypath)
     else:
-        name = names[leaf_path] if isinstance(names, Mapping) else names(leaf_path)
+        try:
+            name = names[leaf_path] if isinstance(names, Mapping) else names(leaf_path)
+        except Exception as e:  # the caller's function: its failure, named, as every process's
+            raise PathError(f"names failed for leaf {leaf_path!r}: {type(e).__name__}: {e}") from e
         if not isinstance(name, str) or not name:
             raise PathError(f"names gives leaf {leaf_path!r} the name {name!r:.100}; a tensor name is a non-empty str.")
     if name == "__metadata__":
@@ -667,7 +691,7 @@ def _publish_together(
 
         def prepare() -> None:
             if me == 0:
-                held.enter_context(publishing.storage.publishing())
+                held.enter_context(publishing.held())
                 if not overwrite and publishing.taken():
                     raise publishing.exists_error()
                 publishing.prepare()
