@@ -148,9 +148,9 @@ def save_safetensors(
       the old model for the new one meanwhile), then replaces the files the new
       model writes; an old shard the new model does not write is left, with a
       warning naming it. Without it, nothing there is touched:
-      `CheckpointExistsError`. A writer holds a local directory while it writes
-      (another is refused: `CheckpointBusyError`), and the index is written only
-      over files that are still the ones this call wrote.
+      `CheckpointExistsError`. A writer of a sharded model holds the directory
+      while it writes (another is refused: `CheckpointBusyError`), and the index
+      is written only over files that are still the ones this call wrote.
     - `progress`: as for `eqxckpt.save` (``"auto"``: a bar on a terminal for a
       large or slow write; True: always on a terminal; a callable is called with
       ``(bytes_done, bytes_total, leaves_done, leaves_total)``).
