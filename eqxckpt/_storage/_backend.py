@@ -374,7 +374,9 @@ class Storage(abc.ABC):
         **Arguments:**
 
         - `name`: the file's name (``model-00001-of-00002.safetensors``).
-        - `pieces`: its bytes, as buffers (a generator may make each as it is asked for).
+        - `pieces`: its bytes, as buffers, taken in turn: a generator may make each as
+          it is asked for, and reuse its memory for the next (a writer that keeps a
+          piece copies it).
         - `overwrite`: whether a file there may be replaced.
 
         **Returns:** the stamp of the file written (`file_stamp`'s): while the file is

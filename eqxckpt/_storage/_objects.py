@@ -399,7 +399,11 @@ class ObjectStorage(Storage):
         return create_if_absent(self.open_kvstore(), name, raw)
 
     def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> str:
-        raw = b"".join(pieces)  # one object: written whole, or not at all
+        gathered = bytearray()  # one object, written whole or not at all; each piece copied as it comes
+        for piece in pieces:
+            gathered += piece
+        raw = bytes(gathered)
+        del gathered
         store = self.open_kvstore()
         if overwrite:
             return store.write(name, raw).result().generation.hex()

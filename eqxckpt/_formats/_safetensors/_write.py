@@ -375,11 +375,12 @@ class _Publishing:
                     held.enter_context(source.consistent())
                 ahead = held.enter_context(concurrent.futures.ThreadPoolExecutor(1)) if fetch else None
                 coming = ahead.submit(fetch, 0) if ahead and fetch else None
+                band = _Band()
                 for k, wave in enumerate(waves):
                     received = coming.result() if coming is not None else {}
                     coming = ahead.submit(fetch, k + 1) if ahead and fetch and k + 1 < len(waves) else None
                     for tensor in wave:
-                        for piece in _tensor_pieces(tensor, received):
+                        for piece in _tensor_pieces(tensor, received, band):
                             yield np.ascontiguousarray(piece).reshape(-1).view(np.uint8).data
                         advance(tensor.entry.nbytes)
                     del received
@@ -572,10 +573,25 @@ def _check_reads_back(tensors: list[_Tensor]) -> None:
 BAND_BYTES = 64 << 20
 
 
-def _tensor_pieces(tensor: _Tensor, received: Received) -> Iterator[np.ndarray]:
+class _Band:
+    """One buffer that a file's bands of rows are put together in, in turn: a fresh one
+    per band would cost a page fault per page (on a VM, often one in its host too)."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, np.uint8)
+
+    def of(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._buffer.size < nbytes:
+            self._buffer = np.empty(nbytes, np.uint8)
+        return self._buffer[:nbytes].view(dtype).reshape(shape)
+
+
+def _tensor_pieces(tensor: _Tensor, received: Received, band: _Band | None = None) -> Iterator[np.ndarray]:
     """A tensor's values as its file holds them (little-endian, C order), in pieces: this
     process's own array, or its blocks (its own and ``received``) in order where they
-    split its rows only, else bands of rows put together from them."""
+    split its rows only, else bands of rows put together from them (in ``band``, reused
+    for the next once the writer has taken the last: `Storage.put_file`'s pieces)."""
     if (whole := received.get((tensor.path, None))) is not None:
         yield whole
         return
@@ -599,15 +615,16 @@ def _tensor_pieces(tensor: _Tensor, received: Received) -> Iterator[np.ndarray]:
         return
     row = math.prod(shape[1:]) * dtype.itemsize
     step = max(1, BAND_BYTES // max(1, row))
+    band = _Band() if band is None else band
     for start in range(0, shape[0], step):
         stop = min(shape[0], start + step)
-        band = np.empty((stop - start, *shape[1:]), dtype)
+        rows = band.of((stop - start, *shape[1:]), dtype)
         for block in blocks:
             (a, b), rest = block[0], block[1:]
             low, high = max(a, start), min(b, stop)
             if low < high:
-                band[(slice(low - start, high - start), *region_of(rest))] = data(block)[low - a : high - a]
-        yield band
+                rows[(slice(low - start, high - start), *region_of(rest))] = data(block)[low - a : high - a]
+        yield rows
 
 
 def _dtype(tensor: _Tensor) -> np.dtype:
