@@ -139,11 +139,11 @@ def worker(mode: str, port: int, processes: int, index: int, directory: str, lay
 
     join(port, processes, index)
     import numpy as np
-    from publish_worker import count_received
+    from publish_worker import count_lacking, count_received
 
     import eqxckpt
 
-    received = count_received()
+    received, lacking = count_received(), count_lacking(index)
     mesh = Mesh(np.array(jax.devices()), ("p",))
     specs = {"rows": P("p"), "cols": P(None, "p"), "rep": P()}
     flat = {}
@@ -173,6 +173,7 @@ def worker(mode: str, port: int, processes: int, index: int, directory: str, lay
     multihost_utils.sync_global_devices("done")
     seconds = time.perf_counter() - start
     report = {"process": index, "seconds": seconds, "peak": (kib("VmHWM") - before) * 1024, "received": received[0]}
+    report["lacking"] = lacking[0] if mode == "eqxckpt" else received[0]
     print("REPORT " + json.dumps(report), flush=True)
 
 

@@ -114,6 +114,22 @@ def count_received() -> list[int]:
     return received
 
 
+def count_lacking(process_id: int) -> list[int]:
+    """From now on, ``counter[0]`` is the bytes of the files this process writes that it
+    does not hold: all it may be sent."""
+    from eqxckpt._formats._safetensors import _write
+
+    lacking = [0]
+    write = _write._Publishing.write
+
+    def write_counted(self, shard, fetch=None):
+        lacking[0] += sum(t.entry.nbytes - t.held(process_id) for t in self.files[shard][1])
+        return write(self, shard, fetch)
+
+    _write._Publishing.write = write_counted  # type: ignore[method-assign]
+    return lacking
+
+
 def peak_kib() -> int:
     with open("/proc/self/status") as f:
         return int(next(line for line in f if line.startswith("VmHWM")).split()[1])
@@ -129,17 +145,7 @@ def main(where: str, port: int, processes: int, process_id: int, directory: str)
     import eqxckpt
 
     received = count_received()
-    # What this process's files hold that it does not: all it may be sent.
-    from eqxckpt._formats._safetensors import _write
-
-    lacking = [0]
-    write = _write._Publishing.write
-
-    def write_counted(self, shard, fetch=None):
-        lacking[0] += sum(t.entry.nbytes - t.held(process_id) for t in self.files[shard][1])
-        return write(self, shard, fetch)
-
-    _write._Publishing.write = write_counted  # type: ignore[method-assign]
+    lacking = count_lacking(process_id)
     mib = float(os.environ.get("PUBLISH_MIB", "2"))
     shard = int(os.environ.get("PUBLISH_SHARD", str(shard_limit(mib))))
     mesh = Mesh(np.array(jax.devices()), ("p",))
