@@ -756,21 +756,27 @@ def _round(publishing: _Publishing, phases: Phases, transfers: "Transfers", roun
         shard = writers[me]
         waves = publishing.waves(shard)
 
-        def fetch(k: int) -> Received:
-            received: Received = {}
-            for source, blocks in sorted(_from(waves[k], me).items()):
-                specs = [
-                    ((t.entry.nbytes,), np.dtype(np.uint8)) if b is None else (tuple(y - x for x, y in b), _dtype(t))
-                    for t, b in blocks
-                ]
-                number = _transfer_number(phases.name, round_, source, me, k)
-                for (tensor, block), data in zip(blocks, transfers.fetch_arrays(addresses[source], number, specs)):
-                    received[(tensor.path, block)] = (
-                        data.view(_dtype(tensor)).reshape(tensor.entry.shape) if block is None else data
-                    )
-            return received
+        def pull(source: int, blocks: list[tuple[_Tensor, Block | None]], k: int) -> Received:
+            specs = [
+                ((t.entry.nbytes,), np.dtype(np.uint8)) if b is None else (tuple(y - x for x, y in b), _dtype(t))
+                for t, b in blocks
+            ]
+            number = _transfer_number(phases.name, round_, source, me, k)
+            return {
+                (tensor.path, block): data.view(_dtype(tensor)).reshape(tensor.entry.shape) if block is None else data
+                for (tensor, block), data in zip(blocks, transfers.fetch_arrays(addresses[source], number, specs))
+            }
 
-        return json.dumps(publishing.write(shard, fetch))
+        with concurrent.futures.ThreadPoolExecutor(max(1, count - 1)) as pulls:
+
+            def fetch(k: int) -> Received:  # from every sender at once: each pull is one connection
+                received: Received = {}
+                senders = sorted(_from(waves[k], me).items())
+                for part in pulls.map(lambda item: pull(item[0], item[1], k), senders):
+                    received.update(part)
+                return received
+
+            return json.dumps(publishing.write(shard, fetch))
 
     try:
         addresses = phases.run(f"offered/{round_}", offer)
