@@ -11,6 +11,7 @@ never its whole file. What the processes agree on (the tree, which arrays are gl
 the plan) goes through `Phases`, as a save's does.
 """
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -58,8 +59,9 @@ if TYPE_CHECKING:  # JAX is imported where a tree is saved, not to read a file
 
 
 # What a writer is sent at a time: the blocks of this many bytes of its file's tensors
-# (in the file's order), fetched while the wave before is written.
+# (in the file's order), fetched while the waves before are written, this many ahead.
 WAVE_BYTES = 64 << 20
+WAVES_AHEAD = 2
 
 
 @dataclasses.dataclass
@@ -374,11 +376,15 @@ class _Publishing:
                 }.values():
                     held.enter_context(source.consistent())
                 ahead = held.enter_context(concurrent.futures.ThreadPoolExecutor(1)) if fetch else None
-                coming = ahead.submit(fetch, 0) if ahead and fetch else None
+                coming: collections.deque[concurrent.futures.Future[Received]] = collections.deque()
                 band = _Band()
                 for k, wave in enumerate(waves):
-                    received = coming.result() if coming is not None else {}
-                    coming = ahead.submit(fetch, k + 1) if ahead and fetch and k + 1 < len(waves) else None
+                    # The next `WAVES_AHEAD` waves are on their way while this one is written.
+                    while ahead is not None and fetch is not None and len(coming) <= WAVES_AHEAD:
+                        if (next_wave := k + len(coming)) >= len(waves):
+                            break
+                        coming.append(ahead.submit(fetch, next_wave))
+                    received = coming.popleft().result() if coming else {}
                     for tensor in wave:
                         for piece in _tensor_pieces(tensor, received, band):
                             yield np.ascontiguousarray(piece).reshape(-1).view(np.uint8).data
