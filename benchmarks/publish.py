@@ -18,6 +18,9 @@ same files, durable (fsync'd):
   ``safetensors.numpy.save_file`` as ``huggingface_hub`` splits them, and the index.
 - ``one-eqxckpt`` / ``one-library``: one process holding the whole model in host
   memory writes the files with ``save_safetensors`` / with ``safetensors.numpy``.
+- ``exchange``: what ``eqxckpt`` does with every file made and dropped, not written
+  (nor the index): the blocks the writers lack sent and put together, the least a
+  write of files by one process each costs beyond the writes.
 """
 
 import argparse
@@ -159,7 +162,18 @@ def worker(mode: str, port: int, processes: int, index: int, directory: str, lay
     multihost_utils.sync_global_devices("start")
     before = peak_reset()
     start = time.perf_counter()
-    if mode == "eqxckpt":
+    if mode == "exchange":  # every file made, none written
+        from eqxckpt._formats._safetensors import _write
+        from eqxckpt._storage._disk import LocalStorage
+
+        def made_not_written(self, name, pieces, overwrite) -> str:
+            for _ in pieces:
+                pass
+            return ""
+
+        LocalStorage.put_file = made_not_written  # type: ignore[method-assign]
+        _write._Publishing.commit = lambda self, stamps: None  # type: ignore[method-assign]
+    if mode in ("eqxckpt", "exchange"):
         eqxckpt.save_safetensors(out, nest(flat), max_shard_size=limit, metadata={"format": "pt"}, progress=False)
     else:  # gather
         gathered = {
@@ -173,7 +187,7 @@ def worker(mode: str, port: int, processes: int, index: int, directory: str, lay
     multihost_utils.sync_global_devices("done")
     seconds = time.perf_counter() - start
     report = {"process": index, "seconds": seconds, "peak": (kib("VmHWM") - before) * 1024, "received": received[0]}
-    report["lacking"] = lacking[0] if mode == "eqxckpt" else received[0]
+    report["lacking"] = received[0] if mode == "gather" else lacking[0]
     print("REPORT " + json.dumps(report), flush=True)
 
 
@@ -229,7 +243,7 @@ def main() -> None:
     state = sum(
         (4 if d == "float32" else 2) * s[0] * (s[1] if len(s) > 1 else 1) for s, d, _ in layout(args.layers).values()
     )
-    modes = ["eqxckpt", "gather", "one-eqxckpt", "one-library"]
+    modes = ["eqxckpt", "exchange", "gather", "one-eqxckpt", "one-library"]
     runs: dict[str, list[list[dict]]] = {m: [] for m in modes}
     for r in range(args.repeats):
         for mode in modes:
