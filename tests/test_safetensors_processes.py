@@ -97,7 +97,7 @@ def test_a_process_killed_at_a_random_instant_leaves_no_index_and_a_rerun_comple
     out = tmp_path / "out"
     try:
         launch(
-            "local", 4, tmp_path, worker=PUBLISHER, dies=victim, timeout=120, EQXCKPT_BARRIER_TIMEOUT_S="15",
+            "local", 4, tmp_path, worker=PUBLISHER, dies=victim, timeout=120, EQXCKPT_BARRIER_TIMEOUT_S="5",
             PUBLISH_MIB="8", PUBLISH_KILL=f"{victim}:{delay}",
         )  # fmt: skip
     except WorkerFailed:
