@@ -50,6 +50,20 @@ def slice_key(index: Any, shape: tuple[int, ...]) -> Block:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape)) + tuple((0, n) for n in shape[len(index) :])
 
 
+def block_holders(sharding: "jax.sharding.Sharding", shape: tuple[int, ...]) -> dict[Block, tuple[int, ...]]:
+    """Every distinct block of an array of ``shape`` laid out by ``sharding``, and the
+    processes whose devices hold it (ascending): the same in every process.
+
+    ```python
+    block_holders(NamedSharding(mesh, P("x")), (8, 3))  # {((0, 4), (0, 3)): (0,), ((4, 8), (0, 3)): (1,)}
+    ```
+    """
+    holders: dict[Block, set[int]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        holders.setdefault(slice_key(index, shape), set()).add(device.process_index)
+    return {block: tuple(sorted(who)) for block, who in holders.items()}
+
+
 def held_blocks(
     sharding: "jax.sharding.Sharding", shape: tuple[int, ...], stored: tuple[int, ...] | None = None
 ) -> list[Block]:

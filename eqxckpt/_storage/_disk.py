@@ -9,7 +9,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import os
 import pathlib
 import stat
@@ -66,7 +65,7 @@ from ._locks import (
     write_file,
 )
 from ._pins import LocalPin
-from ._stamps import StampBook, settled
+from ._stamps import StampBook, settled, stamp_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,22 +420,18 @@ class LocalStorage(Storage):
             return False
         return True
 
-    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> str:
+    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool, seen: str | None = None) -> str:
         self.path.mkdir(parents=True, exist_ok=True)
-        written: list[str] = []
 
         def body(f: BinaryIO) -> None:
             for piece in pieces:
                 f.write(piece)
-            f.flush()
-            written.append(_file_stamp(os.fstat(f.fileno())))  # the inode that is renamed into place
 
-        write_file(self.path / name, body, overwrite)
-        return written[0]
+        return write_file(self.path / name, body, overwrite)
 
     def file_stamp(self, name: str) -> str | None:
         try:
-            return _file_stamp(os.lstat(self.path / name))
+            return stamp_of(os.lstat(self.path / name))
         except FileNotFoundError:
             return None
 
@@ -458,25 +453,19 @@ class LocalStorage(Storage):
     def publishing(self) -> Iterator[None]:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise CheckpointWriteError(
                 f"Cannot make the directory {self.path}: {e.strerror or e}. Nothing was written."
             ) from None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise CheckpointBusyError(
-                    f"Another writer is writing a model into {self.path} now; wait for it, or write elsewhere."
-                ) from None
+        # The directory's own lock (`DirLock`, as a save's staging directory is held): no
+        # file is added to the model's directory. A filesystem without locks holds nothing.
+        lock = DirLock.take(self.path, exclusive=True, follow_symlinks=True)
+        if lock is None:
+            raise CheckpointBusyError(
+                f"Another writer is writing a model into {self.path} now; wait for it, or write elsewhere."
+            )
+        with lock:
             yield
-        finally:
-            os.close(fd)  # and the lock with it
-
-
-def _file_stamp(found: os.stat_result) -> str:
-    return f"{found.st_dev}:{found.st_ino}:{found.st_size}:{found.st_mtime_ns}"
 
 
 class LocalStaging(Staging):

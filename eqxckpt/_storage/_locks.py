@@ -294,20 +294,31 @@ def _check_removable(root: pathlib.Path) -> None:
             raise PermissionError(errno.EACCES, "Permission denied: cannot remove what it holds", str(where))
 
 
-def write_file(final: pathlib.Path, body: Callable[[BinaryIO], object], overwrite: bool) -> None:
+def write_file(final: pathlib.Path, body: Callable[[BinaryIO], object], overwrite: bool) -> str:
     """Write a file whole, durably and atomically: ``body`` fills a hidden temporary
-    beside ``final``, which `commit_file` then moves into place."""
+    beside ``final``, which `commit_file` then moves into place.
+
+    **Returns:** the stamp (`stamp_of`) of the file written, as committed: what
+    ``final``'s stamp is for as long as it is this file."""
     remove_abandoned_files(final)  # what a killed writer of this file left
     tmp, f = create_locked_file(final)  # locked until the commit: no cleaner takes it from under us
+    written = -1
     try:
         with f:
             body(f)
             f.flush()
             os.fsync(f.fileno())
             commit_file(tmp, final, overwrite)
+            written = os.dup(f.fileno())  # the inode, whatever is renamed over its name meanwhile
         fsync_path(final.parent)
     finally:
         tmp.unlink(missing_ok=True)  # a hard-link commit leaves the temporary name behind
+    from ._stamps import stamp_of  # (which writes its book with this function)
+
+    try:  # after the temporary name went: unlinking it changed the inode's ctime
+        return stamp_of(os.fstat(written))
+    finally:
+        os.close(written)
 
 
 def commit_file(tmp: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None:

@@ -16,7 +16,7 @@ from .._chunks import ChunkLayout, Region, chunk_budget, chunk_shape
 from .._digest import digest
 from .._errors import MAX_LISTED, UnsupportedLeafError, plural
 from .._leaf import StoredLeaf
-from .._read._place import slice_key
+from .._read._place import block_holders, slice_key
 
 if TYPE_CHECKING:
     import jax
@@ -98,17 +98,14 @@ class WriteShares:
         me = jax.process_index()
         shape, itemsize = record.data_shape, np.dtype(record.dtype).itemsize
         assert tuple(value.shape) == shape, (value.shape, shape)  # a PRNG key leaf's value is its key data
-        holders: dict[tuple, set[int]] = {}
-        for device, index in value.sharding.devices_indices_map(shape).items():
-            holders.setdefault(slice_key(index, shape), set()).add(device.process_index)
+        holders = block_holders(value.sharding, shape)
         shard = tuple(value.sharding.shard_shape(shape))
         tile = split_shard(shape, shard, itemsize, max(len(on) for on in holders.values()), chunk_budget(record.path))
         layout = ChunkLayout.planned(record, tile)
         own: dict[tuple, list[Region]] = {}
         for key, on in holders.items():
-            ranked = sorted(on)
             for _, part in layout.regions(tuple(slice(a, b) for a, b in key)):
-                writer = min(ranked, key=lambda p: (self.load[p], p))
+                writer = min(on, key=lambda p: (self.load[p], p))
                 self.load[writer] += math.prod(s.stop - s.start for s in part) * itemsize
                 if writer == me:
                     own.setdefault(key, []).append(part)
