@@ -166,7 +166,7 @@ def worker(mode: str, port: int, processes: int, index: int, directory: str, lay
         from eqxckpt._formats._safetensors import _write
         from eqxckpt._storage._disk import LocalStorage
 
-        def made_not_written(self, name, pieces, overwrite) -> str:
+        def made_not_written(self, name, pieces, overwrite, seen=None) -> str:
             for _ in pieces:
                 pass
             return ""

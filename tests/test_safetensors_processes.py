@@ -177,3 +177,23 @@ def test_an_object_store_directory_is_held_by_one_writer(tmp_path, s3):
     names = sorted(o["Key"][len(spec["path"]) :] for o in listed)
     assert names == sorted([*expected_files(dict(sorted(tensors.items())), 300, metadata=None)[0], INDEX_NAME])
     assert LEASE_NAME not in names
+
+
+def test_a_writer_taken_over_on_s3_writes_nothing_more(tmp_path, s3):
+    """Found by an outside attack: a writer stopped past its lease, then continued, wrote
+    a shard (or the index) over the model the writer that took over had committed. Every
+    write is now made on condition that the object is what it was when the writer took
+    the prefix: a taken-over writer's next write is refused and changes nothing."""
+    endpoint, _ = s3
+    spec = s3_spec(endpoint, f"taken-{tmp_path.name}/")
+    storage = resolve(spec)
+    first = storage.put_file("model-00001-of-00002.safetensors", [b"first"], overwrite=True)
+    seen = {"model-00001-of-00002.safetensors": first, INDEX_NAME: ""}
+    # Another writer takes over: rewrites the shard and commits an index.
+    storage.put_file("model-00001-of-00002.safetensors", [b"theirs"], overwrite=True)
+    storage.put_file(INDEX_NAME, [b"{}"], overwrite=True)
+    for name in seen:
+        with pytest.raises(eqxckpt.CheckpointBusyError, match="another writer took it over"):
+            storage.put_file(name, [b"stale"], overwrite=True, seen=seen[name])
+    assert storage.read_small("model-00001-of-00002.safetensors", 100) == b"theirs"
+    assert storage.read_small(INDEX_NAME, 100) == b"{}"

@@ -358,8 +358,8 @@ def test_two_writers_of_one_directory_never_commit_a_mix(tmp_path, monkeypatch):
     # A writer that does not take the lock (another tool) replaces a file meanwhile.
     put = LocalStorage.put_file
 
-    def put_then_replaced(self, name, pieces, overwrite):
-        stamp = put(self, name, pieces, overwrite)
+    def put_then_replaced(self, name, pieces, overwrite, seen=None):
+        stamp = put(self, name, pieces, overwrite, seen)
         if name == "model-00002-of-00004.safetensors":
             (out / "model-00001-of-00004.safetensors").write_bytes(stn.save({"a": theirs["a"]}))
         return stamp
@@ -371,3 +371,16 @@ def test_two_writers_of_one_directory_never_commit_a_mix(tmp_path, monkeypatch):
     monkeypatch.setattr(LocalStorage, "put_file", put)
     eqxckpt.save_safetensors(out, mine, max_shard_size=300, overwrite=True)
     check_directory(out, mine, 300)
+
+
+def test_a_header_no_reader_opens_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """Found by an outside attack: a 101 MB tensor name was written and reported done,
+    but safetensors and eqxckpt refuse headers over 100 MB. Refused at the plan now (the
+    limit made small here, so the test stays small)."""
+    from eqxckpt._formats._safetensors import _write
+
+    monkeypatch.setattr(_write, "MAX_HEADER_BYTES", 1000)
+    with pytest.raises(eqxckpt.CheckpointError, match="header would be .* over the 1000"):
+        eqxckpt.save_safetensors(tmp_path / "out", {"w": np.ones(2)}, max_shard_size=8, names=lambda p: "n" * 2000)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+    eqxckpt.save_safetensors(tmp_path / "out", {"w": np.ones(2)}, max_shard_size=8, names=lambda p: "n" * 500)

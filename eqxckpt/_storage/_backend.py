@@ -364,7 +364,7 @@ class Storage(abc.ABC):
 
     # -- whole files of a directory another tool reads (a published HuggingFace model) -----
 
-    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> str:
+    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool, seen: str | None = None) -> str:
         """Write the file ``name`` in this directory whole: ``pieces`` (buffers, taken in
         turn) one after another. Atomic: a reader finds the old file, or none, until the
         new one is complete (local disks: a durable temporary renamed into place; object
@@ -378,6 +378,10 @@ class Storage(abc.ABC):
           it is asked for, and reuse its memory for the next (a writer that keeps a
           piece copies it).
         - `overwrite`: whether a file there may be replaced.
+        - `seen`: the stamp the file had when this writer took the directory
+          (`publishing`; ``""``: none there). On an object store the write is made on
+          condition that it is still that (`CheckpointBusyError` if not: another writer
+          took the directory over meanwhile); a local directory is held by its lock.
 
         **Returns:** the stamp of the file written (`file_stamp`'s): while the file is
         the one written, `file_stamp` gives it back.

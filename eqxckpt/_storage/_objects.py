@@ -398,19 +398,29 @@ class ObjectStorage(Storage):
         warn_if_not_atomic(self.kvstore)  # two creators could both write, where the store only emulates the condition
         return create_if_absent(self.open_kvstore(), name, raw)
 
-    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool) -> str:
+    def put_file(self, name: str, pieces: Iterable[Any], overwrite: bool, seen: str | None = None) -> str:
         gathered = bytearray()  # one object, written whole or not at all; each piece copied as it comes
         for piece in pieces:
             gathered += piece
         raw = bytes(gathered)
         del gathered
         store = self.open_kvstore()
-        if overwrite:
+        if overwrite and seen is None:
             return store.write(name, raw).result().generation.hex()
-        warn_if_not_atomic(self.kvstore)  # two creators could both write, where the store only emulates the condition
+        warn_if_not_atomic(self.kvstore)  # two writers could both write, where the store only emulates conditions
         found = stat(store, name)
-        written = store.write(name, raw, if_equal=found.stamp.generation).result() if found.state != "value" else None
+        if seen:  # still the object there when the directory was taken: nobody took it over since
+            written = store.write(name, raw, if_equal=bytes.fromhex(seen)).result()
+        elif found.state != "value":  # still none there
+            written = store.write(name, raw, if_equal=found.stamp.generation).result()
+        else:
+            written = None
         if written is None or not written.generation:
+            if seen is not None:
+                raise CheckpointBusyError(
+                    f"{self}{name} changed after this writer took {self}: another writer took it over (this one was "
+                    "paused past its lease, or is not eqxckpt). Nothing more is written by this one."
+                )
             raise CheckpointExistsError(f"{self}{name} exists; pass overwrite=True to replace it, or write elsewhere.")
         return written.generation.hex()
 

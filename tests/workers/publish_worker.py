@@ -158,8 +158,8 @@ def main(where: str, port: int, processes: int, process_id: int, directory: str)
 
             put = LocalStorage.put_file
 
-            def put_then_die(self, name, pieces, overwrite):
-                put(self, name, pieces, overwrite)
+            def put_then_die(self, name, pieces, overwrite, seen=None):
+                put(self, name, pieces, overwrite, seen)
                 os.kill(os.getpid(), signal.SIGKILL)
 
             LocalStorage.put_file = put_then_die  # type: ignore[method-assign]

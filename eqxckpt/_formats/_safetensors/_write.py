@@ -33,13 +33,14 @@ from ..._leaf import UNKNOWN, ArrayLeaf
 from ..._paths import MANIFEST_NAME, check_one_tree, key_entry_record
 from ..._progress import Progress, advance, reporting
 from ..._read._lazy import LazyArray
-from ..._read._place import Block, region_of, slice_key
+from ..._read._place import Block, block_holders, region_of, slice_key
 from ..._storage import Storage, resolve
 from ..._tree import flatten, is_prng_key_dtype
 from ..._write._shares import global_leaves
 from ._layout import (
     DTYPES,
     INDEX_NAME,
+    MAX_HEADER_BYTES,
     NAMES,
     SINGLE_NAME,
     SUB_BYTE,
@@ -203,6 +204,9 @@ class _Publishing:
         self.where = str(storage) if single is None else os.path.join(str(storage), single)
         self.files: list[tuple[str, list[_Tensor]]] = []
         self.writers: list[int] = []
+        # Each file's stamp when process 0 took the directory ("" none): writes are made on
+        # condition that it is still so (`Storage.put_file`'s ``seen``).
+        self.seen: dict[str, str] = {}
 
     @classmethod
     def at(
@@ -260,8 +264,14 @@ class _Publishing:
             shards = split([t.entry.nbytes for t in tensors], self.limit or 1) or [[]]
             file_names = shard_names(len(shards))
         self.files = [(name, [tensors[i] for i in shard]) for name, shard in zip(file_names, shards)]
-        for _, ts in self.files:  # every header can be written, before anything is
-            file_header([t.entry for t in ts], self.metadata)
+        for name, ts in self.files:  # every header can be written and read, before anything is
+            head, _ = file_header([t.entry for t in ts], self.metadata)
+            if len(head) - 8 > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"{name}'s header would be {len(head) - 8} bytes, over the {MAX_HEADER_BYTES} that safetensors "
+                    "(and eqxckpt) read: shorter names, fewer tensors a file (max_shard_size), or less metadata. "
+                    "Nothing was written."
+                )
         if self.single is not None:  # one file, where process 0 would find it
             self.writers = [0]
             return
@@ -309,10 +319,18 @@ class _Publishing:
             "or write elsewhere."
         )
 
-    def prepare(self) -> None:
-        """Process 0, before any file is written: refuse a model there (without
-        ``overwrite``), else uncommit it: its index (and, for a sharded model, a
-        single file) goes first, so no reader mixes the old model with the new."""
+    def prepare(self) -> str:
+        """Process 0, holding the directory, before any file is written: refuse a model
+        there (without ``overwrite``), else uncommit it: its index (and, for a sharded
+        model, a single file) goes first, so no reader mixes the old model with the new.
+
+        **Returns:** `seen`, as JSON, for every process."""
+        self._uncommit()
+        if self.single is None:
+            self.seen = {n: self.storage.file_stamp(n) or "" for n in [INDEX_NAME, *(n for n, _ in self.files)]}
+        return json.dumps(self.seen)
+
+    def _uncommit(self) -> None:
         if self.single is not None:
             if not self.overwrite and self.taken():
                 raise self.exists_error()
@@ -392,7 +410,7 @@ class _Publishing:
                     del received
 
         try:
-            return {name: self.storage.put_file(name, pieces(), self.overwrite)}
+            return {name: self.storage.put_file(name, pieces(), self.overwrite, self.seen.get(name))}
         except CheckpointError:
             raise
         except OSError as e:
@@ -424,7 +442,9 @@ class _Publishing:
                 "write the model again when the other writer is done, or elsewhere."
             )
         files = {name: [t.entry for t in ts] for name, ts in self.files}
-        self.storage.put_file(INDEX_NAME, [index_document(files, self.metadata or {})], self.overwrite)
+        self.storage.put_file(
+            INDEX_NAME, [index_document(files, self.metadata or {})], self.overwrite, self.seen.get(INDEX_NAME)
+        )
 
 
 def _checkpoint_around(storage: Storage) -> str | None:
@@ -693,11 +713,7 @@ def _publish_together(
                     f"save_safetensors in {count} processes: {where} is a global array in another process but not "
                     "in this one. Every process must pass the same tree of global arrays. Nothing was written."
                 )
-            tensor = tensors[i]
-            holders: dict[Block, set[int]] = {}
-            for device, index in tensor.value.sharding.devices_indices_map(tensor.entry.shape).items():
-                holders.setdefault(slice_key(index, tensor.entry.shape), set()).add(device.process_index)
-            tensor.holders = {block: tuple(sorted(who)) for block, who in holders.items()}
+            tensors[i].holders = block_holders(tensors[i].value.sharding, tensors[i].entry.shape)
         publishing.plan(tensors, count)
         return json.dumps([publishing.fingerprint(), publishing.summary()])
 
@@ -712,14 +728,15 @@ def _publish_together(
         )
     with contextlib.ExitStack() as held:
 
-        def prepare() -> None:
-            if me == 0:
-                held.enter_context(publishing.held())
-                if not overwrite and publishing.taken():
-                    raise publishing.exists_error()
-                publishing.prepare()
+        def prepare() -> str | None:
+            if me != 0:
+                return None
+            held.enter_context(publishing.held())
+            if not overwrite and publishing.taken():
+                raise publishing.exists_error()
+            return publishing.prepare()
 
-        phases.run("prepare", prepare)
+        publishing.seen = json.loads(phases.run("prepare", prepare)[0])
         rounds = max(len(publishing.mine(p)) for p in range(count))
         from ..._local._peers import Transfers
 
